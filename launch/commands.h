@@ -1,0 +1,31 @@
+// The eo-ddp subcommands. Each takes the arguments after its name and returns an exit code
+// (eo::ExitCode); usage problems throw eo::UsageError, runtime failures eo::Error.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace eo::launch {
+
+using Args = std::vector<std::string>;
+
+int run_train(const Args& args);  // eo-ddp [train] --config F [--set k=v ...] [--check]
+int run_score(const Args& args);  // eo-ddp score --model DIR [--adapter DIR] --data FILE ...
+
+// Small argument reader shared by the subcommands: --flag, --key value, --key=value.
+class ArgReader {
+ public:
+  explicit ArgReader(Args args) : args_(std::move(args)) {}
+  bool flag(const std::string& name);                                   // consumes --name
+  std::vector<std::string> values(const std::string& name);             // consumes every --name X
+  std::string value(const std::string& name, const std::string& fallback = "");
+  bool has_value(const std::string& name);
+  // Throws UsageError naming anything not consumed.
+  void finish(const std::string& command) const;
+
+ private:
+  Args args_;
+  std::vector<bool> used_ = std::vector<bool>(args_.size(), false);
+};
+
+}  // namespace eo::launch

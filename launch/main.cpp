@@ -1,0 +1,68 @@
+// eo-ddp: QLoRA fine-tuning of Mixture-of-Experts models with experts streamed from host RAM.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "launch/commands.h"
+#include "runtime/config.h"
+#include "runtime/dist/world.h"
+
+namespace {
+
+const char* kUsage = R"(usage:
+  eo-ddp [train] --config FILE [--set key=value ...] [--check]
+      Train (or with --check: validate, print the resolved config and the plan, load nothing).
+      --set overrides a config key (dotted for nested keys, values are YAML scalars), e.g.
+      --set gradient_checkpointing_kwargs.use_reentrant=false --set learning_rate=1e-4
+  eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit] [--json]
+      Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL.
+  eo-ddp --help | --help-config | --version
+
+Multi-GPU / multi-node: mpirun -np N eo-ddp --config FILE (one rank per GPU).
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 stopped by SIGTERM/SIGINT
+after saving a checkpoint.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace eo;
+  launch::Args args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    return args.empty() ? kExitUsage : kExitOk;
+  }
+  if (args[0] == "--version") {
+    std::printf("eo-ddp %s\n", EO_DDP_VERSION);
+    return kExitOk;
+  }
+  if (args[0] == "--help-config") {
+    std::fputs(config_reference_markdown().c_str(), stdout);
+    return kExitOk;
+  }
+  try {
+    std::string cmd = "train";
+    if (args[0].rfind("--", 0) != 0) {
+      cmd = args[0];
+      args.erase(args.begin());
+    }
+    if (cmd == "train") {
+      dist::World& world = dist::World::init(&argc, &argv);
+      log::set_rank(world.rank(), world.size());
+      const int rc = launch::run_train(args);
+      world.finalize();
+      return rc;
+    }
+    throw UsageError("unknown command '" + cmd + "' (commands: train, score; see eo-ddp --help)");
+  } catch (const UsageError& e) {
+    log::error(e.what());
+    return kExitUsage;
+  } catch (const std::exception& e) {
+    log::error(e.what());
+    if (dist::World::initialized() && dist::World::get().size() > 1) dist::World::get().abort(kExitRuntime);
+    return kExitRuntime;
+  }
+}

@@ -1,0 +1,718 @@
+#include "runtime/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/text.h"
+
+namespace eo {
+namespace {
+
+namespace fs = std::filesystem;
+using Issues = std::vector<ConfigIssue>;
+
+// ---------------------------------------------------------------------------------------
+// The schema: one entry per key. `read` converts and range-checks the YAML value into the
+// config, adding issues instead of throwing so that every problem is reported at once.
+// ---------------------------------------------------------------------------------------
+struct KeySpec {
+  std::string key;  // dotted
+  std::string type;
+  std::string default_text;
+  std::string doc;
+  std::function<void(const YAML::Node&, TrainConfig&, Issues&)> read;
+};
+
+std::string yaml_text(const YAML::Node& n) {
+  YAML::Emitter out;
+  out << YAML::Flow << n;
+  return out.c_str();
+}
+
+bool is_null(const YAML::Node& n) { return !n.IsDefined() || n.IsNull(); }
+
+// Scalars: yaml-cpp converts leniently ("1.0" as int fails, "yes" as bool works); we check
+// the scalar's shape ourselves for a precise message.
+std::optional<bool> as_bool(const YAML::Node& n) {
+  if (!n.IsScalar()) return std::nullopt;
+  const std::string s = n.Scalar();
+  if (s == "true" || s == "True" || s == "TRUE") return true;
+  if (s == "false" || s == "False" || s == "FALSE") return false;
+  return std::nullopt;
+}
+
+std::optional<std::int64_t> as_int(const YAML::Node& n) {
+  if (!n.IsScalar()) return std::nullopt;
+  const std::string s = n.Scalar();
+  try {
+    std::size_t pos = 0;
+    const long long v = std::stoll(s, &pos, 10);
+    if (pos == s.size()) return v;
+  } catch (...) {
+  }
+  // Accept integral floats written as 1e3.
+  try {
+    std::size_t pos = 0;
+    const double d = std::stod(s, &pos);
+    if (pos == s.size() && std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9e18)
+      return static_cast<std::int64_t>(d);
+  } catch (...) {
+  }
+  return std::nullopt;
+}
+
+std::optional<double> as_double(const YAML::Node& n) {
+  if (!n.IsScalar()) return std::nullopt;
+  const std::string s = n.Scalar();
+  try {
+    std::size_t pos = 0;
+    const double d = std::stod(s, &pos);
+    if (pos == s.size() && std::isfinite(d)) return d;
+  } catch (...) {
+  }
+  return std::nullopt;
+}
+
+KeySpec boolean(std::string key, bool TrainConfig::*field, std::string doc) {
+  TrainConfig defaults;
+  return {key, "bool", defaults.*field ? "true" : "false", std::move(doc),
+          [key, field](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            if (auto v = as_bool(n)) c.*field = *v;
+            else issues.push_back({key, "expected true or false, got '" + yaml_text(n) + "'"});
+          }};
+}
+
+KeySpec integer(std::string key, int TrainConfig::*field, std::int64_t lo, std::int64_t hi, std::string doc) {
+  TrainConfig defaults;
+  return {key, "int", std::to_string(defaults.*field), std::move(doc),
+          [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            auto v = as_int(n);
+            if (!v) return issues.push_back({key, "expected an integer, got '" + yaml_text(n) + "'"});
+            if (*v < lo || *v > hi)
+              return issues.push_back({key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) +
+                                                ", got " + std::to_string(*v)});
+            c.*field = static_cast<int>(*v);
+          }};
+}
+
+std::string fmt_double(double d) {
+  std::ostringstream os;
+  os << d;
+  return os.str();
+}
+
+// Range check for reals: [lo, hi] or (lo, hi] when lo_open.
+KeySpec real(std::string key, double TrainConfig::*field, double lo, bool lo_open, double hi, std::string doc) {
+  TrainConfig defaults;
+  return {key, "float", fmt_double(defaults.*field), std::move(doc),
+          [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            auto v = as_double(n);
+            if (!v) return issues.push_back({key, "expected a number, got '" + yaml_text(n) + "'"});
+            const bool low_ok = lo_open ? *v > lo : *v >= lo;
+            if (!low_ok || *v > hi) {
+              std::string range = (lo_open ? "greater than " : "at least ") + fmt_double(lo);
+              if (std::isfinite(hi)) range += " and at most " + fmt_double(hi);
+              return issues.push_back({key, "must be " + range + ", got " + fmt_double(*v)});
+            }
+            c.*field = *v;
+          }};
+}
+
+KeySpec choice(std::string key, std::string TrainConfig::*field, std::vector<std::string> allowed, std::string doc) {
+  TrainConfig defaults;
+  const std::string def = (defaults.*field).empty() ? "(required)" : defaults.*field;
+  return {key, "one of " + join(allowed, ", "), def, std::move(doc),
+          [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+            for (const auto& a : allowed)
+              if (a == v) {
+                c.*field = v;
+                return;
+              }
+            std::string msg = "unknown value '" + v + "'; expected one of " + join(allowed, ", ");
+            if (auto m = closest_match(v, allowed)) msg += " (did you mean '" + *m + "'?)";
+            issues.push_back({key, msg});
+          }};
+}
+
+KeySpec text(std::string key, std::string TrainConfig::*field, std::string doc) {
+  TrainConfig defaults;
+  const std::string def = (defaults.*field).empty() ? "(none)" : defaults.*field;
+  return {key, "string", def, std::move(doc),
+          [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            if (!n.IsScalar() || n.Scalar().empty())
+              return issues.push_back({key, "expected a non-empty string, got '" + yaml_text(n) + "'"});
+            c.*field = n.Scalar();
+          }};
+}
+
+const std::vector<KeySpec>& schema() {
+  static const std::vector<KeySpec> keys = [] {
+    std::vector<KeySpec> k;
+    // --- model and adapter
+    k.push_back(text("base_model", &TrainConfig::base_model,
+                     "Hugging Face checkpoint folder (config.json + *.safetensors). Required."));
+    k.push_back(boolean("load_in_4bit", &TrainConfig::load_in_4bit,
+                        "Quantise the decoder blocks' linear weights to NF4 (bitsandbytes layout). Required for adapter: qlora."));
+    k.push_back(choice("adapter", &TrainConfig::adapter, {"qlora", "lora"},
+                       "qlora: LoRA on an NF4 base (needs load_in_4bit: true); lora: LoRA on a bf16/fp32 base. Required."));
+    k.push_back(integer("lora_r", &TrainConfig::lora_r, 1, 4096, "LoRA rank."));
+    k.push_back(real("lora_alpha", &TrainConfig::lora_alpha, 0, true, INFINITY, "LoRA scaling numerator: scale = alpha / r (alpha / sqrt(r) with rsLoRA)."));
+    k.push_back(real("lora_dropout", &TrainConfig::lora_dropout, 0, false, 0.99, "Dropout on the LoRA input."));
+    k.push_back({"lora_target_modules", "list of strings", "[q_proj, k_proj, v_proj, o_proj]",
+                 "Module names to adapt: attention q_proj/k_proj/v_proj/o_proj; experts gate_proj/up_proj/down_proj "
+                 "(Mixtral: w1/w3/w2); dense MLP and shared expert use the same names.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   std::vector<std::string> v;
+                   if (n.IsScalar()) v.push_back(n.Scalar());
+                   else if (n.IsSequence()) {
+                     for (const auto& e : n) {
+                       if (!e.IsScalar())
+                         return issues.push_back({"lora_target_modules", "expected a list of module names"});
+                       v.push_back(e.Scalar());
+                     }
+                   } else return issues.push_back({"lora_target_modules", "expected a list of module names"});
+                   static const std::vector<std::string> known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                  "up_proj", "down_proj", "w1", "w2", "w3"};
+                   for (const auto& m : v) {
+                     bool ok = false;
+                     for (const auto& kn : known) ok |= kn == m;
+                     if (!ok) {
+                       std::string msg = "unknown module '" + m + "'; eo-ddp can adapt " + join(known, ", ");
+                       if (auto s = closest_match(m, known)) msg += " (did you mean '" + *s + "'?)";
+                       issues.push_back({"lora_target_modules", msg});
+                     }
+                   }
+                   c.lora_target_modules = v;
+                 }});
+    k.push_back(boolean("lora_target_linear", &TrainConfig::lora_target_linear,
+                        "Adapt every linear layer of the decoder blocks (attention, experts, dense MLPs); overrides lora_target_modules."));
+    k.push_back(boolean("peft_use_rslora", &TrainConfig::peft_use_rslora, "rsLoRA scaling alpha / sqrt(r)."));
+    k.push_back(integer("bnb_4bit_blocksize", &TrainConfig::bnb_4bit_blocksize, 32, 4096,
+                        "NF4 quantisation block size (a power of two, as bitsandbytes)."));
+    k.push_back(boolean("bnb_4bit_use_double_quant", &TrainConfig::bnb_4bit_use_double_quant,
+                        "Quantise the NF4 absmax statistics again (8-bit, blocks of 256), as bitsandbytes' compress_statistics."));
+    k.push_back(boolean("output_router_logits", &TrainConfig::output_router_logits,
+                        "Add the router load-balancing auxiliary loss (coefficient from config.json or router_aux_loss_coef)."));
+    k.push_back({"router_aux_loss_coef", "float", "(from config.json)", "Overrides the checkpoint's router auxiliary loss coefficient.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   auto v = as_double(n);
+                   if (!v || *v < 0) return issues.push_back({"router_aux_loss_coef", "expected a number >= 0, got '" + yaml_text(n) + "'"});
+                   c.router_aux_loss_coef = *v;
+                 }});
+    // --- data
+    k.push_back({"datasets", "list of {path, type, dtype, eos_token_id}", "(required)",
+                 "Training data. type: tokenized (JSONL with input_ids, optional labels and attention_mask) or tokens "
+                 "(flat binary token file; dtype uint16 or uint32; eos_token_id marks document ends).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (!n.IsSequence() || n.size() == 0)
+                     return issues.push_back({"datasets", "expected a non-empty list, e.g. datasets: [{path: data.jsonl, type: tokenized}]"});
+                   c.datasets.clear();
+                   for (std::size_t i = 0; i < n.size(); ++i) {
+                     const std::string where = "datasets." + std::to_string(i);
+                     const YAML::Node d = n[i];
+                     if (!d.IsMap()) {
+                       issues.push_back({where, "expected a map with path and type"});
+                       continue;
+                     }
+                     DatasetSpec s;
+                     for (const auto& kv : d) {
+                       const std::string kk = kv.first.as<std::string>();
+                       if (kk != "path" && kk != "type" && kk != "dtype" && kk != "eos_token_id") {
+                         std::string msg = "unknown key; datasets entries take path, type, dtype, eos_token_id";
+                         if (auto m = closest_match(kk, {"path", "type", "dtype", "eos_token_id"}))
+                           msg += " (did you mean '" + *m + "'?)";
+                         issues.push_back({where + "." + kk, msg});
+                       }
+                     }
+                     if (!d["path"].IsDefined() || !d["path"].IsScalar() || d["path"].Scalar().empty())
+                       issues.push_back({where + ".path", "required: the dataset file"});
+                     else s.path = d["path"].Scalar();
+                     s.type = d["type"].IsDefined() && d["type"].IsScalar() ? d["type"].Scalar() : "tokenized";
+                     if (s.type != "tokenized" && s.type != "tokens")
+                       issues.push_back({where + ".type", "unknown type '" + s.type +
+                                                              "'; eo-ddp reads pre-tokenized data: 'tokenized' (JSONL) or 'tokens' "
+                                                              "(binary). Tokenize text with tools/tokenize.py"});
+                     if (s.type == "tokens") {
+                       s.dtype = d["dtype"].IsDefined() && d["dtype"].IsScalar() ? d["dtype"].Scalar() : "uint16";
+                       if (s.dtype != "uint16" && s.dtype != "uint32")
+                         issues.push_back({where + ".dtype", "expected uint16 or uint32, got '" + s.dtype + "'"});
+                       if (d["eos_token_id"].IsDefined()) {
+                         auto v = as_int(d["eos_token_id"]);
+                         if (!v || *v < 0) issues.push_back({where + ".eos_token_id", "expected a token id >= 0"});
+                         else s.eos_token_id = *v;
+                       }
+                     } else if (d["dtype"].IsDefined() || d["eos_token_id"].IsDefined()) {
+                       issues.push_back({where, "dtype and eos_token_id apply to type: tokens only"});
+                     }
+                     c.datasets.push_back(s);
+                   }
+                 }});
+    k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence (longer examples are truncated)."));
+    k.push_back(boolean("sample_packing", &TrainConfig::sample_packing,
+                        "Pack several documents into one sequence; attention never crosses a document boundary."));
+    k.push_back(integer("micro_batch_size", &TrainConfig::micro_batch_size, 1, 1 << 16, "Sequences per rank per micro-step."));
+    k.push_back(integer("gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps, 1, 1 << 16,
+                        "Micro-steps per optimizer step."));
+    k.push_back(real("num_epochs", &TrainConfig::num_epochs, 0, true, 1e6, "Passes over the data (used when max_steps is not set)."));
+    k.push_back({"max_steps", "int", "(from num_epochs)", "Optimizer steps to run; overrides num_epochs.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   auto v = as_int(n);
+                   if (!v || *v < 1) return issues.push_back({"max_steps", "expected an integer >= 1, got '" + yaml_text(n) + "'"});
+                   c.max_steps = *v;
+                 }});
+    // --- optimisation
+    k.push_back(real("learning_rate", &TrainConfig::learning_rate, 0, true, 10, "Peak learning rate."));
+    k.push_back(choice("lr_scheduler", &TrainConfig::lr_scheduler, {"constant", "linear", "cosine"},
+                       "Schedule after warmup (all warm up linearly from 0)."));
+    k.push_back(integer("warmup_steps", &TrainConfig::warmup_steps, 0, 1 << 30, "Linear warmup steps."));
+    k.push_back({"warmup_ratio", "float", "(none)", "Warmup as a fraction of the total steps; exclusive with warmup_steps.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   auto v = as_double(n);
+                   if (!v || *v < 0 || *v >= 1) return issues.push_back({"warmup_ratio", "expected a number in [0, 1), got '" + yaml_text(n) + "'"});
+                   c.warmup_ratio = *v;
+                 }});
+    k.push_back(real("weight_decay", &TrainConfig::weight_decay, 0, false, 10, "AdamW decoupled weight decay (not applied to biases and norms, as HF)."));
+    k.push_back(real("max_grad_norm", &TrainConfig::max_grad_norm, 0, false, 1e9, "Clip the global gradient norm; 0 disables."));
+    k.push_back(choice("optimizer", &TrainConfig::optimizer, {"adamw_torch", "adamw_torch_fused"},
+                       "AdamW (libtorch's) with fp32 state; adamw_torch_fused is accepted as the same optimizer."));
+    k.push_back(real("adam_beta1", &TrainConfig::adam_beta1, 0, false, 0.9999999, "AdamW beta1."));
+    k.push_back(real("adam_beta2", &TrainConfig::adam_beta2, 0, false, 0.9999999, "AdamW beta2."));
+    k.push_back(real("adam_epsilon", &TrainConfig::adam_epsilon, 0, true, 1, "AdamW epsilon."));
+    k.push_back({"seed", "int", "42", "Seed for LoRA init, dropout and data shuffling.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   auto v = as_int(n);
+                   if (!v || *v < 0) return issues.push_back({"seed", "expected an integer >= 0, got '" + yaml_text(n) + "'"});
+                   c.seed = *v;
+                 }});
+    // --- precision and memory
+    k.push_back({"bf16", "true, false or auto", "auto", "bf16 compute (LoRA master weights and optimizer state stay fp32); auto = bf16 on CUDA, fp32 on CPU.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (n.IsScalar() && n.Scalar() == "auto") { c.bf16 = "auto"; return; }
+                   if (auto v = as_bool(n)) { c.bf16 = *v ? "true" : "false"; return; }
+                   issues.push_back({"bf16", "expected true, false or auto, got '" + yaml_text(n) + "'"});
+                 }});
+    k.push_back(boolean("gradient_checkpointing", &TrainConfig::gradient_checkpointing,
+                        "Recompute each decoder block in backward instead of keeping its activations."));
+    k.push_back({"gradient_checkpointing_kwargs.use_reentrant", "bool", "(unset)",
+                 "Must be false: eo-ddp implements non-reentrant checkpointing only (and expert_offload requires it explicitly).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (auto v = as_bool(n)) c.use_reentrant = *v;
+                   else issues.push_back({"gradient_checkpointing_kwargs.use_reentrant", "expected true or false, got '" + yaml_text(n) + "'"});
+                 }});
+    k.push_back(boolean("expert_offload", &TrainConfig::expert_offload,
+                        "Keep the frozen NF4 experts in pinned host RAM and stream one MoE block at a time to the device."));
+    k.push_back(boolean("expert_offload_pin_memory", &TrainConfig::expert_offload_pin_memory,
+                        "Pinned, NUMA-local homes (false: pageable host memory, much slower copies)."));
+    k.push_back(boolean("expert_offload_prefetch", &TrainConfig::expert_offload_prefetch,
+                        "Stage the next block on a copy stream while the current one computes (two slots)."));
+    k.push_back({"expert_offload_vram_budget", "bytes, auto or 0", "0",
+                 "Device memory for blocks kept permanently resident (e.g. 8GiB); auto = what is free after the model and activations; 0 = stream all.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+                   if (v == "auto" || parse_bytes(v)) { c.expert_offload_vram_budget = v; return; }
+                   issues.push_back({"expert_offload_vram_budget", "expected a size such as 8GiB or 500MB, 0, or auto; got '" + v + "'"});
+                 }});
+    // --- distributed
+    k.push_back(integer("ddp_bucket_cap_mb", &TrainConfig::ddp_bucket_cap_mb, 1, 1 << 16, "Gradient bucket size for the all-reduce (MB)."));
+    k.push_back(integer("ddp_timeout", &TrainConfig::ddp_timeout, 10, 1 << 24,
+                        "Seconds a collective may take before every rank is aborted with a message naming the stuck rank."));
+    // --- outputs
+    k.push_back(text("output_dir", &TrainConfig::output_dir, "Where adapters, checkpoints and metrics.jsonl go."));
+    k.push_back(integer("save_steps", &TrainConfig::save_steps, 0, 1 << 30, "Save an adapter + training state every N steps; 0 = only at the end."));
+    k.push_back(integer("save_total_limit", &TrainConfig::save_total_limit, 1, 1 << 20, "Training-state checkpoints to keep."));
+    k.push_back(integer("logging_steps", &TrainConfig::logging_steps, 1, 1 << 30, "Log and write metrics every N steps."));
+    k.push_back(text("resume_from_checkpoint", &TrainConfig::resume_from_checkpoint,
+                     "A checkpoint folder to continue from, or auto for the newest complete one in output_dir."));
+    return k;
+  }();
+  return keys;
+}
+
+// Keys of other trainers that shard or move the weights eo-ddp offloads: always errors.
+struct Rejected {
+  std::string key;
+  std::string reason;
+};
+const std::vector<Rejected>& rejected_keys() {
+  static const std::vector<Rejected> r = {
+      {"fsdp", "FSDP shards every weight across ranks, including the expert weights eo-ddp keeps in each rank's host RAM; "
+               "eo-ddp is data-parallel (each rank streams its own copy of the experts). Remove 'fsdp'."},
+      {"fsdp_config", "FSDP is not supported (see fsdp); remove 'fsdp_config'."},
+      {"deepspeed", "DeepSpeed/ZeRO partitions and offloads the same weights eo-ddp streams; the two cannot both own them. "
+                    "Remove 'deepspeed' and use expert_offload."},
+  };
+  return r;
+}
+
+// Parallelism sizes: > 1 is rejected, 1 (or absent) is fine.
+const std::vector<Rejected>& rejected_sizes() {
+  static const std::vector<Rejected> r = {
+      {"expert_parallel_size", "expert parallelism places different experts on different ranks, but every eo-ddp rank "
+                               "streams all experts itself; set it to 1 or remove it."},
+      {"tensor_parallel_size", "tensor parallelism splits the weights eo-ddp keeps whole on every rank; set it to 1 or remove it."},
+  };
+  return r;
+}
+
+// axolotl keys with no effect in eo-ddp: accepted with a warning so an axolotl config runs.
+const std::map<std::string, std::string>& ignored_keys() {
+  static const std::map<std::string, std::string> m = {
+      {"strict", "no effect"},
+      {"model_type", "the architecture comes from config.json"},
+      {"tokenizer_type", "eo-ddp reads tokenized data"},
+      {"base_model_config", "config.json is read from base_model"},
+      {"trust_remote_code", "eo-ddp runs no Python model code"},
+      {"dataset_prepared_path", "eo-ddp reads tokenized data directly"},
+      {"val_set_size", "evaluation is not implemented; use eo-ddp score"},
+      {"evals_per_epoch", "evaluation is not implemented; use eo-ddp score"},
+      {"eval_steps", "evaluation is not implemented; use eo-ddp score"},
+      {"eval_sample_packing", "evaluation is not implemented"},
+      {"saves_per_epoch", "use save_steps"},
+      {"flash_attention", "eo-ddp uses libtorch's fused attention where available"},
+      {"sdp_attention", "eo-ddp uses libtorch's fused attention where available"},
+      {"xformers_attention", "eo-ddp uses libtorch's fused attention where available"},
+      {"pad_to_sequence_len", "padding follows sample_packing"},
+      {"train_on_inputs", "labels come from the tokenized data"},
+      {"group_by_length", "no effect"},
+      {"tf32", "no effect"},
+      {"wandb_project", "metrics go to output_dir/metrics.jsonl"},
+      {"wandb_entity", "metrics go to output_dir/metrics.jsonl"},
+      {"wandb_watch", "metrics go to output_dir/metrics.jsonl"},
+      {"wandb_name", "metrics go to output_dir/metrics.jsonl"},
+      {"wandb_log_model", "metrics go to output_dir/metrics.jsonl"},
+      {"special_tokens", "eo-ddp reads tokenized data"},
+      {"lora_fan_in_fan_out", "eo-ddp's weights are [out, in] as peft's default"},
+      {"local_rank", "ranks come from MPI"},
+      {"debug", "no effect"},
+      {"logging_dir", "metrics go to output_dir/metrics.jsonl"},
+  };
+  return m;
+}
+
+// Flatten the document into dotted keys. Maps nest (gradient_checkpointing_kwargs.use_reentrant);
+// a key whose schema type is a list or a map that the schema reads whole (datasets) stops the
+// descent.
+void flatten(const YAML::Node& node, const std::string& prefix, std::vector<std::pair<std::string, YAML::Node>>& out,
+             const std::set<std::string>& leaf_keys) {
+  for (const auto& kv : node) {
+    const std::string k = kv.first.as<std::string>();
+    const std::string full = prefix.empty() ? k : prefix + "." + k;
+    if (kv.second.IsMap() && !leaf_keys.count(full) && !ignored_keys().count(full) && full != "fsdp_config" &&
+        full != "deepspeed")
+      flatten(kv.second, full, out, leaf_keys);
+    else
+      out.emplace_back(full, kv.second);
+  }
+}
+
+// Apply `key=value`: value parsed as YAML (so 1e-4, true, [a, b] work), placed at the dotted path.
+void apply_override(YAML::Node& root, const std::string& assignment, Issues& issues) {
+  const auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    issues.push_back({"--set " + assignment, "expected key=value, e.g. --set learning_rate=1e-4"});
+    return;
+  }
+  const std::string key = assignment.substr(0, eq);
+  YAML::Node value;
+  try {
+    value = YAML::Load(assignment.substr(eq + 1));
+  } catch (const YAML::Exception& e) {
+    issues.push_back({key, "--set value is not valid YAML: " + std::string(e.what())});
+    return;
+  }
+  if (!value.IsDefined()) value = YAML::Node(YAML::NodeType::Null);
+  std::vector<std::string> parts;
+  std::stringstream ss(key);
+  for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
+  // Walk with explicit node copies (yaml-cpp nodes are handles into the document).
+  std::vector<YAML::Node> path{root};
+  for (std::size_t i = 0; i + 1 < parts.size(); ++i) {
+    YAML::Node cur = path.back();
+    YAML::Node next;
+    if (cur.IsSequence()) {
+      std::size_t idx = 0;
+      try {
+        idx = std::stoul(parts[i]);
+      } catch (...) {
+        issues.push_back({key, "'" + parts[i] + "' is not an index into the list"});
+        return;
+      }
+      if (idx >= cur.size()) {
+        issues.push_back({key, "index " + parts[i] + " is past the end of the list"});
+        return;
+      }
+      next = cur[idx];
+    } else {
+      if (!cur[parts[i]].IsDefined() || !cur[parts[i]].IsMap()) {
+        if (cur[parts[i]].IsDefined() && cur[parts[i]].IsSequence()) {
+          next = cur[parts[i]];
+          path.push_back(next);
+          continue;
+        }
+        cur[parts[i]] = YAML::Node(YAML::NodeType::Map);
+      }
+      next = cur[parts[i]];
+    }
+    path.push_back(next);
+  }
+  YAML::Node parent = path.back();
+  if (parent.IsSequence()) {
+    try {
+      parent[std::stoul(parts.back())] = value;
+    } catch (...) {
+      issues.push_back({key, "'" + parts.back() + "' is not an index into the list"});
+    }
+  } else {
+    parent[parts.back()] = value;
+  }
+}
+
+// Rules that involve several keys.
+void check_rules(const TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
+  if (!present.count("base_model"))
+    issues.push_back({"base_model", "required: the Hugging Face checkpoint folder to fine-tune"});
+  if (!present.count("adapter"))
+    issues.push_back({"adapter", "required: eo-ddp trains adapters only; set adapter: qlora (NF4 base) or adapter: lora"});
+  if (!present.count("datasets"))
+    issues.push_back({"datasets", "required: e.g. datasets: [{path: train.jsonl, type: tokenized}]"});
+  if (c.adapter == "qlora" && !c.load_in_4bit)
+    issues.push_back({"load_in_4bit", "adapter: qlora needs load_in_4bit: true (or use adapter: lora)"});
+  if (c.adapter == "lora" && c.load_in_4bit)
+    issues.push_back({"load_in_4bit", "load_in_4bit: true needs adapter: qlora"});
+  if ((c.bnb_4bit_blocksize & (c.bnb_4bit_blocksize - 1)) != 0)
+    issues.push_back({"bnb_4bit_blocksize", "must be a power of two (32 ... 4096), got " + std::to_string(c.bnb_4bit_blocksize)});
+  if (c.use_reentrant.value_or(false) && c.gradient_checkpointing)
+    issues.push_back({"gradient_checkpointing_kwargs.use_reentrant",
+                      "eo-ddp implements non-reentrant checkpointing only; set it to false"});
+  if (c.warmup_ratio && present.count("warmup_steps"))
+    issues.push_back({"warmup_ratio", "set either warmup_steps or warmup_ratio, not both"});
+  if (c.expert_offload) {
+    const std::string why = " (expert_offload streams NF4 experts, re-staged by the non-reentrant recompute in backward)";
+    if (!c.load_in_4bit) issues.push_back({"load_in_4bit", "expert_offload: true requires load_in_4bit: true" + why});
+    if (c.adapter != "qlora" && present.count("adapter"))
+      issues.push_back({"adapter", "expert_offload: true requires adapter: qlora" + why});
+    if (!c.gradient_checkpointing)
+      issues.push_back({"gradient_checkpointing", "expert_offload: true requires gradient_checkpointing: true: backward "
+                                                  "recomputes each block, which is when its experts are staged again"});
+    if (!c.use_reentrant.has_value())
+      issues.push_back({"gradient_checkpointing_kwargs.use_reentrant",
+                        "expert_offload: true requires it to be set explicitly to false: the non-reentrant recompute, inside "
+                        "the normal backward pass, is what re-stages each block's experts. Add "
+                        "'gradient_checkpointing_kwargs: {use_reentrant: false}'"});
+  }
+}
+
+void check_files(const TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
+  if (present.count("base_model") && !c.base_model.empty()) {
+    const fs::path p(c.base_model);
+    if (!fs::is_directory(p))
+      issues.push_back({"base_model", "'" + c.base_model + "' is not a folder (eo-ddp reads local Hugging Face checkpoint folders; "
+                                                           "download one with `huggingface-cli download`)"});
+    else if (!fs::exists(p / "config.json"))
+      issues.push_back({"base_model", "'" + c.base_model + "' has no config.json"});
+  }
+  for (std::size_t i = 0; i < c.datasets.size(); ++i)
+    if (!c.datasets[i].path.empty() && !fs::is_regular_file(c.datasets[i].path))
+      issues.push_back({"datasets." + std::to_string(i) + ".path", "file '" + c.datasets[i].path + "' not found"});
+  if (!c.resume_from_checkpoint.empty() && c.resume_from_checkpoint != "auto" &&
+      !fs::is_directory(c.resume_from_checkpoint))
+    issues.push_back({"resume_from_checkpoint", "'" + c.resume_from_checkpoint + "' is not a folder (use a checkpoint folder or auto)"});
+}
+
+std::string format_issues(const std::string& source, const Issues& issues) {
+  std::ostringstream os;
+  os << "config " << source << " has " << issues.size() << (issues.size() == 1 ? " problem:" : " problems:");
+  for (const auto& i : issues) os << "\n  - " << i.key << ": " << i.message;
+  return os.str();
+}
+
+}  // namespace
+
+TrainConfig load_config_text(const std::string& yaml_text_in, const std::string& source,
+                             const std::vector<std::string>& overrides, const ConfigLoadOptions& options) {
+  Issues issues;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text_in);
+  } catch (const YAML::Exception& e) {
+    throw UsageError("config " + source + " is not valid YAML: " + e.what());
+  }
+  if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  if (!root.IsMap()) throw UsageError("config " + source + " must be a YAML mapping of key: value");
+  for (const auto& o : overrides) apply_override(root, o, issues);
+
+  std::set<std::string> leaf_keys;
+  std::vector<std::string> known;
+  for (const auto& s : schema()) {
+    leaf_keys.insert(s.key);
+    known.push_back(s.key);
+  }
+  std::vector<std::pair<std::string, YAML::Node>> entries;
+  flatten(root, "", entries, leaf_keys);
+
+  TrainConfig cfg;
+  cfg.source = source;
+  std::set<std::string> present;
+  for (const auto& [key, node] : entries) {
+    bool handled = false;
+    for (const auto& r : rejected_keys())
+      if (r.key == key || key.rfind(r.key + ".", 0) == 0) {
+        // An explicit "fsdp: false"/null is harmless; anything else is rejected.
+        if (!(is_null(node) || as_bool(node) == false || (node.IsSequence() && node.size() == 0)))
+          issues.push_back({r.key, "not supported: " + r.reason});
+        handled = true;
+      }
+    for (const auto& r : rejected_sizes())
+      if (r.key == key) {
+        auto v = as_int(node);
+        if (!v || *v < 1) issues.push_back({key, "expected an integer >= 1"});
+        else if (*v > 1) issues.push_back({key, "not supported (" + std::to_string(*v) + "): " + r.reason});
+        handled = true;
+      }
+    if (handled) continue;
+    if (auto it = ignored_keys().find(key); it != ignored_keys().end()) {
+      cfg.warnings.push_back("config key '" + key + "' is ignored by eo-ddp: " + it->second);
+      continue;
+    }
+    if (key == "fp16" || key == "load_in_8bit") {
+      if (as_bool(node).value_or(true) && !is_null(node))
+        issues.push_back({key, key == "fp16" ? "fp16 training is not supported; use bf16: true (or auto)"
+                                             : "8-bit loading is not supported; use load_in_4bit: true with adapter: qlora"});
+      continue;
+    }
+    const KeySpec* spec = nullptr;
+    for (const auto& s : schema())
+      if (s.key == key) spec = &s;
+    if (!spec) {
+      std::string msg = "unknown key";
+      std::vector<std::string> candidates = known;
+      for (const auto& r : rejected_keys()) candidates.push_back(r.key);
+      if (auto m = closest_match(key, candidates)) msg += "; did you mean '" + *m + "'?";
+      else msg += "; `eo-ddp --help-config` lists every key";
+      issues.push_back({key, msg});
+      continue;
+    }
+    if (is_null(node)) continue;  // "key:" with no value keeps the default, as in axolotl
+    present.insert(key);
+    spec->read(node, cfg, issues);
+  }
+  if (cfg.lora_target_linear)
+    cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  check_rules(cfg, present, issues);
+  if (options.check_files) check_files(cfg, present, issues);
+  if (!issues.empty()) throw UsageError(format_issues(source, issues));
+  if (cfg.expert_offload && !cfg.expert_offload_pin_memory)
+    cfg.warnings.push_back("expert_offload_pin_memory: false gives pageable homes; host-to-device copies are far slower "
+                           "(about 18x on the H200 machine)");
+  return cfg;
+}
+
+TrainConfig load_config_file(const std::string& path, const std::vector<std::string>& overrides,
+                             const ConfigLoadOptions& options) {
+  std::ifstream in(path);
+  if (!in) throw UsageError("cannot read config file '" + path + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return load_config_text(ss.str(), path, overrides, options);
+}
+
+std::vector<std::string> config_known_keys() {
+  std::vector<std::string> k;
+  for (const auto& s : schema()) k.push_back(s.key);
+  return k;
+}
+
+std::string config_reference_markdown() {
+  std::ostringstream os;
+  os << "| key | type | default | meaning |\n|---|---|---|---|\n";
+  for (const auto& s : schema())
+    os << "| `" << s.key << "` | " << s.type << " | " << s.default_text << " | " << s.doc << " |\n";
+  os << "\nRejected with a reason: ";
+  std::vector<std::string> r;
+  for (const auto& x : rejected_keys()) r.push_back("`" + x.key + "`");
+  for (const auto& x : rejected_sizes()) r.push_back("`" + x.key + "` > 1");
+  os << join(r, ", ") << ", `fp16: true`, `load_in_8bit: true`.\n";
+  os << "Accepted and ignored with a warning (axolotl keys with no meaning here): ";
+  std::vector<std::string> ig;
+  for (const auto& [k, v] : ignored_keys()) ig.push_back("`" + k + "`");
+  os << join(ig, ", ") << ".\n";
+  return os.str();
+}
+
+std::string config_to_yaml(const TrainConfig& c) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  out << YAML::Key << "base_model" << YAML::Value << c.base_model;
+  out << YAML::Key << "load_in_4bit" << YAML::Value << c.load_in_4bit;
+  out << YAML::Key << "adapter" << YAML::Value << c.adapter;
+  out << YAML::Key << "lora_r" << YAML::Value << c.lora_r;
+  out << YAML::Key << "lora_alpha" << YAML::Value << c.lora_alpha;
+  out << YAML::Key << "lora_dropout" << YAML::Value << c.lora_dropout;
+  out << YAML::Key << "lora_target_modules" << YAML::Value << YAML::Flow << c.lora_target_modules;
+  out << YAML::Key << "peft_use_rslora" << YAML::Value << c.peft_use_rslora;
+  out << YAML::Key << "bnb_4bit_blocksize" << YAML::Value << c.bnb_4bit_blocksize;
+  out << YAML::Key << "bnb_4bit_use_double_quant" << YAML::Value << c.bnb_4bit_use_double_quant;
+  out << YAML::Key << "output_router_logits" << YAML::Value << c.output_router_logits;
+  if (c.router_aux_loss_coef) out << YAML::Key << "router_aux_loss_coef" << YAML::Value << *c.router_aux_loss_coef;
+  out << YAML::Key << "datasets" << YAML::Value << YAML::BeginSeq;
+  for (const auto& d : c.datasets) {
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "path" << YAML::Value << d.path << YAML::Key << "type"
+        << YAML::Value << d.type;
+    if (!d.dtype.empty()) out << YAML::Key << "dtype" << YAML::Value << d.dtype;
+    if (d.eos_token_id) out << YAML::Key << "eos_token_id" << YAML::Value << *d.eos_token_id;
+    out << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  out << YAML::Key << "sequence_len" << YAML::Value << c.sequence_len;
+  out << YAML::Key << "sample_packing" << YAML::Value << c.sample_packing;
+  out << YAML::Key << "micro_batch_size" << YAML::Value << c.micro_batch_size;
+  out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
+  out << YAML::Key << "num_epochs" << YAML::Value << c.num_epochs;
+  if (c.max_steps) out << YAML::Key << "max_steps" << YAML::Value << *c.max_steps;
+  out << YAML::Key << "learning_rate" << YAML::Value << c.learning_rate;
+  out << YAML::Key << "lr_scheduler" << YAML::Value << c.lr_scheduler;
+  out << YAML::Key << "warmup_steps" << YAML::Value << c.warmup_steps;
+  if (c.warmup_ratio) out << YAML::Key << "warmup_ratio" << YAML::Value << *c.warmup_ratio;
+  out << YAML::Key << "weight_decay" << YAML::Value << c.weight_decay;
+  out << YAML::Key << "max_grad_norm" << YAML::Value << c.max_grad_norm;
+  out << YAML::Key << "optimizer" << YAML::Value << c.optimizer;
+  out << YAML::Key << "adam_beta1" << YAML::Value << c.adam_beta1;
+  out << YAML::Key << "adam_beta2" << YAML::Value << c.adam_beta2;
+  out << YAML::Key << "adam_epsilon" << YAML::Value << c.adam_epsilon;
+  out << YAML::Key << "seed" << YAML::Value << c.seed;
+  out << YAML::Key << "bf16" << YAML::Value << c.bf16;
+  out << YAML::Key << "gradient_checkpointing" << YAML::Value << c.gradient_checkpointing;
+  if (c.use_reentrant)
+    out << YAML::Key << "gradient_checkpointing_kwargs" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key
+        << "use_reentrant" << YAML::Value << *c.use_reentrant << YAML::EndMap;
+  out << YAML::Key << "expert_offload" << YAML::Value << c.expert_offload;
+  out << YAML::Key << "expert_offload_pin_memory" << YAML::Value << c.expert_offload_pin_memory;
+  out << YAML::Key << "expert_offload_prefetch" << YAML::Value << c.expert_offload_prefetch;
+  out << YAML::Key << "expert_offload_vram_budget" << YAML::Value << c.expert_offload_vram_budget;
+  out << YAML::Key << "ddp_bucket_cap_mb" << YAML::Value << c.ddp_bucket_cap_mb;
+  out << YAML::Key << "ddp_timeout" << YAML::Value << c.ddp_timeout;
+  out << YAML::Key << "output_dir" << YAML::Value << c.output_dir;
+  out << YAML::Key << "save_steps" << YAML::Value << c.save_steps;
+  out << YAML::Key << "save_total_limit" << YAML::Value << c.save_total_limit;
+  out << YAML::Key << "logging_steps" << YAML::Value << c.logging_steps;
+  if (!c.resume_from_checkpoint.empty())
+    out << YAML::Key << "resume_from_checkpoint" << YAML::Value << c.resume_from_checkpoint;
+  out << YAML::EndMap;
+  return out.c_str();
+}
+
+bool config_use_bf16(const TrainConfig& cfg, bool on_cuda) {
+  if (cfg.bf16 == "auto") return on_cuda;
+  return cfg.bf16 == "true";
+}
+
+}  // namespace eo

@@ -1,0 +1,120 @@
+// The training configuration: an axolotl-style YAML file, validated all at once.
+//
+// Keys follow axolotl's names wherever axolotl has the concept, so a user's axolotl QLoRA
+// config needs few edits. Every key is declared once in the schema (config.cpp): its type,
+// default, range and documentation; the README's reference table is printed from it
+// (`eo-ddp --help-config`). Validation collects every problem before raising, and runs
+// before any weight is read.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace YAML {
+class Node;
+}
+
+namespace eo {
+
+struct DatasetSpec {
+  std::string path;
+  std::string type;  // "tokenized" (JSONL) or "tokens" (flat binary token file)
+  std::string dtype;  // for "tokens": uint16 | uint32
+  std::optional<std::int64_t> eos_token_id;  // for "tokens": document boundary token
+};
+
+struct TrainConfig {
+  // Model and adapter.
+  std::string base_model;
+  bool load_in_4bit = false;
+  std::string adapter;  // "qlora" | "lora"
+  int lora_r = 8;
+  double lora_alpha = 16;
+  double lora_dropout = 0.0;
+  std::vector<std::string> lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  bool lora_target_linear = false;
+  bool peft_use_rslora = false;
+  int bnb_4bit_blocksize = 64;
+  bool bnb_4bit_use_double_quant = false;
+  bool output_router_logits = false;
+  std::optional<double> router_aux_loss_coef;
+
+  // Data.
+  std::vector<DatasetSpec> datasets;
+  int sequence_len = 2048;
+  bool sample_packing = false;
+  int micro_batch_size = 1;
+  int gradient_accumulation_steps = 1;
+  double num_epochs = 1;
+  std::optional<std::int64_t> max_steps;
+
+  // Optimisation.
+  double learning_rate = 2e-4;
+  std::string lr_scheduler = "cosine";
+  int warmup_steps = 0;
+  std::optional<double> warmup_ratio;
+  double weight_decay = 0.0;
+  double max_grad_norm = 1.0;
+  std::string optimizer = "adamw_torch";
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_epsilon = 1e-8;
+  std::int64_t seed = 42;
+
+  // Precision and memory.
+  std::string bf16 = "auto";  // "true" | "false" | "auto" (bf16 on CUDA, fp32 on CPU)
+  bool gradient_checkpointing = false;
+  std::optional<bool> use_reentrant;  // gradient_checkpointing_kwargs.use_reentrant
+  bool expert_offload = false;
+  bool expert_offload_pin_memory = true;
+  bool expert_offload_prefetch = true;
+  std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
+
+  // Distributed.
+  int ddp_bucket_cap_mb = 25;
+  int ddp_timeout = 600;  // seconds a collective may take before the run is aborted
+
+  // Outputs.
+  std::string output_dir = "./model-out";
+  int save_steps = 0;
+  int save_total_limit = 3;
+  int logging_steps = 1;
+  std::string resume_from_checkpoint;  // path or "auto"; empty = start fresh
+
+  // Where the file came from, and what the loader wants the user to know (ignored keys, ...).
+  std::string source;
+  std::vector<std::string> warnings;
+};
+
+struct ConfigIssue {
+  std::string key;
+  std::string message;
+};
+
+
+struct ConfigLoadOptions {
+  // Check that files named by the config exist (base_model/config.json, datasets).
+  bool check_files = true;
+};
+
+// Reads YAML text (a file's contents) plus `--set key=value` overrides, validates and
+// returns the config. Throws ConfigError (a UsageError) listing every problem.
+TrainConfig load_config_file(const std::string& path, const std::vector<std::string>& overrides,
+                             const ConfigLoadOptions& options = {});
+TrainConfig load_config_text(const std::string& yaml_text, const std::string& source,
+                             const std::vector<std::string>& overrides, const ConfigLoadOptions& options = {});
+
+// The resolved config as YAML (every key, defaults filled in).
+std::string config_to_yaml(const TrainConfig& cfg);
+
+// Markdown table of every key: name, type, default, meaning. Printed by --help-config.
+std::string config_reference_markdown();
+// Every key the schema accepts (dotted names).
+std::vector<std::string> config_known_keys();
+
+// True when `bf16` resolves to bf16 compute on this device kind.
+bool config_use_bf16(const TrainConfig& cfg, bool on_cuda);
+
+}  // namespace eo

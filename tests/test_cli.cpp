@@ -1,0 +1,91 @@
+// The eo-ddp binary as users run it: exit codes and messages.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Result {
+  int code;
+  std::string out;
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(EO_BINARY_DIR) + "/eo-ddp " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("eo_cli_" + std::to_string(::getpid()));
+    fs::create_directories(dir_ / "model");
+    std::ofstream(dir_ / "model" / "config.json") << "{}";
+    std::ofstream(dir_ / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string write(const std::string& name, const std::string& body) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p) << "base_model: " << (dir_ / "model").string() << "\ndatasets: [{path: " << (dir_ / "train.jsonl").string()
+                     << "}]\nload_in_4bit: true\nadapter: qlora\n"
+                     << body;
+    return p.string();
+  }
+  fs::path dir_;
+};
+
+}  // namespace
+
+TEST_F(Cli, VersionAndHelp) {
+  auto v = run("--version");
+  EXPECT_EQ(v.code, 0);
+  EXPECT_EQ(v.out.rfind("eo-ddp ", 0), 0u) << v.out;
+  auto h = run("--help");
+  EXPECT_EQ(h.code, 0);
+  EXPECT_NE(h.out.find("--config FILE"), std::string::npos);
+  EXPECT_EQ(run("").code, 2);
+  auto bad = run("frobnicate");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.out.find("unknown command 'frobnicate'"), std::string::npos) << bad.out;
+}
+
+TEST_F(Cli, CheckOfBadConfigNamesEveryProblemAndExits2) {
+  const std::string f = write("bad.yaml", "expert_offlaod_pin_memory: true\nfsdp: [full_shard]\nexpert_offload: true\n"
+                                          "gradient_checkpointing: true\n");
+  auto r = run("--check --config " + f);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("has 3 problems"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("did you mean 'expert_offload_pin_memory'"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("fsdp: not supported"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("gradient_checkpointing_kwargs.use_reentrant"), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, CheckOfValidConfigPrintsPlanAndExits0) {
+  const std::string f = write("good.yaml", "expert_offload: true\ngradient_checkpointing: true\n");
+  auto r = run("--check --config " + f + " --set gradient_checkpointing_kwargs.use_reentrant=false --set lora_r=4");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("lora_r: 4"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("plan:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("expert offload: every MoE block"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("config ok"), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, UsageErrorsExit2) {
+  EXPECT_EQ(run("--check").code, 2);
+  EXPECT_EQ(run("--check --config /nonexistent.yaml").code, 2);
+  const std::string f = write("ok.yaml", "");
+  auto r = run("--check --config " + f + " --bogus");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("unexpected argument(s) for 'train': --bogus"), std::string::npos) << r.out;
+}

@@ -1,0 +1,288 @@
+// Config schema and validation: every rule, and the text users see.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+#include "common/text.h"
+#include "runtime/config.h"
+
+using namespace eo;
+
+namespace {
+
+const char* kValid = R"(
+base_model: /models/tiny
+load_in_4bit: true
+adapter: qlora
+lora_r: 16
+lora_alpha: 32
+datasets:
+  - path: train.jsonl
+    type: tokenized
+)";
+
+ConfigLoadOptions no_files() {
+  ConfigLoadOptions o;
+  o.check_files = false;
+  return o;
+}
+
+TrainConfig load(const std::string& text, const std::vector<std::string>& sets = {}) {
+  return load_config_text(text, "test.yaml", sets, no_files());
+}
+
+// The error message of a config that must fail.
+std::string error_of(const std::string& text, const std::vector<std::string>& sets = {}) {
+  try {
+    load(text, sets);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "config was accepted:\n" << text;
+  return "";
+}
+
+const char* kOffload = R"(
+expert_offload: true
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+)";
+
+}  // namespace
+
+TEST(Config, MinimalValidConfigUsesDefaults) {
+  const TrainConfig c = load(kValid);
+  EXPECT_EQ(c.base_model, "/models/tiny");
+  EXPECT_EQ(c.adapter, "qlora");
+  EXPECT_EQ(c.lora_r, 16);
+  EXPECT_DOUBLE_EQ(c.lora_alpha, 32);
+  EXPECT_EQ(c.sequence_len, 2048);
+  EXPECT_EQ(c.micro_batch_size, 1);
+  EXPECT_EQ(c.lr_scheduler, "cosine");
+  EXPECT_FALSE(c.expert_offload);  // a config without expert_offload is plain QLoRA
+  ASSERT_EQ(c.datasets.size(), 1u);
+  EXPECT_EQ(c.datasets[0].path, "train.jsonl");
+}
+
+TEST(Config, OffloadConfigValid) {
+  const TrainConfig c = load(std::string(kValid) + kOffload);
+  EXPECT_TRUE(c.expert_offload);
+  EXPECT_TRUE(c.expert_offload_prefetch);
+  ASSERT_TRUE(c.use_reentrant.has_value());
+  EXPECT_FALSE(*c.use_reentrant);
+}
+
+TEST(Config, UnknownKeySuggestsClosest) {
+  const std::string e = error_of(std::string(kValid) + "expert_offlaod_pin_memory: true\n");
+  EXPECT_NE(e.find("expert_offlaod_pin_memory: unknown key; did you mean 'expert_offload_pin_memory'?"), std::string::npos) << e;
+  const std::string e2 = error_of(std::string(kValid) + "lerning_rate: 1e-4\n");
+  EXPECT_NE(e2.find("did you mean 'learning_rate'"), std::string::npos) << e2;
+  const std::string e3 = error_of(std::string(kValid) + "completely_unrelated_thing: 1\n");
+  EXPECT_NE(e3.find("completely_unrelated_thing: unknown key; `eo-ddp --help-config`"), std::string::npos) << e3;
+}
+
+TEST(Config, NestedUnknownKeyIsNamedWithItsPath) {
+  const std::string e = error_of(std::string(kValid) + "gradient_checkpointing_kwargs:\n  use_reentrnt: false\n");
+  EXPECT_NE(e.find("gradient_checkpointing_kwargs.use_reentrnt: unknown key; did you mean "
+                   "'gradient_checkpointing_kwargs.use_reentrant'?"),
+            std::string::npos)
+      << e;
+}
+
+TEST(Config, WrongTypesAndRanges) {
+  struct Case {
+    std::string line, expect;
+  };
+  const std::vector<Case> cases = {
+      {"learning_rate: -0.001", "learning_rate: must be greater than 0"},
+      {"learning_rate: fast", "learning_rate: expected a number, got 'fast'"},
+      {"lora_r: 0", "lora_r: must be between 1 and 4096, got 0"},
+      {"lora_r: 8.5", "lora_r: expected an integer, got '8.5'"},
+      {"sequence_len: 0", "sequence_len: must be between 2 and"},
+      {"micro_batch_size: -1", "micro_batch_size: must be between 1"},
+      {"lora_dropout: 1.5", "lora_dropout: must be at least 0 and at most 0.99"},
+      {"load_in_4bit: maybe", "load_in_4bit: expected true or false, got 'maybe'"},
+      {"lr_scheduler: cosin", "lr_scheduler: unknown value 'cosin'; expected one of constant, linear, cosine (did you mean 'cosine'?)"},
+      {"max_steps: 0", "max_steps: expected an integer >= 1"},
+      {"bf16: sometimes", "bf16: expected true, false or auto"},
+      {"expert_offload_vram_budget: lots", "expert_offload_vram_budget: expected a size"},
+      {"lora_target_modules: [q_proj, gate_prj]", "lora_target_modules: unknown module 'gate_prj'"},
+      {"bnb_4bit_blocksize: 100", "bnb_4bit_blocksize: must be a power of two"},
+      {"warmup_ratio: 1.5", "warmup_ratio: expected a number in [0, 1)"},
+  };
+  for (const auto& c : cases) {
+    const std::string e = error_of(std::string(kValid) + c.line + "\n");
+    EXPECT_NE(e.find(c.expect), std::string::npos) << "for '" << c.line << "' got:\n" << e;
+  }
+}
+
+TEST(Config, VramBudgetAcceptsSizes) {
+  for (const std::string v : {"0", "auto", "8GiB", "512MB", "1e9"})
+    EXPECT_EQ(load(std::string(kValid) + "expert_offload_vram_budget: " + v + "\n").expert_offload_vram_budget, v);
+}
+
+TEST(Config, OffloadRequiresQloraAndNonReentrantCheckpointing) {
+  const std::string e = error_of(R"(
+base_model: /m
+adapter: lora
+datasets: [{path: a.jsonl}]
+expert_offload: true
+)");
+  EXPECT_NE(e.find("load_in_4bit: expert_offload: true requires load_in_4bit: true"), std::string::npos) << e;
+  EXPECT_NE(e.find("adapter: expert_offload: true requires adapter: qlora"), std::string::npos) << e;
+  EXPECT_NE(e.find("gradient_checkpointing: expert_offload: true requires gradient_checkpointing: true"), std::string::npos) << e;
+  // Omitted use_reentrant is an error that says why.
+  EXPECT_NE(e.find("gradient_checkpointing_kwargs.use_reentrant: expert_offload: true requires it to be set explicitly to "
+                   "false: the non-reentrant recompute"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("has 4 problems"), std::string::npos) << e;
+}
+
+TEST(Config, ReentrantCheckpointingIsRejected) {
+  const std::string e = error_of(std::string(kValid) +
+                                 "gradient_checkpointing: true\ngradient_checkpointing_kwargs: {use_reentrant: true}\n");
+  EXPECT_NE(e.find("gradient_checkpointing_kwargs.use_reentrant: eo-ddp implements non-reentrant checkpointing only"),
+            std::string::npos)
+      << e;
+}
+
+TEST(Config, ShardedAndParallelModesAreRejectedWithReasons) {
+  const std::string e = error_of(std::string(kValid) + R"(
+fsdp: [full_shard, auto_wrap]
+fsdp_config:
+  fsdp_offload_params: true
+deepspeed: deepspeed_configs/zero3.json
+expert_parallel_size: 2
+tensor_parallel_size: 4
+)");
+  EXPECT_NE(e.find("fsdp: not supported: FSDP shards every weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("fsdp_config: not supported"), std::string::npos) << e;
+  EXPECT_NE(e.find("deepspeed: not supported: DeepSpeed/ZeRO"), std::string::npos) << e;
+  EXPECT_NE(e.find("expert_parallel_size: not supported (2): expert parallelism"), std::string::npos) << e;
+  EXPECT_NE(e.find("tensor_parallel_size: not supported (4)"), std::string::npos) << e;
+  EXPECT_NE(e.find("has 5 problems"), std::string::npos) << e;
+}
+
+TEST(Config, ParallelSizesOfOneAndEmptyFsdpAreFine) {
+  EXPECT_NO_THROW(load(std::string(kValid) + "expert_parallel_size: 1\ntensor_parallel_size: 1\nfsdp:\ndeepspeed:\n"));
+}
+
+TEST(Config, AllErrorsListedAtOnce) {
+  // The acceptance case: a typo'd key, an fsdp key and no use_reentrant under offload.
+  const std::string e = error_of(std::string(kValid) +
+                                 "expert_offlaod_pin_memory: true\nfsdp: [full_shard]\nexpert_offload: true\n"
+                                 "gradient_checkpointing: true\n");
+  EXPECT_NE(e.find("has 3 problems"), std::string::npos) << e;
+  EXPECT_NE(e.find("expert_offlaod_pin_memory"), std::string::npos);
+  EXPECT_NE(e.find("fsdp: not supported"), std::string::npos);
+  EXPECT_NE(e.find("gradient_checkpointing_kwargs.use_reentrant"), std::string::npos);
+}
+
+TEST(Config, RequiredKeys) {
+  const std::string e = error_of("lora_r: 8\n");
+  EXPECT_NE(e.find("base_model: required"), std::string::npos) << e;
+  EXPECT_NE(e.find("adapter: required"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets: required"), std::string::npos) << e;
+}
+
+TEST(Config, QloraNeedsLoadIn4bit) {
+  const std::string e = error_of("base_model: /m\nadapter: qlora\ndatasets: [{path: a}]\n");
+  EXPECT_NE(e.find("load_in_4bit: adapter: qlora needs load_in_4bit: true"), std::string::npos) << e;
+}
+
+TEST(Config, DatasetEntriesAreChecked) {
+  const std::string e = error_of(R"(
+base_model: /m
+adapter: lora
+datasets:
+  - path: a.bin
+    type: tokens
+    dtype: int8
+  - type: alpaca
+    pth: x
+)");
+  EXPECT_NE(e.find("datasets.0.dtype: expected uint16 or uint32"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets.1.type: unknown type 'alpaca'"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets.1.pth: unknown key"), std::string::npos) << e;
+  EXPECT_NE(e.find("did you mean 'path'"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets.1.path: required"), std::string::npos) << e;
+}
+
+TEST(Config, SetOverridesFileAndIsValidated) {
+  const TrainConfig c = load(std::string(kValid) + kOffload,
+                             {"learning_rate=1e-4", "gradient_checkpointing_kwargs.use_reentrant=false", "lora_r=4",
+                              "lora_target_modules=[q_proj, gate_proj, up_proj]", "datasets.0.path=other.jsonl"});
+  EXPECT_DOUBLE_EQ(c.learning_rate, 1e-4);
+  EXPECT_EQ(c.lora_r, 4);
+  EXPECT_EQ(c.lora_target_modules.size(), 3u);
+  EXPECT_EQ(c.datasets[0].path, "other.jsonl");
+  // A nested key that did not exist in the file is created by --set.
+  const TrainConfig d = load(std::string(kValid) + "expert_offload: true\ngradient_checkpointing: true\n",
+                             {"gradient_checkpointing_kwargs.use_reentrant=false"});
+  EXPECT_FALSE(*d.use_reentrant);
+  // --set values go through the same validation.
+  EXPECT_NE(error_of(kValid, {"lora_r=0"}).find("lora_r: must be between 1"), std::string::npos);
+  EXPECT_NE(error_of(kValid, {"lora_rr=4"}).find("lora_rr: unknown key; did you mean 'lora_r'?"), std::string::npos);
+  EXPECT_NE(error_of(kValid, {"novalue"}).find("expected key=value"), std::string::npos);
+}
+
+TEST(Config, IgnoredAxolotlKeysWarn) {
+  const TrainConfig c = load(std::string(kValid) + "strict: false\nwandb_project: x\nflash_attention: true\n");
+  ASSERT_EQ(c.warnings.size(), 3u);
+  EXPECT_NE(c.warnings[0].find("is ignored by eo-ddp"), std::string::npos);
+  EXPECT_NE(error_of(std::string(kValid) + "fp16: true\n").find("fp16: fp16 training is not supported"), std::string::npos);
+  EXPECT_NO_THROW(load(std::string(kValid) + "fp16: false\n"));
+}
+
+TEST(Config, FilesAreCheckedBeforeAnythingLoads) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "eo_cfg_test";
+  fs::create_directories(dir / "model");
+  const std::string yaml = "base_model: " + (dir / "model").string() + "\nadapter: lora\ndatasets: [{path: " +
+                           (dir / "missing.jsonl").string() + "}]\n";
+  try {
+    load_config_text(yaml, "t.yaml", {});
+    FAIL() << "accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("base_model: '" + (dir / "model").string() + "' has no config.json"), std::string::npos) << m;
+    EXPECT_NE(m.find("datasets.0.path: file '"), std::string::npos) << m;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Config, InvalidYamlIsAUsageError) {
+  EXPECT_THROW(load("base_model: [unclosed\n"), UsageError);
+  EXPECT_THROW(load("- just\n- a list\n"), UsageError);
+}
+
+TEST(Config, ResolvedYamlRoundTrips) {
+  const TrainConfig a = load(std::string(kValid) + kOffload + "max_steps: 7\nwarmup_ratio: 0.1\n");
+  const TrainConfig b = load(config_to_yaml(a));
+  EXPECT_EQ(config_to_yaml(a), config_to_yaml(b));
+  EXPECT_EQ(b.max_steps.value_or(0), 7);
+}
+
+TEST(Config, ReadmeDocumentsEveryKey) {
+  std::ifstream in(std::string(EO_SOURCE_DIR) + "/README.md");
+  ASSERT_TRUE(in) << "README.md missing";
+  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const auto& k : config_known_keys())
+    EXPECT_NE(readme.find("`" + k + "`"), std::string::npos) << "README.md does not document " << k
+                                                             << " (paste `eo-ddp --help-config`)";
+}
+
+TEST(Text, BytesAndSuggestions) {
+  EXPECT_EQ(parse_bytes("8GiB").value(), 8ull << 30);
+  EXPECT_EQ(parse_bytes("512 MB").value(), 512000000ull);
+  EXPECT_EQ(parse_bytes("123").value(), 123ull);
+  EXPECT_FALSE(parse_bytes("lots"));
+  EXPECT_FALSE(parse_bytes("-1GB"));
+  EXPECT_EQ(edit_distance("offlaod", "offload"), 1u);
+  EXPECT_EQ(closest_match("lora_rr", {"lora_r", "lora_alpha"}).value(), "lora_r");
+  EXPECT_FALSE(closest_match("zzzzzz", {"lora_r"}));
+}
