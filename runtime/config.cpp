@@ -29,7 +29,19 @@ struct KeySpec {
   std::string default_text;
   std::string doc;
   std::function<void(const YAML::Node&, TrainConfig&, Issues&)> read;
+  // The resolved value for printing; an undefined node when the key is unset.
+  std::function<YAML::Node(const TrainConfig&)> write;
 };
+
+template <typename T>
+std::function<YAML::Node(const TrainConfig&)> writer(T TrainConfig::*field) {
+  return [field](const TrainConfig& c) { return YAML::Node(c.*field); };
+}
+
+template <typename T>
+std::function<YAML::Node(const TrainConfig&)> writer(std::optional<T> TrainConfig::*field) {
+  return [field](const TrainConfig& c) { return (c.*field) ? YAML::Node(*(c.*field)) : YAML::Node(); };
+}
 
 std::string yaml_text(const YAML::Node& n) {
   YAML::Emitter out;
@@ -87,7 +99,8 @@ KeySpec boolean(std::string key, bool TrainConfig::*field, std::string doc) {
           [key, field](const YAML::Node& n, TrainConfig& c, Issues& issues) {
             if (auto v = as_bool(n)) c.*field = *v;
             else issues.push_back({key, "expected true or false, got '" + yaml_text(n) + "'"});
-          }};
+          },
+          writer(field)};
 }
 
 KeySpec integer(std::string key, int TrainConfig::*field, std::int64_t lo, std::int64_t hi, std::string doc) {
@@ -100,7 +113,8 @@ KeySpec integer(std::string key, int TrainConfig::*field, std::int64_t lo, std::
               return issues.push_back({key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) +
                                                 ", got " + std::to_string(*v)});
             c.*field = static_cast<int>(*v);
-          }};
+          },
+          writer(field)};
 }
 
 std::string fmt_double(double d) {
@@ -123,7 +137,8 @@ KeySpec real(std::string key, double TrainConfig::*field, double lo, bool lo_ope
               return issues.push_back({key, "must be " + range + ", got " + fmt_double(*v)});
             }
             c.*field = *v;
-          }};
+          },
+          writer(field)};
 }
 
 KeySpec choice(std::string key, std::string TrainConfig::*field, std::vector<std::string> allowed, std::string doc) {
@@ -140,7 +155,8 @@ KeySpec choice(std::string key, std::string TrainConfig::*field, std::vector<std
             std::string msg = "unknown value '" + v + "'; expected one of " + join(allowed, ", ");
             if (auto m = closest_match(v, allowed)) msg += " (did you mean '" + *m + "'?)";
             issues.push_back({key, msg});
-          }};
+          },
+          writer(field)};
 }
 
 KeySpec text(std::string key, std::string TrainConfig::*field, std::string doc) {
@@ -151,7 +167,8 @@ KeySpec text(std::string key, std::string TrainConfig::*field, std::string doc) 
             if (!n.IsScalar() || n.Scalar().empty())
               return issues.push_back({key, "expected a non-empty string, got '" + yaml_text(n) + "'"});
             c.*field = n.Scalar();
-          }};
+          },
+          [field](const TrainConfig& c) { return (c.*field).empty() ? YAML::Node() : YAML::Node(c.*field); }};
 }
 
 const std::vector<KeySpec>& schema() {
@@ -192,7 +209,8 @@ const std::vector<KeySpec>& schema() {
                      }
                    }
                    c.lora_target_modules = v;
-                 }});
+                 },
+                 writer(&TrainConfig::lora_target_modules)});
     k.push_back(boolean("lora_target_linear", &TrainConfig::lora_target_linear,
                         "Adapt every linear layer of the decoder blocks (attention, experts, dense MLPs); overrides lora_target_modules."));
     k.push_back(boolean("peft_use_rslora", &TrainConfig::peft_use_rslora, "rsLoRA scaling alpha / sqrt(r)."));
@@ -207,7 +225,8 @@ const std::vector<KeySpec>& schema() {
                    auto v = as_double(n);
                    if (!v || *v < 0) return issues.push_back({"router_aux_loss_coef", "expected a number >= 0, got '" + yaml_text(n) + "'"});
                    c.router_aux_loss_coef = *v;
-                 }});
+                 },
+                 writer(&TrainConfig::router_aux_loss_coef)});
     // --- data
     k.push_back({"datasets", "list of {path, type, dtype, eos_token_id}", "(required)",
                  "Training data. type: tokenized (JSONL with input_ids, optional labels and attention_mask) or tokens "
@@ -255,6 +274,18 @@ const std::vector<KeySpec>& schema() {
                      }
                      c.datasets.push_back(s);
                    }
+                 },
+                 [](const TrainConfig& c) {
+                   YAML::Node list(YAML::NodeType::Sequence);
+                   for (const auto& d : c.datasets) {
+                     YAML::Node e;
+                     e["path"] = d.path;
+                     e["type"] = d.type;
+                     if (!d.dtype.empty()) e["dtype"] = d.dtype;
+                     if (d.eos_token_id) e["eos_token_id"] = *d.eos_token_id;
+                     list.push_back(e);
+                   }
+                   return list;
                  }});
     k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence (longer examples are truncated)."));
     k.push_back(boolean("sample_packing", &TrainConfig::sample_packing,
@@ -268,7 +299,8 @@ const std::vector<KeySpec>& schema() {
                    auto v = as_int(n);
                    if (!v || *v < 1) return issues.push_back({"max_steps", "expected an integer >= 1, got '" + yaml_text(n) + "'"});
                    c.max_steps = *v;
-                 }});
+                 },
+                 writer(&TrainConfig::max_steps)});
     // --- optimisation
     k.push_back(real("learning_rate", &TrainConfig::learning_rate, 0, true, 10, "Peak learning rate."));
     k.push_back(choice("lr_scheduler", &TrainConfig::lr_scheduler, {"constant", "linear", "cosine"},
@@ -279,7 +311,8 @@ const std::vector<KeySpec>& schema() {
                    auto v = as_double(n);
                    if (!v || *v < 0 || *v >= 1) return issues.push_back({"warmup_ratio", "expected a number in [0, 1), got '" + yaml_text(n) + "'"});
                    c.warmup_ratio = *v;
-                 }});
+                 },
+                 writer(&TrainConfig::warmup_ratio)});
     k.push_back(real("weight_decay", &TrainConfig::weight_decay, 0, false, 10, "AdamW decoupled weight decay (not applied to biases and norms, as HF)."));
     k.push_back(real("max_grad_norm", &TrainConfig::max_grad_norm, 0, false, 1e9, "Clip the global gradient norm; 0 disables."));
     k.push_back(choice("optimizer", &TrainConfig::optimizer, {"adamw_torch", "adamw_torch_fused"},
@@ -292,14 +325,16 @@ const std::vector<KeySpec>& schema() {
                    auto v = as_int(n);
                    if (!v || *v < 0) return issues.push_back({"seed", "expected an integer >= 0, got '" + yaml_text(n) + "'"});
                    c.seed = *v;
-                 }});
+                 },
+                 writer(&TrainConfig::seed)});
     // --- precision and memory
     k.push_back({"bf16", "true, false or auto", "auto", "bf16 compute (LoRA master weights and optimizer state stay fp32); auto = bf16 on CUDA, fp32 on CPU.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    if (n.IsScalar() && n.Scalar() == "auto") { c.bf16 = "auto"; return; }
                    if (auto v = as_bool(n)) { c.bf16 = *v ? "true" : "false"; return; }
                    issues.push_back({"bf16", "expected true, false or auto, got '" + yaml_text(n) + "'"});
-                 }});
+                 },
+                 writer(&TrainConfig::bf16)});
     k.push_back(boolean("gradient_checkpointing", &TrainConfig::gradient_checkpointing,
                         "Recompute each decoder block in backward instead of keeping its activations."));
     k.push_back({"gradient_checkpointing_kwargs.use_reentrant", "bool", "(unset)",
@@ -307,7 +342,8 @@ const std::vector<KeySpec>& schema() {
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    if (auto v = as_bool(n)) c.use_reentrant = *v;
                    else issues.push_back({"gradient_checkpointing_kwargs.use_reentrant", "expected true or false, got '" + yaml_text(n) + "'"});
-                 }});
+                 },
+                 writer(&TrainConfig::use_reentrant)});
     k.push_back(boolean("expert_offload", &TrainConfig::expert_offload,
                         "Keep the frozen NF4 experts in pinned host RAM and stream one MoE block at a time to the device."));
     k.push_back(boolean("expert_offload_pin_memory", &TrainConfig::expert_offload_pin_memory,
@@ -320,7 +356,8 @@ const std::vector<KeySpec>& schema() {
                    const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
                    if (v == "auto" || parse_bytes(v)) { c.expert_offload_vram_budget = v; return; }
                    issues.push_back({"expert_offload_vram_budget", "expected a size such as 8GiB or 500MB, 0, or auto; got '" + v + "'"});
-                 }});
+                 },
+                 writer(&TrainConfig::expert_offload_vram_budget)});
     // --- distributed
     k.push_back(integer("ddp_bucket_cap_mb", &TrainConfig::ddp_bucket_cap_mb, 1, 1 << 16, "Gradient bucket size for the all-reduce (MB)."));
     k.push_back(integer("ddp_timeout", &TrainConfig::ddp_timeout, 10, 1 << 24,
@@ -493,7 +530,7 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (c.use_reentrant.value_or(false) && c.gradient_checkpointing)
     issues.push_back({"gradient_checkpointing_kwargs.use_reentrant",
                       "eo-ddp implements non-reentrant checkpointing only; set it to false"});
-  if (c.warmup_ratio && present.count("warmup_steps"))
+  if (c.warmup_ratio && c.warmup_steps > 0)
     issues.push_back({"warmup_ratio", "set either warmup_steps or warmup_ratio, not both"});
   if (c.expert_offload) {
     const std::string why = " (expert_offload streams NF4 experts, re-staged by the non-reentrant recompute in backward)";
@@ -649,64 +686,17 @@ std::string config_reference_markdown() {
 }
 
 std::string config_to_yaml(const TrainConfig& c) {
-  YAML::Emitter out;
-  out << YAML::BeginMap;
-  out << YAML::Key << "base_model" << YAML::Value << c.base_model;
-  out << YAML::Key << "load_in_4bit" << YAML::Value << c.load_in_4bit;
-  out << YAML::Key << "adapter" << YAML::Value << c.adapter;
-  out << YAML::Key << "lora_r" << YAML::Value << c.lora_r;
-  out << YAML::Key << "lora_alpha" << YAML::Value << c.lora_alpha;
-  out << YAML::Key << "lora_dropout" << YAML::Value << c.lora_dropout;
-  out << YAML::Key << "lora_target_modules" << YAML::Value << YAML::Flow << c.lora_target_modules;
-  out << YAML::Key << "peft_use_rslora" << YAML::Value << c.peft_use_rslora;
-  out << YAML::Key << "bnb_4bit_blocksize" << YAML::Value << c.bnb_4bit_blocksize;
-  out << YAML::Key << "bnb_4bit_use_double_quant" << YAML::Value << c.bnb_4bit_use_double_quant;
-  out << YAML::Key << "output_router_logits" << YAML::Value << c.output_router_logits;
-  if (c.router_aux_loss_coef) out << YAML::Key << "router_aux_loss_coef" << YAML::Value << *c.router_aux_loss_coef;
-  out << YAML::Key << "datasets" << YAML::Value << YAML::BeginSeq;
-  for (const auto& d : c.datasets) {
-    out << YAML::Flow << YAML::BeginMap << YAML::Key << "path" << YAML::Value << d.path << YAML::Key << "type"
-        << YAML::Value << d.type;
-    if (!d.dtype.empty()) out << YAML::Key << "dtype" << YAML::Value << d.dtype;
-    if (d.eos_token_id) out << YAML::Key << "eos_token_id" << YAML::Value << *d.eos_token_id;
-    out << YAML::EndMap;
+  // Built from the schema so the printout always shows every key the loader knows.
+  YAML::Node root(YAML::NodeType::Map);
+  for (const auto& spec : schema()) {
+    YAML::Node value = spec.write(c);
+    if (!value.IsDefined()) continue;
+    const auto dot = spec.key.find('.');
+    if (dot == std::string::npos) root[spec.key] = value;
+    else root[spec.key.substr(0, dot)][spec.key.substr(dot + 1)] = value;
   }
-  out << YAML::EndSeq;
-  out << YAML::Key << "sequence_len" << YAML::Value << c.sequence_len;
-  out << YAML::Key << "sample_packing" << YAML::Value << c.sample_packing;
-  out << YAML::Key << "micro_batch_size" << YAML::Value << c.micro_batch_size;
-  out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
-  out << YAML::Key << "num_epochs" << YAML::Value << c.num_epochs;
-  if (c.max_steps) out << YAML::Key << "max_steps" << YAML::Value << *c.max_steps;
-  out << YAML::Key << "learning_rate" << YAML::Value << c.learning_rate;
-  out << YAML::Key << "lr_scheduler" << YAML::Value << c.lr_scheduler;
-  out << YAML::Key << "warmup_steps" << YAML::Value << c.warmup_steps;
-  if (c.warmup_ratio) out << YAML::Key << "warmup_ratio" << YAML::Value << *c.warmup_ratio;
-  out << YAML::Key << "weight_decay" << YAML::Value << c.weight_decay;
-  out << YAML::Key << "max_grad_norm" << YAML::Value << c.max_grad_norm;
-  out << YAML::Key << "optimizer" << YAML::Value << c.optimizer;
-  out << YAML::Key << "adam_beta1" << YAML::Value << c.adam_beta1;
-  out << YAML::Key << "adam_beta2" << YAML::Value << c.adam_beta2;
-  out << YAML::Key << "adam_epsilon" << YAML::Value << c.adam_epsilon;
-  out << YAML::Key << "seed" << YAML::Value << c.seed;
-  out << YAML::Key << "bf16" << YAML::Value << c.bf16;
-  out << YAML::Key << "gradient_checkpointing" << YAML::Value << c.gradient_checkpointing;
-  if (c.use_reentrant)
-    out << YAML::Key << "gradient_checkpointing_kwargs" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key
-        << "use_reentrant" << YAML::Value << *c.use_reentrant << YAML::EndMap;
-  out << YAML::Key << "expert_offload" << YAML::Value << c.expert_offload;
-  out << YAML::Key << "expert_offload_pin_memory" << YAML::Value << c.expert_offload_pin_memory;
-  out << YAML::Key << "expert_offload_prefetch" << YAML::Value << c.expert_offload_prefetch;
-  out << YAML::Key << "expert_offload_vram_budget" << YAML::Value << c.expert_offload_vram_budget;
-  out << YAML::Key << "ddp_bucket_cap_mb" << YAML::Value << c.ddp_bucket_cap_mb;
-  out << YAML::Key << "ddp_timeout" << YAML::Value << c.ddp_timeout;
-  out << YAML::Key << "output_dir" << YAML::Value << c.output_dir;
-  out << YAML::Key << "save_steps" << YAML::Value << c.save_steps;
-  out << YAML::Key << "save_total_limit" << YAML::Value << c.save_total_limit;
-  out << YAML::Key << "logging_steps" << YAML::Value << c.logging_steps;
-  if (!c.resume_from_checkpoint.empty())
-    out << YAML::Key << "resume_from_checkpoint" << YAML::Value << c.resume_from_checkpoint;
-  out << YAML::EndMap;
+  YAML::Emitter out;
+  out << root;
   return out.c_str();
 }
 
