@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
       world.finalize();
       return rc;
     }
+    if (cmd == "score") return launch::run_score(args);  // single process, no MPI
     throw UsageError("unknown command '" + cmd + "' (commands: train, score; see eo-ddp --help)");
   } catch (const UsageError& e) {
     log::error(e.what());

@@ -9,6 +9,7 @@
 #include "launch/commands.h"
 #include "runtime/config.h"
 #include "runtime/dist/world.h"
+#include "runtime/trainer.h"
 
 namespace eo::launch {
 namespace {
@@ -64,7 +65,7 @@ int run_train(const Args& args) {
     }
     return kExitOk;
   }
-  throw Error("training is not built yet in this version; run with --check");
+  return train(cfg, dist::World::get()).exit_code;
 }
 
 }  // namespace eo::launch

@@ -45,9 +45,12 @@ struct QuantizedWeight {
   std::int64_t bytes() const;  // packed + statistics
 };
 
-// Quantises a 2-D weight (any float dtype; computed in fp32 as bitsandbytes does).
+// Quantises a 2-D fp32/bf16/fp16 weight (computed on the CPU in fp32 as bitsandbytes does;
+// returns CPU tensors). Byte-identical to bnb 0.50.2 quantize_4bit(quant_type="nf4") on the CPU;
+// throws on NaN/inf, bad blocksize, or (double_quant) an absmax mean that overflows.
 QuantizedWeight quantize(const at::Tensor& weight, int blocksize = 64, bool double_quant = false);
-// Dequantises to `dtype` with shape [out, in].
+// Dequantises to `dtype` with shape [out, in], on the device of q.packed (tensor ops):
+// code[nibble] * absmax[i / blocksize] in fp32, rounded to dtype.
 at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype);
 at::Tensor dequantize(const QuantizedWeight& q);  // to q.dtype
 

@@ -1,0 +1,71 @@
+// `eo-ddp score`: mean next-token loss of a checkpoint (plus an optional peft adapter) over a
+// tokenized JSONL file, one sequence per line — the number transformers' model(..., labels=)
+// would give averaged over every counted token of the file (not over lines).
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "launch/commands.h"
+#include "models/moe_model.h"
+#include "runtime/data/jsonl.h"
+
+namespace eo::launch {
+
+int run_score(const Args& args) {
+  ArgReader reader(args);
+  const std::string model_dir = reader.value("--model");
+  const std::string adapter_dir = reader.value("--adapter");
+  const std::string data_path = reader.value("--data");
+  const std::string dtype = reader.value("--dtype", "fp32");
+  const bool load_in_4bit = reader.flag("--load-in-4bit");
+  const bool json = reader.flag("--json");
+  reader.finish("score");
+  if (model_dir.empty()) throw UsageError("score: --model DIR is required (see eo-ddp --help)");
+  if (data_path.empty()) throw UsageError("score: --data FILE is required (see eo-ddp --help)");
+  if (dtype != "fp32" && dtype != "bf16") throw UsageError("score: --dtype must be fp32 or bf16, got '" + dtype + "'");
+  if (!std::filesystem::is_directory(model_dir)) throw UsageError("score: --model " + model_dir + " is not a folder");
+  if (!adapter_dir.empty() && !std::filesystem::is_directory(adapter_dir))
+    throw UsageError("score: --adapter " + adapter_dir + " is not a folder");
+
+  model::LoadOptions lo;
+  lo.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  lo.load_in_4bit = load_in_4bit;
+  lo.device = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const model::ModelConfig cfg = model::load_config(model_dir);  // usage errors before loading weights
+  const auto lines = data::read_tokenized_jsonl(data_path, cfg.vocab);
+  auto m = model::MoeModel::load(model_dir, lo);
+  if (!adapter_dir.empty()) m->load_adapter(adapter_dir);
+
+  c10::NoGradGuard no_grad;
+  double loss_sum = 0;
+  std::int64_t tokens = 0;
+  for (const auto& l : lines) {
+    const auto n = static_cast<std::int64_t>(l.input_ids.size());
+    auto ids = [&](const std::vector<std::int64_t>& v) { return at::tensor(v, at::kLong).view({1, n}).to(lo.device); };
+    model::Batch b;
+    b.input_ids = ids(l.input_ids);
+    b.labels = ids(l.labels);
+    bool padded = false;
+    for (auto x : l.attention_mask) padded |= x == 0;
+    if (padded) b.attention_mask = ids(l.attention_mask);
+    const auto out = m->forward(b);
+    loss_sum += out.loss_sum.item<double>();
+    tokens += out.tokens;
+  }
+  if (tokens == 0) throw UsageError(data_path + ": no counted tokens (every shifted label is -100)");
+  const double loss = loss_sum / static_cast<double>(tokens);
+  if (!std::isfinite(loss)) throw Error("score: the loss is not finite (" + std::to_string(loss) + ")");
+  if (json)
+    std::printf("{\"loss\": %.9g, \"tokens\": %lld}\n", loss, static_cast<long long>(tokens));
+  else
+    std::printf("loss %.6f over %lld tokens (perplexity %.3f) — %s%s\n", loss, static_cast<long long>(tokens),
+                std::exp(loss), model_dir.c_str(), adapter_dir.empty() ? "" : (" + " + adapter_dir).c_str());
+  return kExitOk;
+}
+
+}  // namespace eo::launch

@@ -1,0 +1,288 @@
+// Building a MoeModel from a Hugging Face checkpoint, and its LoRA adapters (peft layout).
+//
+// Per-expert (`experts.{e}.gate_proj.weight`, Mixtral `experts.{e}.w1.weight`) and fused
+// (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) checkpoints map onto one
+// internal layout. load_in_4bit quantises every decoder-block linear; embeddings, norms,
+// routers, the shared-expert gate and lm_head stay unquantised.
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "common/error.h"
+#include "models/moe_model.h"
+#include "models/safetensors.h"
+
+namespace eo::model {
+
+namespace {
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << "[";
+  for (std::size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  return os.str() + "]";
+}
+
+nf4::QuantizedWeight to_device(nf4::QuantizedWeight q, const at::Device& d) {
+  q.packed = q.packed.to(d);
+  if (q.absmax.defined()) q.absmax = q.absmax.to(d);
+  if (q.nested) {
+    q.nested->absmax_codes = q.nested->absmax_codes.to(d);
+    q.nested->nested_absmax = q.nested->nested_absmax.to(d);
+    q.nested->nested_code = q.nested->nested_code.to(d);
+  }
+  return q;
+}
+
+}  // namespace
+
+struct ModelLoader {
+  const st::Checkpoint& ck;
+  const LoadOptions& opts;
+  MoeModel& m;
+
+  at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
+    if (!ck.has(name))
+      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' is missing (expected shape " + shape_str(shape) +
+                  "); does config.json match the weights?");
+    at::Tensor t = ck.load(name);
+    if (t.sizes() != at::IntArrayRef(shape))
+      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) +
+                  ", expected " + shape_str(shape));
+    if (!at::isFloatingType(t.scalar_type()))
+      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' is not floating point (pre-quantised "
+                  "checkpoints are not supported; load the original weights with load_in_4bit)");
+    return t;
+  }
+  // Frozen tensor in the compute dtype on the device.
+  at::Tensor get(const std::string& name, std::vector<std::int64_t> shape) const {
+    return raw(name, std::move(shape)).to(opts.device, opts.dtype).contiguous();
+  }
+  nf4::QuantizedWeight quantize(const at::Tensor& w) const {
+    return to_device(nf4::quantize(w.to(opts.dtype).contiguous(), opts.blocksize, opts.double_quant), opts.device);
+  }
+  FrozenLinear linear(const std::string& prefix, std::int64_t in, std::int64_t out, bool bias, bool quantizable) const {
+    FrozenLinear l;
+    l.in = in;
+    l.out = out;
+    if (opts.load_in_4bit && quantizable)
+      l.q = std::make_unique<nf4::QuantizedWeight>(quantize(raw(prefix + ".weight", {out, in})));
+    else
+      l.weight = get(prefix + ".weight", {out, in});
+    if (bias) l.bias = get(prefix + ".bias", {out});
+    return l;
+  }
+  Mlp mlp(const std::string& prefix, std::int64_t width) const {
+    const auto H = m.cfg_.hidden;
+    return Mlp{linear(prefix + ".gate_proj", H, width, false, true), linear(prefix + ".up_proj", H, width, false, true),
+               linear(prefix + ".down_proj", width, H, false, true)};
+  }
+
+  // The MoE block's name prefix: Mixtral checkpoints use block_sparse_moe, transformers v5's
+  // runtime names use mlp; accept whichever the checkpoint has.
+  std::string moe_prefix(int i) const {
+    const std::string base = "model.layers." + std::to_string(i) + ".";
+    if (m.cfg_.arch == Arch::Mixtral && !ck.has(base + "block_sparse_moe.gate.weight") && ck.has(base + "mlp.gate.weight"))
+      return base + "mlp";
+    return base + m.cfg_.moe_prefix();
+  }
+
+  // Experts of layer i as [E][matrix] float weights in the checkpoint's dtype (CPU).
+  std::vector<std::array<at::Tensor, 3>> experts(int i) const {
+    const ModelConfig& c = m.cfg_;
+    const auto E = c.experts, H = c.hidden, I = c.expert_width;
+    const std::string p = moe_prefix(i) + ".experts";
+    std::vector<std::array<at::Tensor, 3>> out(E);
+    if (ck.has(p + ".gate_up_proj")) {
+      const at::Tensor gu = raw(p + ".gate_up_proj", {E, 2 * I, H}), down = raw(p + ".down_proj", {E, H, I});
+      for (int e = 0; e < E; ++e) out[e] = {gu[e].narrow(0, 0, I), gu[e].narrow(0, I, I), down[e]};
+      return out;
+    }
+    const bool mix = c.arch == Arch::Mixtral;
+    for (int e = 0; e < E; ++e) {
+      const std::string q = p + "." + std::to_string(e) + ".";
+      out[e] = {raw(q + (mix ? "w1" : "gate_proj") + ".weight", {I, H}), raw(q + (mix ? "w3" : "up_proj") + ".weight", {I, H}),
+                raw(q + (mix ? "w2" : "down_proj") + ".weight", {H, I})};
+    }
+    return out;
+  }
+
+  void run() {
+    const ModelConfig& c = m.cfg_;
+    const auto H = c.hidden, D = c.head_dim;
+    m.embed_ = get("model.embed_tokens.weight", {c.vocab, H});
+    m.final_norm_ = get("model.norm.weight", {H});
+    m.lm_head_ = c.tie_word_embeddings ? m.embed_ : get("lm_head.weight", {c.vocab, H});
+    ResidentWeights::Bank bank(c.layers);
+    for (int i = 0; i < c.layers; ++i) {
+      auto b = std::make_unique<DecoderBlock>();
+      b->cfg_ = &m.cfg_;
+      b->index_ = i;
+      b->moe_ = c.is_moe_layer(i);
+      b->quantized_ = opts.load_in_4bit;
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      b->input_norm_ = get(p + "input_layernorm.weight", {H});
+      b->post_norm_ = get(p + "post_attention_layernorm.weight", {H});
+      b->q_ = linear(p + "self_attn.q_proj", H, c.heads * D, c.qkv_bias, true);
+      b->k_ = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
+      b->v_ = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
+      b->o_ = linear(p + "self_attn.o_proj", c.heads * D, H, false, true);
+      if (c.qk_norm == QkNorm::PerHead) {
+        b->q_norm_ = get(p + "self_attn.q_norm.weight", {D});
+        b->k_norm_ = get(p + "self_attn.k_norm.weight", {D});
+      } else if (c.qk_norm == QkNorm::Whole) {
+        b->q_norm_ = get(p + "self_attn.q_norm.weight", {c.heads * D});
+        b->k_norm_ = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});
+      }
+      if (!b->moe_) {
+        b->dense_ = mlp(p + "mlp", c.dense_width);
+      } else {
+        b->router_ = get(moe_prefix(i) + ".gate.weight", {c.experts, H});
+        auto ex = experts(i);
+        b->expert_lora_.resize(c.experts);
+        if (opts.load_in_4bit) {
+          bank[i].resize(c.experts);
+          for (int e = 0; e < c.experts; ++e)
+            for (int mi = 0; mi < 3; ++mi) bank[i][e][mi] = quantize(ex[e][mi]);
+        } else {
+          for (int mi = 0; mi < 3; ++mi) {
+            std::vector<at::Tensor> per;
+            for (auto& e : ex) per.push_back(e[mi]);
+            b->experts_[mi] = at::stack(per).to(opts.device, opts.dtype).contiguous();
+          }
+        }
+        if (c.shared_expert_width > 0) {
+          b->has_shared_ = true;
+          b->shared_ = mlp(p + "mlp.shared_expert", c.shared_expert_width);
+          b->shared_gate_ = get(p + "mlp.shared_expert_gate.weight", {1, H});
+        }
+      }
+      m.blocks_.push_back(std::move(b));
+    }
+    m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
+  }
+};
+
+std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const LoadOptions& opts) {
+  if (opts.dtype != at::kFloat && opts.dtype != at::kBFloat16 && opts.dtype != at::kHalf)
+    throw UsageError("model dtype must be fp32, bf16 or fp16");
+  std::unique_ptr<MoeModel> m(new MoeModel());
+  m->cfg_ = load_config(model_dir);
+  m->opts_ = opts;
+  const st::Checkpoint ck = st::Checkpoint::open(model_dir);
+  ModelLoader{ck, opts, *m}.run();
+  return m;
+}
+
+void MoeModel::set_weight_provider(std::shared_ptr<WeightProvider> provider) {
+  EO_CHECK(provider != nullptr, "set_weight_provider: null provider");
+  provider_ = std::move(provider);
+  for (auto& b : blocks_) b->provider_ = provider_.get();
+}
+
+std::vector<LoraSite> MoeModel::lora_sites() const {
+  std::vector<LoraSite> sites;
+  auto add = [&](const std::string& module, const std::string& short_name, FrozenLinear& l) {
+    sites.push_back({module, short_name, l.in, l.out, &l.lora});
+  };
+  const ModelConfig& c = cfg_;
+  const bool mix = c.arch == Arch::Mixtral;
+  for (const auto& bp : blocks_) {
+    DecoderBlock& b = *bp;
+    const std::string p = "model.layers." + std::to_string(b.index_) + ".";
+    add(p + "self_attn.q_proj", "q_proj", b.q_);
+    add(p + "self_attn.k_proj", "k_proj", b.k_);
+    add(p + "self_attn.v_proj", "v_proj", b.v_);
+    add(p + "self_attn.o_proj", "o_proj", b.o_);
+    auto add_mlp = [&](const std::string& prefix, Mlp& mm) {
+      add(prefix + ".gate_proj", "gate_proj", mm.gate);
+      add(prefix + ".up_proj", "up_proj", mm.up);
+      add(prefix + ".down_proj", "down_proj", mm.down);
+    };
+    if (!b.moe_) {
+      add_mlp(p + "mlp", b.dense_);
+      continue;
+    }
+    // peft names experts under the checkpoint's module path (Mixtral: block_sparse_moe, w1/w3/w2).
+    const std::string ep = p + c.moe_prefix() + ".experts.";
+    static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
+    static const char* kMix[3] = {"w1", "w3", "w2"};
+    const std::int64_t in[3] = {c.hidden, c.hidden, c.expert_width}, out[3] = {c.expert_width, c.expert_width, c.hidden};
+    for (int e = 0; e < c.experts; ++e)
+      for (int mi = 0; mi < 3; ++mi) {
+        const std::string short_name = mix ? kMix[mi] : kQwen[mi];
+        sites.push_back({ep + std::to_string(e) + "." + short_name, short_name, in[mi], out[mi], &b.expert_lora_[e][mi]});
+      }
+    if (b.has_shared_) add_mlp(p + "mlp.shared_expert", b.shared_);
+  }
+  return sites;
+}
+
+void MoeModel::add_lora(const LoraSpec& spec) {
+  EO_CHECK(spec.r > 0, "LoRA rank must be positive");
+  lora_spec_ = spec;
+  std::set<std::string> matched;
+  const auto sites = lora_sites();
+  for (std::size_t i = 0; i < sites.size(); ++i) {
+    const auto& s = sites[i];
+    if (!spec.targets_module(s.short_name)) {
+      s.slot->reset();
+      continue;
+    }
+    matched.insert(s.short_name);
+    // One generator per module, seeded from (seed, module index): stable across runs and ranks.
+    *s.slot = std::make_shared<LoraAdapter>(s.in, s.out, spec, spec.seed * 1000003ULL + i, opts_.device);
+  }
+  for (const auto& t : spec.targets)
+    if (!matched.count(t))
+      throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type +
+                       " model (q_proj, k_proj, v_proj, o_proj, " +
+                       (cfg_.arch == Arch::Mixtral ? "w1, w2, w3" : "gate_proj, up_proj, down_proj") + ")");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> MoeModel::lora_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& s : lora_sites()) {
+    if (!*s.slot) continue;
+    out.emplace_back("base_model.model." + s.module + ".lora_A.weight", (*s.slot)->A());
+    out.emplace_back("base_model.model." + s.module + ".lora_B.weight", (*s.slot)->B());
+  }
+  return out;
+}
+
+void MoeModel::load_adapter(const std::string& adapter_dir) {
+  const LoraSpec spec = read_adapter_config(adapter_dir);
+  add_lora(spec);
+  const std::string path = adapter_dir + "/adapter_model.safetensors";
+  if (!std::filesystem::exists(path)) throw UsageError(path + ": missing (only safetensors adapters are supported)");
+  const auto file = st::File::open(path);
+  std::set<std::string> used;
+  for (auto& [name, param] : lora_parameters()) {
+    const st::TensorInfo* info = file->find(name);
+    if (!info)
+      throw UsageError(path + ": tensor '" + name + "' is missing although adapter_config.json's target_modules "
+                       "select that module; was the adapter made for another model?");
+    at::Tensor t = file->load(name);
+    if (t.sizes() != param.sizes())
+      throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) + ", expected " +
+                       shape_str(param.sizes()) + " (r=" + std::to_string(spec.r) + ")");
+    param.detach().copy_(t.to(at::kFloat));  // the leaf keeps requires_grad
+    used.insert(name);
+  }
+  for (const auto& info : file->tensors())
+    if (!used.count(info.name))
+      throw UsageError(path + ": tensor '" + info.name + "' does not belong to any targeted module of this model");
+}
+
+void MoeModel::save_adapter(const std::string& adapter_dir, const std::string& base_model) const {
+  std::filesystem::create_directories(adapter_dir);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (auto& [name, t] : lora_parameters()) tensors.emplace_back(name, t.detach().to(at::kCPU));
+  st::save(adapter_dir + "/adapter_model.safetensors", tensors);
+  write_adapter_config(adapter_dir, lora_spec_, base_model);
+}
+
+}  // namespace eo::model

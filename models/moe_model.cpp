@@ -1,0 +1,220 @@
+// Decoder forward: attention (RoPE, GQA, q/k norms), router + token-sorted expert dispatch,
+// dense / shared-expert MLPs, final head, loss and router aux loss. Semantics follow the
+// transformers 5.x modeling files of each family (design.md §3.3).
+#include "models/moe_model.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+
+#include "common/error.h"
+#include "models/linear4bit.h"
+
+namespace eo::model {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  // fp32 statistics, cast back, then × weight (HF order: the product is in the input dtype).
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+at::Tensor FrozenLinear::forward(const at::Tensor& x, bool training) const {
+  at::Tensor y = q ? linear4bit(x, WeightHandle{nullptr, -1, -1, ExpertMatrix::Gate, q.get()}) : at::linear(x, weight);
+  if (bias.defined()) y = y + bias;
+  if (lora) y = y + lora->delta(x, training);
+  return y;
+}
+
+at::Tensor Mlp::forward(const at::Tensor& x, bool training) const {
+  return down.forward(at::silu(gate.forward(x, training)) * up.forward(x, training), training);
+}
+
+namespace {
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const auto half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx) { return x * ctx.cos + rotate_half(x) * ctx.sin; }
+
+}  // namespace
+
+at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx) const {
+  const ModelConfig& c = *cfg_;
+  const auto B = x.size(0), T = x.size(1);
+  at::Tensor q = q_.forward(x, ctx.training), k = k_.forward(x, ctx.training), v = v_.forward(x, ctx.training);
+  if (c.qk_norm == QkNorm::Whole) {  // olmoe: over the whole projection, before the split
+    q = rms_norm(q, q_norm_, c.rms_eps);
+    k = rms_norm(k, k_norm_, c.rms_eps);
+  }
+  if (c.clip_qkv) {
+    q = q.clamp(-*c.clip_qkv, *c.clip_qkv);
+    k = k.clamp(-*c.clip_qkv, *c.clip_qkv);
+    v = v.clamp(-*c.clip_qkv, *c.clip_qkv);
+  }
+  q = q.view({B, T, c.heads, c.head_dim});
+  k = k.view({B, T, c.kv_heads, c.head_dim});
+  v = v.view({B, T, c.kv_heads, c.head_dim});
+  if (c.qk_norm == QkNorm::PerHead) {  // qwen3: per head, after the view
+    q = rms_norm(q, q_norm_, c.rms_eps);
+    k = rms_norm(k, k_norm_, c.rms_eps);
+  }
+  q = apply_rope(q.transpose(1, 2), ctx);
+  k = apply_rope(k.transpose(1, 2), ctx);
+  v = v.transpose(1, 2);
+  if (c.kv_heads != c.heads) {  // GQA: query head h reads kv head h / (heads / kv_heads)
+    k = k.repeat_interleave(c.heads / c.kv_heads, 1);
+    v = v.repeat_interleave(c.heads / c.kv_heads, 1);
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const std::optional<at::Tensor> mask = ctx.attn_mask.defined() ? std::optional<at::Tensor>(ctx.attn_mask) : std::nullopt;
+  const at::Tensor o = at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale);
+  return o_.forward(o.transpose(1, 2).reshape({B, T, c.heads * c.head_dim}), ctx.training);
+}
+
+at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training) const {
+  auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
+    const int mi = static_cast<int>(m);
+    at::Tensor y = quantized_ ? linear4bit(in, WeightHandle{provider_, index_, e, m, nullptr}) : at::linear(in, experts_[mi][e]);
+    if (const auto& lora = expert_lora_[e][mi]) y = y + lora->delta(in, training);
+    return y;
+  };
+  return linear(ExpertMatrix::Down, at::silu(linear(ExpertMatrix::Gate, x)) * linear(ExpertMatrix::Up, x));
+}
+
+at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const {
+  const ModelConfig& c = *cfg_;
+  const auto H = x.size(-1);
+  const at::Tensor flat = x.reshape({-1, H});
+  const auto N = flat.size(0);
+
+  // Router: logits in the compute dtype, softmax in fp32, top-k, optional renormalisation.
+  const at::Tensor logits = at::linear(flat, router_);
+  if (ctx.router_logits) ctx.router_logits->push_back(logits);
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [top_w, top_idx] = at::topk(probs, c.top_k, -1);
+  if (c.norm_topk_prob) top_w = top_w / top_w.sum(-1, true);
+  top_w = top_w.to(x.scalar_type());
+
+  // Token-sorted dispatch: order the (token, slot) pairs by expert, run each expert once on
+  // its contiguous slice, scale by the routing weight, scatter-add back to the tokens.
+  const at::Tensor flat_expert = top_idx.reshape({-1});
+  const at::Tensor order = at::argsort(flat_expert, /*stable=*/true, 0, false);
+  const at::Tensor token_of = at::floor_divide(order, c.top_k);
+  const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
+  const at::Tensor counts = at::bincount(flat_expert, {}, c.experts).to(at::kCPU);
+  const auto* count = counts.data_ptr<std::int64_t>();
+  const at::Tensor x_sorted = flat.index_select(0, token_of);
+  std::vector<at::Tensor> outs;
+  std::int64_t offset = 0;
+  for (int e = 0; e < c.experts; ++e) {
+    if (count[e] == 0) continue;
+    outs.push_back(expert(e, x_sorted.narrow(0, offset, count[e]), ctx.training));
+    offset += count[e];
+  }
+  const at::Tensor y_sorted = at::cat(outs, 0) * weight_sorted.unsqueeze(1);
+  at::Tensor out = at::zeros_like(flat).index_add(0, token_of, y_sorted);
+
+  if (has_shared_)
+    out = out + at::sigmoid(at::linear(flat, shared_gate_)) * shared_.forward(flat, ctx.training);
+  return out.view(x.sizes());
+}
+
+at::Tensor DecoderBlock::forward(const at::Tensor& hidden, const BlockContext& ctx) const {
+  if (moe_) provider_->stage(index_);  // every forward, including a checkpoint recompute
+  at::Tensor h = hidden + attention(rms_norm(hidden, input_norm_, cfg_->rms_eps), ctx);
+  const at::Tensor normed = rms_norm(h, post_norm_, cfg_->rms_eps);
+  return h + (moe_ ? moe(normed, ctx) : dense_.forward(normed, ctx.training));
+}
+
+at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
+  EO_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got ", input_ids.sizes());
+  const auto mx = input_ids.numel() ? input_ids.max().item<std::int64_t>() : 0;
+  const auto mn = input_ids.numel() ? input_ids.min().item<std::int64_t>() : 0;
+  EO_CHECK(mn >= 0 && mx < cfg_.vocab, "token id out of range [0, ", cfg_.vocab, "): min ", mn, ", max ", mx);
+  return at::embedding(embed_, input_ids.to(embed_.device()));
+}
+
+BlockContext MoeModel::context(const Batch& batch, bool training) const {
+  const auto B = batch.input_ids.size(0), T = batch.input_ids.size(1);
+  const auto dev = embed_.device();
+  BlockContext ctx;
+  ctx.training = training;
+  at::Tensor pos = batch.positions.defined() ? batch.positions.to(dev, at::kLong)
+                                             : at::arange(T, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, T});
+  // RoPE tables in fp32 (inv_freq = theta^(-2j/d)), cast to the compute dtype.
+  const auto D = cfg_.head_dim;
+  const at::Tensor j = at::arange(0, D, 2, at::TensorOptions().dtype(at::kLong).device(dev)).to(at::kFloat);
+  const at::Tensor inv_freq = 1.0 / at::pow(cfg_.rope_theta, j / static_cast<double>(D));
+  const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, T, D/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);      // [B, 1, T, D]
+  ctx.cos = emb.cos().to(opts_.dtype);
+  ctx.sin = emb.sin().to(opts_.dtype);
+
+  if (batch.attention_mask.defined() || batch.segment_ids.defined()) {
+    const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);
+    at::Tensor mask = at::ones({T, T}, opt).tril().expand({B, 1, T, T});
+    if (batch.attention_mask.defined())
+      mask = mask & batch.attention_mask.to(dev).to(at::kBool).view({B, 1, 1, T});
+    if (batch.segment_ids.defined()) {
+      const at::Tensor seg = batch.segment_ids.to(dev);
+      mask = mask & (seg.view({B, 1, T, 1}) == seg.view({B, 1, 1, T}));
+    }
+    // A padded query row would attend to nothing (NaN); let it see itself. Its output is unused.
+    ctx.attn_mask = mask | at::eye(T, opt).view({1, 1, T, T});
+  }
+  return ctx;
+}
+
+at::Tensor MoeModel::head(const at::Tensor& hidden) const {
+  return at::linear(rms_norm(hidden, final_norm_, cfg_.rms_eps), lm_head_);
+}
+
+std::pair<at::Tensor, std::int64_t> shifted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels) {
+  const auto V = logits.size(-1), T = logits.size(1);
+  EO_CHECK(labels.sizes() == logits.sizes().slice(0, 2), "labels shape ", labels.sizes(), " does not match logits ",
+           logits.sizes());
+  if (T < 2) return {at::zeros({}, logits.options().dtype(at::kFloat)), 0};
+  const at::Tensor pred = logits.narrow(1, 0, T - 1).to(at::kFloat).reshape({-1, V});
+  const at::Tensor target = labels.narrow(1, 1, T - 1).to(logits.device(), at::kLong).reshape({-1});
+  const std::int64_t count = (target != -100).sum().item<std::int64_t>();
+  const at::Tensor sum = at::cross_entropy_loss(pred, target, {}, at::Reduction::Sum, -100);
+  return {sum, count};
+}
+
+at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std::int64_t experts, std::int64_t top_k,
+                               const at::Tensor& attention_mask) {
+  EO_CHECK(!router_logits.empty(), "load_balancing_loss: no MoE layer produced router logits");
+  const auto dev = router_logits[0].device();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(dev);
+  at::Tensor tokens_per_expert = at::zeros({experts}, f32), prob_sum = at::zeros({experts}, f32);
+  at::Tensor rows = at::zeros({}, f32);
+  const at::Tensor mask = attention_mask.defined() ? attention_mask.reshape({-1}).to(dev, at::kFloat) : at::Tensor();
+  for (const auto& layer : router_logits) {
+    const at::Tensor probs = at::softmax(layer.to(at::kFloat), -1);
+    const at::Tensor selected = std::get<1>(at::topk(probs, top_k, -1)).reshape({-1});
+    const at::Tensor w = mask.defined() ? mask.repeat_interleave(top_k) : at::ones({selected.size(0)}, f32);
+    tokens_per_expert = tokens_per_expert + at::zeros({experts}, f32).scatter_add(0, selected, w);
+    prob_sum = prob_sum + (mask.defined() ? probs * mask.unsqueeze(-1) : probs).sum(0);
+    rows = rows + (mask.defined() ? mask.sum() : at::full({}, static_cast<double>(probs.size(0)), f32));
+  }
+  return (tokens_per_expert / rows * (prob_sum / rows)).sum() * static_cast<double>(experts);
+}
+
+ForwardOutput MoeModel::forward(const Batch& batch, const ForwardOptions& opts) const {
+  ForwardOutput out;
+  std::vector<at::Tensor> router_logits;
+  BlockContext ctx = context(batch, opts.training);
+  if (opts.aux_loss) ctx.router_logits = &router_logits;
+  at::Tensor h = embed(batch.input_ids);
+  for (const auto& b : blocks_) h = b->forward(h, ctx);
+  out.logits = head(h);
+  if (batch.labels.defined()) std::tie(out.loss_sum, out.tokens) = shifted_cross_entropy(out.logits, batch.labels);
+  if (opts.aux_loss) out.aux_loss = load_balancing_loss(router_logits, cfg_.experts, cfg_.top_k, batch.attention_mask);
+  return out;
+}
+
+}  // namespace eo::model

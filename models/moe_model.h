@@ -1,0 +1,160 @@
+// The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe) on libtorch, with frozen base weights
+// (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
+//
+// Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
+// one at a time: embed() → context() → block(i).forward(...) for every i → head() → loss.
+// MoE blocks stage their experts through a WeightProvider at the start of every forward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/hf_config.h"
+#include "models/lora.h"
+#include "models/nf4.h"
+#include "models/weights.h"
+
+namespace eo::model {
+
+struct LoadOptions {
+  at::ScalarType dtype = at::kFloat;  // compute dtype of the frozen weights (fp32 or bf16)
+  bool load_in_4bit = false;          // NF4 for every decoder-block linear
+  int blocksize = 64;
+  bool double_quant = false;
+  at::Device device = at::kCPU;
+};
+
+// A frozen linear: dense or module-owned NF4 weight, optional bias, optional LoRA.
+struct FrozenLinear {
+  at::Tensor weight;                           // dense [out, in]; undefined when quantised
+  std::unique_ptr<nf4::QuantizedWeight> q;     // NF4; heap-held so handles stay valid
+  at::Tensor bias;
+  std::shared_ptr<LoraAdapter> lora;
+  std::int64_t in = 0, out = 0;
+  at::Tensor forward(const at::Tensor& x, bool training) const;
+};
+
+struct Mlp {
+  FrozenLinear gate, up, down;
+  at::Tensor forward(const at::Tensor& x, bool training) const;  // down(silu(gate(x)) * up(x))
+};
+
+// Per-forward inputs shared by every block.
+struct BlockContext {
+  at::Tensor cos, sin;   // [B, 1, T, head_dim] in the compute dtype
+  at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
+  bool training = false;
+  std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]
+};
+
+class DecoderBlock {
+ public:
+  at::Tensor forward(const at::Tensor& hidden, const BlockContext& ctx) const;
+  int index() const { return index_; }
+  bool is_moe() const { return moe_; }
+
+ private:
+  friend class MoeModel;
+  friend struct ModelLoader;
+  at::Tensor attention(const at::Tensor& x, const BlockContext& ctx) const;
+  at::Tensor moe(const at::Tensor& x, const BlockContext& ctx) const;
+  at::Tensor expert(int e, const at::Tensor& x, bool training) const;
+
+  const ModelConfig* cfg_ = nullptr;
+  int index_ = 0;
+  bool moe_ = false;
+  bool quantized_ = false;
+  WeightProvider* provider_ = nullptr;
+  at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
+  FrozenLinear q_, k_, v_, o_;
+  Mlp dense_;                          // dense layers
+  at::Tensor router_;                  // [E, H]
+  std::array<at::Tensor, 3> experts_;  // dense mode: [E, out, in] per ExpertMatrix
+  std::vector<std::array<std::shared_ptr<LoraAdapter>, 3>> expert_lora_;  // [E][matrix]
+  bool has_shared_ = false;
+  Mlp shared_;
+  at::Tensor shared_gate_;  // [1, H]
+};
+
+struct Batch {
+  at::Tensor input_ids;       // int64 [B, T]
+  at::Tensor labels;          // int64 [B, T], -100 = ignore; undefined = no loss
+  at::Tensor attention_mask;  // [B, T] 1 = token, 0 = padding; optional
+  at::Tensor positions;       // int64 [B, T]; optional (default 0..T-1)
+  at::Tensor segment_ids;     // int64 [B, T] document ids of packed sequences; optional
+};
+
+struct ForwardOptions {
+  bool training = false;
+  bool aux_loss = false;  // compute transformers' load_balancing_loss over all MoE layers
+};
+
+struct ForwardOutput {
+  at::Tensor logits;      // [B, T, V] compute dtype
+  at::Tensor loss_sum;    // fp32 scalar: summed shifted CE over counted tokens (if labels)
+  std::int64_t tokens = 0;  // counted tokens (label != -100 after the shift)
+  at::Tensor aux_loss;    // raw load-balancing loss (transformers' outputs.aux_loss); the
+                          // training loss adds config().router_aux_loss_coef × aux_loss
+};
+
+// One LoRA-able linear: its peft module name and where its adapter lives.
+struct LoraSite {
+  std::string module;      // e.g. model.layers.0.self_attn.q_proj
+  std::string short_name;  // e.g. q_proj, gate_proj, w1
+  std::int64_t in = 0, out = 0;
+  std::shared_ptr<LoraAdapter>* slot = nullptr;
+};
+
+class MoeModel {
+ public:
+  static std::unique_ptr<MoeModel> load(const std::string& model_dir, const LoadOptions& opts);
+
+  const ModelConfig& config() const { return cfg_; }
+  const LoadOptions& options() const { return opts_; }
+  int num_layers() const { return static_cast<int>(blocks_.size()); }
+  const DecoderBlock& block(int i) const { return *blocks_.at(i); }
+
+  // Forward pieces (for checkpointing wrappers) and the whole thing.
+  at::Tensor embed(const at::Tensor& input_ids) const;
+  BlockContext context(const Batch& batch, bool training) const;
+  at::Tensor head(const at::Tensor& hidden) const;  // final norm + lm_head → logits
+  ForwardOutput forward(const Batch& batch, const ForwardOptions& opts = {}) const;
+
+  // LoRA: fresh adapters (peft init), an existing peft adapter folder, and saving one.
+  void add_lora(const LoraSpec& spec);
+  void load_adapter(const std::string& adapter_dir);
+  void save_adapter(const std::string& adapter_dir, const std::string& base_model) const;
+  const LoraSpec& lora_spec() const { return lora_spec_; }
+  // peft names (base_model.model.<module>.lora_{A,B}.weight), in order of use in forward.
+  std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
+
+  WeightProvider& weight_provider() { return *provider_; }
+  void set_weight_provider(std::shared_ptr<WeightProvider> provider);
+
+ private:
+  friend struct ModelLoader;
+  MoeModel() = default;
+  std::vector<LoraSite> lora_sites() const;
+
+  ModelConfig cfg_;
+  LoadOptions opts_;
+  at::Tensor embed_, final_norm_, lm_head_;
+  std::vector<std::unique_ptr<DecoderBlock>> blocks_;
+  std::shared_ptr<WeightProvider> provider_;
+  LoraSpec lora_spec_;
+};
+
+// Pieces usable on their own (and by tests).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Summed next-token cross entropy in fp32 (labels shifted left by one, -100 ignored).
+std::pair<at::Tensor, std::int64_t> shifted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels);
+// transformers' load_balancing_loss_func: E · Σ_e f_e · P_e over all layers' router logits.
+at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std::int64_t experts, std::int64_t top_k,
+                               const at::Tensor& attention_mask);
+
+}  // namespace eo::model

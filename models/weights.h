@@ -1,0 +1,77 @@
+// The seam between the decoder and whoever holds the NF4 expert bytes (design.md §2.1-2.3).
+//
+// A MoE block calls stage(layer) at the start of every forward, including the recompute in
+// backward; the 4-bit linears then ask expert_weight(...) for the packed bytes, in forward and
+// again in backward. ResidentWeights keeps everything in memory; the offload engine implements
+// the same interface with host homes and device slots. Stagings are counted here, in the base,
+// so every implementation is instrumented the same way.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "models/nf4.h"
+
+namespace eo::model {
+
+enum class ExpertMatrix : int { Gate = 0, Up = 1, Down = 2 };
+const char* expert_matrix_name(ExpertMatrix m);  // "gate_proj", "up_proj", "down_proj"
+
+class WeightProvider {
+ public:
+  virtual ~WeightProvider() = default;
+  // Make layer's experts available (and, for an offloader, schedule prefetch). Counted.
+  void stage(int layer) {
+    {
+      std::lock_guard<std::mutex> lock(count_mutex_);
+      if (layer >= static_cast<int>(stage_counts_.size())) stage_counts_.resize(layer + 1, 0);
+      ++stage_counts_[layer];
+    }
+    stage_block(layer);
+  }
+  // The packed weight, valid until the next stage() call that may reuse its slot.
+  virtual const nf4::QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) = 0;
+
+  std::int64_t stage_count(int layer) const {
+    std::lock_guard<std::mutex> lock(count_mutex_);
+    return layer < static_cast<int>(stage_counts_.size()) ? stage_counts_[layer] : 0;
+  }
+  std::int64_t total_stage_count() const {
+    std::lock_guard<std::mutex> lock(count_mutex_);
+    std::int64_t n = 0;
+    for (auto c : stage_counts_) n += c;
+    return n;
+  }
+  void reset_stage_counts() {
+    std::lock_guard<std::mutex> lock(count_mutex_);
+    stage_counts_.clear();
+  }
+
+ protected:
+  virtual void stage_block(int layer) = 0;
+
+ private:
+  mutable std::mutex count_mutex_;
+  std::vector<std::int64_t> stage_counts_;
+};
+
+// Every expert of every MoE layer held in memory (CPU or one device).
+class ResidentWeights : public WeightProvider {
+ public:
+  // experts[layer][expert][matrix]; layers without experts have an empty entry.
+  using Bank = std::vector<std::vector<std::array<nf4::QuantizedWeight, 3>>>;
+  explicit ResidentWeights(Bank bank) : bank_(std::move(bank)) {}
+  const nf4::QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) override;
+  Bank& bank() { return bank_; }  // the offload engine moves the bytes out of here
+
+ protected:
+  void stage_block(int) override {}
+
+ private:
+  Bank bank_;
+};
+
+}  // namespace eo::model

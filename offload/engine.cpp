@@ -1,0 +1,412 @@
+#include "offload/engine.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/text.h"
+
+#ifdef EO_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace eo::offload {
+namespace {
+
+constexpr std::int64_t kAlign = 256;  // every tensor in an arena starts on a 256-byte boundary
+std::int64_t align_up(std::int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+#ifdef EO_WITH_CUDA
+void cuda_check(cudaError_t rc, const char* what) {
+  if (rc != cudaSuccess) EO_FAIL("offload: ", what, " failed: ", cudaGetErrorString(rc));
+}
+#endif
+
+}  // namespace
+
+// Where a tensor of a QuantizedWeight sits in its block's arena.
+struct ExpertOffloader::Piece {
+  std::int64_t offset = 0, bytes = 0;
+};
+
+struct ExpertOffloader::Block {
+  int layer = -1;
+  std::int64_t bytes = 0;  // arena size
+  std::unique_ptr<HostBuffer> home;
+  // Per expert and matrix: the metadata (shape, blocksize, ...) and where its tensors live.
+  std::vector<std::array<nf4::QuantizedWeight, 3>> meta;  // tensors undefined; filled into views
+  std::vector<std::array<std::array<Piece, 3>, 3>> pieces;  // [expert][matrix][packed|absmax|nested_absmax]
+  at::Tensor resident;  // device arena when budget-resident
+  std::vector<std::array<nf4::QuantizedWeight, 3>> resident_views;
+};
+
+struct ExpertOffloader::Slot {
+  at::Tensor arena;  // device bytes, allocated once
+  int layer = -1;
+  std::vector<std::array<nf4::QuantizedWeight, 3>> views;
+  bool copy_pending = false;  // a copy was enqueued and compute has not waited for it yet
+#ifdef EO_WITH_CUDA
+  cudaEvent_t copy_start = nullptr, ready = nullptr, released = nullptr;
+  bool timed = false;
+#endif
+};
+
+struct ExpertOffloader::CudaState {
+#ifdef EO_WITH_CUDA
+  c10::cuda::CUDAStream copy_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> stall_events;  // (before wait, after wait) pairs to time
+  std::vector<cudaEvent_t> free_events;
+  cudaEvent_t take() {
+    if (!free_events.empty()) {
+      cudaEvent_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e;
+    cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+    return e;
+  }
+#endif
+};
+
+ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const OffloadOptions& options) : opt_(options) {
+  const int cuda_index = opt_.device.is_cuda() ? opt_.device.index() : -1;
+  node_ = choose_home_node(Topology::get(), cuda_index);
+  std::string why;
+  if (node_.node >= 0 && !bind_threads_to_node(Topology::get(), node_.node, &why))
+    log::warn("could not bind threads to NUMA node " + std::to_string(node_.node) + ": " + why);
+#ifdef EO_WITH_CUDA
+  if (opt_.device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(opt_.device.index());
+    cuda_ = std::make_unique<CudaState>();
+    cuda_->copy_stream = c10::cuda::getStreamFromPool(false, opt_.device.index());
+  }
+#endif
+  const bool pin = opt_.pin_memory && opt_.device.is_cuda();
+  std::int64_t max_block = 0;
+  blocks_.resize(bank.size());
+  for (std::size_t layer = 0; layer < bank.size(); ++layer) {
+    auto& experts = bank[layer];
+    if (experts.empty()) continue;
+    auto b = std::make_unique<Block>();
+    b->layer = static_cast<int>(layer);
+    b->meta.resize(experts.size());
+    b->pieces.resize(experts.size());
+    // Layout: for each expert and matrix, packed bytes then absmax (fp32, or u8 codes + fp32 scales).
+    std::int64_t off = 0;
+    for (std::size_t e = 0; e < experts.size(); ++e)
+      for (int m = 0; m < 3; ++m) {
+        const nf4::QuantizedWeight& q = experts[e][m];
+        auto& p = b->pieces[e][m];
+        p[0] = {off, q.packed.numel()};
+        off = align_up(off + p[0].bytes);
+        const at::Tensor stats = q.nested ? q.nested->absmax_codes : q.absmax;
+        p[1] = {off, stats.numel() * static_cast<std::int64_t>(stats.element_size())};
+        off = align_up(off + p[1].bytes);
+        if (q.nested) {
+          p[2] = {off, q.nested->nested_absmax.numel() * 4};
+          off = align_up(off + p[2].bytes);
+          if (!nested_code_.defined()) nested_code_ = q.nested->nested_code.to(opt_.device, at::kFloat).contiguous();
+        }
+        nf4::QuantizedWeight meta;
+        meta.shape = q.shape;
+        meta.blocksize = q.blocksize;
+        meta.dtype = q.dtype;
+        if (q.nested) {
+          meta.nested = nf4::DoubleQuant{};
+          meta.nested->offset = q.nested->offset;
+          meta.nested->nested_blocksize = q.nested->nested_blocksize;
+        }
+        b->meta[e][m] = std::move(meta);
+      }
+    b->bytes = off;
+    b->home = std::make_unique<HostBuffer>(static_cast<std::size_t>(off), node_, pin);
+    // Fill the home, then drop the bank's tensors for this layer.
+    auto put = [&](const Piece& p, const at::Tensor& t) {
+      const at::Tensor c = t.to(at::kCPU).contiguous();
+      EO_CHECK(c.numel() * static_cast<std::int64_t>(c.element_size()) == p.bytes, "offload: size mismatch in layout");
+      std::memcpy(b->home->data() + p.offset, c.data_ptr(), static_cast<std::size_t>(p.bytes));
+    };
+    for (std::size_t e = 0; e < experts.size(); ++e)
+      for (int m = 0; m < 3; ++m) {
+        const nf4::QuantizedWeight& q = experts[e][m];
+        put(b->pieces[e][m][0], q.packed);
+        put(b->pieces[e][m][1], q.nested ? q.nested->absmax_codes : q.absmax);
+        if (q.nested) put(b->pieces[e][m][2], q.nested->nested_absmax);
+      }
+    experts.clear();
+    experts.shrink_to_fit();
+    max_block = std::max(max_block, b->bytes);
+    blocks_[layer] = std::move(b);
+  }
+  EO_CHECK(max_block > 0, "offload: the model has no expert blocks to offload");
+
+  // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
+  std::int64_t budget = opt_.vram_budget_bytes;
+  for (auto& b : blocks_) {
+    if (!b || b->bytes > budget) continue;
+    b->resident = at::empty({b->bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
+    b->resident.copy_(at::from_blob(b->home->data(), {b->bytes}, at::kByte));
+    build_views(b->resident_views, *b, b->resident);
+    budget -= b->bytes;
+  }
+  const int nslots = opt_.prefetch ? 2 : 1;
+  int streamed = 0;
+  for (auto& b : blocks_) streamed += (b && !b->resident.defined()) ? 1 : 0;
+  for (int i = 0; i < std::min(nslots, streamed); ++i) {
+    auto s = std::make_unique<Slot>();
+    s->arena = at::empty({max_block}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
+#ifdef EO_WITH_CUDA
+    if (cuda_) {
+      cuda_check(cudaEventCreate(&s->copy_start), "cudaEventCreate");
+      cuda_check(cudaEventCreate(&s->ready), "cudaEventCreate");
+      cuda_check(cudaEventCreate(&s->released), "cudaEventCreate");
+    }
+#endif
+    slots_.push_back(std::move(s));
+  }
+  log::info("expert offload: " + std::to_string(moe_layers().size()) + " MoE blocks, " + human_bytes(double(home_bytes())) +
+            " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + "); " +
+            std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) + "; " +
+            std::to_string(resident_layers().size()) + " block(s) resident within the VRAM budget");
+}
+
+bool ExpertOffloader::b_pinned() const {
+  for (const auto& b : blocks_)
+    if (b) return b->home->pinned();
+  return false;
+}
+
+ExpertOffloader::~ExpertOffloader() {
+#ifdef EO_WITH_CUDA
+  if (cuda_) {
+    cudaStreamSynchronize(cuda_->copy_stream.stream());
+    for (auto& s : slots_) {
+      cudaEventDestroy(s->copy_start);
+      cudaEventDestroy(s->ready);
+      cudaEventDestroy(s->released);
+    }
+    for (auto& [a, b] : cuda_->stall_events) {
+      cudaEventDestroy(a);
+      cudaEventDestroy(b);
+    }
+    for (auto e : cuda_->free_events) cudaEventDestroy(e);
+  }
+#endif
+}
+
+void ExpertOffloader::build_views(std::vector<std::array<nf4::QuantizedWeight, 3>>& views, const Block& block,
+                                  const at::Tensor& arena) const {
+  views = block.meta;
+  for (std::size_t e = 0; e < views.size(); ++e)
+    for (int m = 0; m < 3; ++m) {
+      nf4::QuantizedWeight& q = views[e][m];
+      const auto& p = block.pieces[e][m];
+      q.packed = arena.narrow(0, p[0].offset, p[0].bytes).view({p[0].bytes, 1});
+      if (q.nested) {
+        q.nested->absmax_codes = arena.narrow(0, p[1].offset, p[1].bytes);
+        q.nested->nested_absmax = arena.narrow(0, p[2].offset, p[2].bytes).view(at::kFloat);
+        q.nested->nested_code = nested_code_;
+      } else {
+        q.absmax = arena.narrow(0, p[1].offset, p[1].bytes).view(at::kFloat);
+      }
+    }
+}
+
+ExpertOffloader::Slot* ExpertOffloader::slot_holding(int layer) {
+  for (auto& s : slots_)
+    if (s->layer == layer) return s.get();
+  return nullptr;
+}
+
+int ExpertOffloader::next_layer(int from, int direction) const {
+  for (int l = from + direction; l >= 0 && l < static_cast<int>(blocks_.size()); l += direction)
+    if (blocks_[l] && !blocks_[l]->resident.defined()) return l;
+  return -1;
+}
+
+void ExpertOffloader::copy_into(Slot& slot, int layer, bool wait_for_release) {
+  const Block& b = *blocks_[layer];
+  ++stats_.copies;
+  stats_.copied_bytes += b.bytes;
+#ifdef EO_WITH_CUDA
+  if (cuda_) {
+    cudaStream_t cs = cuda_->copy_stream.stream();
+    // The slot's previous block may still be read by kernels enqueued on the compute stream.
+    if (wait_for_release) cuda_check(cudaStreamWaitEvent(cs, slot.released, 0), "cudaStreamWaitEvent");
+    cuda_check(cudaEventRecord(slot.copy_start, cs), "cudaEventRecord");
+    cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), b.home->data(), static_cast<std::size_t>(b.bytes),
+                               cudaMemcpyHostToDevice, cs),
+               "cudaMemcpyAsync (expert staging)");
+    cuda_check(cudaEventRecord(slot.ready, cs), "cudaEventRecord");
+    slot.timed = true;
+    slot.copy_pending = true;
+    slot.layer = layer;
+    build_views(slot.views, b, slot.arena);
+    return;
+  }
+#endif
+  (void)wait_for_release;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::memcpy(slot.arena.data_ptr(), b.home->data(), static_cast<std::size_t>(b.bytes));
+  stats_.copy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  slot.layer = layer;
+  build_views(slot.views, b, slot.arena);
+}
+
+void ExpertOffloader::wait_ready(Slot& slot) {
+  if (!slot.copy_pending) return;
+  slot.copy_pending = false;
+#ifdef EO_WITH_CUDA
+  if (cuda_) {
+    cudaStream_t compute = c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream();
+    cudaEvent_t before = cuda_->take(), after = cuda_->take();
+    cuda_check(cudaEventRecord(before, compute), "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(compute, slot.ready, 0), "cudaStreamWaitEvent");
+    cuda_check(cudaEventRecord(after, compute), "cudaEventRecord");
+    cuda_->stall_events.emplace_back(before, after);
+  }
+#endif
+}
+
+void ExpertOffloader::stage_block(int layer) {
+  EO_CHECK(layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer],
+           "offload: stage(", layer, ") but layer ", layer, " has no offloaded experts");
+  ++stats_.stage_calls;
+  // Direction of travel: forward goes up, the recompute in backward goes down; staging the same
+  // block twice in a row is the turn between them.
+  if (current_ >= 0) direction_ = layer > current_ ? +1 : layer < current_ ? -1 : -direction_;
+  Slot* in_use = current_ >= 0 ? slot_holding(current_) : nullptr;
+#ifdef EO_WITH_CUDA
+  // Everything enqueued so far may read the block in use: mark the point after which its slot is free.
+  if (cuda_ && in_use)
+    cuda_check(cudaEventRecord(in_use->released, c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()),
+               "cudaEventRecord");
+#endif
+  current_ = layer;
+  Block& b = *blocks_[layer];
+  if (b.resident.defined()) {
+    ++stats_.resident_hits;
+  } else if (Slot* s = slot_holding(layer)) {
+    ++stats_.slot_hits;
+    wait_ready(*s);
+  } else {
+    // Overwrite a slot other than the one in use (with two slots there always is one).
+    Slot* target = slots_[0].get();
+    for (auto& s : slots_)
+      if (s.get() != in_use) {
+        target = s.get();
+        break;
+      }
+    copy_into(*target, layer, /*wait_for_release=*/true);
+    wait_ready(*target);
+  }
+  // Prefetch the next streamed block in this direction into the other slot.
+  if (opt_.prefetch && slots_.size() == 2) {
+    const int next = next_layer(layer, direction_);
+    if (next >= 0 && !slot_holding(next)) {
+      Slot* mine = b.resident.defined() ? nullptr : slot_holding(layer);
+      Slot* other = slots_[0].get() == mine ? slots_[1].get() : slots_[0].get();
+      copy_into(*other, next, /*wait_for_release=*/true);
+    }
+  }
+}
+
+const nf4::QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert, model::ExpertMatrix m) {
+  EO_CHECK(layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer], "offload: layer ", layer,
+           " has no offloaded experts");
+  Block& b = *blocks_[layer];
+  EO_CHECK(expert >= 0 && expert < static_cast<int>(b.meta.size()), "offload: no expert ", expert, " in layer ", layer);
+  if (b.resident.defined()) return b.resident_views[expert][static_cast<int>(m)];
+  // Only the block in use may be read: anything else means a stage() was skipped, and reading a
+  // slot that now holds another block would give silently wrong results.
+  Slot* s = slot_holding(layer);
+  EO_CHECK(s && layer == current_, "offload: layer ", layer, "'s experts were read while layer ", current_,
+           " is staged (a block ran without stage(); is gradient checkpointing on?)");
+  return s->views[expert][static_cast<int>(m)];
+}
+
+OffloadStats ExpertOffloader::take_step_stats() {
+#ifdef EO_WITH_CUDA
+  if (cuda_) {
+    cuda_check(cudaStreamSynchronize(cuda_->copy_stream.stream()), "cudaStreamSynchronize");
+    cuda_check(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()), "cudaStreamSynchronize");
+    for (auto& s : slots_)
+      if (s->timed) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, s->copy_start, s->ready) == cudaSuccess) stats_.copy_seconds += ms / 1e3;
+        s->timed = false;
+      }
+    for (auto& [before, after] : cuda_->stall_events) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, before, after) == cudaSuccess) stats_.stall_seconds += ms / 1e3;
+      cuda_->free_events.push_back(before);
+      cuda_->free_events.push_back(after);
+    }
+    cuda_->stall_events.clear();
+  }
+#endif
+  OffloadStats out = stats_;
+  stats_ = OffloadStats{};
+  return out;
+}
+
+std::int64_t ExpertOffloader::home_bytes() const {
+  std::int64_t n = 0;
+  for (const auto& b : blocks_) n += b ? b->bytes : 0;
+  return n;
+}
+
+std::int64_t ExpertOffloader::block_bytes(int layer) const {
+  return layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer] ? blocks_[layer]->bytes : 0;
+}
+
+std::int64_t ExpertOffloader::slot_bytes() const {
+  std::int64_t n = 0;
+  for (const auto& s : slots_) n += s->arena.numel();
+  return n;
+}
+
+std::int64_t ExpertOffloader::resident_bytes() const {
+  std::int64_t n = 0;
+  for (const auto& b : blocks_) n += b && b->resident.defined() ? b->bytes : 0;
+  return n;
+}
+
+std::vector<int> ExpertOffloader::moe_layers() const {
+  std::vector<int> out;
+  for (const auto& b : blocks_)
+    if (b) out.push_back(b->layer);
+  return out;
+}
+
+std::vector<int> ExpertOffloader::resident_layers() const {
+  std::vector<int> out;
+  for (const auto& b : blocks_)
+    if (b && b->resident.defined()) out.push_back(b->layer);
+  return out;
+}
+
+std::vector<int> ExpertOffloader::staged_layers() const {
+  std::vector<int> out;
+  for (const auto& s : slots_)
+    if (s->layer >= 0) out.push_back(s->layer);
+  return out;
+}
+
+std::vector<int> ExpertOffloader::home_page_nodes() const {
+  std::vector<int> out;
+  for (const auto& b : blocks_)
+    if (b)
+      for (int n : b->home->resident_nodes())
+        if (std::find(out.begin(), out.end(), n) == out.end()) out.push_back(n);
+  return out;
+}
+
+}  // namespace eo::offload

@@ -1,0 +1,75 @@
+#include "runtime/data/jsonl.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+
+namespace eo::data {
+namespace {
+
+std::vector<std::int64_t> int_array(const nlohmann::json& obj, const char* key, const std::string& where) {
+  const auto& v = obj.at(key);
+  if (!v.is_array()) throw UsageError(where + ": '" + key + "' must be an array of integers");
+  std::vector<std::int64_t> out;
+  out.reserve(v.size());
+  for (const auto& x : v) {
+    if (!x.is_number_integer()) throw UsageError(where + ": '" + key + "' must contain only integers, found " + x.dump());
+    out.push_back(x.get<std::int64_t>());
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::int64_t vocab_size) {
+  std::ifstream in(path);
+  if (!in) throw UsageError(path + ": cannot open the data file");
+  std::vector<TokenizedLine> out;
+  std::string text;
+  int lineno = 0;
+  while (std::getline(in, text)) {
+    ++lineno;
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(lineno);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw UsageError(where + ": invalid JSON (" + e.what() + ")");
+    }
+    if (!j.is_object()) throw UsageError(where + ": expected one JSON object per line");
+    if (!j.contains("input_ids")) throw UsageError(where + ": 'input_ids' is missing (expected tokenized data)");
+    TokenizedLine l;
+    l.line = lineno;
+    l.input_ids = int_array(j, "input_ids", where);
+    if (l.input_ids.empty()) throw UsageError(where + ": 'input_ids' is empty");
+    const std::size_t n = l.input_ids.size();
+    l.labels = j.contains("labels") && !j["labels"].is_null() ? int_array(j, "labels", where) : l.input_ids;
+    if (l.labels.size() != n)
+      throw UsageError(where + ": 'labels' has " + std::to_string(l.labels.size()) + " entries, 'input_ids' " + std::to_string(n));
+    if (j.contains("attention_mask") && !j["attention_mask"].is_null()) {
+      l.attention_mask = int_array(j, "attention_mask", where);
+      if (l.attention_mask.size() != n)
+        throw UsageError(where + ": 'attention_mask' has " + std::to_string(l.attention_mask.size()) + " entries, 'input_ids' " +
+                         std::to_string(n));
+      for (auto m : l.attention_mask)
+        if (m != 0 && m != 1) throw UsageError(where + ": 'attention_mask' values must be 0 or 1");
+    } else {
+      l.attention_mask.assign(n, 1);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto id = l.input_ids[i], lab = l.labels[i];
+      if (id < 0 || (vocab_size > 0 && id >= vocab_size))
+        throw UsageError(where + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                         std::to_string(vocab_size) + ")");
+      if (lab != -100 && (lab < 0 || (vocab_size > 0 && lab >= vocab_size)))
+        throw UsageError(where + ": label " + std::to_string(lab) + " is neither -100 nor a token id of the vocabulary");
+    }
+    out.push_back(std::move(l));
+  }
+  if (lineno == 0 || out.empty()) throw UsageError(path + ": no examples (the file is empty)");
+  return out;
+}
+
+}  // namespace eo::data

@@ -1,0 +1,51 @@
+#include "runtime/device.h"
+
+#include <ATen/Context.h>
+
+#include "common/error.h"
+#include "runtime/metrics.h"
+
+#ifdef EO_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace eo {
+
+at::Device pick_device(int local_rank, int local_size) {
+  if (!at::hasCUDA()) return at::Device(at::kCPU);
+  const int n = static_cast<int>(at::getNumGPUs());
+  if (local_size > n)
+    throw UsageError(std::to_string(local_size) + " ranks on this node but only " + std::to_string(n) +
+                     " visible GPU(s); start one rank per GPU (mpirun -np " + std::to_string(n) + " per node)");
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+std::string describe_device(const at::Device& d) { return d.str(); }
+
+std::int64_t peak_memory_bytes(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    return stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  (void)d;
+  return peak_rss_bytes();
+}
+
+void reset_peak_memory(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
+#endif
+  (void)d;
+}
+
+void synchronize(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) c10::cuda::device_synchronize();
+#endif
+  (void)d;
+}
+
+}  // namespace eo

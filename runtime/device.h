@@ -1,0 +1,22 @@
+// The rank's compute device and its memory statistics. CUDA specifics stay in device.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace eo {
+
+// cuda:<local_rank> when this build and host have CUDA, else the CPU. More local ranks than
+// visible GPUs is a UsageError.
+at::Device pick_device(int local_rank, int local_size);
+std::string describe_device(const at::Device& d);
+
+// Peak bytes allocated since the last reset: the CUDA caching allocator's peak on a GPU, the
+// process' max RSS on the CPU.
+std::int64_t peak_memory_bytes(const at::Device& d);
+void reset_peak_memory(const at::Device& d);
+void synchronize(const at::Device& d);
+
+}  // namespace eo

@@ -1,0 +1,65 @@
+#include "runtime/metrics.h"
+
+#include <sys/resource.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "common/error.h"
+#include "common/text.h"
+
+namespace eo {
+
+MetricsLog::MetricsLog(const std::string& output_dir, bool append) {
+  std::filesystem::create_directories(output_dir);
+  path_ = (std::filesystem::path(output_dir) / "metrics.jsonl").string();
+  out_.open(path_, append ? std::ios::app : std::ios::trunc);
+  EO_CHECK(out_, "cannot write ", path_);
+}
+
+nlohmann::json to_json(const StepReport& r) {
+  nlohmann::json j = {{"step", r.step},
+                      {"epoch", r.epoch},
+                      {"loss", r.loss},
+                      {"lr", r.lr},
+                      {"grad_norm", r.grad_norm},
+                      {"tokens", r.tokens},
+                      {"tokens_per_sec", r.tokens_per_sec},
+                      {"step_time_s", r.step_time_s},
+                      {"peak_mem_bytes", r.peak_mem_bytes},
+                      {"elapsed_s", r.elapsed_s}};
+  for (auto it = r.extra.begin(); it != r.extra.end(); ++it) j[it.key()] = it.value();
+  return j;
+}
+
+void MetricsLog::write(const StepReport& r) {
+  out_ << to_json(r).dump() << "\n";
+  out_.flush();
+}
+
+std::string progress_line(const StepReport& r) {
+  const double remaining = r.step_time_s * double(std::max<std::int64_t>(0, r.total_steps - r.step));
+  char eta[32];
+  std::snprintf(eta, sizeof eta, "%d:%02d", int(remaining) / 60, int(remaining) % 60);
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "step %lld/%lld  loss %.4f  lr %.3g  |g| %.3g  %.0f tok/s  %.3f s/step  eta %s  peak %s",
+                static_cast<long long>(r.step), static_cast<long long>(r.total_steps), r.loss, r.lr, r.grad_norm,
+                r.tokens_per_sec, r.step_time_s, eta, human_bytes(double(r.peak_mem_bytes)).c_str());
+  std::string line = buf;
+  if (r.extra.contains("h2d_gbps")) {
+    char off[160];
+    std::snprintf(off, sizeof off, "  H2D %.1f GB/s  staged %s", r.extra["h2d_gbps"].get<double>(),
+                  human_bytes(r.extra.value("staged_bytes", 0.0)).c_str());
+    line += off;
+  }
+  return line;
+}
+
+std::int64_t peak_rss_bytes() {
+  struct rusage u {};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<std::int64_t>(u.ru_maxrss) * 1024;
+}
+
+}  // namespace eo

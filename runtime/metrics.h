@@ -1,0 +1,45 @@
+// What a run tells its user: a live progress line on stderr and output_dir/metrics.jsonl,
+// one JSON object per logged step (tools/plot_metrics.py draws it).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace eo {
+
+struct StepReport {
+  std::int64_t step = 0, total_steps = 0;
+  double epoch = 0;
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  std::int64_t tokens = 0;  // target tokens in this step, all ranks
+  double step_time_s = 0;
+  double tokens_per_sec = 0;
+  std::int64_t peak_mem_bytes = 0;  // device allocator peak (CUDA) or max RSS (CPU)
+  double elapsed_s = 0;
+  nlohmann::json extra = nlohmann::json::object();  // e.g. offload statistics
+};
+
+class MetricsLog {
+ public:
+  // Appends when resuming so the file covers the whole run.
+  MetricsLog(const std::string& output_dir, bool append);
+  void write(const StepReport& r);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+nlohmann::json to_json(const StepReport& r);
+std::string progress_line(const StepReport& r);
+
+// Peak resident memory of this process (CPU runs).
+std::int64_t peak_rss_bytes();
+
+}  // namespace eo

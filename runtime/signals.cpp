@@ -1,0 +1,31 @@
+#include "runtime/signals.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+
+namespace eo {
+namespace {
+std::atomic<int> g_signal{0};
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_signal.exchange(sig) != 0) _exit(128 + sig);  // second signal: leave now
+  const char msg[] = "\neo-ddp: stop requested; saving a checkpoint at the end of this step (signal again to quit now)\n";
+  ssize_t ignored = write(STDERR_FILENO, msg, sizeof msg - 1);
+  (void)ignored;
+}
+}  // namespace
+
+void install_stop_signals() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+bool stop_requested() { return g_signal.load() != 0; }
+int stop_signal() { return g_signal.load(); }
+
+}  // namespace eo

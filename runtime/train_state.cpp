@@ -1,0 +1,173 @@
+#include "runtime/train_state.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+#include "models/safetensors.h"
+#include "runtime/config.h"
+
+namespace eo {
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kStateFile = "trainer_state.json";
+const char* kCheckpointPrefix = "checkpoint-";
+
+std::map<std::string, at::Tensor> load_all(const std::string& path) {
+  std::map<std::string, at::Tensor> out;
+  auto f = st::File::open(path);
+  for (const auto& t : f->tensors()) out[t.name] = f->load(t.name);
+  return out;
+}
+
+NamedTensors as_list(const std::map<std::string, at::Tensor>& m) { return NamedTensors(m.begin(), m.end()); }
+
+std::int64_t step_of(const fs::path& p) {
+  const std::string n = p.filename().string();
+  if (n.rfind(kCheckpointPrefix, 0) != 0) return -1;
+  const std::string digits = n.substr(std::strlen(kCheckpointPrefix));
+  if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return -1;
+  return std::stoll(digits);
+}
+
+}  // namespace
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  EO_CHECK(fd >= 0, "cannot open ", path, " to sync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  EO_CHECK(rc == 0, "fsync of ", path, " failed: ", std::strerror(err));
+}
+
+void write_file_atomic(const std::string& path, const std::string& contents) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    EO_CHECK(out, "cannot write ", tmp, ": ", std::strerror(errno));
+    out << contents;
+    out.flush();
+    EO_CHECK(out.good(), "writing ", tmp, " failed (disk full?): ", std::strerror(errno));
+  }
+  fsync_path(tmp);
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    fs::remove(tmp);
+    EO_FAIL("cannot rename ", tmp, " to ", path, ": ", ec.message());
+  }
+  fsync_path(fs::path(path).parent_path().empty() ? "." : fs::path(path).parent_path().string());
+}
+
+void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg) {
+  fs::create_directories(dir);
+  // peft's adapter_config.json; only peft_type is required to load, the rest documents the run.
+  nlohmann::json c;
+  c["peft_type"] = "LORA";
+  c["task_type"] = "CAUSAL_LM";
+  c["r"] = cfg.lora_r;
+  c["lora_alpha"] = cfg.lora_alpha;
+  c["lora_dropout"] = cfg.lora_dropout;
+  c["target_modules"] = cfg.lora_target_modules;
+  c["bias"] = "none";
+  c["use_rslora"] = cfg.peft_use_rslora;
+  c["fan_in_fan_out"] = false;
+  c["base_model_name_or_path"] = cfg.base_model;
+  c["inference_mode"] = true;
+  c["init_lora_weights"] = true;
+  c["modules_to_save"] = nullptr;
+  NamedTensors cpu;
+  for (const auto& [n, t] : lora) cpu.emplace_back(n, t.detach().to(at::kCPU).contiguous());
+  st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
+  write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
+}
+
+std::string save_checkpoint(const std::string& output_dir, const TrainingState& s, const TrainConfig& cfg, int keep) {
+  fs::create_directories(output_dir);
+  const fs::path final_dir = fs::path(output_dir) / (kCheckpointPrefix + std::to_string(s.step));
+  const fs::path tmp_dir = fs::path(output_dir) / (".tmp-" + final_dir.filename().string() + "-" + std::to_string(::getpid()));
+  fs::remove_all(tmp_dir);
+  fs::create_directories(tmp_dir);
+  try {
+    write_adapter(tmp_dir.string(), s.lora, cfg);
+    st::save((tmp_dir / "optimizer.safetensors").string(), s.optimizer);
+    st::save((tmp_dir / "rng.safetensors").string(), s.rng);
+    nlohmann::json j;
+    j["step"] = s.step;
+    j["data_cursor"] = s.data_cursor;
+    j["extra"] = s.extra;
+    j["world_size"] = s.world_size;
+    j["format"] = "eo-ddp-checkpoint-1";
+    // Written last: a folder with trainer_state.json has every other file complete.
+    write_file_atomic((tmp_dir / kStateFile).string(), j.dump(2) + "\n");
+    fsync_path(tmp_dir.string());
+    // Replace an existing checkpoint of the same step (re-run after resume) only once the new one is whole.
+    if (fs::exists(final_dir)) fs::remove_all(final_dir);
+    fs::rename(tmp_dir, final_dir);
+    fsync_path(output_dir);
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(tmp_dir, ec);
+    throw;
+  }
+  // Keep the newest `keep` checkpoints.
+  std::vector<std::pair<std::int64_t, fs::path>> all;
+  for (const auto& e : fs::directory_iterator(output_dir))
+    if (e.is_directory() && step_of(e.path()) >= 0) all.emplace_back(step_of(e.path()), e.path());
+  std::sort(all.begin(), all.end());
+  for (std::size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i].second);
+  return final_dir.string();
+}
+
+std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
+  if (!fs::is_directory(output_dir)) return std::nullopt;
+  std::int64_t best = -1;
+  std::optional<std::string> found;
+  for (const auto& e : fs::directory_iterator(output_dir)) {
+    const std::int64_t step = step_of(e.path());
+    if (step > best && e.is_directory() && fs::exists(e.path() / kStateFile)) {
+      best = step;
+      found = e.path().string();
+    }
+  }
+  return found;
+}
+
+TrainingState load_checkpoint(const std::string& folder) {
+  const fs::path dir(folder);
+  EO_CHECK(fs::exists(dir / kStateFile), "checkpoint ", folder, " is incomplete: no ", kStateFile,
+           " (it was not finished; use an older checkpoint or resume_from_checkpoint: auto)");
+  std::ifstream in(dir / kStateFile);
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    EO_FAIL("checkpoint ", folder, ": ", kStateFile, " is not valid JSON: ", e.what());
+  }
+  TrainingState s;
+  try {
+    s.step = j.at("step").get<std::int64_t>();
+    s.data_cursor = j.at("data_cursor");
+    s.extra = j.value("extra", nlohmann::json::object());
+    s.world_size = j.value("world_size", 1);
+  } catch (const std::exception& e) {
+    EO_FAIL("checkpoint ", folder, ": ", kStateFile, " is missing fields: ", e.what());
+  }
+  s.lora = as_list(load_all((dir / "adapter_model.safetensors").string()));
+  s.optimizer = as_list(load_all((dir / "optimizer.safetensors").string()));
+  s.rng = as_list(load_all((dir / "rng.safetensors").string()));
+  return s;
+}
+
+}  // namespace eo

@@ -1,0 +1,294 @@
+#include "runtime/trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/text.h"
+#include "models/moe_model.h"
+#include "runtime/checkpoint.h"
+#include "runtime/data/batcher.h"
+#include "runtime/data/jsonl.h"
+#include "runtime/data/tokens.h"
+#include "runtime/device.h"
+#include "runtime/dist/world.h"
+#include "runtime/metrics.h"
+#include "runtime/optimizer.h"
+#include "runtime/signals.h"
+#include "runtime/train_state.h"
+
+namespace eo {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The config's datasets as one document source; token ids are checked against the vocabulary
+// here, before training starts, with the file and line that is wrong.
+std::shared_ptr<const data::DocumentSource> load_documents(const TrainConfig& cfg, std::int64_t vocab) {
+  std::vector<std::shared_ptr<const data::DocumentSource>> parts;
+  for (const auto& d : cfg.datasets) {
+    if (d.type == "tokens") {
+      parts.push_back(std::make_shared<data::TokenFileDocuments>(d.path, data::parse_token_dtype(d.dtype, d.path),
+                                                                 d.eos_token_id, cfg.sequence_len, vocab));
+    } else {
+      std::vector<data::Example> examples;
+      for (auto& line : data::read_tokenized_jsonl(d.path, vocab)) {
+        data::Example e;
+        e.input_ids.assign(line.input_ids.begin(), line.input_ids.end());
+        e.labels.assign(line.labels.begin(), line.labels.end());
+        examples.push_back(std::move(e));
+      }
+      parts.push_back(std::make_shared<data::InMemoryDocuments>(std::move(examples), d.path));
+    }
+  }
+  if (parts.size() == 1) return parts[0];
+  return std::make_shared<data::ConcatDocuments>(std::move(parts));
+}
+
+NamedTensors rng_state(const at::Device& device) {
+  NamedTensors out;
+  out.emplace_back("cpu", at::detail::getDefaultCPUGenerator().get_state());
+  if (device.is_cuda()) out.emplace_back("cuda", at::globalContext().defaultGenerator(device).get_state());
+  return out;
+}
+
+void restore_rng(const NamedTensors& state, const at::Device& device) {
+  for (const auto& [name, t] : state) {
+    if (name == "cpu") at::Generator(at::detail::getDefaultCPUGenerator()).set_state(t);  // copy shares the impl
+    if (name == "cuda" && device.is_cuda()) {
+      at::Generator g = at::globalContext().defaultGenerator(device);
+      g.set_state(t);
+    }
+  }
+}
+
+// Gradients summed over ranks. (Bucketed, overlapped all-reduce lives in runtime/dist.)
+void reduce_gradients(const std::vector<at::Tensor>& params, const dist::World& world) {
+  if (world.size() == 1) return;
+  for (const auto& p : params) {
+    at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
+    at::Tensor host = g.to(at::kCPU, at::kDouble).contiguous();
+    world.allreduce_sum(host.data_ptr<double>(), static_cast<std::size_t>(host.numel()));
+    p.mutable_grad() = host.to(p.device(), p.scalar_type());
+  }
+}
+
+struct StepLoss {
+  double ce_sum = 0;
+  double aux_sum = 0;
+  std::int64_t tokens = 0;
+};
+
+}  // namespace
+
+TrainResult train(const TrainConfig& cfg, dist::World& world) {
+  install_checkpoint_engine();
+  install_stop_signals();
+  const auto& wi = world.info();
+  const at::Device device = pick_device(wi.local_rank, wi.local_size);
+  const bool bf16 = config_use_bf16(cfg, device.is_cuda());
+  at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
+  const auto t_load = Clock::now();
+
+  // ---- model
+  model::LoadOptions lo;
+  lo.dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  lo.load_in_4bit = cfg.load_in_4bit;
+  lo.blocksize = cfg.bnb_4bit_blocksize;
+  lo.double_quant = cfg.bnb_4bit_use_double_quant;
+  lo.device = device;
+  log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
+            describe_device(device) + ", " + (bf16 ? "bf16" : "fp32") + " compute");
+  auto model = model::MoeModel::load(cfg.base_model, lo);
+  const auto& mc = model->config();
+  model::LoraSpec spec;
+  spec.r = cfg.lora_r;
+  spec.alpha = cfg.lora_alpha;
+  spec.dropout = cfg.lora_dropout;
+  spec.use_rslora = cfg.peft_use_rslora;
+  spec.targets = cfg.lora_target_modules;
+  spec.seed = static_cast<std::uint64_t>(cfg.seed);
+  model->add_lora(spec);
+  const NamedTensors lora = model->lora_parameters();
+  EO_CHECK(!lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
+           join(cfg.lora_target_modules, ", "), "]");
+  std::vector<at::Tensor> params;
+  std::int64_t trainable = 0;
+  for (const auto& [n, p] : lora) {
+    params.push_back(p);
+    trainable += p.numel();
+  }
+  log::info("model " + mc.model_type + ": " + std::to_string(model->num_layers()) + " layers, LoRA r=" +
+            std::to_string(cfg.lora_r) + " on " + std::to_string(lora.size() / 2) + " modules (" +
+            std::to_string(trainable) + " trainable parameters); loaded in " + std::to_string(seconds_since(t_load)).substr(0, 5) + " s");
+
+  // ---- data
+  auto docs = load_documents(cfg, mc.vocab);
+  data::BatcherOptions bo;
+  bo.sequence_len = cfg.sequence_len;
+  bo.sample_packing = cfg.sample_packing;
+  bo.micro_batch_size = cfg.micro_batch_size;
+  bo.seed = cfg.seed;
+  bo.rank = wi.rank;
+  bo.world_size = wi.world_size;
+  data::Batcher batcher(docs, bo);
+  const std::int64_t per_epoch = batcher.num_batches_per_epoch();
+  const std::int64_t accum = cfg.gradient_accumulation_steps;
+  const std::int64_t total_steps =
+      cfg.max_steps ? *cfg.max_steps
+                    : std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(cfg.num_epochs * double(per_epoch) / double(accum))));
+  const std::int64_t warmup = resolve_warmup_steps(cfg, total_steps);
+  log::info("data: " + std::to_string(docs->num_documents()) + " documents -> " + std::to_string(batcher.num_sequences()) +
+            " sequences of " + std::to_string(cfg.sequence_len) + " tokens; " + std::to_string(per_epoch) +
+            " micro-batches per epoch; " + std::to_string(total_steps) + " optimizer steps");
+
+  // ---- optimizer and resume
+  Optimizer optimizer(lora, cfg);
+  std::int64_t step = 0;
+  std::string resume = cfg.resume_from_checkpoint;
+  if (resume == "auto") {
+    auto latest = latest_checkpoint(cfg.output_dir);
+    resume = latest.value_or("");
+    if (!latest) log::info("resume_from_checkpoint: auto found no checkpoint in " + cfg.output_dir + "; starting fresh");
+  }
+  if (!resume.empty()) {
+    TrainingState s = load_checkpoint(resume);
+    std::map<std::string, at::Tensor> saved(s.lora.begin(), s.lora.end());
+    for (const auto& [n, p] : lora) {
+      auto it = saved.find(n);
+      EO_CHECK(it != saved.end(), "checkpoint ", resume, " has no tensor ", n, " (different model or lora_target_modules?)");
+      EO_CHECK(it->second.sizes() == p.sizes(), "checkpoint ", resume, ": ", n, " has shape ", it->second.sizes(),
+               ", the model ", p.sizes(), " (different lora_r?)");
+      at::NoGradGuard ng;
+      p.copy_(it->second);
+    }
+    EO_CHECK(saved.size() == lora.size(), "checkpoint ", resume, " has ", saved.size(), " LoRA tensors, the model ", lora.size());
+    optimizer.load_state(std::map<std::string, at::Tensor>(s.optimizer.begin(), s.optimizer.end()));
+    restore_rng(s.rng, device);
+    batcher.restore(s.data_cursor);
+    step = s.step;
+    log::info("resumed from " + resume + " at step " + std::to_string(step));
+  }
+
+  std::unique_ptr<MetricsLog> metrics;
+  if (wi.rank == 0) metrics = std::make_unique<MetricsLog>(cfg.output_dir, !resume.empty());
+  auto save = [&](const std::string& why) {
+    TrainingState s;
+    s.step = step;
+    s.data_cursor = batcher.state();
+    s.world_size = wi.world_size;
+    s.lora = model->lora_parameters();
+    s.optimizer = optimizer.state();
+    s.rng = rng_state(device);
+    if (wi.rank == 0) {
+      const std::string dir = save_checkpoint(cfg.output_dir, s, cfg, cfg.save_total_limit);
+      log::info("saved " + dir + " (" + why + ")");
+    }
+  };
+
+  // ---- loop
+  TrainResult result;
+  const auto t_start = Clock::now();
+  const double aux_coef = cfg.router_aux_loss_coef.value_or(mc.router_aux_loss_coef);
+  reset_peak_memory(device);
+  while (step < total_steps) {
+    const auto t_step = Clock::now();
+    std::vector<data::MicroBatch> micro;
+    std::int64_t tokens[1] = {0};
+    for (std::int64_t m = 0; m < accum; ++m) {
+      micro.push_back(batcher.next());
+      tokens[0] += micro.back().num_target_tokens;
+    }
+    world.allreduce_sum(tokens, 1);
+    const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
+    StepLoss sl;
+    for (const auto& mb : micro) {
+      model::Batch b;
+      b.input_ids = mb.input_ids.to(device);
+      b.labels = mb.labels.to(device);
+      b.positions = mb.position_ids.to(device);
+      b.segment_ids = mb.segment_ids.to(device, at::kLong);
+      std::vector<at::Tensor> router_logits;
+      model::BlockContext ctx = model->context(b, /*training=*/true);
+      if (cfg.output_router_logits) ctx.router_logits = &router_logits;
+      at::Tensor hidden = model->embed(b.input_ids);
+      for (int i = 0; i < model->num_layers(); ++i) {
+        const model::DecoderBlock& block = model->block(i);
+        if (cfg.gradient_checkpointing)
+          hidden = checkpoint([&block, ctx](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{block.forward(in[0], ctx)}; },
+                              {hidden})[0];
+        else
+          hidden = block.forward(hidden, ctx);
+      }
+      auto [ce_sum, count] = model::shifted_cross_entropy(model->head(hidden), b.labels);
+      at::Tensor loss = ce_sum / global_tokens;
+      if (cfg.output_router_logits && !router_logits.empty()) {
+        at::Tensor aux = model::load_balancing_loss(router_logits, mc.experts, mc.top_k, at::Tensor());
+        loss = loss + aux * (aux_coef / double(accum * wi.world_size));
+        sl.aux_sum += aux.item<double>();
+      }
+      loss.backward();
+      sl.ce_sum += ce_sum.item<double>();
+      sl.tokens += count;
+    }
+    reduce_gradients(params, world);
+    const double grad_norm = clip_grad_norm(params, cfg.max_grad_norm);
+    const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
+    optimizer.step(lr);
+    optimizer.zero_grad();
+    ++step;
+
+    double sums[2] = {sl.ce_sum, sl.aux_sum};
+    world.allreduce_sum(sums, 2);
+    StepReport r;
+    r.step = step;
+    r.total_steps = total_steps;
+    r.epoch = double(micro.back().epoch) + double(micro.back().position + 1) / double(std::max<std::int64_t>(1, batcher.num_sequences()));
+    r.loss = sums[0] / global_tokens;
+    r.lr = lr;
+    r.grad_norm = grad_norm;
+    r.tokens = tokens[0];
+    r.step_time_s = seconds_since(t_step);
+    r.tokens_per_sec = double(tokens[0]) / std::max(1e-9, r.step_time_s);
+    r.peak_mem_bytes = peak_memory_bytes(device);
+    r.elapsed_s = seconds_since(t_start);
+    if (cfg.output_router_logits) r.extra["aux_loss"] = sums[1] / double(accum * wi.world_size);
+    if (result.steps == 0) result.first_loss = r.loss;
+    result.last_loss = r.loss;
+    result.steps = step;
+    if (!std::isfinite(r.loss)) EO_FAIL("loss is ", r.loss, " at step ", step, "; stopping (lower learning_rate?)");
+    if (wi.rank == 0 && (step % cfg.logging_steps == 0 || step == total_steps)) {
+      log::progress(progress_line(r), step == total_steps);
+      metrics->write(r);
+    }
+    // A stop request on any rank stops every rank at this same step.
+    double stop[1] = {stop_requested() ? 1.0 : 0.0};
+    world.allreduce_max(stop, 1);
+    if (stop[0] > 0) {
+      save("stop requested by signal " + std::to_string(stop_signal()));
+      log::info("stopped at step " + std::to_string(step) + "; resume with resume_from_checkpoint: auto");
+      result.exit_code = kExitPreempted;
+      return result;
+    }
+    if (cfg.save_steps > 0 && step % cfg.save_steps == 0 && step < total_steps) save("save_steps");
+  }
+  save("end of training");
+  if (wi.rank == 0) {
+    write_adapter(cfg.output_dir, model->lora_parameters(), cfg);
+    log::info("adapter written to " + cfg.output_dir + " (adapter_model.safetensors, adapter_config.json)");
+  }
+  result.adapter_dir = cfg.output_dir;
+  return result;
+}
+
+}  // namespace eo

@@ -1,0 +1,32 @@
+// The training loop: one process (one GPU or the CPU), or one rank of a data-parallel job.
+//
+//   for each optimizer step:
+//     for each micro-batch: forward (blocks checkpointed) → loss / global target tokens → backward
+//     reduce gradients across ranks → clip → AdamW at the scheduled lr → log → maybe save
+//
+// The loss of a step is normalised by the number of target tokens of the whole step (every
+// micro-batch on every rank), as transformers does with num_items_in_batch, so N ranks × b
+// sequences compute the gradient of the same global batch as 1 rank × N·b.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "runtime/config.h"
+
+namespace eo {
+
+namespace dist {
+class World;
+}
+
+struct TrainResult {
+  int exit_code = 0;       // kExitOk, or kExitPreempted after a signal-triggered save
+  std::int64_t steps = 0;  // optimizer steps completed (including resumed ones)
+  double first_loss = 0, last_loss = 0;
+  std::string adapter_dir;
+};
+
+TrainResult train(const TrainConfig& cfg, dist::World& world);
+
+}  // namespace eo

@@ -1,0 +1,18 @@
+# Decoder parity against transformers / peft / bitsandbytes (tests/test_model.cpp).
+# The reference fixtures (tiny checkpoints, adapters, expected outputs) are generated at test
+# time by tests/ref/model_ref.py into ${PROJECT_BINARY_DIR}/tests/model_ref/<arch>/.
+target_compile_definitions(test_model PRIVATE EO_PYTHON="${EO_PYTHON}")
+target_link_libraries(test_model PRIVATE eo_runtime nlohmann_json::nlohmann_json)  # runtime/data/jsonl
+add_dependencies(test_model eo-ddp)  # the score tests run the binary
+
+set(EO_MODEL_REF_ROOT ${PROJECT_BINARY_DIR}/tests/model_ref)
+foreach(arch qwen3_moe olmoe mixtral qwen2_moe)
+  add_test(NAME model_ref_${arch}
+           COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/model_ref.py ${arch} ${EO_MODEL_REF_ROOT})
+  set_tests_properties(model_ref_${arch} PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
+                       ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
+endforeach()
+# The whole gtest binary against the fresh fixtures (the per-case `unit` registrations reuse them,
+# or generate them under a lock on first use).
+add_test(NAME model_parity COMMAND test_model)
+set_tests_properties(model_parity PROPERTIES LABELS ref TIMEOUT 1200 FIXTURES_REQUIRED model_ref)

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Reference outputs for the decoder parity tests (tests/test_model.cpp), from transformers,
+peft and bitsandbytes — never from eo-ddp.
+
+    model_ref.py ARCH OUT_DIR
+
+Writes OUT_DIR/ARCH/:
+  model/, model_fused/ (tools/make_tiny_model.py; fused = transformers v5 [E,2I,H] layout)
+  adapter/             peft adapter with non-zero B on attention + MLP + every expert
+  data.jsonl           tokenized lines for `eo-ddp score`
+  ref.safetensors      input_ids, labels, logits, loss, aux_loss, logits_lora, loss_lora,
+                       grad.<peft name> for every LoRA tensor, logits_nf4, score_loss,
+                       score_tokens, score_loss_adapter
+peft 0.21 with transformers 5.24 cannot target per-expert linears (experts are fused 3-D
+parameters at run time; peft wraps them as one parametrized module with other names), nor did
+it wrap the dense MLPs next to them. So peft's own LoraLayer covers q/k/v/o_proj and the MLP /
+expert LoRA reference is a direct transcription of peft's formula
+y = base(x) + B(A(x)) * alpha / r in float64 torch; both are saved into one adapter under
+peft's names (base_model.model.<module>.lora_{A,B}.weight).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+
+ARCH, OUT = sys.argv[1], sys.argv[2]
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HERE, "..", "..", "tools", "make_tiny_model.py")
+R, ALPHA = 4, 8.0
+SCALING = ALPHA / R
+MIX = ARCH == "mixtral"
+MLP_NAMES = ["w1", "w3", "w2"] if MIX else ["gate_proj", "up_proj", "down_proj"]  # gate, up, down
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"] + MLP_NAMES
+
+out = os.path.join(OUT, ARCH)
+os.makedirs(out, exist_ok=True)
+model_dir, fused_dir, adapter_dir = (os.path.join(out, d) for d in ("model", "model_fused", "adapter"))
+for d, extra in ((model_dir, []), (fused_dir, ["--fused-experts"])):
+    subprocess.run([sys.executable, TOOL, "--arch", ARCH, "--out", d, "--seed", "7"] + extra, check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def load(dtype=torch.float32):
+    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    return m.eval()
+
+
+ref = {}
+cfg = json.load(open(os.path.join(model_dir, "config.json")))
+V = cfg["vocab_size"]
+g = torch.Generator().manual_seed(11)
+ids = torch.randint(0, V, (2, 13), generator=g)
+labels = ids.clone()
+labels[0, 3] = -100
+labels[1, 7:9] = -100
+ref["input_ids"], ref["labels"] = ids, labels
+
+# ---- fp32 logits, loss, aux loss
+model = load()
+with torch.no_grad():
+    o = model(input_ids=ids, labels=labels)
+    ref["logits"], ref["loss"] = o.logits, o.loss.reshape(1)
+    oa = model(input_ids=ids, labels=labels, output_router_logits=True)
+    ref["aux_loss"], ref["loss_with_aux"] = oa.aux_loss.reshape(1).float(), oa.loss.reshape(1)
+
+# ---- score: mean over every counted token of the file
+lines = []
+for n in (5, 9, 17, 12):
+    x = torch.randint(0, V, (n,), generator=g).tolist()
+    lab = list(x)
+    if n == 9:
+        lab[:4] = [-100] * 4
+    lines.append({"input_ids": x, "labels": lab})
+with open(os.path.join(out, "data.jsonl"), "w") as f:
+    for i, l in enumerate(lines):
+        f.write(json.dumps(l if i != 3 else {"input_ids": l["input_ids"]}) + "\n")
+
+
+def score(m):
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for l in lines:
+            x, lab = torch.tensor([l["input_ids"]]), torch.tensor([l["labels"]])
+            c = int((lab[:, 1:] != -100).sum())
+            total += float(m(input_ids=x, labels=lab).loss) * c
+            count += c
+    return total / count, count
+
+
+ref["score_loss"] = torch.tensor([score(model)[0]], dtype=torch.float64)
+ref["score_tokens"] = torch.tensor([score(model)[1]], dtype=torch.int64)
+
+# ---- LoRA: peft on attention, float64 transcription on MLPs and experts
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+torch.manual_seed(3)
+peft_model = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
+                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+gl = torch.Generator().manual_seed(5)
+with torch.no_grad():
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            p.copy_(0.3 * torch.randn(p.shape, generator=gl))  # non-zero B so the adapter matters
+manual = {}  # peft name -> fp32 leaf tensor
+
+
+def lora_pair(module, n_in, n_out):
+    a = (torch.rand(R, n_in, generator=gl) * 2 - 1) / n_in ** 0.5
+    b = 0.3 * torch.randn(n_out, R, generator=gl)
+    pa = manual.setdefault(f"base_model.model.{module}.lora_A.weight", a.requires_grad_())
+    pb = manual.setdefault(f"base_model.model.{module}.lora_B.weight", b.requires_grad_())
+    return pa, pb
+
+
+def delta(x, ab):
+    a, b = ab
+    return ((x.double() @ a.double().T) @ b.double().T * SCALING).to(x.dtype)
+
+
+class LoraLinear(torch.nn.Module):
+    def __init__(self, base, ab):
+        super().__init__()
+        self.base, self.ab = base, ab
+
+    def forward(self, x):
+        return self.base(x) + delta(x, self.ab)
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    # transformers' expert loop (modeling_*: *Experts.forward) plus a LoRA delta per expert matrix.
+    final = torch.zeros_like(hidden_states)
+    I = self.down_proj.shape[-1]
+    for e in range(self.gate_up_proj.shape[0]):
+        tok, top_pos = torch.where(top_k_index == e)
+        if tok.numel() == 0:
+            continue
+        x = hidden_states[tok]
+        gu = self.gate_up_proj[e]
+        gate = F.linear(x, gu[:I]) + delta(x, self.lora[e][0])
+        up = F.linear(x, gu[I:]) + delta(x, self.lora[e][1])
+        h = self.act_fn(gate) * up
+        y = F.linear(h, self.down_proj[e]) + delta(h, self.lora[e][2])
+        final.index_add_(0, tok, (y * top_k_weights[tok, top_pos, None]).to(final.dtype))
+    return final
+
+
+base = peft_model.base_model.model
+moe_attr = "block_sparse_moe" if MIX else "mlp"
+for i, layer in enumerate(base.model.layers):
+    mlp = layer.mlp
+    if hasattr(mlp, "experts"):
+        ex = mlp.experts
+        E, I, H = ex.down_proj.shape[0], ex.down_proj.shape[2], ex.down_proj.shape[1]
+        ex.lora = [[lora_pair(f"model.layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
+                    for m in range(3)] for e in range(E)]
+        ex.forward = experts_forward.__get__(ex)
+        if getattr(mlp, "shared_expert", None) is not None:
+            for nm in ("gate_proj", "up_proj", "down_proj"):
+                lin = getattr(mlp.shared_expert, nm)
+                setattr(mlp.shared_expert, nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.mlp.shared_expert.{nm}",
+                                                                         lin.in_features, lin.out_features)))
+    else:
+        for nm in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp, nm)
+            setattr(mlp, nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.mlp.{nm}", lin.in_features, lin.out_features)))
+
+o = peft_model(input_ids=ids, labels=labels)
+o.loss.backward()
+ref["logits_lora"], ref["loss_lora"] = o.logits.detach(), o.loss.detach().reshape(1)
+adapter = {}
+for n, p in peft_model.named_parameters():
+    if "lora_" in n:
+        name = n.replace(".default", "")
+        ref["grad." + name] = p.grad.detach().clone()
+        adapter[name] = p.detach().clone()
+for n, p in manual.items():  # an expert that got no token has no gradient: zero
+    ref["grad." + n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+    adapter[n] = p.detach().clone()
+peft_model.save_pretrained(adapter_dir)  # peft's adapter_config.json and file ...
+assert set(load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))) <= set(adapter)
+save_file(adapter, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})  # ... + MLP/experts
+acfg = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+acfg["target_modules"] = TARGETS
+json.dump(acfg, open(os.path.join(adapter_dir, "adapter_config.json"), "w"), indent=2)
+with torch.no_grad():
+    ref["score_loss_adapter"] = torch.tensor([score(peft_model)[0]], dtype=torch.float64)
+del peft_model
+
+# ---- NF4: bitsandbytes quantise → dequantise every decoder-block linear, then transformers
+import bitsandbytes.functional as bnbf  # noqa: E402
+
+
+def nf4(w):
+    q, state = bnbf.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4")
+    return bnbf.dequantize_4bit(q, state).reshape(w.shape)
+
+
+# bitsandbytes' own bytes for two checkpoint weights: the C++ load_in_4bit path must equal them.
+disk = load_file(os.path.join(model_dir, "model.safetensors"))
+for key in ("model.layers.1.self_attn.q_proj.weight", sorted(k for k in disk if ".experts.0." in k)[0]):
+    q, state = bnbf.quantize_4bit(disk[key].contiguous(), blocksize=64, quant_type="nf4")
+    ref["nf4_packed." + key], ref["nf4_absmax." + key] = q, state.absmax
+
+model = load()
+with torch.no_grad():
+    for n, p in model.named_parameters():
+        if ".layers." not in n or "norm" in n or n.endswith(".gate.weight") or "shared_expert_gate" in n \
+                or n.endswith(".bias"):
+            continue  # norms, routers, shared-expert gate and biases stay unquantised
+        if n.endswith("experts.gate_up_proj"):
+            I = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                p[e, :I] = nf4(p[e, :I])
+                p[e, I:] = nf4(p[e, I:])
+        elif n.endswith("experts.down_proj"):
+            for e in range(p.shape[0]):
+                p[e] = nf4(p[e])
+        else:
+            assert p.dim() == 2, n
+            p.copy_(nf4(p))
+    ref["logits_nf4"] = model(input_ids=ids).logits
+
+save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "ref.safetensors"), metadata={"format": "pt"})
+print(json.dumps({"arch": ARCH, "out": out, "tensors": len(ref)}))
