@@ -61,8 +61,9 @@ struct ModelLoader {
   at::Tensor get(const std::string& name, std::vector<std::int64_t> shape) const {
     return raw(name, std::move(shape)).to(opts.device, opts.dtype).contiguous();
   }
-  nf4::QuantizedWeight quantize(const at::Tensor& w) const {
-    return to_device(nf4::quantize(w.to(opts.dtype).contiguous(), opts.blocksize, opts.double_quant), opts.device);
+  nf4::QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
+    return to_device(nf4::quantize(w.to(opts.dtype).contiguous(), opts.blocksize, opts.double_quant),
+                     on_host ? at::Device(at::kCPU) : opts.device);
   }
   FrozenLinear linear(const std::string& prefix, std::int64_t in, std::int64_t out, bool bias, bool quantizable) const {
     FrozenLinear l;
@@ -146,7 +147,7 @@ struct ModelLoader {
         if (opts.load_in_4bit) {
           bank[i].resize(c.experts);
           for (int e = 0; e < c.experts; ++e)
-            for (int mi = 0; mi < 3; ++mi) bank[i][e][mi] = quantize(ex[e][mi]);
+            for (int mi = 0; mi < 3; ++mi) bank[i][e][mi] = quantize(ex[e][mi], opts.experts_on_host);
         } else {
           for (int mi = 0; mi < 3; ++mi) {
             std::vector<at::Tensor> per;

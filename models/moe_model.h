@@ -27,6 +27,9 @@ struct LoadOptions {
   int blocksize = 64;
   bool double_quant = false;
   at::Device device = at::kCPU;
+  // Keep the experts' NF4 weights in CPU memory (the offload engine moves them into its homes),
+  // so device memory never holds every expert at once, not even while loading.
+  bool experts_on_host = false;
 };
 
 // A frozen linear: dense or module-owned NF4 weight, optional bias, optional LoRA.

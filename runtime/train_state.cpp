@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <csignal>
+#include <cstdlib>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -102,6 +104,9 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
   try {
     write_adapter(tmp_dir.string(), s.lora, cfg);
     st::save((tmp_dir / "optimizer.safetensors").string(), s.optimizer);
+    // Fault injection for tests: die like kill -9 in the middle of a checkpoint write.
+    if (const char* crash = std::getenv("EO_DDP_FAULT_KILL_IN_SAVE"); crash && std::to_string(s.step) == crash)
+      std::raise(SIGKILL);
     st::save((tmp_dir / "rng.safetensors").string(), s.rng);
     nlohmann::json j;
     j["step"] = s.step;

@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "common/text.h"
 #include "models/moe_model.h"
+#include "offload/engine.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
@@ -89,6 +90,35 @@ struct StepLoss {
   std::int64_t tokens = 0;
 };
 
+// Moves the model's NF4 experts into this rank's homes and streams them from there.
+std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const TrainConfig& cfg, const at::Device& device) {
+  auto* resident = dynamic_cast<model::ResidentWeights*>(&model.weight_provider());
+  EO_CHECK(resident, "expert_offload: the model's experts are not held by a ResidentWeights store");
+  bool any = false;
+  for (const auto& layer : resident->bank()) any |= !layer.empty();
+  if (!any)
+    throw UsageError("expert_offload: true, but " + model.config().model_type + " checkpoint " + cfg.base_model +
+                     " has no MoE expert blocks (looked for layers whose config makes them sparse — num_experts > 0, "
+                     "decoder_sparse_step, mlp_only_layers — with " + model.config().moe_prefix() +
+                     ".experts.* weights); set expert_offload: false");
+  offload::OffloadOptions oo;
+  oo.device = device;
+  oo.pin_memory = cfg.expert_offload_pin_memory;
+  oo.prefetch = cfg.expert_offload_prefetch;
+  const std::string& budget = cfg.expert_offload_vram_budget;
+  if (budget == "auto") {
+    // Sized after the first step, once the activation peak is known (see train()).
+    oo.vram_budget_bytes = 0;
+  } else {
+    oo.vram_budget_bytes = static_cast<std::int64_t>(parse_bytes(budget).value_or(0));
+  }
+  if (!device.is_cuda() && oo.vram_budget_bytes > 0)
+    log::info("expert_offload_vram_budget applies to GPU memory; on the CPU the 'device' slots are host memory too");
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(resident->bank()), oo);
+  model.set_weight_provider(off);
+  return off;
+}
+
 }  // namespace
 
 TrainResult train(const TrainConfig& cfg, dist::World& world) {
@@ -107,10 +137,13 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
   lo.device = device;
+  lo.experts_on_host = cfg.expert_offload;
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
             describe_device(device) + ", " + (bf16 ? "bf16" : "fp32") + " compute");
   auto model = model::MoeModel::load(cfg.base_model, lo);
   const auto& mc = model->config();
+  std::shared_ptr<offload::ExpertOffloader> offloader;
+  if (cfg.expert_offload) offloader = start_offload(*model, cfg, device);
   model::LoraSpec spec;
   spec.r = cfg.lora_r;
   spec.alpha = cfg.lora_alpha;
@@ -263,6 +296,16 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
     r.peak_mem_bytes = peak_memory_bytes(device);
     r.elapsed_s = seconds_since(t_start);
     if (cfg.output_router_logits) r.extra["aux_loss"] = sums[1] / double(accum * wi.world_size);
+    if (offloader) {
+      const offload::OffloadStats os = offloader->take_step_stats();
+      r.extra["staged_bytes"] = os.copied_bytes;
+      r.extra["stagings"] = os.copies;
+      r.extra["stage_calls"] = os.stage_calls;
+      r.extra["h2d_gbps"] = os.copy_seconds > 0 ? double(os.copied_bytes) / os.copy_seconds / 1e9 : 0.0;
+      r.extra["copy_s"] = os.copy_seconds;
+      r.extra["stall_s"] = os.stall_seconds;
+      r.extra["resident_blocks"] = offloader->resident_layers().size();
+    }
     if (result.steps == 0) result.first_loss = r.loss;
     result.last_loss = r.loss;
     result.steps = step;
