@@ -1,6 +1,8 @@
 #include "runtime/train_state.h"
 
 #include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -40,6 +42,16 @@ std::int64_t step_of(const fs::path& p) {
   const std::string digits = n.substr(std::strlen(kCheckpointPrefix));
   if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return -1;
   return std::stoll(digits);
+}
+
+// rm -r with POSIX calls. std::filesystem::remove_all crashed at run time in the CUDA build
+// (libtorch 2.11 wheel) while the CPU build was fine; nftw has no such dependency.
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+void remove_tree(const fs::path& p) {
+  struct stat st {};
+  if (::lstat(p.c_str(), &st) != 0) return;  // already gone
+  if (::nftw(p.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+    EO_FAIL("cannot remove ", p.string(), ": ", std::strerror(errno));
 }
 
 }  // namespace
@@ -99,7 +111,10 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
   fs::create_directories(output_dir);
   const fs::path final_dir = fs::path(output_dir) / (kCheckpointPrefix + std::to_string(s.step));
   const fs::path tmp_dir = fs::path(output_dir) / (".tmp-" + final_dir.filename().string() + "-" + std::to_string(::getpid()));
-  fs::remove_all(tmp_dir);
+  // Temporary folders of saves that died half-way (kill -9, node loss) are never resumed from:
+  // drop them (this one's included) so repeated crashes do not fill the disk with partial checkpoints.
+  for (const auto& e : fs::directory_iterator(output_dir))
+    if (e.path().filename().string().rfind(std::string(".tmp-") + kCheckpointPrefix, 0) == 0) remove_tree(e.path());
   fs::create_directories(tmp_dir);
   try {
     write_adapter(tmp_dir.string(), s.lora, cfg);
@@ -118,12 +133,14 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     write_file_atomic((tmp_dir / kStateFile).string(), j.dump(2) + "\n");
     fsync_path(tmp_dir.string());
     // Replace an existing checkpoint of the same step (re-run after resume) only once the new one is whole.
-    if (fs::exists(final_dir)) fs::remove_all(final_dir);
+    remove_tree(final_dir);
     fs::rename(tmp_dir, final_dir);
     fsync_path(output_dir);
   } catch (...) {
-    std::error_code ec;
-    fs::remove_all(tmp_dir, ec);
+    try {
+      remove_tree(tmp_dir);
+    } catch (...) {
+    }
     throw;
   }
   // Keep the newest `keep` checkpoints.
@@ -131,7 +148,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
   for (const auto& e : fs::directory_iterator(output_dir))
     if (e.is_directory() && step_of(e.path()) >= 0) all.emplace_back(step_of(e.path()), e.path());
   std::sort(all.begin(), all.end());
-  for (std::size_t i = 0; i + keep < all.size(); ++i) fs::remove_all(all[i].second);
+  for (std::size_t i = 0; i + keep < all.size(); ++i) remove_tree(all[i].second);
   return final_dir.string();
 }
 
