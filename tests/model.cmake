@@ -6,9 +6,10 @@ target_link_libraries(test_model PRIVATE eo_runtime nlohmann_json::nlohmann_json
 add_dependencies(test_model eo-ddp)  # the score tests run the binary
 
 set(EO_MODEL_REF_ROOT ${PROJECT_BINARY_DIR}/tests/model_ref)
+file(MAKE_DIRECTORY ${EO_MODEL_REF_ROOT})  # flock needs the folder for its lock file
 foreach(arch qwen3_moe olmoe mixtral qwen2_moe)
   add_test(NAME model_ref_${arch}
-           COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/model_ref.py ${arch} ${EO_MODEL_REF_ROOT})
+           COMMAND flock ${EO_MODEL_REF_ROOT}/${arch}.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/model_ref.py ${arch} ${EO_MODEL_REF_ROOT})
   set_tests_properties(model_ref_${arch} PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
                        ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
 endforeach()

@@ -134,7 +134,6 @@ TEST_P(Parity, Nf4ModelMatchesBitsandbytesDequantisedTransformers) {
   auto m = MoeModel::load(dir + "/model", lo);
   const auto out = m->forward(ref_batch(r));
   EXPECT_LT(rel_err(out.logits, r["logits_nf4"]), 1e-4);
-  std::cerr << "DBG per-token " << (out.logits - r["logits_nf4"]).abs().amax({-1}) << "\nDBG fp32 " << (out.logits - r["logits"]).abs().amax({-1}) << "\n";
   EXPECT_GT(rel_err(out.logits, r["logits"]), 1e-3) << "quantisation must change the logits at all";
 }
 
@@ -349,20 +348,9 @@ TEST_P(Parity, Nf4QuantisationOfCheckpointWeightsEqualsBitsandbytes) {
     const at::Tensor want = r[t.name].reshape({-1});
     EXPECT_EQ(q.packed.reshape({-1}).ne(want).sum().item<std::int64_t>(), 0) << "bytes differing from bitsandbytes";
     EXPECT_TRUE(q.absmax.equal(r["nf4_absmax." + key]));
-    std::cerr << "DBG deq err " << (nf4::dequantize(q, at::kFloat) - ck.load(key)).abs().max() << " shape " << q.shape[0] << "x" << q.shape[1] << " nb " << q.nblocks() << " " << q.absmax.sizes() << "\n";
     ++checked;
   }
   EXPECT_EQ(checked, 2);
 }
 
 }  // namespace
-namespace {
-TEST(Dbg, AllWeights) {
-  const st::Checkpoint a = st::Checkpoint::open(ref_dir("qwen3_moe") + "/model"), b = st::Checkpoint::open("/tmp/eo_model/q3deq");
-  for (const auto& n : a.names()) {
-    if (n.find(".layers.") == std::string::npos || n.find("norm") != std::string::npos || n.find(".gate.weight") != std::string::npos) continue;
-    const double e = (nf4::dequantize(nf4::quantize(a.load(n)), at::kFloat) - b.load(n)).abs().max().item<double>();
-    if (e > 0) std::cerr << "DBG " << n << " " << e << "\n";
-  }
-}
-}

@@ -20,6 +20,7 @@ peft's names (base_model.model.<module>.lora_{A,B}.weight).
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -37,8 +38,17 @@ MIX = ARCH == "mixtral"
 MLP_NAMES = ["w1", "w3", "w2"] if MIX else ["gate_proj", "up_proj", "down_proj"]  # gate, up, down
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"] + MLP_NAMES
 
-out = os.path.join(OUT, ARCH)
-os.makedirs(out, exist_ok=True)
+# Up to date (newer than this script and the model builder): nothing to do. Otherwise build in a
+# temporary folder and swap it in at the end, so tests reading the old fixtures never see a
+# half-written one.
+final = os.path.join(OUT, ARCH)
+done_marker = os.path.join(final, "ref.safetensors")
+if os.path.exists(done_marker) and os.path.getmtime(done_marker) > max(os.path.getmtime(__file__), os.path.getmtime(TOOL)):
+    print(json.dumps({"arch": ARCH, "out": final, "up_to_date": True}))
+    sys.exit(0)
+out = final + ".tmp"
+shutil.rmtree(out, ignore_errors=True)
+os.makedirs(out)
 model_dir, fused_dir, adapter_dir = (os.path.join(out, d) for d in ("model", "model_fused", "adapter"))
 for d, extra in ((model_dir, []), (fused_dir, ["--fused-experts"])):
     subprocess.run([sys.executable, TOOL, "--arch", ARCH, "--out", d, "--seed", "7"] + extra, check=True,
@@ -133,7 +143,7 @@ class LoraLinear(torch.nn.Module):
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # transformers' expert loop (modeling_*: *Experts.forward) plus a LoRA delta per expert matrix.
-    final = torch.zeros_like(hidden_states)
+    acc = torch.zeros_like(hidden_states)
     I = self.down_proj.shape[-1]
     for e in range(self.gate_up_proj.shape[0]):
         tok, top_pos = torch.where(top_k_index == e)
@@ -145,8 +155,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         up = F.linear(x, gu[I:]) + delta(x, self.lora[e][1])
         h = self.act_fn(gate) * up
         y = F.linear(h, self.down_proj[e]) + delta(h, self.lora[e][2])
-        final.index_add_(0, tok, (y * top_k_weights[tok, top_pos, None]).to(final.dtype))
-    return final
+        acc.index_add_(0, tok, (y * top_k_weights[tok, top_pos, None]).to(acc.dtype))
+    return acc
 
 
 base = peft_model.base_model.model
@@ -193,11 +203,18 @@ del peft_model
 
 # ---- NF4: bitsandbytes quantise → dequantise every decoder-block linear, then transformers
 import bitsandbytes.functional as bnbf  # noqa: E402
+from bitsandbytes.backends.default.ops import _dequantize_4bit_compute  # noqa: E402
+from bitsandbytes.backends.utils import _get_4bit_code  # noqa: E402
 
 
 def nf4(w):
     q, state = bnbf.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4")
-    return bnbf.dequantize_4bit(q, state).reshape(w.shape)
+    # bnb 0.50.2's native CPU dequantize_4bit indexes absmax per row, which is wrong when a row is
+    # not a multiple of the blocksize (e.g. o_proj [64, 96], down_proj [64, 32]: errors ~2 where
+    # the quantisation error is ~0.4); bnb's generic kernel (what every other backend falls back
+    # to) implements the format: code[nibble] * absmax[flat_index // blocksize].
+    return _dequantize_4bit_compute(q.reshape(-1), state.absmax, _get_4bit_code("nf4", w.device), 64,
+                                    list(w.shape), torch.float32)
 
 
 # bitsandbytes' own bytes for two checkpoint weights: the C++ load_in_4bit path must equal them.
@@ -226,4 +243,10 @@ with torch.no_grad():
     ref["logits_nf4"] = model(input_ids=ids).logits
 
 save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "ref.safetensors"), metadata={"format": "pt"})
-print(json.dumps({"arch": ARCH, "out": out, "tensors": len(ref)}))
+old = final + ".old"
+shutil.rmtree(old, ignore_errors=True)
+if os.path.exists(final):
+    os.rename(final, old)
+os.rename(out, final)
+shutil.rmtree(old, ignore_errors=True)
+print(json.dumps({"arch": ARCH, "out": final, "tensors": len(ref)}))
