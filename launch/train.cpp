@@ -1,11 +1,14 @@
 // `eo-ddp [train]`: config → validation → plan → (unless --check) the trainer.
 #include <ATen/Context.h>
 
+#include <cmath>
 #include <cstdio>
 #include <sstream>
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/text.h"
+#include "models/hf_config.h"
 #include "launch/commands.h"
 #include "runtime/config.h"
 #include "runtime/dist/world.h"
@@ -32,6 +35,21 @@ std::string describe_plan(const TrainConfig& cfg, const dist::WorldInfo& w) {
   os << "  adapter: " << cfg.adapter << " r=" << cfg.lora_r << " alpha=" << cfg.lora_alpha << " on [";
   for (std::size_t i = 0; i < cfg.lora_target_modules.size(); ++i) os << (i ? ", " : "") << cfg.lora_target_modules[i];
   os << "]\n";
+  // The model's shape comes from config.json alone: no weights are read.
+  const model::ModelConfig mc = model::load_config(cfg.base_model);
+  int moe_layers = 0;
+  for (int i = 0; i < mc.layers; ++i) moe_layers += mc.is_moe_layer(i) ? 1 : 0;
+  // NF4 bytes of one block's experts: 4 bits per weight + one fp32 absmax per block of weights.
+  const double per_matrix = double(mc.hidden) * double(mc.expert_width);
+  const double block_bytes =
+      double(mc.experts) * 3 * (per_matrix / 2 + std::ceil(per_matrix / cfg.bnb_4bit_blocksize) * 4);
+  os << "  model: " << mc.model_type << ", " << mc.layers << " layers (" << moe_layers << " MoE), " << mc.experts
+     << " experts of width " << mc.expert_width << ", top-" << mc.top_k << "; NF4 experts "
+     << human_bytes(block_bytes) << " per block, " << human_bytes(block_bytes * moe_layers) << " in all\n";
+  if (cfg.expert_offload)
+    os << "  host RAM for homes: " << human_bytes(block_bytes * moe_layers) << " per rank, "
+       << human_bytes(block_bytes * moe_layers * w.local_size) << " on this node (" << w.local_size << " rank(s))\n"
+       << "  device slots: " << human_bytes(block_bytes * (cfg.expert_offload_prefetch ? 2 : 1)) << "\n";
   if (cfg.expert_offload)
     os << "  expert offload: every MoE block's NF4 experts in " << (cfg.expert_offload_pin_memory ? "pinned, NUMA-local" : "pageable")
        << " host RAM per rank; " << (cfg.expert_offload_prefetch ? "2 device slots with prefetch" : "1 device slot, synchronous")

@@ -31,7 +31,7 @@ class Cli : public ::testing::Test {
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("eo_cli_" + std::to_string(::getpid()));
     fs::create_directories(dir_ / "model");
-    std::ofstream(dir_ / "model" / "config.json") << "{}";
+    fs::copy_file(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe/config.json", dir_ / "model" / "config.json");
     std::ofstream(dir_ / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -79,6 +79,16 @@ TEST_F(Cli, CheckOfValidConfigPrintsPlanAndExits0) {
   EXPECT_NE(r.out.find("plan:"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("expert offload: every MoE block"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("config ok"), std::string::npos) << r.out;
+  // The plan is computed from config.json alone.
+  EXPECT_NE(r.out.find("model: qwen3_moe, 4 layers (4 MoE), 8 experts of width 32"), std::string::npos) << r.out;
+}
+
+TEST_F(Cli, CheckWithABrokenModelConfigExits2) {
+  std::ofstream(dir_ / "model" / "config.json") << "{\"model_type\": \"llama\"}";
+  const std::string f = write("llama.yaml", "");
+  auto r = run("--check --config " + f);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("llama"), std::string::npos) << r.out;
 }
 
 TEST_F(Cli, UsageErrorsExit2) {
