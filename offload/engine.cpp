@@ -400,6 +400,13 @@ std::vector<int> ExpertOffloader::staged_layers() const {
   return out;
 }
 
+std::vector<std::pair<const void*, std::size_t>> ExpertOffloader::home_ranges() const {
+  std::vector<std::pair<const void*, std::size_t>> out;
+  for (const auto& b : blocks_)
+    if (b) out.emplace_back(b->home->data(), b->home->size());
+  return out;
+}
+
 std::vector<int> ExpertOffloader::home_page_nodes() const {
   std::vector<int> out;
   for (const auto& b : blocks_)

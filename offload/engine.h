@@ -67,6 +67,8 @@ class ExpertOffloader : public model::WeightProvider {
   std::vector<int> staged_layers() const;
   const HomeNode& home_node() const { return node_; }
   std::vector<int> home_page_nodes() const;  // where the homes' pages really are
+  // Every home's bytes (for the cross-rank checksum).
+  std::vector<std::pair<const void*, std::size_t>> home_ranges() const;
 
  protected:
   void stage_block(int layer) override;

@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 
@@ -19,6 +21,8 @@
 #include "runtime/data/jsonl.h"
 #include "runtime/data/tokens.h"
 #include "runtime/device.h"
+#include "runtime/dist/comm.h"
+#include "runtime/dist/reducer.h"
 #include "runtime/dist/world.h"
 #include "runtime/metrics.h"
 #include "runtime/optimizer.h"
@@ -73,17 +77,6 @@ void restore_rng(const NamedTensors& state, const at::Device& device) {
   }
 }
 
-// Gradients summed over ranks. (Bucketed, overlapped all-reduce lives in runtime/dist.)
-void reduce_gradients(const std::vector<at::Tensor>& params, const dist::World& world) {
-  if (world.size() == 1) return;
-  for (const auto& p : params) {
-    at::Tensor g = p.grad().defined() ? p.grad() : at::zeros_like(p);
-    at::Tensor host = g.to(at::kCPU, at::kDouble).contiguous();
-    world.allreduce_sum(host.data_ptr<double>(), static_cast<std::size_t>(host.numel()));
-    p.mutable_grad() = host.to(p.device(), p.scalar_type());
-  }
-}
-
 struct StepLoss {
   double ce_sum = 0;
   double aux_sum = 0;
@@ -117,6 +110,19 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   auto off = std::make_shared<offload::ExpertOffloader>(std::move(resident->bank()), oo);
   model.set_weight_provider(off);
   return off;
+}
+
+// Fault injection for the failure tests (issue: a rank that dies must take the job down with a
+// message naming it): EO_DDP_FAULT_STEP=<step> with EO_DDP_FAULT=throw|kill, on EO_DDP_FAULT_RANK
+// (default: every rank).
+void inject_faults(std::int64_t step, int rank) {
+  const char* at = std::getenv("EO_DDP_FAULT_STEP");
+  if (!at || std::to_string(step) != at) return;
+  const char* who = std::getenv("EO_DDP_FAULT_RANK");
+  if (who && std::to_string(rank) != who) return;
+  const std::string kind = std::getenv("EO_DDP_FAULT") ? std::getenv("EO_DDP_FAULT") : "throw";
+  if (kind == "kill") std::raise(SIGKILL);
+  EO_FAIL("fault injected at step ", step, " on rank ", rank, " (EO_DDP_FAULT_STEP)");
 }
 
 }  // namespace
@@ -213,6 +219,30 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
     log::info("resumed from " + resume + " at step " + std::to_string(step));
   }
 
+  // ---- data parallel: rank 0's LoRA everywhere, homes checked equal, gradients in buckets.
+  // The expert homes are never sent: each rank loaded them itself; a checksum proves they agree.
+  dist::Communicator comm(world, device, cfg.ddp_timeout);
+  if (wi.world_size > 1) {
+    {
+      at::NoGradGuard ng;
+      dist::broadcast_parameters(lora, comm, 0);
+    }
+    if (offloader) {
+      std::vector<dist::HostBytes> homes;
+      for (const auto& [ptr, n] : offloader->home_ranges()) homes.push_back({ptr, n});
+      dist::check_same_bytes(homes, comm, "expert homes (did every rank load the same checkpoint?)");
+    }
+    log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" +
+              (offloader ? ", expert homes identical on every rank (" + human_bytes(double(offloader->home_bytes())) +
+                               " pinned per rank, " + human_bytes(double(offloader->home_bytes()) * wi.local_size) + " on this node)"
+                         : std::string()));
+  }
+  dist::ReducerOptions ro;
+  ro.bucket_cap_bytes = static_cast<std::int64_t>(cfg.ddp_bucket_cap_mb) << 20;
+  ro.op = dist::ReduceOp::kSum;  // the loss is already normalised by the global token count
+  std::unique_ptr<dist::GradReducer> reducer;
+  if (wi.world_size > 1) reducer = std::make_unique<dist::GradReducer>(lora, comm, ro);
+
   std::unique_ptr<MetricsLog> metrics;
   if (wi.rank == 0) metrics = std::make_unique<MetricsLog>(cfg.output_dir, !resume.empty());
   auto save = [&](const std::string& why) {
@@ -235,6 +265,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
   const double aux_coef = cfg.router_aux_loss_coef.value_or(mc.router_aux_loss_coef);
   reset_peak_memory(device);
   while (step < total_steps) {
+    inject_faults(step + 1, wi.rank);
     const auto t_step = Clock::now();
     std::vector<data::MicroBatch> micro;
     std::int64_t tokens[1] = {0};
@@ -245,7 +276,10 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
     world.allreduce_sum(tokens, 1);
     const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
     StepLoss sl;
-    for (const auto& mb : micro) {
+    for (std::size_t m = 0; m < micro.size(); ++m) {
+      const data::MicroBatch& mb = micro[m];
+      const bool last = m + 1 == micro.size();
+      if (reducer) reducer->begin_micro_step(/*sync=*/last);
       model::Batch b;
       b.input_ids = mb.input_ids.to(device);
       b.labels = mb.labels.to(device);
@@ -270,11 +304,12 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
         loss = loss + aux * (aux_coef / double(accum * wi.world_size));
         sl.aux_sum += aux.item<double>();
       }
+      if (reducer && last) reducer->prepare_for_backward(loss);
       loss.backward();
       sl.ce_sum += ce_sum.item<double>();
       sl.tokens += count;
     }
-    reduce_gradients(params, world);
+    if (reducer) reducer->finalize();
     const double grad_norm = clip_grad_norm(params, cfg.max_grad_norm);
     const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
     optimizer.step(lr);
@@ -326,6 +361,17 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
     if (cfg.save_steps > 0 && step % cfg.save_steps == 0 && step < total_steps) save("save_steps");
   }
   save("end of training");
+  if (wi.world_size > 1) {
+    // Every rank must end with the same adapter; a difference is a bug worth failing loudly on.
+    std::vector<at::Tensor> host;
+    std::vector<dist::HostBytes> ranges;
+    for (const auto& [n, p] : lora) host.push_back(p.detach().to(at::kCPU).contiguous());
+    for (const auto& t : host) ranges.push_back({t.data_ptr(), static_cast<std::size_t>(t.numel() * t.element_size())});
+    const dist::CommStats cs = comm.stats();
+    dist::check_same_bytes(ranges, comm, "LoRA parameters after training");
+    log::info("LoRA identical on all " + std::to_string(wi.world_size) + " ranks; collectives: allreduce " +
+              std::to_string(cs.allreduce_bytes) + " bytes, broadcast " + std::to_string(cs.broadcast_bytes) + " bytes");
+  }
   if (wi.rank == 0) {
     write_adapter(cfg.output_dir, model->lora_parameters(), cfg);
     log::info("adapter written to " + cfg.output_dir + " (adapter_model.safetensors, adapter_config.json)");

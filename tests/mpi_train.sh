@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Data-parallel training as users run it (mpirun + the eo-ddp binary), CPU ranks:
+#  1. 2 ranks x micro-batch 2 end with the same LoRA (and per-step losses) as 1 rank x micro-batch 4,
+#     with offload off and on; 3 ranks (oversubscribed) x 1 vs 1 rank x 3;
+#  2. every rank ends with bitwise identical LoRA (the trainer checks and logs it);
+#  3. the bytes that went through collectives are exactly the LoRA gradients (+ the initial LoRA
+#     broadcast): no expert byte was communicated;
+#  4. a rank that throws, or is killed, takes every rank down with a non-zero exit within a bound,
+#     naming the failed rank.
+# usage: mpi_train.sh BUILD_DIR SOURCE_DIR PYTHON
+set -uo pipefail
+bin=$1/eo-ddp
+src=$2
+py=$3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cd "$src"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+mpirun="mpirun --oversubscribe --bind-to none"
+fail=0
+check() {  # label command...
+  local label=$1
+  shift
+  if "$@" >/dev/null 2>&1; then echo "ok: $label"; else echo "FAILED: $label ($*)"; fail=1; fi
+}
+common=(--config configs/tiny-qwen3-moe.yaml --set max_steps=4 --set save_steps=0 --set lora_dropout=0
+        --set warmup_steps=1 --set logging_steps=1)
+
+run() {  # name ranks mb [extra --set ...]
+  local name=$1 ranks=$2 mb=$3
+  shift 3
+  if [ "$ranks" = 1 ]; then
+    timeout 300 "$bin" "${common[@]}" --set micro_batch_size="$mb" --set output_dir="$tmp/$name" "$@" >"$tmp/$name.log" 2>&1
+  else
+    timeout 300 $mpirun -np "$ranks" "$bin" "${common[@]}" --set micro_batch_size="$mb" --set output_dir="$tmp/$name" "$@" >"$tmp/$name.log" 2>&1
+  fi
+  local rc=$?
+  [ $rc = 0 ] || { echo "run $name exited $rc:"; tail -20 "$tmp/$name.log"; fail=1; }
+}
+
+run one4 1 4
+run two2 2 2
+check "2x2 == 1x4" "$py" tests/ref/compare_adapters.py "$tmp/one4" "$tmp/two2" --rtol 1e-4 --atol 5e-5
+check "LoRA identical on 2 ranks" grep -q "LoRA identical on all 2 ranks" "$tmp/two2.log"
+run one4_off 1 4 --set expert_offload=true
+run two2_off 2 2 --set expert_offload=true
+check "2x2 == 1x4 with offload" "$py" tests/ref/compare_adapters.py "$tmp/one4_off" "$tmp/two2_off" --rtol 1e-4 --atol 5e-5
+run one3 1 3
+run three1 3 1
+check "3x1 == 1x3" "$py" tests/ref/compare_adapters.py "$tmp/one3" "$tmp/three1" --rtol 1e-4 --atol 5e-5
+check "LoRA identical on 3 ranks" grep -q "LoRA identical on all 3 ranks" "$tmp/three1.log"
+
+# Collective bytes = steps x LoRA gradient bytes (allreduce) + LoRA bytes once (broadcast).
+lora_bytes=$("$py" -c "
+from safetensors.torch import load_file
+t = load_file('$tmp/two2_off/adapter_model.safetensors'); print(sum(v.numel() * 4 for v in t.values()))")
+check "collective bytes = LoRA grads + broadcast" grep -q "collectives: allreduce $((4 * lora_bytes)) bytes, broadcast $lora_bytes bytes" "$tmp/two2_off.log"
+
+# A rank that throws at step 2, and a rank killed at step 2: everyone exits non-zero, quickly.
+for kind in throw kill; do
+  start=$(date +%s)
+  EO_DDP_FAULT_STEP=2 EO_DDP_FAULT_RANK=1 EO_DDP_FAULT=$kind timeout 120 $mpirun -np 2 \
+    -x EO_DDP_FAULT_STEP -x EO_DDP_FAULT_RANK -x EO_DDP_FAULT \
+    "$bin" "${common[@]}" --set max_steps=50 --set output_dir="$tmp/fault_$kind" >"$tmp/fault_$kind.log" 2>&1
+  rc=$?
+  took=$(( $(date +%s) - start ))
+  check "fault $kind: non-zero exit ($rc), not a timeout" test "$rc" -ne 0 -a "$rc" -ne 124
+  check "fault $kind: every rank exited within bound ($took s)" test "$took" -lt 100
+  if [ "$kind" = throw ]; then
+    check "fault throw: message names rank 1" grep -q "\[rank 1\] error: fault injected at step 2 on rank 1" "$tmp/fault_$kind.log"
+  else
+    check "fault kill: the launcher names the dead rank" grep -qiE "rank 1|signal 9|killed" "$tmp/fault_$kind.log"
+  fi
+done
+[ $fail = 0 ] && echo "mpi_train: all checks passed" || { echo "mpi_train: FAILED"; for f in "$tmp"/*.log; do echo "== $f"; tail -5 "$f"; done; }
+exit $fail
