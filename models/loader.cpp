@@ -4,15 +4,25 @@
 // (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) checkpoints map onto one
 // internal layout. load_in_4bit quantises every decoder-block linear; embeddings, norms,
 // routers, the shared-expert gate and lm_head stay unquantised.
+//
+// Checkpoints bitsandbytes already quantised (transformers' save_pretrained of a 4-bit model:
+// `P.weight` U8 + `P.weight.quant_state.bitsandbytes__nf4` ..., see nf4_bnb.h) are taken as
+// they are: a stored NF4 linear becomes the QuantizedWeight with the file's bytes and absmax
+// (never re-quantised, so the stored blocksize / double quantisation win over LoadOptions);
+// without load_in_4bit it is dequantised to the compute dtype. Any linear may be stored either
+// way (mixed checkpoints).
 #include <ATen/ATen.h>
 
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "models/moe_model.h"
+#include "models/nf4_bnb.h"
 #include "models/safetensors.h"
 
 namespace eo::model {
@@ -43,34 +53,67 @@ struct ModelLoader {
   const st::Checkpoint& ck;
   const LoadOptions& opts;
   MoeModel& m;
+  // Stored bitsandbytes modules seen, for the summary log lines at the end.
+  mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0;
 
   at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!ck.has(name))
       throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' is missing (expected shape " + shape_str(shape) +
                   "); does config.json match the weights?");
     at::Tensor t = ck.load(name);
+    if (!at::isFloatingType(t.scalar_type()))
+      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' is " + std::string(at::toString(t.scalar_type())) +
+                  ", not floating point, and carries no bitsandbytes nf4 quant state ('" + name +
+                  ".quant_state.bitsandbytes__nf4'); only float weights and bitsandbytes 4-bit modules can be loaded");
     if (t.sizes() != at::IntArrayRef(shape))
       throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) +
                   ", expected " + shape_str(shape));
-    if (!at::isFloatingType(t.scalar_type()))
-      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' is not floating point (pre-quantised "
-                  "checkpoints are not supported; load the original weights with load_in_4bit)");
     return t;
   }
-  // Frozen tensor in the compute dtype on the device.
+
+  // Module `prefix` as stored by bitsandbytes (CPU tensors), or nullopt when its weight is a
+  // plain float tensor. fp4 and damaged quant states throw (nf4_bnb names the module).
+  std::optional<nf4::QuantizedWeight> stored_4bit(const std::string& prefix, const std::vector<std::int64_t>& shape) const {
+    const nf4::TensorExists has = [this](const std::string& n) { return ck.has(n); };
+    if (!nf4::is_bitsandbytes_4bit(has, prefix)) return std::nullopt;
+    nf4::QuantizedWeight q = nf4::from_bitsandbytes([this](const std::string& n) { return ck.load(n); }, has, prefix);
+    if (q.shape != shape)
+      throw Error("checkpoint " + ck.folder() + ": bitsandbytes module '" + prefix + "' has shape " + shape_str(q.shape) +
+                  ", expected " + shape_str(shape) + "; does config.json match the weights?");
+    return q;
+  }
+
+  // Frozen tensor in the compute dtype on the device; `P.weight` of a bitsandbytes module is
+  // dequantised (e.g. a router someone chose to quantise).
   at::Tensor get(const std::string& name, std::vector<std::int64_t> shape) const {
+    static const std::string kWeight = ".weight";
+    if (name.size() > kWeight.size() && name.compare(name.size() - kWeight.size(), kWeight.size(), kWeight) == 0)
+      if (auto q = stored_4bit(name.substr(0, name.size() - kWeight.size()), shape)) {
+        ++stored_dequantised;
+        return nf4::dequantize(*q, opts.dtype).to(opts.device).contiguous();
+      }
     return raw(name, std::move(shape)).to(opts.device, opts.dtype).contiguous();
   }
   nf4::QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
     return to_device(nf4::quantize(w.to(opts.dtype).contiguous(), opts.blocksize, opts.double_quant),
                      on_host ? at::Device(at::kCPU) : opts.device);
   }
+  // The NF4 weight of decoder-block linear `prefix`: the stored bitsandbytes bytes as they are,
+  // else the float weight quantised with LoadOptions' settings.
+  nf4::QuantizedWeight nf4_weight(const std::string& prefix, const std::vector<std::int64_t>& shape, bool on_host = false) const {
+    if (auto q = stored_4bit(prefix, shape)) {
+      ++stored_nf4;
+      if (q->blocksize != opts.blocksize || q->nested.has_value() != opts.double_quant) ++stored_other_layout;
+      return to_device(std::move(*q), on_host ? at::Device(at::kCPU) : opts.device);
+    }
+    return quantize(raw(prefix + ".weight", shape), on_host);
+  }
   FrozenLinear linear(const std::string& prefix, std::int64_t in, std::int64_t out, bool bias, bool quantizable) const {
     FrozenLinear l;
     l.in = in;
     l.out = out;
     if (opts.load_in_4bit && quantizable)
-      l.q = std::make_unique<nf4::QuantizedWeight>(quantize(raw(prefix + ".weight", {out, in})));
+      l.q = std::make_unique<nf4::QuantizedWeight>(nf4_weight(prefix, {out, in}));
     else
       l.weight = get(prefix + ".weight", {out, in});
     if (bias) l.bias = get(prefix + ".bias", {out});
@@ -91,24 +134,35 @@ struct ModelLoader {
     return base + m.cfg_.moe_prefix();
   }
 
-  // Experts of layer i as [E][matrix] float weights in the checkpoint's dtype (CPU).
-  std::vector<std::array<at::Tensor, 3>> experts(int i) const {
+  // Experts of layer i. Fused layout: [E][matrix] float views (CPU, checkpoint dtype). Per-expert
+  // layout: empty; the matrices load one by one through expert_prefix (they may be bnb-quantised).
+  std::vector<std::array<at::Tensor, 3>> fused_experts(int i) const {
     const ModelConfig& c = m.cfg_;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
     const std::string p = moe_prefix(i) + ".experts";
+    if (!ck.has(p + ".gate_up_proj")) return {};
+    for (const char* name : {".gate_up_proj", ".down_proj"}) {
+      // transformers saves bnb 4-bit experts per expert; a quantised fused tensor is not a format we know.
+      const bool bnb_keys = ck.has(p + name + ".absmax") || ck.has(p + name + ".quant_state.bitsandbytes__nf4") ||
+                            ck.has(p + name + ".quant_state.bitsandbytes__fp4");
+      if (bnb_keys || (ck.has(p + name) && ck.info(p + name).dtype == st::DType::U8))
+        throw UsageError("checkpoint " + ck.folder() + ": fused expert tensor '" + p + name +
+                         "' is quantised; bitsandbytes checkpoints store experts per expert (experts.{e}.gate_proj...), "
+                         "a quantised fused layout is not supported. Use the original float weights with load_in_4bit");
+    }
+    const at::Tensor gu = raw(p + ".gate_up_proj", {E, 2 * I, H}), down = raw(p + ".down_proj", {E, H, I});
     std::vector<std::array<at::Tensor, 3>> out(E);
-    if (ck.has(p + ".gate_up_proj")) {
-      const at::Tensor gu = raw(p + ".gate_up_proj", {E, 2 * I, H}), down = raw(p + ".down_proj", {E, H, I});
-      for (int e = 0; e < E; ++e) out[e] = {gu[e].narrow(0, 0, I), gu[e].narrow(0, I, I), down[e]};
-      return out;
-    }
-    const bool mix = c.arch == Arch::Mixtral;
-    for (int e = 0; e < E; ++e) {
-      const std::string q = p + "." + std::to_string(e) + ".";
-      out[e] = {raw(q + (mix ? "w1" : "gate_proj") + ".weight", {I, H}), raw(q + (mix ? "w3" : "up_proj") + ".weight", {I, H}),
-                raw(q + (mix ? "w2" : "down_proj") + ".weight", {H, I})};
-    }
+    for (int e = 0; e < E; ++e) out[e] = {gu[e].narrow(0, 0, I), gu[e].narrow(0, I, I), down[e]};
     return out;
+  }
+  std::string expert_prefix(int i, int e, int mi) const {
+    static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
+    static const char* kMix[3] = {"w1", "w3", "w2"};
+    return moe_prefix(i) + ".experts." + std::to_string(e) + "." + (m.cfg_.arch == Arch::Mixtral ? kMix : kQwen)[mi];
+  }
+  std::vector<std::int64_t> expert_shape(int mi) const {
+    const auto H = m.cfg_.hidden, I = m.cfg_.expert_width;
+    return mi == 2 ? std::vector<std::int64_t>{H, I} : std::vector<std::int64_t>{I, H};
   }
 
   void run() {
@@ -142,16 +196,19 @@ struct ModelLoader {
         b->dense_ = mlp(p + "mlp", c.dense_width);
       } else {
         b->router_ = get(moe_prefix(i) + ".gate.weight", {c.experts, H});
-        auto ex = experts(i);
+        const auto fused = fused_experts(i);
         b->expert_lora_.resize(c.experts);
         if (opts.load_in_4bit) {
           bank[i].resize(c.experts);
           for (int e = 0; e < c.experts; ++e)
-            for (int mi = 0; mi < 3; ++mi) bank[i][e][mi] = quantize(ex[e][mi], opts.experts_on_host);
+            for (int mi = 0; mi < 3; ++mi)
+              bank[i][e][mi] = fused.empty() ? nf4_weight(expert_prefix(i, e, mi), expert_shape(mi), opts.experts_on_host)
+                                             : quantize(fused[e][mi], opts.experts_on_host);
         } else {
           for (int mi = 0; mi < 3; ++mi) {
             std::vector<at::Tensor> per;
-            for (auto& e : ex) per.push_back(e[mi]);
+            for (int e = 0; e < c.experts; ++e)
+              per.push_back(fused.empty() ? get(expert_prefix(i, e, mi) + ".weight", expert_shape(mi)) : fused[e][mi]);
             b->experts_[mi] = at::stack(per).to(opts.device, opts.dtype).contiguous();
           }
         }
@@ -164,6 +221,17 @@ struct ModelLoader {
       m.blocks_.push_back(std::move(b));
     }
     m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
+    if (stored_nf4 > 0)
+      log::info(ck.folder() + ": " + std::to_string(stored_nf4) + " linears are bitsandbytes nf4 already; using their "
+                "stored bytes (no re-quantisation)");
+    if (stored_other_layout > 0)
+      log::info(ck.folder() + ": " + std::to_string(stored_other_layout) + " bitsandbytes 4-bit modules keep their stored "
+                "blocksize / double quantisation, which differ from the requested blocksize " +
+                std::to_string(opts.blocksize) + (opts.double_quant ? " with" : " without") + " double quantisation");
+    if (stored_dequantised > 0)
+      log::info(ck.folder() + ": " + std::to_string(stored_dequantised) + " bitsandbytes 4-bit modules dequantised to " +
+                std::string(at::toString(opts.dtype)) +
+                (opts.load_in_4bit ? " (they are not decoder-block linears)" : " because load_in_4bit is off"));
   }
 };
 

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""The adapter eo-ddp trains loads in peft and means the same thing there.
+
+    train_peft_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR
+
+1. eo-ddp trains a short LoRA run of the bundled tiny Qwen3-MoE (configs/tiny-qwen3-moe.yaml) on
+   the attention projections. (peft 0.21 with transformers 5.24 cannot target per-expert linears:
+   at run time the experts are fused 3-D parameters, so an adapter with expert LoRA has keys
+   peft cannot place.)
+2. transformers loads fixtures/tiny-qwen3-moe in fp32 and PeftModel.from_pretrained loads the
+   adapter: no warning, every LoRA parameter of the peft model comes from the file, every tensor
+   of the file lands in a parameter, bitwise.
+3. The mean next-token loss over the labelled tokens of a JSONL file (summed over every line, divided
+   by the count of counted tokens, as `eo-ddp score` defines it), computed here with the peft
+   model, equals `eo-ddp score --adapter` within 1e-4 relative; likewise for the base model; and
+   the adapter changes the loss by much more than that tolerance.
+"""
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+import transformers
+from peft import PeftModel
+from safetensors.torch import load_file
+
+BINARY, SRC, WORK = sys.argv[1:4]
+MODEL = os.path.join(SRC, "fixtures", "tiny-qwen3-moe")
+RTOL = 1e-4
+torch.set_num_threads(1)
+os.makedirs(WORK, exist_ok=True)
+env = dict(os.environ, OMP_NUM_THREADS="1")
+failures = []
+
+
+def check(ok, msg):
+    print(("ok   " if ok else "FAIL ") + msg)
+    if not ok:
+        failures.append(msg)
+
+
+# ---- 1. train an adapter with eo-ddp
+out = os.path.join(WORK, "run")
+subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
+                "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_target_linear=false",
+                "--set", "lora_target_modules=[q_proj, k_proj, v_proj, o_proj]"],
+               cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
+
+# ---- scoring data: prompt-masked labels, a right-padded line, plain lines
+lines = [json.loads(l) for l in open(os.path.join(SRC, "fixtures", "tiny-data", "train.jsonl")) if l.strip()][:12]
+lines[0]["labels"] = [-100] * 6 + lines[0]["input_ids"][6:]
+n = len(lines[1]["input_ids"])
+lines[1] = {"input_ids": lines[1]["input_ids"] + [0] * 5, "attention_mask": [1] * n + [0] * 5,
+            "labels": lines[1]["input_ids"] + [-100] * 5}
+data = os.path.join(WORK, "score.jsonl")
+with open(data, "w") as f:
+    for l in lines:
+        f.write(json.dumps(l) + "\n")
+
+
+def eo_score(adapter=None):
+    cmd = [BINARY, "score", "--model", MODEL, "--data", data, "--json"] + (["--adapter", adapter] if adapter else [])
+    r = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@torch.no_grad()
+def reference_score(model):
+    loss_sum, count = 0.0, 0
+    for l in lines:
+        ids = torch.tensor([l["input_ids"]])
+        labels = torch.tensor([l.get("labels", l["input_ids"])])
+        mask = torch.tensor([l["attention_mask"]]) if "attention_mask" in l else None
+        logits = model(input_ids=ids, attention_mask=mask).logits.double()
+        target = labels[:, 1:]
+        loss_sum += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                    ignore_index=-100, reduction="sum").item()
+        count += int((target != -100).sum())
+    return loss_sum / count, count
+
+
+# ---- 2. transformers + peft
+model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
+base_loss, base_tokens = reference_score(model)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    peft_model = PeftModel.from_pretrained(model, out).eval()
+load_warnings = [str(w.message) for w in caught if "key" in str(w.message).lower()]
+check(not load_warnings, f"PeftModel.from_pretrained warns of no missing/unexpected keys {load_warnings}")
+
+saved = load_file(os.path.join(out, "adapter_model.safetensors"))
+placed = {n.replace(".default.", "."): p for n, p in peft_model.named_parameters() if "lora_" in n}
+check(set(placed) == set(saved), f"peft's LoRA parameters ({len(placed)}) are the file's tensors ({len(saved)}): "
+      f"only in peft {sorted(set(placed) - set(saved))[:3]}, only in file {sorted(set(saved) - set(placed))[:3]}")
+check(all(torch.equal(placed[k], saved[k]) for k in set(placed) & set(saved)), "every loaded LoRA tensor equals the file's")
+check(any(k.endswith("lora_B.weight") and saved[k].abs().max() > 0 for k in saved), "training moved lora_B off zero")
+
+# ---- 3. losses
+adapter_loss, adapter_tokens = reference_score(peft_model)
+eo_base, eo_adapter = eo_score(), eo_score(out)
+for name, ref, ref_tokens, eo in (("base", base_loss, base_tokens, eo_base), ("adapter", adapter_loss, adapter_tokens, eo_adapter)):
+    check(eo["tokens"] == ref_tokens, f"{name}: eo-ddp score counts {eo['tokens']} tokens, reference {ref_tokens}")
+    rel = abs(eo["loss"] - ref) / abs(ref)
+    check(rel < RTOL, f"{name}: eo-ddp score {eo['loss']:.7f} vs transformers/peft {ref:.7f} (rel {rel:.2e})")
+change = abs(adapter_loss - base_loss) / base_loss
+check(change > 100 * RTOL, f"the adapter changes the loss: {base_loss:.5f} -> {adapter_loss:.5f} (rel {change:.2e})")
+
+print(f"{len(failures)} failed")
+sys.exit(1 if failures else 0)

@@ -1,0 +1,378 @@
+// Single-rank training, end to end through the eo-ddp binary on the bundled tiny Qwen3-MoE:
+// the loss falls, activation checkpointing changes nothing, resume (from a checkpoint folder,
+// `auto`, after SIGTERM, after a crash in the middle of a save) continues exactly as an
+// uninterrupted run, and config errors come before any weight is read.
+//
+// The reference for every resume test is an uninterrupted run of the same config: on the CPU with
+// one thread, training is deterministic, so losses and adapters must match bit for bit.
+// Each test owns a temporary folder; every child process has a bounded wait and is killed on timeout.
+// (The numbering follows the task list; 3, the adapter loading in peft, is tests/ref/train_peft_check.py.)
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "models/safetensors.h"
+#include "runtime/train_state.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+// ---- child processes ----------------------------------------------------------------------------
+
+struct Child {
+  pid_t pid = -1;
+  fs::path log;
+};
+
+struct Outcome {
+  bool exited = false;  // normal exit (then `code`), else killed by `signal`
+  int code = -1;
+  int signal = 0;
+  bool timed_out = false;
+  std::string log;
+  std::string describe() const {
+    std::ostringstream os;
+    os << (timed_out ? "timed out; " : "") << (exited ? "exit code " + std::to_string(code) : "signal " + std::to_string(signal))
+       << "\n--- output ---\n" << log;
+    return os.str();
+  }
+};
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// eo-ddp ARGS... in the source folder (the bundled config's paths are relative to it), output to
+// `log`. One OpenMP thread: the 2 cores are shared, and spinning OpenMP threads under contention
+// make a step 20x slower; one thread also keeps every run's arithmetic identical.
+Child spawn(const std::vector<std::string>& args, const fs::path& log, const std::vector<std::string>& env = {}) {
+  const std::string binary = std::string(EO_BINARY_DIR) + "/eo-ddp";
+  std::vector<char*> argv{const_cast<char*>(binary.c_str())};
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test (e.g. killed by ctest's timeout)
+    if (chdir(EO_SOURCE_DIR) != 0) _exit(120);
+    FILE* f = std::fopen(log.c_str(), "w");
+    if (!f) _exit(121);
+    dup2(fileno(f), 1);
+    dup2(fileno(f), 2);
+    setenv("OMP_NUM_THREADS", "1", 1);
+    for (const auto& kv : env) putenv(const_cast<char*>(kv.c_str()));
+    execv(binary.c_str(), argv.data());
+    _exit(122);
+  }
+  return {pid, log};
+}
+
+Outcome wait_for(const Child& c, double timeout_s) {
+  Outcome o;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  int status = 0;
+  while (waitpid(c.pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      o.timed_out = true;
+      kill(c.pid, SIGKILL);
+      waitpid(c.pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  o.exited = WIFEXITED(status);
+  o.code = o.exited ? WEXITSTATUS(status) : -1;
+  o.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+  o.log = read_text(c.log);
+  return o;
+}
+
+// ---- training runs and what they leave --------------------------------------------------------
+
+constexpr double kRunTimeout = 240;  // seconds; a healthy run here takes a few
+
+// `--config configs/tiny-qwen3-moe.yaml --set output_dir=OUT --set k=v ...`
+std::vector<std::string> train_args(const fs::path& out, const std::vector<std::string>& sets) {
+  std::vector<std::string> a{"--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out.string()};
+  for (const auto& s : sets) {
+    a.push_back("--set");
+    a.push_back(s);
+  }
+  return a;
+}
+
+Outcome train(const fs::path& out, const std::vector<std::string>& sets, const std::vector<std::string>& env = {}) {
+  return wait_for(spawn(train_args(out, sets), out.string() + ".log", env), kRunTimeout);
+}
+
+// metrics.jsonl by step (a resumed run appends; the last line of a step wins).
+std::map<std::int64_t, json> read_metrics(const fs::path& out) {
+  std::map<std::int64_t, json> by_step;
+  std::ifstream in(out / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) {
+      json j = json::parse(line);
+      by_step[j.at("step").get<std::int64_t>()] = j;
+    }
+  return by_step;
+}
+
+std::size_t count_lines(const fs::path& p) {
+  std::ifstream in(p);
+  std::size_t n = 0;
+  for (std::string line; std::getline(in, line);) n += !line.empty();
+  return n;
+}
+
+// Steps first..last of `a` and `b` have bitwise equal loss and grad norm.
+void expect_same_steps(const std::map<std::int64_t, json>& a, const std::map<std::int64_t, json>& b, std::int64_t first,
+                       std::int64_t last) {
+  for (std::int64_t s = first; s <= last; ++s) {
+    ASSERT_TRUE(a.count(s) && b.count(s)) << "step " << s << " missing from metrics";
+    EXPECT_EQ(a.at(s)["loss"].get<double>(), b.at(s)["loss"].get<double>()) << "loss of step " << s;
+    EXPECT_EQ(a.at(s)["grad_norm"].get<double>(), b.at(s)["grad_norm"].get<double>()) << "grad norm of step " << s;
+  }
+}
+
+// Two adapter_model.safetensors hold the same names with bitwise equal tensors.
+void expect_same_adapter(const fs::path& dir_a, const fs::path& dir_b) {
+  auto a = eo::st::File::open((dir_a / "adapter_model.safetensors").string());
+  auto b = eo::st::File::open((dir_b / "adapter_model.safetensors").string());
+  ASSERT_EQ(a->tensors().size(), b->tensors().size());
+  ASSERT_GT(a->tensors().size(), 0u);
+  int differing = 0;
+  std::string example;
+  for (const auto& t : a->tensors()) {
+    ASSERT_NE(b->find(t.name), nullptr) << t.name << " missing from " << dir_b;
+    const at::Tensor x = a->load(t.name), y = b->load(t.name);
+    if (!at::equal(x, y)) {
+      if (!differing++)
+        example = t.name + " (max |diff| " + std::to_string((x - y).abs().max().item<double>()) + ")";
+    }
+  }
+  EXPECT_EQ(differing, 0) << differing << " of " << a->tensors().size() << " LoRA tensors differ between " << dir_a << " and "
+                          << dir_b << ", e.g. " << example;
+}
+
+// A temporary folder of an unfinished checkpoint save in `out`.
+bool has_partial_save(const fs::path& out) {
+  for (const auto& e : fs::directory_iterator(out))
+    if (e.path().filename().string().rfind(".tmp-checkpoint-", 0) == 0) return true;
+  return false;
+}
+
+void copy_checkpoint(const fs::path& from, const fs::path& to) {
+  fs::create_directories(to.parent_path());
+  fs::copy(from, to, fs::copy_options::recursive);
+}
+
+class Train : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() / ("eo_train_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);  // kept for a look when something failed
+  }
+  fs::path dir_;
+};
+
+}  // namespace
+
+// 1. The bundled config trains: the loss falls, every metrics line is complete, a peft adapter is written.
+TEST_F(Train, LossFallsAndWritesAdapterAndMetrics) {
+  const fs::path out = dir_ / "run";
+  const Outcome o = train(out, {"max_steps=30", "save_steps=0"});
+  ASSERT_TRUE(o.exited && o.code == 0) << o.describe();
+  const auto m = read_metrics(out);
+  ASSERT_EQ(count_lines(out / "metrics.jsonl"), 30u);
+  ASSERT_EQ(m.size(), 30u);
+  for (const auto& [step, j] : m)
+    for (const char* key : {"step", "loss", "lr", "tokens_per_sec", "step_time_s", "peak_mem_bytes"})
+      EXPECT_TRUE(j.contains(key) && j[key].is_number()) << "step " << step << " has no numeric " << key << ": " << j.dump();
+  const double first = m.at(1)["loss"].get<double>();
+  double last10 = 0;
+  for (std::int64_t s = 21; s <= 30; ++s) last10 += m.at(s)["loss"].get<double>() / 10;
+  EXPECT_LT(last10, 0.75 * first) << "first loss " << first << ", mean of the last 10 " << last10;
+  // peft's names and shapes (design 3.4) for LoRA r=8 on attention and every expert of 4 layers:
+  // hidden 64, 4 query heads and 2 kv heads of 16, 8 experts of width 32.
+  auto adapter = eo::st::File::open((out / "adapter_model.safetensors").string());
+  EXPECT_EQ(adapter->tensors().size(), 4u * (4 + 8 * 3) * 2);
+  const std::map<std::string, std::vector<std::int64_t>> expected_shapes{
+      {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", {8, 64}},
+      {"base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight", {32, 8}},
+      {"base_model.model.model.layers.3.self_attn.o_proj.lora_B.weight", {64, 8}},
+      {"base_model.model.model.layers.2.mlp.experts.7.gate_proj.lora_B.weight", {32, 8}},
+      {"base_model.model.model.layers.1.mlp.experts.0.down_proj.lora_A.weight", {8, 32}}};
+  for (const auto& [name, shape] : expected_shapes) {
+    const eo::st::TensorInfo* t = adapter->find(name);
+    ASSERT_NE(t, nullptr) << name << " not in the adapter";
+    EXPECT_EQ(t->shape, shape) << name;
+  }
+  ASSERT_TRUE(fs::exists(out / "adapter_config.json"));
+  const json cfg = json::parse(read_text(out / "adapter_config.json"));
+  EXPECT_EQ(cfg.at("peft_type"), "LORA");
+  EXPECT_EQ(cfg.at("r"), 8);
+}
+
+// 2. Activation checkpointing recomputes the same forward (dropout masks included, via the RNG
+//    replay), so per-step grad norms and the final adapter are bitwise those of a plain run.
+TEST_F(Train, CheckpointedAndPlainTrainingAreBitwiseEqual) {
+  const std::vector<std::string> common{"max_steps=4", "save_steps=0", "lora_dropout=0.1"};
+  auto with = common, without = common;
+  with.push_back("gradient_checkpointing=true");
+  without.push_back("gradient_checkpointing=false");
+  const Outcome a = train(dir_ / "ckpt", with);
+  ASSERT_TRUE(a.exited && a.code == 0) << a.describe();
+  const Outcome b = train(dir_ / "plain", without);
+  ASSERT_TRUE(b.exited && b.code == 0) << b.describe();
+  expect_same_steps(read_metrics(dir_ / "ckpt"), read_metrics(dir_ / "plain"), 1, 4);
+  expect_same_adapter(dir_ / "ckpt", dir_ / "plain");
+}
+
+// 4. Resuming from a checkpoint continues exactly: from an explicit folder into a fresh
+//    output_dir, and with `auto`, which takes the newest *complete* checkpoint.
+TEST_F(Train, ResumeFromCheckpointIsExact) {
+  const fs::path a = dir_ / "a";
+  const Outcome ra = train(a, {"max_steps=8", "save_steps=2", "save_total_limit=10"});
+  ASSERT_TRUE(ra.exited && ra.code == 0) << ra.describe();
+  for (int s : {2, 4, 6, 8}) ASSERT_TRUE(fs::exists(a / ("checkpoint-" + std::to_string(s)) / "trainer_state.json")) << s;
+  const auto ma = read_metrics(a);
+
+  const fs::path b = dir_ / "b";
+  const Outcome rb = train(b, {"max_steps=8", "save_steps=0", "resume_from_checkpoint=" + (a / "checkpoint-4").string()});
+  ASSERT_TRUE(rb.exited && rb.code == 0) << rb.describe();
+  const auto mb = read_metrics(b);
+  ASSERT_FALSE(mb.empty());
+  EXPECT_EQ(mb.begin()->first, 5) << "the resumed run starts after step 4";
+  EXPECT_EQ(mb.size(), 4u);
+  expect_same_steps(ma, mb, 5, 8);
+  expect_same_adapter(a, b);
+
+  // auto: checkpoints 2 and 4, plus a checkpoint-6 whose save never finished (no trainer_state.json).
+  const fs::path c = dir_ / "c";
+  copy_checkpoint(a / "checkpoint-2", c / "checkpoint-2");
+  copy_checkpoint(a / "checkpoint-4", c / "checkpoint-4");
+  copy_checkpoint(a / "checkpoint-6", c / "checkpoint-6");
+  fs::remove(c / "checkpoint-6" / "trainer_state.json");
+  const Outcome rc = train(c, {"max_steps=8", "save_steps=0", "resume_from_checkpoint=auto"});
+  ASSERT_TRUE(rc.exited && rc.code == 0) << rc.describe();
+  const auto mc = read_metrics(c);
+  ASSERT_FALSE(mc.empty());
+  EXPECT_EQ(mc.begin()->first, 5) << "auto must pick checkpoint-4 (newest complete)\n" << rc.log;
+  expect_same_steps(ma, mc, 5, 8);
+  expect_same_adapter(a, c);
+}
+
+// 5. SIGTERM: the run saves a checkpoint at the end of the current step and exits 3; resuming
+//    with `auto` gives the losses of an uninterrupted run. (Constant lr: the interrupted run was
+//    planned for 400 steps, the others for fewer, and a cosine schedule depends on the total.)
+TEST_F(Train, SigtermSavesAndResumesExactly) {
+  const fs::path s = dir_ / "stopped";
+  const Child child = spawn(train_args(s, {"max_steps=400", "save_steps=0", "lr_scheduler=constant"}), dir_ / "stopped.log");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  int status = 0;
+  bool exited_early = false;
+  while (count_lines(s / "metrics.jsonl") < 3 && std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(child.pid, &status, WNOHANG) == child.pid) {
+      exited_early = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_FALSE(exited_early) << "the run ended before it was signalled:\n" << read_text(child.log);
+  kill(child.pid, SIGTERM);
+  const Outcome o = wait_for(child, 60);
+  ASSERT_TRUE(o.exited && o.code == 3) << o.describe();
+  const auto saved = eo::latest_checkpoint(s.string());
+  ASSERT_TRUE(saved.has_value()) << "no checkpoint after SIGTERM\n" << o.log;
+  const std::int64_t n = eo::load_checkpoint(*saved).step;
+  const auto stopped = read_metrics(s);
+  ASSERT_GE(n, 3);
+  ASSERT_LT(n, 400);
+  EXPECT_EQ(stopped.rbegin()->first, n) << "the checkpoint is of the last logged step";
+
+  const std::string total = "max_steps=" + std::to_string(n + 3);
+  const Outcome r = train(s, {total, "save_steps=0", "lr_scheduler=constant", "resume_from_checkpoint=auto"});
+  ASSERT_TRUE(r.exited && r.code == 0) << r.describe();
+  const fs::path ref = dir_ / "uninterrupted";
+  const Outcome u = train(ref, {total, "save_steps=0", "lr_scheduler=constant"});
+  ASSERT_TRUE(u.exited && u.code == 0) << u.describe();
+  expect_same_steps(read_metrics(s), read_metrics(ref), 1, n + 3);
+  expect_same_adapter(s, ref);
+}
+
+// 6. A crash (SIGKILL) in the middle of writing checkpoint-4 leaves checkpoint-2 intact and no
+//    checkpoint-4; `auto` resumes from checkpoint-2 and matches an uninterrupted run.
+TEST_F(Train, KilledSaveKeepsPreviousCheckpoint) {
+  const fs::path k = dir_ / "killed";
+  const std::vector<std::string> sets{"max_steps=6", "save_steps=2"};
+  const Outcome o = train(k, sets, {"EO_DDP_FAULT_KILL_IN_SAVE=4"});
+  ASSERT_TRUE(!o.timed_out && !o.exited && o.signal == SIGKILL) << "expected death by SIGKILL in the save of step 4: " << o.describe();
+  EXPECT_FALSE(fs::exists(k / "checkpoint-4")) << "a half-written checkpoint-4 is in place";
+  EXPECT_FALSE(fs::exists(k / "adapter_model.safetensors"));
+  EXPECT_TRUE(has_partial_save(k)) << "the kill was meant to hit the middle of the save (a .tmp-checkpoint-4-* folder)";
+  ASSERT_TRUE(fs::exists(k / "checkpoint-2" / "trainer_state.json"));
+  EXPECT_EQ(eo::latest_checkpoint(k.string()), (k / "checkpoint-2").string());
+  EXPECT_EQ(eo::load_checkpoint((k / "checkpoint-2").string()).step, 2);
+
+  const Outcome r = train(k, {"max_steps=6", "save_steps=2", "resume_from_checkpoint=auto"});
+  ASSERT_TRUE(r.exited && r.code == 0) << r.describe();
+  EXPECT_NE(r.log.find("checkpoint-2 at step 2"), std::string::npos) << r.log;
+  const fs::path ref = dir_ / "uninterrupted";
+  const Outcome u = train(ref, sets);
+  ASSERT_TRUE(u.exited && u.code == 0) << u.describe();
+  expect_same_steps(read_metrics(k), read_metrics(ref), 1, 6);
+  expect_same_adapter(k, ref);
+  EXPECT_FALSE(has_partial_save(k)) << "the next save removes the dead save's temporary folder";
+  for (int s : {4, 6}) EXPECT_TRUE(fs::exists(k / ("checkpoint-" + std::to_string(s)) / "trainer_state.json")) << s;
+}
+
+// 7. Config problems are reported (exit 2) before any weight is read: with --check, and when
+//    training with a model folder whose weights are garbage.
+TEST_F(Train, ConfigErrorsComeBeforeWeights) {
+  const std::vector<std::string> missing{"base_model=" + (dir_ / "no-such-model").string()};
+  for (bool check : {true, false}) {
+    std::vector<std::string> args = train_args(dir_ / "out", missing);
+    if (check) args.push_back("--check");
+    const Outcome o = wait_for(spawn(args, dir_ / "missing.log"), 60);
+    EXPECT_TRUE(o.exited && o.code == 2) << (check ? "--check: " : "train: ") << o.describe();
+    EXPECT_NE(o.log.find("base_model"), std::string::npos) << o.log;
+    EXPECT_NE(o.log.find("no-such-model"), std::string::npos) << o.log;
+  }
+
+  // A model folder with a valid config.json and unreadable weights, plus a misspelt key.
+  const fs::path model = dir_ / "garbage-model";
+  fs::create_directories(model);
+  fs::copy_file(fs::path(EO_SOURCE_DIR) / "fixtures/tiny-qwen3-moe/config.json", model / "config.json");
+  std::ofstream(model / "model.safetensors") << "not a safetensors file";
+  const Outcome bad = wait_for(spawn(train_args(dir_ / "out", {"base_model=" + model.string(), "learning_rat=1e-4"}), dir_ / "bad.log"), 60);
+  EXPECT_TRUE(bad.exited && bad.code == 2) << bad.describe();
+  EXPECT_NE(bad.log.find("learning_rat"), std::string::npos) << bad.log;
+  EXPECT_EQ(bad.log.find("safetensors"), std::string::npos) << "weights were read before the config was checked:\n" << bad.log;
+  EXPECT_FALSE(fs::exists(dir_ / "out")) << "output_dir was created for a run that never started";
+  // Control: with a valid config the garbage weights are read, and fail as a runtime error.
+  const Outcome control = wait_for(spawn(train_args(dir_ / "out2", {"base_model=" + model.string()}), dir_ / "control.log"), 60);
+  EXPECT_TRUE(control.exited && control.code == 1) << control.describe();
+  EXPECT_NE(control.log.find("model.safetensors"), std::string::npos) << control.log;
+}
