@@ -11,11 +11,22 @@
 
 namespace eo {
 
-MetricsLog::MetricsLog(const std::string& output_dir, bool append) {
+MetricsLog::MetricsLog(const std::string& output_dir, std::int64_t resumed_step) {
   std::filesystem::create_directories(output_dir);
   path_ = (std::filesystem::path(output_dir) / "metrics.jsonl").string();
-  out_.open(path_, append ? std::ios::app : std::ios::trunc);
+  std::string kept;
+  if (resumed_step > 0) {
+    std::ifstream in(path_);
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<std::int64_t>() <= resumed_step)
+        kept += line + "\n";
+    }
+  }
+  out_.open(path_, std::ios::trunc);
   EO_CHECK(out_, "cannot write ", path_);
+  out_ << kept;
+  out_.flush();
 }
 
 nlohmann::json to_json(const StepReport& r) {

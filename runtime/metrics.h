@@ -26,8 +26,9 @@ struct StepReport {
 
 class MetricsLog {
  public:
-  // Appends when resuming so the file covers the whole run.
-  MetricsLog(const std::string& output_dir, bool append);
+  // resumed_step > 0: keep the lines of steps up to it (a resumed run continues the file; lines
+  // of steps after the checkpoint, from the interrupted run, are dropped). 0: start afresh.
+  MetricsLog(const std::string& output_dir, std::int64_t resumed_step);
   void write(const StepReport& r);
   const std::string& path() const { return path_; }
 

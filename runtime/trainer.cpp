@@ -244,7 +244,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
   if (wi.world_size > 1) reducer = std::make_unique<dist::GradReducer>(lora, comm, ro);
 
   std::unique_ptr<MetricsLog> metrics;
-  if (wi.rank == 0) metrics = std::make_unique<MetricsLog>(cfg.output_dir, !resume.empty());
+  if (wi.rank == 0) metrics = std::make_unique<MetricsLog>(cfg.output_dir, resume.empty() ? 0 : step);
   auto save = [&](const std::string& why) {
     TrainingState s;
     s.step = step;
