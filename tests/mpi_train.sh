@@ -40,14 +40,14 @@ run() {  # name ranks mb [extra --set ...]
 
 run one4 1 4
 run two2 2 2
-check "2x2 == 1x4" "$py" tests/ref/compare_adapters.py "$tmp/one4" "$tmp/two2" --rtol 1e-4 --atol 5e-5
+check "2x2 == 1x4" "$py" tests/ref/compare_adapters.py "$tmp/one4" "$tmp/two2" --rtol 1e-3 --loss-rtol 1e-5
 check "LoRA identical on 2 ranks" grep -q "LoRA identical on all 2 ranks" "$tmp/two2.log"
 run one4_off 1 4 --set expert_offload=true
 run two2_off 2 2 --set expert_offload=true
-check "2x2 == 1x4 with offload" "$py" tests/ref/compare_adapters.py "$tmp/one4_off" "$tmp/two2_off" --rtol 1e-4 --atol 5e-5
+check "2x2 == 1x4 with offload" "$py" tests/ref/compare_adapters.py "$tmp/one4_off" "$tmp/two2_off" --rtol 1e-3 --loss-rtol 1e-5
 run one3 1 3
 run three1 3 1
-check "3x1 == 1x3" "$py" tests/ref/compare_adapters.py "$tmp/one3" "$tmp/three1" --rtol 1e-4 --atol 5e-5
+check "3x1 == 1x3" "$py" tests/ref/compare_adapters.py "$tmp/one3" "$tmp/three1" --rtol 1e-3 --loss-rtol 1e-5
 check "LoRA identical on 3 ranks" grep -q "LoRA identical on all 3 ranks" "$tmp/three1.log"
 
 # Collective bytes = steps x LoRA gradient bytes (allreduce) + LoRA bytes once (broadcast).
