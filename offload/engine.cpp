@@ -148,14 +148,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   EO_CHECK(max_block > 0, "offload: the model has no expert blocks to offload");
 
   // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
-  std::int64_t budget = opt_.vram_budget_bytes;
-  for (auto& b : blocks_) {
-    if (!b || b->bytes > budget) continue;
-    b->resident = at::empty({b->bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
-    b->resident.copy_(at::from_blob(b->home->data(), {b->bytes}, at::kByte));
-    build_views(b->resident_views, *b, b->resident);
-    budget -= b->bytes;
-  }
+  promote_resident(opt_.vram_budget_bytes);
   const int nslots = opt_.prefetch ? 2 : 1;
   int streamed = 0;
   for (auto& b : blocks_) streamed += (b && !b->resident.defined()) ? 1 : 0;
@@ -175,6 +168,19 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
             " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + "); " +
             std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) + "; " +
             std::to_string(resident_layers().size()) + " block(s) resident within the VRAM budget");
+}
+
+int ExpertOffloader::promote_resident(std::int64_t budget) {
+  int promoted = 0;
+  for (auto& b : blocks_) {
+    if (!b || b->resident.defined() || b->bytes > budget) continue;
+    b->resident = at::empty({b->bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
+    b->resident.copy_(at::from_blob(b->home->data(), {b->bytes}, at::kByte));
+    build_views(b->resident_views, *b, b->resident);
+    budget -= b->bytes;
+    ++promoted;
+  }
+  return promoted;
 }
 
 bool ExpertOffloader::b_pinned() const {

@@ -55,6 +55,10 @@ class ExpertOffloader : public model::WeightProvider {
 
   const nf4::QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override;
 
+  // Makes more blocks permanently resident (in layer order) while they fit in `budget_bytes` of
+  // new device memory; returns how many. Call between steps (it copies synchronously).
+  int promote_resident(std::int64_t budget_bytes);
+
   OffloadStats take_step_stats();  // waits for outstanding copies, returns and resets the counters
   std::int64_t home_bytes() const;  // host bytes of all homes (this rank)
   std::int64_t block_bytes(int layer) const;

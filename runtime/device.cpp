@@ -8,6 +8,8 @@
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
 #endif
 
 namespace eo {
@@ -39,6 +41,32 @@ void reset_peak_memory(const at::Device& d) {
   if (d.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
 #endif
   (void)d;
+}
+
+std::int64_t free_device_memory(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) {
+    c10::cuda::CUDAGuard guard(d.index());
+    std::size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    const auto agg = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    return static_cast<std::int64_t>(free) + stats.reserved_bytes[agg].current - stats.allocated_bytes[agg].current;
+  }
+#endif
+  (void)d;
+  return 0;
+}
+
+std::int64_t allocated_memory_bytes(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    return stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+  }
+#endif
+  (void)d;
+  return 0;
 }
 
 void synchronize(const at::Device& d) {

@@ -100,7 +100,7 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   oo.prefetch = cfg.expert_offload_prefetch;
   const std::string& budget = cfg.expert_offload_vram_budget;
   if (budget == "auto") {
-    // Sized after the first step, once the activation peak is known (see train()).
+    // Sized after the first step, once the activation peak is known (see size_auto_budget).
     oo.vram_budget_bytes = 0;
   } else {
     oo.vram_budget_bytes = static_cast<std::int64_t>(parse_bytes(budget).value_or(0));
@@ -123,6 +123,23 @@ void inject_faults(std::int64_t step, int rank) {
   const std::string kind = std::getenv("EO_DDP_FAULT") ? std::getenv("EO_DDP_FAULT") : "throw";
   if (kind == "kill") std::raise(SIGKILL);
   EO_FAIL("fault injected at step ", step, " on rank ", rank, " (EO_DDP_FAULT_STEP)");
+}
+
+// expert_offload_vram_budget: auto. After the first step: what the device can still give, less the
+// step's activation peak (it recurs every step) and a safety margin, becomes resident blocks.
+void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, std::int64_t step_start_allocated) {
+  if (!device.is_cuda()) {
+    log::info("expert_offload_vram_budget: auto keeps every block streamed on the CPU (no device memory to fill)");
+    return;
+  }
+  synchronize(device);
+  const std::int64_t activation_peak = std::max<std::int64_t>(0, peak_memory_bytes(device) - step_start_allocated);
+  const std::int64_t margin = std::int64_t(512) << 20;
+  const std::int64_t budget = free_device_memory(device) - activation_peak - margin;
+  const int n = budget > 0 ? off.promote_resident(budget) : 0;
+  log::info("expert_offload_vram_budget: auto -> " + human_bytes(double(std::max<std::int64_t>(0, budget))) + " free after a " +
+            human_bytes(double(activation_peak)) + " activation peak: " + std::to_string(n) + " more block(s) resident (" +
+            std::to_string(off.resident_layers().size()) + " in all)");
 }
 
 }  // namespace
@@ -264,9 +281,11 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
   const auto t_start = Clock::now();
   const double aux_coef = cfg.router_aux_loss_coef.value_or(mc.router_aux_loss_coef);
   reset_peak_memory(device);
+  bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
   while (step < total_steps) {
     inject_faults(step + 1, wi.rank);
     const auto t_step = Clock::now();
+    const std::int64_t step_start_allocated = allocated_memory_bytes(device);
     std::vector<data::MicroBatch> micro;
     std::int64_t tokens[1] = {0};
     for (std::int64_t m = 0; m < accum; ++m) {
@@ -359,6 +378,10 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
       return result;
     }
     if (cfg.save_steps > 0 && step % cfg.save_steps == 0 && step < total_steps) save("save_steps");
+    if (auto_budget_pending) {
+      size_auto_budget(*offloader, device, step_start_allocated);
+      auto_budget_pending = false;
+    }
   }
   save("end of training");
   if (wi.world_size > 1) {
