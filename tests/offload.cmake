@@ -1,0 +1,5 @@
+# Offloaded training end to end on the CPU build: equality with resident training, staging counts,
+# pageable homes, and the error for a model without expert blocks (tests/offload_train.sh).
+add_test(NAME offload_train COMMAND ${PROJECT_SOURCE_DIR}/tests/offload_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(offload_train PROPERTIES LABELS unit TIMEOUT 600
+                     PASS_REGULAR_EXPRESSION "offload_train: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
