@@ -52,8 +52,7 @@ struct ExpertOffloader::Slot {
   std::vector<std::array<nf4::QuantizedWeight, 3>> views;
   bool copy_pending = false;  // a copy was enqueued and compute has not waited for it yet
 #ifdef EO_WITH_CUDA
-  cudaEvent_t copy_start = nullptr, ready = nullptr, released = nullptr;
-  bool timed = false;
+  cudaEvent_t ready = nullptr, released = nullptr;
 #endif
 };
 
@@ -61,6 +60,7 @@ struct ExpertOffloader::CudaState {
 #ifdef EO_WITH_CUDA
   c10::cuda::CUDAStream copy_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> stall_events;  // (before wait, after wait) pairs to time
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> copy_events;   // (start, end) of every copy this step
   std::vector<cudaEvent_t> free_events;
   cudaEvent_t take() {
     if (!free_events.empty()) {
@@ -157,7 +157,6 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     s->arena = at::empty({max_block}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
 #ifdef EO_WITH_CUDA
     if (cuda_) {
-      cuda_check(cudaEventCreate(&s->copy_start), "cudaEventCreate");
       cuda_check(cudaEventCreate(&s->ready), "cudaEventCreate");
       cuda_check(cudaEventCreate(&s->released), "cudaEventCreate");
     }
@@ -194,14 +193,14 @@ ExpertOffloader::~ExpertOffloader() {
   if (cuda_) {
     cudaStreamSynchronize(cuda_->copy_stream.stream());
     for (auto& s : slots_) {
-      cudaEventDestroy(s->copy_start);
       cudaEventDestroy(s->ready);
       cudaEventDestroy(s->released);
     }
-    for (auto& [a, b] : cuda_->stall_events) {
-      cudaEventDestroy(a);
-      cudaEventDestroy(b);
-    }
+    for (auto* list : {&cuda_->stall_events, &cuda_->copy_events})
+      for (auto& [a, b] : *list) {
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+      }
     for (auto e : cuda_->free_events) cudaEventDestroy(e);
   }
 #endif
@@ -246,12 +245,14 @@ void ExpertOffloader::copy_into(Slot& slot, int layer, bool wait_for_release) {
     cudaStream_t cs = cuda_->copy_stream.stream();
     // The slot's previous block may still be read by kernels enqueued on the compute stream.
     if (wait_for_release) cuda_check(cudaStreamWaitEvent(cs, slot.released, 0), "cudaStreamWaitEvent");
-    cuda_check(cudaEventRecord(slot.copy_start, cs), "cudaEventRecord");
+    cudaEvent_t start = cuda_->take(), end = cuda_->take();
+    cuda_check(cudaEventRecord(start, cs), "cudaEventRecord");
     cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), b.home->data(), static_cast<std::size_t>(b.bytes),
                                cudaMemcpyHostToDevice, cs),
                "cudaMemcpyAsync (expert staging)");
+    cuda_check(cudaEventRecord(end, cs), "cudaEventRecord");
     cuda_check(cudaEventRecord(slot.ready, cs), "cudaEventRecord");
-    slot.timed = true;
+    cuda_->copy_events.emplace_back(start, end);
     slot.copy_pending = true;
     slot.layer = layer;
     build_views(slot.views, b, slot.arena);
@@ -343,12 +344,13 @@ OffloadStats ExpertOffloader::take_step_stats() {
   if (cuda_) {
     cuda_check(cudaStreamSynchronize(cuda_->copy_stream.stream()), "cudaStreamSynchronize");
     cuda_check(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()), "cudaStreamSynchronize");
-    for (auto& s : slots_)
-      if (s->timed) {
-        float ms = 0;
-        if (cudaEventElapsedTime(&ms, s->copy_start, s->ready) == cudaSuccess) stats_.copy_seconds += ms / 1e3;
-        s->timed = false;
-      }
+    for (auto& [start, end] : cuda_->copy_events) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, start, end) == cudaSuccess) stats_.copy_seconds += ms / 1e3;
+      cuda_->free_events.push_back(start);
+      cuda_->free_events.push_back(end);
+    }
+    cuda_->copy_events.clear();
     for (auto& [before, after] : cuda_->stall_events) {
       float ms = 0;
       if (cudaEventElapsedTime(&ms, before, after) == cudaSuccess) stats_.stall_seconds += ms / 1e3;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "models/hf_config.h"
 #include "models/nf4.h"
 #include "offload/engine.h"
 #include "runtime/config.h"
@@ -82,6 +83,8 @@ TEST(Cuda, OffloadKeepsOnlyTheSlotsOnTheDevice) {
     const auto s = off.take_step_stats();
     EXPECT_GT(s.copy_seconds, 0);
     const double gbps = double(s.copied_bytes) / s.copy_seconds / 1e9;
+    // Timed per copy by CUDA events: above the PCIe/C2C link's rate would mean the timing is wrong.
+    EXPECT_LT(gbps, 80.0);
     std::printf("prefetch=%d: %lld copies, %.1f MB, %.2f GB/s, stall %.3f ms, pinned=%d\n", int(prefetch),
                 static_cast<long long>(s.copies), s.copied_bytes / 1e6, gbps, s.stall_seconds * 1e3, 1);
   }
@@ -118,6 +121,45 @@ TEST(Cuda, OffloadTrainingMatchesResidentOnGpu) {
     EXPECT_NEAR(sync[i], resident[i], 1e-2 * std::abs(resident[i])) << "step " << i + 1;
     EXPECT_NEAR(pre[i], resident[i], 1e-2 * std::abs(resident[i])) << "step " << i + 1;
   }
+}
+
+// With a model whose experts are large enough to see (EO_CUDA_MODEL, made by scripts/device-check),
+// the allocator peak of offloaded training is below resident training's by at least the experts'
+// bytes minus the two slots.
+TEST(Cuda, OffloadPeakIsBelowResidentByTheExperts) {
+  REQUIRE_CUDA();
+  const char* model_dir = std::getenv("EO_CUDA_MODEL");
+  if (!model_dir) GTEST_SKIP() << "EO_CUDA_MODEL not set (scripts/device-check makes one)";
+  auto peak_of = [&](bool offload, bool prefetch, const std::string& out) {
+    TrainConfig cfg = load_config_file(std::string(EO_SOURCE_DIR) + "/configs/tiny-qwen3-moe.yaml",
+                                       {"max_steps=2", "save_steps=0", "output_dir=" + out, "bf16=true",
+                                        "base_model=" + std::string(model_dir), "sequence_len=512", "micro_batch_size=1",
+                                        "datasets.0.path=" + std::string(EO_SOURCE_DIR) + "/fixtures/tiny-data/train.jsonl",
+                                        std::string("expert_offload=") + (offload ? "true" : "false"),
+                                        std::string("expert_offload_prefetch=") + (prefetch ? "true" : "false")});
+    fs::remove_all(out);
+    train(cfg, dist::World::get());
+    std::ifstream in(out + "/metrics.jsonl");
+    std::int64_t peak = 0;
+    for (std::string line; std::getline(in, line);) {
+      const auto k = line.find("\"peak_mem_bytes\":");
+      peak = std::max<std::int64_t>(peak, std::stoll(line.substr(k + 17)));
+    }
+    return peak;
+  };
+  const model::ModelConfig mc = model::load_config(model_dir);
+  int moe = 0;
+  for (int i = 0; i < mc.layers; ++i) moe += mc.is_moe_layer(i);
+  const double per_matrix = double(mc.hidden) * double(mc.expert_width);
+  const double block = double(mc.experts) * 3 * (per_matrix / 2 + per_matrix / 64 * 4);
+  const std::string tmp = fs::temp_directory_path().string();
+  const std::int64_t resident = peak_of(false, false, tmp + "/eo_cuda_peak_resident");
+  const std::int64_t sync = peak_of(true, false, tmp + "/eo_cuda_peak_sync");
+  const std::int64_t pre = peak_of(true, true, tmp + "/eo_cuda_peak_prefetch");
+  std::printf("peak: resident %.1f MB, offload sync %.1f MB, prefetch %.1f MB; experts %.1f MB (%d blocks of %.1f MB)\n",
+              resident / 1e6, sync / 1e6, pre / 1e6, block * moe / 1e6, moe, block / 1e6);
+  EXPECT_GE(double(resident - sync), block * moe - 2 * block);
+  EXPECT_GE(double(resident - pre), block * moe - 2 * block);
 }
 
 int main(int argc, char** argv) {
