@@ -17,12 +17,7 @@ trap 'rm -rf "$tmp"' EXIT
 cd "$src"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 mpirun="mpirun --oversubscribe --bind-to none"
-fail=0
-check() {  # label command...
-  local label=$1
-  shift
-  if "$@" >/dev/null 2>&1; then echo "ok: $label"; else echo "FAILED: $label ($*)"; fail=1; fi
-}
+source "$src/tests/testlib.sh"
 common=(--config configs/tiny-qwen3-moe.yaml --set max_steps=4 --set save_steps=0 --set lora_dropout=0
         --set warmup_steps=1 --set logging_steps=1)
 

@@ -14,12 +14,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cd "$src"
 export OMP_NUM_THREADS=1
-fail=0
-check() {  # label command...
-  local label=$1
-  shift
-  if "$@" >/dev/null 2>&1; then echo "ok: $label"; else echo "FAILED: $label ($*)"; fail=1; fi
-}
+source "$src/tests/testlib.sh"
 common=(--config configs/tiny-qwen3-moe.yaml --set max_steps=5 --set save_steps=0 --set lora_dropout=0.1
         --set 'lora_target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]')
 run() {  # name [extra --set ...]

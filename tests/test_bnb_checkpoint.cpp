@@ -14,6 +14,7 @@
 #include <filesystem>
 
 #include "common/error.h"
+#include "tests/ref_support.h"
 #include "models/moe_model.h"
 #include "models/nf4_bnb.h"
 #include "models/safetensors.h"
@@ -24,34 +25,10 @@ using namespace eo::model;
 
 namespace {
 
-double rel_err(const at::Tensor& got, const at::Tensor& want) {
-  const at::Tensor a = got.detach().to(at::kDouble), b = want.detach().to(at::kDouble);
-  EXPECT_EQ(a.sizes(), b.sizes());
-  return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-30);
-}
+using eo::testing::rel_err;
+using eo::testing::sh;
 
-int sh(const std::string& cmd, std::string* out) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  std::array<char, 4096> buf;
-  while (std::size_t n = fread(buf.data(), 1, buf.size(), p)) out->append(buf.data(), n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-// OUT/<arch>/ with plain/, plain_fused/, nf4/, nf4_dq/, mixed/, fp4/, fused_bnb/ and ref.safetensors.
-std::string ref_dir(const std::string& arch) {
-  const fs::path root = fs::path(EO_BINARY_DIR) / "tests" / "bnb_checkpoint_ref";
-  const fs::path dir = root / arch;
-  if (!fs::exists(dir / "ref.safetensors")) {
-    fs::create_directories(root);
-    const std::string cmd = "flock " + (root / (arch + ".lock")).string() + " sh -c 'test -f " +
-                            (dir / "ref.safetensors").string() + " || " + EO_PYTHON + " " + EO_SOURCE_DIR +
-                            "/tests/ref/bnb_checkpoint_ref.py " + arch + " " + root.string() + "'";
-    std::string log;
-    EXPECT_EQ(sh(cmd, &log), 0) << log;
-  }
-  return dir.string();
-}
+std::string ref_dir(const std::string& arch) { return eo::testing::python_fixture("bnb_checkpoint_ref.py", "bnb_checkpoint_ref", arch); }
 
 at::Tensor ref(const std::string& dir, const std::string& name) {
   const auto f = st::File::open(dir + "/ref.safetensors");
