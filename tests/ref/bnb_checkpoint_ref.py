@@ -27,6 +27,9 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixture_dir  # noqa: E402
+
 import torch
 import transformers
 import bitsandbytes.functional as bnbf
@@ -38,14 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "..", "..", "tools", "make_tiny_model.py")
 BLOCKSIZE = 64
 
-final = os.path.join(OUT, ARCH)
-done_marker = os.path.join(final, "ref.safetensors")
-if os.path.exists(done_marker) and os.path.getmtime(done_marker) > max(os.path.getmtime(__file__), os.path.getmtime(TOOL)):
-    print(json.dumps({"arch": ARCH, "out": final, "up_to_date": True}))
-    sys.exit(0)
-out = final + ".tmp"
-shutil.rmtree(out, ignore_errors=True)
-os.makedirs(out)
+out = fixture_dir.begin(OUT, ARCH, __file__, TOOL)
 plain_dir = os.path.join(out, "plain")
 for d, extra in ((plain_dir, []), (os.path.join(out, "plain_fused"), ["--fused-experts"])):
     subprocess.run([sys.executable, TOOL, "--arch", ARCH, "--out", d, "--seed", "7"] + extra, check=True,
@@ -192,11 +188,4 @@ for k, w in plain.items():
     sd[f"{prefix}.experts.down_proj"] = torch.stack([ex(i, names[2]) for i in range(n_exp)])
 save_model("fused_bnb", sd, bnb_config(False))
 
-save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "ref.safetensors"), metadata={"format": "pt"})
-old = final + ".old"
-shutil.rmtree(old, ignore_errors=True)
-if os.path.exists(final):
-    os.rename(final, old)
-os.rename(out, final)
-shutil.rmtree(old, ignore_errors=True)
-print(json.dumps({"arch": ARCH, "out": final, "tensors": len(ref)}))
+fixture_dir.finish(out, ref)

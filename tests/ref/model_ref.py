@@ -24,6 +24,9 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixture_dir  # noqa: E402
+
 import torch
 import torch.nn.functional as F
 import transformers
@@ -41,14 +44,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"] + MLP_NAMES
 # Up to date (newer than this script and the model builder): nothing to do. Otherwise build in a
 # temporary folder and swap it in at the end, so tests reading the old fixtures never see a
 # half-written one.
-final = os.path.join(OUT, ARCH)
-done_marker = os.path.join(final, "ref.safetensors")
-if os.path.exists(done_marker) and os.path.getmtime(done_marker) > max(os.path.getmtime(__file__), os.path.getmtime(TOOL)):
-    print(json.dumps({"arch": ARCH, "out": final, "up_to_date": True}))
-    sys.exit(0)
-out = final + ".tmp"
-shutil.rmtree(out, ignore_errors=True)
-os.makedirs(out)
+out = fixture_dir.begin(OUT, ARCH, __file__, TOOL)
 model_dir, fused_dir, adapter_dir = (os.path.join(out, d) for d in ("model", "model_fused", "adapter"))
 for d, extra in ((model_dir, []), (fused_dir, ["--fused-experts"])):
     subprocess.run([sys.executable, TOOL, "--arch", ARCH, "--out", d, "--seed", "7"] + extra, check=True,
@@ -242,11 +238,4 @@ with torch.no_grad():
             p.copy_(nf4(p))
     ref["logits_nf4"] = model(input_ids=ids).logits
 
-save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "ref.safetensors"), metadata={"format": "pt"})
-old = final + ".old"
-shutil.rmtree(old, ignore_errors=True)
-if os.path.exists(final):
-    os.rename(final, old)
-os.rename(out, final)
-shutil.rmtree(old, ignore_errors=True)
-print(json.dumps({"arch": ARCH, "out": final, "tensors": len(ref)}))
+fixture_dir.finish(out, ref)
