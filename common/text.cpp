@@ -26,17 +26,21 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
 }
 
 std::optional<std::string> closest_match(const std::string& word, const std::vector<std::string>& candidates) {
+  // Accept up to a third of the word's length in edits (at least 2).
+  const std::size_t limit = std::max<std::size_t>(2, word.size() / 3);
   std::optional<std::string> best;
   std::size_t best_d = SIZE_MAX;
   for (const auto& c : candidates) {
+    // The distance is at least the length difference: skip what could not be accepted anyway
+    // (keeps a config with many long unknown keys from taking quadratic time per key).
+    const std::size_t gap = word.size() > c.size() ? word.size() - c.size() : c.size() - word.size();
+    if (gap > limit) continue;
     const std::size_t d = edit_distance(word, c);
     if (d < best_d) {
       best_d = d;
       best = c;
     }
   }
-  // Accept up to a third of the word's length in edits (at least 2).
-  const std::size_t limit = std::max<std::size_t>(2, word.size() / 3);
   if (best && best_d <= limit) return best;
   return std::nullopt;
 }

@@ -1,10 +1,13 @@
 // config.json parsing: strict about types, explicit about which keys each family uses.
 #include "models/hf_config.h"
 
+#include <climits>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/json_depth.h"
 
 namespace eo::model {
 namespace {
@@ -21,7 +24,15 @@ struct Fields {
     if (!has(key)) throw UsageError(source + ": required field '" + key + "' is missing");
     const json& v = j.at(key);
     if (!v.is_number_integer()) throw UsageError(source + ": field '" + key + "' must be an integer, got " + v.dump());
+    if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
+      throw UsageError(source + ": field '" + key + "' is too large, got " + v.dump());
     return v.get<std::int64_t>();
+  }
+  // An integer that must fit in an int (layer indices and counts used as int).
+  int small_integer(const char* key, std::int64_t fallback) const {
+    const std::int64_t v = integer(key, fallback);
+    if (v < INT_MIN || v > INT_MAX) throw UsageError(source + ": field '" + key + "' is out of range, got " + std::to_string(v));
+    return static_cast<int>(v);
   }
   std::int64_t integer(const char* key, std::int64_t fallback) const { return has(key) ? integer(key) : fallback; }
   double number(const char* key) const {
@@ -44,6 +55,10 @@ struct Fields {
     if (!v.is_array()) throw UsageError(source + ": field '" + key + "' must be a list of integers, got " + v.dump());
     for (const auto& x : v) {
       if (!x.is_number_integer()) throw UsageError(source + ": field '" + key + "' must be a list of integers, got " + v.dump());
+      // Out-of-int values would wrap into valid-looking indices; report them as they are.
+      if (x.is_number_unsigned() ? x.get<std::uint64_t>() > static_cast<std::uint64_t>(INT_MAX)
+                                 : (x.get<std::int64_t>() < INT_MIN || x.get<std::int64_t>() > INT_MAX))
+        throw UsageError(source + ": field '" + key + "' entry " + x.dump() + " is out of range");
       out.push_back(x.get<int>());
     }
     return out;
@@ -52,6 +67,10 @@ struct Fields {
 
 void require_positive(std::int64_t v, const char* what, const std::string& source) {
   if (v <= 0) throw UsageError(source + ": '" + what + "' must be positive, got " + std::to_string(v));
+  // Products of two sizes (vocab x hidden, heads x head_dim, ...) must not overflow int64 in the
+  // model builder; no real dimension comes near 2^31.
+  if (v > INT32_MAX)
+    throw UsageError(source + ": '" + what + "' is " + std::to_string(v) + ", over 2^31 - 1; the file is damaged");
 }
 
 }  // namespace
@@ -88,6 +107,12 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   require_positive(c.heads, "num_attention_heads", source);
   require_positive(c.kv_heads, "num_key_value_heads", source);
   require_positive(c.vocab, "vocab_size", source);
+  // Layers are indexed with int and visited one by one here and in the model builder; a count
+  // far beyond any real model (largest today: a few hundred) is a damaged file, not a model.
+  constexpr std::int64_t kMaxLayers = 1 << 16;
+  if (c.layers > kMaxLayers)
+    throw UsageError(source + ": num_hidden_layers " + std::to_string(c.layers) + " is over the limit of " +
+                     std::to_string(kMaxLayers) + "; the file is damaged");
   if (c.heads % c.kv_heads != 0)
     throw UsageError(source + ": num_attention_heads (" + std::to_string(c.heads) +
                      ") must be a multiple of num_key_value_heads (" + std::to_string(c.kv_heads) + ")");
@@ -119,6 +144,7 @@ ModelConfig parse_config(const json& j, const std::string& source) {
     throw UsageError(source + ": rope_scaling is not supported (only default RoPE)");
 
   c.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
+  c.initializer_range = f.number("initializer_range", 0.02);
   c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.0);
 
   switch (c.arch) {
@@ -129,7 +155,7 @@ ModelConfig parse_config(const json& j, const std::string& source) {
       c.expert_width = f.integer("moe_intermediate_size");
       c.dense_width = f.integer("intermediate_size", 0);
       c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-      c.decoder_sparse_step = static_cast<int>(f.integer("decoder_sparse_step", 1));
+      c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
       c.mlp_only_layers = f.int_list("mlp_only_layers");
       c.qkv_bias = f.boolean("attention_bias", false);
       c.qk_norm = QkNorm::PerHead;
@@ -157,7 +183,7 @@ ModelConfig parse_config(const json& j, const std::string& source) {
       c.dense_width = f.integer("intermediate_size", 0);
       c.shared_expert_width = f.integer("shared_expert_intermediate_size", 0);
       c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-      c.decoder_sparse_step = static_cast<int>(f.integer("decoder_sparse_step", 1));
+      c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
       c.mlp_only_layers = f.int_list("mlp_only_layers");
       c.qkv_bias = f.boolean("qkv_bias", true);
       break;
@@ -183,7 +209,9 @@ ModelConfig load_config(const std::string& model_dir) {
   if (!in) throw UsageError(path + ": cannot open (is --model a Hugging Face checkpoint folder?)");
   json j;
   try {
-    j = json::parse(in);
+    j = json::parse(in, json_depth_limit([&] {
+      throw UsageError(path + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels; not a config.json");
+    }));
   } catch (const json::exception& e) {
     throw UsageError(path + ": invalid JSON: " + e.what());
   }

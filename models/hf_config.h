@@ -44,6 +44,7 @@ struct ModelConfig {
   std::vector<int> mlp_only_layers;
   bool tie_word_embeddings = false;
   double router_aux_loss_coef = 0.0;
+  double initializer_range = 0.02;  // std of random init (synthetic weights)
   double router_jitter_noise = 0.0;  // mixtral, training only; not applied (warned by callers)
   std::optional<double> clip_qkv;    // olmoe
   bool qkv_bias = false;             // bias on q/k/v projections (qwen2_moe)

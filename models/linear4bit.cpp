@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
+
 #include "common/error.h"
 
 namespace eo::model {
@@ -41,7 +43,61 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
   }
 };
 
+// The bank travels through saved_data like the handle above.
+struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFunction> {
+  static at::Tensor weights(const ExpertBank& bank, at::ScalarType dtype) {
+    if (bank.dense.defined()) return bank.dense.to(dtype);
+    std::vector<const nf4::QuantizedWeight*> qs;
+    qs.reserve(bank.experts);
+    for (int e = 0; e < bank.experts; ++e) qs.push_back(&bank.provider->expert_weight(bank.layer, e, bank.matrix));
+    return nf4::dequantize_stack(qs, dtype);
+  }
+
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& offsets,
+                            const ExpertBank& bank) {
+    ctx->saved_data["provider"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(bank.provider));
+    ctx->saved_data["layer"] = static_cast<std::int64_t>(bank.layer);
+    ctx->saved_data["experts"] = static_cast<std::int64_t>(bank.experts);
+    ctx->saved_data["matrix"] = static_cast<std::int64_t>(bank.matrix);
+    ctx->saved_data["offsets"] = offsets;
+    if (bank.dense.defined()) ctx->saved_data["dense"] = bank.dense;
+    const at::Tensor w = weights(bank, x.scalar_type());  // [E, out, in]
+    return at::_grouped_mm(x, w.transpose(1, 2), offsets);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    ExpertBank bank;
+    bank.provider = reinterpret_cast<WeightProvider*>(static_cast<std::intptr_t>(ctx->saved_data["provider"].toInt()));
+    bank.layer = static_cast<int>(ctx->saved_data["layer"].toInt());
+    bank.experts = static_cast<int>(ctx->saved_data["experts"].toInt());
+    bank.matrix = static_cast<ExpertMatrix>(ctx->saved_data["matrix"].toInt());
+    if (ctx->saved_data.count("dense")) bank.dense = ctx->saved_data["dense"].toTensor();
+    const at::Tensor offsets = ctx->saved_data["offsets"].toTensor();
+    const at::Tensor dy = grads[0].contiguous();
+    const at::Tensor w = weights(bank, dy.scalar_type());  // bytes current now (the recompute staged them)
+    return {at::_grouped_mm(dy, w, offsets), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+namespace {
+std::atomic<bool> g_grouped_enabled{true};
+}  // namespace
+
+void set_grouped_gemm_enabled(bool enabled) { g_grouped_enabled = enabled; }
+
+bool grouped_gemm_available(const at::Tensor& x) {
+  return g_grouped_enabled && x.is_cuda() && x.scalar_type() == at::kBFloat16;
+}
+
+at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets, const ExpertBank& bank) {
+  EO_CHECK(grouped_gemm_available(x), "grouped_expert_linear needs a bf16 CUDA input, got ", x.scalar_type(), " on ",
+           x.device());
+  EO_CHECK(bank.dense.defined() || bank.provider != nullptr, "grouped_expert_linear: no weights");
+  return GroupedExpertFunction::apply(x.contiguous(), offsets, bank);
+}
 
 at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle) {
   return Linear4bitFunction::apply(x, handle);

@@ -26,4 +26,22 @@ struct WeightHandle {
 // y = x · W^T with W = dequantize(handle.fetch()) in x's dtype.
 at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle);
 
+// One matrix of every expert of a MoE block, applied to token-sorted rows with one grouped GEMM:
+// rows [offsets[e-1], offsets[e]) of x go through expert e. offsets is int32 [experts] on x's
+// device (cumulative row counts), so no count ever travels to the host.
+//   NF4: the experts' weights are fetched through `provider` and dequantised together into one
+//   temporary [E, out, in] tensor, in forward and again in backward (never saved).
+//   Dense: `dense` [E, out, in] is used as it is (frozen, saved by reference).
+struct ExpertBank {
+  WeightProvider* provider = nullptr;
+  int layer = -1, experts = 0;
+  ExpertMatrix matrix = ExpertMatrix::Gate;
+  at::Tensor dense;  // defined for dense (unquantised) experts
+};
+at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets, const ExpertBank& bank);
+// Whether grouped_expert_linear can run here: a CUDA tensor in bf16 (libtorch's grouped GEMM),
+// unless switched off (tests compare it with the per-expert loop).
+bool grouped_gemm_available(const at::Tensor& x);
+void set_grouped_gemm_enabled(bool enabled);
+
 }  // namespace eo::model

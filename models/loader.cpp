@@ -12,7 +12,12 @@
 // without load_in_4bit it is dequantised to the compute dtype. Any linear may be stored either
 // way (mixed checkpoints).
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#ifdef EO_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
 
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -49,24 +54,72 @@ nf4::QuantizedWeight to_device(nf4::QuantizedWeight q, const at::Device& d) {
 
 }  // namespace
 
+// Seeded random base weights for synthetic models (benchmarks on real shapes, no download).
+class RandomWeights {
+ public:
+  RandomWeights(std::uint64_t seed, const at::Device& device, double init_range)
+      : device_(device), init_range_(init_range) {
+#ifdef EO_WITH_CUDA
+    if (device.is_cuda()) {
+      gen_ = at::make_generator<at::CUDAGeneratorImpl>(device.index());
+      gen_.set_current_seed(seed);
+      return;
+    }
+#endif
+    gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
+  }
+  // norms 1, biases 0, everything else N(0, init_range).
+  at::Tensor dense(const std::string& name, const std::vector<std::int64_t>& shape, at::ScalarType dtype) {
+    const auto o = at::TensorOptions().dtype(dtype).device(device_);
+    if (ends_with(name, "norm.weight")) return at::ones(shape, o);
+    if (ends_with(name, ".bias")) return at::zeros(shape, o);
+    return at::randn(shape, gen_, o.dtype(at::kFloat)).mul_(init_range_).to(dtype);
+  }
+  // Uniform NF4 codes; absmax varies ±25% around the value that gives the weights a standard
+  // deviation of init_range (the codes' RMS is about 0.52).
+  nf4::QuantizedWeight nf4(const std::vector<std::int64_t>& shape, int blocksize, at::ScalarType dtype) {
+    double sq = 0;
+    for (float c : nf4::kCode) sq += double(c) * c;
+    const double scale = init_range_ / std::sqrt(sq / 16.0);
+    nf4::QuantizedWeight q;
+    q.shape = shape;
+    q.blocksize = blocksize;
+    q.dtype = dtype;
+    const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
+    q.packed = at::randint(0, 256, {(q.numel() + 1) / 2, 1}, gen_, u8);
+    q.absmax = at::rand({q.nblocks()}, gen_, u8.dtype(at::kFloat)).mul_(0.5).add_(0.75).mul_(scale);
+    return q;
+  }
+
+ private:
+  static bool ends_with(const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  }
+  at::Device device_;
+  double init_range_;
+  at::Generator gen_;
+};
+
 struct ModelLoader {
-  const st::Checkpoint& ck;
+  const st::Checkpoint* ck;  // null: random weights
+  RandomWeights* random;
   const LoadOptions& opts;
   MoeModel& m;
   // Stored bitsandbytes modules seen, for the summary log lines at the end.
   mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0;
 
   at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
-    if (!ck.has(name))
-      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' is missing (expected shape " + shape_str(shape) +
+    if (!ck) return random->dense(name, shape, opts.dtype);
+    if (!ck->has(name))
+      throw Error("checkpoint " + ck->folder() + ": tensor '" + name + "' is missing (expected shape " + shape_str(shape) +
                   "); does config.json match the weights?");
-    at::Tensor t = ck.load(name);
+    at::Tensor t = ck->load(name);
     if (!at::isFloatingType(t.scalar_type()))
-      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' is " + std::string(at::toString(t.scalar_type())) +
+      throw Error("checkpoint " + ck->folder() + ": tensor '" + name + "' is " + std::string(at::toString(t.scalar_type())) +
                   ", not floating point, and carries no bitsandbytes nf4 quant state ('" + name +
                   ".quant_state.bitsandbytes__nf4'); only float weights and bitsandbytes 4-bit modules can be loaded");
     if (t.sizes() != at::IntArrayRef(shape))
-      throw Error("checkpoint " + ck.folder() + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) +
+      throw Error("checkpoint " + ck->folder() + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) +
                   ", expected " + shape_str(shape));
     return t;
   }
@@ -74,11 +127,12 @@ struct ModelLoader {
   // Module `prefix` as stored by bitsandbytes (CPU tensors), or nullopt when its weight is a
   // plain float tensor. fp4 and damaged quant states throw (nf4_bnb names the module).
   std::optional<nf4::QuantizedWeight> stored_4bit(const std::string& prefix, const std::vector<std::int64_t>& shape) const {
-    const nf4::TensorExists has = [this](const std::string& n) { return ck.has(n); };
+    if (!ck) return std::nullopt;
+    const nf4::TensorExists has = [this](const std::string& n) { return ck->has(n); };
     if (!nf4::is_bitsandbytes_4bit(has, prefix)) return std::nullopt;
-    nf4::QuantizedWeight q = nf4::from_bitsandbytes([this](const std::string& n) { return ck.load(n); }, has, prefix);
+    nf4::QuantizedWeight q = nf4::from_bitsandbytes([this](const std::string& n) { return ck->load(n); }, has, prefix);
     if (q.shape != shape)
-      throw Error("checkpoint " + ck.folder() + ": bitsandbytes module '" + prefix + "' has shape " + shape_str(q.shape) +
+      throw Error("checkpoint " + ck->folder() + ": bitsandbytes module '" + prefix + "' has shape " + shape_str(q.shape) +
                   ", expected " + shape_str(shape) + "; does config.json match the weights?");
     return q;
   }
@@ -95,7 +149,8 @@ struct ModelLoader {
     return raw(name, std::move(shape)).to(opts.device, opts.dtype).contiguous();
   }
   nf4::QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
-    return to_device(nf4::quantize(w.to(opts.dtype).contiguous(), opts.blocksize, opts.double_quant),
+    // On the target device: a GPU quantises with the CUDA kernel (same bytes as the CPU path).
+    return to_device(nf4::quantize(w.to(opts.device, opts.dtype).contiguous(), opts.blocksize, opts.double_quant),
                      on_host ? at::Device(at::kCPU) : opts.device);
   }
   // The NF4 weight of decoder-block linear `prefix`: the stored bitsandbytes bytes as they are,
@@ -106,6 +161,7 @@ struct ModelLoader {
       if (q->blocksize != opts.blocksize || q->nested.has_value() != opts.double_quant) ++stored_other_layout;
       return to_device(std::move(*q), on_host ? at::Device(at::kCPU) : opts.device);
     }
+    if (!ck) return to_device(random->nf4(shape, opts.blocksize, opts.dtype), on_host ? at::Device(at::kCPU) : opts.device);
     return quantize(raw(prefix + ".weight", shape), on_host);
   }
   FrozenLinear linear(const std::string& prefix, std::int64_t in, std::int64_t out, bool bias, bool quantizable) const {
@@ -129,7 +185,7 @@ struct ModelLoader {
   // runtime names use mlp; accept whichever the checkpoint has.
   std::string moe_prefix(int i) const {
     const std::string base = "model.layers." + std::to_string(i) + ".";
-    if (m.cfg_.arch == Arch::Mixtral && !ck.has(base + "block_sparse_moe.gate.weight") && ck.has(base + "mlp.gate.weight"))
+    if (ck && m.cfg_.arch == Arch::Mixtral && !ck->has(base + "block_sparse_moe.gate.weight") && ck->has(base + "mlp.gate.weight"))
       return base + "mlp";
     return base + m.cfg_.moe_prefix();
   }
@@ -140,13 +196,13 @@ struct ModelLoader {
     const ModelConfig& c = m.cfg_;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
     const std::string p = moe_prefix(i) + ".experts";
-    if (!ck.has(p + ".gate_up_proj")) return {};
+    if (!ck || !ck->has(p + ".gate_up_proj")) return {};
     for (const char* name : {".gate_up_proj", ".down_proj"}) {
       // transformers saves bnb 4-bit experts per expert; a quantised fused tensor is not a format we know.
-      const bool bnb_keys = ck.has(p + name + ".absmax") || ck.has(p + name + ".quant_state.bitsandbytes__nf4") ||
-                            ck.has(p + name + ".quant_state.bitsandbytes__fp4");
-      if (bnb_keys || (ck.has(p + name) && ck.info(p + name).dtype == st::DType::U8))
-        throw UsageError("checkpoint " + ck.folder() + ": fused expert tensor '" + p + name +
+      const bool bnb_keys = ck->has(p + name + ".absmax") || ck->has(p + name + ".quant_state.bitsandbytes__nf4") ||
+                            ck->has(p + name + ".quant_state.bitsandbytes__fp4");
+      if (bnb_keys || (ck->has(p + name) && ck->info(p + name).dtype == st::DType::U8))
+        throw UsageError("checkpoint " + ck->folder() + ": fused expert tensor '" + p + name +
                          "' is quantised; bitsandbytes checkpoints store experts per expert (experts.{e}.gate_proj...), "
                          "a quantised fused layout is not supported. Use the original float weights with load_in_4bit");
     }
@@ -222,14 +278,14 @@ struct ModelLoader {
     }
     m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
     if (stored_nf4 > 0)
-      log::info(ck.folder() + ": " + std::to_string(stored_nf4) + " linears are bitsandbytes nf4 already; using their "
+      log::info(ck->folder() + ": " + std::to_string(stored_nf4) + " linears are bitsandbytes nf4 already; using their "
                 "stored bytes (no re-quantisation)");
     if (stored_other_layout > 0)
-      log::info(ck.folder() + ": " + std::to_string(stored_other_layout) + " bitsandbytes 4-bit modules keep their stored "
+      log::info(ck->folder() + ": " + std::to_string(stored_other_layout) + " bitsandbytes 4-bit modules keep their stored "
                 "blocksize / double quantisation, which differ from the requested blocksize " +
                 std::to_string(opts.blocksize) + (opts.double_quant ? " with" : " without") + " double quantisation");
     if (stored_dequantised > 0)
-      log::info(ck.folder() + ": " + std::to_string(stored_dequantised) + " bitsandbytes 4-bit modules dequantised to " +
+      log::info(ck->folder() + ": " + std::to_string(stored_dequantised) + " bitsandbytes 4-bit modules dequantised to " +
                 std::string(at::toString(opts.dtype)) +
                 (opts.load_in_4bit ? " (they are not decoder-block linears)" : " because load_in_4bit is off"));
   }
@@ -241,8 +297,14 @@ std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const Loa
   std::unique_ptr<MoeModel> m(new MoeModel());
   m->cfg_ = load_config(model_dir);
   m->opts_ = opts;
+  if (opts.random_seed) {
+    if (opts.double_quant) log::warn("synthetic weights are drawn as plain NF4 (no double quantisation)");
+    RandomWeights random(*opts.random_seed, opts.device, m->cfg_.initializer_range);
+    ModelLoader{nullptr, &random, opts, *m}.run();
+    return m;
+  }
   const st::Checkpoint ck = st::Checkpoint::open(model_dir);
-  ModelLoader{ck, opts, *m}.run();
+  ModelLoader{&ck, nullptr, opts, *m}.run();
   return m;
 }
 

@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "models/linear4bit.h"
+#include "models/lm_loss.h"
 
 namespace eo::model {
 
@@ -65,13 +66,18 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   q = apply_rope(q.transpose(1, 2), ctx);
   k = apply_rope(k.transpose(1, 2), ctx);
   v = v.transpose(1, 2);
-  if (c.kv_heads != c.heads) {  // GQA: query head h reads kv head h / (heads / kv_heads)
+  // GQA: query head h reads kv head h / (heads / kv_heads). Plain causal attention passes the
+  // grouping to the fused kernel (flash attention on a GPU); with a packing mask the kv heads
+  // are repeated, which the memory-efficient kernel accepts together with a mask.
+  const bool gqa = c.kv_heads != c.heads;
+  if (gqa && ctx.attn_mask.defined()) {
     k = k.repeat_interleave(c.heads / c.kv_heads, 1);
     v = v.repeat_interleave(c.heads / c.kv_heads, 1);
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
   const std::optional<at::Tensor> mask = ctx.attn_mask.defined() ? std::optional<at::Tensor>(ctx.attn_mask) : std::nullopt;
-  const at::Tensor o = at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale);
+  const at::Tensor o =
+      at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, gqa && !mask.has_value());
   return o_.forward(o.transpose(1, 2).reshape({B, T, c.heads * c.head_dim}), ctx.training);
 }
 
@@ -83,6 +89,49 @@ at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training) const
     return y;
   };
   return linear(ExpertMatrix::Down, at::silu(linear(ExpertMatrix::Gate, x)) * linear(ExpertMatrix::Up, x));
+}
+
+bool DecoderBlock::has_expert_lora() const {
+  for (const auto& e : expert_lora_)
+    for (const auto& l : e)
+      if (l) return true;
+  return false;
+}
+
+at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const {
+  const ModelConfig& c = *cfg_;
+  // Per-expert row counts, on the device: scatter_add (bincount would read its max on the host).
+  const at::Tensor counts = at::zeros({c.experts}, expert_of.options()).scatter_add(0, expert_of, at::ones_like(expert_of));
+  if (grouped_gemm_available(x_sorted) && !has_expert_lora()) {
+    // GPU: one grouped GEMM per matrix over all experts; offsets stay on the device, so the
+    // block runs without a host synchronisation. (Expert LoRA takes the loop below: its
+    // per-expert adapter weights need gradients the grouped path does not produce.)
+    const at::Tensor offsets = counts.cumsum(0).to(at::kInt);
+    auto bank = [&](ExpertMatrix m) {
+      ExpertBank b;
+      b.layer = index_;
+      b.experts = static_cast<int>(c.experts);
+      b.matrix = m;
+      if (quantized_) b.provider = provider_;
+      else b.dense = experts_[static_cast<int>(m)];
+      return b;
+    };
+    const at::Tensor gate = grouped_expert_linear(x_sorted, offsets, bank(ExpertMatrix::Gate));
+    const at::Tensor up = grouped_expert_linear(x_sorted, offsets, bank(ExpertMatrix::Up));
+    return grouped_expert_linear(at::silu(gate) * up, offsets, bank(ExpertMatrix::Down));
+  }
+  // CPU (and fp32 / expert-LoRA on a GPU): each routed expert once on its slice; the counts are
+  // read on the host.
+  const at::Tensor host_counts = counts.to(at::kCPU);
+  const auto* count = host_counts.data_ptr<std::int64_t>();
+  std::vector<at::Tensor> outs;
+  std::int64_t offset = 0;
+  for (int e = 0; e < c.experts; ++e) {
+    if (count[e] == 0) continue;
+    outs.push_back(expert(e, x_sorted.narrow(0, offset, count[e]), training));
+    offset += count[e];
+  }
+  return at::cat(outs, 0);
 }
 
 at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const {
@@ -99,23 +148,14 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
   if (c.norm_topk_prob) top_w = top_w / top_w.sum(-1, true);
   top_w = top_w.to(x.scalar_type());
 
-  // Token-sorted dispatch: order the (token, slot) pairs by expert, run each expert once on
-  // its contiguous slice, scale by the routing weight, scatter-add back to the tokens.
+  // Token-sorted dispatch: order the (token, slot) pairs by expert, run each expert on its
+  // contiguous slice, scale by the routing weight, scatter-add back to the tokens.
   const at::Tensor flat_expert = top_idx.reshape({-1});
   const at::Tensor order = at::argsort(flat_expert, /*stable=*/true, 0, false);
   const at::Tensor token_of = at::floor_divide(order, c.top_k);
   const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
-  const at::Tensor counts = at::bincount(flat_expert, {}, c.experts).to(at::kCPU);
-  const auto* count = counts.data_ptr<std::int64_t>();
   const at::Tensor x_sorted = flat.index_select(0, token_of);
-  std::vector<at::Tensor> outs;
-  std::int64_t offset = 0;
-  for (int e = 0; e < c.experts; ++e) {
-    if (count[e] == 0) continue;
-    outs.push_back(expert(e, x_sorted.narrow(0, offset, count[e]), ctx.training));
-    offset += count[e];
-  }
-  const at::Tensor y_sorted = at::cat(outs, 0) * weight_sorted.unsqueeze(1);
+  const at::Tensor y_sorted = experts_forward(x_sorted, flat_expert, ctx.training) * weight_sorted.unsqueeze(1);
   at::Tensor out = at::zeros_like(flat).index_add(0, token_of, y_sorted);
 
   if (has_shared_)
@@ -132,9 +172,12 @@ at::Tensor DecoderBlock::forward(const at::Tensor& hidden, const BlockContext& c
 
 at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
   EO_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got ", input_ids.sizes());
-  const auto mx = input_ids.numel() ? input_ids.max().item<std::int64_t>() : 0;
-  const auto mn = input_ids.numel() ? input_ids.min().item<std::int64_t>() : 0;
-  EO_CHECK(mn >= 0 && mx < cfg_.vocab, "token id out of range [0, ", cfg_.vocab, "): min ", mn, ", max ", mx);
+  // Checked where it is free: ids on the host. Training data is checked against the vocabulary
+  // when it is read, so device batches skip the check rather than synchronise every step.
+  if (input_ids.is_cpu() && input_ids.numel()) {
+    const auto mx = input_ids.max().item<std::int64_t>(), mn = input_ids.min().item<std::int64_t>();
+    EO_CHECK(mn >= 0 && mx < cfg_.vocab, "token id out of range [0, ", cfg_.vocab, "): min ", mn, ", max ", mx);
+  }
   return at::embedding(embed_, input_ids.to(embed_.device()));
 }
 
@@ -171,6 +214,16 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
 
 at::Tensor MoeModel::head(const at::Tensor& hidden) const {
   return at::linear(rms_norm(hidden, final_norm_, cfg_.rms_eps), lm_head_);
+}
+
+at::Tensor MoeModel::loss_sum(const at::Tensor& hidden, const at::Tensor& labels) const {
+  const auto B = hidden.size(0), T = hidden.size(1), H = hidden.size(2);
+  EO_CHECK(labels.dim() == 2 && labels.size(0) == B && labels.size(1) == T, "labels shape ", labels.sizes(),
+           " does not match hidden ", hidden.sizes());
+  if (T < 2) return at::zeros({}, hidden.options().dtype(at::kFloat));
+  const at::Tensor normed = rms_norm(hidden.narrow(1, 0, T - 1), final_norm_, cfg_.rms_eps).reshape({-1, H});
+  const at::Tensor target = labels.narrow(1, 1, T - 1).to(hidden.device(), at::kLong).reshape({-1});
+  return chunked_linear_cross_entropy(normed, lm_head_, target);
 }
 
 std::pair<at::Tensor, std::int64_t> shifted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels) {

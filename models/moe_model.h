@@ -10,6 +10,7 @@
 
 #include <array>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +31,9 @@ struct LoadOptions {
   // Keep the experts' NF4 weights in CPU memory (the offload engine moves them into its homes),
   // so device memory never holds every expert at once, not even while loading.
   bool experts_on_host = false;
+  // Seeded random weights from config.json alone (no safetensors read): NF4 bytes drawn
+  // uniformly on the device with absmax scaled to the config's initializer_range, norms 1.
+  std::optional<std::uint64_t> random_seed;
 };
 
 // A frozen linear: dense or module-owned NF4 weight, optional bias, optional LoRA.
@@ -67,6 +71,10 @@ class DecoderBlock {
   at::Tensor attention(const at::Tensor& x, const BlockContext& ctx) const;
   at::Tensor moe(const at::Tensor& x, const BlockContext& ctx) const;
   at::Tensor expert(int e, const at::Tensor& x, bool training) const;
+  // Every expert on its slice of token-sorted rows x_sorted (expert_of: the expert of each
+  // (token, slot) pair, any order; only its counts are used).
+  at::Tensor experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const;
+  bool has_expert_lora() const;
 
   const ModelConfig* cfg_ = nullptr;
   int index_ = 0;
@@ -126,6 +134,9 @@ class MoeModel {
   at::Tensor embed(const at::Tensor& input_ids) const;
   BlockContext context(const Batch& batch, bool training) const;
   at::Tensor head(const at::Tensor& hidden) const;  // final norm + lm_head → logits
+  // Training loss: summed shifted cross entropy (fp32) of head(hidden) against labels, in
+  // chunks, so the [B, T, V] logits never exist (lm_loss.h). Ignored labels are -100.
+  at::Tensor loss_sum(const at::Tensor& hidden, const at::Tensor& labels) const;
   ForwardOutput forward(const Batch& batch, const ForwardOptions& opts = {}) const;
 
   // LoRA: fresh adapters (peft init), an existing peft adapter folder, and saving one.

@@ -38,6 +38,13 @@
 
 #include "common/error.h"
 
+#ifdef EO_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/nf4_cuda.h"
+#endif
+
 namespace eo::nf4 {
 
 const std::array<float, 16> kCode = {
@@ -190,6 +197,63 @@ std::int64_t QuantizedWeight::bytes() const {
   return total;
 }
 
+#ifdef EO_WITH_CUDA
+namespace {
+
+void cuda_ok(cudaError_t rc, const char* what) {
+  if (rc != cudaSuccess) EO_FAIL("nf4: CUDA ", what, " failed: ", cudaGetErrorString(rc));
+}
+
+cuda::OutType out_type(at::ScalarType dtype) {
+  return dtype == at::kFloat ? cuda::OutType::F32 : dtype == at::kBFloat16 ? cuda::OutType::BF16 : cuda::OutType::F16;
+}
+
+cuda::Nf4Source source_of(const QuantizedWeight& q) {
+  cuda::Nf4Source s;
+  s.packed = q.packed.data_ptr<std::uint8_t>();
+  if (q.nested) {
+    s.absmax = q.nested->absmax_codes.data_ptr<std::uint8_t>();
+    s.nested_absmax = q.nested->nested_absmax.data_ptr<float>();
+    s.offset = q.nested->offset;
+  } else {
+    s.absmax = q.absmax.data_ptr<float>();
+  }
+  return s;
+}
+
+// Kernel path of dequantize_stack: every tensor already contiguous on one CUDA device.
+at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
+  const QuantizedWeight& first = *qs.front();
+  const at::Device dev = first.packed.device();
+  c10::cuda::CUDAGuard guard(dev);
+  cuda::Nf4Layout layout;
+  layout.n = first.numel();
+  layout.blocksize = first.blocksize;
+  layout.nested = first.nested.has_value();
+  at::Tensor code;
+  if (layout.nested) {
+    code = first.nested->nested_code.to(dev, at::kFloat).contiguous();
+    layout.nested_code = code.data_ptr<float>();
+    layout.nested_blocksize = first.nested->nested_blocksize;
+  }
+  std::vector<cuda::Nf4Source> sources;
+  sources.reserve(qs.size());
+  for (const QuantizedWeight* q : qs) {
+    EO_CHECK(q->packed.is_contiguous() && q->packed.device() == dev && (!q->absmax.defined() || q->absmax.is_contiguous()),
+             "nf4::dequantize: CUDA tensors must be contiguous and on one device");
+    sources.push_back(source_of(*q));
+  }
+  at::Tensor out = at::empty({static_cast<std::int64_t>(qs.size()), first.shape[0], first.shape[1]},
+                             at::TensorOptions().dtype(dtype).device(dev));
+  cuda_ok(cuda::dequantize(sources.data(), static_cast<int>(sources.size()), layout, out.data_ptr(), out_type(dtype),
+                           c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+          "dequantize kernel launch");
+  return out;
+}
+
+}  // namespace
+#endif
+
 QuantizedWeight quantize(const at::Tensor& weight, int blocksize, bool double_quant) {
   check_blocksize(blocksize);
   EO_CHECK(weight.defined(), "nf4::quantize: the weight tensor is undefined.");
@@ -199,6 +263,42 @@ QuantizedWeight quantize(const at::Tensor& weight, int blocksize, bool double_qu
            "nf4::quantize: weights must be float32, bfloat16 or float16 (as in bitsandbytes), got ", dtype, ".");
   EO_CHECK(weight.numel() > 0, "nf4::quantize: the weight is empty (shape ", weight.sizes(), ").");
 
+#ifdef EO_WITH_CUDA
+  if (weight.is_cuda()) {
+    // The NF4 codes and absmax on the GPU; double quantisation of the (small) absmax vector on
+    // the CPU, so its mean and 8-bit table are exactly the CPU path's.
+    c10::cuda::CUDAGuard guard(weight.device());
+    const at::Tensor x = weight.to(at::kFloat).contiguous().reshape({-1});
+    EO_CHECK(at::isfinite(x).all().item<bool>(), "nf4::quantize: the weight of shape ", weight.sizes(),
+             " contains NaN or infinity; refusing to quantise it.");
+    const std::int64_t n = x.numel();
+    QuantizedWeight q;
+    q.shape = {weight.size(0), weight.size(1)};
+    q.blocksize = blocksize;
+    q.dtype = dtype;
+    q.packed = at::empty({(n + 1) / 2, 1}, x.options().dtype(at::kByte));
+    q.absmax = at::empty({(n + blocksize - 1) / blocksize}, x.options());
+    cuda_ok(cuda::quantize(x.data_ptr<float>(), n, blocksize, q.packed.data_ptr<std::uint8_t>(), q.absmax.data_ptr<float>(),
+                           c10::cuda::getCurrentCUDAStream(weight.device().index()).stream()),
+            "quantize kernel launch");
+    if (double_quant) {
+      const at::Tensor absmax = q.absmax.to(at::kCPU);
+      DoubleQuant dq;
+      const at::Tensor offset = absmax.mean();
+      dq.offset = offset.item<float>();
+      EO_CHECK(std::isfinite(dq.offset), "nf4::quantize: the mean absmax of the weight of shape ", weight.sizes(),
+               " overflows float32; double quantisation is impossible, quantise without it.");
+      quantize_8bit_blockwise((absmax - offset).contiguous(), kNestedBlocksize, dq.absmax_codes, dq.nested_absmax);
+      dq.absmax_codes = dq.absmax_codes.to(weight.device());
+      dq.nested_absmax = dq.nested_absmax.to(weight.device());
+      dq.nested_code = dynamic_map_signed().to(weight.device());
+      dq.nested_blocksize = kNestedBlocksize;
+      q.nested = std::move(dq);
+      q.absmax = at::Tensor();
+    }
+    return q;
+  }
+#endif
   // Computed on the CPU in fp32 (bf16/fp16 widen exactly).
   const at::Tensor x = weight.to(at::kCPU).to(at::kFloat).contiguous().reshape({-1});
   EO_CHECK(at::isfinite(x).all().item<bool>(), "nf4::quantize: the weight of shape ", weight.sizes(),
@@ -266,8 +366,13 @@ at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
   const std::int64_t n = q.numel(), nb = q.nblocks();
   EO_CHECK(q.packed.numel() == (n + 1) / 2, "nf4::dequantize: packed has ", q.packed.numel(),
            " bytes, expected ", (n + 1) / 2, " for shape [", q.shape[0], ", ", q.shape[1], "].");
+  EO_CHECK((q.nested ? q.nested->absmax_codes.numel() : q.absmax.numel()) == nb, "nf4::dequantize: absmax has ",
+           (q.nested ? q.nested->absmax_codes.numel() : q.absmax.numel()), " entries, expected ", nb, ".");
+#ifdef EO_WITH_CUDA
+  if (q.packed.is_cuda() && q.packed.is_contiguous() && (!q.absmax.defined() || q.absmax.is_cuda()))
+    return dequantize_cuda({&q}, dtype)[0];
+#endif
   const at::Tensor absmax = q.absmax_fp32().to(q.packed.device(), at::kFloat).reshape({-1});
-  EO_CHECK(absmax.numel() == nb, "nf4::dequantize: absmax has ", absmax.numel(), " entries, expected ", nb, ".");
 
   const at::Tensor bytes = q.packed.reshape({-1});
   const at::Tensor nibbles = at::stack({at::bitwise_right_shift(bytes, 4), at::bitwise_and(bytes, 15)}, 1)
@@ -281,5 +386,20 @@ at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
 }
 
 at::Tensor dequantize(const QuantizedWeight& q) { return dequantize(q, q.dtype); }
+
+at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
+  EO_CHECK(!qs.empty(), "nf4::dequantize_stack: no weights");
+  const QuantizedWeight& first = *qs.front();
+  for (const QuantizedWeight* q : qs)
+    EO_CHECK(q->shape == first.shape && q->blocksize == first.blocksize && q->nested.has_value() == first.nested.has_value() &&
+                 q->packed.device() == first.packed.device(),
+             "nf4::dequantize_stack: the weights differ in shape, blocksize, statistics or device");
+#ifdef EO_WITH_CUDA
+  if (first.packed.is_cuda()) return dequantize_cuda(qs, dtype);
+#endif
+  std::vector<at::Tensor> parts;
+  for (const QuantizedWeight* q : qs) parts.push_back(dequantize(*q, dtype));
+  return at::stack(parts);
+}
 
 }  // namespace eo::nf4

@@ -45,14 +45,19 @@ struct QuantizedWeight {
   std::int64_t bytes() const;  // packed + statistics
 };
 
-// Quantises a 2-D fp32/bf16/fp16 weight (computed on the CPU in fp32 as bitsandbytes does;
-// returns CPU tensors). Byte-identical to bnb 0.50.2 quantize_4bit(quant_type="nf4") on the CPU;
-// throws on NaN/inf, bad blocksize, or (double_quant) an absmax mean that overflows.
+// Quantises a 2-D fp32/bf16/fp16 weight in fp32 as bitsandbytes does, on the weight's device
+// (a CUDA kernel for a CUDA weight, with the same bits). Byte-identical to bnb 0.50.2
+// quantize_4bit(quant_type="nf4") on the CPU; throws on NaN/inf, bad blocksize, or
+// (double_quant) an absmax mean that overflows. The result lives on the weight's device.
 QuantizedWeight quantize(const at::Tensor& weight, int blocksize = 64, bool double_quant = false);
-// Dequantises to `dtype` with shape [out, in], on the device of q.packed (tensor ops):
-// code[nibble] * absmax[i / blocksize] in fp32, rounded to dtype.
+// Dequantises to `dtype` with shape [out, in], on the device of q.packed:
+// code[nibble] * absmax[i / blocksize] in fp32, rounded to dtype (CUDA kernel on a GPU).
 at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype);
 at::Tensor dequantize(const QuantizedWeight& q);  // to q.dtype
+// Dequantises matrices of one layout (same shape, blocksize and statistics kind, one device)
+// into one [count, out, in] tensor: a MoE block's experts for a grouped GEMM. One kernel pass
+// on a GPU, no host synchronisation.
+at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
 
 // bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)), 256 sorted values.
 at::Tensor dynamic_map_signed();

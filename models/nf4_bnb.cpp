@@ -5,11 +5,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <climits>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 
 #include "common/error.h"
+#include "common/json_depth.h"
 
 namespace eo::nf4 {
 
@@ -50,6 +53,22 @@ struct Module {
     return t.to(at::kCPU).contiguous().reshape({-1});
   }
 
+  // An integer in [lo, hi]. Checked here rather than by get<int>: nlohmann converts a float such
+  // as 1e30 with a plain cast (undefined behaviour) and wraps integers that do not fit.
+  std::int64_t integer(const nlohmann::json& v, const std::string& what, std::int64_t lo, std::int64_t hi) const {
+    bool ok = v.is_number_integer();
+    if (ok && v.is_number_unsigned())  // the parser stores every non-negative integer as unsigned
+      ok = v.get<std::uint64_t>() <= static_cast<std::uint64_t>(hi) && static_cast<std::int64_t>(v.get<std::uint64_t>()) >= lo;
+    else if (ok)
+      ok = v.get<std::int64_t>() >= lo && v.get<std::int64_t>() <= hi;
+    if (!ok) fail(what, " is ", v.dump(), ", expected an integer in [", lo, ", ", hi, "].");
+    return v.get<std::int64_t>();
+  }
+  std::int64_t integer(const nlohmann::json& state, const char* key, std::int64_t lo, std::int64_t hi) const {
+    if (!state.contains(key)) fail("the quant state JSON lacks \"", key, "\".");
+    return integer(state.at(key), detail::concat("the quant state JSON field \"", key, "\""), lo, hi);
+  }
+
   template <typename T>
   T field(const nlohmann::json& state, const char* key) const {
     if (!state.contains(key)) fail("the quant state JSON lacks \"", key, "\".");
@@ -88,7 +107,9 @@ QuantizedWeight from_bitsandbytes(const TensorLookup& get, const TensorExists& h
     m.fail("tensor ", prefix, kStateNf4, " must be a 1-D U8 tensor of JSON bytes.");
   const at::Tensor raw_cpu = raw.to(at::kCPU).contiguous();
   const char* text = reinterpret_cast<const char*>(raw_cpu.data_ptr<std::uint8_t>());
-  const nlohmann::json state = nlohmann::json::parse(text, text + raw_cpu.numel(), nullptr, false);
+  const nlohmann::json state = nlohmann::json::parse(
+      text, text + raw_cpu.numel(),
+      json_depth_limit([&] { m.fail("the quant state nests JSON deeper than ", kMaxJsonDepth, " levels."); }), false);
   if (state.is_discarded() || !state.is_object()) m.fail("the quant state is not a well-formed JSON object.");
 
   static const std::set<std::string> known = {"quant_type", "blocksize", "dtype", "shape",
@@ -103,14 +124,14 @@ QuantizedWeight from_bitsandbytes(const TensorLookup& get, const TensorExists& h
   if (quant_type != "nf4") m.fail("quant_type is \"", quant_type, "\", expected \"nf4\".");
 
   QuantizedWeight q;
-  q.blocksize = m.field<int>(state, "blocksize");
+  q.blocksize = static_cast<int>(m.integer(state, "blocksize", INT_MIN, INT_MAX));
   const int bs = q.blocksize;
   if (bs < 32 || bs > 4096 || (bs & (bs - 1)) != 0) m.fail("blocksize ", bs, " is not a power of two in 32..4096.");
   q.dtype = parse_dtype(m, m.field<std::string>(state, "dtype"));
-  q.shape = m.field<std::vector<std::int64_t>>(state, "shape");
-  if (q.shape.size() != 2 || q.shape[0] <= 0 || q.shape[1] <= 0 || q.shape[0] > (std::int64_t{1} << 31) ||
-      q.shape[1] > (std::int64_t{1} << 31))
-    m.fail("shape ", state.at("shape").dump(), " is not a 2-D [out, in] shape.");
+  const nlohmann::json shape = m.field<nlohmann::json>(state, "shape");
+  if (!shape.is_array() || shape.size() != 2) m.fail("shape ", shape.dump(), " is not a 2-D [out, in] shape.");
+  for (std::size_t i = 0; i < 2; ++i)
+    q.shape.push_back(m.integer(shape[i], detail::concat("shape ", shape.dump(), " dimension ", i), 1, std::int64_t{1} << 31));
   const std::int64_t n = q.numel(), nblocks = q.nblocks();
 
   q.packed = m.tensor(".weight", at::kByte, (n + 1) / 2).view({(n + 1) / 2, 1});
@@ -135,13 +156,14 @@ QuantizedWeight from_bitsandbytes(const TensorLookup& get, const TensorExists& h
   }
 
   DoubleQuant dq;
-  dq.nested_blocksize = m.field<int>(state, "nested_blocksize");
+  dq.nested_blocksize = static_cast<int>(m.integer(state, "nested_blocksize", INT_MIN, INT_MAX));
   if (dq.nested_blocksize <= 0 || dq.nested_blocksize > (1 << 20))
     m.fail("nested_blocksize ", dq.nested_blocksize, " is not a positive block size.");
   if (m.field<std::string>(state, "nested_dtype") != "float32")
     m.fail("nested_dtype is ", state.at("nested_dtype").dump(), ", expected \"float32\".");
   const double offset = m.field<double>(state, "nested_offset");
-  if (!std::isfinite(offset)) m.fail("nested_offset is not finite.");
+  // Checked in fp32, where it is used: 1e300 is a finite double but an infinite float.
+  if (!std::isfinite(offset) || std::fabs(offset) > std::numeric_limits<float>::max()) m.fail("nested_offset ", offset, " is not a finite fp32 value.");
   dq.offset = static_cast<float>(offset);  // bnb: torch.tensor(float(offset)), fp32
   const std::int64_t nested_blocks = (nblocks + dq.nested_blocksize - 1) / dq.nested_blocksize;
   dq.absmax_codes = m.tensor(".weight.absmax", at::kByte, nblocks);

@@ -8,6 +8,7 @@
 #include "models/safetensors.h"
 
 #include "common/error.h"
+#include "common/json_depth.h"
 #include "common/text.h"
 
 #include <ATen/ops/empty.h>
@@ -90,8 +91,13 @@ struct DuplicateKeyFinder {
   };
   std::vector<Frame> frames;
   std::string duplicate, owner;  // owner: the key of the object holding the duplicate ("" = top)
+  std::string path;              // for the nesting-limit error
 
-  bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
+  bool operator()(int depth, json::parse_event_t event, json& parsed) {
+    // Refused while parsing: error messages dump() values, which recurses per level (see json_depth.h).
+    if (depth >= kMaxJsonDepth &&
+        (event == json::parse_event_t::object_start || event == json::parse_event_t::array_start))
+      EO_FAIL(path, ": header nests JSON deeper than ", kMaxJsonDepth, " levels; not a safetensors header");
     switch (event) {
       case json::parse_event_t::object_start: frames.emplace_back(); break;
       case json::parse_event_t::object_end: frames.pop_back(); break;
@@ -159,6 +165,15 @@ TensorInfo parse_entry(const std::string& where, const std::string& name, const 
              " of ", found->name, " overflows: its byte size does not fit in 64 bits");
     bytes *= ud;
   }
+  // libtorch strides are products of the trailing dimensions (zeros counted as 1) and must fit in
+  // int64 even for an empty tensor: [0, 2^62, 8] holds no bytes yet at::empty cannot make it.
+  std::uint64_t extent = 1;
+  for (std::int64_t d : t.shape) {
+    const auto ud = std::max<std::uint64_t>(static_cast<std::uint64_t>(d), 1);
+    EO_CHECK(extent <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / ud, where, "shape ",
+             shape_str(t.shape), " is too large for a tensor: the product of its non-zero dimensions exceeds 2^63 - 1");
+    extent *= ud;
+  }
   EO_CHECK(bytes == t.end - t.begin, where, "shape ", shape_str(t.shape), " of ", found->name, " needs ", bytes,
            " bytes but ", offsets_str(t.begin, t.end), " hold ", t.end - t.begin,
            " (shape, dtype and data length disagree)");
@@ -213,6 +228,7 @@ std::shared_ptr<File> File::open(const std::string& path) {
   // UTF-8 JSON object (nlohmann rejects ill-formed UTF-8 inside strings and stray bytes outside).
   const char* text = reinterpret_cast<const char*>(bytes + 8);
   DuplicateKeyFinder dups;
+  dups.path = p;
   json header;
   try {
     header = json::parse(text, text + header_len, std::ref(dups));
