@@ -11,6 +11,7 @@ using Args = std::vector<std::string>;
 
 int run_train(const Args& args);  // eo-ddp [train] --config F [--set k=v ...] [--check]
 int run_score(const Args& args);  // eo-ddp score --model DIR [--adapter DIR] --data FILE ...
+int run_plan(const Args& args);   // eo-ddp plan --config F [--vram SIZE] [--ranks-per-node N]
 
 // Small argument reader shared by the subcommands: --flag, --key value, --key=value.
 class ArgReader {

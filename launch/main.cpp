@@ -19,6 +19,9 @@ const char* kUsage = R"(usage:
       --set gradient_checkpointing_kwargs.use_reentrant=false --set learning_rate=1e-4
   eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit] [--json]
       Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL.
+  eo-ddp plan --config FILE [--vram SIZE] [--ranks-per-node N] [--set key=value ...]
+      Predict per-rank peak VRAM and pinned host RAM from config.json and the config alone
+      (nothing is loaded); with --vram, say whether it fits such a card (exit 1 if not).
   eo-ddp --help | --help-config | --version
 
 Multi-GPU / multi-node: mpirun -np N eo-ddp --config FILE (one rank per GPU).
@@ -57,7 +60,8 @@ int main(int argc, char** argv) {
       return rc;
     }
     if (cmd == "score") return launch::run_score(args);  // single process, no MPI
-    throw UsageError("unknown command '" + cmd + "' (commands: train, score; see eo-ddp --help)");
+    if (cmd == "plan") return launch::run_plan(args);
+    throw UsageError("unknown command '" + cmd + "' (commands: train, score, plan; see eo-ddp --help)");
   } catch (const UsageError& e) {
     log::error(e.what());
     return kExitUsage;

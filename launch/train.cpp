@@ -12,12 +12,13 @@
 #include "launch/commands.h"
 #include "runtime/config.h"
 #include "runtime/dist/world.h"
+#include "runtime/plan.h"
 #include "runtime/trainer.h"
 
 namespace eo::launch {
 namespace {
 
-std::string describe_plan(const TrainConfig& cfg, const dist::WorldInfo& w) {
+std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
   std::ostringstream os;
   os << "plan:\n";
   os << "  ranks: " << w.world_size << " (launcher: " << w.launcher << "; " << w.local_size << " on " << w.hostname << ")\n";
@@ -37,28 +38,22 @@ std::string describe_plan(const TrainConfig& cfg, const dist::WorldInfo& w) {
   os << "]\n";
   // The model's shape comes from config.json alone: no weights are read.
   const model::ModelConfig mc = model::load_config(cfg.base_model);
+  const MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, cuda), w.local_size);
   int moe_layers = 0;
   for (int i = 0; i < mc.layers; ++i) moe_layers += mc.is_moe_layer(i) ? 1 : 0;
-  // NF4 bytes of one block's experts: 4 bits per weight + one fp32 absmax per block of weights.
-  const double per_matrix = double(mc.hidden) * double(mc.expert_width);
-  const double block_bytes =
-      double(mc.experts) * 3 * (per_matrix / 2 + std::ceil(per_matrix / cfg.bnb_4bit_blocksize) * 4);
   os << "  model: " << mc.model_type << ", " << mc.layers << " layers (" << moe_layers << " MoE), " << mc.experts
      << " experts of width " << mc.expert_width << ", top-" << mc.top_k << "; NF4 experts "
-     << human_bytes(block_bytes) << " per block, " << human_bytes(block_bytes * moe_layers) << " in all\n";
-  if (cfg.expert_offload)
-    os << "  host RAM for homes: " << human_bytes(block_bytes * moe_layers) << " per rank, "
-       << human_bytes(block_bytes * moe_layers * w.local_size) << " on this node (" << w.local_size << " rank(s))\n"
-       << "  device slots: " << human_bytes(block_bytes * (cfg.expert_offload_prefetch ? 2 : 1)) << "\n";
+     << human_bytes(plan.block_bytes) << " per block, " << human_bytes(plan.expert_bytes) << " in all\n";
   if (cfg.expert_offload)
     os << "  expert offload: every MoE block's NF4 experts in " << (cfg.expert_offload_pin_memory ? "pinned, NUMA-local" : "pageable")
-       << " host RAM per rank; " << (cfg.expert_offload_prefetch ? "2 device slots with prefetch" : "1 device slot, synchronous")
-       << "; VRAM budget for resident blocks: " << cfg.expert_offload_vram_budget << "\n"
-       << "  host RAM: world size x expert bytes (each rank keeps its own homes)\n";
+       << " host RAM per rank (host RAM = ranks per node x expert bytes); "
+       << (cfg.expert_offload_prefetch ? "2 device slots with prefetch" : "1 device slot, synchronous")
+       << "; VRAM budget for resident blocks: " << cfg.expert_offload_vram_budget << "\n";
   else
     os << "  expert offload: off (all weights on the device)\n";
   os << "  batch: " << w.world_size << " rank(s) x " << cfg.micro_batch_size << " sequence(s) x "
      << cfg.gradient_accumulation_steps << " accumulation step(s) of " << cfg.sequence_len << " tokens\n";
+  os << describe_plan(plan, double(cfg.device_memory_limit));
   return os.str();
 }
 
@@ -78,7 +73,7 @@ int run_train(const Args& args) {
   if (check) {
     if (world.rank == 0) {
       std::printf("# resolved config (%s)\n%s\n\n%s", config_path.c_str(), config_to_yaml(cfg).c_str(),
-                  describe_plan(cfg, world).c_str());
+                  describe_run(cfg, world).c_str());
       std::printf("config ok\n");
     }
     return kExitOk;

@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/text.h"
+#include "offload/host_memory.h"
 
 #ifdef EO_WITH_CUDA
 #include <cuda_runtime.h>
@@ -130,9 +131,12 @@ HostBuffer::HostBuffer(std::size_t bytes, const HomeNode& node, bool pinned) : b
     data_ = static_cast<std::uint8_t*>(hwloc_alloc(topo.handle(), bytes));
     hwloc_allocated_ = data_ != nullptr;
   }
-  if (!data_)
-    throw Error("cannot allocate " + human_bytes(double(bytes)) + " of host memory for expert homes (" +
-                std::to_string(bytes) + " bytes): " + std::strerror(errno));
+  if (!data_) {
+    const int err = errno;
+    throw Error("cannot allocate " + human_bytes(double(bytes)) + " of host memory for an expert home (" + std::strerror(err) +
+                "): " + describe_host_shortfall(static_cast<std::int64_t>(bytes)) +
+                ". Run fewer ranks per node or use nodes with more RAM.");
+  }
   // Touch every page now so placement happens here, on the bound node, not at first copy.
   std::memset(data_, 0, bytes);
 #ifdef EO_WITH_CUDA
@@ -142,8 +146,9 @@ HostBuffer::HostBuffer(std::size_t bytes, const HomeNode& node, bool pinned) : b
       cudaGetLastError();
       hwloc_free(topo.handle(), data_, bytes);
       data_ = nullptr;
-      throw Error("cannot pin " + human_bytes(double(bytes)) + " of host memory for expert homes (cudaHostRegister: " +
-                  cudaGetErrorString(rc) + "); raise the locked-memory limit (ulimit -l) or set expert_offload_pin_memory: false");
+      throw Error("cannot pin " + human_bytes(double(bytes)) + " of host memory for an expert home (cudaHostRegister: " +
+                  cudaGetErrorString(rc) + "): " + describe_host_shortfall(static_cast<std::int64_t>(bytes)) +
+                  "; raise the locked-memory limit (ulimit -l), run fewer ranks per node, or set expert_offload_pin_memory: false");
     }
     registered_ = true;
   }

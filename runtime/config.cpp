@@ -51,6 +51,10 @@ std::string yaml_text(const YAML::Node& n) {
 
 bool is_null(const YAML::Node& n) { return !n.IsDefined() || n.IsNull(); }
 
+// A mapping key as text. A sequence or map used as a key ("? [a, b]: 1") is shown as YAML, so it
+// is reported as an unknown key instead of escaping as yaml-cpp's BadConversion.
+std::string key_text(const YAML::Node& k) { return k.IsScalar() ? k.Scalar() : yaml_text(k); }
+
 // Scalars: yaml-cpp converts leniently ("1.0" as int fails, "yes" as bool works); we check
 // the scalar's shape ourselves for a precise message.
 std::optional<bool> as_bool(const YAML::Node& n) {
@@ -177,6 +181,9 @@ const std::vector<KeySpec>& schema() {
     // --- model and adapter
     k.push_back(text("base_model", &TrainConfig::base_model,
                      "Hugging Face checkpoint folder (config.json + *.safetensors). Required."));
+    k.push_back(boolean("synthetic_weights", &TrainConfig::synthetic_weights,
+                        "Initialise the frozen base model with seeded random weights (NF4 drawn directly on the device) from "
+                        "base_model/config.json alone: for benchmarks and memory planning on real shapes without a download."));
     k.push_back(boolean("load_in_4bit", &TrainConfig::load_in_4bit,
                         "Quantise the decoder blocks' linear weights to NF4 (bitsandbytes layout). Required for adapter: qlora."));
     k.push_back(choice("adapter", &TrainConfig::adapter, {"qlora", "lora"},
@@ -244,7 +251,7 @@ const std::vector<KeySpec>& schema() {
                      }
                      DatasetSpec s;
                      for (const auto& kv : d) {
-                       const std::string kk = kv.first.as<std::string>();
+                       const std::string kk = key_text(kv.first);
                        if (kk != "path" && kk != "type" && kk != "dtype" && kk != "eos_token_id") {
                          std::string msg = "unknown key; datasets entries take path, type, dtype, eos_token_id";
                          if (auto m = closest_match(kk, {"path", "type", "dtype", "eos_token_id"}))
@@ -315,6 +322,9 @@ const std::vector<KeySpec>& schema() {
                  writer(&TrainConfig::warmup_ratio)});
     k.push_back(real("weight_decay", &TrainConfig::weight_decay, 0, false, 10, "AdamW decoupled weight decay (not applied to biases and norms, as HF)."));
     k.push_back(real("max_grad_norm", &TrainConfig::max_grad_norm, 0, false, 1e9, "Clip the global gradient norm; 0 disables."));
+    k.push_back(integer("max_nonfinite_steps", &TrainConfig::max_nonfinite_steps, 1, 1 << 30,
+                        "A step whose loss or gradients are NaN/Inf (on any rank) is skipped: no optimizer update, counted as "
+                        "skipped_nonfinite in metrics.jsonl. This many consecutive skipped steps stop the run with an error."));
     k.push_back(choice("optimizer", &TrainConfig::optimizer, {"adamw_torch", "adamw_torch_fused"},
                        "AdamW (libtorch's) with fp32 state; adamw_torch_fused is accepted as the same optimizer."));
     k.push_back(real("adam_beta1", &TrainConfig::adam_beta1, 0, false, 0.9999999, "AdamW beta1."));
@@ -350,6 +360,15 @@ const std::vector<KeySpec>& schema() {
                         "Pinned, NUMA-local homes (false: pageable host memory, much slower copies)."));
     k.push_back(boolean("expert_offload_prefetch", &TrainConfig::expert_offload_prefetch,
                         "Stage the next block on a copy stream while the current one computes (two slots)."));
+    k.push_back({"device_memory_limit", "bytes or 0", "0",
+                 "Cap on the device memory eo-ddp may allocate (e.g. 8GiB makes a large GPU behave like a small card); "
+                 "0 = the whole device. The start-up memory plan is checked against it.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+                   if (auto b = parse_bytes(v)) { c.device_memory_limit = static_cast<std::int64_t>(*b); return; }
+                   issues.push_back({"device_memory_limit", "expected a size such as 8GiB or 24GB, or 0; got '" + v + "'"});
+                 },
+                 [](const TrainConfig& c) { return YAML::Node(std::to_string(c.device_memory_limit)); }});
     k.push_back({"expert_offload_vram_budget", "bytes, auto or 0", "0",
                  "Device memory for blocks kept permanently resident (e.g. 8GiB); auto = what is free after the model and activations; 0 = stream all.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
@@ -438,18 +457,33 @@ const std::map<std::string, std::string>& ignored_keys() {
 // Flatten the document into dotted keys. Maps nest (gradient_checkpointing_kwargs.use_reentrant);
 // a key whose schema type is a list or a map that the schema reads whole (datasets) stops the
 // descent.
+// Aliases make this walk exponential ("billion laughs": 24 lines of `b: &b {p: *a, q: *a}` give
+// 2^24 keys), so the number of keys is capped far above any real config (axolotl's have < 100).
+constexpr std::size_t kMaxConfigKeys = 1000;
+// An alias may also point into itself (`b: &b {p: *b}`): a cycle, so the depth is capped too.
+constexpr std::size_t kMaxConfigDepth = 16;
+
 void flatten(const YAML::Node& node, const std::string& prefix, std::vector<std::pair<std::string, YAML::Node>>& out,
-             const std::set<std::string>& leaf_keys) {
+             const std::set<std::string>& leaf_keys, const std::string& source, std::size_t depth = 0) {
+  if (depth > kMaxConfigDepth)
+    throw UsageError("config " + source + ": '" + prefix.substr(0, 200) + "' nests maps more than " +
+                     std::to_string(kMaxConfigDepth) + " levels deep (a YAML alias inside itself?); it is not a training config");
   for (const auto& kv : node) {
-    const std::string k = kv.first.as<std::string>();
+    if (out.size() >= kMaxConfigKeys)
+      throw UsageError("config " + source + " has more than " + std::to_string(kMaxConfigKeys) +
+                       " keys (counting nested maps; YAML aliases repeat what they point to); it is not a training config");
+    const std::string k = key_text(kv.first);
     const std::string full = prefix.empty() ? k : prefix + "." + k;
     if (kv.second.IsMap() && !leaf_keys.count(full) && !ignored_keys().count(full) && full != "fsdp_config" &&
         full != "deepspeed")
-      flatten(kv.second, full, out, leaf_keys);
+      flatten(kv.second, full, out, leaf_keys, source, depth + 1);
     else
       out.emplace_back(full, kv.second);
   }
 }
+
+void place_override(YAML::Node& root, const std::string& key, const std::vector<std::string>& parts,
+                    const YAML::Node& value, Issues& issues);
 
 // Apply `key=value`: value parsed as YAML (so 1e-4, true, [a, b] work), placed at the dotted path.
 void apply_override(YAML::Node& root, const std::string& assignment, Issues& issues) {
@@ -470,6 +504,17 @@ void apply_override(YAML::Node& root, const std::string& assignment, Issues& iss
   std::vector<std::string> parts;
   std::stringstream ss(key);
   for (std::string p; std::getline(ss, p, '.');) parts.push_back(p);
+  // A scalar on the way (datasets.0.path=x with datasets: [x]) makes yaml-cpp throw BadSubscript.
+  try {
+    place_override(root, key, parts, value, issues);
+  } catch (const YAML::Exception& e) {
+    issues.push_back({key, "--set cannot place a value there: a part of '" + key + "' is a plain value in the config, "
+                           "not a map or list (" + e.msg + ")"});
+  }
+}
+
+void place_override(YAML::Node& root, const std::string& key, const std::vector<std::string>& parts,
+                    const YAML::Node& value, Issues& issues) {
   // Walk with explicit node copies (yaml-cpp nodes are handles into the document).
   std::vector<YAML::Node> path{root};
   for (std::size_t i = 0; i + 1 < parts.size(); ++i) {
@@ -594,7 +639,7 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
     known.push_back(s.key);
   }
   std::vector<std::pair<std::string, YAML::Node>> entries;
-  flatten(root, "", entries, leaf_keys);
+  flatten(root, "", entries, leaf_keys, source);
 
   TrainConfig cfg;
   cfg.source = source;

@@ -28,6 +28,7 @@ struct DatasetSpec {
 struct TrainConfig {
   // Model and adapter.
   std::string base_model;
+  bool synthetic_weights = false;  // random base weights from config.json (benchmarks)
   bool load_in_4bit = false;
   std::string adapter;  // "qlora" | "lora"
   int lora_r = 8;
@@ -57,6 +58,7 @@ struct TrainConfig {
   std::optional<double> warmup_ratio;
   double weight_decay = 0.0;
   double max_grad_norm = 1.0;
+  int max_nonfinite_steps = 5;  // consecutive NaN/Inf steps (skipped) before the run stops
   std::string optimizer = "adamw_torch";
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.999;
@@ -71,6 +73,7 @@ struct TrainConfig {
   bool expert_offload_pin_memory = true;
   bool expert_offload_prefetch = true;
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
+  std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
 
   // Distributed.
   int ddp_bucket_cap_mb = 25;

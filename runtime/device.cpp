@@ -2,6 +2,8 @@
 
 #include <ATen/Context.h>
 
+#include <algorithm>
+
 #include "common/error.h"
 #include "runtime/metrics.h"
 
@@ -13,6 +15,9 @@
 #endif
 
 namespace eo {
+namespace {
+std::int64_t g_memory_limit = 0;  // set_device_memory_limit (one device per process)
+}  // namespace
 
 at::Device pick_device(int local_rank, int local_size) {
   if (!at::hasCUDA()) return at::Device(at::kCPU);
@@ -51,7 +56,9 @@ std::int64_t free_device_memory(const at::Device& d) {
     C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
     const auto agg = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-    return static_cast<std::int64_t>(free) + stats.reserved_bytes[agg].current - stats.allocated_bytes[agg].current;
+    const std::int64_t allocated = stats.allocated_bytes[agg].current;
+    const std::int64_t available = static_cast<std::int64_t>(free) + stats.reserved_bytes[agg].current - allocated;
+    return g_memory_limit > 0 ? std::min(available, g_memory_limit - allocated) : available;
   }
 #endif
   (void)d;
@@ -67,6 +74,34 @@ std::int64_t allocated_memory_bytes(const at::Device& d) {
 #endif
   (void)d;
   return 0;
+}
+
+std::int64_t total_device_memory(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) {
+    c10::cuda::CUDAGuard guard(d.index());
+    std::size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return static_cast<std::int64_t>(total);
+  }
+#endif
+  (void)d;
+  return 0;
+}
+
+void set_device_memory_limit(const at::Device& d, std::int64_t bytes) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda() && bytes > 0) {
+    const std::int64_t total = total_device_memory(d);
+    if (bytes > total)
+      throw UsageError("device_memory_limit " + std::to_string(bytes) + " bytes exceeds the device's " + std::to_string(total) +
+                       " bytes");
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(double(bytes) / double(total), d.index());
+    g_memory_limit = bytes;
+  }
+#endif
+  (void)d;
+  (void)bytes;
 }
 
 void synchronize(const at::Device& d) {

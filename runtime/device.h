@@ -22,5 +22,11 @@ void reset_peak_memory(const at::Device& d);
 std::int64_t free_device_memory(const at::Device& d);
 std::int64_t allocated_memory_bytes(const at::Device& d);
 void synchronize(const at::Device& d);
+// Total device memory (0 on the CPU).
+std::int64_t total_device_memory(const at::Device& d);
+// Caps what the caching allocator may hand out on d at `bytes` (its memory fraction), so a big
+// GPU behaves like a small card; allocations beyond raise out-of-memory. free_device_memory()
+// then counts against the cap. No-op on the CPU.
+void set_device_memory_limit(const at::Device& d, std::int64_t bytes);
 
 }  // namespace eo

@@ -47,6 +47,8 @@ nlohmann::json to_json(const StepReport& r) {
 void MetricsLog::write(const StepReport& r) {
   out_ << to_json(r).dump() << "\n";
   out_.flush();
+  // A full disk must stop the run with a message, not leave a metrics file that silently ends.
+  EO_CHECK(out_.good(), "cannot append step ", r.step, " to ", path_, " (disk full or I/O error)");
 }
 
 std::string progress_line(const StepReport& r) {

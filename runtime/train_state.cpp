@@ -16,6 +16,7 @@
 #include <fstream>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
 
@@ -44,15 +45,7 @@ std::int64_t step_of(const fs::path& p) {
   return std::stoll(digits);
 }
 
-// rm -r with POSIX calls. std::filesystem::remove_all crashed at run time in the CUDA build
-// (libtorch 2.11 wheel) while the CPU build was fine; nftw has no such dependency.
-int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
-void remove_tree(const fs::path& p) {
-  struct stat st {};
-  if (::lstat(p.c_str(), &st) != 0) return;  // already gone
-  if (::nftw(p.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
-    EO_FAIL("cannot remove ", p.string(), ": ", std::strerror(errno));
-}
+void remove_tree(const fs::path& p) { eo::remove_tree(p.string()); }  // common/files.h: not std::filesystem
 
 }  // namespace
 
@@ -66,20 +59,35 @@ void fsync_path(const std::string& path) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& contents) {
+  // POSIX calls, each checked: a full disk (ENOSPC), a file-size limit (EFBIG) or an I/O error
+  // surfaces at write, fsync or close, and must leave no file under the final name.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    EO_CHECK(out, "cannot write ", tmp, ": ", std::strerror(errno));
-    out << contents;
-    out.flush();
-    EO_CHECK(out.good(), "writing ", tmp, " failed (disk full?): ", std::strerror(errno));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  EO_CHECK(fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
+  auto fail = [&](const char* what, int err) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    EO_FAIL(what, " ", tmp, " failed: ", std::strerror(err));
+  };
+  const char* p = contents.data();
+  std::size_t left = contents.size();
+  while (left > 0) {
+    const ssize_t w = ::write(fd, p, left);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) fail("writing", w < 0 ? errno : EIO);
+    p += w;
+    left -= static_cast<std::size_t>(w);
   }
-  fsync_path(tmp);
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) {
-    fs::remove(tmp);
-    EO_FAIL("cannot rename ", tmp, " to ", path, ": ", ec.message());
+  if (::fsync(fd) != 0) fail("fsync of", errno);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    EO_FAIL("closing ", tmp, " failed: ", std::strerror(err));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    EO_FAIL("cannot rename ", tmp, " to ", path, ": ", std::strerror(err));
   }
   fsync_path(fs::path(path).parent_path().empty() ? "." : fs::path(path).parent_path().string());
 }
@@ -115,8 +123,8 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
   // drop them (this one's included) so repeated crashes do not fill the disk with partial checkpoints.
   for (const auto& e : fs::directory_iterator(output_dir))
     if (e.path().filename().string().rfind(std::string(".tmp-") + kCheckpointPrefix, 0) == 0) remove_tree(e.path());
-  fs::create_directories(tmp_dir);
   try {
+    fs::create_directories(tmp_dir);
     write_adapter(tmp_dir.string(), s.lora, cfg);
     st::save((tmp_dir / "optimizer.safetensors").string(), s.optimizer);
     // Fault injection for tests: die like kill -9 in the middle of a checkpoint write.
@@ -136,12 +144,14 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     remove_tree(final_dir);
     fs::rename(tmp_dir, final_dir);
     fsync_path(output_dir);
-  } catch (...) {
+  } catch (const std::exception& e) {
+    // Disk full, quota, I/O error: the new checkpoint is dropped whole; the previous ones are untouched.
     try {
       remove_tree(tmp_dir);
     } catch (...) {
     }
-    throw;
+    EO_FAIL("cannot save checkpoint ", final_dir.string(), ": ", e.what(), ". The previous checkpoints in ", output_dir,
+            " are intact (resume_from_checkpoint: auto takes the newest); free space on that disk or choose another output_dir");
   }
   // Keep the newest `keep` checkpoints.
   std::vector<std::pair<std::int64_t, fs::path>> all;

@@ -10,12 +10,14 @@
 #include <cstdlib>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 
 #include "common/error.h"
 #include "common/log.h"
 #include "common/text.h"
 #include "models/moe_model.h"
 #include "offload/engine.h"
+#include "offload/host_memory.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
@@ -26,6 +28,7 @@
 #include "runtime/dist/world.h"
 #include "runtime/metrics.h"
 #include "runtime/optimizer.h"
+#include "runtime/plan.h"
 #include "runtime/signals.h"
 #include "runtime/train_state.h"
 
@@ -77,6 +80,13 @@ void restore_rng(const NamedTensors& state, const at::Device& device) {
   }
 }
 
+// True when every row of a micro-batch's segment ids is one document (no packing boundary, no padding).
+bool single_document_rows(const at::Tensor& segment_ids) {
+  if (!segment_ids.defined() || segment_ids.numel() == 0) return true;
+  const at::Tensor seg = segment_ids.to(at::kCPU);
+  return (seg == seg.narrow(1, 0, 1)).all().item<bool>();
+}
+
 struct StepLoss {
   double ce_sum = 0;
   double aux_sum = 0;
@@ -112,17 +122,43 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   return off;
 }
 
-// Fault injection for the failure tests (issue: a rank that dies must take the job down with a
-// message naming it): EO_DDP_FAULT_STEP=<step> with EO_DDP_FAULT=throw|kill, on EO_DDP_FAULT_RANK
-// (default: every rank).
-void inject_faults(std::int64_t step, int rank) {
+// Fault injection for the failure tests: EO_DDP_FAULT_STEP=<step>[,<step>...] or "all", with
+// EO_DDP_FAULT=throw|kill|nan, on EO_DDP_FAULT_RANK (default: every rank). throw and kill end the
+// rank (a rank that dies must take the job down with a message naming it); nan returns true and
+// the step's loss on this rank becomes NaN (the non-finite step guard must skip the step).
+bool inject_faults(std::int64_t step, int rank) {
   const char* at = std::getenv("EO_DDP_FAULT_STEP");
-  if (!at || std::to_string(step) != at) return;
+  if (!at) return false;
+  const std::string steps = std::string(",") + at + ",";
+  if (steps != ",all," && steps.find("," + std::to_string(step) + ",") == std::string::npos) return false;
   const char* who = std::getenv("EO_DDP_FAULT_RANK");
-  if (who && std::to_string(rank) != who) return;
+  if (who && std::to_string(rank) != who) return false;
   const std::string kind = std::getenv("EO_DDP_FAULT") ? std::getenv("EO_DDP_FAULT") : "throw";
+  if (kind == "nan") return true;
   if (kind == "kill") std::raise(SIGKILL);
   EO_FAIL("fault injected at step ", step, " on rank ", rank, " (EO_DDP_FAULT_STEP)");
+}
+
+// Before any weight is read: the homes of every rank on this node must fit in the host RAM (and
+// cgroup limit) available. Every rank measures, then the job takes the smallest measurement — an
+// all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
+void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world) {
+  const model::ModelConfig mc = model::load_config(cfg.base_model);
+  const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant);
+  offload::HostMemory mem = offload::host_memory_available();
+  double v[2] = {-(mem.available < 0 ? 1e18 : double(mem.available)),
+                 double(world.info().local_size)};
+  world.allreduce_max(v, 2);
+  const auto smallest = static_cast<std::int64_t>(-v[0]);
+  if (mem.available >= 0 && smallest < mem.available) {
+    mem.available = smallest;
+    mem.source += ", the smallest of all ranks";
+  }
+  const int ranks_on_node = static_cast<int>(v[1]);
+  offload::check_homes_fit(per_rank, ranks_on_node, mem);
+  log::info("host memory: expert homes need " + human_bytes(double(per_rank)) + " per rank x " + std::to_string(ranks_on_node) +
+            " rank(s) on the node; " + (mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) +
+            " available (" + mem.source + ")"));
 }
 
 // expert_offload_vram_budget: auto. After the first step: what the device can still give, less the
@@ -142,16 +178,76 @@ void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, s
             std::to_string(off.resident_layers().size()) + " in all)");
 }
 
+// Before any weight is read: cap the allocator (device_memory_limit) and refuse a run whose
+// planned peak cannot fit, with the plan's numbers instead of an out-of-memory error mid-step.
+// On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
+void check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
+  const MemoryPlan plan = plan_memory(cfg, model::load_config(cfg.base_model), bf16, local_size);
+  if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
+  double available = 0;
+  std::string what;
+  if (cfg.device_memory_limit > 0) {
+    available = double(cfg.device_memory_limit);
+    what = "device_memory_limit " + human_bytes(available);
+  } else if (device.is_cuda()) {
+    available = double(free_device_memory(device));
+    what = human_bytes(available) + " free on " + describe_device(device);
+  } else {
+    return;
+  }
+  log::info("memory plan: peak " + human_bytes(plan.device_peak) + " of " + what +
+            (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
+  if (plan.device_peak <= available) return;
+  std::string fixes;
+  if (!cfg.expert_offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
+  fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
+  throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " of device memory, " + what +
+                   ".\n" + describe_plan(plan, available) + "Try " + fixes + ". (eo-ddp plan --config F --vram SIZE "
+                   "shows the plan without starting.)");
+}
+
 }  // namespace
 
 TrainResult train(const TrainConfig& cfg, dist::World& world) {
   install_checkpoint_engine();
   install_stop_signals();
+  // A write past RLIMIT_FSIZE (ulimit -f) must fail with EFBIG and a message, like a full disk,
+  // instead of killing the process with SIGXFSZ in the middle of a checkpoint.
+  std::signal(SIGXFSZ, SIG_IGN);
   const auto& wi = world.info();
   const at::Device device = pick_device(wi.local_rank, wi.local_size);
   const bool bf16 = config_use_bf16(cfg, device.is_cuda());
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
+  check_memory_plan(cfg, device, bf16, wi.local_size);
   const auto t_load = Clock::now();
+  if (cfg.expert_offload) check_host_memory_for_homes(cfg, world);
+
+  // ---- data: read and checked before any weight, so a bad file costs no loading time
+  auto docs = load_documents(cfg, model::load_config(cfg.base_model).vocab);
+  data::BatcherOptions bo;
+  bo.sequence_len = cfg.sequence_len;
+  bo.sample_packing = cfg.sample_packing;
+  bo.micro_batch_size = cfg.micro_batch_size;
+  bo.seed = cfg.seed;
+  bo.rank = wi.rank;
+  bo.world_size = wi.world_size;
+  data::Batcher batcher(docs, bo);
+  const std::int64_t per_epoch = batcher.num_batches_per_epoch();
+  const std::int64_t accum = cfg.gradient_accumulation_steps;
+  if (per_epoch < accum)  // one optimizer step would see some sequences twice
+    throw UsageError("dataset " + docs->name() + " has " + std::to_string(batcher.num_sequences()) + " sequences of " +
+                     std::to_string(cfg.sequence_len) + " tokens; one optimizer step needs " +
+                     std::to_string(cfg.micro_batch_size * accum * wi.world_size) + " (micro_batch_size " +
+                     std::to_string(cfg.micro_batch_size) + " x gradient_accumulation_steps " + std::to_string(accum) + " x " +
+                     std::to_string(wi.world_size) + " ranks). Add data or lower micro_batch_size, gradient_accumulation_steps "
+                     "or the number of ranks.");
+  const std::int64_t total_steps =
+      cfg.max_steps ? *cfg.max_steps
+                    : std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(cfg.num_epochs * double(per_epoch) / double(accum))));
+  const std::int64_t warmup = resolve_warmup_steps(cfg, total_steps);
+  log::info("data: " + std::to_string(docs->num_documents()) + " documents -> " + std::to_string(batcher.num_sequences()) +
+            " sequences of " + std::to_string(cfg.sequence_len) + " tokens; " + std::to_string(per_epoch) +
+            " micro-batches per epoch; " + std::to_string(total_steps) + " optimizer steps");
 
   // ---- model
   model::LoadOptions lo;
@@ -161,6 +257,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
   lo.device = device;
   lo.experts_on_host = cfg.expert_offload;
+  if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
             describe_device(device) + ", " + (bf16 ? "bf16" : "fp32") + " compute");
   auto model = model::MoeModel::load(cfg.base_model, lo);
@@ -188,29 +285,10 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
             std::to_string(cfg.lora_r) + " on " + std::to_string(lora.size() / 2) + " modules (" +
             std::to_string(trainable) + " trainable parameters); loaded in " + std::to_string(seconds_since(t_load)).substr(0, 5) + " s");
 
-  // ---- data
-  auto docs = load_documents(cfg, mc.vocab);
-  data::BatcherOptions bo;
-  bo.sequence_len = cfg.sequence_len;
-  bo.sample_packing = cfg.sample_packing;
-  bo.micro_batch_size = cfg.micro_batch_size;
-  bo.seed = cfg.seed;
-  bo.rank = wi.rank;
-  bo.world_size = wi.world_size;
-  data::Batcher batcher(docs, bo);
-  const std::int64_t per_epoch = batcher.num_batches_per_epoch();
-  const std::int64_t accum = cfg.gradient_accumulation_steps;
-  const std::int64_t total_steps =
-      cfg.max_steps ? *cfg.max_steps
-                    : std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(cfg.num_epochs * double(per_epoch) / double(accum))));
-  const std::int64_t warmup = resolve_warmup_steps(cfg, total_steps);
-  log::info("data: " + std::to_string(docs->num_documents()) + " documents -> " + std::to_string(batcher.num_sequences()) +
-            " sequences of " + std::to_string(cfg.sequence_len) + " tokens; " + std::to_string(per_epoch) +
-            " micro-batches per epoch; " + std::to_string(total_steps) + " optimizer steps");
-
   // ---- optimizer and resume
   Optimizer optimizer(lora, cfg);
   std::int64_t step = 0;
+  nlohmann::json resumed_extra = nlohmann::json::object();  // counters saved in the checkpoint
   std::string resume = cfg.resume_from_checkpoint;
   if (resume == "auto") {
     auto latest = latest_checkpoint(cfg.output_dir);
@@ -233,6 +311,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
     restore_rng(s.rng, device);
     batcher.restore(s.data_cursor);
     step = s.step;
+    resumed_extra = s.extra.is_object() ? s.extra : nlohmann::json::object();
     log::info("resumed from " + resume + " at step " + std::to_string(step));
   }
 
@@ -262,6 +341,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
 
   std::unique_ptr<MetricsLog> metrics;
   if (wi.rank == 0) metrics = std::make_unique<MetricsLog>(cfg.output_dir, resume.empty() ? 0 : step);
+  // Non-finite steps skipped in all (metrics' skipped_nonfinite) and in a row; kept in checkpoints.
+  std::int64_t skipped_nonfinite = resumed_extra.value("skipped_nonfinite", std::int64_t(0));
+  std::int64_t nonfinite_streak = resumed_extra.value("nonfinite_streak", std::int64_t(0));
   auto save = [&](const std::string& why) {
     TrainingState s;
     s.step = step;
@@ -270,6 +352,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
     s.lora = model->lora_parameters();
     s.optimizer = optimizer.state();
     s.rng = rng_state(device);
+    s.extra = {{"skipped_nonfinite", skipped_nonfinite}, {"nonfinite_streak", nonfinite_streak}};
     if (wi.rank == 0) {
       const std::string dir = save_checkpoint(cfg.output_dir, s, cfg, cfg.save_total_limit);
       log::info("saved " + dir + " (" + why + ")");
@@ -283,7 +366,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
   reset_peak_memory(device);
   bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
   while (step < total_steps) {
-    inject_faults(step + 1, wi.rank);
+    const bool inject_nan = inject_faults(step + 1, wi.rank);
     const auto t_step = Clock::now();
     const std::int64_t step_start_allocated = allocated_memory_bytes(device);
     std::vector<data::MicroBatch> micro;
@@ -303,7 +386,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
       b.input_ids = mb.input_ids.to(device);
       b.labels = mb.labels.to(device);
       b.positions = mb.position_ids.to(device);
-      b.segment_ids = mb.segment_ids.to(device, at::kLong);
+      // Rows holding one document need no mask: plain causal attention takes the fused kernel.
+      if (!single_document_rows(mb.segment_ids)) b.segment_ids = mb.segment_ids.to(device, at::kLong);
       std::vector<at::Tensor> router_logits;
       model::BlockContext ctx = model->context(b, /*training=*/true);
       if (cfg.output_router_logits) ctx.router_logits = &router_logits;
@@ -316,7 +400,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
         else
           hidden = block.forward(hidden, ctx);
       }
-      auto [ce_sum, count] = model::shifted_cross_entropy(model->head(hidden), b.labels);
+      at::Tensor ce_sum = model->loss_sum(hidden, b.labels);
+      const std::int64_t count = mb.num_target_tokens;
+      if (inject_nan) ce_sum = ce_sum * std::numeric_limits<double>::quiet_NaN();  // EO_DDP_FAULT=nan
       at::Tensor loss = ce_sum / global_tokens;
       if (cfg.output_router_logits && !router_logits.empty()) {
         at::Tensor aux = model::load_balancing_loss(router_logits, mc.experts, mc.top_k, at::Tensor());
@@ -329,14 +415,31 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
       sl.tokens += count;
     }
     if (reducer) reducer->finalize();
-    const double grad_norm = clip_grad_norm(params, cfg.max_grad_norm);
+    const double grad_norm = clip_grad_norm(params, cfg.max_grad_norm);  // scales nothing when not finite
     const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
-    optimizer.step(lr);
+    // Non-finite guard. The gradients are all-reduced, but the loss is not, so each rank adds a
+    // flag and every rank takes the same decision from the summed flags. A skipped step leaves the
+    // LoRA and the optimizer state (AdamW's step count included) untouched; it still counts as a
+    // step (its batch is consumed and the LR schedule, a function of the step, moves on), as
+    // transformers' Trainer does when the AMP grad scaler skips an update.
+    const bool loss_finite_here = std::isfinite(sl.ce_sum) && std::isfinite(sl.aux_sum);
+    double sums[4] = {sl.ce_sum, sl.aux_sum, loss_finite_here ? 0.0 : 1.0, std::isfinite(grad_norm) ? 0.0 : 1.0};
+    world.allreduce_sum(sums, 4);
+    const bool skip = sums[2] > 0 || sums[3] > 0;
+    if (skip) {
+      ++skipped_nonfinite;
+      ++nonfinite_streak;
+      if (wi.rank == 0)
+        log::warn("step " + std::to_string(step + 1) + ": loss " + std::to_string(sums[0] / global_tokens) + ", gradient norm " +
+                  std::to_string(grad_norm) + " (non-finite loss on " + std::to_string(int(sums[2])) + " of " +
+                  std::to_string(wi.world_size) + " rank(s)); skipped without an optimizer update (" + std::to_string(nonfinite_streak) + " in a row, " +
+                  std::to_string(cfg.max_nonfinite_steps) + " stop the run)");
+    } else {
+      optimizer.step(lr);
+      nonfinite_streak = 0;
+    }
     optimizer.zero_grad();
     ++step;
-
-    double sums[2] = {sl.ce_sum, sl.aux_sum};
-    world.allreduce_sum(sums, 2);
     StepReport r;
     r.step = step;
     r.total_steps = total_steps;
@@ -363,11 +466,16 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
     if (result.steps == 0) result.first_loss = r.loss;
     result.last_loss = r.loss;
     result.steps = step;
-    if (!std::isfinite(r.loss)) EO_FAIL("loss is ", r.loss, " at step ", step, "; stopping (lower learning_rate?)");
-    if (wi.rank == 0 && (step % cfg.logging_steps == 0 || step == total_steps)) {
+    r.extra["skipped_nonfinite"] = skipped_nonfinite;
+    if (wi.rank == 0 && (skip || step % cfg.logging_steps == 0 || step == total_steps)) {
       log::progress(progress_line(r), step == total_steps);
       metrics->write(r);
     }
+    if (nonfinite_streak >= cfg.max_nonfinite_steps)
+      EO_FAIL("the loss or gradients were NaN/Inf for ", nonfinite_streak, " consecutive steps (", step - nonfinite_streak + 1,
+              " to ", step, ", max_nonfinite_steps: ", cfg.max_nonfinite_steps,
+              "); stopping. Those steps did not change the adapter. Lower learning_rate, check the data, or start from an "
+              "earlier checkpoint (resume_from_checkpoint)");
     // A stop request on any rank stops every rank at this same step.
     double stop[1] = {stop_requested() ? 1.0 : 0.0};
     world.allreduce_max(stop, 1);

@@ -61,6 +61,8 @@ for kind in throw kill; do
   took=$(( $(date +%s) - start ))
   check "fault $kind: non-zero exit ($rc), not a timeout" test "$rc" -ne 0 -a "$rc" -ne 124
   check "fault $kind: every rank exited within bound ($took s)" test "$took" -lt 100
+  check "fault $kind: no final adapter and no half-written checkpoint left" \
+    test ! -e "$tmp/fault_$kind/adapter_model.safetensors" -a -z "$(find "$tmp/fault_$kind" -name '.tmp*' -o -name 'checkpoint-*')"
   if [ "$kind" = throw ]; then
     check "fault throw: message names rank 1" grep -q "\[rank 1\] error: fault injected at step 2 on rank 1" "$tmp/fault_$kind.log"
   else

@@ -1,9 +1,11 @@
 #include "runtime/data/jsonl.h"
 
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/json_depth.h"
 
 namespace eo::data {
 namespace {
@@ -15,6 +17,9 @@ std::vector<std::int64_t> int_array(const nlohmann::json& obj, const char* key, 
   out.reserve(v.size());
   for (const auto& x : v) {
     if (!x.is_number_integer()) throw UsageError(where + ": '" + key + "' must contain only integers, found " + x.dump());
+    // Beyond int64 get<> would wrap (18446744073709551516 would read as the ignore label -100).
+    if (x.is_number_unsigned() && x.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
+      throw UsageError(where + ": '" + key + "' value " + x.dump() + " is too large for a token id");
     out.push_back(x.get<std::int64_t>());
   }
   return out;
@@ -34,7 +39,10 @@ std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::in
     const std::string where = path + ":" + std::to_string(lineno);
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(text);
+      j = nlohmann::json::parse(text, json_depth_limit([&] {
+        throw UsageError(where + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) +
+                         " levels; expected {\"input_ids\": [...], ...}");
+      }));
     } catch (const nlohmann::json::exception& e) {
       throw UsageError(where + ": invalid JSON (" + e.what() + ")");
     }
@@ -62,13 +70,15 @@ std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::in
       const auto id = l.input_ids[i], lab = l.labels[i];
       if (id < 0 || (vocab_size > 0 && id >= vocab_size))
         throw UsageError(where + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                         std::to_string(vocab_size) + ")");
+                         std::to_string(vocab_size) + "); was the file tokenized with another model's tokenizer? "
+                         "Re-tokenize it with the base model's tokenizer (tools/tokenize.py)");
       if (lab != -100 && (lab < 0 || (vocab_size > 0 && lab >= vocab_size)))
         throw UsageError(where + ": label " + std::to_string(lab) + " is neither -100 nor a token id of the vocabulary");
     }
     out.push_back(std::move(l));
   }
-  if (lineno == 0 || out.empty()) throw UsageError(path + ": no examples (the file is empty)");
+  if (lineno == 0 || out.empty())
+    throw UsageError(path + ": no examples (the file is empty); fill it with tools/tokenize.py or remove it from datasets");
   return out;
 }
 

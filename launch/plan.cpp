@@ -1,0 +1,45 @@
+// `eo-ddp plan --config F [--vram SIZE] [--ranks-per-node N] [--set k=v ...]`: the memory plan
+// from config.json and the training config alone (nothing is loaded), and whether it fits.
+#include <cstdio>
+
+#include "common/error.h"
+#include "common/text.h"
+#include "launch/commands.h"
+#include "models/hf_config.h"
+#include "runtime/config.h"
+#include "runtime/plan.h"
+
+namespace eo::launch {
+
+int run_plan(const Args& args) {
+  ArgReader reader(args);
+  const std::string config_path = reader.value("--config");
+  const std::string vram_text = reader.value("--vram");
+  const std::string ranks_text = reader.value("--ranks-per-node", "1");
+  const auto overrides = reader.values("--set");
+  reader.finish("plan");
+  if (config_path.empty()) throw UsageError("plan: --config FILE is required (see eo-ddp --help)");
+  double vram = 0;
+  if (!vram_text.empty()) {
+    const auto b = parse_bytes(vram_text);
+    if (!b || *b == 0) throw UsageError("plan: --vram expects a size such as 12GiB or 80GB, got '" + vram_text + "'");
+    vram = double(*b);
+  }
+  int ranks = 0;
+  try {
+    ranks = std::stoi(ranks_text);
+  } catch (...) {
+  }
+  if (ranks < 1) throw UsageError("plan: --ranks-per-node expects an integer >= 1, got '" + ranks_text + "'");
+
+  ConfigLoadOptions lo;
+  lo.check_files = false;  // planning needs config.json only
+  const TrainConfig cfg = load_config_file(config_path, overrides, lo);
+  const model::ModelConfig mc = model::load_config(cfg.base_model);
+  // A plan is for the GPU: bf16 unless the config says bf16: false.
+  const MemoryPlan plan = plan_memory(cfg, mc, cfg.bf16 != "false", ranks);
+  std::fputs(describe_plan(plan, vram).c_str(), stdout);
+  return vram > 0 && plan.device_peak > vram ? kExitRuntime : kExitOk;
+}
+
+}  // namespace eo::launch

@@ -1,0 +1,146 @@
+#include "offload/host_memory.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/text.h"
+#include "models/hf_config.h"
+
+namespace eo::offload {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr std::int64_t kAlign = 256;  // as offload/engine.cpp: every piece starts on 256 bytes
+constexpr std::int64_t kNestedBlocksize = 256;  // bitsandbytes' double-quantisation block
+std::int64_t align_up(std::int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// A number from a one-value file ("max" and absent files: nothing).
+bool read_number(const fs::path& p, std::int64_t* out) {
+  std::ifstream in(p);
+  std::string s;
+  if (!(in >> s) || s == "max") return false;
+  try {
+    *out = std::stoll(s);
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+// "key value" lines (memory.stat, /proc/meminfo); -1 when the key is missing.
+std::int64_t read_key(const fs::path& p, const std::string& key) {
+  std::ifstream in(p);
+  std::string k;
+  std::int64_t v;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream ls(line);
+    if (ls >> k >> v && (k == key || k == key + ":")) return v;
+  }
+  return -1;
+}
+
+struct Limit {
+  std::int64_t left = -1;
+  std::string where;
+};
+
+// cgroup v2: the tightest limit − (current − inactive_file) from this process' group up to the root.
+Limit cgroup_v2() {
+  Limit best;
+  std::ifstream in("/proc/self/cgroup");
+  std::string rel;
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("0::", 0) == 0) rel = line.substr(3);
+  if (rel.empty()) return best;
+  for (fs::path dir = fs::path("/sys/fs/cgroup") / fs::path(rel).relative_path();; dir = dir.parent_path()) {
+    std::int64_t limit = 0, current = 0;
+    if (read_number(dir / "memory.max", &limit) && read_number(dir / "memory.current", &current)) {
+      const std::int64_t reclaimable = std::max<std::int64_t>(0, read_key(dir / "memory.stat", "inactive_file"));
+      const std::int64_t left = std::max<std::int64_t>(0, limit - std::max<std::int64_t>(0, current - reclaimable));
+      if (best.left < 0 || left < best.left)
+        best = {left, "cgroup v2 " + (dir / "memory.max").string() + " = " + human_bytes(double(limit)) + ", " +
+                          human_bytes(double(current)) + " in use"};
+    }
+    if (dir == "/sys/fs/cgroup" || dir == dir.parent_path() || dir.string().size() <= std::string("/sys/fs/cgroup").size()) break;
+  }
+  return best;
+}
+
+// cgroup v1: memory.limit_in_bytes (a huge value means none) − (usage − total_inactive_file).
+Limit cgroup_v1() {
+  const fs::path dir = "/sys/fs/cgroup/memory";
+  std::int64_t limit = 0, usage = 0;
+  if (!read_number(dir / "memory.limit_in_bytes", &limit) || !read_number(dir / "memory.usage_in_bytes", &usage)) return {};
+  if (limit >= (std::int64_t(1) << 60)) return {};
+  const std::int64_t reclaimable = std::max<std::int64_t>(0, read_key(dir / "memory.stat", "total_inactive_file"));
+  return {std::max<std::int64_t>(0, limit - std::max<std::int64_t>(0, usage - reclaimable)),
+          "cgroup v1 memory.limit_in_bytes = " + human_bytes(double(limit)) + ", " + human_bytes(double(usage)) + " in use"};
+}
+
+}  // namespace
+
+HostMemory host_memory_available() {
+  HostMemory m;
+  if (const char* fake = std::getenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE"); fake && *fake) {
+    const auto v = parse_bytes(fake);
+    EO_CHECK(v, "EO_DDP_FAULT_HOST_MEM_AVAILABLE='", fake, "' is not a size in bytes");
+    m.available = static_cast<std::int64_t>(*v);
+    m.source = "EO_DDP_FAULT_HOST_MEM_AVAILABLE (test override)";
+    return m;
+  }
+  const std::int64_t kib = read_key("/proc/meminfo", "MemAvailable");
+  if (kib >= 0) {
+    m.available = kib * 1024;
+    m.source = "MemAvailable in /proc/meminfo";
+  }
+  for (const Limit& l : {cgroup_v2(), cgroup_v1()})
+    if (l.left >= 0 && (m.available < 0 || l.left < m.available)) {
+      m.available = l.left;
+      m.source = l.where;
+    }
+  return m;
+}
+
+std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant) {
+  auto matrix = [&](std::int64_t numel) {
+    const std::int64_t nblocks = (numel + blocksize - 1) / blocksize;
+    std::int64_t b = align_up((numel + 1) / 2);  // packed 4-bit codes
+    if (double_quant) {
+      b += align_up(nblocks);  // uint8 absmax codes
+      b += align_up((nblocks + kNestedBlocksize - 1) / kNestedBlocksize * 4);  // fp32 nested absmax
+    } else {
+      b += align_up(nblocks * 4);  // fp32 absmax
+    }
+    return b;
+  };
+  const std::int64_t per_expert = 3 * matrix(c.hidden * c.expert_width);  // gate, up [I, H]; down [H, I]
+  std::int64_t total = 0;
+  for (int i = 0; i < c.layers; ++i)
+    if (c.is_moe_layer(i)) total += c.experts * per_expert;
+  return total;
+}
+
+std::string describe_host_shortfall(std::int64_t bytes_needed) {
+  const HostMemory m = host_memory_available();
+  std::string s = std::to_string(bytes_needed) + " bytes (" + human_bytes(double(bytes_needed)) + ") needed, ";
+  if (m.available < 0) return s + "host memory available unknown";
+  return s + std::to_string(m.available) + " bytes (" + human_bytes(double(m.available)) + ") available now (" + m.source + ")";
+}
+
+void check_homes_fit(std::int64_t home_bytes, int ranks_on_node, const HostMemory& mem) {
+  if (mem.available < 0 || home_bytes <= 0) return;
+  const std::int64_t needed = home_bytes * std::max(1, ranks_on_node);
+  if (needed <= mem.available) return;
+  EO_FAIL("not enough host RAM for the expert homes: ", ranks_on_node, " rank(s) on this node x ", human_bytes(double(home_bytes)),
+          " of NF4 experts each = ", needed, " bytes (", human_bytes(double(needed)), ") needed, but only ", mem.available,
+          " bytes (", human_bytes(double(mem.available)), ") are available (", mem.source,
+          "). Every rank keeps its own copy of the experts in host RAM: run fewer ranks per node, use nodes with more RAM "
+          "(or raise the job's memory limit), or free host memory; expert_offload: false keeps the experts on the GPU instead.");
+}
+
+}  // namespace eo::offload

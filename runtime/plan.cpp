@@ -1,0 +1,159 @@
+#include "runtime/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "common/text.h"
+
+namespace eo {
+namespace {
+
+double nf4_bytes(double out, double in, int blocksize) {
+  const double n = out * in;
+  return std::ceil(n / 2) + std::ceil(n / blocksize) * 4;
+}
+
+double align256(double b) { return std::ceil(b / 256) * 256; }
+
+// One MoE block's experts as the offload engine lays them out (every tensor 256-byte aligned).
+double expert_block_bytes(const model::ModelConfig& c, int blocksize) {
+  const double n = double(c.expert_width) * double(c.hidden);
+  return double(c.experts) * 3 * (align256(std::ceil(n / 2)) + align256(std::ceil(n / blocksize) * 4));
+}
+
+bool targets(const TrainConfig& cfg, const std::string& name) {
+  if (cfg.lora_target_linear) return true;
+  return std::find(cfg.lora_target_modules.begin(), cfg.lora_target_modules.end(), name) != cfg.lora_target_modules.end();
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool bf16, int ranks_per_node) {
+  MemoryPlan p;
+  p.bf16 = bf16;
+  p.ranks_per_node = ranks_per_node;
+  const double d = bf16 ? 2 : 4;  // compute dtype bytes
+  const int bs = cfg.bnb_4bit_blocksize;
+  const double H = double(c.hidden), V = double(c.vocab), D = double(c.head_dim);
+  const double qd = double(c.heads) * D, kvd = double(c.kv_heads) * D;
+  const double E = double(c.experts), K = double(c.top_k), I = double(c.expert_width);
+  const bool q4 = cfg.load_in_4bit;
+  auto linear = [&](double out, double in) { return q4 ? nf4_bytes(out, in, bs) : out * in * d; };
+
+  int moe_layers = 0;
+  for (int i = 0; i < c.layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
+  const int dense_layers = int(c.layers) - moe_layers;
+
+  // ---- frozen weights on the device
+  double weights = V * H * d * (c.tie_word_embeddings ? 1 : 2) + H * d;
+  const double attn = linear(qd, H) + 2 * linear(kvd, H) + linear(H, qd);
+  double norms = 2 * H * d;
+  if (c.qk_norm == model::QkNorm::PerHead) norms += 2 * D * d;
+  if (c.qk_norm == model::QkNorm::Whole) norms += (qd + kvd) * d;
+  weights += double(c.layers) * (attn + norms);
+  weights += double(moe_layers) * E * H * d;  // routers
+  weights += double(dense_layers) * 3 * linear(double(c.dense_width), H);
+  if (c.shared_expert_width > 0) weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + H * d);
+  p.device.push_back({"weights", weights, "embeddings, lm_head, norms, routers, attention (NF4)"});
+
+  // ---- experts
+  p.block_bytes = expert_block_bytes(c, bs);
+  p.expert_bytes = p.block_bytes * moe_layers;
+  if (cfg.expert_offload) {
+    const int slots = std::min(moe_layers, cfg.expert_offload_prefetch ? 2 : 1);
+    double budget = 0;
+    if (cfg.expert_offload_vram_budget != "auto")
+      if (auto b = parse_bytes(cfg.expert_offload_vram_budget))
+        budget = std::floor(double(*b) / p.block_bytes) * p.block_bytes;
+    budget = std::min(budget, p.expert_bytes);
+    p.device.push_back({"experts", double(slots) * p.block_bytes + budget,
+                        std::to_string(slots) + " slot(s) of " + human_bytes(p.block_bytes) +
+                            (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string())});
+    p.host_pinned = p.expert_bytes;
+  } else {
+    // Resident experts are separate tensors (no arena alignment).
+    p.device.push_back({"experts", double(moe_layers) * E * 3 * (q4 ? nf4_bytes(I, H, bs) : I * H * d), "every expert resident"});
+  }
+
+  // ---- LoRA: fp32 parameter, gradient and two AdamW moments
+  const double r = cfg.lora_r;
+  double lora_params = 0;
+  auto site = [&](const std::string& name, double in, double out, double count) {
+    if (targets(cfg, name)) lora_params += count * r * (in + out);
+  };
+  site("q_proj", H, qd, double(c.layers));
+  site("k_proj", H, kvd, double(c.layers));
+  site("v_proj", H, kvd, double(c.layers));
+  site("o_proj", qd, H, double(c.layers));
+  const bool mix = c.arch == model::Arch::Mixtral;
+  site(mix ? "w1" : "gate_proj", H, I, moe_layers * E);
+  site(mix ? "w3" : "up_proj", H, I, moe_layers * E);
+  site(mix ? "w2" : "down_proj", I, H, moe_layers * E);
+  if (dense_layers > 0) {
+    site("gate_proj", H, double(c.dense_width), dense_layers);
+    site("up_proj", H, double(c.dense_width), dense_layers);
+    site("down_proj", double(c.dense_width), H, dense_layers);
+  }
+  p.device.push_back({"lora", lora_params * 16, std::to_string(static_cast<long long>(lora_params)) + " parameters x 16 bytes"});
+
+  // ---- activations of one micro-batch
+  const double N = double(cfg.micro_batch_size) * double(cfg.sequence_len);
+  // Block inputs kept by checkpointing (embedding output .. last block), RoPE tables, and the
+  // incoming + outgoing gradient of the block under backward.
+  const double checkpoints = (double(c.layers) + 1 + 2) * N * H * d + 2 * N * D * d;
+  p.device.push_back({"checkpoints", checkpoints, std::to_string(c.layers + 1) + " block inputs of [tokens, hidden] + gradients"});
+
+  // One block recomputed for backward: what autograd saves (fp32 norm inputs, q/k norms, RoPE,
+  // attention inputs and output) ...
+  const double saved_attn = N * (2 * H * (4 + d) + (qd + kvd) * (4 + d) + 2 * (qd + kvd) * d + (qd + 2 * kvd) * d + 2 * qd * d);
+  // ... the router's fp32 probabilities and the token-sorted expert activations (gate, up,
+  // silu(gate) of width I and the weighted output of width H for each of the N·k rows) ...
+  const double NK = N * K;
+  const double saved_moe = moe_layers > 0 ? N * E * (4 + d) + NK * (3 * I + H) * d + NK * 8 * 2 : N * 3 * double(c.dense_width) * d;
+  // ... and the transient peak inside it: one dequantised matrix of every expert plus the
+  // gradients of the expert activations in flight.
+  const double bank = moe_layers > 0 ? (cfg.load_in_4bit ? E * I * H * d : 0) : 0;
+  const double transient = moe_layers > 0 ? bank + NK * (2 * H + 2 * I) * d : N * 2 * double(c.dense_width) * d;
+  p.device.push_back({"block", saved_attn + saved_moe + transient,
+                      "one block's recompute + backward (expert activations for " + std::to_string(static_cast<long long>(NK)) +
+                          " token-expert pairs, one dequantised matrix bank of " + human_bytes(bank) + ")"});
+
+  // The head: normed hidden and per-row log-sum-exp saved; one chunk of logits in flight
+  // (bf16 GEMM output, its fp32 copy and the fp32 softmax gradient).
+  const double rows = double(cfg.micro_batch_size) * double(std::max(1, cfg.sequence_len - 1));
+  const double chunk = std::min(rows, std::max(1.0, std::floor(double(std::int64_t(1) << 27) / (4 * V))));
+  const double head = rows * (H * d * 2 + 4) + chunk * V * (d + 4 + 4);
+  p.device.push_back({"head", head, "chunked cross entropy, " + std::to_string(static_cast<long long>(chunk)) + " rows per chunk"});
+
+  for (const auto& part : p.device) p.device_peak += part.bytes;
+  return p;
+}
+
+std::string describe_plan(const MemoryPlan& plan, double vram) {
+  std::ostringstream os;
+  char line[256];
+  os << "memory plan (per rank, " << (plan.bf16 ? "bf16" : "fp32") << " compute):\n";
+  for (const auto& part : plan.device) {
+    std::snprintf(line, sizeof line, "  %-12s %10s  %s\n", part.name.c_str(), human_bytes(part.bytes).c_str(), part.what.c_str());
+    os << line;
+  }
+  std::snprintf(line, sizeof line, "  %-12s %10s  predicted allocator peak on the device\n", "peak VRAM",
+                human_bytes(plan.device_peak).c_str());
+  os << line;
+  if (plan.host_pinned > 0) {
+    std::snprintf(line, sizeof line, "  %-12s %10s  per rank (%s for %d rank(s) on a node)\n", "pinned host",
+                  human_bytes(plan.host_pinned).c_str(), human_bytes(plan.host_pinned * plan.ranks_per_node).c_str(),
+                  plan.ranks_per_node);
+    os << line;
+  }
+  if (vram > 0) {
+    const bool fits = plan.device_peak <= vram;
+    os << "  " << (fits ? "fits" : "does NOT fit") << " a " << human_bytes(vram) << " card ("
+       << human_bytes(std::fabs(vram - plan.device_peak)) << (fits ? " to spare" : " short") << ")\n";
+  }
+  return os.str();
+}
+
+}  // namespace eo

@@ -1,0 +1,48 @@
+// The memory plan: per-rank device and host bytes predicted from config.json and the training
+// config alone, before anything is loaded.
+//
+// Device bytes are what the caching allocator will hand out at the step's peak (the figure
+// `peak VRAM` reports), broken into named parts so a user sees what to change:
+//   weights     resident frozen weights: embeddings, lm_head, norms, routers, NF4 attention
+//   experts     NF4 experts on the device: all of them, or the offload slots (+ budget blocks)
+//   lora        LoRA parameters, gradients and AdamW moments (fp32)
+//   checkpoints block inputs kept by activation checkpointing (one [tokens, hidden] per block)
+//   block       the largest block's recompute + backward working set (attention, router, the
+//               token-sorted expert activations, one dequantised expert matrix bank)
+//   head        the final norm and the chunked cross-entropy working set
+// The activation terms are counted tensor by tensor (plan.cpp says which); the plan is checked
+// against measured peaks in bench/ and docs/benchmarks.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/hf_config.h"
+#include "runtime/config.h"
+
+namespace eo {
+
+struct MemoryPart {
+  std::string name;
+  double bytes = 0;
+  std::string what;
+};
+
+struct MemoryPlan {
+  std::vector<MemoryPart> device;  // per rank
+  double device_peak = 0;          // sum of `device`
+  double expert_bytes = 0;         // NF4 experts of the whole model
+  double block_bytes = 0;          // one MoE block's experts (a slot)
+  double host_pinned = 0;          // per rank: the homes when offloading, else 0
+  int ranks_per_node = 1;
+  bool bf16 = true;
+};
+
+// `bf16`: the compute dtype (true on GPUs unless bf16: false).
+MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, bool bf16, int ranks_per_node);
+
+// A table of the plan, and (when vram > 0) whether it fits a card of that many bytes.
+std::string describe_plan(const MemoryPlan& plan, double vram_bytes);
+
+}  // namespace eo

@@ -1,0 +1,358 @@
+// Fault injection on one rank, through the eo-ddp binary and the bundled tiny Qwen3-MoE (issue #8,
+// item 3). Every case asserts a clear message, a non-zero exit within a bounded time, and no
+// corrupted output. (A rank killed mid-step, SIGTERM with resume and kill -9 during a checkpoint
+// write are in tests/mpi_train.sh and tests/test_train.cpp; 2-rank NaN cases in test_faults_mpi.cpp.)
+//
+//  - disk full during a checkpoint save: a real tmpfs (private mount namespace, needs root) and a
+//    file-size limit (RLIMIT_FSIZE, EFBIG; works anywhere). Each says which it used.
+//  - NaN loss: the step is skipped (adapter and optimizer state bitwise unchanged), counted in
+//    metrics.jsonl; max_nonfinite_steps consecutive ones stop the run.
+//  - host RAM for the expert homes: the pre-load check (test override EO_DDP_FAULT_HOST_MEM_AVAILABLE),
+//    the real check passing, and the estimate equal to the bytes the offload engine allocates.
+//  - data: empty files, token ids outside the vocabulary, too little data for one step: exit 2
+//    before training, naming the file (and line / index) and the fix.
+#include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mount.h>
+
+#include <cerrno>
+#include <cstring>
+#include <iostream>
+
+#include "fault_support.h"
+#include "models/hf_config.h"
+#include "models/moe_model.h"
+#include "offload/engine.h"
+#include "offload/host_memory.h"
+#include "runtime/train_state.h"
+
+using namespace eo::faults;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+std::int64_t bytes_in_pages(const fs::path& dir) {
+  std::int64_t total = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) total += (static_cast<std::int64_t>(e.file_size()) + 4095) / 4096 * 4096;
+  return total;
+}
+
+// A tmpfs of `bytes` at `where`, in a mount namespace of this test process only (it disappears
+// with the process, whatever happens); unmounted by the destructor so the folder can be removed.
+class SmallTmpfs {
+ public:
+  SmallTmpfs(const fs::path& where, std::int64_t bytes) : where_(where) {
+    fs::create_directories(where);
+    if (::unshare(CLONE_NEWNS) != 0) {
+      why_ = std::string("unshare(CLONE_NEWNS): ") + std::strerror(errno);
+      return;
+    }
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) {
+      why_ = std::string("mount --make-rprivate /: ") + std::strerror(errno);
+      return;
+    }
+    const std::string opts = "size=" + std::to_string(bytes);
+    if (::mount("tmpfs", where.c_str(), "tmpfs", 0, opts.c_str()) != 0) {
+      why_ = std::string("mount -t tmpfs: ") + std::strerror(errno);
+      return;
+    }
+    mounted_ = true;
+  }
+  ~SmallTmpfs() {
+    if (mounted_) ::umount2(where_.c_str(), MNT_DETACH);
+  }
+  bool mounted() const { return mounted_; }
+  const std::string& why_not() const { return why_; }
+
+ private:
+  fs::path where_;
+  bool mounted_ = false;
+  std::string why_;
+};
+
+// The checks shared by both disk-full tests, on the output folder of the failed run.
+void expect_failed_save_left_no_trace(const Outcome& o, const fs::path& out, const std::string& errno_text) {
+  EXPECT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 1) << "expected exit 1 (runtime failure): " << o.describe();
+  EXPECT_TRUE(contains(o.log, "cannot save checkpoint " + (out / "checkpoint-4").string())) << o.log;
+  EXPECT_TRUE(contains(o.log, errno_text)) << "expected '" << errno_text << "' in\n" << o.log;
+  EXPECT_TRUE(contains(o.log, (out / ".tmp-checkpoint-4").string())) << "the message names the file being written\n" << o.log;
+  EXPECT_FALSE(fs::exists(out / "checkpoint-4")) << "a half-written checkpoint-4 is visible under its final name";
+  EXPECT_EQ(leftovers(out), std::vector<std::string>{}) << "temporary files of the failed save were left behind";
+  ASSERT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json"));
+  EXPECT_EQ(eo::latest_checkpoint(out.string()), (out / "checkpoint-2").string()) << "auto must pick the intact checkpoint-2";
+  EXPECT_EQ(eo::load_checkpoint((out / "checkpoint-2").string()).step, 2);
+}
+
+std::string sets_of(const fs::path& out) { return "output_dir=" + out.string(); }
+
+}  // namespace
+
+// ---- disk full ------------------------------------------------------------------------------------
+
+// A tmpfs big enough for checkpoint-2 and half of another: the save of checkpoint-4 hits ENOSPC.
+TEST_F(FaultTest, DiskFullDuringSaveOnTmpfs) {
+  const std::vector<std::string> sets{"max_steps=6", "save_steps=2", "save_total_limit=10"};
+  // Reference: the same run on a roomy disk (its checkpoint-2 sizes the tmpfs and is what must survive).
+  const fs::path ref = dir_ / "ref";
+  const Outcome r = train(ref, sets);
+  ASSERT_TRUE(r.exited && r.code == 0) << r.describe();
+  const std::int64_t ckpt = bytes_in_pages(ref / "checkpoint-2");
+  const std::int64_t size = ckpt + ckpt / 2 + 4 * 4096;  // + metrics.jsonl and slack
+
+  const fs::path out = dir_ / "tmpfs";  // the mount point is output_dir; the log is beside it
+  SmallTmpfs tmpfs(out, size);
+  if (!tmpfs.mounted()) GTEST_SKIP() << "no tmpfs (" << tmpfs.why_not() << "); DiskFullDuringSaveWithFileSizeLimit covers this";
+  std::cout << "disk-full test: using a real tmpfs of " << size << " bytes (mount -t tmpfs in a private mount namespace); "
+            << "one checkpoint is " << ckpt << " bytes" << std::endl;
+  const Outcome o = train(out, sets);
+  expect_failed_save_left_no_trace(o, out, "No space left on device");
+  EXPECT_FALSE(fs::exists(out / "adapter_model.safetensors")) << "the run never finished, yet a final adapter exists";
+  EXPECT_EQ(folder_bytes(out / "checkpoint-2"), folder_bytes(ref / "checkpoint-2")) << "checkpoint-2 is not the reference's";
+
+  // auto resumes from the surviving checkpoint-2 (on a disk with room) and ends as the reference.
+  const fs::path moved = dir_ / "moved";
+  fs::copy(out, moved, fs::copy_options::recursive);
+  const Outcome res = train(moved, {"max_steps=6", "save_steps=2", "save_total_limit=10", "resume_from_checkpoint=auto"});
+  ASSERT_TRUE(res.exited && res.code == 0) << res.describe();
+  EXPECT_TRUE(contains(res.log, "resumed from " + (moved / "checkpoint-2").string() + " at step 2")) << res.log;
+  EXPECT_EQ(read_text(moved / "adapter_model.safetensors"), read_text(ref / "adapter_model.safetensors"))
+      << "the resumed run's adapter differs from the uninterrupted one";
+}
+
+// Where no tmpfs can be mounted: a file-size limit (ulimit -f) makes the save's writes fail with
+// EFBIG. The trainer ignores SIGXFSZ, so the write fails instead of the signal killing the process.
+TEST_F(FaultTest, DiskFullDuringSaveWithFileSizeLimit) {
+  const fs::path out = dir_ / "run";
+  const Outcome first = train(out, {"max_steps=2", "save_steps=2"});
+  ASSERT_TRUE(first.exited && first.code == 0) << first.describe();
+  const auto before = folder_bytes(out / "checkpoint-2");
+  const std::string adapter_before = read_text(out / "adapter_model.safetensors");
+  const long limit = static_cast<long>(fs::file_size(out / "checkpoint-2" / "adapter_model.safetensors") / 2);
+  ASSERT_GT(limit, static_cast<long>(fs::file_size(out / "metrics.jsonl")) * 4) << "the limit must only hit checkpoint files";
+  std::cout << "disk-full test: using RLIMIT_FSIZE = " << limit << " bytes (ulimit -f; writes fail with EFBIG)" << std::endl;
+  RunOptions ro;
+  ro.fsize_limit_bytes = limit;
+  const Outcome o = train(out, {"max_steps=4", "save_steps=2", "resume_from_checkpoint=auto"}, ro);
+  EXPECT_NE(o.signal, SIGXFSZ) << "killed by SIGXFSZ: the trainer must ignore it so the write fails with a message";
+  expect_failed_save_left_no_trace(o, out, "File too large");
+  EXPECT_EQ(folder_bytes(out / "checkpoint-2"), before) << "checkpoint-2 changed";
+  EXPECT_EQ(read_text(out / "adapter_model.safetensors"), adapter_before) << "the previous final adapter changed";
+}
+
+// write_file_atomic: a failed write leaves neither the target nor its temporary file.
+TEST_F(FaultTest, AtomicFileWriteFailsCleanly) {
+  const fs::path target = dir_ / "adapter_config.json";
+  eo::write_file_atomic(target.string(), "old\n");
+  // /dev/full: every write fails with ENOSPC. The parent is /dev, so only the temporary's name
+  // is checked: write into a folder we control by making the target's temporary a symlink to it.
+  const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  fs::create_symlink("/dev/full", tmp);
+  try {
+    eo::write_file_atomic(target.string(), std::string(1 << 16, 'x'));
+    FAIL() << "writing to a full device succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_TRUE(contains(e.what(), tmp.string())) << e.what();
+    EXPECT_TRUE(contains(e.what(), "No space left on device")) << e.what();
+  }
+  EXPECT_EQ(read_text(target), "old\n") << "the previous contents must survive";
+  EXPECT_FALSE(fs::exists(fs::symlink_status(tmp))) << "the temporary file was left behind";
+}
+
+// ---- NaN / Inf ------------------------------------------------------------------------------------
+
+// A NaN loss at step 3: that step changes nothing (adapter and optimizer state bitwise as after
+// step 2), is counted, warned about, and training continues and finishes.
+TEST_F(FaultTest, NanStepIsSkippedAndCounted) {
+  const fs::path out = dir_ / "run";
+  RunOptions ro;
+  ro.env = {"EO_DDP_FAULT=nan", "EO_DDP_FAULT_STEP=3"};
+  const Outcome o = train(out, {"max_steps=5", "save_steps=1", "save_total_limit=10", "lr_scheduler=constant", "warmup_steps=0"}, ro);
+  ASSERT_TRUE(o.exited && o.code == 0) << o.describe();
+  EXPECT_TRUE(contains(o.log, "step 3: loss ") && contains(o.log, "nan")) << o.log;
+  EXPECT_TRUE(contains(o.log, "skipped without an optimizer update (1 in a row, 5 stop the run)")) << o.log;
+  const auto m = read_metrics(out);
+  ASSERT_EQ(m.size(), 5u);
+  for (std::int64_t s = 1; s <= 5; ++s) {
+    EXPECT_EQ(m.at(s).at("skipped_nonfinite").get<int>(), s >= 3 ? 1 : 0) << m.at(s).dump();
+    EXPECT_EQ(m.at(s).at("loss").is_null(), s == 3) << "only step 3's loss is not a number: " << m.at(s).dump();
+  }
+  const auto c2 = folder_bytes(out / "checkpoint-2"), c3 = folder_bytes(out / "checkpoint-3"), c4 = folder_bytes(out / "checkpoint-4");
+  EXPECT_EQ(c3.at("adapter_model.safetensors"), c2.at("adapter_model.safetensors")) << "the skipped step changed the LoRA";
+  EXPECT_EQ(c3.at("optimizer.safetensors"), c2.at("optimizer.safetensors")) << "the skipped step changed the optimizer state";
+  EXPECT_NE(c4.at("adapter_model.safetensors"), c3.at("adapter_model.safetensors")) << "training did not continue after the skip";
+  EXPECT_EQ(eo::load_checkpoint((out / "checkpoint-4").string()).extra.value("skipped_nonfinite", -1), 1);
+  EXPECT_TRUE(fs::exists(out / "adapter_model.safetensors"));
+}
+
+// Every step NaN: the run stops at the limit, exit 1, saying why, and writes no final adapter.
+TEST_F(FaultTest, NonFiniteStepsStopAtTheLimit) {
+  const fs::path out = dir_ / "run";
+  RunOptions ro;
+  ro.env = {"EO_DDP_FAULT=nan", "EO_DDP_FAULT_STEP=all"};
+  ro.timeout_s = 120;
+  const Outcome o = train(out, {"max_steps=50", "save_steps=0", "max_nonfinite_steps=3"}, ro);
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 1) << o.describe();
+  EXPECT_TRUE(contains(o.log, "the loss or gradients were NaN/Inf for 3 consecutive steps (1 to 3, max_nonfinite_steps: 3)")) << o.log;
+  const auto m = read_metrics(out);
+  ASSERT_EQ(m.size(), 3u) << "it must stop at step 3";
+  EXPECT_EQ(m.at(3).at("skipped_nonfinite").get<int>(), 3);
+  EXPECT_FALSE(fs::exists(out / "adapter_model.safetensors"));
+
+  // The key is validated like every other.
+  std::vector<std::string> argv{eo_ddp()};
+  for (auto& a : train_args(dir_ / "bad", {"max_nonfinite_steps=0"})) argv.push_back(a);
+  argv.push_back("--check");
+  const Outcome bad = run(argv, dir_ / "bad.log", {{}, -1, 60});
+  EXPECT_TRUE(bad.exited && bad.code == 2) << bad.describe();
+  EXPECT_TRUE(contains(bad.log, "max_nonfinite_steps")) << bad.log;
+}
+
+// ---- host RAM for the expert homes ------------------------------------------------------------------
+
+TEST_F(FaultTest, TooLittleHostMemoryFailsBeforeLoading) {
+  const fs::path out = dir_ / "run";
+  RunOptions ro;
+  ro.env = {"EO_DDP_FAULT_HOST_MEM_AVAILABLE=100000"};
+  ro.timeout_s = 60;
+  const Outcome o = train(out, {"max_steps=2", "expert_offload=true"}, ro);
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 1) << o.describe();
+  const auto mc = eo::model::load_config(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe");
+  const std::int64_t need = eo::offload::estimate_home_bytes(mc, 64, false);
+  ASSERT_GT(need, 100000);
+  EXPECT_TRUE(contains(o.log, "not enough host RAM for the expert homes")) << o.log;
+  EXPECT_TRUE(contains(o.log, std::to_string(need) + " bytes")) << "bytes needed (" << need << ") missing:\n" << o.log;
+  EXPECT_TRUE(contains(o.log, "only 100000 bytes")) << o.log;
+  EXPECT_TRUE(contains(o.log, "run fewer ranks per node")) << o.log;
+  EXPECT_FALSE(contains(o.log, "loading ")) << "weights were read before the check:\n" << o.log;
+}
+
+// The real measurement on this machine passes for the tiny model and is logged.
+TEST_F(FaultTest, HostMemoryCheckPassesOnANormalRun) {
+  const fs::path out = dir_ / "run";
+  const Outcome o = train(out, {"max_steps=1", "expert_offload=true"});
+  ASSERT_TRUE(o.exited && o.code == 0) << o.describe();
+  EXPECT_TRUE(contains(o.log, "host memory: expert homes need ")) << o.log;
+  EXPECT_FALSE(contains(o.log, "EO_DDP_FAULT_HOST_MEM_AVAILABLE")) << o.log;
+  const eo::offload::HostMemory m = eo::offload::host_memory_available();
+  EXPECT_GT(m.available, 0) << m.source;
+}
+
+TEST(HostMemory, MeasurementOverrideAndCheck) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::int64_t total_kib = -1;
+  while (meminfo >> key) {
+    if (key == "MemTotal:") {
+      meminfo >> total_kib;
+      break;
+    }
+  }
+  ASSERT_GT(total_kib, 0);
+  unsetenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE");
+  const auto real = eo::offload::host_memory_available();
+  EXPECT_GT(real.available, 0);
+  EXPECT_LE(real.available, total_kib * 1024) << real.source;
+  setenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE", "12345", 1);
+  const auto fake = eo::offload::host_memory_available();
+  unsetenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE");
+  EXPECT_EQ(fake.available, 12345);
+
+  eo::offload::check_homes_fit(1000, 4, {4000, "test"});  // exactly fits
+  try {
+    eo::offload::check_homes_fit(1000, 4, {3999, "test"});
+    FAIL() << "4 ranks x 1000 bytes fit in 3999";
+  } catch (const std::exception& e) {
+    EXPECT_TRUE(contains(e.what(), "4 rank(s) on this node")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "4000 bytes")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "only 3999 bytes")) << e.what();
+  }
+}
+
+// The pre-load estimate is exactly what the offload engine allocates for the tiny model.
+TEST(HostMemory, EstimateEqualsTheHomesAllocated) {
+  const std::string dir = std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe";
+  for (bool dq : {false, true})
+    for (int blocksize : {64, 128}) {
+      eo::model::LoadOptions lo;
+      lo.load_in_4bit = true;
+      lo.blocksize = blocksize;
+      lo.double_quant = dq;
+      lo.experts_on_host = true;
+      auto model = eo::model::MoeModel::load(dir, lo);
+      auto* resident = dynamic_cast<eo::model::ResidentWeights*>(&model->weight_provider());
+      ASSERT_NE(resident, nullptr);
+      eo::offload::OffloadOptions oo;
+      oo.pin_memory = false;
+      eo::offload::ExpertOffloader off(std::move(resident->bank()), oo);
+      EXPECT_EQ(eo::offload::estimate_home_bytes(model->config(), blocksize, dq), off.home_bytes())
+          << "blocksize " << blocksize << (dq ? " with" : " without") << " double quantisation";
+    }
+}
+
+// ---- data -----------------------------------------------------------------------------------------
+
+namespace {
+
+struct DataCase {
+  std::string name;
+  std::string type;      // tokenized | tokens
+  std::string contents;  // file bytes
+  int micro_batch = 1;
+  int accum = 1;
+  std::vector<std::string> expect;  // substrings of the message (the file's path is always expected)
+};
+
+std::string u16(std::initializer_list<std::uint16_t> ids) {
+  std::string s;
+  for (auto id : ids) s.append(reinterpret_cast<const char*>(&id), 2);
+  return s;
+}
+
+std::string jsonl_line(int n, int first) {
+  std::string s = "{\"input_ids\": [";
+  for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(first + i);
+  return s + "]}\n";
+}
+
+}  // namespace
+
+TEST_F(FaultTest, DataErrorsStopBeforeTrainingWithExit2) {
+  const std::vector<DataCase> cases{
+      {"empty.jsonl", "tokenized", "", 1, 1, {"no examples (the file is empty)", "tools/tokenize.py"}},
+      {"empty.bin", "tokens", "", 1, 1, {"is empty"}},
+      {"bad_id.jsonl", "tokenized", jsonl_line(20, 1) + jsonl_line(20, 1) + "{\"input_ids\": [5, 256, 7]}\n", 1, 1,
+       {"bad_id.jsonl:3", "token id 256 is outside the vocabulary [0, 256)", "tokenizer"}},
+      {"bad_id.bin", "tokens", u16({1, 2, 300, 4}), 1, 1, {"token 300 at index 2", "vocab_size 256", "tokenized with another tokenizer"}},
+      {"short.jsonl", "tokenized", jsonl_line(10, 1) + jsonl_line(10, 1), 4, 1,
+       {"has 2 sequences", "one step needs 4", "Add data or lower micro_batch_size"}},
+      {"short_accum.jsonl", "tokenized", jsonl_line(10, 1) + jsonl_line(10, 1) + jsonl_line(10, 1) + jsonl_line(10, 1), 2, 4,
+       {"has 4 sequences", "one optimizer step needs 8", "gradient_accumulation_steps 4"}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const fs::path data = dir_ / c.name;
+    std::ofstream(data, std::ios::binary) << c.contents;
+    const fs::path out = dir_ / ("out_" + c.name);
+    const fs::path config = dir_ / (c.name + ".yaml");
+    std::ofstream(config) << "base_model: " << EO_SOURCE_DIR << "/fixtures/tiny-qwen3-moe\n"
+                          << "load_in_4bit: true\nadapter: qlora\nlora_r: 4\nlora_alpha: 8\n"
+                          << "lora_target_modules: [q_proj]\n"
+                          << "datasets:\n  - path: " << data.string() << "\n    type: " << c.type << "\n"
+                          << (c.type == "tokens" ? "    dtype: uint16\n" : "") << "sequence_len: 16\nsample_packing: false\n"
+                          << "micro_batch_size: " << c.micro_batch << "\ngradient_accumulation_steps: " << c.accum << "\n"
+                          << "max_steps: 2\noutput_dir: " << out.string() << "\n";
+    const Outcome o = run({eo_ddp(), "--config", config.string()}, dir_ / (c.name + ".log"), {{}, -1, 60});
+    ASSERT_FALSE(o.timed_out) << o.describe();
+    EXPECT_TRUE(o.exited && o.code == 2) << "a data error is a usage error (exit 2): " << o.describe();
+    EXPECT_TRUE(contains(o.log, data.string())) << "the message must name the file:\n" << o.log;
+    for (const auto& e : c.expect) EXPECT_TRUE(contains(o.log, e)) << "expected '" << e << "' in\n" << o.log;
+    EXPECT_FALSE(fs::exists(out / "metrics.jsonl")) << "training started";
+    EXPECT_FALSE(contains(o.log, "loading ")) << "the data is checked before any weight is read:\n" << o.log;
+  }
+}
