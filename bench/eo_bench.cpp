@@ -1,0 +1,239 @@
+// eo-bench: eo-ddp's trainer on real model shapes (synthetic NF4 weights, synthetic tokens), four
+// expert modes side by side in one process, and the pinned host-to-device bandwidth measured in
+// the same run so every offload row can be set against its transfer floor.
+//
+//   eo-bench --model configs/models/qwen3-30b-a3b --points 2048x1,2048x4 [--steps 6] [--warmup 2]
+//            [--modes resident,sync,prefetch,budget] [--budget-fraction 0.5] [--json FILE]
+//
+// Each (point, mode) is a real eo::train() run (the CLI's code path) whose metrics.jsonl is read
+// back: median step time over the steps after warm-up, allocator peak VRAM, staged bytes, H2D
+// rate and stall. The memory plan's prediction is printed beside the measured peak.
+#include <ATen/Context.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "common/log.h"
+#include "common/text.h"
+#include "models/hf_config.h"
+#include "runtime/config.h"
+#include "runtime/dist/world.h"
+#include "runtime/plan.h"
+#include "runtime/trainer.h"
+
+#ifdef EO_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace fs = std::filesystem;
+using namespace eo;
+
+namespace {
+
+struct Point {
+  int seq = 2048, mb = 1;
+};
+
+struct Row {
+  std::string model, mode;
+  Point point;
+  double s_per_step = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0;
+  double staged_per_step = 0, h2d_gbps = 0, stall_s = 0, floor_s = 0;
+  std::string error;
+};
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == name) return argv[i + 1];
+  return fallback;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// Pinned host → device bandwidth, measured like the staging copies (1 GiB, best of 5).
+double pinned_h2d_gbps() {
+#ifdef EO_WITH_CUDA
+  if (!at::hasCUDA()) return 0;
+  const std::size_t bytes = std::size_t(1) << 30;
+  void *host = nullptr, *dev = nullptr;
+  if (cudaHostAlloc(&host, bytes, cudaHostAllocDefault) != cudaSuccess) return 0;
+  if (cudaMalloc(&dev, bytes) != cudaSuccess) {
+    cudaFreeHost(host);
+    return 0;
+  }
+  std::memset(host, 1, bytes);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  float best = 1e30f;
+  for (int i = 0; i < 5; ++i) {
+    cudaEventRecord(a);
+    cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice);
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    best = std::min(best, ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaFree(dev);
+  cudaFreeHost(host);
+  return double(bytes) / (best / 1e3) / 1e9;
+#else
+  return 0;
+#endif
+}
+
+// Random token ids (uint32) for `tokens` sequences; one long document, so rows are unmasked causal.
+std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_t tokens, std::uint64_t seed) {
+  const std::string path = dir + "/tokens.u32";
+  std::vector<std::uint32_t> ids(static_cast<std::size_t>(tokens));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<std::uint32_t> pick(0, static_cast<std::uint32_t>(vocab - 1));
+  for (auto& t : ids) t = pick(rng);
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(ids.data()), ids.size() * 4);
+  return path;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  dist::World& world = dist::World::init(&argc, &argv);
+  const std::string model_dir = arg(argc, argv, "--model", "");
+  if (model_dir.empty()) {
+    std::fprintf(stderr, "usage: eo-bench --model DIR [--points 2048x1,2048x4] [--steps N] [--warmup N] [--modes ...]\n");
+    return kExitUsage;
+  }
+  const int steps = std::stoi(arg(argc, argv, "--steps", "6"));
+  const int warmup = std::stoi(arg(argc, argv, "--warmup", "2"));
+  const double budget_fraction = std::stod(arg(argc, argv, "--budget-fraction", "0.5"));
+  const auto modes = split(arg(argc, argv, "--modes", "resident,sync,prefetch,budget"), ',');
+  const std::string json_out = arg(argc, argv, "--json", "");
+  const std::string work = arg(argc, argv, "--workdir", fs::exists("/dev/shm") ? "/dev/shm/eo-bench" : "/tmp/eo-bench");
+  std::vector<Point> points;
+  for (const auto& p : split(arg(argc, argv, "--points", "2048x1"), ',')) {
+    const auto xy = split(p, 'x');
+    if (xy.size() != 2) throw UsageError("--points: expected SEQxMB, e.g. 2048x4, got '" + p + "'");
+    points.push_back({std::stoi(xy[0]), std::stoi(xy[1])});
+  }
+  const model::ModelConfig mc = model::load_config(model_dir);
+  const std::string name = fs::path(model_dir).filename().string();
+  fs::create_directories(work);
+
+  const double bw = pinned_h2d_gbps();
+  std::printf("# %s: pinned host->device %.1f GB/s (1 GiB copies, best of 5)\n", name.c_str(), bw);
+  std::vector<Row> rows;
+  for (const Point& pt : points) {
+    const std::int64_t need = std::int64_t(pt.seq) * pt.mb * (steps + warmup + 2) + pt.seq;
+    const std::string tokens = write_tokens(work, mc.vocab, need, 1234);
+    for (const std::string& mode : modes) {
+      Row row;
+      row.model = name;
+      row.mode = mode;
+      row.point = pt;
+      std::ostringstream yaml;
+      yaml << "base_model: " << model_dir << "\nsynthetic_weights: true\nload_in_4bit: true\nadapter: qlora\n"
+           << "lora_r: 16\nlora_alpha: 32\nlora_dropout: 0.0\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
+           << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
+           << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
+           << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"
+           << "gradient_checkpointing_kwargs: {use_reentrant: false}\nbf16: auto\nsave_steps: 0\nsave_total_limit: 1\n"
+           << "output_dir: " << work << "/run\n";
+      if (mode != "resident") {
+        yaml << "expert_offload: true\nexpert_offload_prefetch: " << (mode == "sync" ? "false" : "true") << "\n";
+      }
+      try {
+        TrainConfig cfg = load_config_text(yaml.str(), "eo-bench", {});
+        MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1);
+        if (mode == "budget") {
+          const double budget = std::floor(plan.expert_bytes * budget_fraction);
+          cfg.expert_offload_vram_budget = std::to_string(static_cast<long long>(budget));
+          plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1);
+        }
+        row.plan_vram = plan.device_peak;
+        row.pinned = plan.host_pinned;
+        remove_tree(cfg.output_dir);  // common/files.h (std::filesystem::remove_all crashes in the CUDA build)
+        train(cfg, world);
+        std::ifstream in(cfg.output_dir + "/metrics.jsonl");
+        std::vector<double> times, staged, h2d, stall;
+        std::string line;
+        while (std::getline(in, line)) {
+          const auto j = nlohmann::json::parse(line);
+          row.peak_vram = std::max(row.peak_vram, j.value("peak_mem_bytes", 0.0));
+          if (j.value("step", 0) <= warmup) continue;
+          times.push_back(j.value("step_time_s", 0.0));
+          staged.push_back(j.value("staged_bytes", 0.0));
+          h2d.push_back(j.value("h2d_gbps", 0.0));
+          stall.push_back(j.value("stall_s", 0.0));
+        }
+        row.s_per_step = median(times);
+        row.tokens_per_s = row.s_per_step > 0 ? double(pt.seq) * pt.mb / row.s_per_step : 0;
+        row.staged_per_step = median(staged);
+        row.h2d_gbps = median(h2d);
+        row.stall_s = median(stall);
+        row.floor_s = bw > 0 ? row.staged_per_step / (bw * 1e9) : 0;
+      } catch (const std::exception& e) {
+        row.error = e.what();
+        const auto nl = row.error.find('\n');
+        if (nl != std::string::npos) row.error = row.error.substr(0, nl);
+      }
+      rows.push_back(row);
+      std::fflush(stdout);
+    }
+  }
+
+  // The table: offload rows against the same point's resident row and against their floor.
+  std::printf("\n| model | seq x mb | mode | s/step | tokens/s | peak VRAM | plan VRAM | pinned host | staged/step | H2D GB/s | stall s | floor s | vs resident | vs floor |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  nlohmann::json all = nlohmann::json::array();
+  for (const Row& r : rows) {
+    double resident = 0;
+    for (const Row& o : rows)
+      if (o.mode == "resident" && o.point.seq == r.point.seq && o.point.mb == r.point.mb && o.error.empty()) resident = o.s_per_step;
+    if (!r.error.empty()) {
+      std::printf("| %s | %dx%d | %s | error: %s |\n", r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(), r.error.c_str());
+    } else {
+      char vs_res[32] = "", vs_floor[32] = "";
+      if (resident > 0) std::snprintf(vs_res, sizeof vs_res, "%.2fx", r.s_per_step / resident);
+      if (r.floor_s > 0) std::snprintf(vs_floor, sizeof vs_floor, "%.2fx", r.s_per_step / r.floor_s);
+      std::printf("| %s | %dx%d | %s | %.3f | %.0f | %s | %s | %s | %s | %.1f | %.3f | %.3f | %s | %s |\n", r.model.c_str(),
+                  r.point.seq, r.point.mb, r.mode.c_str(), r.s_per_step, r.tokens_per_s, human_bytes(r.peak_vram).c_str(),
+                  human_bytes(r.plan_vram).c_str(), human_bytes(r.pinned).c_str(), human_bytes(r.staged_per_step).c_str(),
+                  r.h2d_gbps, r.stall_s, r.floor_s, vs_res, vs_floor);
+    }
+    all.push_back({{"model", r.model}, {"mode", r.mode}, {"seq", r.point.seq}, {"mb", r.point.mb}, {"s_per_step", r.s_per_step},
+                   {"tokens_per_s", r.tokens_per_s}, {"peak_vram", r.peak_vram}, {"plan_vram", r.plan_vram},
+                   {"pinned", r.pinned}, {"staged_per_step", r.staged_per_step}, {"h2d_gbps", r.h2d_gbps},
+                   {"stall_s", r.stall_s}, {"floor_s", r.floor_s}, {"pinned_bw_gbps", bw}, {"error", r.error}});
+  }
+  if (!json_out.empty()) std::ofstream(json_out) << all.dump(1) << "\n";
+  world.finalize();
+  return 0;
+}
