@@ -4,6 +4,8 @@
 //
 //   eo-bench --model configs/models/qwen3-30b-a3b --points 2048x1,2048x4 [--steps 6] [--warmup 2]
 //            [--modes resident,sync,prefetch,budget] [--budget-fraction 0.5] [--json FILE]
+//   modes: resident | sync (one slot) | prefetch (default depth) | prefetchN (N blocks ahead) |
+//          budget (prefetch + budget-fraction of the experts resident)
 //
 // Each (point, mode) is a real eo::train() run (the CLI's code path) whose metrics.jsonl is read
 // back: median step time over the steps after warm-up, allocator peak VRAM, staged bytes, H2D
@@ -168,14 +170,16 @@ int main(int argc, char** argv) {
            << "output_dir: " << work << "/run\n";
       if (mode != "resident") {
         yaml << "expert_offload: true\nexpert_offload_prefetch: " << (mode == "sync" ? "false" : "true") << "\n";
+        // prefetchN: N blocks staged ahead (N + 1 device slots).
+        if (mode.rfind("prefetch", 0) == 0 && mode.size() > 8) yaml << "expert_offload_prefetch_depth: " << mode.substr(8) << "\n";
       }
       try {
         TrainConfig cfg = load_config_text(yaml.str(), "eo-bench", {});
-        MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1);
+        MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1, at::hasCUDA());
         if (mode == "budget") {
           const double budget = std::floor(plan.expert_bytes * budget_fraction);
           cfg.expert_offload_vram_budget = std::to_string(static_cast<long long>(budget));
-          plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1);
+          plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1, at::hasCUDA());
         }
         row.plan_vram = plan.device_peak;
         row.pinned = plan.host_pinned;

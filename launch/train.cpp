@@ -38,7 +38,7 @@ std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
   os << "]\n";
   // The model's shape comes from config.json alone: no weights are read.
   const model::ModelConfig mc = model::load_config(cfg.base_model);
-  const MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, cuda), w.local_size);
+  const MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, cuda), w.local_size, cuda);
   int moe_layers = 0;
   for (int i = 0; i < mc.layers; ++i) moe_layers += mc.is_moe_layer(i) ? 1 : 0;
   os << "  model: " << mc.model_type << ", " << mc.layers << " layers (" << moe_layers << " MoE), " << mc.experts

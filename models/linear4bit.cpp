@@ -50,7 +50,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     std::vector<const nf4::QuantizedWeight*> qs;
     qs.reserve(bank.experts);
     for (int e = 0; e < bank.experts; ++e) qs.push_back(&bank.provider->expert_weight(bank.layer, e, bank.matrix));
-    return nf4::dequantize_stack(qs, dtype);
+    return nf4::dequantize_stack(qs, dtype);  // [E, out, in]
   }
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& offsets,
@@ -80,7 +80,27 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   }
 };
 
+struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});  // through the saved-tensor hooks: checkpointing may drop them
+    return at::silu(gate) * up;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    // In fp32, rounded once: d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g).
+    const at::Tensor g = saved[0].to(at::kFloat), u = saved[1].to(at::kFloat), dh = grads[0].to(at::kFloat);
+    const at::Tensor s = at::sigmoid(g);
+    return {(dh * u * s * (1 + g * (1 - s))).to(saved[0].scalar_type()), (dh * g * s).to(saved[1].scalar_type())};
+  }
+};
+
 }  // namespace
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  EO_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+  return SwiGluFunction::apply(gate, up);
+}
 
 namespace {
 std::atomic<bool> g_grouped_enabled{true};

@@ -30,7 +30,8 @@ at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle);
 // rows [offsets[e-1], offsets[e]) of x go through expert e. offsets is int32 [experts] on x's
 // device (cumulative row counts), so no count ever travels to the host.
 //   NF4: the experts' weights are fetched through `provider` and dequantised together into one
-//   temporary [E, out, in] tensor, in forward and again in backward (never saved).
+//   temporary [E, out, in] tensor, in forward and again in backward (never saved). Gate and up
+//   stay separate GEMMs so that only one matrix bank exists at a time.
 //   Dense: `dense` [E, out, in] is used as it is (frozen, saved by reference).
 struct ExpertBank {
   WeightProvider* provider = nullptr;
@@ -43,5 +44,9 @@ at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets,
 // unless switched off (tests compare it with the per-expert loop).
 bool grouped_gemm_available(const at::Tensor& x);
 void set_grouped_gemm_enabled(bool enabled);
+
+// silu(gate) * up as one autograd node that saves only gate and up (autograd's silu + mul would
+// also keep silu(gate)): one [rows, I] tensor less per MoE block under backward.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 
 }  // namespace eo::model

@@ -225,6 +225,7 @@ struct ModelLoader {
     const ModelConfig& c = m.cfg_;
     const auto H = c.hidden, D = c.head_dim;
     m.embed_ = get("model.embed_tokens.weight", {c.vocab, H});
+    if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) m.embed_ = m.embed_.to(at::kCPU);
     m.final_norm_ = get("model.norm.weight", {H});
     m.lm_head_ = c.tie_word_embeddings ? m.embed_ : get("lm_head.weight", {c.vocab, H});
     ResidentWeights::Bank bank(c.layers);

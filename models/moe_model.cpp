@@ -118,7 +118,7 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
     };
     const at::Tensor gate = grouped_expert_linear(x_sorted, offsets, bank(ExpertMatrix::Gate));
     const at::Tensor up = grouped_expert_linear(x_sorted, offsets, bank(ExpertMatrix::Up));
-    return grouped_expert_linear(at::silu(gate) * up, offsets, bank(ExpertMatrix::Down));
+    return grouped_expert_linear(swiglu(gate, up), offsets, bank(ExpertMatrix::Down));
   }
   // CPU (and fp32 / expert-LoRA on a GPU): each routed expert once on its slice; the counts are
   // read on the host.
@@ -177,6 +177,11 @@ at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
   if (input_ids.is_cpu() && input_ids.numel()) {
     const auto mx = input_ids.max().item<std::int64_t>(), mn = input_ids.min().item<std::int64_t>();
     EO_CHECK(mn >= 0 && mx < cfg_.vocab, "token id out of range [0, ", cfg_.vocab, "): min ", mn, ", max ", mx);
+  }
+  if (embed_.is_cpu() && opts_.device.is_cuda()) {
+    // Host-held table: gather the rows here, copy only them (through pinned memory, async).
+    const at::Tensor rows = at::embedding(embed_, input_ids.to(at::kCPU));
+    return rows.pin_memory().to(opts_.device, /*non_blocking=*/true);
   }
   return at::embedding(embed_, input_ids.to(embed_.device()));
 }

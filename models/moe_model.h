@@ -34,6 +34,10 @@ struct LoadOptions {
   // Seeded random weights from config.json alone (no safetensors read): NF4 bytes drawn
   // uniformly on the device with absmax scaled to the config's initializer_range, norms 1.
   std::optional<std::uint64_t> random_seed;
+  // On a GPU, keep the input embedding table (frozen, read a few rows per step) in host memory
+  // and copy only the gathered rows: vocab x hidden of device memory saved. Not with tied
+  // embeddings (the lm_head needs the table on the device).
+  bool embeddings_on_host = true;
 };
 
 // A frozen linear: dense or module-owned NF4 weight, optional bias, optional LoRA.

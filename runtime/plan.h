@@ -10,6 +10,7 @@
 //   block       the largest block's recompute + backward working set (attention, router, the
 //               token-sorted expert activations, one dequantised expert matrix bank)
 //   head        the final norm and the chunked cross-entropy working set
+// The peak is everything but block and head, plus the larger of the two (they never coexist).
 // The activation terms are counted tensor by tensor (plan.cpp says which); the plan is checked
 // against measured peaks in bench/ and docs/benchmarks.md.
 #pragma once
@@ -37,10 +38,13 @@ struct MemoryPlan {
   double host_pinned = 0;          // per rank: the homes when offloading, else 0
   int ranks_per_node = 1;
   bool bf16 = true;
+  bool on_gpu = true;
 };
 
-// `bf16`: the compute dtype (true on GPUs unless bf16: false).
-MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, bool bf16, int ranks_per_node);
+// `bf16`: the compute dtype (true on GPUs unless bf16: false); `on_gpu`: planning for a GPU
+// (where the input embedding table is host-held) rather than a CPU run.
+MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, bool bf16, int ranks_per_node,
+                       bool on_gpu = true);
 
 // A table of the plan, and (when vram > 0) whether it fits a card of that many bytes.
 std::string describe_plan(const MemoryPlan& plan, double vram_bytes);
