@@ -15,6 +15,10 @@
 namespace eo::model {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  // On a GPU libtorch's fused kernel: one pass forward and one backward instead of the seven
+  // elementwise passes below, with fp32 statistics; it multiplies by the weight before the one
+  // rounding to x's dtype (transformers rounds, then multiplies), a difference within bf16 rounding.
+  if (x.is_cuda()) return std::get<0>(at::_fused_rms_norm(x, {x.size(-1)}, weight, eps));
   // fp32 statistics, cast back, then × weight (HF order: the product is in the input dtype).
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
@@ -153,10 +157,20 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
   const at::Tensor flat_expert = top_idx.reshape({-1});
   const at::Tensor order = at::argsort(flat_expert, /*stable=*/true, 0, false);
   const at::Tensor token_of = at::floor_divide(order, c.top_k);
-  const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
   const at::Tensor x_sorted = flat.index_select(0, token_of);
-  const at::Tensor y_sorted = experts_forward(x_sorted, flat_expert, ctx.training) * weight_sorted.unsqueeze(1);
-  at::Tensor out = at::zeros_like(flat).index_add(0, token_of, y_sorted);
+  const at::Tensor y = experts_forward(x_sorted, flat_expert, ctx.training);
+  at::Tensor out;
+  if (flat.is_cuda()) {
+    // Combine by gather, not scatter: put the rows back in (token, slot) order and take each
+    // token's routing-weighted sum with one batched GEMM (fp32 accumulation, deterministic, no
+    // atomics; its backward is a gather and a scatter onto distinct rows).
+    const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
+    const at::Tensor y_tok = y.index_select(0, position).view({N, c.top_k, H});
+    out = at::bmm(top_w.view({N, 1, c.top_k}), y_tok).view({N, H});
+  } else {
+    const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
+    out = at::zeros_like(flat).index_add(0, token_of, y * weight_sorted.unsqueeze(1));
+  }
 
   if (has_shared_)
     out = out + at::sigmoid(at::linear(flat, shared_gate_)) * shared_.forward(flat, ctx.training);

@@ -149,7 +149,9 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
 
   // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
   promote_resident(opt_.vram_budget_bytes);
-  const int nslots = opt_.prefetch ? 2 : 1;
+  EO_CHECK(opt_.prefetch_depth >= 1, "offload: prefetch_depth must be at least 1, got ", opt_.prefetch_depth);
+  // Never more slots than streamed blocks: with that many, every block stays in its slot.
+  const int nslots = opt_.prefetch ? 1 + opt_.prefetch_depth : 1;
   int streamed = 0;
   for (auto& b : blocks_) streamed += (b && !b->resident.defined()) ? 1 : 0;
   for (int i = 0; i < std::min(nslots, streamed); ++i) {
@@ -165,7 +167,8 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   }
   log::info("expert offload: " + std::to_string(moe_layers().size()) + " MoE blocks, " + human_bytes(double(home_bytes())) +
             " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + "); " +
-            std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) + "; " +
+            std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) +
+            (slots_.size() > 1 ? " (prefetch " + std::to_string(slots_.size() - 1) + " ahead)" : std::string()) + "; " +
             std::to_string(resident_layers().size()) + " block(s) resident within the VRAM budget");
 }
 
@@ -236,6 +239,50 @@ int ExpertOffloader::next_layer(int from, int direction) const {
   return -1;
 }
 
+// The streamed layers stage() will be called with after `from`, soonest first, each once (`from`
+// itself left out), given the direction that reached `from`. The walk follows the static order:
+// on in `direction` to the last streamed block, where that block is staged again (the turn
+// between forward and recompute, or between recompute and the next forward; it adds nothing new)
+// and the direction flips, then back to the other end — by which point every streamed layer has
+// been seen. Budget-resident blocks are skipped: they are never copied.
+std::vector<int> ExpertOffloader::upcoming_layers(int from, int direction) const {
+  std::vector<int> out;
+  std::vector<char> seen(blocks_.size(), 0);
+  seen[from] = 1;
+  int at = from;
+  for (int turns = 0; turns < 2;) {
+    const int next = next_layer(at, direction);
+    if (next < 0) {
+      direction = -direction;
+      ++turns;
+      continue;
+    }
+    if (!seen[next]) out.push_back(next);
+    seen[next] = 1;
+    at = next;
+  }
+  return out;
+}
+
+// A slot whose block is not in `keep`: an empty one if any, else the one whose block `future`
+// needs last (Belady's rule — the order is static, so `future` is exact). Ties go to the lowest
+// slot, so the choice is deterministic.
+ExpertOffloader::Slot* ExpertOffloader::slot_to_overwrite(const std::vector<int>& future, const std::vector<int>& keep) {
+  Slot* best = nullptr;
+  std::size_t best_rank = 0;
+  for (auto& s : slots_) {
+    if (s->layer >= 0 && std::find(keep.begin(), keep.end(), s->layer) != keep.end()) continue;
+    const auto it = std::find(future.begin(), future.end(), s->layer);
+    const std::size_t rank = s->layer < 0 ? future.size() + 1 : static_cast<std::size_t>(it - future.begin());
+    if (!best || rank > best_rank) {
+      best = s.get();
+      best_rank = rank;
+    }
+  }
+  EO_CHECK(best, "offload: every one of the ", slots_.size(), " slots holds a block that must stay");
+  return best;
+}
+
 void ExpertOffloader::copy_into(Slot& slot, int layer, bool wait_for_release) {
   const Block& b = *blocks_[layer];
   ++stats_.copies;
@@ -296,7 +343,10 @@ void ExpertOffloader::stage_block(int layer) {
     cuda_check(cudaEventRecord(in_use->released, c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()),
                "cudaEventRecord");
 #endif
+  const int previous = current_;
   current_ = layer;
+  // Every streamed block still to come, soonest first: it says what to prefetch and what to evict.
+  const std::vector<int> future = upcoming_layers(layer, direction_);
   Block& b = *blocks_[layer];
   if (b.resident.defined()) {
     ++stats_.resident_hits;
@@ -304,25 +354,23 @@ void ExpertOffloader::stage_block(int layer) {
     ++stats_.slot_hits;
     wait_ready(*s);
   } else {
-    // Overwrite a slot other than the one in use (with two slots there always is one).
-    Slot* target = slots_[0].get();
-    for (auto& s : slots_)
-      if (s.get() != in_use) {
-        target = s.get();
-        break;
-      }
+    // A miss (the first stage, synchronous mode, or an order the lookahead did not predict). Keep
+    // the slot in use if there is another: overwriting it would wait for the kernels reading it.
+    std::vector<int> keep;
+    if (slots_.size() > 1 && previous >= 0) keep.push_back(previous);
+    Slot* target = slot_to_overwrite(future, keep);
     copy_into(*target, layer, /*wait_for_release=*/true);
     wait_ready(*target);
   }
-  // Prefetch the next streamed block in this direction into the other slot.
-  if (opt_.prefetch && slots_.size() == 2) {
-    const int next = next_layer(layer, direction_);
-    if (next >= 0 && !slot_holding(next)) {
-      Slot* mine = b.resident.defined() ? nullptr : slot_holding(layer);
-      Slot* other = slots_[0].get() == mine ? slots_[1].get() : slots_[0].get();
-      copy_into(*other, next, /*wait_for_release=*/true);
-    }
-  }
+  // Prefetch: those of the next `depth` streamed blocks that are not in a slot are copied into
+  // slots holding neither this block nor any of the `depth`. With 1 + depth slots there are always
+  // enough: this block and those of the `depth` already in slots fill at most 1 + depth - missing.
+  if (!opt_.prefetch || slots_.empty()) return;
+  const std::size_t depth = std::min(slots_.size() - 1, future.size());
+  std::vector<int> keep(future.begin(), future.begin() + static_cast<std::ptrdiff_t>(depth));
+  keep.push_back(layer);
+  for (std::size_t i = 0; i < depth; ++i)
+    if (!slot_holding(future[i])) copy_into(*slot_to_overwrite(future, keep), future[i], /*wait_for_release=*/true);
 }
 
 const nf4::QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert, model::ExpertMatrix m) {

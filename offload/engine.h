@@ -4,14 +4,20 @@
 //
 //  - Each MoE block's NF4 experts (packed bytes + quantisation statistics) live in one exact-size,
 //    NUMA-local, page-locked host arena: one copy per block moves everything.
-//  - One slot (synchronous mode) or two (prefetch) of device memory, allocated once, hold the
-//    staged blocks. stage(L) is called by block L's forward and again by its recompute in backward;
-//    the slot to overwrite is chosen at staging time — never by a hook after a block's forward,
-//    which a checkpoint recompute may skip.
-//  - Prefetch: the order is static (forward 0..N-1, recompute N-1..0), so while block L computes the
-//    next block in the current direction is copied into the other slot on a copy stream; the
-//    compute stream waits for its event only when it needs the block. Before a slot is overwritten,
-//    the copy stream waits for an event recorded after the last kernel that read it.
+//  - Device slots, allocated once, hold the staged blocks: one in synchronous mode, 1 + depth with
+//    prefetch (expert_offload_prefetch_depth). stage(L) is called by block L's forward and again by
+//    its recompute in backward; what to copy and which slot to overwrite are chosen at staging
+//    time — never by a hook after a block's forward, which a checkpoint recompute may skip.
+//  - Prefetch: the staging order is static — forward 0..N-1, the recompute N-1..0 (the last forward
+//    block is staged again at the turn), then the next micro-step's forward 0, 1, ... (block 0 again
+//    at that turn). So upcoming_layers() knows exactly which streamed blocks come next: while block
+//    L computes, those of the next `depth` that are not in a slot yet are copied on a copy stream
+//    into slots holding neither L nor any of the next `depth`, evicting the block needed farthest
+//    in the future. More depth lets the copy stream run further ahead of compute and
+//    keeps depth + 1 blocks across each turn, at one block of device memory per slot. The compute
+//    stream waits for a slot's "ready" event only when it needs the block; before a slot is
+//    overwritten, the copy stream waits for its "released" event, recorded after the last kernel
+//    that read it.
 //  - Blocks that fit in expert_offload_vram_budget stay resident and are never copied.
 //  - On a CPU build the slots are host memory and copies are memcpy: the same state machine runs,
 //    so its logic is tested without a GPU.
@@ -33,6 +39,7 @@ struct OffloadOptions {
   at::Device device = at::kCPU;
   bool pin_memory = true;
   bool prefetch = true;
+  int prefetch_depth = 1;  // with prefetch: blocks staged ahead of the one computing (slots = 1 + depth)
   std::int64_t vram_budget_bytes = 0;  // device bytes for permanently resident blocks
 };
 
@@ -87,6 +94,8 @@ class ExpertOffloader : public model::WeightProvider {
   void wait_ready(Slot& slot);
   void build_views(std::vector<std::array<nf4::QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena) const;
   int next_layer(int from, int direction) const;
+  std::vector<int> upcoming_layers(int from, int direction) const;
+  Slot* slot_to_overwrite(const std::vector<int>& future, const std::vector<int>& keep);
   Slot* slot_holding(int layer);
   bool b_pinned() const;
 

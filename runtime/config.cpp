@@ -359,7 +359,11 @@ const std::vector<KeySpec>& schema() {
     k.push_back(boolean("expert_offload_pin_memory", &TrainConfig::expert_offload_pin_memory,
                         "Pinned, NUMA-local homes (false: pageable host memory, much slower copies)."));
     k.push_back(boolean("expert_offload_prefetch", &TrainConfig::expert_offload_prefetch,
-                        "Stage the next block on a copy stream while the current one computes (two slots)."));
+                        "Stage the next blocks on a copy stream while the current one computes (1 + expert_offload_prefetch_depth slots)."));
+    k.push_back(integer("expert_offload_prefetch_depth", &TrainConfig::expert_offload_prefetch_depth, 1, 8,
+                        "Blocks staged ahead of the one computing (device slots = 1 + depth). Each extra block also "
+                        "stays across the forward/backward turns (2 copies fewer per step) and lets copies run further "
+                        "ahead, at the cost of one block of device memory."));
     k.push_back({"device_memory_limit", "bytes or 0", "0",
                  "Cap on the device memory eo-ddp may allocate (e.g. 8GiB makes a large GPU behave like a small card); "
                  "0 = the whole device. The start-up memory plan is checked against it.",
@@ -692,6 +696,10 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   check_rules(cfg, present, issues);
   if (options.check_files) check_files(cfg, present, issues);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
+  // A depth other than the default with staging that never prefetches is most likely a mistake.
+  if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))
+    cfg.warnings.push_back("expert_offload_prefetch_depth is ignored: it needs expert_offload: true and "
+                           "expert_offload_prefetch: true (synchronous staging uses one slot)");
   if (cfg.expert_offload && !cfg.expert_offload_pin_memory)
     cfg.warnings.push_back("expert_offload_pin_memory: false gives pageable homes; host-to-device copies are far slower "
                            "(about 18x on the H200 machine)");

@@ -72,6 +72,7 @@ struct TrainConfig {
   bool expert_offload = false;
   bool expert_offload_pin_memory = true;
   bool expert_offload_prefetch = true;
+  int expert_offload_prefetch_depth = 1;  // blocks staged ahead (slots = 1 + depth); with prefetch only
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
   std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
 

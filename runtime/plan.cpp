@@ -67,7 +67,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   p.block_bytes = expert_block_bytes(c, bs);
   p.expert_bytes = p.block_bytes * moe_layers;
   if (cfg.expert_offload) {
-    const int slots = std::min(moe_layers, cfg.expert_offload_prefetch ? 2 : 1);
+    const int slots = std::min(moe_layers, cfg.expert_offload_prefetch ? 1 + cfg.expert_offload_prefetch_depth : 1);
     double budget = 0;
     if (cfg.expert_offload_vram_budget != "auto")
       if (auto b = parse_bytes(cfg.expert_offload_vram_budget))

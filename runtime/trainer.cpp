@@ -108,6 +108,7 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   oo.device = device;
   oo.pin_memory = cfg.expert_offload_pin_memory;
   oo.prefetch = cfg.expert_offload_prefetch;
+  oo.prefetch_depth = cfg.expert_offload_prefetch_depth;
   const std::string& budget = cfg.expert_offload_vram_budget;
   if (budget == "auto") {
     // Sized after the first step, once the activation peak is known (see size_auto_budget).
@@ -182,7 +183,7 @@ void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, s
 // planned peak cannot fit, with the plan's numbers instead of an out-of-memory error mid-step.
 // On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
 void check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
-  const MemoryPlan plan = plan_memory(cfg, model::load_config(cfg.base_model), bf16, local_size);
+  const MemoryPlan plan = plan_memory(cfg, model::load_config(cfg.base_model), bf16, local_size, device.is_cuda());
   if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
   double available = 0;
   std::string what;
@@ -391,7 +392,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
       std::vector<at::Tensor> router_logits;
       model::BlockContext ctx = model->context(b, /*training=*/true);
       if (cfg.output_router_logits) ctx.router_logits = &router_logits;
-      at::Tensor hidden = model->embed(b.input_ids);
+      at::Tensor hidden = model->embed(mb.input_ids);  // host ids: the table may be host-held
       for (int i = 0; i < model->num_layers(); ++i) {
         const model::DecoderBlock& block = model->block(i);
         if (cfg.gradient_checkpointing)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Offloaded training on the CPU build (the same state machine as on a GPU, slots in host memory):
-#  1. offload (prefetch on and off) gives bitwise the losses and adapter of resident training;
+#  1. offload (prefetch off, depth 1 and depth 2) gives bitwise the losses and adapter of resident
+#     training;
 #  2. every block is staged twice per micro-step (stage_calls), and the copies per step are exactly
 #     2N-1 (one slot: the last forward block is reused at the turn) or 2N-2 on the first step and
-#     2N-4 after (two slots keep one more block at the turn and at the start of the next step);
+#     2N-4 after (two slots keep one more block at the turn and at the start of the next step); in
+#     general S = 1 + depth slots keep S blocks across each turn: 2N-S, then 2N-2S (S <= N);
 #  3. pageable homes work and warn; offload on a model without expert blocks is a clear error.
 # usage: offload_train.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
@@ -25,8 +27,10 @@ run() {  # name [extra --set ...]
 run resident
 run sync --set expert_offload=true --set expert_offload_prefetch=false
 run prefetch --set expert_offload=true
+run depth2 --set expert_offload=true --set expert_offload_prefetch_depth=2
 check "offload (synchronous) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/resident" "$tmp/sync" --exact
 check "offload (prefetch) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/resident" "$tmp/prefetch" --exact
+check "offload (prefetch depth 2) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/resident" "$tmp/depth2" --exact
 
 # The tiny model has 4 MoE blocks (N = 4).
 counts() { "$py" -c "
@@ -41,6 +45,12 @@ check "sync: 8 stage calls and 7 copies (2N-1) on step 1" test "$(echo "$sync_co
 check "sync: 6 copies (2N-2) on later steps" test "$(echo "$sync_counts" | cut -d' ' -f2)" = "8/6/$((6 * block))"
 check "prefetch: 6 copies (2N-2) on step 1" test "$(echo "$pre_counts" | cut -d' ' -f1)" = "8/6/$((6 * block))"
 check "prefetch: 4 copies (2N-4) on later steps" test "$(echo "$pre_counts" | cut -d' ' -f5)" = "8/4/$((4 * block))"
+depth2_counts=$(counts "$tmp/depth2")
+echo "prefetch depth 2 (3 slots): [$depth2_counts]"
+check "depth 2: 5 copies (2N-3) on step 1" test "$(echo "$depth2_counts" | cut -d' ' -f1)" = "8/5/$((5 * block))"
+later="8/2/$((2 * block))"
+check "depth 2: 2 copies (2N-6) on each later step" test "$(echo "$depth2_counts" | cut -d' ' -f2-)" = "$later $later $later $later"
+check "depth 2: the log says 3 slots" grep -q "3 device slot(s) of .* (prefetch 2 ahead)" "$tmp/depth2.log"
 
 run pageable --set expert_offload=true --set expert_offload_pin_memory=false
 check "pageable homes warn" grep -q "expert_offload_pin_memory: false gives pageable homes" "$tmp/pageable.log"

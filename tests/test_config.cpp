@@ -75,6 +75,24 @@ TEST(Config, OffloadConfigValid) {
   EXPECT_FALSE(*c.use_reentrant);
 }
 
+TEST(Config, PrefetchDepthIsCheckedAndOnlyUsedWithPrefetch) {
+  const std::string offload = std::string(kValid) + kOffload;
+  EXPECT_EQ(load(offload).expert_offload_prefetch_depth, 1);
+  const TrainConfig deep = load(offload + "expert_offload_prefetch_depth: 3\n");
+  EXPECT_EQ(deep.expert_offload_prefetch_depth, 3);
+  EXPECT_TRUE(deep.warnings.empty());
+  for (const char* bad : {"0", "9"}) {
+    const std::string e = error_of(offload + "expert_offload_prefetch_depth: " + bad + "\n");
+    EXPECT_NE(e.find("expert_offload_prefetch_depth: must be between 1 and 8, got " + std::string(bad)), std::string::npos) << e;
+  }
+  // Without prefetch (or without offload) there is nothing to stage ahead: a warning, not an error.
+  for (const std::string& off : {offload + "expert_offload_prefetch: false\n", std::string(kValid)}) {
+    const TrainConfig c = load(off + "expert_offload_prefetch_depth: 2\n");
+    ASSERT_EQ(c.warnings.size(), 1u);
+    EXPECT_NE(c.warnings[0].find("expert_offload_prefetch_depth is ignored"), std::string::npos) << c.warnings[0];
+  }
+}
+
 TEST(Config, UnknownKeySuggestsClosest) {
   const std::string e = error_of(std::string(kValid) + "expert_offlaod_pin_memory: true\n");
   EXPECT_NE(e.find("expert_offlaod_pin_memory: unknown key; did you mean 'expert_offload_pin_memory'?"), std::string::npos) << e;

@@ -1,6 +1,9 @@
-// The offload engine's state machine on the CPU build: homes, slots, staging order, prefetch,
-// budget residency, and that only the staged block can be read.
+// The offload engine's state machine on the CPU build: homes, slots, staging order, prefetch (one
+// and more blocks ahead), budget residency, and that only the staged block can be read.
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
 
 #include <ATen/ATen.h>
 
@@ -53,6 +56,50 @@ std::vector<int> micro_step_order(const std::vector<int>& moe) {
   return order;
 }
 
+// The blocks the lookahead must hold after call `i` of `calls`: the block just staged (if streamed)
+// and the next `depth` distinct streamed blocks that the call sequence itself stages after it —
+// read off the literal sequence, not walked like the engine does.
+std::vector<int> expected_in_slots(const std::vector<int>& calls, std::size_t i, int depth, const std::vector<int>& resident) {
+  auto is_resident = [&](int l) { return std::find(resident.begin(), resident.end(), l) != resident.end(); };
+  std::vector<int> out;
+  if (!is_resident(calls[i])) out.push_back(calls[i]);
+  std::vector<int> ahead;
+  for (std::size_t j = i + 1; j < calls.size() && static_cast<int>(ahead.size()) < depth; ++j)
+    if (calls[j] != calls[i] && !is_resident(calls[j]) && std::find(ahead.begin(), ahead.end(), calls[j]) == ahead.end())
+      ahead.push_back(calls[j]);
+  out.insert(out.end(), ahead.begin(), ahead.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Drives `steps` micro-steps through `off`, checking after every stage that the staged block reads
+// back exactly and that the slots hold what expected_in_slots() says; returns each step's stats.
+std::vector<offload::OffloadStats> run_steps(offload::ExpertOffloader& off, int steps, int depth,
+                                             const std::vector<std::vector<std::array<at::Tensor, 3>>>& ref) {
+  std::vector<int> calls;
+  for (int k = 0; k < steps + 1; ++k) {  // one step more, so the last stages have a future to check
+    const auto one = micro_step_order(off.moe_layers());
+    calls.insert(calls.end(), one.begin(), one.end());
+  }
+  const std::size_t per_step = calls.size() / (steps + 1);
+  std::vector<offload::OffloadStats> out;
+  for (std::size_t i = 0; i < per_step * steps; ++i) {
+    off.stage(calls[i]);
+    expect_layer_readable(off, calls[i], ref);
+    auto staged = off.staged_layers();
+    std::sort(staged.begin(), staged.end());
+    auto want = expected_in_slots(calls, i, depth, off.resident_layers());
+    // The slots may hold more (an old block not yet evicted), never less.
+    for (int l : want)
+      EXPECT_NE(std::find(staged.begin(), staged.end(), l), staged.end())
+          << "call " << i << " (stage " << calls[i] << "): block " << l << " should be in a slot";
+    for (int l : off.resident_layers())
+      EXPECT_EQ(std::find(staged.begin(), staged.end(), l), staged.end()) << "resident block " << l << " was copied";
+    if ((i + 1) % per_step == 0) out.push_back(off.take_step_stats());
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST(Offload, StagedBytesEqualTheBanksInEveryMode) {
@@ -101,6 +148,118 @@ TEST(Offload, CopiesPerMicroStepAndTheTurn) {
     EXPECT_EQ(s.copies, prefetch ? 2 * n - 4 : 2 * n - 2);
     for (int l = 0; l < n; ++l) EXPECT_EQ(off.stage_count(l), 4);
   }
+}
+
+// Deeper prefetch, S = 1 + depth slots (S <= N). The lookahead copies every block once on its way
+// into the slots, and a block is copied again only if it was evicted since it was last staged:
+//  - forward, first step: all N blocks are copied (N copies). After stage(N-1) the slots hold the
+//    last S blocks N-S..N-1, which are exactly the current one and the next S-1 = depth the
+//    recompute needs (N-1 again at the turn, then N-2, ...), so nothing is evicted there;
+//  - recompute N-1..0: N-S..N-1 are hit, the other N-S blocks are copied (N-S copies). Step 1:
+//    2N - S copies. At the end the slots hold 0..S-1;
+//  - the next step's forward starts with block 0 again (the turn) and finds 0..S-1 in the slots:
+//    N-S copies; its recompute: N-S again. Every later step: 2N - 2S copies.
+// S = 1 (synchronous) gives 2N-1 / 2N-2 and S = 2 gives 2N-2 / 2N-4, the counts of the test above.
+// Only the very first stage() misses: every other one finds its block already in a slot.
+TEST(Offload, DeeperPrefetchCopiesEachBlockOncePerPassOutsideTheTurns) {
+  const int n = 6;
+  for (int depth : {2, 3}) {
+    auto bank = make_bank(n, 2);
+    const auto ref = reference(bank);
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    o.prefetch_depth = depth;
+    offload::ExpertOffloader off(std::move(bank), o);
+    const int slots = 1 + depth;
+    ASSERT_EQ(off.num_slots(), slots);
+    const auto steps = run_steps(off, 3, depth, ref);
+    SCOPED_TRACE("depth " + std::to_string(depth));
+    EXPECT_EQ(steps[0].copies, 2 * n - slots);  // depth 2: 9, depth 3: 8
+    EXPECT_EQ(steps[0].slot_hits, 2 * n - 1);
+    for (int k : {1, 2}) {
+      EXPECT_EQ(steps[k].copies, 2 * n - 2 * slots);  // depth 2: 6, depth 3: 4
+      EXPECT_EQ(steps[k].slot_hits, 2 * n);
+      EXPECT_EQ(steps[k].stage_calls, 2 * n);
+      EXPECT_EQ(steps[k].copied_bytes, steps[k].copies * off.block_bytes(0));
+    }
+  }
+}
+
+// Depth 1 (two slots) through the same checks: the slots hold the staged block and the next one.
+TEST(Offload, DepthOneHoldsTheNextBlock) {
+  const int n = 5;
+  auto bank = make_bank(n, 2);
+  const auto ref = reference(bank);
+  offload::OffloadOptions o;
+  o.prefetch = true;
+  offload::ExpertOffloader off(std::move(bank), o);
+  ASSERT_EQ(off.num_slots(), 2);
+  const auto steps = run_steps(off, 2, 1, ref);
+  EXPECT_EQ(steps[0].copies, 2 * n - 2);
+  EXPECT_EQ(steps[1].copies, 2 * n - 4);
+}
+
+// More depth than blocks: the slots are capped at the streamed blocks, each is copied once, and
+// from then on every block stays in its slot.
+TEST(Offload, DepthBeyondTheBlocksKeepsThemAll) {
+  auto bank = make_bank(3, 2);
+  const auto ref = reference(bank);
+  offload::OffloadOptions o;
+  o.prefetch = true;
+  o.prefetch_depth = 8;
+  offload::ExpertOffloader off(std::move(bank), o);
+  EXPECT_EQ(off.num_slots(), 3);
+  const auto steps = run_steps(off, 2, 8, ref);
+  EXPECT_EQ(steps[0].copies, 3);
+  EXPECT_EQ(steps[1].copies, 0);
+}
+
+// Budget-resident blocks are skipped by the lookahead: with blocks 0 and 1 resident, staging block 0
+// prefetches 2 and 3 (not 1), and at the recompute's end (block 2, then resident 1 and 0) the
+// lookahead turns and looks at 3, 4 for the next forward. M = 4 streamed blocks, S = 3 slots: the
+// formula above with N -> M gives 2M - S = 5 copies on the first step, 2M - 2S = 2 after.
+TEST(Offload, DeeperPrefetchSkipsBudgetResidentBlocks) {
+  auto bank = make_bank(6, 2);
+  const auto ref = reference(bank);
+  const std::int64_t block = offload::ExpertOffloader(make_bank(6, 2), offload::OffloadOptions{}).block_bytes(0);
+  offload::OffloadOptions o;
+  o.prefetch = true;
+  o.prefetch_depth = 2;
+  o.vram_budget_bytes = 2 * block + block / 2;  // room for two blocks
+  offload::ExpertOffloader off(std::move(bank), o);
+  ASSERT_EQ(off.resident_layers(), (std::vector<int>{0, 1}));
+  ASSERT_EQ(off.num_slots(), 3);
+  // run_steps checks after every stage that the slots hold the next two streamed blocks (after
+  // stage(0): 2 and 3) and never a resident one.
+  const auto steps = run_steps(off, 3, 2, ref);
+  EXPECT_EQ(steps[0].copies, 5);
+  EXPECT_EQ(steps[0].resident_hits, 4);
+  for (int k : {1, 2}) {
+    EXPECT_EQ(steps[k].copies, 2);
+    EXPECT_EQ(steps[k].resident_hits, 4);
+  }
+}
+
+// An order the lookahead did not predict still reads back exactly, and the miss evicts the block
+// needed last. Depth 2 (3 slots), N = 6: forward 0..5 copies 6 blocks and leaves {3, 4, 5}; stage(4)
+// (the recompute without the turn) copies 2 over 5 (7); then stage(5) misses. The slot in use (4)
+// is kept; of 3 and 2, the lookahead from 5 needs 3 first (turn, 4, 3, 2, ...), so 2 is evicted and
+// the window 4, 3 stays: 8 copies. Evicting 3 instead would copy it again (9).
+TEST(Offload, OffPatternMissEvictsTheBlockNeededLast) {
+  auto bank = make_bank(6, 2);
+  const auto ref = reference(bank);
+  offload::OffloadOptions o;
+  o.prefetch = true;
+  o.prefetch_depth = 2;
+  offload::ExpertOffloader off(std::move(bank), o);
+  for (int l : {0, 1, 2, 3, 4, 5, 4, 5}) {
+    off.stage(l);
+    expect_layer_readable(off, l, ref);
+  }
+  auto staged = off.staged_layers();
+  std::sort(staged.begin(), staged.end());
+  EXPECT_EQ(staged, (std::vector<int>{3, 4, 5}));
+  EXPECT_EQ(off.take_step_stats().copies, 8);
 }
 
 TEST(Offload, OnlyTheStagedBlockCanBeRead) {
