@@ -202,7 +202,7 @@ at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
 
 BlockContext MoeModel::context(const Batch& batch, bool training) const {
   const auto B = batch.input_ids.size(0), T = batch.input_ids.size(1);
-  const auto dev = embed_.device();
+  const auto dev = final_norm_.device();  // the compute device (the embedding table may be host-held)
   BlockContext ctx;
   ctx.training = training;
   at::Tensor pos = batch.positions.defined() ? batch.positions.to(dev, at::kLong)
