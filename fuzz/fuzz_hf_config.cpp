@@ -1,0 +1,53 @@
+// libFuzzer: a Hugging Face config.json through eo::model::load_config (the folder loader the
+// trainer and `eo-ddp score` use). Integer fields of a config that loads must equal the numbers
+// written in the file exactly (no truncation to int, no wrap-around).
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "common/error.h"
+#include "fuzz/fuzz_common.h"
+#include "models/hf_config.h"
+
+namespace {
+
+bool same_number(const nlohmann::json& v, std::int64_t x) {
+  if (v.is_number_unsigned()) return x >= 0 && v.get<std::uint64_t>() == static_cast<std::uint64_t>(x);
+  return v.is_number_integer() && v.get<std::int64_t>() == x;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  static const std::string dir = [] {
+    const std::string d = eo::fuzz::scratch_dir() + "/hf";
+    std::filesystem::create_directories(d);
+    return d;
+  }();
+  eo::fuzz::write_file(dir + "/config.json", data, size);
+  try {
+    const eo::model::ModelConfig c = eo::model::load_config(dir);
+    // What the model builder relies on after a successful parse.
+    EO_FUZZ_ASSERT(c.hidden > 0 && c.layers > 0 && c.heads > 0 && c.kv_heads > 0 && c.vocab > 0);
+    EO_FUZZ_ASSERT(c.heads % c.kv_heads == 0 && c.head_dim > 0 && c.head_dim % 2 == 0);
+    EO_FUZZ_ASSERT(c.experts > 0 && c.top_k > 0 && c.top_k <= c.experts && c.expert_width > 0);
+    EO_FUZZ_ASSERT(c.decoder_sparse_step > 0);
+    for (std::int64_t l = 0; l < c.layers; ++l)
+      EO_FUZZ_ASSERT(c.is_moe_layer(static_cast<int>(l)) || c.dense_width > 0);
+    EO_FUZZ_ASSERT(!c.moe_prefix().empty());
+    const auto j = nlohmann::json::parse(data, data + size, nullptr, false);
+    EO_FUZZ_ASSERT(j.is_object());
+    EO_FUZZ_ASSERT(same_number(j["hidden_size"], c.hidden) && same_number(j["num_hidden_layers"], c.layers));
+    EO_FUZZ_ASSERT(same_number(j["vocab_size"], c.vocab));
+    if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null() && c.arch != eo::model::Arch::Olmoe &&
+        c.arch != eo::model::Arch::Mixtral)
+      EO_FUZZ_ASSERT(same_number(j["decoder_sparse_step"], c.decoder_sparse_step));
+    if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array() && !c.mlp_only_layers.empty())
+      for (std::size_t i = 0; i < c.mlp_only_layers.size(); ++i)
+        EO_FUZZ_ASSERT(same_number(j["mlp_only_layers"][i], c.mlp_only_layers[i]));
+  } catch (const eo::Error&) {
+  }
+  return 0;
+}
