@@ -99,3 +99,31 @@ TEST_F(Cli, UsageErrorsExit2) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("unexpected argument(s) for 'train': --bogus"), std::string::npos) << r.out;
 }
+
+// Resource limits (issue #8): a run that cannot fit stops at start with the plan's numbers,
+// before any weight is read — here the model folder has no weights at all, so reaching the
+// loader would fail differently. On the CPU the check applies to an explicit device_memory_limit.
+TEST_F(Cli, RunThatCannotFitStopsAtStartWithThePlan) {
+  const std::string src = std::string(EO_SOURCE_DIR);
+  const std::string base = "--config " + src + "/configs/tiny-qwen3-moe.yaml --set base_model=" + (dir_ / "model").string() +
+                           " --set datasets.0.path=" + src + "/fixtures/tiny-data/train.jsonl --set output_dir=" +
+                           (dir_ / "out").string();
+  // A sequence far too long for a 2 MiB "card".
+  Result r = run(base + " --set device_memory_limit=2MiB --set sequence_len=4096");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("this run does not fit"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("memory plan (per rank"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("checkpoints"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("device_memory_limit 2.00 MiB"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("loading "), std::string::npos) << "must stop before loading: " << r.out;
+  EXPECT_FALSE(fs::exists(dir_ / "out" / "adapter_model.safetensors"));
+  // A VRAM budget for resident expert blocks larger than the card.
+  r = run(base + " --set device_memory_limit=6MiB --set expert_offload=true --set expert_offload_vram_budget=1GiB");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("resident blocks"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("loading "), std::string::npos) << r.out;
+  // The plan subcommand says the same without starting.
+  r = run("plan " + base.substr(0, base.find(" --set output_dir")) + " --vram 2MiB --set sequence_len=4096");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("does NOT fit a 2.00 MiB card"), std::string::npos) << r.out;
+}
