@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/temp_dir_test.h"
+
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -150,18 +152,9 @@ inline std::map<std::string, std::string> folder_bytes(const fs::path& dir) {
 }
 
 // Per-test temporary folder, kept when the test failed.
-class FaultTest : public ::testing::Test {
+class FaultTest : public eo::testing::TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("eo_faults_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  fs::path dir_;
+  FaultTest() : TempDirTest("eo_faults_") {}
 };
 
 }  // namespace eo::faults

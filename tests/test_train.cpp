@@ -28,6 +28,7 @@
 
 #include "models/safetensors.h"
 #include "runtime/train_state.h"
+#include "tests/temp_dir_test.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -183,18 +184,9 @@ void copy_checkpoint(const fs::path& from, const fs::path& to) {
   fs::copy(from, to, fs::copy_options::recursive);
 }
 
-class Train : public ::testing::Test {
+class Train : public eo::testing::TempDirTest {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("eo_train_" + std::string(info->name()) + "_" + std::to_string(::getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!HasFailure()) fs::remove_all(dir_);  // kept for a look when something failed
-  }
-  fs::path dir_;
+  Train() : TempDirTest("eo_train_") {}
 };
 
 }  // namespace
