@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Data-parallel training as users run it (mpirun + the eo-ddp binary), CPU ranks:
 #  1. 2 ranks x micro-batch 2 end with the same LoRA (and per-step losses) as 1 rank x micro-batch 4,
-#     with offload off and on; 3 ranks (oversubscribed) x 1 vs 1 rank x 3;
+#     with offload off and on; 3 ranks (oversubscribed) x 1 vs 1 rank x 3; 4 ranks x 1 vs 1 x 4
+#     with offload on;
 #  2. every rank ends with bitwise identical LoRA (the trainer checks and logs it);
 #  3. the bytes that went through collectives are exactly the LoRA gradients (+ the initial LoRA
 #     broadcast): no expert byte was communicated;
@@ -44,6 +45,10 @@ run one3 1 3
 run three1 3 1
 check "3x1 == 1x3" "$py" tests/ref/compare_adapters.py "$tmp/one3" "$tmp/three1" --rtol 1e-3 --loss-rtol 1e-5
 check "LoRA identical on 3 ranks" grep -q "LoRA identical on all 3 ranks" "$tmp/three1.log"
+# Issue #9's CPU share: 4 oversubscribed ranks, each with its own expert homes.
+run four1_off 4 1 --set expert_offload=true
+check "4x1 == 1x4 with offload" "$py" tests/ref/compare_adapters.py "$tmp/one4_off" "$tmp/four1_off" --rtol 1e-3 --loss-rtol 1e-5
+check "LoRA identical on 4 ranks" grep -q "LoRA identical on all 4 ranks" "$tmp/four1_off.log"
 
 # Collective bytes = steps x LoRA gradient bytes (allreduce) + LoRA bytes once (broadcast).
 lora_bytes=$("$py" -c "
