@@ -28,6 +28,7 @@
 
 #include "models/safetensors.h"
 #include "runtime/train_state.h"
+#include "tests/fault_support.h"
 #include "tests/temp_dir_test.h"
 
 namespace fs = std::filesystem;
@@ -124,16 +125,7 @@ Outcome train(const fs::path& out, const std::vector<std::string>& sets, const s
 }
 
 // metrics.jsonl by step (a resumed run appends; the last line of a step wins).
-std::map<std::int64_t, json> read_metrics(const fs::path& out) {
-  std::map<std::int64_t, json> by_step;
-  std::ifstream in(out / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) {
-      json j = json::parse(line);
-      by_step[j.at("step").get<std::int64_t>()] = j;
-    }
-  return by_step;
-}
+using eo::faults::read_metrics;
 
 std::size_t count_lines(const fs::path& p) {
   std::ifstream in(p);
