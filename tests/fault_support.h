@@ -55,9 +55,16 @@ struct RunOptions {
   double timeout_s = 240;
 };
 
+// A started child: run() = wait_for(spawn(...)); tests that signal a run mid-way hold the Child.
+struct Child {
+  pid_t pid = -1;
+  fs::path log;
+  std::chrono::steady_clock::time_point start;
+};
+
 // argv[0] is the program (absolute path). Runs in the source folder (the bundled configs' paths
 // are relative to it) with one OpenMP thread (2 shared cores; and identical arithmetic per run).
-inline Outcome run(const std::vector<std::string>& argv_in, const fs::path& log, const RunOptions& o = {}) {
+inline Child spawn(const std::vector<std::string>& argv_in, const fs::path& log, const RunOptions& o = {}) {
   std::vector<char*> argv;
   for (const auto& a : argv_in) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -80,25 +87,34 @@ inline Outcome run(const std::vector<std::string>& argv_in, const fs::path& log,
     execv(argv[0], argv.data());
     _exit(122);
   }
+  return {pid, log, t0};
+}
+
+// Waits up to timeout_s more for the child; past that kills its process group.
+inline Outcome wait_for(const Child& c, double timeout_s) {
   Outcome out;
-  const auto deadline = t0 + std::chrono::duration<double>(o.timeout_s);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
+  while (waitpid(c.pid, &status, WNOHANG) == 0) {
     if (std::chrono::steady_clock::now() > deadline) {
       out.timed_out = true;
-      kill(-pid, SIGKILL);
-      kill(pid, SIGKILL);
-      waitpid(pid, &status, 0);
+      kill(-c.pid, SIGKILL);
+      kill(c.pid, SIGKILL);
+      waitpid(c.pid, &status, 0);
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - c.start).count();
   out.exited = WIFEXITED(status);
   out.code = out.exited ? WEXITSTATUS(status) : -1;
   out.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-  out.log = read_text(log);
+  out.log = read_text(c.log);
   return out;
+}
+
+inline Outcome run(const std::vector<std::string>& argv, const fs::path& log, const RunOptions& o = {}) {
+  return wait_for(spawn(argv, log, o), o.timeout_s);
 }
 
 inline std::string eo_ddp() { return std::string(EO_BINARY_DIR) + "/eo-ddp"; }
@@ -114,10 +130,15 @@ inline std::vector<std::string> train_args(const fs::path& out, const std::vecto
   return a;
 }
 
-inline Outcome train(const fs::path& out, const std::vector<std::string>& sets, const RunOptions& o = {}) {
+// eo-ddp ARGS... as an argv.
+inline std::vector<std::string> eo_ddp_command(const std::vector<std::string>& args) {
   std::vector<std::string> argv{eo_ddp()};
-  for (auto& a : train_args(out, sets)) argv.push_back(a);
-  return run(argv, out.string() + ".log", o);
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+inline Outcome train(const fs::path& out, const std::vector<std::string>& sets, const RunOptions& o = {}) {
+  return run(eo_ddp_command(train_args(out, sets)), out.string() + ".log", o);
 }
 
 // metrics.jsonl by step (the last line of a step wins).

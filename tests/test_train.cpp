@@ -9,7 +9,6 @@
 // (The numbering follows the task list; 3, the adapter loading in peft, is tests/ref/train_peft_check.py.)
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -36,93 +35,17 @@ using json = nlohmann::json;
 
 namespace {
 
-// ---- child processes ----------------------------------------------------------------------------
+// ---- child processes: tests/fault_support.h (spawn, wait_for, train) ----------------------------
 
-struct Child {
-  pid_t pid = -1;
-  fs::path log;
-};
-
-struct Outcome {
-  bool exited = false;  // normal exit (then `code`), else killed by `signal`
-  int code = -1;
-  int signal = 0;
-  bool timed_out = false;
-  std::string log;
-  std::string describe() const {
-    std::ostringstream os;
-    os << (timed_out ? "timed out; " : "") << (exited ? "exit code " + std::to_string(code) : "signal " + std::to_string(signal))
-       << "\n--- output ---\n" << log;
-    return os.str();
-  }
-};
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-// eo-ddp ARGS... in the source folder (the bundled config's paths are relative to it), output to
-// `log`. One OpenMP thread: the 2 cores are shared, and spinning OpenMP threads under contention
-// make a step 20x slower; one thread also keeps every run's arithmetic identical.
-Child spawn(const std::vector<std::string>& args, const fs::path& log, const std::vector<std::string>& env = {}) {
-  const std::string binary = std::string(EO_BINARY_DIR) + "/eo-ddp";
-  std::vector<char*> argv{const_cast<char*>(binary.c_str())};
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test (e.g. killed by ctest's timeout)
-    if (chdir(EO_SOURCE_DIR) != 0) _exit(120);
-    FILE* f = std::fopen(log.c_str(), "w");
-    if (!f) _exit(121);
-    dup2(fileno(f), 1);
-    dup2(fileno(f), 2);
-    setenv("OMP_NUM_THREADS", "1", 1);
-    for (const auto& kv : env) putenv(const_cast<char*>(kv.c_str()));
-    execv(binary.c_str(), argv.data());
-    _exit(122);
-  }
-  return {pid, log};
-}
-
-Outcome wait_for(const Child& c, double timeout_s) {
-  Outcome o;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  int status = 0;
-  while (waitpid(c.pid, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      o.timed_out = true;
-      kill(c.pid, SIGKILL);
-      waitpid(c.pid, &status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  o.exited = WIFEXITED(status);
-  o.code = o.exited ? WEXITSTATUS(status) : -1;
-  o.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-  o.log = read_text(c.log);
-  return o;
-}
-
-// ---- training runs and what they leave --------------------------------------------------------
-
-constexpr double kRunTimeout = 240;  // seconds; a healthy run here takes a few
-
-// `--config configs/tiny-qwen3-moe.yaml --set output_dir=OUT --set k=v ...`
-std::vector<std::string> train_args(const fs::path& out, const std::vector<std::string>& sets) {
-  std::vector<std::string> a{"--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out.string()};
-  for (const auto& s : sets) {
-    a.push_back("--set");
-    a.push_back(s);
-  }
-  return a;
-}
-
-Outcome train(const fs::path& out, const std::vector<std::string>& sets, const std::vector<std::string>& env = {}) {
-  return wait_for(spawn(train_args(out, sets), out.string() + ".log", env), kRunTimeout);
-}
+using eo::faults::Child;
+using eo::faults::eo_ddp_command;
+using eo::faults::Outcome;
+using eo::faults::read_text;
+using eo::faults::RunOptions;
+using eo::faults::spawn;
+using eo::faults::train;
+using eo::faults::train_args;
+using eo::faults::wait_for;
 
 // metrics.jsonl by step (a resumed run appends; the last line of a step wins).
 using eo::faults::read_metrics;
@@ -272,7 +195,7 @@ TEST_F(Train, ResumeFromCheckpointIsExact) {
 //    planned for 400 steps, the others for fewer, and a cosine schedule depends on the total.)
 TEST_F(Train, SigtermSavesAndResumesExactly) {
   const fs::path s = dir_ / "stopped";
-  const Child child = spawn(train_args(s, {"max_steps=400", "save_steps=0", "lr_scheduler=constant"}), dir_ / "stopped.log");
+  const Child child = spawn(eo_ddp_command(train_args(s, {"max_steps=400", "save_steps=0", "lr_scheduler=constant"})), dir_ / "stopped.log");
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   int status = 0;
   bool exited_early = false;
@@ -310,7 +233,7 @@ TEST_F(Train, SigtermSavesAndResumesExactly) {
 TEST_F(Train, KilledSaveKeepsPreviousCheckpoint) {
   const fs::path k = dir_ / "killed";
   const std::vector<std::string> sets{"max_steps=6", "save_steps=2"};
-  const Outcome o = train(k, sets, {"EO_DDP_FAULT_KILL_IN_SAVE=4"});
+  const Outcome o = train(k, sets, RunOptions{{"EO_DDP_FAULT_KILL_IN_SAVE=4"}});
   ASSERT_TRUE(!o.timed_out && !o.exited && o.signal == SIGKILL) << "expected death by SIGKILL in the save of step 4: " << o.describe();
   EXPECT_FALSE(fs::exists(k / "checkpoint-4")) << "a half-written checkpoint-4 is in place";
   EXPECT_FALSE(fs::exists(k / "adapter_model.safetensors"));
@@ -338,7 +261,7 @@ TEST_F(Train, ConfigErrorsComeBeforeWeights) {
   for (bool check : {true, false}) {
     std::vector<std::string> args = train_args(dir_ / "out", missing);
     if (check) args.push_back("--check");
-    const Outcome o = wait_for(spawn(args, dir_ / "missing.log"), 60);
+    const Outcome o = wait_for(spawn(eo_ddp_command(args), dir_ / "missing.log"), 60);
     EXPECT_TRUE(o.exited && o.code == 2) << (check ? "--check: " : "train: ") << o.describe();
     EXPECT_NE(o.log.find("base_model"), std::string::npos) << o.log;
     EXPECT_NE(o.log.find("no-such-model"), std::string::npos) << o.log;
@@ -349,13 +272,13 @@ TEST_F(Train, ConfigErrorsComeBeforeWeights) {
   fs::create_directories(model);
   fs::copy_file(fs::path(EO_SOURCE_DIR) / "fixtures/tiny-qwen3-moe/config.json", model / "config.json");
   std::ofstream(model / "model.safetensors") << "not a safetensors file";
-  const Outcome bad = wait_for(spawn(train_args(dir_ / "out", {"base_model=" + model.string(), "learning_rat=1e-4"}), dir_ / "bad.log"), 60);
+  const Outcome bad = wait_for(spawn(eo_ddp_command(train_args(dir_ / "out", {"base_model=" + model.string(), "learning_rat=1e-4"})), dir_ / "bad.log"), 60);
   EXPECT_TRUE(bad.exited && bad.code == 2) << bad.describe();
   EXPECT_NE(bad.log.find("learning_rat"), std::string::npos) << bad.log;
   EXPECT_EQ(bad.log.find("safetensors"), std::string::npos) << "weights were read before the config was checked:\n" << bad.log;
   EXPECT_FALSE(fs::exists(dir_ / "out")) << "output_dir was created for a run that never started";
   // Control: with a valid config the garbage weights are read, and fail as a runtime error.
-  const Outcome control = wait_for(spawn(train_args(dir_ / "out2", {"base_model=" + model.string()}), dir_ / "control.log"), 60);
+  const Outcome control = wait_for(spawn(eo_ddp_command(train_args(dir_ / "out2", {"base_model=" + model.string()})), dir_ / "control.log"), 60);
   EXPECT_TRUE(control.exited && control.code == 1) << control.describe();
   EXPECT_NE(control.log.find("model.safetensors"), std::string::npos) << control.log;
 }
