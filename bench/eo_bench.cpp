@@ -2,10 +2,14 @@
 // expert modes side by side in one process, and the pinned host-to-device bandwidth measured in
 // the same run so every offload row can be set against its transfer floor.
 //
-//   eo-bench --model configs/models/qwen3-30b-a3b --points 2048x1,2048x4 [--steps 6] [--warmup 2]
-//            [--modes resident,sync,prefetch,budget] [--budget-fraction 0.5] [--json FILE]
+//   eo-bench --model configs/models/qwen3-30b-a3b --points 2048x1,2048x4 [--accum G] [--steps 6]
+//            [--warmup 2] [--modes resident,sync,prefetch,budget] [--budget-fraction 0.5]
+//            [--targets attn|all] [--json FILE]
 //   modes: resident | sync (one slot) | prefetch (default depth) | prefetchN (N blocks ahead) |
-//          budget (prefetch + budget-fraction of the experts resident)
+//          budget (prefetch + budget-fraction of the experts resident); a suffix ":park" adds
+//          activation_offloading, ":mm" the micro-batch-major step order (":park:mm" both)
+//   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
+//   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe)
 //
 // Each (point, mode) is a real eo::train() run (the CLI's code path) whose metrics.jsonl is read
 // back: median step time over the steps after warm-up, allocator peak VRAM, staged bytes, H2D
@@ -138,6 +142,10 @@ int main(int argc, char** argv) {
   const double budget_fraction = std::stod(arg(argc, argv, "--budget-fraction", "0.5"));
   const auto modes = split(arg(argc, argv, "--modes", "resident,sync,prefetch,budget"), ',');
   const std::string json_out = arg(argc, argv, "--json", "");
+  const int accum = std::stoi(arg(argc, argv, "--accum", "1"));
+  const std::string targets = arg(argc, argv, "--targets", "attn") == "all"
+                                  ? "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
+                                  : "[q_proj, k_proj, v_proj, o_proj]";
   const std::string work = arg(argc, argv, "--workdir", fs::exists("/dev/shm") ? "/dev/shm/eo-bench" : "/tmp/eo-bench");
   std::vector<Point> points;
   for (const auto& p : split(arg(argc, argv, "--points", "2048x1"), ',')) {
@@ -153,16 +161,22 @@ int main(int argc, char** argv) {
   std::printf("# %s: pinned host->device %.1f GB/s (1 GiB copies, best of 5)\n", name.c_str(), bw);
   std::vector<Row> rows;
   for (const Point& pt : points) {
-    const std::int64_t need = std::int64_t(pt.seq) * pt.mb * (steps + warmup + 2) + pt.seq;
+    const std::int64_t need = std::int64_t(pt.seq) * pt.mb * accum * (steps + warmup + 2) + pt.seq;
     const std::string tokens = write_tokens(work, mc.vocab, need, 1234);
-    for (const std::string& mode : modes) {
+    for (const std::string& spec : modes) {
+      const auto parts = split(spec, ':');
+      const std::string mode = parts.empty() ? spec : parts[0];
+      const bool park = std::find(parts.begin(), parts.end(), "park") != parts.end();
+      const bool micro_major = std::find(parts.begin(), parts.end(), "mm") != parts.end();
       Row row;
       row.model = name;
-      row.mode = mode;
+      row.mode = spec;
       row.point = pt;
       std::ostringstream yaml;
       yaml << "base_model: " << model_dir << "\nsynthetic_weights: true\nload_in_4bit: true\nadapter: qlora\n"
-           << "lora_r: 16\nlora_alpha: 32\nlora_dropout: 0.0\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
+           << "lora_r: 16\nlora_alpha: 32\nlora_dropout: 0.0\nlora_target_modules: " << targets << "\n"
+           << "gradient_accumulation_steps: " << accum << "\n"
+           << (park ? "activation_offloading: true\n" : "") << (micro_major ? "step_order: micro_batch_major\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"
@@ -198,7 +212,7 @@ int main(int argc, char** argv) {
           stall.push_back(j.value("stall_s", 0.0));
         }
         row.s_per_step = median(times);
-        row.tokens_per_s = row.s_per_step > 0 ? double(pt.seq) * pt.mb / row.s_per_step : 0;
+        row.tokens_per_s = row.s_per_step > 0 ? double(pt.seq) * pt.mb * accum / row.s_per_step : 0;
         row.staged_per_step = median(staged);
         row.h2d_gbps = median(h2d);
         row.stall_s = median(stall);
@@ -214,13 +228,14 @@ int main(int argc, char** argv) {
   }
 
   // The table: offload rows against the same point's resident row and against their floor.
+  std::printf("\naccumulation %d, LoRA on %s\n", accum, targets.c_str());
   std::printf("\n| model | seq x mb | mode | s/step | tokens/s | peak VRAM | plan VRAM | pinned host | staged/step | H2D GB/s | stall s | floor s | vs resident | vs floor |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   nlohmann::json all = nlohmann::json::array();
   for (const Row& r : rows) {
     double resident = 0;
     for (const Row& o : rows)
-      if (o.mode == "resident" && o.point.seq == r.point.seq && o.point.mb == r.point.mb && o.error.empty()) resident = o.s_per_step;
+      if (o.mode.rfind("resident", 0) == 0 && o.point.seq == r.point.seq && o.point.mb == r.point.mb && o.error.empty()) resident = o.s_per_step;
     if (!r.error.empty()) {
       std::printf("| %s | %dx%d | %s | error: %s |\n", r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(), r.error.c_str());
     } else {
@@ -232,7 +247,7 @@ int main(int argc, char** argv) {
                   human_bytes(r.plan_vram).c_str(), human_bytes(r.pinned).c_str(), human_bytes(r.staged_per_step).c_str(),
                   r.h2d_gbps, r.stall_s, r.floor_s, vs_res, vs_floor);
     }
-    all.push_back({{"model", r.model}, {"mode", r.mode}, {"seq", r.point.seq}, {"mb", r.point.mb}, {"s_per_step", r.s_per_step},
+    all.push_back({{"model", r.model}, {"mode", r.mode}, {"seq", r.point.seq}, {"mb", r.point.mb}, {"accum", accum}, {"s_per_step", r.s_per_step},
                    {"tokens_per_s", r.tokens_per_s}, {"peak_vram", r.peak_vram}, {"plan_vram", r.plan_vram},
                    {"pinned", r.pinned}, {"staged_per_step", r.staged_per_step}, {"h2d_gbps", r.h2d_gbps},
                    {"stall_s", r.stall_s}, {"floor_s", r.floor_s}, {"pinned_bw_gbps", bw}, {"error", r.error}});

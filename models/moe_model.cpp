@@ -178,7 +178,6 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
 }
 
 at::Tensor DecoderBlock::forward(const at::Tensor& hidden, const BlockContext& ctx) const {
-  if (moe_) provider_->stage(index_);  // every forward, including a checkpoint recompute
   at::Tensor h = hidden + attention(rms_norm(hidden, input_norm_, cfg_->rms_eps), ctx);
   const at::Tensor normed = rms_norm(h, post_norm_, cfg_->rms_eps);
   return h + (moe_ ? moe(normed, ctx) : dense_.forward(normed, ctx.training));
@@ -282,7 +281,10 @@ ForwardOutput MoeModel::forward(const Batch& batch, const ForwardOptions& opts) 
   BlockContext ctx = context(batch, opts.training);
   if (opts.aux_loss) ctx.router_logits = &router_logits;
   at::Tensor h = embed(batch.input_ids);
-  for (const auto& b : blocks_) h = b->forward(h, ctx);
+  for (const auto& b : blocks_) {
+    if (b->is_moe()) provider_->stage(b->index());
+    h = b->forward(h, ctx);
+  }
   out.logits = head(h);
   if (batch.labels.defined()) std::tie(out.loss_sum, out.tokens) = shifted_cross_entropy(out.logits, batch.labels);
   if (opts.aux_loss) out.aux_loss = load_balancing_loss(router_logits, cfg_.experts, cfg_.top_k, batch.attention_mask);

@@ -3,7 +3,8 @@
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
 // one at a time: embed() → context() → block(i).forward(...) for every i → head() → loss.
-// MoE blocks stage their experts through a WeightProvider at the start of every forward.
+// A MoE block reads its experts through a WeightProvider; whoever runs the block stages it first
+// (MoeModel::forward does; the training step follows its schedule, runtime/schedule.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>

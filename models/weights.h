@@ -1,8 +1,8 @@
 // The seam between the decoder and whoever holds the NF4 expert bytes (design.md §2.1-2.3).
 //
-// A MoE block calls stage(layer) at the start of every forward, including the recompute in
-// backward; the 4-bit linears then ask expert_weight(...) for the packed bytes, in forward and
-// again in backward. ResidentWeights keeps everything in memory; the offload engine implements
+// Whoever runs the blocks (the step runner, MoeModel::forward) calls stage(layer) before a MoE
+// block's forward and before its backward (design.md §1: the step's schedule of block uses); the
+// 4-bit linears then ask expert_weight(...) for the packed bytes, in forward and again in backward. ResidentWeights keeps everything in memory; the offload engine implements
 // the same interface with host homes and device slots. Stagings are counted here, in the base,
 // so every implementation is instrumented the same way.
 #pragma once
@@ -34,6 +34,9 @@ class WeightProvider {
   }
   // The packed weight, valid until the next stage() call that may reuse its slot.
   virtual const nf4::QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) = 0;
+  // The order of stage() calls in one optimizer step, repeating every step (an offloader prefetches
+  // and evicts along it). Memory-resident stores ignore it.
+  virtual void set_schedule(const std::vector<int>& /*staging_order*/) {}
 
   std::int64_t stage_count(int layer) const {
     std::lock_guard<std::mutex> lock(count_mutex_);

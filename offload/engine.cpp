@@ -233,33 +233,28 @@ ExpertOffloader::Slot* ExpertOffloader::slot_holding(int layer) {
   return nullptr;
 }
 
-int ExpertOffloader::next_layer(int from, int direction) const {
-  for (int l = from + direction; l >= 0 && l < static_cast<int>(blocks_.size()); l += direction)
-    if (blocks_[l] && !blocks_[l]->resident.defined()) return l;
-  return -1;
+void ExpertOffloader::set_schedule(const std::vector<int>& order) {
+  for (int l : order)
+    EO_CHECK(l >= 0 && l < static_cast<int>(blocks_.size()) && blocks_[l], "offload: the step schedule stages layer ", l,
+             ", which has no offloaded experts");
+  schedule_ = order;
+  cursor_ = 0;
 }
 
-// The streamed layers stage() will be called with after `from`, soonest first, each once (`from`
-// itself left out), given the direction that reached `from`. The walk follows the static order:
-// on in `direction` to the last streamed block, where that block is staged again (the turn
-// between forward and recompute, or between recompute and the next forward; it adds nothing new)
-// and the direction flips, then back to the other end — by which point every streamed layer has
-// been seen. Budget-resident blocks are skipped: they are never copied.
-std::vector<int> ExpertOffloader::upcoming_layers(int from, int direction) const {
+// The streamed layers stage() will be called with after schedule position `from_position`, in
+// order of their next use, each once, `current` left out. The walk goes round the schedule once:
+// the next step repeats it, so the list is exact across the step boundary too. Budget-resident
+// blocks are skipped: they are never copied.
+std::vector<int> ExpertOffloader::upcoming_layers(std::size_t from_position, int current) const {
   std::vector<int> out;
+  if (schedule_.empty()) return out;
   std::vector<char> seen(blocks_.size(), 0);
-  seen[from] = 1;
-  int at = from;
-  for (int turns = 0; turns < 2;) {
-    const int next = next_layer(at, direction);
-    if (next < 0) {
-      direction = -direction;
-      ++turns;
-      continue;
-    }
-    if (!seen[next]) out.push_back(next);
-    seen[next] = 1;
-    at = next;
+  if (current >= 0) seen[current] = 1;
+  for (std::size_t k = 1; k <= schedule_.size(); ++k) {
+    const int l = schedule_[(from_position + k) % schedule_.size()];
+    if (seen[l] || blocks_[l]->resident.defined()) continue;
+    seen[l] = 1;
+    out.push_back(l);
   }
   return out;
 }
@@ -333,9 +328,13 @@ void ExpertOffloader::stage_block(int layer) {
   EO_CHECK(layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer],
            "offload: stage(", layer, ") but layer ", layer, " has no offloaded experts");
   ++stats_.stage_calls;
-  // Direction of travel: forward goes up, the recompute in backward goes down; staging the same
-  // block twice in a row is the turn between them.
-  if (current_ >= 0) direction_ = layer > current_ ? +1 : layer < current_ ? -1 : -direction_;
+  std::size_t position = 0;
+  if (!schedule_.empty()) {
+    position = cursor_;
+    EO_CHECK(schedule_[position] == layer, "offload: stage(", layer, ") at position ", position, " of the step schedule, which stages layer ",
+             schedule_[position], " there; the trainer must stage blocks in the order it handed over (set_schedule)");
+    cursor_ = (cursor_ + 1) % schedule_.size();
+  }
   Slot* in_use = current_ >= 0 ? slot_holding(current_) : nullptr;
 #ifdef EO_WITH_CUDA
   // Everything enqueued so far may read the block in use: mark the point after which its slot is free.
@@ -346,7 +345,7 @@ void ExpertOffloader::stage_block(int layer) {
   const int previous = current_;
   current_ = layer;
   // Every streamed block still to come, soonest first: it says what to prefetch and what to evict.
-  const std::vector<int> future = upcoming_layers(layer, direction_);
+  const std::vector<int> future = upcoming_layers(position, layer);
   Block& b = *blocks_[layer];
   if (b.resident.defined()) {
     ++stats_.resident_hits;
@@ -354,7 +353,7 @@ void ExpertOffloader::stage_block(int layer) {
     ++stats_.slot_hits;
     wait_ready(*s);
   } else {
-    // A miss (the first stage, synchronous mode, or an order the lookahead did not predict). Keep
+    // A miss (the first stage, synchronous mode, or no schedule). Keep
     // the slot in use if there is another: overwriting it would wait for the kernels reading it.
     std::vector<int> keep;
     if (slots_.size() > 1 && previous >= 0) keep.push_back(previous);

@@ -8,16 +8,17 @@
 //    prefetch (expert_offload_prefetch_depth). stage(L) is called by block L's forward and again by
 //    its recompute in backward; what to copy and which slot to overwrite are chosen at staging
 //    time — never by a hook after a block's forward, which a checkpoint recompute may skip.
-//  - Prefetch: the staging order is static — forward 0..N-1, the recompute N-1..0 (the last forward
-//    block is staged again at the turn), then the next micro-step's forward 0, 1, ... (block 0 again
-//    at that turn). So upcoming_layers() knows exactly which streamed blocks come next: while block
-//    L computes, those of the next `depth` that are not in a slot yet are copied on a copy stream
-//    into slots holding neither L nor any of the next `depth`, evicting the block needed farthest
-//    in the future. More depth lets the copy stream run further ahead of compute and
-//    keeps depth + 1 blocks across each turn, at one block of device memory per slot. The compute
-//    stream waits for a slot's "ready" event only when it needs the block; before a slot is
-//    overwritten, the copy stream waits for its "released" event, recorded after the last kernel
-//    that read it.
+//  - The schedule: the trainer hands over the step's staging order (set_schedule: the MoE blocks
+//    in the order it will call stage(), one optimizer step, repeating every step). stage() checks
+//    each call against it, so the engine never guesses: the future is known. While block L
+//    computes, those of the next `depth` streamed blocks of the schedule that are not in a slot are
+//    copied on a copy stream into slots holding neither L nor any of the `depth`, evicting the
+//    block whose next use is farthest away (Belady's rule, exact). More depth lets the copy stream
+//    run further ahead of compute, at one block of device memory per slot. The compute stream waits
+//    for a slot's "ready" event only when it needs the block; before a slot is overwritten, the
+//    copy stream waits for its "released" event, recorded after the last kernel that read it.
+//    Without a schedule (scoring, tests) every stage() of a block not in a slot copies it
+//    synchronously and nothing is prefetched.
 //  - Blocks that fit in expert_offload_vram_budget stay resident and are never copied.
 //  - On a CPU build the slots are host memory and copies are memcpy: the same state machine runs,
 //    so its logic is tested without a GPU.
@@ -61,6 +62,9 @@ class ExpertOffloader : public model::WeightProvider {
   ~ExpertOffloader() override;
 
   const nf4::QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override;
+  // The order of stage() calls of one optimizer step (MoE layers; repeats every step). Replaces
+  // any earlier schedule and restarts at its first entry. An empty list: no schedule.
+  void set_schedule(const std::vector<int>& staging_order) override;
 
   // Makes more blocks permanently resident (in layer order) while they fit in `budget_bytes` of
   // new device memory; returns how many. Call between steps (it copies synchronously).
@@ -93,8 +97,7 @@ class ExpertOffloader : public model::WeightProvider {
   void copy_into(Slot& slot, int layer, bool wait_for_release);
   void wait_ready(Slot& slot);
   void build_views(std::vector<std::array<nf4::QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena) const;
-  int next_layer(int from, int direction) const;
-  std::vector<int> upcoming_layers(int from, int direction) const;
+  std::vector<int> upcoming_layers(std::size_t from_position, int current) const;
   Slot* slot_to_overwrite(const std::vector<int>& future, const std::vector<int>& keep);
   Slot* slot_holding(int layer);
   bool b_pinned() const;
@@ -105,7 +108,8 @@ class ExpertOffloader : public model::WeightProvider {
   std::vector<std::unique_ptr<Slot>> slots_;
   at::Tensor nested_code_;  // shared 256-entry map for double-quantised statistics (device)
   int current_ = -1;        // layer in use (last staged)
-  int direction_ = +1;
+  std::vector<int> schedule_;  // staging order of one step (empty: unscheduled)
+  std::size_t cursor_ = 0;     // position in schedule_ of the next stage() call
   OffloadStats stats_;
   std::unique_ptr<CudaState> cuda_;
 };

@@ -364,6 +364,14 @@ const std::vector<KeySpec>& schema() {
                         "Blocks staged ahead of the one computing (device slots = 1 + depth). Each extra block also "
                         "stays across the forward/backward turns (2 copies fewer per step) and lets copies run further "
                         "ahead, at the cost of one block of device memory."));
+    k.push_back(boolean("activation_offloading", &TrainConfig::activation_offloading,
+                        "Keep the checkpointed block inputs (every block x micro-batch of a step) in pinned host RAM "
+                        "until backward, copied on a copy stream ahead of use (needs gradient_checkpointing)."));
+    k.push_back(choice("step_order", &TrainConfig::step_order, {"layer_major", "micro_batch_major"},
+                       "Order of one optimizer step's block uses with gradient checkpointing: layer_major runs every "
+                       "micro-batch through a block before the next (each block's experts are staged once in forward "
+                       "and once in backward per step, whatever gradient_accumulation_steps is); micro_batch_major is "
+                       "the classic order (forward and backward per micro-batch). Both give the same result."));
     k.push_back({"device_memory_limit", "bytes or 0", "0",
                  "Cap on the device memory eo-ddp may allocate (e.g. 8GiB makes a large GPU behave like a small card); "
                  "0 = the whole device. The start-up memory plan is checked against it.",
@@ -579,6 +587,9 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (c.use_reentrant.value_or(false) && c.gradient_checkpointing)
     issues.push_back({"gradient_checkpointing_kwargs.use_reentrant",
                       "eo-ddp implements non-reentrant checkpointing only; set it to false"});
+  if (c.activation_offloading && !c.gradient_checkpointing)
+    issues.push_back({"activation_offloading", "activation_offloading: true parks the inputs that gradient checkpointing "
+                                               "keeps; set gradient_checkpointing: true (or drop activation_offloading)"});
   if (c.warmup_ratio && c.warmup_steps > 0)
     issues.push_back({"warmup_ratio", "set either warmup_steps or warmup_ratio, not both"});
   if (c.expert_offload) {

@@ -75,6 +75,8 @@ struct TrainConfig {
   int expert_offload_prefetch_depth = 1;  // blocks staged ahead (slots = 1 + depth); with prefetch only
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
   std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
+  bool activation_offloading = false;  // checkpointed block inputs in pinned host RAM
+  std::string step_order = "layer_major";  // "layer_major" | "micro_batch_major" (with checkpointing)
 
   // Distributed.
   int ddp_bucket_cap_mb = 25;

@@ -105,10 +105,20 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
 
   // ---- activations of one micro-batch
   const double N = double(cfg.micro_batch_size) * double(cfg.sequence_len);
-  // Block inputs kept by checkpointing (embedding output .. last block), RoPE tables, and the
-  // incoming + outgoing gradient of the block under backward.
-  const double checkpoints = (double(c.layers) + 1 + 2) * N * H * d + 2 * N * D * d;
-  p.device.push_back({"checkpoints", checkpoints, std::to_string(c.layers + 1) + " block inputs of [tokens, hidden] + gradients"});
+  // Block inputs kept by checkpointing (embedding output .. last block) and the RoPE tables of
+  // every micro-batch of the step (the layer-major step keeps all g until backward; micro-batch-
+  // major, one), the hidden state or incoming gradient of each, and the outgoing gradient of the
+  // block under backward. With activation_offloading the inputs wait in pinned host RAM and about
+  // two blocks' worth are on the device (the one in backward and the one being copied back).
+  const bool layer_major = cfg.gradient_checkpointing && cfg.step_order == "layer_major";
+  const double g = layer_major ? double(cfg.gradient_accumulation_steps) : 1.0;
+  const double kept = cfg.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
+  const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * D * d;
+  p.device.push_back({"checkpoints", checkpoints,
+                      std::to_string(static_cast<long long>(kept)) + " block inputs of [tokens, hidden] x " +
+                          std::to_string(static_cast<long long>(g)) + " micro-batch(es) + gradients" +
+                          (cfg.activation_offloading ? " (the rest parked in host RAM)" : "")});
+  if (cfg.activation_offloading) p.host_pinned += g * double(c.layers) * N * H * d;
 
   // One block recomputed for backward: what autograd saves (fp32 norm inputs, q/k norms, RoPE,
   // attention inputs and output) ...

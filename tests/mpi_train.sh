@@ -50,11 +50,19 @@ run four1_off 4 1 --set expert_offload=true
 check "4x1 == 1x4 with offload" "$py" tests/ref/compare_adapters.py "$tmp/one4_off" "$tmp/four1_off" --rtol 1e-3 --loss-rtol 1e-5
 check "LoRA identical on 4 ranks" grep -q "LoRA identical on all 4 ranks" "$tmp/four1_off.log"
 
+# The layer-major step under DDP: 2 ranks x (mb 1, g 2) vs 1 rank x (mb 1, g 4), offload on; each
+# block's buckets launch after its last micro-batch's backward, and the bytes stay the LoRA
+# gradients once per step whatever g is.
+run one_g4 1 1 --set gradient_accumulation_steps=4 --set expert_offload=true
+run two_g2 2 1 --set gradient_accumulation_steps=2 --set expert_offload=true
+check "2 ranks x g2 == 1 rank x g4" "$py" tests/ref/compare_adapters.py "$tmp/one_g4" "$tmp/two_g2" --rtol 1e-5 --loss-rtol 1e-5
+
 # Collective bytes = steps x LoRA gradient bytes (allreduce) + LoRA bytes once (broadcast).
 lora_bytes=$("$py" -c "
 from safetensors.torch import load_file
 t = load_file('$tmp/two2_off/adapter_model.safetensors'); print(sum(v.numel() * 4 for v in t.values()))")
 check "collective bytes = LoRA grads + broadcast" grep -q "collectives: allreduce $((4 * lora_bytes)) bytes, broadcast $lora_bytes bytes" "$tmp/two2_off.log"
+check "collective bytes with g 2 = LoRA grads once per step + broadcast" grep -q "collectives: allreduce $((4 * lora_bytes)) bytes, broadcast $lora_bytes bytes" "$tmp/two_g2.log"
 
 # A rank that throws at step 2, and a rank killed at step 2: everyone exits non-zero, quickly.
 for kind in throw kill; do

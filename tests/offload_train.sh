@@ -2,10 +2,11 @@
 # Offloaded training on the CPU build (the same state machine as on a GPU, slots in host memory):
 #  1. offload (prefetch off, depth 1 and depth 2) gives bitwise the losses and adapter of resident
 #     training;
-#  2. every block is staged twice per micro-step (stage_calls), and the copies per step are exactly
-#     2N-1 (one slot: the last forward block is reused at the turn) or 2N-2 on the first step and
-#     2N-4 after (two slots keep one more block at the turn and at the start of the next step); in
-#     general S = 1 + depth slots keep S blocks across each turn: 2N-S, then 2N-2S (S <= N);
+#  2. every block is staged once in forward and once in backward per step (stage_calls 2N-1: the top
+#     block's forward and backward are one run of uses), and the copies per step are exactly
+#     2N-1 (one slot) or 2N-2 on the first step and 2N-4 after (two slots keep one more block at the
+#     turn and at the start of the next step); in general S = 1 + depth slots keep S blocks across
+#     each turn: 2N-S, then 2N-2S (S <= N);
 #  3. pageable homes work and warn; offload on a model without expert blocks is a clear error.
 # usage: offload_train.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
@@ -41,14 +42,14 @@ sync_counts=$(counts "$tmp/sync")
 pre_counts=$(counts "$tmp/prefetch")
 echo "stage_calls/copies/bytes per step: sync [$sync_counts] prefetch [$pre_counts]"
 block=$(( $(echo "$sync_counts" | cut -d' ' -f1 | cut -d/ -f3) / 7 ))
-check "sync: 8 stage calls and 7 copies (2N-1) on step 1" test "$(echo "$sync_counts" | cut -d' ' -f1)" = "8/7/$((7 * block))"
-check "sync: 6 copies (2N-2) on later steps" test "$(echo "$sync_counts" | cut -d' ' -f2)" = "8/6/$((6 * block))"
-check "prefetch: 6 copies (2N-2) on step 1" test "$(echo "$pre_counts" | cut -d' ' -f1)" = "8/6/$((6 * block))"
-check "prefetch: 4 copies (2N-4) on later steps" test "$(echo "$pre_counts" | cut -d' ' -f5)" = "8/4/$((4 * block))"
+check "sync: 7 stage calls and 7 copies (2N-1) on step 1" test "$(echo "$sync_counts" | cut -d' ' -f1)" = "7/7/$((7 * block))"
+check "sync: 6 copies (2N-2) on later steps" test "$(echo "$sync_counts" | cut -d' ' -f2)" = "7/6/$((6 * block))"
+check "prefetch: 6 copies (2N-2) on step 1" test "$(echo "$pre_counts" | cut -d' ' -f1)" = "7/6/$((6 * block))"
+check "prefetch: 4 copies (2N-4) on later steps" test "$(echo "$pre_counts" | cut -d' ' -f5)" = "7/4/$((4 * block))"
 depth2_counts=$(counts "$tmp/depth2")
 echo "prefetch depth 2 (3 slots): [$depth2_counts]"
-check "depth 2: 5 copies (2N-3) on step 1" test "$(echo "$depth2_counts" | cut -d' ' -f1)" = "8/5/$((5 * block))"
-later="8/2/$((2 * block))"
+check "depth 2: 5 copies (2N-3) on step 1" test "$(echo "$depth2_counts" | cut -d' ' -f1)" = "7/5/$((5 * block))"
+later="7/2/$((2 * block))"
 check "depth 2: 2 copies (2N-6) on each later step" test "$(echo "$depth2_counts" | cut -d' ' -f2-)" = "$later $later $later $later"
 check "depth 2: the log says 3 slots" grep -q "3 device slot(s) of .* (prefetch 2 ahead)" "$tmp/depth2.log"
 

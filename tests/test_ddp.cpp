@@ -165,12 +165,31 @@ TEST(Buckets, RejectFrozenAndNonFp32Parameters) {
   EXPECT_THROW((GradReducer({{"twice", p}, {"twice.again", p}}, comm())), eo::Error);
 }
 
+// Buckets follow the blocks from the top down, never span two blocks, and inside a block keep
+// the reverse order of use and the cap (sizes in floats; cap 60 floats).
+TEST(Buckets, GroupByBlockFromTheTop) {
+  const std::vector<std::int64_t> sizes = {10, 20, 30, 40, 200, 5, 7};
+  const std::vector<int> blocks = {0, 0, 1, 1, 1, 2, 0};
+  const auto plan = assign_buckets(sizes, blocks, 60 * 4);
+  std::vector<std::vector<std::size_t>> params;
+  std::vector<int> of;
+  for (const auto& b : plan) {
+    params.push_back(b.params);
+    of.push_back(b.block);
+  }
+  EXPECT_EQ(of, (std::vector<int>{2, 1, 1, 1, 0}));
+  EXPECT_EQ(params, (std::vector<std::vector<std::size_t>>{{5}, {4}, {3}, {2}, {6, 1, 0}}));
+  EXPECT_THROW(assign_buckets(sizes, {0, 1}, 240), eo::Error);
+}
+
 // Sum and mean over ranks equal the float64 sum of every rank's independently computed gradients;
 // a parameter unused on some ranks (expert) or on all ranks (unused.A) reduces without a hang.
+// block_done launches the buckets during the step (the runner calls it when a block's gradients
+// are final); finalize launches whatever is left.
 TEST(Reducer, SumAndMeanEqualIndependentReference) {
   const Frozen f = make_frozen();
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-    for (bool prepare : {false, true}) {
+    for (bool early : {false, true}) {
       auto params = make_lora();
       const at::Tensor x = batch(rank(), 0);
       const bool expert = uses_expert(rank(), 0);
@@ -180,27 +199,20 @@ TEST(Reducer, SumAndMeanEqualIndependentReference) {
       GradReducer reducer(params, comm(), {2 * kDim * kRank * 4, op});  // two params per bucket
       ASSERT_EQ(reducer.num_buckets(), 4u);
       comm().reset_stats();
-      reducer.begin_micro_step(true);
-      at::Tensor loss = loss_of(tensors_of(params), f, x, expert);
-      if (prepare) reducer.prepare_for_backward(loss);
-      loss.backward();
+      loss_of(tensors_of(params), f, x, expert).backward();
+      if (early) reducer.block_done(0);
+      if (world_size() > 1) EXPECT_EQ(comm().stats().allreduce_calls, early ? 4 : 0);
       reducer.finalize();
-      expect_grads(params, expected, prepare ? "with prepare_for_backward" : "plain");
+      expect_grads(params, expected, early ? "launched by block_done" : "launched by finalize");
       EXPECT_TRUE(params[6].second.grad().eq(0).all().item<bool>()) << "unused.A must get zeros";
-      if (world_size() > 1) {
-        EXPECT_EQ(reducer.hook_firings(), expert ? 6 : 4) << "one hook per parameter that got a gradient";
-        // unused.A sits in bucket 0 and buckets launch in order: without prepare nothing launches
-        // before finalize; with it (unused params marked ready up front) all four launch in backward.
-        EXPECT_EQ(reducer.launched_from_hooks(), prepare ? 4 : 0);
-        EXPECT_EQ(comm().stats().allreduce_calls, 4);
-      }
+      if (world_size() > 1) EXPECT_EQ(comm().stats().allreduce_calls, 4);
     }
   }
 }
 
-// No communication on a non-final micro-step; accumulating two micro-steps equals one big step,
+// Nothing is communicated while gradients accumulate; two micro-steps equal one big step,
 // including a parameter that got its gradient only in the first micro-step.
-TEST(Reducer, AccumulationIsLocalUntilTheLastMicroStep) {
+TEST(Reducer, AccumulationIsLocalUntilTheBlockIsDone) {
   const Frozen f = make_frozen();
   auto params = make_lora();
   const at::Tensor x0 = batch(rank(), 0), x1 = batch(rank(), 1);
@@ -212,21 +224,21 @@ TEST(Reducer, AccumulationIsLocalUntilTheLastMicroStep) {
   for (auto& c : copies) big.push_back(c.grad().defined() ? c.grad() : at::zeros_like(c));
   const auto expected = reference_sum(big);
 
-  GradReducer reducer(params, comm(), {3 * kDim * kRank * 4, ReduceOp::kSum});
+  // Parameters 0-1 and 4-6 in block 0, the expert's in block 1.
+  GradReducer reducer(params, comm(), {3 * kDim * kRank * 4, ReduceOp::kSum}, {0, 0, 1, 1, 0, 0, 0});
   comm().reset_stats();
-  reducer.begin_micro_step(false);
   loss_of(tensors_of(params), f, x0, uses_expert(rank(), 0)).backward();
-  const CommStats after_first = comm().stats();
-  EXPECT_EQ(after_first.allreduce_calls, 0);
-  EXPECT_EQ(after_first.allreduce_bytes, 0);
-  EXPECT_THROW(reducer.finalize(), eo::Error) << "finalize on a non-synchronised micro-step";
-  reducer.begin_micro_step(true);
   loss_of(tensors_of(params), f, x1, uses_expert(rank(), 1)).backward();
+  EXPECT_EQ(comm().stats().allreduce_calls, 0);
+  reducer.block_done(1);
+  EXPECT_EQ(comm().stats().allreduce_calls, world_size() > 1 ? 1 : 0) << "block 1's one bucket";
+  reducer.block_done(0);
   reducer.finalize();
   expect_grads(params, expected, "two micro-steps vs one big step");
   const CommStats s = comm().stats();
   EXPECT_EQ(s.allreduce_calls, world_size() > 1 ? static_cast<std::int64_t>(reducer.num_buckets()) : 0);
   EXPECT_EQ(s.allreduce_bytes, world_size() > 1 ? trainable_bytes(params) : 0);
+  EXPECT_EQ(reducer.launched_early(), world_size() > 1 ? static_cast<std::int64_t>(reducer.num_buckets()) : 0);
 }
 
 // The collectives carried exactly the trainable gradients and the broadcast set: the big frozen
@@ -244,7 +256,6 @@ TEST(Reducer, BytesCarriedAreExactlyTrainableGradsAndBroadcastSet) {
   comm().reset_stats();
   broadcast_parameters(bcast, comm());
   GradReducer reducer(params, comm());
-  reducer.begin_micro_step(true);
   loss_of(tensors_of(params), f, batch(rank(), 0), true).backward();
   reducer.finalize();
   const CommStats s = comm().stats();
@@ -347,7 +358,6 @@ int run_fault(const std::string& mode) {
   const Frozen f = make_frozen();
   auto params = make_lora();
   GradReducer reducer(params, comm(), {std::int64_t(25) << 20, ReduceOp::kSum});
-  reducer.begin_micro_step(true);
   if (rank() == world_size() - 1) {
     if (mode == "throw") EO_FAIL("injected fault on rank ", rank(), " before its all-reduce");
     std::this_thread::sleep_for(std::chrono::seconds(120));  // "hang": the peers must time out

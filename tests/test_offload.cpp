@@ -49,7 +49,9 @@ void expect_layer_readable(offload::ExpertOffloader& off, int layer, const std::
           << "layer " << layer << " expert " << e << " matrix " << m;
 }
 
-// One micro-step as the checkpointed model drives it: forward 0..N-1, recompute N-1..0.
+// One micro-step of the micro-batch-major order with checkpointing: forward 0..N-1, recompute
+// N-1..0 (the top block staged twice: the engine must take a repeated block as a hit). The engine
+// is handed it as its schedule (set_schedule), as the trainer hands over the step's staging order.
 std::vector<int> micro_step_order(const std::vector<int>& moe) {
   std::vector<int> order(moe.begin(), moe.end());
   order.insert(order.end(), moe.rbegin(), moe.rend());
@@ -75,12 +77,13 @@ std::vector<int> expected_in_slots(const std::vector<int>& calls, std::size_t i,
 // Drives `steps` micro-steps through `off`, checking after every stage that the staged block reads
 // back exactly and that the slots hold what expected_in_slots() says; returns each step's stats.
 std::vector<offload::OffloadStats> run_steps(offload::ExpertOffloader& off, int steps, int depth,
-                                             const std::vector<std::vector<std::array<at::Tensor, 3>>>& ref) {
+                                             const std::vector<std::vector<std::array<at::Tensor, 3>>>& ref,
+                                             std::vector<int> one = {}) {
+  if (one.empty()) one = micro_step_order(off.moe_layers());
+  off.set_schedule(one);
   std::vector<int> calls;
-  for (int k = 0; k < steps + 1; ++k) {  // one step more, so the last stages have a future to check
-    const auto one = micro_step_order(off.moe_layers());
+  for (int k = 0; k < steps + 1; ++k)  // one step more, so the last stages have a future to check
     calls.insert(calls.end(), one.begin(), one.end());
-  }
   const std::size_t per_step = calls.size() / (steps + 1);
   std::vector<offload::OffloadStats> out;
   for (std::size_t i = 0; i < per_step * steps; ++i) {
@@ -110,6 +113,7 @@ TEST(Offload, StagedBytesEqualTheBanksInEveryMode) {
       offload::OffloadOptions o;
       o.prefetch = prefetch;
       offload::ExpertOffloader off(std::move(bank), o);
+      off.set_schedule(micro_step_order(off.moe_layers()));
       EXPECT_EQ(off.moe_layers(), (std::vector<int>{0, 2, 3}));
       EXPECT_EQ(off.num_slots(), prefetch ? 2 : 1);
       for (int l : micro_step_order(off.moe_layers())) {
@@ -127,6 +131,7 @@ TEST(Offload, CopiesPerMicroStepAndTheTurn) {
     offload::OffloadOptions o;
     o.prefetch = prefetch;
     offload::ExpertOffloader off(make_bank(n, 2), o);
+    off.set_schedule(micro_step_order(off.moe_layers()));
     for (int l : micro_step_order(off.moe_layers())) off.stage(l);
     auto s = off.take_step_stats();
     EXPECT_EQ(s.stage_calls, 2 * n);  // every block staged in forward and again in its recompute
@@ -240,32 +245,45 @@ TEST(Offload, DeeperPrefetchSkipsBudgetResidentBlocks) {
   }
 }
 
-// An order the lookahead did not predict still reads back exactly, and the miss evicts the block
-// needed last. Depth 2 (3 slots), N = 6: forward 0..5 copies 6 blocks and leaves {3, 4, 5}; stage(4)
-// (the recompute without the turn) copies 2 over 5 (7); then stage(5) misses. The slot in use (4)
-// is kept; of 3 and 2, the lookahead from 5 needs 3 first (turn, 4, 3, 2, ...), so 2 is evicted and
-// the window 4, 3 stays: 8 copies. Evicting 3 instead would copy it again (9).
-TEST(Offload, OffPatternMissEvictsTheBlockNeededLast) {
+// Any schedule is followed exactly, not only forward/backward sweeps: after every stage the slots
+// hold the next `depth` blocks the schedule stages (run_steps checks it against the literal list),
+// and a stage() out of the schedule is refused instead of guessed at.
+TEST(Offload, AnyScheduleIsFollowedExactly) {
   auto bank = make_bank(6, 2);
   const auto ref = reference(bank);
   offload::OffloadOptions o;
   o.prefetch = true;
   o.prefetch_depth = 2;
   offload::ExpertOffloader off(std::move(bank), o);
-  for (int l : {0, 1, 2, 3, 4, 5, 4, 5}) {
-    off.stage(l);
-    expect_layer_readable(off, l, ref);
+  const auto steps = run_steps(off, 3, 2, ref, {0, 2, 4, 1, 3, 5, 5, 3, 1});
+  for (const auto& st : steps) EXPECT_EQ(st.stage_calls, 9);
+  off.set_schedule({0, 1, 2});
+  off.stage(0);
+  EXPECT_THROW(off.stage(2), eo::Error);
+}
+
+// Without a schedule (scoring), every block not in a slot is copied when staged; nothing ahead.
+TEST(Offload, UnscheduledStagingCopiesOnDemand) {
+  auto bank = make_bank(4, 2);
+  const auto ref = reference(bank);
+  offload::OffloadOptions o;
+  o.prefetch = true;
+  offload::ExpertOffloader off(std::move(bank), o);
+  const std::vector<int> calls{0, 1, 2, 3, 3, 0};
+  for (std::size_t k = 0; k < calls.size(); ++k) {
+    off.stage(calls[k]);
+    expect_layer_readable(off, calls[k], ref);
+    EXPECT_EQ(off.staged_layers().size(), std::min<std::size_t>(k + 1, 2)) << "nothing is prefetched";
   }
-  auto staged = off.staged_layers();
-  std::sort(staged.begin(), staged.end());
-  EXPECT_EQ(staged, (std::vector<int>{3, 4, 5}));
-  EXPECT_EQ(off.take_step_stats().copies, 8);
+  const auto st = off.take_step_stats();
+  EXPECT_EQ(st.copies, 5);  // 0, 1, 2, 3, then 0 again (evicted); 3 is a hit
 }
 
 TEST(Offload, OnlyTheStagedBlockCanBeRead) {
   offload::OffloadOptions o;
   o.prefetch = true;
   offload::ExpertOffloader off(make_bank(3, 2), o);
+  off.set_schedule({0, 1, 2, 1});
   off.stage(0);  // block 1 is being prefetched into the other slot, but is not staged
   EXPECT_NO_THROW(off.expert_weight(0, 1, ExpertMatrix::Down));
   EXPECT_THROW(off.expert_weight(1, 0, ExpertMatrix::Gate), eo::Error);
@@ -284,6 +302,7 @@ TEST(Offload, BudgetResidentBlocksAreNeverCopied) {
   offload::ExpertOffloader off(std::move(bank), o);
   EXPECT_EQ(off.resident_layers(), (std::vector<int>{0, 1}));
   EXPECT_EQ(off.resident_bytes(), 2 * block);
+  off.set_schedule(micro_step_order(off.moe_layers()));
   for (int l : micro_step_order(off.moe_layers())) {
     off.stage(l);
     expect_layer_readable(off, l, ref);

@@ -7,3 +7,8 @@ add_test(NAME train_peft_check
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft)
 set_tests_properties(train_peft_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# The step's schedule end to end: layer-major == micro-batch-major bitwise for g = 1, 2, 4 with and
+# without offload, staged bytes per step <= 2 x expert bytes (tests/schedule_train.sh).
+add_test(NAME schedule_train COMMAND ${PROJECT_SOURCE_DIR}/tests/schedule_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(schedule_train PROPERTIES LABELS unit TIMEOUT 900
+                     PASS_REGULAR_EXPRESSION "schedule_train: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

@@ -2,11 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <cstring>
-#include <functional>
+#include <algorithm>
 #include <map>
 #include <set>
 #include <sstream>
@@ -14,34 +12,37 @@
 #include "common/error.h"
 
 namespace eo::dist {
-namespace {
-using torch::autograd::variable_list;
 
-// Runs `fn` after the parameter's AccumulateGrad node has written p.grad().
-struct ReadyHook : torch::autograd::FunctionPostHook {
-  explicit ReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
-    fn_();
-    return outputs;
+std::vector<BucketPlan> assign_buckets(const std::vector<std::int64_t>& sizes, const std::vector<int>& blocks,
+                                       std::int64_t cap_bytes) {
+  EO_CHECK(cap_bytes > 0, "ddp_bucket_cap_mb must be positive");
+  EO_CHECK(blocks.empty() || blocks.size() == sizes.size(), "assign_buckets: ", sizes.size(), " sizes but ", blocks.size(),
+           " block indices");
+  auto block_of = [&](std::size_t k) { return blocks.empty() ? 0 : blocks[k]; };
+  // Top block first; inside a block, reverse order of use (the last-used gradients are final first).
+  std::vector<std::size_t> order(sizes.size());
+  for (std::size_t k = 0; k < order.size(); ++k) order[k] = order.size() - 1 - k;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return block_of(a) > block_of(b); });
+  std::vector<BucketPlan> out;
+  std::int64_t filled = 0;
+  for (std::size_t k : order) {
+    const std::int64_t bytes = sizes[k] * 4;
+    if (out.empty() || out.back().block != block_of(k) || (!out.back().params.empty() && filled + bytes > cap_bytes)) {
+      out.push_back({{}, block_of(k), 0});
+      filled = 0;
+    }
+    out.back().params.push_back(k);
+    out.back().numel += sizes[k];
+    filled += bytes;
   }
-  std::function<void()> fn_;
-};
-
-torch::autograd::Node* node_of(const std::shared_ptr<void>& keep) { return static_cast<torch::autograd::Node*>(keep.get()); }
-
-// libtorch 2.11 returns std::shared_ptr<Node>, 2.13 c10::intrusive_ptr<Node>: keep either alive
-// behind a shared_ptr<void> whose pointer is the Node.
-template <typename Ptr>
-std::shared_ptr<void> keep_alive(Ptr p) {
-  torch::autograd::Node* raw = p.get();
-  return std::shared_ptr<void>(raw, [keep = std::move(p)](void*) mutable { keep = Ptr(); });
+  return out;
 }
-}  // namespace
 
-GradReducer::GradReducer(std::vector<NamedTensor> params_in_use_order, Communicator& comm, ReducerOptions options)
+GradReducer::GradReducer(std::vector<NamedTensor> params_in_use_order, Communicator& comm, ReducerOptions options,
+                         std::vector<int> blocks)
     : params_(std::move(params_in_use_order)), comm_(comm), options_(options) {
-  EO_CHECK(options_.bucket_cap_bytes > 0, "ddp_bucket_cap_mb must be positive");
   std::set<const void*> seen;
+  std::vector<std::int64_t> sizes;
   for (const auto& [name, p] : params_) {
     EO_CHECK(p.defined(), "DDP parameter '", name, "' is undefined");
     EO_CHECK(p.requires_grad() && p.is_leaf(), "DDP parameter '", name,
@@ -52,182 +53,75 @@ GradReducer::GradReducer(std::vector<NamedTensor> params_in_use_order, Communica
     EO_CHECK(p.device() == comm_.device(), "DDP parameter '", name, "' is on ", p.device().str(),
              " but the communicator serves ", comm_.device().str());
     EO_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "DDP parameter '", name, "' is listed twice");
+    sizes.push_back(p.numel());
   }
-  // Reverse order of use: the parameters used last in forward get their gradients first.
-  const std::size_t n = params_.size();
-  bucket_of_.assign(n, 0);
-  slot_of_.assign(n, 0);
-  std::int64_t filled = 0;
-  for (std::size_t k = n; k-- > 0;) {
-    const std::int64_t bytes = params_[k].second.numel() * 4;
-    if (buckets_.empty() || (!buckets_.back().params.empty() && filled + bytes > options_.bucket_cap_bytes)) {
-      buckets_.emplace_back();
-      filled = 0;
+  for (BucketPlan& plan : assign_buckets(sizes, blocks, options_.bucket_cap_bytes)) {
+    Bucket b;
+    std::int64_t off = 0;
+    for (std::size_t k : plan.params) {
+      b.offsets.push_back(off);
+      off += params_[k].second.numel();
     }
-    Bucket& b = buckets_.back();
-    bucket_of_[k] = buckets_.size() - 1;
-    slot_of_[k] = b.params.size();
-    b.offsets.push_back(filled / 4);
-    b.params.push_back(k);
-    filled += bytes;
+    b.plan = std::move(plan);
+    if (comm_.size() > 1) b.flat = at::zeros({off}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
+    buckets_.push_back(std::move(b));
   }
-  ready_.assign(n, false);
-  if (comm_.size() == 1) return;  // a world of one: no buffers, no hooks
-  for (auto& b : buckets_) {
-    std::int64_t numel = 0;
-    for (std::size_t k : b.params) numel += params_[k].second.numel();
-    b.flat = at::zeros({numel}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
-  }
-  for (std::size_t k = 0; k < n; ++k) {
-    auto acc = keep_alive(torch::autograd::impl::grad_accumulator(params_[k].second));
-    EO_CHECK(acc, "DDP parameter '", params_[k].first, "' has no gradient accumulator");
-    hook_keys_.push_back(node_of(acc)->add_post_hook(std::make_unique<ReadyHook>([this, k] { on_grad_ready(k); })));
-    accumulators_.push_back(std::move(acc));
-  }
-  reset_step();
-}
-
-GradReducer::~GradReducer() {
-  for (std::size_t k = 0; k < accumulators_.size(); ++k) node_of(accumulators_[k])->del_post_hook(hook_keys_[k]);
 }
 
 std::vector<std::string> GradReducer::bucket_param_names(std::size_t bucket) const {
   std::vector<std::string> out;
-  for (std::size_t k : buckets_.at(bucket).params) out.push_back(params_[k].first);
+  for (std::size_t k : buckets_.at(bucket).plan.params) out.push_back(params_[k].first);
   return out;
 }
 
-std::int64_t GradReducer::bucket_bytes(std::size_t bucket) const {
-  std::int64_t bytes = 0;
-  for (std::size_t k : buckets_.at(bucket).params) bytes += params_[k].second.numel() * 4;
-  return bytes;
-}
+std::int64_t GradReducer::bucket_bytes(std::size_t bucket) const { return buckets_.at(bucket).plan.numel * 4; }
 
-std::int64_t GradReducer::hook_firings() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return hook_firings_;
-}
-
-std::int64_t GradReducer::launched_from_hooks() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return launched_from_hooks_;
-}
-
-void GradReducer::reset_step() {
-  std::fill(ready_.begin(), ready_.end(), false);
-  for (auto& b : buckets_) {
-    b.pending = b.params.size();
-    b.handle = 0;
-    b.launched = false;
-  }
-  next_bucket_ = 0;
-}
-
-void GradReducer::begin_micro_step(bool sync) {
-  std::lock_guard<std::mutex> lk(mu_);
-  const bool started = next_bucket_ > 0 || std::find(ready_.begin(), ready_.end(), true) != ready_.end();
-  EO_CHECK(!started, "GradReducer::begin_micro_step: the previous synchronised micro-step's gradients were not "
-                     "finalised; call finalize() after the last micro-step's backward");
-  sync_ = sync;
-}
-
-void GradReducer::copy_in(std::size_t k, bool zeros_if_missing) {
-  const at::Tensor& p = params_[k].second;
-  Bucket& b = buckets_[bucket_of_[k]];
-  at::Tensor dst = b.flat.narrow(0, b.offsets[slot_of_[k]], p.numel()).view(p.sizes());
-  const at::Tensor& g = p.grad();
-  if (g.defined()) {
-    dst.copy_(g);
-  } else {
-    EO_CHECK(zeros_if_missing, "DDP parameter '", params_[k].first, "' fired its gradient hook without a gradient");
-    dst.zero_();
-  }
-}
-
-void GradReducer::launch_ready_in_order() {
-  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
-    Bucket& b = buckets_[next_bucket_];
-    std::ostringstream what;
-    what << "gradient bucket " << next_bucket_ << " (" << b.params.size() << " params from '"
-         << params_[b.params.front()].first << "')";
-    b.handle = comm_.allreduce_async(b.flat, options_.op, what.str());
-    b.launched = true;
-    ++next_bucket_;
-  }
-}
-
-// Autograd thread: p.grad() now holds this step's accumulated gradient.
-void GradReducer::on_grad_ready(std::size_t k) {
-  std::lock_guard<std::mutex> lk(mu_);
-  ++hook_firings_;
-  if (!sync_) return;  // gradient-accumulation micro-step: stay local
-  EO_CHECK(!ready_[k], "DDP parameter '", params_[k].first,
-           "' received its gradient twice in one synchronised backward; each trainable parameter may be "
-           "accumulated once per micro-step");
+// Copies the bucket's gradients in (zeros for a parameter without one) and starts its all-reduce.
+// Buckets launch strictly in index order, so every rank issues the same collectives in the same order.
+void GradReducer::launch(Bucket& b, std::size_t index) {
   at::NoGradGuard no_grad;
-  copy_in(k, /*zeros_if_missing=*/false);
-  ready_[k] = true;
-  const std::size_t launched_before = next_bucket_;
-  if (--buckets_[bucket_of_[k]].pending == 0) launch_ready_in_order();
-  launched_from_hooks_ += static_cast<std::int64_t>(next_bucket_ - launched_before);
+  for (std::size_t j = 0; j < b.plan.params.size(); ++j) {
+    const at::Tensor& p = params_[b.plan.params[j]].second;
+    at::Tensor dst = b.flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes());
+    if (p.grad().defined()) dst.copy_(p.grad());
+    else dst.zero_();
+  }
+  std::ostringstream what;
+  what << "gradient bucket " << index << " (block " << b.plan.block << ", " << b.plan.params.size() << " params from '"
+       << params_[b.plan.params.front()].first << "')";
+  b.handle = comm_.allreduce_async(b.flat, options_.op, what.str());
+  b.launched = true;
 }
 
-void GradReducer::prepare_for_backward(const at::Tensor& loss) {
+void GradReducer::block_done(int block) {
   if (comm_.size() == 1) return;
-  std::lock_guard<std::mutex> lk(mu_);
-  if (!sync_) return;
-  std::set<const torch::autograd::Node*> reachable;
-  std::vector<torch::autograd::Node*> stack;
-  if (loss.grad_fn()) stack.push_back(loss.grad_fn().get());
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    if (!reachable.insert(node).second) continue;
-    for (const auto& edge : node->next_edges())
-      if (edge.function) stack.push_back(edge.function.get());
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].plan.block >= block) {
+    launch(buckets_[next_bucket_], next_bucket_);
+    ++next_bucket_;
+    ++launched_early_;
   }
-  at::NoGradGuard no_grad;
-  for (std::size_t k = 0; k < params_.size(); ++k) {
-    if (ready_[k] || reachable.count(node_of(accumulators_[k]))) continue;
-    copy_in(k, /*zeros_if_missing=*/true);
-    ready_[k] = true;
-    --buckets_[bucket_of_[k]].pending;
-  }
-  launch_ready_in_order();
 }
 
 void GradReducer::finalize() {
-  std::lock_guard<std::mutex> lk(mu_);
-  EO_CHECK(sync_, "GradReducer::finalize after begin_micro_step(false): the last micro-step must be synchronised");
   at::NoGradGuard no_grad;
   if (comm_.size() == 1) {
     for (auto& [name, p] : params_)
       if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
     return;
   }
-  // Parameters that got no gradient in the last backward: their earlier micro-steps' gradient,
-  // or zeros. Same buckets, same order on every rank.
-  for (std::size_t bi = next_bucket_; bi < buckets_.size(); ++bi) {
-    Bucket& b = buckets_[bi];
-    for (std::size_t k : b.params) {
-      if (ready_[k]) continue;
-      copy_in(k, /*zeros_if_missing=*/true);
-      ready_[k] = true;
-    }
-    b.pending = 0;
-  }
-  launch_ready_in_order();
+  for (; next_bucket_ < buckets_.size(); ++next_bucket_) launch(buckets_[next_bucket_], next_bucket_);
   for (auto& b : buckets_) comm_.wait(b.handle);
-  for (std::size_t k = 0; k < params_.size(); ++k) {
-    at::Tensor& p = params_[k].second;
-    const Bucket& b = buckets_[bucket_of_[k]];
-    at::Tensor reduced = b.flat.narrow(0, b.offsets[slot_of_[k]], p.numel()).view(p.sizes());
-    if (p.grad().defined())
-      p.mutable_grad().copy_(reduced);
-    else
-      p.mutable_grad() = reduced.clone();
+  for (auto& b : buckets_) {
+    for (std::size_t j = 0; j < b.plan.params.size(); ++j) {
+      at::Tensor& p = params_[b.plan.params[j]].second;
+      at::Tensor reduced = b.flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes());
+      if (p.grad().defined()) p.mutable_grad().copy_(reduced);
+      else p.mutable_grad() = reduced.clone();
+    }
+    b.handle = 0;
+    b.launched = false;
   }
-  reset_step();
+  next_bucket_ = 0;
 }
 
 void broadcast_parameters(const std::vector<NamedTensor>& tensors, Communicator& comm, int root, std::int64_t chunk_bytes) {

@@ -1,29 +1,25 @@
-// Data-parallel gradient reduction, DDP-style (after c10d's Reducer): trainable parameters are
-// packed into fixed fp32 buckets in *reverse* order of use (the last-used parameters' gradients
-// are ready first in backward); a post-accumulate hook per parameter copies its gradient into its
-// bucket, and a bucket whose parameters are all ready is all-reduced right away, from the hook, so
-// communication overlaps the rest of backward. Buckets launch strictly in index order (a ready
-// bucket waits for its predecessors) so every rank issues the same collectives in the same order.
+// Data-parallel gradient reduction, after c10d's Reducer but driven by the step's schedule:
+// bucket assignment is a plain function (assign_buckets), communication sits behind the
+// Communicator, and the step runner says when gradients are final instead of autograd hooks.
 //
-// Unused parameters (an expert's LoRA that got no token on this rank) never fire a hook: finalize()
-// fills them with zeros and launches whatever is left, again in bucket order, so no rank hangs.
+//  - Buckets: trainable parameters only, fp32, grouped by decoder block from the top block down
+//    (backward finishes the top block first), in reverse order of use inside a block, at most
+//    bucket_cap_bytes each (a larger parameter goes alone). A bucket never spans two blocks.
+//  - block_done(b): the runner calls it after block b's last backward use of the step (with the
+//    layer-major schedule: after its last micro-batch), when the gradients of every block >= b are
+//    final. Their buckets are copied in and all-reduced at once (non-blocking), overlapping the
+//    backward of the blocks below.
+//  - Unused parameters (an expert's LoRA that got no token on this rank) have no gradient: they
+//    are sent as zeros, so every rank launches the same buckets in the same order (invariant).
+//  - finalize(): launches what is left, waits, writes the reduced gradients into every p.grad().
 // Only what the caller passes is ever reduced: frozen / offloaded weights never enter a bucket.
-//
-// Launch site: the hook (autograd thread) launches the collective itself, under the reducer's and
-// the communicator's mutexes. For MPI that is a non-blocking MPI_Iallreduce — MPI is still entered
-// by one thread at a time (MPI_THREAD_SERIALIZED) because the owning thread sits in backward() and
-// every communicator call is serialised by its mutex; for NCCL it is an async launch on the comm
-// stream. Queueing to finalize() instead would forfeit all overlap.
-//
-// Use per optimizer step: for each micro-batch begin_micro_step(sync = is_last), forward,
-// [prepare_for_backward(loss) on the last one], backward; then finalize() once.
+// All calls come from the thread that runs the step.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,62 +35,55 @@ struct ReducerOptions {
   ReduceOp op = ReduceOp::kSum;  // the trainer sums: it already divides by the global token count
 };
 
+// One bucket: indices into the parameter list, in bucket order, and the block they belong to.
+struct BucketPlan {
+  std::vector<std::size_t> params;
+  int block = 0;
+  std::int64_t numel = 0;
+};
+// `sizes[k]`, `blocks[k]`: element count and block of parameter k, given in order of use.
+std::vector<BucketPlan> assign_buckets(const std::vector<std::int64_t>& sizes, const std::vector<int>& blocks,
+                                       std::int64_t cap_bytes);
+
 class GradReducer {
  public:
   // `params_in_use_order`: trainable fp32 leaf tensors (requires_grad) on the communicator's
-  // device, in the order forward first uses them.
-  GradReducer(std::vector<NamedTensor> params_in_use_order, Communicator& comm, ReducerOptions options = {});
-  ~GradReducer();
+  // device, in the order forward first uses them; `blocks[k]`: the decoder block of parameter k
+  // (empty: all in one block).
+  GradReducer(std::vector<NamedTensor> params_in_use_order, Communicator& comm, ReducerOptions options = {},
+              std::vector<int> blocks = {});
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
-  // sync = false: gradients only accumulate locally (no communication this micro-step).
-  void begin_micro_step(bool sync);
-  // Optional, on the synchronised micro-step, before loss.backward(): walks the autograd graph from
-  // `loss` and marks the parameters it cannot reach as ready now (their gradient so far, or zeros),
-  // as c10d's find_unused_parameters does, so an unused expert LoRA does not hold back the buckets
-  // behind it until finalize(). Results are identical with or without it; only overlap differs.
-  void prepare_for_backward(const at::Tensor& loss);
-  // After the last micro-step's backward: launch what is left, wait, write the reduced gradients
-  // into every p.grad() (creating zero gradients where a parameter had none).
+  // The gradients of every block >= `block` are final for this step: launch their buckets.
+  void block_done(int block);
+  // After the step's backward: launch what is left, wait, write the reduced gradients into every
+  // p.grad() (creating zero gradients where a parameter had none). Starts the next step.
   void finalize();
 
   // Introspection for tests and logs.
   std::size_t num_buckets() const { return buckets_.size(); }
   std::vector<std::string> bucket_param_names(std::size_t bucket) const;
   std::int64_t bucket_bytes(std::size_t bucket) const;
-  std::int64_t hook_firings() const;            // post-accumulate hooks that ran, since construction
-  std::int64_t launched_from_hooks() const;     // buckets launched during backward, since construction
+  int bucket_block(std::size_t bucket) const { return buckets_.at(bucket).plan.block; }
+  std::int64_t launched_early() const { return launched_early_; }  // buckets launched by block_done, since construction
 
  private:
   struct Bucket {
-    std::vector<std::size_t> params;  // indices into params_, in bucket order
-    std::vector<std::int64_t> offsets;
-    at::Tensor flat;                  // one fp32 buffer
-    std::size_t pending = 0;          // parameters not ready yet this step
+    BucketPlan plan;
+    std::vector<std::int64_t> offsets;  // of each parameter inside flat
+    at::Tensor flat;                    // one fp32 buffer
     std::uint64_t handle = 0;
     bool launched = false;
   };
-  void on_grad_ready(std::size_t param);
-  void copy_in(std::size_t param, bool zeros_if_missing);
-  void launch_ready_in_order();
-  void reset_step();
+  void launch(Bucket& b, std::size_t index);
 
   std::vector<NamedTensor> params_;
-  std::vector<std::size_t> bucket_of_;  // param index -> bucket index
-  std::vector<std::size_t> slot_of_;    // param index -> position inside its bucket
   std::vector<Bucket> buckets_;
   Communicator& comm_;
   ReducerOptions options_;
-  mutable std::mutex mu_;
-  bool sync_ = true;
-  std::vector<bool> ready_;
   std::size_t next_bucket_ = 0;  // buckets below this one have been launched this step
-  std::int64_t hook_firings_ = 0;
-  std::int64_t launched_from_hooks_ = 0;
-  // The accumulators must outlive the graphs, or the hooks registered on them are lost.
-  std::vector<std::shared_ptr<void>> accumulators_;
-  std::vector<std::uintptr_t> hook_keys_;
+  std::int64_t launched_early_ = 0;
 };
 
 // Initial sync: every tensor (LoRA params, resident frozen params, buffers — never expert homes)

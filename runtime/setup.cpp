@@ -1,0 +1,320 @@
+#include "runtime/setup.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
+
+#include <chrono>
+#include <cmath>
+#include <map>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/text.h"
+#include "models/moe_model.h"
+#include "offload/engine.h"
+#include "offload/host_memory.h"
+#include "runtime/data/batcher.h"
+#include "runtime/data/jsonl.h"
+#include "runtime/data/tokens.h"
+#include "runtime/device.h"
+#include "runtime/dist/comm.h"
+#include "runtime/dist/reducer.h"
+#include "runtime/dist/world.h"
+#include "runtime/optimizer.h"
+#include "runtime/plan.h"
+#include "runtime/train_state.h"
+
+namespace eo {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The decoder block a LoRA parameter belongs to, from its peft name (...model.layers.<i>....).
+int block_of_parameter(const std::string& name) {
+  const std::string key = ".layers.";
+  const auto at = name.find(key);
+  EO_CHECK(at != std::string::npos, "LoRA parameter ", name, " names no decoder layer (.layers.<i>.)");
+  return std::stoi(name.substr(at + key.size()));
+}
+
+// The config's datasets as one document source; token ids are checked against the vocabulary
+// here, before training starts, with the file and line that is wrong.
+std::shared_ptr<const data::DocumentSource> load_documents(const TrainConfig& cfg, std::int64_t vocab) {
+  std::vector<std::shared_ptr<const data::DocumentSource>> parts;
+  for (const auto& d : cfg.datasets) {
+    if (d.type == "tokens") {
+      parts.push_back(std::make_shared<data::TokenFileDocuments>(d.path, data::parse_token_dtype(d.dtype, d.path),
+                                                                 d.eos_token_id, cfg.sequence_len, vocab));
+    } else {
+      std::vector<data::Example> examples;
+      for (auto& line : data::read_tokenized_jsonl(d.path, vocab)) {
+        data::Example e;
+        e.input_ids.assign(line.input_ids.begin(), line.input_ids.end());
+        e.labels.assign(line.labels.begin(), line.labels.end());
+        examples.push_back(std::move(e));
+      }
+      parts.push_back(std::make_shared<data::InMemoryDocuments>(std::move(examples), d.path));
+    }
+  }
+  if (parts.size() == 1) return parts[0];
+  return std::make_shared<data::ConcatDocuments>(std::move(parts));
+}
+
+// Moves the model's NF4 experts into this rank's homes and streams them from there.
+std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const TrainConfig& cfg, const at::Device& device) {
+  auto* resident = dynamic_cast<model::ResidentWeights*>(&model.weight_provider());
+  EO_CHECK(resident, "expert_offload: the model's experts are not held by a ResidentWeights store");
+  bool any = false;
+  for (const auto& layer : resident->bank()) any |= !layer.empty();
+  if (!any)
+    throw UsageError("expert_offload: true, but " + model.config().model_type + " checkpoint " + cfg.base_model +
+                     " has no MoE expert blocks (looked for layers whose config makes them sparse — num_experts > 0, "
+                     "decoder_sparse_step, mlp_only_layers — with " + model.config().moe_prefix() +
+                     ".experts.* weights); set expert_offload: false");
+  offload::OffloadOptions oo;
+  oo.device = device;
+  oo.pin_memory = cfg.expert_offload_pin_memory;
+  oo.prefetch = cfg.expert_offload_prefetch;
+  oo.prefetch_depth = cfg.expert_offload_prefetch_depth;
+  const std::string& budget = cfg.expert_offload_vram_budget;
+  if (budget == "auto") {
+    // Sized after the first step, once the activation peak is known (see size_auto_budget).
+    oo.vram_budget_bytes = 0;
+  } else {
+    oo.vram_budget_bytes = static_cast<std::int64_t>(parse_bytes(budget).value_or(0));
+  }
+  if (!device.is_cuda() && oo.vram_budget_bytes > 0)
+    log::info("expert_offload_vram_budget applies to GPU memory; on the CPU the 'device' slots are host memory too");
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(resident->bank()), oo);
+  model.set_weight_provider(off);
+  return off;
+}
+
+// Before any weight is read: the homes of every rank on this node must fit in the host RAM (and
+// cgroup limit) available. Every rank measures, then the job takes the smallest measurement — an
+// all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
+void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world) {
+  const model::ModelConfig mc = model::load_config(cfg.base_model);
+  const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant);
+  offload::HostMemory mem = offload::host_memory_available();
+  double v[2] = {-(mem.available < 0 ? 1e18 : double(mem.available)),
+                 double(world.info().local_size)};
+  world.allreduce_max(v, 2);
+  const auto smallest = static_cast<std::int64_t>(-v[0]);
+  if (mem.available >= 0 && smallest < mem.available) {
+    mem.available = smallest;
+    mem.source += ", the smallest of all ranks";
+  }
+  const int ranks_on_node = static_cast<int>(v[1]);
+  offload::check_homes_fit(per_rank, ranks_on_node, mem);
+  log::info("host memory: expert homes need " + human_bytes(double(per_rank)) + " per rank x " + std::to_string(ranks_on_node) +
+            " rank(s) on the node; " + (mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) +
+            " available (" + mem.source + ")"));
+}
+
+// Before any weight is read: cap the allocator (device_memory_limit) and refuse a run whose
+// planned peak cannot fit, with the plan's numbers instead of an out-of-memory error mid-step.
+// On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
+void check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
+  const MemoryPlan plan = plan_memory(cfg, model::load_config(cfg.base_model), bf16, local_size, device.is_cuda());
+  if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
+  double available = 0;
+  std::string what;
+  if (cfg.device_memory_limit > 0) {
+    available = double(cfg.device_memory_limit);
+    what = "device_memory_limit " + human_bytes(available);
+  } else if (device.is_cuda()) {
+    available = double(free_device_memory(device));
+    what = human_bytes(available) + " free on " + describe_device(device);
+  } else {
+    return;
+  }
+  log::info("memory plan: peak " + human_bytes(plan.device_peak) + " of " + what +
+            (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
+  if (plan.device_peak <= available) return;
+  std::string fixes;
+  if (!cfg.expert_offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
+  fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
+  throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " of device memory, " + what +
+                   ".\n" + describe_plan(plan, available) + "Try " + fixes + ". (eo-ddp plan --config F --vram SIZE "
+                   "shows the plan without starting.)");
+}
+
+}  // namespace
+
+Run::Run() = default;
+Run::~Run() = default;
+Run::Run(Run&&) noexcept = default;
+
+NamedTensors rng_state(const at::Device& device) {
+  NamedTensors out;
+  out.emplace_back("cpu", at::detail::getDefaultCPUGenerator().get_state());
+  if (device.is_cuda()) out.emplace_back("cuda", at::globalContext().defaultGenerator(device).get_state());
+  return out;
+}
+
+void restore_rng(const NamedTensors& state, const at::Device& device) {
+  for (const auto& [name, t] : state) {
+    if (name == "cpu") at::Generator(at::detail::getDefaultCPUGenerator()).set_state(t);  // copy shares the impl
+    if (name == "cuda" && device.is_cuda()) {
+      at::Generator g = at::globalContext().defaultGenerator(device);
+      g.set_state(t);
+    }
+  }
+}
+
+// expert_offload_vram_budget: auto. After the first step: what the device can still give, less the
+// step's activation peak (it recurs every step) and a safety margin, becomes resident blocks.
+void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, std::int64_t step_start_allocated) {
+  if (!device.is_cuda()) {
+    log::info("expert_offload_vram_budget: auto keeps every block streamed on the CPU (no device memory to fill)");
+    return;
+  }
+  synchronize(device);
+  const std::int64_t activation_peak = std::max<std::int64_t>(0, peak_memory_bytes(device) - step_start_allocated);
+  const std::int64_t margin = std::int64_t(512) << 20;
+  const std::int64_t budget = free_device_memory(device) - activation_peak - margin;
+  const int n = budget > 0 ? off.promote_resident(budget) : 0;
+  log::info("expert_offload_vram_budget: auto -> " + human_bytes(double(std::max<std::int64_t>(0, budget))) + " free after a " +
+            human_bytes(double(activation_peak)) + " activation peak: " + std::to_string(n) + " more block(s) resident (" +
+            std::to_string(off.resident_layers().size()) + " in all)");
+}
+
+Run setup_run(const TrainConfig& cfg, dist::World& world) {
+  Run run;
+  const auto& wi = world.info();
+  run.device = pick_device(wi.local_rank, wi.local_size);
+  const at::Device device = run.device;
+  run.bf16 = config_use_bf16(cfg, device.is_cuda());
+  const bool bf16 = run.bf16;
+  at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
+  check_memory_plan(cfg, device, bf16, wi.local_size);
+  const auto t_load = Clock::now();
+  if (cfg.expert_offload) check_host_memory_for_homes(cfg, world);
+
+  // ---- data: read and checked before any weight, so a bad file costs no loading time
+  auto docs = load_documents(cfg, model::load_config(cfg.base_model).vocab);
+  data::BatcherOptions bo;
+  bo.sequence_len = cfg.sequence_len;
+  bo.sample_packing = cfg.sample_packing;
+  bo.micro_batch_size = cfg.micro_batch_size;
+  bo.seed = cfg.seed;
+  bo.rank = wi.rank;
+  bo.world_size = wi.world_size;
+  run.batcher = std::make_unique<data::Batcher>(docs, bo);
+  data::Batcher& batcher = *run.batcher;
+  const std::int64_t per_epoch = batcher.num_batches_per_epoch();
+  const std::int64_t accum = cfg.gradient_accumulation_steps;
+  run.accum = accum;
+  if (per_epoch < accum)  // one optimizer step would see some sequences twice
+    throw UsageError("dataset " + docs->name() + " has " + std::to_string(batcher.num_sequences()) + " sequences of " +
+                     std::to_string(cfg.sequence_len) + " tokens; one optimizer step needs " +
+                     std::to_string(cfg.micro_batch_size * accum * wi.world_size) + " (micro_batch_size " +
+                     std::to_string(cfg.micro_batch_size) + " x gradient_accumulation_steps " + std::to_string(accum) + " x " +
+                     std::to_string(wi.world_size) + " ranks). Add data or lower micro_batch_size, gradient_accumulation_steps "
+                     "or the number of ranks.");
+  const std::int64_t total_steps = run.total_steps =
+      cfg.max_steps ? *cfg.max_steps
+                    : std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(cfg.num_epochs * double(per_epoch) / double(accum))));
+  run.warmup = resolve_warmup_steps(cfg, total_steps);
+  log::info("data: " + std::to_string(docs->num_documents()) + " documents -> " + std::to_string(batcher.num_sequences()) +
+            " sequences of " + std::to_string(cfg.sequence_len) + " tokens; " + std::to_string(per_epoch) +
+            " micro-batches per epoch; " + std::to_string(total_steps) + " optimizer steps");
+
+  // ---- model
+  model::LoadOptions lo;
+  lo.dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  lo.load_in_4bit = cfg.load_in_4bit;
+  lo.blocksize = cfg.bnb_4bit_blocksize;
+  lo.double_quant = cfg.bnb_4bit_use_double_quant;
+  lo.device = device;
+  lo.experts_on_host = cfg.expert_offload;
+  if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);
+  log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
+            describe_device(device) + ", " + (bf16 ? "bf16" : "fp32") + " compute");
+  run.model = model::MoeModel::load(cfg.base_model, lo);
+  auto& model = run.model;
+  const auto& mc = model->config();
+  if (cfg.expert_offload) run.offloader = start_offload(*model, cfg, device);
+  const auto& offloader = run.offloader;
+  model::LoraSpec spec;
+  spec.r = cfg.lora_r;
+  spec.alpha = cfg.lora_alpha;
+  spec.dropout = cfg.lora_dropout;
+  spec.use_rslora = cfg.peft_use_rslora;
+  spec.targets = cfg.lora_target_modules;
+  spec.seed = static_cast<std::uint64_t>(cfg.seed);
+  model->add_lora(spec);
+  run.lora = model->lora_parameters();
+  const NamedTensors& lora = run.lora;
+  EO_CHECK(!lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
+           join(cfg.lora_target_modules, ", "), "]");
+  std::int64_t trainable = 0;
+  for (const auto& [n, p] : lora) {
+    trainable += p.numel();
+    run.lora_blocks.push_back(block_of_parameter(n));
+  }
+  log::info("model " + mc.model_type + ": " + std::to_string(model->num_layers()) + " layers, LoRA r=" +
+            std::to_string(cfg.lora_r) + " on " + std::to_string(lora.size() / 2) + " modules (" +
+            std::to_string(trainable) + " trainable parameters); loaded in " + std::to_string(seconds_since(t_load)).substr(0, 5) + " s");
+
+  // ---- optimizer and resume
+  run.optimizer = std::make_unique<Optimizer>(lora, cfg);
+  std::string resume = cfg.resume_from_checkpoint;
+  if (resume == "auto") {
+    auto latest = latest_checkpoint(cfg.output_dir);
+    resume = latest.value_or("");
+    if (!latest) log::info("resume_from_checkpoint: auto found no checkpoint in " + cfg.output_dir + "; starting fresh");
+  }
+  if (!resume.empty()) {
+    TrainingState s = load_checkpoint(resume);
+    std::map<std::string, at::Tensor> saved(s.lora.begin(), s.lora.end());
+    for (const auto& [n, p] : lora) {
+      auto it = saved.find(n);
+      EO_CHECK(it != saved.end(), "checkpoint ", resume, " has no tensor ", n, " (different model or lora_target_modules?)");
+      EO_CHECK(it->second.sizes() == p.sizes(), "checkpoint ", resume, ": ", n, " has shape ", it->second.sizes(),
+               ", the model ", p.sizes(), " (different lora_r?)");
+      at::NoGradGuard ng;
+      p.copy_(it->second);
+    }
+    EO_CHECK(saved.size() == lora.size(), "checkpoint ", resume, " has ", saved.size(), " LoRA tensors, the model ", lora.size());
+    run.optimizer->load_state(std::map<std::string, at::Tensor>(s.optimizer.begin(), s.optimizer.end()));
+    restore_rng(s.rng, device);
+    batcher.restore(s.data_cursor);
+    run.step = s.step;
+    run.resumed_from = resume;
+    run.resumed_extra = s.extra.is_object() ? s.extra : nlohmann::json::object();
+    log::info("resumed from " + resume + " at step " + std::to_string(run.step));
+  }
+
+  // ---- data parallel: rank 0's LoRA everywhere, homes checked equal, gradients in buckets.
+  // The expert homes are never sent: each rank loaded them itself; a checksum proves they agree.
+  run.comm = std::make_unique<dist::Communicator>(world, device, cfg.ddp_timeout);
+  dist::Communicator& comm = *run.comm;
+  if (wi.world_size > 1) {
+    {
+      at::NoGradGuard ng;
+      dist::broadcast_parameters(lora, comm, 0);
+    }
+    if (offloader) {
+      std::vector<dist::HostBytes> homes;
+      for (const auto& [ptr, n] : offloader->home_ranges()) homes.push_back({ptr, n});
+      dist::check_same_bytes(homes, comm, "expert homes (did every rank load the same checkpoint?)");
+    }
+    log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" +
+              (offloader ? ", expert homes identical on every rank (" + human_bytes(double(offloader->home_bytes())) +
+                               " pinned per rank, " + human_bytes(double(offloader->home_bytes()) * wi.local_size) + " on this node)"
+                         : std::string()));
+  }
+  dist::ReducerOptions ro;
+  ro.bucket_cap_bytes = static_cast<std::int64_t>(cfg.ddp_bucket_cap_mb) << 20;
+  ro.op = dist::ReduceOp::kSum;  // the loss is already normalised by the global token count
+  if (wi.world_size > 1) run.reducer = std::make_unique<dist::GradReducer>(lora, comm, ro, run.lora_blocks);
+  run.aux_coef = cfg.router_aux_loss_coef.value_or(mc.router_aux_loss_coef);
+  return run;
+}
+
+}  // namespace eo

@@ -1,0 +1,72 @@
+// Everything a training run needs before its first step, in the order that loses the least when
+// something is wrong: device and memory plan, host RAM for the expert homes, data (read and
+// checked against the vocabulary), then the model, offload, LoRA, optimizer, resume, and the
+// data-parallel start (rank 0's LoRA broadcast, the homes' checksum, gradient buckets).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/config.h"
+
+namespace eo {
+
+namespace dist {
+class World;
+class Communicator;
+class GradReducer;
+}  // namespace dist
+namespace data {
+class Batcher;
+}
+namespace model {
+class MoeModel;
+}
+namespace offload {
+class ExpertOffloader;
+}
+class Optimizer;
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+struct Run {
+  at::Device device = at::kCPU;
+  bool bf16 = false;
+  std::int64_t accum = 1;        // micro-batches per optimizer step (gradient_accumulation_steps)
+  std::int64_t total_steps = 0;  // optimizer steps of the whole run
+  std::int64_t warmup = 0;       // LR warm-up steps
+  std::unique_ptr<data::Batcher> batcher;
+  std::unique_ptr<model::MoeModel> model;
+  std::shared_ptr<offload::ExpertOffloader> offloader;  // null without expert_offload
+  NamedTensors lora;             // trainable parameters in order of use
+  std::vector<int> lora_blocks;  // the decoder block of each
+  std::unique_ptr<Optimizer> optimizer;
+  std::int64_t step = 0;         // steps done (a resumed run starts after its checkpoint)
+  std::string resumed_from;      // checkpoint folder, or empty
+  nlohmann::json resumed_extra = nlohmann::json::object();  // counters saved in the checkpoint
+  std::unique_ptr<dist::Communicator> comm;
+  std::unique_ptr<dist::GradReducer> reducer;  // null in a world of one
+  double aux_coef = 0;           // router_aux_loss_coef in effect
+
+  Run();
+  ~Run();
+  Run(Run&&) noexcept;
+};
+
+Run setup_run(const TrainConfig& cfg, dist::World& world);
+
+// The RNG state a checkpoint saves, and its restore.
+NamedTensors rng_state(const at::Device& device);
+void restore_rng(const NamedTensors& state, const at::Device& device);
+
+// expert_offload_vram_budget: auto, after the first step: what the device can still give, less
+// the step's activation peak and a margin, becomes budget-resident blocks.
+void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, std::int64_t step_start_allocated);
+
+}  // namespace eo

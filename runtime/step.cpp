@@ -1,0 +1,232 @@
+#include "runtime/step.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <limits>
+#include <mutex>
+
+#include "common/error.h"
+#include "models/moe_model.h"
+#include "offload/activations.h"
+#include "runtime/data/batcher.h"
+#include "runtime/dist/reducer.h"
+
+namespace eo {
+namespace {
+
+using Kind = BlockUse::Kind;
+
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// One draw of the global CPU generator per step: the step's RNG stream depends on nothing else, so
+// a resumed run (which restores the generator) draws the same masks.
+std::uint64_t draw_step_seed() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
+}
+
+// For the scope of one (block, micro-batch) use: the CPU generator and the device's generator are
+// seeded from (step seed, block, micro-batch); the states they had are put back afterwards.
+class UseRng {
+ public:
+  UseRng(bool active, std::uint64_t step_seed, int block, int micro, const at::Device& device) : active_(active) {
+    if (!active_) return;
+    const std::uint64_t seed = splitmix64(step_seed ^ splitmix64((std::uint64_t(block) << 32) | std::uint32_t(micro)));
+    gens_.push_back(at::detail::getDefaultCPUGenerator());
+    if (device.is_cuda()) gens_.push_back(at::globalContext().defaultGenerator(device));
+    for (auto& g : gens_) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      saved_.push_back(g.get_state());
+      g.set_current_seed(seed);
+    }
+  }
+  ~UseRng() {
+    for (std::size_t i = 0; i < saved_.size(); ++i) {
+      std::lock_guard<std::mutex> lock(gens_[i].mutex());
+      gens_[i].set_state(saved_[i]);
+    }
+  }
+  UseRng(const UseRng&) = delete;
+  UseRng& operator=(const UseRng&) = delete;
+
+ private:
+  bool active_;
+  std::vector<at::Generator> gens_;
+  std::vector<at::Tensor> saved_;
+};
+
+// True when every row of a micro-batch's segment ids is one document (no packing boundary, no padding).
+bool single_document_rows(const at::Tensor& segment_ids) {
+  if (!segment_ids.defined() || segment_ids.numel() == 0) return true;
+  const at::Tensor seg = segment_ids.to(at::kCPU);
+  return (seg == seg.narrow(1, 0, 1)).all().item<bool>();
+}
+
+// A graph kept from Forward to Backward (no checkpointing).
+struct KeptGraph {
+  at::Tensor input;   // the leaf the block ran on
+  at::Tensor output;  // with its graph
+  at::Tensor router_logits;  // with its graph (aux loss)
+};
+
+}  // namespace
+
+StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int micro_batches, dist::GradReducer* reducer)
+    : model_(model), options_(options), reducer_(reducer) {
+  // Without checkpointing a layer-major step would keep g micro-batches' graphs: run micro-batch-major.
+  const StepOrder order = options_.checkpointing ? options_.order : StepOrder::MicroBatchMajor;
+  EO_CHECK(options_.checkpointing || !options_.activation_offloading,
+           "activation_offloading parks checkpointed block inputs: it needs gradient_checkpointing");
+  schedule_ = make_step_schedule(model_.num_layers(), micro_batches, order);
+  last_backward_ = schedule_.last_backward_use();
+  std::vector<bool> moe(model_.num_layers());
+  for (int i = 0; i < model_.num_layers(); ++i) moe[i] = model_.block(i).is_moe();
+  model_.weight_provider().set_schedule(schedule_.staging_order(moe));
+  const at::Device device = model_.options().device;
+  store_ = std::make_unique<offload::ActivationStore>(device, options_.activation_offloading);
+}
+
+StepRunner::~StepRunner() { model_.weight_provider().set_schedule({}); }
+
+std::int64_t StepRunner::peak_checkpoint_bytes() const { return store_->peak_device_bytes(); }
+std::int64_t StepRunner::checkpoint_host_bytes() const { return store_->host_bytes(); }
+
+StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double global_tokens,
+                           const std::function<bool(int)>& poison) {
+  const int g = schedule_.micro_batches, n = schedule_.blocks;
+  EO_CHECK(static_cast<int>(micro.size()) == g, "step: ", micro.size(), " micro-batches for a schedule of ", g);
+  const at::Device device = model_.options().device;
+  const std::uint64_t step_seed = options_.random_blocks ? draw_step_seed() : 0;
+  const auto& mc = model_.config();
+
+  // Per micro-batch: labels and the blocks' context on the device, the embedded hidden state.
+  std::vector<at::Tensor> labels(g), hidden(g), dh(g);
+  std::vector<model::BlockContext> ctx(g);
+  StepLosses out;
+  for (int m = 0; m < g; ++m) {
+    const data::MicroBatch& mb = micro[m];
+    model::Batch b;
+    b.input_ids = mb.input_ids.to(device);
+    b.positions = mb.position_ids.to(device);
+    // Rows holding one document need no mask: plain causal attention takes the fused kernel.
+    if (!single_document_rows(mb.segment_ids)) b.segment_ids = mb.segment_ids.to(device, at::kLong);
+    ctx[m] = model_.context(b, /*training=*/true);
+    labels[m] = mb.labels.to(device);
+    at::NoGradGuard no_grad;
+    hidden[m] = model_.embed(mb.input_ids);  // host ids: the table may be host-held
+    out.tokens += mb.num_target_tokens;
+  }
+  // Router logits of every (block, micro-batch) for the aux loss, and their gradients.
+  std::vector<std::vector<at::Tensor>> logits(n, std::vector<at::Tensor>(g)), dlogits = logits;
+  std::vector<std::vector<KeptGraph>> kept(n, std::vector<KeptGraph>(g));
+  at::Tensor ce_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+  at::Tensor aux_sum = options_.aux_loss ? at::zeros_like(ce_sum) : at::Tensor();
+
+  // Runs block i on micro-batch m; `router` receives its router logits (MoE blocks) when set.
+  auto run_block = [&](int i, int m, const at::Tensor& x, at::Tensor* router) {
+    std::vector<at::Tensor> captured;
+    model::BlockContext c = ctx[m];
+    c.router_logits = router ? &captured : nullptr;
+    UseRng rng(options_.random_blocks, step_seed, i, m, device);
+    at::Tensor y = model_.block(i).forward(x, c);
+    if (router && !captured.empty()) *router = captured.front();
+    return y;
+  };
+
+  int staged_last = -1;  // the block of the previous use: consecutive uses of a block stage it once
+  for (std::size_t k = 0; k < schedule_.uses.size(); ++k) {
+    const BlockUse& u = schedule_.uses[k];
+    if (u.kind != Kind::Loss && u.block != staged_last) {
+      staged_last = u.block;
+      if (model_.block(u.block).is_moe()) model_.weight_provider().stage(u.block);
+      if (u.kind == Kind::Backward && u.block > 0) store_->prefetch(u.block - 1);
+    }
+    const int i = u.block, m = u.micro;
+    at::Tensor* router = options_.aux_loss && i >= 0 && model_.block(i).is_moe() ? &logits[i][m] : nullptr;
+    switch (u.kind) {
+      case Kind::Forward: {
+        if (options_.checkpointing) {
+          store_->put(i, m, hidden[m]);
+          at::NoGradGuard no_grad;
+          hidden[m] = run_block(i, m, hidden[m], router);
+        } else {
+          KeptGraph& kg = kept[i][m];
+          kg.input = i > 0 ? hidden[m].detach().requires_grad_(true) : hidden[m];
+          kg.output = run_block(i, m, kg.input, router ? &kg.router_logits : nullptr);
+          hidden[m] = kg.output.detach();
+          if (router) logits[i][m] = kg.router_logits.detach();
+        }
+        break;
+      }
+      case Kind::Loss: {
+        const at::Tensor h = hidden[m].detach().requires_grad_(true);
+        hidden[m] = at::Tensor();
+        at::Tensor ce = model_.loss_sum(h, labels[m]);
+        if (poison && poison(m)) ce = ce * std::numeric_limits<double>::quiet_NaN();
+        at::Tensor loss = ce / global_tokens;
+        std::vector<at::Tensor> leaves;  // the router logits of every MoE block, as leaves
+        std::vector<int> leaf_block;
+        if (options_.aux_loss) {
+          for (int b = 0; b < n; ++b)
+            if (logits[b][m].defined()) {
+              leaves.push_back(logits[b][m].detach().requires_grad_(true));
+              leaf_block.push_back(b);
+              logits[b][m] = at::Tensor();
+            }
+          if (!leaves.empty()) {
+            const at::Tensor aux = model::load_balancing_loss(leaves, mc.experts, mc.top_k, at::Tensor());
+            loss = loss + aux * options_.aux_coef;
+            aux_sum.add_(aux.detach().to(at::kDouble));
+          }
+        }
+        loss.backward();
+        dh[m] = h.grad();
+        for (std::size_t j = 0; j < leaves.size(); ++j) dlogits[leaf_block[j]][m] = leaves[j].grad();
+        ce_sum.add_(ce.detach().to(at::kDouble));
+        break;
+      }
+      case Kind::Backward: {
+        std::vector<at::Tensor> roots, grads;
+        at::Tensor input;
+        if (options_.checkpointing) {
+          const at::Tensor x = store_->take(i, m);
+          input = i > 0 ? x.detach().requires_grad_(true) : x;
+          at::Tensor recomputed_logits;
+          roots.push_back(run_block(i, m, input, router ? &recomputed_logits : nullptr));
+          if (router && recomputed_logits.defined()) roots.push_back(recomputed_logits);
+        } else {
+          KeptGraph& kg = kept[i][m];
+          input = kg.input;
+          roots.push_back(kg.output);
+          if (router && kg.router_logits.defined()) roots.push_back(kg.router_logits);
+          kg = KeptGraph{};
+        }
+        grads.push_back(dh[m]);
+        if (roots.size() > 1) {
+          EO_CHECK(dlogits[i][m].defined(), "step: block ", i, " has router logits but no aux-loss gradient for them");
+          grads.push_back(dlogits[i][m]);
+          dlogits[i][m] = at::Tensor();
+        }
+        torch::autograd::backward(roots, grads);
+        dh[m] = i > 0 ? input.grad() : at::Tensor();
+        if (reducer_ && k == last_backward_[i]) reducer_->block_done(i);
+        break;
+      }
+    }
+  }
+  out.ce_sum = ce_sum;
+  out.aux_sum = aux_sum;
+  return out;
+}
+
+}  // namespace eo
