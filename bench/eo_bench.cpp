@@ -10,6 +10,8 @@
 //          activation_offloading, ":mm" the micro-batch-major step order (":park:mm" both)
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe)
+//   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
+//                its GPU time by phase (bench/breakdown.h)
 //
 // Each (point, mode) is a real eo::train() run (the CLI's code path) whose metrics.jsonl is read
 // back: median step time over the steps after warm-up, allocator peak VRAM, staged bytes, H2D
@@ -25,6 +27,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -39,6 +42,7 @@
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
 #include "runtime/trainer.h"
+#include "bench/breakdown.h"
 
 #ifdef EO_WITH_CUDA
 #include <cuda_runtime.h>
@@ -128,6 +132,25 @@ std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_
   return path;
 }
 
+// Useful FLOPs of one step (frozen weights: forward, the recompute and the input-gradient backward,
+// no weight gradients), for the breakdown's achieved rates: the expert GEMMs, the attention
+// projections, and in all (+ attention scores, causal, and the LM head's forward and backward).
+std::map<std::string, double> useful_flops(const model::ModelConfig& c, const TrainConfig& cfg) {
+  const double tokens = double(cfg.sequence_len) * cfg.micro_batch_size * cfg.gradient_accumulation_steps;
+  const double H = double(c.hidden), qd = double(c.heads * c.head_dim), kvd = double(c.kv_heads * c.head_dim);
+  double moe_layers = 0;
+  for (int i = 0; i < c.layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
+  const double dense_layers = double(c.layers) - moe_layers;
+  const double passes = 3;  // forward, recompute, dX
+  const double experts = tokens * moe_layers * double(c.top_k) * 3 * 2 * H * double(c.expert_width) * passes;
+  const double dense = tokens * dense_layers * 3 * 2 * H * double(c.dense_width) * passes;
+  const double proj = tokens * double(c.layers) * 2 * H * (2 * qd + 2 * kvd) * passes;
+  // QK^T and PV over the causal half, forward twice (forward, recompute), backward ~2x forward.
+  const double attn = tokens * double(c.layers) * 2 * 2 * (double(cfg.sequence_len) / 2) * qd * 4;
+  const double head = tokens * 2 * H * double(c.vocab) * 2;
+  return {{"grouped GEMM (experts)", experts}, {"", experts + dense + proj + attn + head}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -143,6 +166,8 @@ int main(int argc, char** argv) {
   const auto modes = split(arg(argc, argv, "--modes", "resident,sync,prefetch,budget"), ',');
   const std::string json_out = arg(argc, argv, "--json", "");
   const int accum = std::stoi(arg(argc, argv, "--accum", "1"));
+  bool breakdown = false;
+  for (int i = 1; i < argc; ++i) breakdown = breakdown || std::string(argv[i]) == "--breakdown";
   const std::string targets = arg(argc, argv, "--targets", "attn") == "all"
                                   ? "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
                                   : "[q_proj, k_proj, v_proj, o_proj]";
@@ -198,7 +223,23 @@ int main(int argc, char** argv) {
         row.plan_vram = plan.device_peak;
         row.pinned = plan.host_pinned;
         remove_tree(cfg.output_dir);  // common/files.h (std::filesystem::remove_all crashes in the CUDA build)
-        train(cfg, world);
+        TrainHooks hooks;
+        bench::StepProfiler profiler;
+        std::string table;
+        if (breakdown) {
+          const std::int64_t profiled = warmup + 1;
+          hooks.before_step = [&profiler, profiled](std::int64_t s, int) {
+            if (s == profiled) profiler.start();
+            return false;
+          };
+          hooks.after_step = [&, profiled](std::int64_t s) {
+            if (s != profiled) return;
+            table = bench::describe(profiler.stop(), name + " " + std::to_string(pt.seq) + "x" + std::to_string(pt.mb) + " g" +
+                                                         std::to_string(accum) + " " + spec, useful_flops(mc, cfg));
+          };
+        }
+        train(cfg, world, hooks);
+        if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");
         std::vector<double> times, staged, h2d, stall;
         std::string line;

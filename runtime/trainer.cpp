@@ -62,7 +62,7 @@ StepOptions step_options(const TrainConfig& cfg, const Run& run) {
 
 }  // namespace
 
-TrainResult train(const TrainConfig& cfg, dist::World& world) {
+TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks) {
   install_stop_signals();
   // A write past RLIMIT_FSIZE (ulimit -f) must fail with EFBIG and a message, like a full disk,
   // instead of killing the process with SIGXFSZ in the middle of a checkpoint.
@@ -106,7 +106,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
   reset_peak_memory(device);
   bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
   while (step < total_steps) {
-    const bool inject_nan = inject_faults(step + 1, wi.rank);
+    const bool inject_nan = inject_faults(step + 1, wi.rank) || (hooks.before_step && hooks.before_step(step + 1, wi.rank));
     const auto t_step = Clock::now();
     const std::int64_t step_start_allocated = allocated_memory_bytes(device);
     std::vector<data::MicroBatch> micro;
@@ -178,6 +178,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world) {
       log::progress(progress_line(r), step == total_steps);
       metrics->write(r);
     }
+    if (hooks.after_step) hooks.after_step(step);
     if (nonfinite_streak >= cfg.max_nonfinite_steps)
       EO_FAIL("the loss or gradients were NaN/Inf for ", nonfinite_streak, " consecutive steps (", step - nonfinite_streak + 1,
               " to ", step, ", max_nonfinite_steps: ", cfg.max_nonfinite_steps,

@@ -9,6 +9,8 @@
 // sequences compute the gradient of the same global batch as 1 rank × N·b.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -27,6 +29,16 @@ struct TrainResult {
   std::string adapter_dir;
 };
 
-TrainResult train(const TrainConfig& cfg, dist::World& world);
+// Seams for tests and benchmarks; a production run passes none.
+struct TrainHooks {
+  // At the start of optimizer step `step` (1-based) on this rank. Returning true turns this rank's
+  // loss of the step into NaN (the non-finite guard must skip the step); it may also throw, or end
+  // the process, to simulate a failing rank.
+  std::function<bool(std::int64_t step, int rank)> before_step;
+  // After step `step` has been applied and reported (a benchmark stops its profiler here).
+  std::function<void(std::int64_t step)> after_step;
+};
+
+TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks = {});
 
 }  // namespace eo
