@@ -2,11 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <map>
+#include <thread>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -143,6 +146,21 @@ void check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf
                    "shows the plan without starting.)");
 }
 
+// Each rank's intra-op thread pool (host-side tensor work: the embedding gather, data, CPU
+// compute) gets its share of the host's cores, not all of them: N ranks with a pool each the size
+// of the host oversubscribe it N times over, and a descheduled thread delays the kernel launches
+// behind it. An explicit OMP_NUM_THREADS is the user's choice and is left alone.
+void size_thread_pool(int local_size) {
+  if (std::getenv("OMP_NUM_THREADS") || local_size <= 1) return;
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int share = std::max(1, cores / local_size);
+  if (share < at::get_num_threads()) {
+    at::set_num_threads(share);
+    log::info("intra-op threads: " + std::to_string(share) + " per rank (" + std::to_string(cores) + " cores / " +
+              std::to_string(local_size) + " ranks on this node; set OMP_NUM_THREADS to choose)");
+  }
+}
+
 }  // namespace
 
 Run::Run() = default;
@@ -187,6 +205,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   Run run;
   const auto& wi = world.info();
   run.device = pick_device(wi.local_rank, wi.local_size);
+  size_thread_pool(wi.local_size);
   const at::Device device = run.device;
   run.bf16 = config_use_bf16(cfg, device.is_cuda());
   const bool bf16 = run.bf16;
