@@ -38,7 +38,8 @@ struct ExpertOffloader::Piece {
 struct ExpertOffloader::Block {
   int layer = -1;
   std::int64_t bytes = 0;  // arena size
-  std::unique_ptr<HostBuffer> home;
+  std::unique_ptr<HostBuffer> home;  // per_rank: this block's own home
+  std::int64_t shared_offset = 0;    // per_numa_node: where the block sits in the node's copy
   // Per expert and matrix: the metadata (shape, blocksize, ...) and where its tensors live.
   std::vector<std::array<nf4::QuantizedWeight, 3>> meta;  // tensors undefined; filled into views
   std::vector<std::array<std::array<Piece, 3>, 3>> pieces;  // [expert][matrix][packed|absmax|nested_absmax]
@@ -89,16 +90,17 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   }
 #endif
   const bool pin = opt_.pin_memory && opt_.device.is_cuda();
-  std::int64_t max_block = 0;
+  std::int64_t max_block = 0, shared_bytes = 0;
   blocks_.resize(bank.size());
+  // Layout of every block: for each expert and matrix, packed bytes then absmax (fp32, or u8
+  // codes + fp32 scales), each piece 256-byte aligned; blocks page-aligned in a shared copy.
   for (std::size_t layer = 0; layer < bank.size(); ++layer) {
-    auto& experts = bank[layer];
+    const auto& experts = bank[layer];
     if (experts.empty()) continue;
     auto b = std::make_unique<Block>();
     b->layer = static_cast<int>(layer);
     b->meta.resize(experts.size());
     b->pieces.resize(experts.size());
-    // Layout: for each expert and matrix, packed bytes then absmax (fp32, or u8 codes + fp32 scales).
     std::int64_t off = 0;
     for (std::size_t e = 0; e < experts.size(); ++e)
       for (int m = 0; m < 3; ++m) {
@@ -126,26 +128,52 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
         b->meta[e][m] = std::move(meta);
       }
     b->bytes = off;
-    b->home = std::make_unique<HostBuffer>(static_cast<std::size_t>(off), node_, pin);
-    // Fill the home, then drop the bank's tensors for this layer.
-    auto put = [&](const Piece& p, const at::Tensor& t) {
-      const at::Tensor c = t.to(at::kCPU).contiguous();
-      EO_CHECK(c.numel() * static_cast<std::int64_t>(c.element_size()) == p.bytes, "offload: size mismatch in layout");
-      std::memcpy(b->home->data() + p.offset, c.data_ptr(), static_cast<std::size_t>(p.bytes));
-    };
-    for (std::size_t e = 0; e < experts.size(); ++e)
-      for (int m = 0; m < 3; ++m) {
-        const nf4::QuantizedWeight& q = experts[e][m];
-        put(b->pieces[e][m][0], q.packed);
-        put(b->pieces[e][m][1], q.nested ? q.nested->absmax_codes : q.absmax);
-        if (q.nested) put(b->pieces[e][m][2], q.nested->nested_absmax);
-      }
-    experts.clear();
-    experts.shrink_to_fit();
+    b->shared_offset = shared_bytes;
+    shared_bytes = (shared_bytes + off + 4095) / 4096 * 4096;
     max_block = std::max(max_block, b->bytes);
     blocks_[layer] = std::move(b);
   }
   EO_CHECK(max_block > 0, "offload: the model has no expert blocks to offload");
+  const bool sharing = opt_.sharing.has_value();
+  const bool fill = !sharing || opt_.sharing->leader;
+  if (sharing && fill) shared_ = HostBuffer::create_shared(static_cast<std::size_t>(shared_bytes), node_);
+  // Fill the homes layer by layer, dropping the bank's tensors as we go (host RAM holds the
+  // checkpoint's experts and the homes at once for one block, not for all of them).
+  for (std::size_t layer = 0; layer < bank.size(); ++layer) {
+    auto& experts = bank[layer];
+    if (experts.empty()) continue;
+    Block& b = *blocks_[layer];
+    if (!sharing) b.home = std::make_unique<HostBuffer>(static_cast<std::size_t>(b.bytes), node_, pin);
+    if (fill) {
+      std::uint8_t* dst = sharing ? shared_->data() + b.shared_offset : b.home->data();
+      auto put = [&](const Piece& p, const at::Tensor& t) {
+        const at::Tensor c = t.to(at::kCPU).contiguous();
+        EO_CHECK(c.numel() * static_cast<std::int64_t>(c.element_size()) == p.bytes, "offload: size mismatch in layout");
+        std::memcpy(dst + p.offset, c.data_ptr(), static_cast<std::size_t>(p.bytes));
+      };
+      for (std::size_t e = 0; e < experts.size(); ++e)
+        for (int m = 0; m < 3; ++m) {
+          const nf4::QuantizedWeight& q = experts[e][m];
+          put(b.pieces[e][m][0], q.packed);
+          put(b.pieces[e][m][1], q.nested ? q.nested->absmax_codes : q.absmax);
+          if (q.nested) put(b.pieces[e][m][2], q.nested->nested_absmax);
+        }
+    }
+    experts.clear();
+    experts.shrink_to_fit();
+  }
+  if (sharing) {
+    // The leader's copy is complete: the other ranks of its node map it, then it stops sharing.
+    const ShareHandle leader = opt_.sharing->exchange(fill ? shared_->share() : ShareHandle{});
+    if (fill) {
+      if (pin) shared_->pin(/*read_only=*/false);
+    } else {
+      shared_ = HostBuffer::open_shared(leader, static_cast<std::size_t>(shared_bytes), pin);
+    }
+    opt_.sharing->barrier();
+    shared_->stop_sharing();
+  }
+
 
   // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
   promote_resident(opt_.vram_budget_bytes);
@@ -166,7 +194,10 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     slots_.push_back(std::move(s));
   }
   log::info("expert offload: " + std::to_string(moe_layers().size()) + " MoE blocks, " + human_bytes(double(home_bytes())) +
-            " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + "); " +
+            " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + ")" +
+            (shared_ ? std::string(opt_.sharing->leader ? ", created and shared with this node's ranks"
+                                                        : ", the node leader's copy mapped read-only")
+                     : std::string()) + "; " +
             std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) +
             (slots_.size() > 1 ? " (prefetch " + std::to_string(slots_.size() - 1) + " ahead)" : std::string()) + "; " +
             std::to_string(resident_layers().size()) + " block(s) resident within the VRAM budget");
@@ -177,7 +208,7 @@ int ExpertOffloader::promote_resident(std::int64_t budget) {
   for (auto& b : blocks_) {
     if (!b || b->resident.defined() || b->bytes > budget) continue;
     b->resident = at::empty({b->bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
-    b->resident.copy_(at::from_blob(b->home->data(), {b->bytes}, at::kByte));
+    b->resident.copy_(at::from_blob(const_cast<std::uint8_t*>(home_of(*b)), {b->bytes}, at::kByte));
     build_views(b->resident_views, *b, b->resident);
     budget -= b->bytes;
     ++promoted;
@@ -187,7 +218,7 @@ int ExpertOffloader::promote_resident(std::int64_t budget) {
 
 bool ExpertOffloader::b_pinned() const {
   for (const auto& b : blocks_)
-    if (b) return b->home->pinned();
+    if (b) return shared_ ? shared_->pinned() : b->home->pinned();
   return false;
 }
 
@@ -289,7 +320,7 @@ void ExpertOffloader::copy_into(Slot& slot, int layer, bool wait_for_release) {
     if (wait_for_release) cuda_check(cudaStreamWaitEvent(cs, slot.released, 0), "cudaStreamWaitEvent");
     cudaEvent_t start = cuda_->take(), end = cuda_->take();
     cuda_check(cudaEventRecord(start, cs), "cudaEventRecord");
-    cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), b.home->data(), static_cast<std::size_t>(b.bytes),
+    cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), home_of(b), static_cast<std::size_t>(b.bytes),
                                cudaMemcpyHostToDevice, cs),
                "cudaMemcpyAsync (expert staging)");
     cuda_check(cudaEventRecord(end, cs), "cudaEventRecord");
@@ -303,7 +334,7 @@ void ExpertOffloader::copy_into(Slot& slot, int layer, bool wait_for_release) {
 #endif
   (void)wait_for_release;
   const auto t0 = std::chrono::steady_clock::now();
-  std::memcpy(slot.arena.data_ptr(), b.home->data(), static_cast<std::size_t>(b.bytes));
+  std::memcpy(slot.arena.data_ptr(), home_of(b), static_cast<std::size_t>(b.bytes));
   stats_.copy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   slot.layer = layer;
   build_views(slot.views, b, slot.arena);
@@ -458,12 +489,21 @@ std::vector<int> ExpertOffloader::staged_layers() const {
 std::vector<std::pair<const void*, std::size_t>> ExpertOffloader::home_ranges() const {
   std::vector<std::pair<const void*, std::size_t>> out;
   for (const auto& b : blocks_)
-    if (b) out.emplace_back(b->home->data(), b->home->size());
+    if (b) out.emplace_back(home_of(*b), static_cast<std::size_t>(b->bytes));
   return out;
+}
+
+const std::uint8_t* ExpertOffloader::home_of(const Block& b) const {
+  return shared_ ? shared_->data() + b.shared_offset : b.home->data();
+}
+
+std::pair<std::uint64_t, std::uint64_t> ExpertOffloader::homes_file_id() const {
+  return shared_ ? shared_->file_id() : std::pair<std::uint64_t, std::uint64_t>{0, 0};
 }
 
 std::vector<int> ExpertOffloader::home_page_nodes() const {
   std::vector<int> out;
+  if (shared_) return shared_->resident_nodes();
   for (const auto& b : blocks_)
     if (b)
       for (int n : b->home->resident_nodes())

@@ -27,6 +27,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <functional>
+#include <optional>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -36,8 +38,20 @@
 
 namespace eo::offload {
 
+// expert_offload_homes: per_numa_node. One rank per NUMA node (the leader) creates and fills the
+// homes; the others of the node map the leader's copy read-only. The two calls are collectives
+// over the whole job (every rank calls them, in this order), provided by the trainer, so this
+// module needs no MPI: `exchange(mine)` returns the share handle of this rank's leader (a follower
+// passes an empty handle); `barrier()` returns once every rank has mapped its homes.
+struct HomeSharing {
+  bool leader = true;
+  std::function<ShareHandle(const ShareHandle& mine)> exchange;
+  std::function<void()> barrier;
+};
+
 struct OffloadOptions {
   at::Device device = at::kCPU;
+  std::optional<HomeSharing> sharing;  // unset: every rank its own homes (per_rank)
   bool pin_memory = true;
   bool prefetch = true;
   int prefetch_depth = 1;  // with prefetch: blocks staged ahead of the one computing (slots = 1 + depth)
@@ -82,6 +96,8 @@ class ExpertOffloader : public model::WeightProvider {
   std::vector<int> staged_layers() const;
   const HomeNode& home_node() const { return node_; }
   std::vector<int> home_page_nodes() const;  // where the homes' pages really are
+  bool homes_shared() const { return shared_ != nullptr; }
+  std::pair<std::uint64_t, std::uint64_t> homes_file_id() const;  // equal on every rank sharing one copy
   // Every home's bytes (for the cross-rank checksum).
   std::vector<std::pair<const void*, std::size_t>> home_ranges() const;
 
@@ -104,7 +120,9 @@ class ExpertOffloader : public model::WeightProvider {
 
   OffloadOptions opt_;
   HomeNode node_;
+  const std::uint8_t* home_of(const Block& b) const;
   std::vector<std::unique_ptr<Block>> blocks_;  // indexed by layer; null for dense layers
+  std::unique_ptr<HostBuffer> shared_;          // per_numa_node: every block's home, one copy per node
   std::vector<std::unique_ptr<Slot>> slots_;
   at::Tensor nested_code_;  // shared 256-entry map for double-quantised statistics (device)
   int current_ = -1;        // layer in use (last staged)

@@ -1,7 +1,11 @@
 #include "offload/homes.h"
 
 #include <hwloc.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -116,6 +120,14 @@ bool bind_threads_to_node(const Topology& topo, int node, std::string* why) {
   return true;
 }
 
+namespace {
+[[noreturn]] void fail_alloc(std::size_t bytes, const char* what, int err) {
+  throw Error(std::string("cannot ") + what + " " + human_bytes(double(bytes)) + " of host memory for the expert homes (" +
+              std::strerror(err) + "): " + describe_host_shortfall(static_cast<std::int64_t>(bytes)) +
+              ". Run fewer ranks per node, use nodes with more RAM, or expert_offload_homes: per_numa_node.");
+}
+}  // namespace
+
 HostBuffer::HostBuffer(std::size_t bytes, const HomeNode& node, bool pinned) : bytes_(bytes) {
   if (bytes == 0) return;
   Topology& topo = Topology::get();
@@ -131,38 +143,104 @@ HostBuffer::HostBuffer(std::size_t bytes, const HomeNode& node, bool pinned) : b
     data_ = static_cast<std::uint8_t*>(hwloc_alloc(topo.handle(), bytes));
     hwloc_allocated_ = data_ != nullptr;
   }
-  if (!data_) {
-    const int err = errno;
-    throw Error("cannot allocate " + human_bytes(double(bytes)) + " of host memory for an expert home (" + std::strerror(err) +
-                "): " + describe_host_shortfall(static_cast<std::int64_t>(bytes)) +
-                ". Run fewer ranks per node or use nodes with more RAM.");
-  }
+  if (!data_) fail_alloc(bytes, "allocate", errno);
   // Touch every page now so placement happens here, on the bound node, not at first copy.
   std::memset(data_, 0, bytes);
-#ifdef EO_WITH_CUDA
-  if (pinned) {
-    const cudaError_t rc = cudaHostRegister(data_, bytes, cudaHostRegisterDefault);
-    if (rc != cudaSuccess) {
-      cudaGetLastError();
-      hwloc_free(topo.handle(), data_, bytes);
-      data_ = nullptr;
-      throw Error("cannot pin " + human_bytes(double(bytes)) + " of host memory for an expert home (cudaHostRegister: " +
-                  cudaGetErrorString(rc) + "): " + describe_host_shortfall(static_cast<std::int64_t>(bytes)) +
-                  "; raise the locked-memory limit (ulimit -l), run fewer ranks per node, or set expert_offload_pin_memory: false");
-    }
-    registered_ = true;
+  if (!pinned) return;
+  try {
+    pin(/*read_only=*/false);
+  } catch (...) {
+    hwloc_free(topo.handle(), data_, bytes);
+    data_ = nullptr;
+    throw;
   }
+}
+
+std::unique_ptr<HostBuffer> HostBuffer::create_shared(std::size_t bytes, const HomeNode& node) {
+  std::unique_ptr<HostBuffer> b(new HostBuffer());
+  b->bytes_ = bytes;
+  b->mapped_ = true;
+  b->fd_ = static_cast<int>(syscall(SYS_memfd_create, "eo-ddp-expert-homes", 0u));  // no MFD_CLOEXEC: /proc/<pid>/fd must stay openable
+  if (b->fd_ < 0) fail_alloc(bytes, "create a shared memory file for", errno);
+  if (ftruncate(b->fd_, static_cast<off_t>(bytes)) != 0) fail_alloc(bytes, "size a shared memory file of", errno);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, b->fd_, 0);
+  if (p == MAP_FAILED) fail_alloc(bytes, "map", errno);
+  b->data_ = static_cast<std::uint8_t*>(p);
+  // Bind before the first touch, so the pages are placed on the node.
+  if (node.node >= 0) {
+    hwloc_nodeset_t set = hwloc_bitmap_alloc();
+    hwloc_bitmap_only(set, static_cast<unsigned>(node.node));
+    hwloc_set_area_membind(Topology::get().handle(), p, bytes, set, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET);
+    hwloc_bitmap_free(set);
+  }
+  struct stat st{};
+  if (fstat(b->fd_, &st) == 0) b->file_id_ = {std::uint64_t(st.st_dev), std::uint64_t(st.st_ino)};
+  return b;
+}
+
+std::unique_ptr<HostBuffer> HostBuffer::open_shared(const ShareHandle& h, std::size_t bytes, bool pinned) {
+  std::unique_ptr<HostBuffer> b(new HostBuffer());
+  b->bytes_ = bytes;
+  b->mapped_ = true;
+  b->writable_ = false;
+  const std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    throw Error("expert_offload_homes: per_numa_node: cannot open the node leader's shared homes at " + path + " (" +
+                std::strerror(errno) + "); every rank of a node must run as the same user with /proc readable. "
+                "Use expert_offload_homes: per_rank instead.");
+  struct stat st{};
+  const bool sized = fstat(fd, &st) == 0 && st.st_size == static_cast<off_t>(bytes);
+  if (sized) b->file_id_ = {std::uint64_t(st.st_dev), std::uint64_t(st.st_ino)};
+  void* p = sized ? mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  const int err = errno;
+  close(fd);  // the mapping keeps the memory
+  if (!sized)
+    throw Error("expert_offload_homes: per_numa_node: the shared homes at " + path + " hold " + std::to_string(st.st_size) +
+                " bytes, this rank expects " + std::to_string(bytes) + " (do all ranks load the same model?)");
+  if (p == MAP_FAILED) fail_alloc(bytes, "map the shared", err);
+  b->data_ = static_cast<std::uint8_t*>(p);
+  if (pinned) b->pin(/*read_only=*/true);
+  return b;
+}
+
+void HostBuffer::pin(bool read_only) {
+  if (registered_ || !data_) return;
+#ifdef EO_WITH_CUDA
+  // A read-only mapping can only be registered read-only (cudaHostRegisterReadOnly, CUDA 11.1+).
+  const unsigned flags = read_only ? cudaHostRegisterReadOnly : cudaHostRegisterDefault;
+  const cudaError_t rc = cudaHostRegister(data_, bytes_, flags);
+  if (rc != cudaSuccess) {
+    cudaGetLastError();
+    throw Error("cannot pin " + human_bytes(double(bytes_)) + " of host memory for the expert homes (cudaHostRegister" +
+                std::string(read_only ? " read-only" : "") + ": " + cudaGetErrorString(rc) + "): " +
+                describe_host_shortfall(static_cast<std::int64_t>(bytes_)) +
+                "; raise the locked-memory limit (ulimit -l), run fewer ranks per node, or set expert_offload_pin_memory: false");
+  }
+  registered_ = true;
 #else
-  (void)pinned;
+  (void)read_only;
 #endif
 }
 
+ShareHandle HostBuffer::share() const {
+  EO_CHECK(fd_ >= 0, "HostBuffer::share: not a shared buffer this rank created (or sharing has stopped)");
+  return {static_cast<std::int64_t>(getpid()), fd_};
+}
+
+void HostBuffer::stop_sharing() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+}
+
 HostBuffer::~HostBuffer() {
+  stop_sharing();
   if (!data_) return;
 #ifdef EO_WITH_CUDA
   if (registered_) cudaHostUnregister(data_);
 #endif
-  if (hwloc_allocated_) hwloc_free(Topology::get().handle(), data_, bytes_);
+  if (mapped_) munmap(data_, bytes_);
+  else if (hwloc_allocated_) hwloc_free(Topology::get().handle(), data_, bytes_);
 }
 
 std::vector<int> HostBuffer::resident_nodes() const {

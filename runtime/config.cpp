@@ -358,6 +358,10 @@ const std::vector<KeySpec>& schema() {
                         "Keep the frozen NF4 experts in pinned host RAM and stream one MoE block at a time to the device."));
     k.push_back(boolean("expert_offload_pin_memory", &TrainConfig::expert_offload_pin_memory,
                         "Pinned, NUMA-local homes (false: pageable host memory, much slower copies)."));
+    k.push_back(choice("expert_offload_homes", &TrainConfig::expert_offload_homes, {"per_rank", "per_numa_node"},
+                       "Where the offloaded experts live in host RAM: per_rank = every rank its own copy (host RAM = "
+                       "ranks per node x expert bytes); per_numa_node = one copy per NUMA node, filled by one rank and "
+                       "mapped read-only by the node's other ranks (host RAM = NUMA nodes x expert bytes)."));
     k.push_back(boolean("expert_offload_prefetch", &TrainConfig::expert_offload_prefetch,
                         "Stage the next blocks on a copy stream while the current one computes (1 + expert_offload_prefetch_depth slots)."));
     k.push_back(integer("expert_offload_prefetch_depth", &TrainConfig::expert_offload_prefetch_depth, 1, 8,

@@ -77,6 +77,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
                         std::to_string(slots) + " slot(s) of " + human_bytes(p.block_bytes) +
                             (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string())});
     p.host_pinned = p.expert_bytes;
+    p.shared_homes = cfg.expert_offload_homes == "per_numa_node";
   } else {
     // Resident experts are separate tensors (no arena alignment).
     p.device.push_back({"experts", double(moe_layers) * E * 3 * (q4 ? nf4_bytes(I, H, bs) : I * H * d), "every expert resident"});
@@ -168,7 +169,12 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
   std::snprintf(line, sizeof line, "  %-12s %10s  predicted allocator peak: all but block and head, plus the larger of those\n", "peak VRAM",
                 human_bytes(plan.device_peak).c_str());
   os << line;
-  if (plan.host_pinned > 0) {
+  if (plan.host_pinned > 0 && plan.shared_homes) {
+    std::snprintf(line, sizeof line, "  %-12s %10s  per NUMA node: one copy of the homes mapped by its %d rank(s)%s\n", "pinned host",
+                  human_bytes(plan.host_pinned).c_str(), plan.ranks_per_node,
+                  plan.host_pinned > plan.expert_bytes ? " (+ each rank's parked block inputs)" : "");
+    os << line;
+  } else if (plan.host_pinned > 0) {
     std::snprintf(line, sizeof line, "  %-12s %10s  per rank (%s for %d rank(s) on a node)\n", "pinned host",
                   human_bytes(plan.host_pinned).c_str(), human_bytes(plan.host_pinned * plan.ranks_per_node).c_str(),
                   plan.ranks_per_node);

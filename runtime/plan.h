@@ -37,6 +37,7 @@ struct MemoryPlan {
   double block_bytes = 0;          // one MoE block's experts (a slot)
   double host_pinned = 0;          // per rank: the homes when offloading, else 0
   int ranks_per_node = 1;
+  bool shared_homes = false;       // expert_offload_homes: per_numa_node (one copy per NUMA node)
   bool bf16 = true;
   bool on_gpu = true;
 };

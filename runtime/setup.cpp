@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "common/error.h"
@@ -16,6 +18,7 @@
 #include "common/text.h"
 #include "models/moe_model.h"
 #include "offload/engine.h"
+#include "offload/homes.h"
 #include "offload/host_memory.h"
 #include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
@@ -66,8 +69,52 @@ std::shared_ptr<const data::DocumentSource> load_documents(const TrainConfig& cf
   return std::make_shared<data::ConcatDocuments>(std::move(parts));
 }
 
+// expert_offload_homes: per_numa_node. The ranks that share one copy: same host, same home NUMA
+// node. Collective (every rank calls it).
+struct HomeGroup {
+  int leader = 0;   // lowest rank of the group
+  int size = 1;     // ranks in the group
+  int copies_on_host = 1;  // distinct groups on this rank's host
+};
+HomeGroup home_group(dist::World& world, const at::Device& device) {
+  const offload::HomeNode node = offload::choose_home_node(offload::Topology::get(), device.is_cuda() ? device.index() : -1);
+  const std::string mine = world.info().hostname + "/numa" + std::to_string(node.node);
+  const std::vector<std::string> all = world.allgather(mine);
+  HomeGroup g;
+  g.leader = -1;
+  g.size = 0;
+  std::set<std::string> on_host;
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[r] == mine) {
+      if (g.leader < 0) g.leader = r;
+      ++g.size;
+    }
+    if (all[r].substr(0, all[r].rfind('/')) == world.info().hostname) on_host.insert(all[r]);
+  }
+  g.copies_on_host = static_cast<int>(on_host.size());
+  return g;
+}
+
+// The sharing protocol's collectives over the World: every rank learns its group leader's
+// (pid, memfd) from one allgather; a barrier once all have mapped.
+offload::HomeSharing make_home_sharing(dist::World& world, const HomeGroup& g) {
+  offload::HomeSharing s;
+  s.leader = world.rank() == g.leader;
+  const int leader = g.leader;
+  s.exchange = [&world, leader](const offload::ShareHandle& mine) {
+    const auto all = world.allgather(std::to_string(mine.pid) + " " + std::to_string(mine.fd));
+    offload::ShareHandle h;
+    std::istringstream in(all.at(static_cast<std::size_t>(leader)));
+    in >> h.pid >> h.fd;
+    return h;
+  };
+  s.barrier = [&world] { world.barrier(); };
+  return s;
+}
+
 // Moves the model's NF4 experts into this rank's homes and streams them from there.
-std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const TrainConfig& cfg, const at::Device& device) {
+std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const TrainConfig& cfg, const at::Device& device,
+                                                        dist::World& world) {
   auto* resident = dynamic_cast<model::ResidentWeights*>(&model.weight_provider());
   EO_CHECK(resident, "expert_offload: the model's experts are not held by a ResidentWeights store");
   bool any = false;
@@ -91,6 +138,12 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   }
   if (!device.is_cuda() && oo.vram_budget_bytes > 0)
     log::info("expert_offload_vram_budget applies to GPU memory; on the CPU the 'device' slots are host memory too");
+  if (cfg.expert_offload_homes == "per_numa_node") {
+    const HomeGroup g = home_group(world, device);
+    oo.sharing = make_home_sharing(world, g);
+    log::info("expert homes: one copy per NUMA node, shared by " + std::to_string(g.size) + " rank(s) (leader: rank " +
+              std::to_string(g.leader) + ")");
+  }
   auto off = std::make_shared<offload::ExpertOffloader>(std::move(resident->bank()), oo);
   model.set_weight_provider(off);
   return off;
@@ -99,7 +152,7 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
 // Before any weight is read: the homes of every rank on this node must fit in the host RAM (and
 // cgroup limit) available. Every rank measures, then the job takes the smallest measurement — an
 // all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
-void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world) {
+void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, const at::Device& device) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
   const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant);
   offload::HostMemory mem = offload::host_memory_available();
@@ -111,11 +164,14 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world) {
     mem.available = smallest;
     mem.source += ", the smallest of all ranks";
   }
-  const int ranks_on_node = static_cast<int>(v[1]);
-  offload::check_homes_fit(per_rank, ranks_on_node, mem);
-  log::info("host memory: expert homes need " + human_bytes(double(per_rank)) + " per rank x " + std::to_string(ranks_on_node) +
-            " rank(s) on the node; " + (mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) +
-            " available (" + mem.source + ")"));
+  // per_rank: a copy per rank on the node; per_numa_node: a copy per NUMA node used on this host.
+  const bool shared = cfg.expert_offload_homes == "per_numa_node";
+  const int copies = shared ? home_group(world, device).copies_on_host
+                            : static_cast<int>(v[1]);
+  offload::check_homes_fit(per_rank, copies, mem);
+  log::info("host memory: expert homes need " + human_bytes(double(per_rank)) + " per copy x " + std::to_string(copies) +
+            (shared ? " NUMA node copy(ies)" : " rank(s)") + " on the node; " +
+            (mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")"));
 }
 
 // Before any weight is read: cap the allocator (device_memory_limit) and refuse a run whose
@@ -212,7 +268,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
   check_memory_plan(cfg, device, bf16, wi.local_size);
   const auto t_load = Clock::now();
-  if (cfg.expert_offload) check_host_memory_for_homes(cfg, world);
+  if (cfg.expert_offload) check_host_memory_for_homes(cfg, world, device);
 
   // ---- data: read and checked before any weight, so a bad file costs no loading time
   auto docs = load_documents(cfg, model::load_config(cfg.base_model).vocab);
@@ -257,7 +313,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   run.model = model::MoeModel::load(cfg.base_model, lo);
   auto& model = run.model;
   const auto& mc = model->config();
-  if (cfg.expert_offload) run.offloader = start_offload(*model, cfg, device);
+  if (cfg.expert_offload) run.offloader = start_offload(*model, cfg, device, world);
   const auto& offloader = run.offloader;
   model::LoraSpec spec;
   spec.r = cfg.lora_r;
@@ -323,10 +379,20 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
       for (const auto& [ptr, n] : offloader->home_ranges()) homes.push_back({ptr, n});
       dist::check_same_bytes(homes, comm, "expert homes (did every rank load the same checkpoint?)");
     }
-    log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" +
-              (offloader ? ", expert homes identical on every rank (" + human_bytes(double(offloader->home_bytes())) +
-                               " pinned per rank, " + human_bytes(double(offloader->home_bytes()) * wi.local_size) + " on this node)"
-                         : std::string()));
+    std::string homes;
+    if (offloader && offloader->homes_shared()) {
+      // RAM accounting: the ranks that share a copy must map one and the same memory file.
+      const auto [dev, ino] = offloader->homes_file_id();
+      const auto ids = world.allgather(wi.hostname + " " + std::to_string(dev) + ":" + std::to_string(ino));
+      const std::set<std::string> distinct(ids.begin(), ids.end());
+      homes = ", expert homes identical on every rank: " + std::to_string(distinct.size()) + " shared cop" +
+              (distinct.size() == 1 ? "y" : "ies") + " of " + human_bytes(double(offloader->home_bytes())) + " mapped by " +
+              std::to_string(wi.world_size) + " ranks";
+    } else if (offloader) {
+      homes = ", expert homes identical on every rank (" + human_bytes(double(offloader->home_bytes())) + " pinned per rank, " +
+              human_bytes(double(offloader->home_bytes()) * wi.local_size) + " on this node)";
+    }
+    log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" + homes);
   }
   dist::ReducerOptions ro;
   ro.bucket_cap_bytes = static_cast<std::int64_t>(cfg.ddp_bucket_cap_mb) << 20;

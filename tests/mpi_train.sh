@@ -57,6 +57,25 @@ run one_g4 1 1 --set gradient_accumulation_steps=4 --set expert_offload=true
 run two_g2 2 1 --set gradient_accumulation_steps=2 --set expert_offload=true
 check "2 ranks x g2 == 1 rank x g4" "$py" tests/ref/compare_adapters.py "$tmp/one_g4" "$tmp/two_g2" --rtol 1e-5 --loss-rtol 1e-5
 
+# expert_offload_homes: per_numa_node (issue #17): one copy per NUMA node, mapped by every rank of
+# it, trains bitwise like per-rank homes with 2 and 3 ranks; it lives in an anonymous memory file,
+# so nothing is left in /dev/shm after a normal exit, an error exit or a rank killed with -9.
+shm_before=$(ls /dev/shm | sort)
+run two2_shared 2 2 --set expert_offload=true --set expert_offload_homes=per_numa_node
+check "per_numa_node == per_rank, 2 ranks, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/two2_off" "$tmp/two2_shared" --exact
+check "one shared copy mapped by both ranks" grep -q "1 shared copy of .* mapped by 2 ranks" "$tmp/two2_shared.log"
+run three1_off 3 1 --set expert_offload=true
+run three1_shared 3 1 --set expert_offload=true --set expert_offload_homes=per_numa_node
+check "per_numa_node == per_rank, 3 ranks, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/three1_off" "$tmp/three1_shared" --exact
+check "one shared copy mapped by 3 ranks" grep -q "1 shared copy of .* mapped by 3 ranks" "$tmp/three1_shared.log"
+for kind in throw kill; do
+  EO_DDP_FAULT_STEP=2 EO_DDP_FAULT_RANK=1 EO_DDP_FAULT=$kind timeout 120 $mpirun -np 2 -x EO_DDP_FAULT_STEP -x EO_DDP_FAULT_RANK \
+    -x EO_DDP_FAULT "$bin" "${common[@]}" --set max_steps=20 --set expert_offload=true --set expert_offload_homes=per_numa_node \
+    --set output_dir="$tmp/shared_$kind" >"$tmp/shared_$kind.log" 2>&1
+  check "per_numa_node, rank 1 fails ($kind): the job fails" test $? -ne 0
+done
+check "per_numa_node: nothing left in /dev/shm" test "$(ls /dev/shm | sort)" = "$shm_before"
+
 # Collective bytes = steps x LoRA gradient bytes (allreduce) + LoRA bytes once (broadcast).
 lora_bytes=$("$py" -c "
 from safetensors.torch import load_file
