@@ -12,6 +12,7 @@
 //  - data: empty files, token ids outside the vocabulary, too little data for one step: exit 2
 //    before training, naming the file (and line / index) and the fix.
 #include <gtest/gtest.h>
+#include <csignal>
 #include <sched.h>
 #include <sys/mount.h>
 
@@ -142,24 +143,34 @@ TEST_F(FaultTest, DiskFullDuringSaveWithFileSizeLimit) {
   EXPECT_EQ(read_text(out / "adapter_model.safetensors"), adapter_before) << "the previous final adapter changed";
 }
 
-// write_file_atomic: a failed write leaves neither the target nor its temporary file.
+// write_file_atomic: a failed write leaves neither the target nor its temporary file. The write
+// fails for real: RLIMIT_FSIZE makes it EFBIG (SIGXFSZ ignored, as the trainer does). (It used to
+// plant a link to /dev/full at the temporary's name; the writer now creates its temporary with
+// O_EXCL | O_NOFOLLOW under an unpredictable name, so nothing can be planted there: issue #15 item 8.)
 TEST_F(FaultTest, AtomicFileWriteFailsCleanly) {
   const fs::path target = dir_ / "adapter_config.json";
   eo::write_file_atomic(target.string(), "old\n");
-  // /dev/full: every write fails with ENOSPC. The parent is /dev, so only the temporary's name
-  // is checked: write into a folder we control by making the target's temporary a symlink to it.
-  const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
-  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
-  fs::create_symlink("/dev/full", tmp);
+  const std::string tmp_prefix = (dir_ / ".adapter_config.json.tmp.").string();
+  struct rlimit saved {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = saved;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string error;
   try {
     eo::write_file_atomic(target.string(), std::string(1 << 16, 'x'));
-    FAIL() << "writing to a full device succeeded";
   } catch (const std::exception& e) {
-    EXPECT_TRUE(contains(e.what(), tmp.string())) << e.what();
-    EXPECT_TRUE(contains(e.what(), "No space left on device")) << e.what();
+    error = e.what();
   }
+  setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  ASSERT_FALSE(error.empty()) << "writing past the file-size limit succeeded";
+  EXPECT_TRUE(contains(error, tmp_prefix)) << error;
+  EXPECT_TRUE(contains(error, "File too large")) << error;
   EXPECT_EQ(read_text(target), "old\n") << "the previous contents must survive";
-  EXPECT_FALSE(fs::exists(fs::symlink_status(tmp))) << "the temporary file was left behind";
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_NE(e.path().string().rfind(tmp_prefix, 0), 0u) << "the temporary file was left behind: " << e.path();
 }
 
 // ---- NaN / Inf ------------------------------------------------------------------------------------
