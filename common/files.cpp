@@ -55,7 +55,8 @@ void write_all(int fd, const void* data, std::size_t bytes, const std::string& w
   }
 }
 
-void write_file_atomic(const std::string& path, const std::function<void(int fd)>& fill, mode_t mode) {
+void write_file_atomic(const std::string& path, const std::function<void(int fd, const std::string& tmp)>& fill,
+                       mode_t mode) {
   // A random suffix (not only the pid): two writers of one path never share a temporary.
   static thread_local std::mt19937_64 rng{std::random_device{}() ^ static_cast<std::uint64_t>(::getpid())};
   const std::string tmp = parent_of(path) + "/." + base_of(path) + ".tmp." + std::to_string(::getpid()) + "." +
@@ -63,7 +64,7 @@ void write_file_atomic(const std::string& path, const std::function<void(int fd)
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
   EO_CHECK(fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
   try {
-    fill(fd);
+    fill(fd, tmp);
     if (::fsync(fd) != 0) EO_FAIL("fsync of ", tmp, " failed: ", std::strerror(errno));
   } catch (...) {
     ::close(fd);
@@ -84,7 +85,7 @@ void write_file_atomic(const std::string& path, const std::function<void(int fd)
 }
 
 void write_file_atomic(const std::string& path, const std::string& contents) {
-  write_file_atomic(path, [&](int fd) { write_all(fd, contents.data(), contents.size(), path); });
+  write_file_atomic(path, [&](int fd, const std::string& tmp) { write_all(fd, contents.data(), contents.size(), tmp); });
 }
 
 int open_nofollow(const std::string& path, int flags, mode_t mode) {

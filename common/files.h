@@ -20,11 +20,12 @@ void fsync_path(const std::string& path);
 // write(2) until done, retrying EINTR; throws eo::Error naming `what` (ENOSPC, EFBIG, EIO, ...).
 void write_all(int fd, const void* data, std::size_t bytes, const std::string& what);
 
-// The one atomic file writer: `fill(fd)` writes the contents into a fresh temporary file in the
+// The one atomic file writer: `fill(fd, tmp)` writes the contents into a fresh temporary file `tmp` in the
 // target's folder (created O_EXCL | O_NOFOLLOW, so no link is followed), which is fsynced, renamed
 // over `path` (replacing a link, never writing through it) and the folder fsynced. A crash or any
 // error leaves the old file (or none) under `path` and no temporary behind.
-void write_file_atomic(const std::string& path, const std::function<void(int fd)>& fill, mode_t mode = 0644);
+void write_file_atomic(const std::string& path, const std::function<void(int fd, const std::string& tmp)>& fill,
+                       mode_t mode = 0644);
 void write_file_atomic(const std::string& path, const std::string& contents);
 
 // open(2) with O_NOFOLLOW | O_CLOEXEC added: a symbolic link at `path` is refused with an
