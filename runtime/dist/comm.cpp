@@ -55,12 +55,15 @@ struct Communicator::Pending {
 
 #ifdef EO_WITH_CUDA
 namespace {
-void cuda_check(cudaError_t rc, const char* what) {
-  EO_CHECK(rc == cudaSuccess, what, " failed: ", cudaGetErrorString(rc));
+// The CUDA and NCCL checks of this file, with file:line (MPI's: runtime/dist/mpi_check.h).
+void cuda_check_at(cudaError_t rc, const char* what, const char* file, int line) {
+  EO_CHECK(rc == cudaSuccess, what, " failed at ", file, ":", line, ": ", cudaGetErrorString(rc));
 }
-void nccl_check(ncclResult_t rc, const std::string& what) {
-  EO_CHECK(rc == ncclSuccess, what, " failed: ", ncclGetErrorString(rc));
+void nccl_check_at(ncclResult_t rc, const std::string& what, const char* file, int line) {
+  EO_CHECK(rc == ncclSuccess, what, " failed at ", file, ":", line, ": ", ncclGetErrorString(rc));
 }
+#define cuda_check(rc, what) cuda_check_at((rc), (what), __FILE__, __LINE__)
+#define nccl_check(rc, what) nccl_check_at((rc), (what), __FILE__, __LINE__)
 std::shared_ptr<void> make_event() {
   cudaEvent_t e = nullptr;
   cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
