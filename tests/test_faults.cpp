@@ -367,3 +367,22 @@ TEST_F(FaultTest, DataErrorsStopBeforeTrainingWithExit2) {
     EXPECT_FALSE(contains(o.log, "loading ")) << "the data is checked before any weight is read:\n" << o.log;
   }
 }
+
+// Issue #15 item 7: a requeued run re-saves checkpoint-N; a kill between moving the old one aside
+// and renaming the new one in (EO_DDP_FAULT_KILL_IN_REPLACE) must not lose it: the next start
+// trusts the complete temporary folder, and `auto` resumes checkpoint-N.
+TEST_F(FaultTest, KillWhileReplacingACheckpointLosesNothing) {
+  const fs::path out = dir_ / "run";
+  const Outcome first = train(out, {"max_steps=2", "save_steps=0"});
+  ASSERT_TRUE(first.exited && first.code == 0) << first.describe();
+  ASSERT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json"));
+  const Outcome killed = train(out, {"max_steps=2", "save_steps=0", "resume_from_checkpoint=auto"},
+                               RunOptions{{"EO_DDP_FAULT_KILL_IN_REPLACE=2"}});
+  ASSERT_TRUE(!killed.timed_out && !killed.exited && killed.signal == SIGKILL) << killed.describe();
+  EXPECT_FALSE(fs::exists(out / "checkpoint-2")) << "the kill was meant to hit between the two renames";
+  const Outcome again = train(out, {"max_steps=2", "save_steps=0", "resume_from_checkpoint=auto"});
+  ASSERT_TRUE(again.exited && again.code == 0) << again.describe();
+  EXPECT_TRUE(contains(again.log, "checkpoint-2 at step 2")) << again.log;
+  EXPECT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json"));
+  EXPECT_TRUE(leftovers(out).empty()) << leftovers(out).front();
+}
