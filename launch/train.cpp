@@ -89,9 +89,7 @@ int run_train(const Args& args) {
   if (world.rank == 0) {
     claim = claim_output_dir(cfg);
     for (const auto& n : claim.notes) log::info(n);
-    if (!claim.resume.empty())
-      for (const auto& warning : check_resume_compatible(load_checkpoint(claim.resume, /*with_tensors=*/false), cfg))
-        log::warn(warning);
+    for (const auto& warning : claim.warnings) log::warn(warning);
   }
   cfg.resume_from_checkpoint = w.broadcast_string(claim.resume, 0);
   return train(cfg, w).exit_code;

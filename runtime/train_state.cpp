@@ -544,6 +544,8 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
   const std::string segment = random_id();
   if (!resume.empty()) {
     const TrainingState s = load_checkpoint(resume, /*with_tensors=*/false);
+    // Before run.json changes: a refused resume must not move the lineage that `auto` follows.
+    claim.warnings = check_resume_compatible(s, cfg);
     claim.run_id = s.run_id;
     if (!s.run_id.empty() && s.lineage.is_array()) lineage = s.lineage;
     lineage.push_back({{"segment", segment}, {"start_step", s.step}});
@@ -570,7 +572,7 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
                      "left in place, never pruned and never resumed).");
   }
   if (!foreign.empty())
-    claim.notes.push_back("overwrite_output_dir: true: " + dir + " holds checkpoints of another run (" + join(foreign, ", ") +
+    claim.warnings.push_back("overwrite_output_dir: true: " + dir + " holds checkpoints of another run (" + join(foreign, ", ") +
                           "); they are left in place and not part of this run");
   json run = {{"format", "eo-ddp-run-1"}, {"run_id", claim.run_id}, {"lineage", lineage}};
   write_file_atomic((fs::path(dir) / kRunFile).string(), run.dump(2) + "\n");

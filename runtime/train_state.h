@@ -83,7 +83,8 @@ void check_output_dir_writable(const std::string& output_dir);
 struct RunClaim {
   std::string run_id;
   std::string resume;  // the checkpoint folder to resume from ("" = start fresh); `auto` resolved
-  std::vector<std::string> notes;  // for the log
+  std::vector<std::string> notes;     // for the log
+  std::vector<std::string> warnings;  // e.g. keys changed since the resumed checkpoint
   std::shared_ptr<void> lock;      // the flock on output_dir; released when the last copy goes
 };
 
@@ -91,7 +92,8 @@ struct RunClaim {
 // by rank 0): creates it, probes that it is writable, takes an exclusive flock on
 // output_dir/.eo-ddp.lock held until the process exits (a second run refuses naming the holder's
 // pid and host), finishes or rolls back a checkpoint replacement that a crash interrupted,
-// resolves resume_from_checkpoint (auto = newest checkpoint of the lineage in run.json), refuses a
+// resolves resume_from_checkpoint (auto = newest checkpoint of the lineage in run.json), checks the
+// resume with check_resume_compatible (its warnings go to notes), refuses a
 // fresh run in a folder holding another run's checkpoints (unless overwrite_output_dir: true),
 // then records this segment in output_dir/run.json.
 RunClaim claim_output_dir(const TrainConfig& cfg);

@@ -121,6 +121,21 @@ TEST_F(TrainStateTest, AutoFollowsTheLineageBeingResumed) {
   EXPECT_TRUE(fs::exists(ckpt(6))) << "a checkpoint of the run was deleted by the resume";
 }
 
+// Item 13 with item 4: a resume refused by the compatibility check leaves the lineage alone, so
+// `auto` still continues where the run was (checkpoint-6), and the refusal names the key.
+TEST_F(TrainStateTest, RefusedResumeDoesNotMoveTheLineage) {
+  {
+    RunClaim a = eo::claim_output_dir(config());
+    for (int s : {2, 4, 6}) save(config(), s);
+  }
+  TrainConfig changed = config(ckpt(2).string());
+  changed.lora_r = 16;
+  const std::string msg = usage_error([&] { eo::claim_output_dir(changed); });
+  EXPECT_TRUE(contains(msg, "lora_r: the checkpoint has 8, this config 16")) << msg;
+  RunClaim b = eo::claim_output_dir(config("auto"));
+  EXPECT_EQ(b.resume, ckpt(6).string());
+}
+
 // Item 5: a second run on a locked output_dir is refused naming the holder.
 TEST_F(TrainStateTest, SecondRunOnALockedOutputDirIsRefused) {
   RunClaim a = eo::claim_output_dir(config());
