@@ -386,3 +386,24 @@ TEST_F(FaultTest, KillWhileReplacingACheckpointLosesNothing) {
   EXPECT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json"));
   EXPECT_TRUE(leftovers(out).empty()) << leftovers(out).front();
 }
+
+// Issue #15 item 4, end to end: a second fresh run in a finished run's output_dir is refused
+// (exit 2, before loading) and leaves that run's checkpoints and metrics.jsonl as they were.
+TEST_F(FaultTest, FreshRunInAnotherRunsOutputDirIsRefused) {
+  const fs::path out = dir_ / "run";
+  const Outcome first = train(out, {"max_steps=4", "save_steps=2", "save_total_limit=10"});
+  ASSERT_TRUE(first.exited && first.code == 0) << first.describe();
+  const auto before = folder_bytes(out);
+  const Outcome second = train(out, {"max_steps=2", "save_steps=1"});
+  EXPECT_TRUE(second.exited && second.code == 2) << second.describe();
+  EXPECT_TRUE(contains(second.log, "output_dir " + out.string() + " holds checkpoints of another run")) << second.log;
+  EXPECT_FALSE(contains(second.log, "loading ")) << "it loaded the model before refusing:\n" << second.log;
+  auto after = folder_bytes(out);
+  after.erase(".eo-ddp.lock");
+  auto expected = before;
+  expected.erase(".eo-ddp.lock");
+  EXPECT_EQ(after, expected) << "the refused run changed the other run's files";
+  const Outcome over = train(out, {"max_steps=2", "save_steps=1", "save_total_limit=1", "overwrite_output_dir=true"});
+  ASSERT_TRUE(over.exited && over.code == 0) << over.describe();
+  EXPECT_TRUE(fs::exists(out / "checkpoint-2") && fs::exists(out / "checkpoint-4")) << "the other run's checkpoints were pruned";
+}
