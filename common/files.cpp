@@ -1,17 +1,31 @@
 #include "common/files.h"
 
+#include <fcntl.h>
 #include <ftw.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <random>
 
 #include "common/error.h"
 
 namespace eo {
 namespace {
 int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+
+std::string parent_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string base_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
 }  // namespace
 
 void remove_tree(const std::string& path) {
@@ -19,6 +33,91 @@ void remove_tree(const std::string& path) {
   if (::lstat(path.c_str(), &st) != 0) return;  // already gone
   if (::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
     EO_FAIL("cannot remove ", path, ": ", std::strerror(errno));
+}
+
+void fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  EO_CHECK(fd >= 0, "cannot open ", path, " to sync it: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  EO_CHECK(rc == 0, "fsync of ", path, " failed: ", std::strerror(err));
+}
+
+void write_all(int fd, const void* data, std::size_t bytes, const std::string& what) {
+  const char* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t w = ::write(fd, p, bytes);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) EO_FAIL("writing ", what, " failed: ", std::strerror(w < 0 ? errno : EIO));
+    p += w;
+    bytes -= static_cast<std::size_t>(w);
+  }
+}
+
+void write_file_atomic(const std::string& path, const std::function<void(int fd, const std::string& tmp)>& fill,
+                       mode_t mode) {
+  // A random suffix (not only the pid): two writers of one path never share a temporary.
+  static thread_local std::mt19937_64 rng{std::random_device{}() ^ static_cast<std::uint64_t>(::getpid())};
+  const std::string tmp = parent_of(path) + "/." + base_of(path) + ".tmp." + std::to_string(::getpid()) + "." +
+                          std::to_string(rng() % 1000000000);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+  EO_CHECK(fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
+  try {
+    fill(fd, tmp);
+    if (::fsync(fd) != 0) EO_FAIL("fsync of ", tmp, " failed: ", std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    EO_FAIL("closing ", tmp, " failed: ", std::strerror(err));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    EO_FAIL("cannot rename ", tmp, " to ", path, ": ", std::strerror(err));
+  }
+  fsync_path(parent_of(path));
+}
+
+void write_file_atomic(const std::string& path, const std::string& contents) {
+  write_file_atomic(path, [&](int fd, const std::string& tmp) { write_all(fd, contents.data(), contents.size(), tmp); });
+}
+
+int open_nofollow(const std::string& path, int flags, mode_t mode) {
+  const int fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_CLOEXEC, mode);
+  if (fd >= 0) return fd;
+  const int err = errno;
+  struct stat st {};
+  if (err == ELOOP || (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)))
+    EO_FAIL(path, " is a symbolic link; eo-ddp does not write or read files under output_dir through links "
+                  "(remove the link or choose another output_dir)");
+  EO_FAIL("cannot open ", path, ": ", std::strerror(err));
+}
+
+bool read_file_nofollow(const std::string& path, std::string& out) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return false;
+  const int fd = open_nofollow(path, O_RDONLY);
+  out.clear();
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      EO_FAIL("reading ", path, " failed: ", std::strerror(err));
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
+  return true;
 }
 
 }  // namespace eo

@@ -1,6 +1,10 @@
 // File-system helpers that must work the same in every build.
 #pragma once
 
+#include <sys/types.h>
+
+#include <cstddef>
+#include <functional>
 #include <string>
 
 namespace eo {
@@ -9,5 +13,26 @@ namespace eo {
 // build (libtorch 2.11 wheel) while the CPU build was fine; this has no such dependency.
 // A missing path is not an error; a failure throws eo::Error naming the path.
 void remove_tree(const std::string& path);
+
+// fsync of a file or a folder (a folder's fsync makes a rename inside it durable).
+void fsync_path(const std::string& path);
+
+// write(2) until done, retrying EINTR; throws eo::Error naming `what` (ENOSPC, EFBIG, EIO, ...).
+void write_all(int fd, const void* data, std::size_t bytes, const std::string& what);
+
+// The one atomic file writer: `fill(fd, tmp)` writes the contents into a fresh temporary file `tmp` in the
+// target's folder (created O_EXCL | O_NOFOLLOW, so no link is followed), which is fsynced, renamed
+// over `path` (replacing a link, never writing through it) and the folder fsynced. A crash or any
+// error leaves the old file (or none) under `path` and no temporary behind.
+void write_file_atomic(const std::string& path, const std::function<void(int fd, const std::string& tmp)>& fill,
+                       mode_t mode = 0644);
+void write_file_atomic(const std::string& path, const std::string& contents);
+
+// open(2) with O_NOFOLLOW | O_CLOEXEC added: a symbolic link at `path` is refused with an
+// eo::Error that names it (files under output_dir must not write through a link).
+int open_nofollow(const std::string& path, int flags, mode_t mode = 0644);
+
+// Reads a whole file without following a link at `path`; nullopt-like empty + false if missing.
+bool read_file_nofollow(const std::string& path, std::string& out);
 
 }  // namespace eo

@@ -29,6 +29,17 @@ Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 stopped by SI
 after saving a checkpoint.
 )";
 
+// An error on any rank ends every rank now, with the exit code a single process would give:
+// the peers may be waiting in a collective (or MPI_Finalize) for this rank, which would never come.
+int fail(const std::string& message, int code) {
+  eo::log::error(message);
+  if (eo::dist::World::initialized() && eo::dist::World::get().size() > 1) {
+    std::fprintf(stderr, "eo-ddp: rank %d failed (exit %d); ending every rank\n", eo::dist::World::get().rank(), code);
+    eo::dist::World::get().abort(code);
+  }
+  return code;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -63,11 +74,8 @@ int main(int argc, char** argv) {
     if (cmd == "plan") return launch::run_plan(args);
     throw UsageError("unknown command '" + cmd + "' (commands: train, score, plan; see eo-ddp --help)");
   } catch (const UsageError& e) {
-    log::error(e.what());
-    return kExitUsage;
+    return fail(e.what(), kExitUsage);
   } catch (const std::exception& e) {
-    log::error(e.what());
-    if (dist::World::initialized() && dist::World::get().size() > 1) dist::World::get().abort(kExitRuntime);
-    return kExitRuntime;
+    return fail(e.what(), kExitRuntime);
   }
 }

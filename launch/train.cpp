@@ -13,6 +13,7 @@
 #include "runtime/config.h"
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
+#include "runtime/train_state.h"
 #include "runtime/trainer.h"
 
 namespace eo::launch {
@@ -67,9 +68,12 @@ int run_train(const Args& args) {
   reader.finish("train");
   if (config_path.empty()) throw UsageError("--config FILE is required (see eo-ddp --help)");
 
-  const TrainConfig cfg = load_config_file(config_path, overrides);
+  TrainConfig cfg = load_config_file(config_path, overrides);
   for (const auto& w : cfg.warnings) log::warn(w);
-  const auto& world = dist::World::get().info();
+  dist::World& w = dist::World::get();
+  const auto& world = w.info();
+  w.set_timeout(cfg.ddp_timeout);  // every host collective from here on is bounded
+  if (world.rank == 0) check_output_dir_writable(cfg.output_dir);  // rank 0 writes output_dir
   if (check) {
     if (world.rank == 0) {
       std::printf("# resolved config (%s)\n%s\n\n%s", config_path.c_str(), config_to_yaml(cfg).c_str(),
@@ -78,7 +82,17 @@ int run_train(const Args& args) {
     }
     return kExitOk;
   }
-  return train(cfg, dist::World::get()).exit_code;
+  // Before any weight: rank 0 takes output_dir (lock, ownership, `auto` resolved against this
+  // run's lineage, resume compatibility); every rank then resumes the same checkpoint. An error
+  // on rank 0 ends every rank (main), so the others never wait for the broadcast.
+  RunClaim claim;
+  if (world.rank == 0) {
+    claim = claim_output_dir(cfg);
+    for (const auto& n : claim.notes) log::info(n);
+    for (const auto& warning : claim.warnings) log::warn(warning);
+  }
+  cfg.resume_from_checkpoint = w.broadcast_string(claim.resume, 0);
+  return train(cfg, w).exit_code;
 }
 
 }  // namespace eo::launch

@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/text.h"
+#include "models/hf_config.h"
 
 namespace eo {
 namespace {
@@ -219,7 +221,7 @@ const std::vector<KeySpec>& schema() {
                  },
                  writer(&TrainConfig::lora_target_modules)});
     k.push_back(boolean("lora_target_linear", &TrainConfig::lora_target_linear,
-                        "Adapt every linear layer of the decoder blocks (attention, experts, dense MLPs); overrides lora_target_modules."));
+                        "Adapt every linear layer of the decoder blocks, as base_model's architecture names them (attention q/k/v/o_proj; experts w1/w2/w3 in Mixtral, gate/up/down_proj elsewhere; dense MLPs); overrides lora_target_modules."));
     k.push_back(boolean("peft_use_rslora", &TrainConfig::peft_use_rslora, "rsLoRA scaling alpha / sqrt(r)."));
     k.push_back(integer("bnb_4bit_blocksize", &TrainConfig::bnb_4bit_blocksize, 32, 4096,
                         "NF4 quantisation block size (a power of two, as bitsandbytes)."));
@@ -400,10 +402,14 @@ const std::vector<KeySpec>& schema() {
     // --- outputs
     k.push_back(text("output_dir", &TrainConfig::output_dir, "Where adapters, checkpoints and metrics.jsonl go."));
     k.push_back(integer("save_steps", &TrainConfig::save_steps, 0, 1 << 30, "Save an adapter + training state every N steps; 0 = only at the end."));
-    k.push_back(integer("save_total_limit", &TrainConfig::save_total_limit, 1, 1 << 20, "Training-state checkpoints to keep."));
+    k.push_back(integer("save_total_limit", &TrainConfig::save_total_limit, 1, 1 << 20,
+                        "Training-state checkpoints of this run to keep (another run's are never deleted)."));
+    k.push_back(boolean("overwrite_output_dir", &TrainConfig::overwrite_output_dir,
+                        "Start a fresh run in an output_dir that holds another run's checkpoints (they are left in place, "
+                        "never pruned or resumed); without it such a run is refused."));
     k.push_back(integer("logging_steps", &TrainConfig::logging_steps, 1, 1 << 30, "Log and write metrics every N steps."));
     k.push_back(text("resume_from_checkpoint", &TrainConfig::resume_from_checkpoint,
-                     "A checkpoint folder to continue from, or auto for the newest complete one in output_dir."));
+                     "A checkpoint folder to continue from, or auto for the newest complete one of this run's lineage in output_dir."));
     return k;
   }();
   return keys;
@@ -509,6 +515,12 @@ void apply_override(YAML::Node& root, const std::string& assignment, Issues& iss
     return;
   }
   const std::string key = assignment.substr(0, eq);
+  // YAML reads "" as null, which would silently restore the default: an empty value is a mistake.
+  if (eq + 1 == assignment.size()) {
+    issues.push_back({key, "--set " + assignment + " has an empty value; give one (e.g. --set " + key +
+                               "=VALUE), write null explicitly to restore the default, or drop the --set"});
+    return;
+  }
   YAML::Node value;
   try {
     value = YAML::Load(assignment.substr(eq + 1));
@@ -629,6 +641,45 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     issues.push_back({"resume_from_checkpoint", "'" + c.resume_from_checkpoint + "' is not a folder (use a checkpoint folder or auto)"});
 }
 
+// The linear modules LoRA can target in base_model's architecture, as the loader names them:
+// attention q/k/v/o_proj; experts w1/w2/w3 in Mixtral, gate/up/down_proj elsewhere; dense MLPs and
+// shared experts gate/up/down_proj. nullopt when config.json cannot be read (reported elsewhere).
+std::optional<std::vector<std::string>> linear_modules(const TrainConfig& c, std::string& model_type) {
+  model::ModelConfig mc;
+  try {
+    mc = model::load_config(c.base_model);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  model_type = mc.model_type;
+  std::vector<std::string> out{"q_proj", "k_proj", "v_proj", "o_proj"};
+  bool dense = false, moe = false;
+  for (int i = 0; i < mc.layers; ++i) (mc.is_moe_layer(i) ? moe : dense) = true;
+  if (moe && mc.arch == model::Arch::Mixtral) out.insert(out.end(), {"w1", "w2", "w3"});
+  if (dense || (moe && mc.arch != model::Arch::Mixtral)) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  return out;
+}
+
+// lora_target_linear resolves to the architecture's linears; any target that matches none of
+// them is a config error here, before a weight is read.
+void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
+  if (!present.count("base_model") || c.base_model.empty()) return;
+  std::string model_type;
+  const auto linears = linear_modules(c, model_type);
+  if (!linears) return;
+  if (c.lora_target_linear) {
+    c.lora_target_modules = *linears;
+    return;
+  }
+  static const std::set<std::string> known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                              "w1", "w2", "w3"};  // other names: reported by the key's own check
+  for (const auto& t : c.lora_target_modules)
+    if (known.count(t) && std::find(linears->begin(), linears->end(), t) == linears->end())
+      issues.push_back({"lora_target_modules", "'" + t + "' matches no linear of " + model_type + " (" + c.base_model +
+                                                   "/config.json); its linears are " + join(*linears, ", ") +
+                                                   " (or set lora_target_linear: true)"});
+}
+
 std::string format_issues(const std::string& source, const Issues& issues) {
   std::ostringstream os;
   os << "config " << source << " has " << issues.size() << (issues.size() == 1 ? " problem:" : " problems:");
@@ -709,7 +760,10 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (cfg.lora_target_linear)
     cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   check_rules(cfg, present, issues);
-  if (options.check_files) check_files(cfg, present, issues);
+  if (options.check_files) {
+    check_files(cfg, present, issues);
+    check_targets(cfg, present, issues);
+  }
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))

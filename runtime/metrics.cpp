@@ -1,12 +1,17 @@
 #include "runtime/metrics.h"
 
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <sstream>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/text.h"
 
 namespace eo {
@@ -14,19 +19,27 @@ namespace eo {
 MetricsLog::MetricsLog(const std::string& output_dir, std::int64_t resumed_step) {
   std::filesystem::create_directories(output_dir);
   path_ = (std::filesystem::path(output_dir) / "metrics.jsonl").string();
-  std::string kept;
-  if (resumed_step > 0) {
-    std::ifstream in(path_);
+  // Never through a link (it would overwrite whatever the link points at): read and written with
+  // O_NOFOLLOW, and the kept lines replace the file atomically (rename replaces a link itself).
+  std::string kept, old;
+  if (resumed_step > 0 && read_file_nofollow(path_, old)) {
+    std::istringstream in(old);
     for (std::string line; std::getline(in, line);) {
       const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
       if (j.is_object() && j.contains("step") && j["step"].is_number() && j["step"].get<std::int64_t>() <= resumed_step)
         kept += line + "\n";
     }
   }
-  out_.open(path_, std::ios::trunc);
-  EO_CHECK(out_, "cannot write ", path_);
-  out_ << kept;
-  out_.flush();
+  struct stat st {};
+  if (::lstat(path_.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+    EO_FAIL(path_, " is a symbolic link; eo-ddp does not write through links under output_dir "
+                   "(remove the link or choose another output_dir)");
+  write_file_atomic(path_, kept);
+  fd_ = open_nofollow(path_, O_WRONLY | O_APPEND);
+}
+
+MetricsLog::~MetricsLog() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 nlohmann::json to_json(const StepReport& r) {
@@ -45,10 +58,13 @@ nlohmann::json to_json(const StepReport& r) {
 }
 
 void MetricsLog::write(const StepReport& r) {
-  out_ << to_json(r).dump() << "\n";
-  out_.flush();
-  // A full disk must stop the run with a message, not leave a metrics file that silently ends.
-  EO_CHECK(out_.good(), "cannot append step ", r.step, " to ", path_, " (disk full or I/O error)");
+  // One write(2) per line: a full disk stops the run with a message, not a file that silently ends.
+  try {
+    const std::string line = to_json(r).dump() + "\n";
+    write_all(fd_, line.data(), line.size(), path_);
+  } catch (const std::exception& e) {
+    EO_FAIL("cannot append step ", r.step, " to ", path_, " (disk full or I/O error): ", e.what());
+  }
 }
 
 std::string progress_line(const StepReport& r) {

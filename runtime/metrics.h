@@ -5,7 +5,6 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
-#include <fstream>
 #include <string>
 
 namespace eo {
@@ -28,13 +27,17 @@ class MetricsLog {
  public:
   // resumed_step > 0: keep the lines of steps up to it (a resumed run continues the file; lines
   // of steps after the checkpoint, from the interrupted run, are dropped). 0: start afresh.
+  // A metrics.jsonl that is a symbolic link is refused (eo::Error naming it).
   MetricsLog(const std::string& output_dir, std::int64_t resumed_step);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
   void write(const StepReport& r);
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
-  std::ofstream out_;
+  int fd_ = -1;  // O_APPEND, opened without following links
 };
 
 nlohmann::json to_json(const StepReport& r);

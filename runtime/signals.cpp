@@ -23,6 +23,9 @@ void install_stop_signals() {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  // mpirun forwards SIGUSR1 to every rank and lets the job end by itself (on SIGTERM it records
+  // exit status 1 first): launch/eo-mpirun turns a SIGTERM into this, so the job exits 3.
+  sigaction(SIGUSR1, &sa, nullptr);
 }
 
 bool stop_requested() { return g_signal.load() != 0; }

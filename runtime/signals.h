@@ -1,4 +1,4 @@
-// SIGTERM / SIGINT (cluster preemption, Ctrl-C) ask the trainer to stop at the next step
+// SIGTERM / SIGINT / SIGUSR1 (cluster preemption, Ctrl-C, launch/eo-mpirun) ask the trainer to stop at the next step
 // boundary, save a checkpoint and exit with kExitPreempted. A second signal exits at once.
 #pragma once
 

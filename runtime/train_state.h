@@ -1,10 +1,19 @@
-// What a run writes to disk: peft adapters and resumable training-state checkpoints.
+// What a run writes to disk: peft adapters and resumable training-state checkpoints, and the
+// output_dir that one run owns.
 //
 // A checkpoint is a folder output_dir/checkpoint-<step>/ holding the adapter (peft format, so
 // any checkpoint can be loaded in Python), optimizer.safetensors, rng.safetensors and
-// trainer_state.json (step, data cursor, schedule, world size). It is written into a temporary
-// sibling folder, every file fsynced, then renamed into place and the parent fsynced: a crash
-// at any moment leaves either the previous complete checkpoint or the new one, never a torn one.
+// trainer_state.json (step, data cursor, world size, the run's identity and the config keys a
+// resume must agree with). It is written into a temporary sibling folder, every file fsynced,
+// trainer_state.json last; then renamed into place and the parent fsynced: a crash at any moment
+// leaves either the previous complete checkpoint or the new one, never a torn one. Replacing a
+// checkpoint of the same step moves the old one aside first (see save_checkpoint).
+//
+// Ownership. output_dir/run.json names the run that owns the folder (run_id, kept across resumes)
+// and its lineage: one segment per start of the program, each with the step it started from. A
+// checkpoint records the lineage that wrote it, so after a resume from checkpoint-2 the abandoned
+// checkpoint-6 of the first segment is no longer part of the run: `auto` never picks it and
+// pruning never counts it. A run never deletes checkpoints of another run.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,10 +21,13 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "common/files.h"  // write_file_atomic, fsync_path: the one atomic writer
 
 namespace eo {
 
@@ -34,19 +46,56 @@ struct TrainingState {
   NamedTensors lora;             // peft names
   NamedTensors optimizer;        // Optimizer::state()
   NamedTensors rng;              // generator states as uint8 tensors
+  // Filled by save_checkpoint / load_checkpoint (callers need not set them):
+  std::string run_id;            // empty: a checkpoint of an eo-ddp without run ids
+  nlohmann::json lineage;        // [{"segment": id, "start_step": n}, ...], oldest first
+  nlohmann::json recorded;       // the config keys check_resume_compatible compares
 };
 
-// Writes output_dir/checkpoint-<step>/ atomically and keeps the newest `keep` checkpoints.
-// Returns the folder written.
+// Writes output_dir/checkpoint-<step>/ atomically and keeps the newest `keep` checkpoints of this
+// run's lineage (never another run's). Returns the folder written.
 std::string save_checkpoint(const std::string& output_dir, const TrainingState& state, const TrainConfig& cfg, int keep);
 
-// The newest complete checkpoint folder in output_dir (for resume_from_checkpoint: auto).
+// The newest complete checkpoint folder in output_dir (for resume_from_checkpoint: auto): of the
+// lineage in output_dir/run.json when there is one, else of any run. Folder names that are not
+// checkpoint-<step> with a step eo-ddp can write are ignored with a warning.
 std::optional<std::string> latest_checkpoint(const std::string& output_dir);
 
-TrainingState load_checkpoint(const std::string& folder);
+// with_tensors = false reads trainer_state.json only (cheap: for checks before loading).
+TrainingState load_checkpoint(const std::string& folder, bool with_tensors = true);
 
-// Durable file helpers (used by the above; also for metrics and adapters).
-void fsync_path(const std::string& path);  // a file or a folder
-void write_file_atomic(const std::string& path, const std::string& contents);
+// The config keys a checkpoint records, and the comparison on resume: a changed base model
+// (its config.json and the first bytes of its weights), lora_r, lora_alpha, peft_use_rslora,
+// target modules, sequence_len, sample_packing, NF4 settings or datasets are refused (one
+// UsageError listing every key, what the checkpoint has and what the config has); changes that
+// only alter the rest of the run (learning rate, schedule, dropout, a moved base_model folder
+// with the same contents, ...) return warnings. A checkpoint that recorded nothing (older
+// eo-ddp) gives one warning.
+nlohmann::json recorded_config(const TrainConfig& cfg);
+std::vector<std::string> check_resume_compatible(const TrainingState& checkpoint, const TrainConfig& cfg);
+
+// Probes that output_dir can be created and written (a file created and removed in it), without
+// loading anything. Throws UsageError naming the folder and the reason (read-only file system,
+// permission, not a folder).
+void check_output_dir_writable(const std::string& output_dir);
+
+// What claim_output_dir decided.
+struct RunClaim {
+  std::string run_id;
+  std::string resume;  // the checkpoint folder to resume from ("" = start fresh); `auto` resolved
+  std::vector<std::string> notes;     // for the log
+  std::vector<std::string> warnings;  // e.g. keys changed since the resumed checkpoint
+  std::shared_ptr<void> lock;      // the flock on output_dir; released when the last copy goes
+};
+
+// Takes output_dir for this run, before any weight is loaded (rank 0 only; the folder is written
+// by rank 0): creates it, probes that it is writable, takes an exclusive flock on
+// output_dir/.eo-ddp.lock held until the process exits (a second run refuses naming the holder's
+// pid and host), finishes or rolls back a checkpoint replacement that a crash interrupted,
+// resolves resume_from_checkpoint (auto = newest checkpoint of the lineage in run.json), checks the
+// resume with check_resume_compatible (its warnings go to notes), refuses a
+// fresh run in a folder holding another run's checkpoints (unless overwrite_output_dir: true),
+// then records this segment in output_dir/run.json.
+RunClaim claim_output_dir(const TrainConfig& cfg);
 
 }  // namespace eo

@@ -127,3 +127,19 @@ TEST_F(Cli, RunThatCannotFitStopsAtStartWithThePlan) {
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("does NOT fit a 2.00 MiB card"), std::string::npos) << r.out;
 }
+
+// Issue #15 items 9 and 11: an output_dir that cannot be written, and an empty --set value, are
+// usage errors of --check itself (exit 2), before anything is loaded.
+TEST_F(Cli, CheckRefusesAnUnwritableOutputDirAndAnEmptySet) {
+  const std::string f = write("ok.yaml", "");
+  std::ofstream(dir_ / "a-file") << "x";
+  for (const std::string bad : {std::string("/sys/eo-ddp-cli-out"), (dir_ / "a-file" / "out").string()}) {
+    auto r = run("--check --config " + f + " --set output_dir=" + bad);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.out.find("output_dir " + bad), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("config ok"), std::string::npos) << r.out;
+  }
+  auto r = run("--check --config " + f + " --set lora_r=");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("empty value"), std::string::npos) << r.out;
+}

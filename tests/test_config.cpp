@@ -1,5 +1,6 @@
 // Config schema and validation: every rule, and the text users see.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -303,4 +304,49 @@ TEST(Text, BytesAndSuggestions) {
   EXPECT_EQ(edit_distance("offlaod", "offload"), 1u);
   EXPECT_EQ(closest_match("lora_rr", {"lora_r", "lora_alpha"}).value(), "lora_r");
   EXPECT_FALSE(closest_match("zzzzzz", {"lora_r"}));
+}
+
+// Issue #15 item 11: `--set key=` (empty) is an error, not a silent reset to the default.
+TEST(Config, EmptySetValueIsAnError) {
+  const std::string m = error_of(kValid, {"lora_r="});
+  EXPECT_NE(m.find("lora_r: --set lora_r= has an empty value"), std::string::npos) << m;
+  EXPECT_NO_THROW(load(kValid, {"lora_r=16"}));
+}
+
+// Issue #15 item 10: lora_target_linear takes the architecture's linears from base_model/config.json
+// (Mixtral experts are w1/w2/w3), and a target that matches no linear of it is a config error.
+TEST(Config, TargetModulesComeFromTheArchitecture) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_cfg_targets_" + std::to_string(::getpid()));
+  for (const char* m : {"mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b"}) {
+    fs::create_directories(dir / m);
+    fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/" + m + "/config.json", dir / m / "config.json",
+                  fs::copy_options::overwrite_existing);
+  }
+  std::ofstream(dir / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  auto yaml = [&](const std::string& model, const std::string& extra) {
+    return "base_model: " + (dir / model).string() + "\nadapter: lora\ndatasets: [{path: " + (dir / "train.jsonl").string() +
+           "}]\n" + extra;
+  };
+  const std::vector<std::string> mixtral{"q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"};
+  const std::vector<std::string> qwen{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, mixtral);
+  EXPECT_EQ(load_config_text(yaml("qwen3-30b-a3b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
+  EXPECT_EQ(load_config_text(yaml("olmoe-1b-7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
+  try {
+    load_config_text(yaml("mixtral-8x7b", "lora_target_modules: [q_proj, gate_proj, up_proj]\n"), "t.yaml", {});
+    ADD_FAILURE() << "gate_proj on Mixtral was accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'gate_proj' matches no linear of mixtral"), std::string::npos) << m;
+    EXPECT_NE(m.find("'up_proj' matches no linear of mixtral"), std::string::npos) << m;
+    EXPECT_NE(m.find("w1, w2, w3"), std::string::npos) << m;
+  }
+  try {
+    load_config_text(yaml("qwen3-30b-a3b", "lora_target_modules: [w1]\n"), "t.yaml", {});
+    ADD_FAILURE() << "w1 on Qwen3-MoE was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("'w1' matches no linear of qwen3_moe"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
 }

@@ -409,3 +409,23 @@ TEST(Data, ConcatenatedDatasetsKeepOrderAndNames) {
   EXPECT_EQ(ids[0], token_of(1, 1));
   EXPECT_EQ(all.name(), "in-memory + empty.jsonl + b.jsonl");
 }
+
+// Issue #15 item 12: data with no trainable token (every label -100) is refused, naming the data,
+// instead of training at loss 0. One trainable label anywhere is enough.
+TEST(Data, DataWithoutATrainableTokenIsRefused) {
+  std::vector<Example> ex(3);
+  for (auto& e : ex) {
+    e.input_ids = {1, 2, 3, 4};
+    e.labels = {-100, -100, -100, -100};
+  }
+  BatcherOptions opt;
+  opt.sequence_len = 8;
+  expect_throw_with([&] { Batcher b(std::make_shared<InMemoryDocuments>(ex, "prompts-only.jsonl"), opt); },
+                    {"prompts-only.jsonl", "no trainable token", "-100"});
+  // A label only at a sequence's first position is no target either (nothing predicts it).
+  ex[2].labels[0] = 1;
+  expect_throw_with([&] { Batcher b(std::make_shared<InMemoryDocuments>(ex, "first-only.jsonl"), opt); },
+                    {"first-only.jsonl", "no trainable token"});
+  ex[2].labels[3] = 4;
+  EXPECT_NO_THROW(Batcher(std::make_shared<InMemoryDocuments>(ex, "ok.jsonl"), opt));
+}

@@ -12,6 +12,7 @@
 //  - data: empty files, token ids outside the vocabulary, too little data for one step: exit 2
 //    before training, naming the file (and line / index) and the fix.
 #include <gtest/gtest.h>
+#include <csignal>
 #include <sched.h>
 #include <sys/mount.h>
 
@@ -88,6 +89,17 @@ void expect_failed_save_left_no_trace(const Outcome& o, const fs::path& out, con
 
 std::string sets_of(const fs::path& out) { return "output_dir=" + out.string(); }
 
+// A checkpoint's bytes, less what names the run that wrote it (run_id, lineage: unique per run),
+// so checkpoints of two identical runs compare equal.
+std::map<std::string, std::string> checkpoint_contents(const fs::path& dir) {
+  auto files = folder_bytes(dir);
+  auto state = json::parse(files.at("trainer_state.json"));
+  state.erase("run_id");
+  state.erase("lineage");
+  files["trainer_state.json"] = state.dump();
+  return files;
+}
+
 }  // namespace
 
 // ---- disk full ------------------------------------------------------------------------------------
@@ -110,7 +122,8 @@ TEST_F(FaultTest, DiskFullDuringSaveOnTmpfs) {
   const Outcome o = train(out, sets);
   expect_failed_save_left_no_trace(o, out, "No space left on device");
   EXPECT_FALSE(fs::exists(out / "adapter_model.safetensors")) << "the run never finished, yet a final adapter exists";
-  EXPECT_EQ(folder_bytes(out / "checkpoint-2"), folder_bytes(ref / "checkpoint-2")) << "checkpoint-2 is not the reference's";
+  EXPECT_EQ(checkpoint_contents(out / "checkpoint-2"), checkpoint_contents(ref / "checkpoint-2"))
+      << "checkpoint-2 is not the reference's";
 
   // auto resumes from the surviving checkpoint-2 (on a disk with room) and ends as the reference.
   const fs::path moved = dir_ / "moved";
@@ -142,24 +155,34 @@ TEST_F(FaultTest, DiskFullDuringSaveWithFileSizeLimit) {
   EXPECT_EQ(read_text(out / "adapter_model.safetensors"), adapter_before) << "the previous final adapter changed";
 }
 
-// write_file_atomic: a failed write leaves neither the target nor its temporary file.
+// write_file_atomic: a failed write leaves neither the target nor its temporary file. The write
+// fails for real: RLIMIT_FSIZE makes it EFBIG (SIGXFSZ ignored, as the trainer does). (It used to
+// plant a link to /dev/full at the temporary's name; the writer now creates its temporary with
+// O_EXCL | O_NOFOLLOW under an unpredictable name, so nothing can be planted there: issue #15 item 8.)
 TEST_F(FaultTest, AtomicFileWriteFailsCleanly) {
   const fs::path target = dir_ / "adapter_config.json";
   eo::write_file_atomic(target.string(), "old\n");
-  // /dev/full: every write fails with ENOSPC. The parent is /dev, so only the temporary's name
-  // is checked: write into a folder we control by making the target's temporary a symlink to it.
-  const fs::path tmp = target.string() + ".tmp." + std::to_string(::getpid());
-  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
-  fs::create_symlink("/dev/full", tmp);
+  const std::string tmp_prefix = (dir_ / ".adapter_config.json.tmp.").string();
+  struct rlimit saved {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = saved;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string error;
   try {
     eo::write_file_atomic(target.string(), std::string(1 << 16, 'x'));
-    FAIL() << "writing to a full device succeeded";
   } catch (const std::exception& e) {
-    EXPECT_TRUE(contains(e.what(), tmp.string())) << e.what();
-    EXPECT_TRUE(contains(e.what(), "No space left on device")) << e.what();
+    error = e.what();
   }
+  setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  ASSERT_FALSE(error.empty()) << "writing past the file-size limit succeeded";
+  EXPECT_TRUE(contains(error, tmp_prefix)) << error;
+  EXPECT_TRUE(contains(error, "File too large")) << error;
   EXPECT_EQ(read_text(target), "old\n") << "the previous contents must survive";
-  EXPECT_FALSE(fs::exists(fs::symlink_status(tmp))) << "the temporary file was left behind";
+  for (const auto& e : fs::directory_iterator(dir_))
+    EXPECT_NE(e.path().string().rfind(tmp_prefix, 0), 0u) << "the temporary file was left behind: " << e.path();
 }
 
 // ---- NaN / Inf ------------------------------------------------------------------------------------
@@ -355,4 +378,44 @@ TEST_F(FaultTest, DataErrorsStopBeforeTrainingWithExit2) {
     EXPECT_FALSE(fs::exists(out / "metrics.jsonl")) << "training started";
     EXPECT_FALSE(contains(o.log, "loading ")) << "the data is checked before any weight is read:\n" << o.log;
   }
+}
+
+// Issue #15 item 7: a requeued run re-saves checkpoint-N; a kill between moving the old one aside
+// and renaming the new one in (EO_DDP_FAULT_KILL_IN_REPLACE) must not lose it: the next start
+// trusts the complete temporary folder, and `auto` resumes checkpoint-N.
+TEST_F(FaultTest, KillWhileReplacingACheckpointLosesNothing) {
+  const fs::path out = dir_ / "run";
+  const Outcome first = train(out, {"max_steps=2", "save_steps=0"});
+  ASSERT_TRUE(first.exited && first.code == 0) << first.describe();
+  ASSERT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json"));
+  const Outcome killed = train(out, {"max_steps=2", "save_steps=0", "resume_from_checkpoint=auto"},
+                               RunOptions{{"EO_DDP_FAULT_KILL_IN_REPLACE=2"}});
+  ASSERT_TRUE(!killed.timed_out && !killed.exited && killed.signal == SIGKILL) << killed.describe();
+  EXPECT_FALSE(fs::exists(out / "checkpoint-2")) << "the kill was meant to hit between the two renames";
+  const Outcome again = train(out, {"max_steps=2", "save_steps=0", "resume_from_checkpoint=auto"});
+  ASSERT_TRUE(again.exited && again.code == 0) << again.describe();
+  EXPECT_TRUE(contains(again.log, "checkpoint-2 at step 2")) << again.log;
+  EXPECT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json"));
+  EXPECT_TRUE(leftovers(out).empty()) << leftovers(out).front();
+}
+
+// Issue #15 item 4, end to end: a second fresh run in a finished run's output_dir is refused
+// (exit 2, before loading) and leaves that run's checkpoints and metrics.jsonl as they were.
+TEST_F(FaultTest, FreshRunInAnotherRunsOutputDirIsRefused) {
+  const fs::path out = dir_ / "run";
+  const Outcome first = train(out, {"max_steps=4", "save_steps=2", "save_total_limit=10"});
+  ASSERT_TRUE(first.exited && first.code == 0) << first.describe();
+  const auto before = folder_bytes(out);
+  const Outcome second = train(out, {"max_steps=2", "save_steps=1"});
+  EXPECT_TRUE(second.exited && second.code == 2) << second.describe();
+  EXPECT_TRUE(contains(second.log, "output_dir " + out.string() + " holds checkpoints of another run")) << second.log;
+  EXPECT_FALSE(contains(second.log, "loading ")) << "it loaded the model before refusing:\n" << second.log;
+  auto after = folder_bytes(out);
+  after.erase(".eo-ddp.lock");
+  auto expected = before;
+  expected.erase(".eo-ddp.lock");
+  EXPECT_EQ(after, expected) << "the refused run changed the other run's files";
+  const Outcome over = train(out, {"max_steps=2", "save_steps=1", "save_total_limit=1", "overwrite_output_dir=true"});
+  ASSERT_TRUE(over.exited && over.code == 0) << over.describe();
+  EXPECT_TRUE(fs::exists(out / "checkpoint-2") && fs::exists(out / "checkpoint-4")) << "the other run's checkpoints were pruned";
 }

@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include "fault_support.h"
+#include "runtime/config.h"
 #include "runtime/train_state.h"
+
+#include <csignal>
 
 using namespace eo::faults;
 
@@ -61,4 +64,63 @@ TEST_F(FaultTest, NonFiniteStepsOnOneRankStopEveryRank) {
   EXPECT_TRUE(contains(o.log, "the loss or gradients were NaN/Inf for 2 consecutive steps (1 to 2, max_nonfinite_steps: 2)")) << o.log;
   EXPECT_EQ(read_metrics(out).size(), 2u);
   EXPECT_FALSE(fs::exists(out / "adapter_model.safetensors"));
+}
+
+// Issue #15 item 1: a usage error on one rank only (MPMD: rank 1 gets a bad --set) ends every rank
+// within seconds, with the cause, the rank and exit 2 -- not a hang in MPI_Finalize or a broadcast.
+TEST_F(FaultTest, UsageErrorOnOneRankEndsTheJobWithExit2) {
+  const fs::path out = dir_ / "run";
+  std::vector<std::string> argv{EO_MPIEXEC, "--oversubscribe", "--bind-to", "none", "-np", "1", eo_ddp()};
+  for (auto& a : train_args(out, {"max_steps=50"})) argv.push_back(a);
+  for (const char* a : {":", "-np", "1"}) argv.push_back(a);
+  argv.push_back(eo_ddp());
+  for (auto& a : train_args(out, {"max_steps=50", "lora_r=abc"})) argv.push_back(a);
+  RunOptions ro;
+  ro.timeout_s = 120;
+  const Outcome o = run(argv, out.string() + ".log", ro);
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 2) << o.describe();
+  EXPECT_LT(o.seconds, 30) << o.describe();
+  EXPECT_TRUE(contains(o.log, "[rank 1] error: config configs/tiny-qwen3-moe.yaml has 1 problem")) << o.log;
+  EXPECT_TRUE(contains(o.log, "lora_r: expected an integer, got 'abc'")) << o.log;
+}
+
+// Items 1 and 5: rank 0 alone fails (output_dir locked by another run) while rank 1 waits for it
+// in a broadcast: the job ends at once with exit 2 and the holder named.
+TEST_F(FaultTest, LockedOutputDirOnRankZeroEndsTheJobWithExit2) {
+  const fs::path out = dir_ / "run";
+  eo::TrainConfig held;
+  held.output_dir = out.string();
+  const eo::RunClaim holder = eo::claim_output_dir(held);
+  const Outcome o = mpi_train(out, {"max_steps=5"}, {}, 120);
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 2) << o.describe();
+  EXPECT_LT(o.seconds, 30) << o.describe();
+  EXPECT_TRUE(contains(o.log, "is in use by another eo-ddp run (pid " + std::to_string(::getpid()))) << o.log;
+}
+
+// Issue #15 item 3: SIGTERM to the launcher saves a checkpoint and the job exits 3. Plain mpirun
+// exits 1 on SIGTERM whatever the ranks do (it records 1 before forwarding), so the documented
+// launcher is launch/eo-mpirun, which hands mpirun SIGUSR1 instead (forwarded to every rank).
+TEST_F(FaultTest, SigtermToTheLauncherSavesAndExits3) {
+  const fs::path out = dir_ / "run";
+  std::vector<std::string> argv{std::string(EO_SOURCE_DIR) + "/launch/eo-mpirun", "-np", "2", "--oversubscribe", "--bind-to",
+                                "none", "-x", "OMP_NUM_THREADS", eo_ddp()};
+  for (auto& a : train_args(out, {"max_steps=400", "save_steps=0", "lr_scheduler=constant"})) argv.push_back(a);
+  RunOptions ro;
+  ro.env = {std::string("MPIRUN=") + EO_MPIEXEC};
+  const Child child = spawn(argv, out.string() + ".log", ro);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
+  while (read_metrics(out).size() < 3 && std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    ASSERT_EQ(waitpid(child.pid, &status, WNOHANG), 0) << "the job ended before it was signalled:\n" << read_text(child.log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  kill(child.pid, SIGTERM);
+  const Outcome o = wait_for(child, 120);
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 3) << o.describe();
+  const auto saved = eo::latest_checkpoint(out.string());
+  ASSERT_TRUE(saved.has_value()) << "no checkpoint after SIGTERM\n" << o.log;
+  EXPECT_GE(eo::load_checkpoint(*saved, false).step, 3);
 }

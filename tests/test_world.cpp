@@ -2,7 +2,10 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <csignal>
+#include <cstdio>
 #include <set>
+#include <string>
 
 #include "runtime/dist/world.h"
 
@@ -61,9 +64,24 @@ TEST(World, BroadcastFromRankZero) {
   for (int x : data) ASSERT_EQ(x, 7);
 }
 
+// `test_world --stall`: rank 1 stops itself (SIGSTOP) at the entry of a host all-reduce; with a
+// 2 s timeout the other ranks must abort the job, naming rank 1 as the one that did not arrive
+// (tests/CMakeLists.txt runs it through ddp_expect_abort.cmake).
+int stall_mode(World& w) {
+  w.set_timeout(2);
+  double v[1] = {1};
+  w.allreduce_sum(v, 1);  // every rank arrives at collective #1
+  if (w.rank() == 1) raise(SIGSTOP);
+  w.allreduce_sum(v, 1);
+  std::fprintf(stderr, "test_world --stall: the all-reduce completed although rank 1 is stopped\n");
+  w.finalize();
+  return 0;
+}
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   World& w = World::init(&argc, &argv);
+  if (argc > 1 && std::string(argv[1]) == "--stall") return stall_mode(w);
   // Only rank 0 prints the gtest report; every rank's result decides the exit code.
   if (w.rank() != 0) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();

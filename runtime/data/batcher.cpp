@@ -104,6 +104,7 @@ Batcher::Batcher(std::shared_ptr<const DocumentSource> documents, BatcherOptions
   EO_CHECK(opt_.world_size >= 1 && opt_.rank >= 0 && opt_.rank < opt_.world_size, "Batcher: rank ", opt_.rank,
            " is not in a world of ", opt_.world_size);
   plan_rows();
+  check_trainable_tokens();
   const std::int64_t global = opt_.micro_batch_size * opt_.world_size;
   if (num_sequences() < global) {
     throw UsageError(detail::concat(
@@ -137,6 +138,26 @@ void Batcher::plan_rows() {
     }
   }
   if (row_starts_.back() != pieces_.size()) row_starts_.push_back(pieces_.size());
+}
+
+// Data with no label to learn (every label -100 after truncation and the first position of each
+// sequence) would train at loss 0 and change nothing: refused, naming the data. Stops at the first
+// trainable token, so ordinary data costs one row.
+void Batcher::check_trainable_tokens() const {
+  const std::int64_t L = opt_.sequence_len;
+  std::vector<std::int64_t> ids(L), labels(L), positions(L);
+  std::vector<std::int32_t> segments(L);
+  for (std::size_t r = 0; r + 1 < row_starts_.size(); ++r) {
+    fill_row(r, ids.data(), labels.data(), positions.data(), segments.data());
+    for (std::int64_t t = 1; t < L; ++t)
+      if (labels[t] != kIgnoreIndex) return;
+  }
+  if (num_sequences() == 0) return;  // "too few sequences" is reported below
+  throw UsageError(detail::concat("dataset ", docs_->name(), " has no trainable token: every label is ", kIgnoreIndex,
+                                  " (after truncation to sequence_len ", L,
+                                  "; a sequence's first token is never a target). Training would report loss 0 and "
+                                  "learn nothing; check the labels of the data (tools/tokenize.py writes labels for "
+                                  "the completion or assistant tokens)."));
 }
 
 std::int64_t Batcher::num_batches_per_epoch() const {

@@ -164,6 +164,7 @@ class Batcher {
     std::int64_t begin, count;
   };
   void plan_rows();
+  void check_trainable_tokens() const;
   void fill_row(std::size_t row, std::int64_t* ids, std::int64_t* labels, std::int64_t* positions,
                 std::int32_t* segments) const;
   MicroBatch make_batch(const std::vector<std::size_t>& rows) const;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "runtime/dist/mpi_check.h"
 #include "runtime/dist/world.h"
 
 #ifdef EO_WITH_CUDA
@@ -19,6 +20,7 @@
 #include <nccl.h>
 
 #include <condition_variable>
+#include <future>
 #endif
 
 namespace eo::dist {
@@ -36,14 +38,6 @@ using Clock = std::chrono::steady_clock;
   std::_Exit(kExitRuntime);
 }
 
-void mpi_check(int rc, const std::string& what) {
-  if (rc == MPI_SUCCESS) return;
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, msg, &len);
-  EO_FAIL(what, " failed: ", std::string(msg, len));
-}
-
 std::int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<std::int64_t>(t.element_size()); }
 }  // namespace
 
@@ -56,16 +50,20 @@ struct Communicator::Pending {
   MPI_Request request = MPI_REQUEST_NULL;  // CPU
   std::shared_ptr<void> done_event;       // CUDA (a cudaEvent_t shared with the watchdog)
   Clock::time_point start;
+  std::uint64_t seq = 0;  // World's collective count: names this collective in a timeout message
 };
 
 #ifdef EO_WITH_CUDA
 namespace {
-void cuda_check(cudaError_t rc, const char* what) {
-  EO_CHECK(rc == cudaSuccess, what, " failed: ", cudaGetErrorString(rc));
+// The CUDA and NCCL checks of this file, with file:line (MPI's: runtime/dist/mpi_check.h).
+void cuda_check_at(cudaError_t rc, const char* what, const char* file, int line) {
+  EO_CHECK(rc == cudaSuccess, what, " failed at ", file, ":", line, ": ", cudaGetErrorString(rc));
 }
-void nccl_check(ncclResult_t rc, const std::string& what) {
-  EO_CHECK(rc == ncclSuccess, what, " failed: ", ncclGetErrorString(rc));
+void nccl_check_at(ncclResult_t rc, const std::string& what, const char* file, int line) {
+  EO_CHECK(rc == ncclSuccess, what, " failed at ", file, ":", line, ": ", ncclGetErrorString(rc));
 }
+#define cuda_check(rc, what) cuda_check_at((rc), (what), __FILE__, __LINE__)
+#define nccl_check(rc, what) nccl_check_at((rc), (what), __FILE__, __LINE__)
 std::shared_ptr<void> make_event() {
   cudaEvent_t e = nullptr;
   cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
@@ -148,7 +146,7 @@ struct Communicator::Nccl {};
 #endif
 
 Communicator::Communicator(const World& world, at::Device device, double timeout_seconds)
-    : rank_(world.rank()), size_(world.size()), device_(device), timeout_s_(timeout_seconds) {
+    : world_(&world), rank_(world.rank()), size_(world.size()), device_(device), timeout_s_(timeout_seconds) {
   EO_CHECK(timeout_seconds > 0, "ddp_timeout must be positive (got ", timeout_seconds, ")");
   EO_CHECK(size_ == 1 || world.uses_mpi(), "a world of ", size_, " ranks needs MPI");
   if (size_ == 1 || !device.is_cuda()) return;
@@ -162,7 +160,20 @@ Communicator::Communicator(const World& world, at::Device device, double timeout
   ncclUniqueId id;
   if (rank_ == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
   world.broadcast_bytes(&id, sizeof id, 0);
-  nccl_check(ncclCommInitRank(&nccl_->comm, size_, id, rank_), "ncclCommInitRank");
+  // ncclCommInitRank blocks until every rank has joined and has no timeout of its own: run it on a
+  // helper thread and end the job if it outlives ddp_timeout (the thread dies with the process).
+  {
+    auto done = std::make_shared<std::promise<ncclResult_t>>();
+    std::future<ncclResult_t> result = done->get_future();
+    std::thread([done, n = nccl_.get(), size = size_, id, rank = rank_] {
+      cudaSetDevice(n->device);
+      done->set_value(ncclCommInitRank(&n->comm, size, id, rank));
+    }).detach();
+    if (result.wait_for(std::chrono::duration<double>(timeout_s_)) != std::future_status::ready)
+      abort_run(rank_, "ncclCommInitRank did not complete within " + std::to_string(int(timeout_s_)) +
+                           " s (ddp_timeout); a peer rank never created its NCCL communicator (stuck, dead, or failed earlier)");
+    nccl_check(result.get(), "ncclCommInitRank");
+  }
   nccl_->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(nccl_->device)).stream();
   nccl_->watchdog = std::thread([n = nccl_.get()] { n->watch(); });
 #else
@@ -218,7 +229,8 @@ std::uint64_t Communicator::allreduce_async(const at::Tensor& t, ReduceOp op, co
 #endif
   } else {
     EO_CHECK(t.numel() <= INT_MAX, p->what, ": ", t.numel(), " elements exceed one MPI call; lower ddp_bucket_cap_mb");
-    mpi_check(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()),
+    p->seq = world_->enter_collective();
+    EO_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()),
                              t.scalar_type() == at::kFloat ? MPI_FLOAT : MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD, &p->request),
               "MPI_Iallreduce (" + p->what + ")");
   }
@@ -233,11 +245,10 @@ void Communicator::wait_mpi_locked(Pending& p) {
   const auto deadline = p.start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s_));
   for (long spins = 0;; ++spins) {
     int done = 0;
-    mpi_check(MPI_Test(&p.request, &done, MPI_STATUS_IGNORE), "MPI_Test (" + p.what + ")");
+    EO_MPI_CHECK(MPI_Test(&p.request, &done, MPI_STATUS_IGNORE), p.what);
     if (done) return;
-    if (Clock::now() > deadline)
-      abort_run(rank_, p.what + " did not complete within " + std::to_string(int(timeout_s_)) +
-                           " s (ddp_timeout); a peer rank is stuck or dead");
+    world_->serve_peers();
+    if (Clock::now() > deadline) world_->abort_on_timeout(p.what, p.seq, timeout_s_);
     // Yield the core after a short spin: ranks may share cores (oversubscribed runs).
     if (spins > 200) std::this_thread::sleep_for(std::chrono::microseconds(spins > 20000 ? 1000 : 20));
   }
@@ -289,7 +300,8 @@ void Communicator::broadcast(const at::Tensor& t, int root, const std::string& w
       Pending p;
       p.what = "broadcast of " + what;
       p.start = Clock::now();
-      mpi_check(MPI_Ibcast(base + off, static_cast<int>(std::min(chunk, bytes - off)), MPI_BYTE, root, MPI_COMM_WORLD,
+      p.seq = world_->enter_collective();
+      EO_MPI_CHECK(MPI_Ibcast(base + off, static_cast<int>(std::min(chunk, bytes - off)), MPI_BYTE, root, MPI_COMM_WORLD,
                            &p.request),
                 "MPI_Ibcast (" + p.what + ")");
       wait_mpi_locked(p);
@@ -306,7 +318,8 @@ std::vector<std::uint64_t> Communicator::allgather(std::uint64_t mine, const std
   Pending p;
   p.what = "all-gather of " + what;
   p.start = Clock::now();
-  mpi_check(MPI_Iallgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD, &p.request),
+  p.seq = world_->enter_collective();
+  EO_MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD, &p.request),
             "MPI_Iallgather (" + p.what + ")");
   wait_mpi_locked(p);
   stats_.allgather_calls += 1;

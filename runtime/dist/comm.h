@@ -69,6 +69,7 @@ class Communicator {
   struct Nccl;
   void wait_mpi_locked(Pending& p);
 
+  const World* world_;  // its probes name the rank that did not arrive when a wait times out
   int rank_ = 0;
   int size_ = 1;
   at::Device device_;
