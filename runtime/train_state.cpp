@@ -17,6 +17,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "models/lora.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
 
@@ -109,8 +110,9 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   c["inference_mode"] = true;
   c["init_lora_weights"] = true;
   c["modules_to_save"] = nullptr;
+  // peft's names and shapes: a stacked expert LoRA is written as its per-expert slices.
   NamedTensors cpu;
-  for (const auto& [n, t] : lora) cpu.emplace_back(n, t.detach().to(at::kCPU).contiguous());
+  for (const auto& [n, t] : model::peft_lora_tensors(lora)) cpu.emplace_back(n, t.detach().to(at::kCPU).contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
   write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
 }
@@ -196,7 +198,8 @@ TrainingState load_checkpoint(const std::string& folder) {
   } catch (const std::exception& e) {
     EO_FAIL("checkpoint ", folder, ": ", kStateFile, " is missing fields: ", e.what());
   }
-  s.lora = as_list(load_all((dir / "adapter_model.safetensors").string()));
+  // The adapter is stored in peft's per-expert form (write_adapter); the model trains it stacked.
+  s.lora = model::stack_expert_lora(as_list(load_all((dir / "adapter_model.safetensors").string())));
   s.optimizer = as_list(load_all((dir / "optimizer.safetensors").string()));
   s.rng = as_list(load_all((dir / "rng.safetensors").string()));
   return s;
