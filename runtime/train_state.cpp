@@ -110,9 +110,11 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   c["inference_mode"] = true;
   c["init_lora_weights"] = true;
   c["modules_to_save"] = nullptr;
-  // peft's names and shapes: a stacked expert LoRA is written as its per-expert slices.
-  NamedTensors cpu;
-  for (const auto& [n, t] : model::peft_lora_tensors(lora)) cpu.emplace_back(n, t.detach().to(at::kCPU).contiguous());
+  // peft's names and shapes: a stacked expert LoRA is written as its per-expert slices (cut on
+  // the host, after one device copy per stacked tensor).
+  NamedTensors stacked, cpu;
+  for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
+  for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
   write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
 }
