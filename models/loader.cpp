@@ -254,7 +254,6 @@ struct ModelLoader {
       } else {
         b->router_ = get(moe_prefix(i) + ".gate.weight", {c.experts, H});
         const auto fused = fused_experts(i);
-        b->expert_lora_.resize(c.experts);
         if (opts.load_in_4bit) {
           bank[i].resize(c.experts);
           for (int e = 0; e < c.experts; ++e)
@@ -346,7 +345,12 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
     for (int e = 0; e < c.experts; ++e)
       for (int mi = 0; mi < 3; ++mi) {
         const std::string short_name = mix ? kMix[mi] : kQwen[mi];
-        sites.push_back({ep + std::to_string(e) + "." + short_name, short_name, in[mi], out[mi], &b.expert_lora_[e][mi]});
+        LoraSite s{ep + std::to_string(e) + "." + short_name, short_name, in[mi], out[mi]};
+        s.stack = &b.expert_lora_[mi];
+        s.expert = e;
+        s.experts = static_cast<int>(c.experts);
+        s.stack_prefix = p + c.moe_prefix() + ".experts";
+        sites.push_back(std::move(s));
       }
     if (b.has_shared_) add_mlp(p + "mlp.shared_expert", b.shared_);
   }
@@ -358,15 +362,24 @@ void MoeModel::add_lora(const LoraSpec& spec) {
   lora_spec_ = spec;
   std::set<std::string> matched;
   const auto sites = lora_sites();
+  for (const auto& s : sites)
+    if (s.stack) s.stack->reset();  // every block's stacked expert LoRA is made afresh below
   for (std::size_t i = 0; i < sites.size(); ++i) {
     const auto& s = sites[i];
     if (!spec.targets_module(s.short_name)) {
-      s.slot->reset();
+      if (s.slot) s.slot->reset();
       continue;
     }
     matched.insert(s.short_name);
-    // One generator per module, seeded from (seed, module index): stable across runs and ranks.
-    *s.slot = std::make_shared<LoraAdapter>(s.in, s.out, spec, spec.seed * 1000003ULL + i, opts_.device);
+    // One generator per module, seeded from (seed, module index): stable across runs and ranks,
+    // and the same for an expert's slice of the stacked adapter as for a per-expert adapter.
+    const std::uint64_t gen_seed = spec.seed * 1000003ULL + i;
+    if (s.slot) {
+      *s.slot = std::make_shared<LoraAdapter>(s.in, s.out, spec, gen_seed, opts_.device);
+      continue;
+    }
+    if (!*s.stack) *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
+    (*s.stack)->init_expert(s.expert, gen_seed);
   }
   for (const auto& t : spec.targets)
     if (!matched.count(t))
@@ -378,6 +391,14 @@ void MoeModel::add_lora(const LoraSpec& spec) {
 std::vector<std::pair<std::string, at::Tensor>> MoeModel::lora_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& s : lora_sites()) {
+    if (s.stack) {
+      // Once per block and matrix (at expert 0's site): the stacked leaves, gate, up, down.
+      if (s.expert != 0 || !*s.stack) continue;
+      const std::string prefix = "base_model.model." + s.stack_prefix;
+      out.emplace_back(stacked_lora_name(prefix, s.short_name, 'A'), (*s.stack)->A());
+      out.emplace_back(stacked_lora_name(prefix, s.short_name, 'B'), (*s.stack)->B());
+      continue;
+    }
     if (!*s.slot) continue;
     out.emplace_back("base_model.model." + s.module + ".lora_A.weight", (*s.slot)->A());
     out.emplace_back("base_model.model." + s.module + ".lora_B.weight", (*s.slot)->B());
@@ -392,7 +413,10 @@ void MoeModel::load_adapter(const std::string& adapter_dir) {
   if (!std::filesystem::exists(path)) throw UsageError(path + ": missing (only safetensors adapters are supported)");
   const auto file = st::File::open(path);
   std::set<std::string> used;
-  for (auto& [name, param] : lora_parameters()) {
+  // peft's per-expert names; expert tensors are views into the stacked leaves, filled in place.
+  std::vector<std::pair<std::string, at::Tensor>> leaves;
+  for (const auto& [name, p] : lora_parameters()) leaves.emplace_back(name, p.detach());
+  for (auto& [name, param] : peft_lora_tensors(leaves)) {
     const st::TensorInfo* info = file->find(name);
     if (!info)
       throw UsageError(path + ": tensor '" + name + "' is missing although adapter_config.json's target_modules "
@@ -401,7 +425,7 @@ void MoeModel::load_adapter(const std::string& adapter_dir) {
     if (t.sizes() != param.sizes())
       throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) + ", expected " +
                        shape_str(param.sizes()) + " (r=" + std::to_string(spec.r) + ")");
-    param.detach().copy_(t.to(at::kFloat));  // the leaf keeps requires_grad
+    param.copy_(t.to(at::kFloat));  // a detached alias: the leaf keeps requires_grad
     used.insert(name);
   }
   for (const auto& info : file->tensors())
@@ -413,6 +437,7 @@ void MoeModel::save_adapter(const std::string& adapter_dir, const std::string& b
   std::filesystem::create_directories(adapter_dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (auto& [name, t] : lora_parameters()) tensors.emplace_back(name, t.detach().to(at::kCPU));
+  tensors = peft_lora_tensors(tensors);  // peft's per-expert names and shapes
   st::save(adapter_dir + "/adapter_model.safetensors", tensors);
   write_adapter_config(adapter_dir, lora_spec_, base_model);
 }

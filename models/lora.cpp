@@ -2,10 +2,14 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <tuple>
 
 #include "common/error.h"
 
@@ -19,20 +23,167 @@ bool LoraSpec::targets_module(const std::string& short_name) const {
   return false;
 }
 
+namespace {
+
+// peft's init of A [r, in]: kaiming_uniform_(a=√5): gain = √(2/(1+5)), bound = gain·√(3/fan_in)
+// = 1/√fan_in, drawn on the CPU from a per-module generator (stable across devices and ranks).
+at::Tensor peft_init_a(std::int64_t r, std::int64_t in, std::uint64_t gen_seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(gen_seed);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  return at::empty({r, in}, at::kFloat).uniform_(-bound, bound, gen);
+}
+
+// B(A(dropout(x))) · scaling in x's dtype: the one formula of both adapter forms.
+at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, double scaling, double dropout,
+                      bool training) {
+  const at::Tensor h = (training && dropout > 0) ? at::dropout(x, dropout, true) : x;
+  const at::Tensor down = at::linear(h, a.to(x.scalar_type()));
+  return at::linear(down, b.to(x.scalar_type())) * scaling;
+}
+
+}  // namespace
+
 LoraAdapter::LoraAdapter(std::int64_t in, std::int64_t out, const LoraSpec& spec, std::uint64_t gen_seed,
                          const at::Device& device)
     : scaling_(spec.scaling()), dropout_(spec.dropout) {
-  // kaiming_uniform_(a=√5): gain = √(2/(1+5)), bound = gain·√(3/fan_in) = 1/√fan_in.
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(gen_seed);
-  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  a_ = at::empty({spec.r, in}, at::kFloat).uniform_(-bound, bound, gen).to(device).set_requires_grad(true);
+  a_ = peft_init_a(spec.r, in, gen_seed).to(device).set_requires_grad(true);
   b_ = at::zeros({out, spec.r}, at::TensorOptions().dtype(at::kFloat).device(device)).set_requires_grad(true);
 }
 
 at::Tensor LoraAdapter::delta(const at::Tensor& x, bool training) const {
+  return lora_delta(x, a_, b_, scaling_, dropout_, training);
+}
+
+ExpertLora::ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device)
+    : scaling_(spec.scaling()), dropout_(spec.dropout) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  a_ = at::zeros({experts, spec.r, in}, opts).set_requires_grad(true);
+  b_ = at::zeros({experts, out, spec.r}, opts).set_requires_grad(true);
+}
+
+void ExpertLora::init_expert(int e, std::uint64_t gen_seed) {
+  at::NoGradGuard ng;
+  a_.select(0, e).copy_(peft_init_a(a_.size(1), a_.size(2), gen_seed));
+}
+
+ExpertLora::Slices ExpertLora::slices() const { return {a_.unbind(0), b_.unbind(0)}; }
+
+at::Tensor ExpertLora::delta(const Slices& s, int e, const at::Tensor& x, bool training) const {
+  return lora_delta(x, s.a.at(e), s.b.at(e), scaling_, dropout_, training);
+}
+
+at::Tensor ExpertLora::grouped_delta(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const {
+  EO_CHECK(grouped_ok(), "grouped expert LoRA needs r divisible by 8, got r=", a_.size(1));
+  const at::Tensor x = x_sorted.contiguous();
+  // Dropout on the whole sorted input: each row still gets its own mask, as peft's per-module
+  // dropout gives it (gate and up draw independent masks, as their two peft modules do).
   const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;
-  const at::Tensor down = at::linear(h, a_.to(x.scalar_type()));
-  return at::linear(down, b_.to(x.scalar_type())) * scaling_;
+  const auto dt = x.scalar_type();
+  // The fp32 masters are cast once per forward (autograd casts the gradients back to fp32);
+  // libtorch's own _grouped_mm backward gives dX (2-D x 3-D) and dA, dB (2-D x 2-D over the
+  // same offsets), so no count reaches the host.
+  const at::Tensor down = at::_grouped_mm(h, a_.to(dt).transpose(1, 2), offsets);  // [N, r]
+  return at::_grouped_mm(down, b_.to(dt).transpose(1, 2), offsets) * scaling_;
+}
+
+std::string stacked_lora_name(const std::string& experts_prefix, const std::string& matrix, char ab) {
+  return experts_prefix + "." + matrix + ".lora_" + ab + ".stacked";
+}
+
+namespace {
+
+// Names are taken apart at their last dots (no regex: these run once per save or load).
+// "<head>.experts.<a>.<b>...<last>" split at its last `n` dots: {head + ".experts", parts}.
+bool split_tail(const std::string& name, std::size_t n, std::string& head, std::vector<std::string>& parts) {
+  parts.assign(n, {});
+  std::size_t end = name.size();
+  for (std::size_t k = n; k-- > 0;) {
+    if (end == 0) return false;
+    const std::size_t dot = name.rfind('.', end - 1);
+    if (dot == std::string::npos || dot + 1 >= end) return false;
+    parts[k] = name.substr(dot + 1, end - dot - 1);
+    end = dot;
+  }
+  head = name.substr(0, end);
+  static const std::string kExperts = ".experts";
+  return head.size() > kExperts.size() && head.compare(head.size() - kExperts.size(), kExperts.size(), kExperts) == 0;
+}
+
+bool is_lora_factor(const std::string& s) { return s == "lora_A" || s == "lora_B"; }
+
+// "<head>.experts.<matrix>.lora_A.stacked" → {head.experts, "<matrix>.lora_A"}.
+std::optional<std::pair<std::string, std::string>> parse_stacked(const std::string& name) {
+  std::string head;
+  std::vector<std::string> p;
+  if (!split_tail(name, 3, head, p) || p[2] != "stacked" || !is_lora_factor(p[1])) return std::nullopt;
+  return std::make_pair(head, p[0] + "." + p[1]);
+}
+
+// "<head>.experts.<e>.<matrix>.lora_A.weight" → {head.experts, e, "<matrix>.lora_A"}.
+std::optional<std::tuple<std::string, long, std::string>> parse_peft_expert(const std::string& name) {
+  std::string head;
+  std::vector<std::string> p;
+  if (!split_tail(name, 4, head, p) || p[3] != "weight" || !is_lora_factor(p[2])) return std::nullopt;
+  if (p[0].empty() || p[0].size() > 9 || p[0].find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::make_tuple(head, std::stol(p[0]), p[1] + "." + p[2]);
+}
+
+}  // namespace
+
+NamedLora peft_lora_tensors(const NamedLora& params) {
+  NamedLora out;
+  for (std::size_t i = 0; i < params.size();) {
+    const auto first = parse_stacked(params[i].first);
+    if (!first) {
+      out.push_back(params[i++]);
+      continue;
+    }
+    // The run of stacked tensors of one block's experts (gate A, gate B, up A, ...).
+    std::size_t j = i;
+    std::vector<std::string> rest;
+    for (; j < params.size(); ++j) {
+      const auto p = parse_stacked(params[j].first);
+      if (!p || p->first != first->first) break;
+      EO_CHECK(params[j].second.defined(), params[j].first, ": undefined tensor");
+      rest.push_back(p->second);
+    }
+    const std::int64_t experts = params[i].second.size(0);
+    for (std::int64_t e = 0; e < experts; ++e)
+      for (std::size_t k = i; k < j; ++k)
+        out.emplace_back(first->first + "." + std::to_string(e) + "." + rest[k - i] + ".weight",
+                         params[k].second.select(0, e));
+    i = j;
+  }
+  return out;
+}
+
+NamedLora stack_expert_lora(const NamedLora& peft) {
+  NamedLora out;
+  std::map<std::string, std::map<long, at::Tensor>> groups;  // stacked name → expert → slice
+  for (const auto& [name, t] : peft) {
+    const auto parsed = parse_peft_expert(name);
+    if (!parsed) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const auto& [head, e, rest] = *parsed;
+    const std::string stacked = head + "." + rest + ".stacked";
+    auto [it, fresh] = groups.try_emplace(stacked);
+    if (fresh) out.emplace_back(stacked, at::Tensor());  // filled below, at its first expert's place
+    it->second[e] = t;
+  }
+  for (auto& [name, t] : out) {
+    if (t.defined()) continue;
+    const auto& experts = groups.at(name);
+    std::vector<at::Tensor> slices;
+    for (const auto& [e, s] : experts) {
+      EO_CHECK(e == static_cast<long>(slices.size()), name, ": expert ", slices.size(),
+               " is missing (experts must be numbered 0..E-1)");
+      slices.push_back(s);
+    }
+    t = at::stack(slices);
+  }
+  return out;
 }
 
 LoraSpec read_adapter_config(const std::string& adapter_dir) {

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace eo::model {
@@ -43,6 +44,57 @@ class LoraAdapter {
   double scaling_;
   double dropout_;
 };
+
+// LoRA on one matrix (gate, up or down) of every expert of a MoE block, stacked so all experts
+// run as two grouped GEMMs beside the base grouped GEMM: A [E, r, in], B [E, out, r], fp32
+// master leaves. Slice e is exactly peft's per-expert adapter `experts.{e}.<matrix>` (same
+// init, same math); peft_lora_tensors() gives those names back.
+class ExpertLora {
+ public:
+  // A and B zero; init_expert fills expert e's A as a LoraAdapter seeded `gen_seed` would.
+  ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device);
+  void init_expert(int e, std::uint64_t gen_seed);
+
+  // Per-expert views for one forward (the loop path). unbind is one autograd node whose backward
+  // stacks the experts' gradients into one [E, ...] gradient (zeros for experts without rows),
+  // instead of E full-size select gradients.
+  struct Slices {
+    std::vector<at::Tensor> a, b;
+  };
+  Slices slices() const;
+  // Expert e on its rows: LoraAdapter::delta's math with A[e], B[e].
+  at::Tensor delta(const Slices& s, int e, const at::Tensor& x, bool training) const;
+  // Every expert on token-sorted rows: rows [offsets[e-1], offsets[e]) through expert e, as two
+  // grouped GEMMs over the same int32 device offsets as the base (no host sync, no loop):
+  // (dropout(x) · A^T) · B^T · scaling. Needs grouped_available(x).
+  at::Tensor grouped_delta(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const;
+  // Whether grouped_delta can run: the grouped GEMM needs 16-byte aligned rows, so r must be a
+  // multiple of 8 in bf16 (in and out are the base GEMM's, already aligned).
+  bool grouped_ok() const { return a_.size(1) % 8 == 0; }
+
+  int experts() const { return static_cast<int>(a_.size(0)); }
+  at::Tensor& A() { return a_; }
+  at::Tensor& B() { return b_; }
+  const at::Tensor& A() const { return a_; }
+  const at::Tensor& B() const { return b_; }
+
+ private:
+  at::Tensor a_, b_;
+  double scaling_;
+  double dropout_;
+};
+
+// Stacked expert LoRA under internal names: `<P>.experts.<matrix>.lora_{A,B}.stacked`, with P
+// e.g. base_model.model.model.layers.3.mlp (the block index stays in every name).
+std::string stacked_lora_name(const std::string& experts_prefix, const std::string& matrix, char ab);
+using NamedLora = std::vector<std::pair<std::string, at::Tensor>>;
+// peft's per-expert form of a parameter list: every stacked tensor becomes its E slices (views,
+// sharing storage) under `<P>.experts.{e}.<matrix>.lora_{A,B}.weight`, in the per-expert order
+// (expert-major, then the run's matrices in order, A before B); other entries pass through.
+NamedLora peft_lora_tensors(const NamedLora& params);
+// The inverse on names alone (checkpoints): per-expert peft tensors are stacked over e = 0..E-1;
+// other entries pass through. Throws if an expert index is missing.
+NamedLora stack_expert_lora(const NamedLora& peft);
 
 // peft's adapter_config.json, the subset we read and write.
 LoraSpec read_adapter_config(const std::string& adapter_dir);

@@ -85,54 +85,58 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   return o_.forward(o.transpose(1, 2).reshape({B, T, c.heads * c.head_dim}), ctx.training);
 }
 
-at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training) const {
+at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const {
   auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
     const int mi = static_cast<int>(m);
     at::Tensor y = quantized_ ? linear4bit(in, WeightHandle{provider_, index_, e, m, nullptr}) : at::linear(in, experts_[mi][e]);
-    if (const auto& lora = expert_lora_[e][mi]) y = y + lora->delta(in, training);
+    if (const auto& l = expert_lora_[mi]) y = y + l->delta(lora[mi], e, in, training);
     return y;
   };
   return linear(ExpertMatrix::Down, at::silu(linear(ExpertMatrix::Gate, x)) * linear(ExpertMatrix::Up, x));
 }
 
-bool DecoderBlock::has_expert_lora() const {
-  for (const auto& e : expert_lora_)
-    for (const auto& l : e)
-      if (l) return true;
-  return false;
+bool DecoderBlock::expert_lora_grouped_ok() const {
+  for (const auto& l : expert_lora_)
+    if (l && !l->grouped_ok()) return false;
+  return true;
 }
 
 at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const {
   const ModelConfig& c = *cfg_;
   // Per-expert row counts, on the device: scatter_add (bincount would read its max on the host).
   const at::Tensor counts = at::zeros({c.experts}, expert_of.options()).scatter_add(0, expert_of, at::ones_like(expert_of));
-  if (grouped_gemm_available(x_sorted) && !has_expert_lora()) {
-    // GPU: one grouped GEMM per matrix over all experts; offsets stay on the device, so the
-    // block runs without a host synchronisation. (Expert LoRA takes the loop below: its
-    // per-expert adapter weights need gradients the grouped path does not produce.)
+  if (grouped_gemm_available(x_sorted) && expert_lora_grouped_ok()) {
+    // GPU: one grouped GEMM per matrix over all experts, and the expert LoRA as two more over
+    // the same rows and offsets; offsets stay on the device, so the block runs without a host
+    // synchronisation.
     const at::Tensor offsets = counts.cumsum(0).to(at::kInt);
-    auto bank = [&](ExpertMatrix m) {
+    auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
       ExpertBank b;
       b.layer = index_;
       b.experts = static_cast<int>(c.experts);
       b.matrix = m;
       if (quantized_) b.provider = provider_;
       else b.dense = experts_[static_cast<int>(m)];
-      return b;
+      at::Tensor y = grouped_expert_linear(in, offsets, b);
+      if (const auto& l = expert_lora_[static_cast<int>(m)]) y = y + l->grouped_delta(in, offsets, training);
+      return y;
     };
-    const at::Tensor gate = grouped_expert_linear(x_sorted, offsets, bank(ExpertMatrix::Gate));
-    const at::Tensor up = grouped_expert_linear(x_sorted, offsets, bank(ExpertMatrix::Up));
-    return grouped_expert_linear(swiglu(gate, up), offsets, bank(ExpertMatrix::Down));
+    const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
+    const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
+    return linear(ExpertMatrix::Down, swiglu(gate, up));
   }
-  // CPU (and fp32 / expert-LoRA on a GPU): each routed expert once on its slice; the counts are
-  // read on the host.
+  // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
+  // the counts are read on the host. The stacked LoRA is cut into per-expert views once.
   const at::Tensor host_counts = counts.to(at::kCPU);
   const auto* count = host_counts.data_ptr<std::int64_t>();
+  ExpertLoraSlices lora;
+  for (int mi = 0; mi < 3; ++mi)
+    if (expert_lora_[mi]) lora[mi] = expert_lora_[mi]->slices();
   std::vector<at::Tensor> outs;
   std::int64_t offset = 0;
   for (int e = 0; e < c.experts; ++e) {
     if (count[e] == 0) continue;
-    outs.push_back(expert(e, x_sorted.narrow(0, offset, count[e]), training));
+    outs.push_back(expert(e, x_sorted.narrow(0, offset, count[e]), training, lora));
     offset += count[e];
   }
   return at::cat(outs, 0);

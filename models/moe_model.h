@@ -75,11 +75,13 @@ class DecoderBlock {
   friend struct ModelLoader;
   at::Tensor attention(const at::Tensor& x, const BlockContext& ctx) const;
   at::Tensor moe(const at::Tensor& x, const BlockContext& ctx) const;
-  at::Tensor expert(int e, const at::Tensor& x, bool training) const;
+  using ExpertLoraSlices = std::array<ExpertLora::Slices, 3>;  // per matrix; empty without LoRA
+  at::Tensor expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const;
   // Every expert on its slice of token-sorted rows x_sorted (expert_of: the expert of each
   // (token, slot) pair, any order; only its counts are used).
   at::Tensor experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const;
-  bool has_expert_lora() const;
+  // Whether the expert LoRA (if any) can run as grouped GEMMs beside the base grouped GEMM.
+  bool expert_lora_grouped_ok() const;
 
   const ModelConfig* cfg_ = nullptr;
   int index_ = 0;
@@ -91,7 +93,7 @@ class DecoderBlock {
   Mlp dense_;                          // dense layers
   at::Tensor router_;                  // [E, H]
   std::array<at::Tensor, 3> experts_;  // dense mode: [E, out, in] per ExpertMatrix
-  std::vector<std::array<std::shared_ptr<LoraAdapter>, 3>> expert_lora_;  // [E][matrix]
+  std::array<std::shared_ptr<ExpertLora>, 3> expert_lora_;  // per ExpertMatrix, all experts stacked
   bool has_shared_ = false;
   Mlp shared_;
   at::Tensor shared_gate_;  // [1, H]
@@ -118,12 +120,16 @@ struct ForwardOutput {
                           // training loss adds config().router_aux_loss_coef × aux_loss
 };
 
-// One LoRA-able linear: its peft module name and where its adapter lives.
+// One LoRA-able linear: its peft module name and where its adapter lives (its own adapter, or
+// slice `expert` of its MoE block's stacked adapter for that matrix).
 struct LoraSite {
-  std::string module;      // e.g. model.layers.0.self_attn.q_proj
+  std::string module;      // e.g. model.layers.0.self_attn.q_proj, model.layers.0.mlp.experts.3.up_proj
   std::string short_name;  // e.g. q_proj, gate_proj, w1
   std::int64_t in = 0, out = 0;
   std::shared_ptr<LoraAdapter>* slot = nullptr;
+  std::shared_ptr<ExpertLora>* stack = nullptr;  // experts: the block's stacked adapter
+  int expert = -1, experts = 0;
+  std::string stack_prefix;  // experts: model.layers.{i}.<moe prefix>.experts
 };
 
 class MoeModel {
@@ -149,7 +155,10 @@ class MoeModel {
   void load_adapter(const std::string& adapter_dir);
   void save_adapter(const std::string& adapter_dir, const std::string& base_model) const;
   const LoraSpec& lora_spec() const { return lora_spec_; }
-  // peft names (base_model.model.<module>.lora_{A,B}.weight), in order of use in forward.
+  // The trainable leaves, in order of use in forward. peft names (base_model.model.<module>.
+  // lora_{A,B}.weight), except each MoE block's expert LoRA: one stacked tensor per matrix and
+  // factor, base_model.model.model.layers.{i}.<moe>.experts.<matrix>.lora_{A,B}.stacked [E, ...]
+  // (peft_lora_tensors() turns a list into peft's per-expert names; save_adapter writes those).
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
 
   WeightProvider& weight_provider() { return *provider_; }

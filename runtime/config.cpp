@@ -312,8 +312,9 @@ const std::vector<KeySpec>& schema() {
                  writer(&TrainConfig::max_steps)});
     // --- optimisation
     k.push_back(real("learning_rate", &TrainConfig::learning_rate, 0, true, 10, "Peak learning rate."));
-    k.push_back(choice("lr_scheduler", &TrainConfig::lr_scheduler, {"constant", "linear", "cosine"},
-                       "Schedule after warmup (all warm up linearly from 0)."));
+    k.push_back(choice("lr_scheduler", &TrainConfig::lr_scheduler, {"constant", "constant_with_warmup", "linear", "cosine"},
+                       "transformers' schedule: constant has no warm-up; constant_with_warmup, linear and cosine "
+                       "warm up linearly from 0 over the warm-up steps."));
     k.push_back(integer("warmup_steps", &TrainConfig::warmup_steps, 0, 1 << 30, "Linear warmup steps."));
     k.push_back({"warmup_ratio", "float", "(none)", "Warmup as a fraction of the total steps; exclusive with warmup_steps.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {

@@ -1,20 +1,24 @@
 #include "runtime/optimizer.h"
 
 #include <ATen/ATen.h>
-#include <torch/optim/adamw.h>
+#include <ATen/core/grad_mode.h>
 
 #include <cmath>
 
 #include "common/error.h"
+#include "models/lora.h"
 #include "runtime/config.h"
 
 namespace eo {
 
 double lr_multiplier(const std::string& schedule, std::int64_t step, std::int64_t warmup, std::int64_t total) {
+  if (schedule == "constant") return 1.0;  // get_constant_schedule: no warm-up, whatever warmup_steps says
   if (step < warmup) return double(step) / double(std::max<std::int64_t>(1, warmup));
-  if (schedule == "constant") return 1.0;
+  if (schedule == "constant_with_warmup") return 1.0;
+  // transformers' formulas as written there (a warm-up as long as the run leaves linear at 0).
+  if (schedule == "linear")
+    return std::max(0.0, double(total - step) / double(std::max<std::int64_t>(1, total - warmup)));
   const double progress = double(step - warmup) / double(std::max<std::int64_t>(1, total - warmup));
-  if (schedule == "linear") return std::max(0.0, 1.0 - progress);
   if (schedule == "cosine") return std::max(0.0, 0.5 * (1.0 + std::cos(M_PI * progress)));
   EO_FAIL("unknown lr_scheduler '", schedule, "'");
 }
@@ -25,16 +29,17 @@ std::int64_t resolve_warmup_steps(const TrainConfig& cfg, std::int64_t total_ste
 }
 
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
-  // Accumulate in fp64 so the norm does not depend on summation order across many tensors.
-  double sq = 0;
+  std::vector<at::Tensor> grads;
   for (const auto& p : params)
-    if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
-  const double norm = std::sqrt(sq);
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return 0.0;
+  // Per-tensor norms in one multi-tensor kernel (fp32, each reduced in a tree), combined in fp64
+  // so the total does not depend on the order of ~37k tensors; the one host read of the step.
+  const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+  const double norm = at::stack(norms).to(at::kDouble).pow(2).sum().sqrt().item<double>();
   if (max_norm > 0 && std::isfinite(norm)) {
     const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0)
-      for (const auto& p : params)
-        if (p.grad().defined()) p.mutable_grad().mul_(coef);
+    if (coef < 1.0) at::_foreach_mul_(grads, coef);
   }
   return norm;
 }
@@ -43,57 +48,98 @@ namespace {
 bool no_decay(const std::string& name) {
   return name.find("bias") != std::string::npos || name.find("norm") != std::string::npos;
 }
+const char* kSuffixes[] = {".exp_avg", ".exp_avg_sq", ".step"};
 }  // namespace
 
-Optimizer::Optimizer(const NamedTensors& params, const TrainConfig& cfg) : params_(params) {
-  std::vector<at::Tensor> decay, plain;
+Optimizer::Optimizer(const NamedTensors& params, const TrainConfig& cfg)
+    : params_(params),
+      beta1_(cfg.adam_beta1),
+      beta2_(cfg.adam_beta2),
+      eps_(cfg.adam_epsilon),
+      weight_decay_(cfg.weight_decay),
+      exp_avg_(params.size()),
+      exp_avg_sq_(params.size()),
+      step_(params.size()),
+      steps_(params.size(), 0) {
   for (const auto& [name, p] : params) {
     EO_CHECK(p.scalar_type() == at::kFloat, "trainable parameter ", name, " must be fp32 (master weights)");
-    (no_decay(name) ? plain : decay).push_back(p);
+    EO_CHECK(p.device() == params.front().second.device(), "trainable parameter ", name, " is on ", p.device(),
+             ", the others on ", params.front().second.device());
+    decay_.push_back(!no_decay(name));
   }
-  auto opts = torch::optim::AdamWOptions(cfg.learning_rate)
-                  .betas({cfg.adam_beta1, cfg.adam_beta2})
-                  .eps(cfg.adam_epsilon)
-                  .weight_decay(cfg.weight_decay);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  if (!decay.empty()) groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(opts));
-  if (!plain.empty()) {
-    auto o = std::make_unique<torch::optim::AdamWOptions>(opts);
-    o->weight_decay(0.0);
-    groups.emplace_back(plain, std::move(o));
-  }
-  adamw_ = std::make_unique<torch::optim::AdamW>(groups, opts);
 }
 
 Optimizer::~Optimizer() = default;
 
 void Optimizer::step(double lr) {
-  for (auto& g : adamw_->param_groups()) static_cast<torch::optim::AdamWOptions&>(g.options()).lr(lr);
-  adamw_->step();
+  at::NoGradGuard ng;
+  for (const bool decay : {true, false}) {
+    std::vector<at::Tensor> ps, gs, ms, vs, ss;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& p = params_[i].second;
+      if (decay_[i] != decay || !p.grad().defined()) continue;
+      if (!step_[i].defined()) {
+        exp_avg_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
+        exp_avg_sq_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
+        step_[i] = at::zeros({}, p.options());
+      }
+      ps.push_back(p);
+      gs.push_back(p.grad());
+      ms.push_back(exp_avg_[i]);
+      vs.push_back(exp_avg_sq_[i]);
+      ss.push_back(step_[i]);
+      ++steps_[i];
+    }
+    if (ps.empty()) continue;
+    // As torch.optim.AdamW(fused=True): the counters advance first, the kernel reads them.
+    at::_foreach_add_(ss, 1.0);
+    at::_fused_adamw_(ps, gs, ms, vs, /*max_exp_avg_sqs=*/{}, ss, lr, beta1_, beta2_, decay ? weight_decay_ : 0.0, eps_,
+                      /*amsgrad=*/false, /*maximize=*/false);
+  }
 }
 
 void Optimizer::zero_grad() {
   // Drop the gradients (set_to_none) so an unused parameter is distinguishable from a zero one.
-  adamw_->zero_grad(true);
+  for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
 }
 
 NamedTensors Optimizer::state() const {
   NamedTensors out;
-  auto& st = adamw_->state();
-  for (const auto& [name, p] : params_) {
-    auto it = st.find(p.unsafeGetTensorImpl());
-    if (it == st.end()) continue;  // never stepped
-    auto& s = static_cast<torch::optim::AdamWParamState&>(*it->second);
-    out.emplace_back(name + ".exp_avg", s.exp_avg());
-    out.emplace_back(name + ".exp_avg_sq", s.exp_avg_sq());
-    out.emplace_back(name + ".step", at::full({1}, static_cast<double>(s.step()), at::kDouble));
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (!step_[i].defined()) continue;  // never stepped
+    const std::string& name = params_[i].first;
+    out.emplace_back(name + ".exp_avg", exp_avg_[i]);
+    out.emplace_back(name + ".exp_avg_sq", exp_avg_sq_[i]);
+    out.emplace_back(name + ".step", at::full({1}, static_cast<double>(steps_[i]), at::kDouble));
   }
   return out;
 }
 
-void Optimizer::load_state(const std::map<std::string, at::Tensor>& state) {
-  auto& st = adamw_->state();
-  for (const auto& [name, p] : params_) {
+namespace {
+
+// Checkpoints written before expert LoRA was stacked name its state per expert
+// ("<...>.experts.{e}.<matrix>.lora_A.weight.exp_avg"): stack those like the adapter
+// (models/lora.h). Their steps are equal unless an expert once got no token; take the largest.
+std::map<std::string, at::Tensor> stack_per_expert_state(const std::map<std::string, at::Tensor>& state) {
+  std::map<std::string, at::Tensor> out;
+  for (const char* suffix : kSuffixes) {
+    const std::string sfx = suffix;
+    model::NamedLora part;
+    for (const auto& [k, v] : state)
+      if (k.size() > sfx.size() && k.compare(k.size() - sfx.size(), sfx.size(), sfx) == 0)
+        part.emplace_back(k.substr(0, k.size() - sfx.size()), v);
+    for (auto& [k, v] : model::stack_expert_lora(part))
+      out[k + sfx] = (sfx == ".step" && v.dim() == 2) ? v.amax(0) : v;
+  }
+  return out;
+}
+
+}  // namespace
+
+void Optimizer::load_state(const std::map<std::string, at::Tensor>& saved) {
+  const std::map<std::string, at::Tensor> state = stack_per_expert_state(saved);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
     auto a = state.find(name + ".exp_avg");
     if (a == state.end()) continue;
     auto b = state.find(name + ".exp_avg_sq");
@@ -101,11 +147,10 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& state) {
     EO_CHECK(b != state.end() && s != state.end(), "optimizer state for ", name, " is incomplete");
     EO_CHECK(a->second.sizes() == p.sizes(), "optimizer state for ", name, " has shape ", a->second.sizes(),
              ", the parameter ", p.sizes());
-    auto ps = std::make_unique<torch::optim::AdamWParamState>();
-    ps->step(static_cast<std::int64_t>(s->second.item<double>()));
-    ps->exp_avg(a->second.to(p.device(), at::kFloat).clone());
-    ps->exp_avg_sq(b->second.to(p.device(), at::kFloat).clone());
-    st[p.unsafeGetTensorImpl()] = std::move(ps);
+    steps_[i] = static_cast<std::int64_t>(s->second.item<double>());
+    exp_avg_[i] = a->second.to(p.device(), at::kFloat).clone();
+    exp_avg_sq_[i] = b->second.to(p.device(), at::kFloat).clone();
+    step_[i] = at::full({}, static_cast<double>(steps_[i]), p.options());
   }
 }
 

@@ -11,17 +11,14 @@
 #include <utility>
 #include <vector>
 
-namespace torch::optim {
-class AdamW;
-}
-
 namespace eo {
 
 struct TrainConfig;
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Multiplier of the peak learning rate for optimizer step `step` (0-based), as transformers'
-// get_{constant,linear,cosine}_schedule_with_warmup: the first step of a warmup uses 0.
+// get_scheduler: "constant" (get_constant_schedule: 1, no warm-up), "constant_with_warmup",
+// "linear", "cosine" (get_*_schedule_with_warmup: the first step of a warm-up uses 0).
 double lr_multiplier(const std::string& schedule, std::int64_t step, std::int64_t warmup_steps, std::int64_t total_steps);
 
 // Warmup steps from warmup_steps or warmup_ratio (ceil, as HF's get_warmup_steps).
@@ -29,24 +26,36 @@ std::int64_t resolve_warmup_steps(const TrainConfig& cfg, std::int64_t total_ste
 
 // Scales every gradient so their global L2 norm is at most max_norm (torch.nn.utils.
 // clip_grad_norm_: coefficient max_norm / (norm + 1e-6), only when < 1). Returns the norm
-// before clipping. Parameters without a gradient count as zero.
+// before clipping. Parameters without a gradient count as zero. Multi-tensor kernels (one
+// launch for all gradients, not one per tensor) and one host read of the norm per call.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
 
-// libtorch's AdamW over named fp32 parameters. Decay is not applied to biases and norm
-// weights (names containing "bias" or "norm"), as HF's Trainer; LoRA A/B matrices decay.
+// AdamW over named fp32 parameters with torch.optim.AdamW's math (decoupled decay
+// p -= lr·wd·p, bias-corrected moments), run by ATen's fused multi-tensor kernel
+// (at::_fused_adamw_, CPU and CUDA): one launch per decay group per step, not one chain of ops
+// per tensor. Decay is not applied to biases and norm weights (names containing "bias" or
+// "norm"), as HF's Trainer; LoRA A/B matrices decay. A parameter without a gradient is skipped
+// (no step, no decay), as torch does.
 class Optimizer {
  public:
   Optimizer(const NamedTensors& params, const TrainConfig& cfg);
   ~Optimizer();
   void step(double lr);
   void zero_grad();
-  // Optimizer state as named tensors ("<param>.exp_avg", ".exp_avg_sq", ".step"), for checkpoints.
+  // Optimizer state as named tensors ("<param>.exp_avg", ".exp_avg_sq", ".step" as fp64 [1]),
+  // for checkpoints. load_state also takes the per-expert names of checkpoints written before
+  // expert LoRA was stacked (models/lora.h), stacking them.
   NamedTensors state() const;
   void load_state(const std::map<std::string, at::Tensor>& state);
 
  private:
   NamedTensors params_;
-  std::unique_ptr<torch::optim::AdamW> adamw_;
+  std::vector<bool> decay_;
+  double beta1_, beta2_, eps_, weight_decay_;
+  // Per parameter, undefined until its first step. step_ is the fused kernel's fp32 counter on
+  // the parameter's device; steps_ its host copy (state() reads no device value).
+  std::vector<at::Tensor> exp_avg_, exp_avg_sq_, step_;
+  std::vector<std::int64_t> steps_;
 };
 
 }  // namespace eo

@@ -25,6 +25,7 @@
 #include "common/files.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "models/lora.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
 
@@ -230,8 +231,11 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   c["inference_mode"] = true;
   c["init_lora_weights"] = true;
   c["modules_to_save"] = nullptr;
-  NamedTensors cpu;
-  for (const auto& [n, t] : lora) cpu.emplace_back(n, t.detach().to(at::kCPU).contiguous());
+  // peft's names and shapes: a stacked expert LoRA is written as its per-expert slices (cut on
+  // the host, after one device copy per stacked tensor).
+  NamedTensors stacked, cpu;
+  for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
+  for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
   write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
 }
@@ -325,7 +329,8 @@ TrainingState load_checkpoint(const std::string& folder, bool with_tensors) {
     EO_FAIL("checkpoint ", folder, ": ", kStateFile, " is missing fields: ", e.what());
   }
   if (!with_tensors) return s;
-  s.lora = as_list(load_all((dir / "adapter_model.safetensors").string()));
+  // The adapter is stored in peft's per-expert form (write_adapter); the model trains it stacked.
+  s.lora = model::stack_expert_lora(as_list(load_all((dir / "adapter_model.safetensors").string())));
   s.optimizer = as_list(load_all((dir / "optimizer.safetensors").string()));
   s.rng = as_list(load_all((dir / "rng.safetensors").string()));
   return s;

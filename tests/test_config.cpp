@@ -124,7 +124,7 @@ TEST(Config, WrongTypesAndRanges) {
       {"micro_batch_size: -1", "micro_batch_size: must be between 1"},
       {"lora_dropout: 1.5", "lora_dropout: must be at least 0 and at most 0.99"},
       {"load_in_4bit: maybe", "load_in_4bit: expected true or false, got 'maybe'"},
-      {"lr_scheduler: cosin", "lr_scheduler: unknown value 'cosin'; expected one of constant, linear, cosine (did you mean 'cosine'?)"},
+      {"lr_scheduler: cosin", "lr_scheduler: unknown value 'cosin'; expected one of constant, constant_with_warmup, linear, cosine (did you mean 'cosine'?)"},
       {"max_steps: 0", "max_steps: expected an integer >= 1"},
       {"bf16: sometimes", "bf16: expected true, false or auto"},
       {"expert_offload_vram_budget: lots", "expert_offload_vram_budget: expected a size"},

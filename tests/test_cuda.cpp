@@ -13,16 +13,19 @@
 #include "common/files.h"
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
+#include "models/lora.h"
 #include "models/moe_model.h"
 #include "models/nf4.h"
 #include "offload/engine.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
 #include "runtime/dist/world.h"
+#include "runtime/optimizer.h"
 #include "runtime/trainer.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
@@ -295,6 +298,187 @@ TEST(Cuda, GroupedExpertsMatchThePerExpertLoop) {
     const double scale = loop_grads[i].to(at::kFloat).norm().item<double>();
     const double diff = (grouped_grads[i] - loop_grads[i]).to(at::kFloat).norm().item<double>();
     EXPECT_LT(diff, 3e-2 * scale + 1e-6) << "LoRA tensor " << i;
+  }
+}
+
+// Expert LoRA as grouped GEMMs (GPU, bf16) against the CPU fp32 per-expert path on the same
+// block-sized problem, forward and backward, with an expert that gets no row. Tolerance: bf16
+// rounds x, A, B, dy, the [N, r] intermediate and the output once each (unit roundoff 2^-9 ≈
+// 2e-3, accumulation in fp32), ≈ 5e-3 norm-relative in all; 2e-2 leaves a 4x margin.
+TEST(Cuda, GroupedExpertLoraMatchesCpuFp32) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  const int E = 8;
+  const std::int64_t in = 256, out = 128;
+  model::LoraSpec spec;
+  spec.r = 16;
+  spec.alpha = 32;
+  model::ExpertLora cpu(E, in, out, spec, at::kCPU), gpu(E, in, out, spec, dev);
+  at::manual_seed(11);
+  {
+    at::NoGradGuard ng;
+    const at::Tensor a = at::rand({E, spec.r, in}) * 0.1 - 0.05, b = at::randn({E, out, spec.r}) * 0.05;
+    cpu.A().copy_(a);
+    cpu.B().copy_(b);
+    gpu.A().copy_(a.to(dev));
+    gpu.B().copy_(b.to(dev));
+  }
+  const std::vector<std::int64_t> counts = {40, 0, 17, 64, 3, 1, 30, 101};
+  std::int64_t N = 0;
+  for (auto c : counts) N += c;
+  const at::Tensor x0 = at::randn({N, in}), dy = at::randn({N, out});
+
+  at::Tensor xc = x0.clone().requires_grad_(true);
+  const model::ExpertLora::Slices s = cpu.slices();
+  std::vector<at::Tensor> ys;
+  std::int64_t off = 0;
+  for (int e = 0; e < E; ++e) {
+    if (counts[e]) ys.push_back(cpu.delta(s, e, xc.narrow(0, off, counts[e]), false));
+    off += counts[e];
+  }
+  const at::Tensor y_ref = at::cat(ys);
+  y_ref.backward(dy);
+
+  at::Tensor xg = x0.to(dev, at::kBFloat16).requires_grad_(true);
+  const at::Tensor offsets = at::tensor(counts, at::kLong).cumsum(0).to(at::kInt).to(dev);
+  const at::Tensor y = gpu.grouped_delta(xg, offsets, false);
+  y.backward(dy.to(dev, at::kBFloat16));
+  ASSERT_EQ(y.scalar_type(), at::kBFloat16);
+  ASSERT_EQ(gpu.A().grad().scalar_type(), at::kFloat);  // fp32 master gradients
+
+  auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+    return (got.cpu().to(at::kDouble) - want.to(at::kDouble)).norm().item<double>() / want.to(at::kDouble).norm().item<double>();
+  };
+  EXPECT_LT(rel(y.detach(), y_ref.detach()), 2e-2);
+  EXPECT_LT(rel(xg.grad(), xc.grad()), 2e-2);
+  EXPECT_LT(rel(gpu.A().grad(), cpu.A().grad()), 2e-2);
+  EXPECT_LT(rel(gpu.B().grad(), cpu.B().grad()), 2e-2);
+  // The expert without rows: exactly zero gradients (no stale memory from the grouped kernel).
+  EXPECT_EQ(gpu.A().grad()[1].abs().max().item<double>(), 0.0);
+  EXPECT_EQ(gpu.B().grad()[1].abs().max().item<double>(), 0.0);
+}
+
+namespace {
+
+std::unique_ptr<model::MoeModel> tiny_bf16_with_expert_lora(const at::Device& dev) {
+  model::LoadOptions lo;
+  lo.dtype = at::kBFloat16;
+  lo.load_in_4bit = true;
+  lo.device = dev;
+  auto m = model::MoeModel::load(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", lo);
+  model::LoraSpec spec;
+  spec.r = 8;
+  spec.alpha = 16;
+  spec.targets = {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"};
+  m->add_lora(spec);
+  at::NoGradGuard ng;  // non-zero B so every LoRA factor gets a gradient
+  at::manual_seed(3);
+  for (auto& [n, p] : m->lora_parameters()) p.normal_(0, 0.05);
+  return m;
+}
+
+}  // namespace
+
+// The whole tiny model with expert LoRA on every expert matrix: the grouped path (base and
+// LoRA grouped GEMMs) against the per-expert loop over the same stacked adapters, bf16 both,
+// with GroupedExpertsMatchThePerExpertLoop's tolerances.
+TEST(Cuda, GroupedExpertLoraModelMatchesThePerExpertLoop) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  auto m = tiny_bf16_with_expert_lora(dev);
+  at::manual_seed(2);
+  model::Batch b;
+  b.input_ids = at::randint(0, m->config().vocab, {2, 64}, at::kLong).to(dev);
+  b.labels = b.input_ids.clone();
+  auto run = [&](bool grouped) {
+    model::set_grouped_gemm_enabled(grouped);
+    for (auto& [n, p] : m->lora_parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor h = m->embed(b.input_ids);
+    const model::BlockContext ctx = m->context(b, true);
+    for (int i = 0; i < m->num_layers(); ++i) h = m->block(i).forward(h, ctx);
+    const at::Tensor loss = m->loss_sum(h, b.labels);
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (auto& [n, p] : m->lora_parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(loss.item<double>(), grads);
+  };
+  const auto [loop_loss, loop_grads] = run(false);
+  const auto [grouped_loss, grouped_grads] = run(true);
+  model::set_grouped_gemm_enabled(true);
+  const auto names = m->lora_parameters();
+  EXPECT_NEAR(grouped_loss, loop_loss, 5e-3 * std::abs(loop_loss));
+  for (std::size_t i = 0; i < loop_grads.size(); ++i) {
+    const double scale = loop_grads[i].to(at::kFloat).norm().item<double>();
+    const double diff = (grouped_grads[i] - loop_grads[i]).to(at::kFloat).norm().item<double>();
+    EXPECT_LT(diff, 3e-2 * scale + 1e-6) << names[i].first;
+  }
+}
+
+// One MoE block with expert LoRA, forward and backward, never waits for the device on the host
+// (CUDA's sync debug mode turns any synchronising call into an error).
+TEST(Cuda, ExpertLoraBlockRunsWithoutHostSync) {
+  REQUIRE_CUDA();
+#ifdef EO_WITH_CUDA
+  const at::Device dev(at::kCUDA, 0);
+  auto m = tiny_bf16_with_expert_lora(dev);
+  model::Batch b;
+  b.input_ids = at::randint(0, m->config().vocab, {2, 64}, at::kLong).to(dev);
+  const model::BlockContext ctx = m->context(b, true);
+  const at::Tensor x = m->embed(b.input_ids).detach().requires_grad_(true);
+  synchronize(dev);
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+  std::string error;
+  try {
+    const at::Tensor y = m->block(0).forward(x, ctx);
+    y.backward(at::ones_like(y));
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+  EXPECT_EQ(error, "") << "a host synchronisation inside the block";
+  synchronize(dev);
+  for (const auto& [n, p] : m->lora_parameters())
+    if (n.find("layers.0.") != std::string::npos) EXPECT_TRUE(p.grad().defined()) << n;
+#endif
+}
+
+// The fused multi-tensor AdamW and the clip on CUDA tensors against the same on the CPU (the
+// CPU path is checked against torch's AdamW in test_optimizer): 4 steps, fp32 both sides, so
+// only the kernels' rounding differs (1e-5 relative); one clip norm within 1e-6.
+TEST(Cuda, FusedAdamWAndClipMatchTheCpu) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  TrainConfig cfg;
+  cfg.learning_rate = 1e-2;
+  cfg.weight_decay = 0.1;
+  at::manual_seed(5);
+  NamedTensors cpu, gpu;
+  for (int i = 0; i < 50; ++i) {
+    const at::Tensor t = at::randn({3 + i, 8});
+    const std::string name = "m.layers." + std::to_string(i) + (i % 7 == 3 ? ".norm.weight" : ".q_proj.lora_A.weight");
+    cpu.emplace_back(name, t.clone().requires_grad_(true));
+    gpu.emplace_back(name, t.to(dev).requires_grad_(true));
+  }
+  Optimizer oc(cpu, cfg), og(gpu, cfg);
+  for (int step = 0; step < 4; ++step) {
+    for (std::size_t i = 0; i < cpu.size(); ++i) {
+      const at::Tensor g = at::randn_like(cpu[i].second) * (1 + step);
+      cpu[i].second.mutable_grad() = g;
+      gpu[i].second.mutable_grad() = g.to(dev);
+    }
+    std::vector<at::Tensor> pc, pg;
+    for (std::size_t i = 0; i < cpu.size(); ++i) {
+      pc.push_back(cpu[i].second);
+      pg.push_back(gpu[i].second);
+    }
+    const double nc = clip_grad_norm(pc, 5.0), ng = clip_grad_norm(pg, 5.0);
+    EXPECT_NEAR(ng, nc, 1e-6 * nc) << "step " << step;
+    oc.step(1e-2);
+    og.step(1e-2);
+  }
+  for (std::size_t i = 0; i < cpu.size(); ++i) {
+    const at::Tensor d = (gpu[i].second.detach().cpu() - cpu[i].second.detach()).abs().max();
+    EXPECT_LT(d.item<double>(), 1e-5 * cpu[i].second.detach().abs().max().item<double>()) << cpu[i].first;
   }
 }
 

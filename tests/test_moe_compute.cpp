@@ -4,15 +4,19 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <memory>
 
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
+#include "models/lora.h"
 #include "models/moe_model.h"
+#include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/plan.h"
 
@@ -169,4 +173,170 @@ TEST(MemoryPlan, OffloadMovesExpertsToPinnedHostAndActivationsGrowWithTokens) {
   EXPECT_NE(describe_plan(off, 0).find("4 rank(s) on a node"), std::string::npos);
   cfg.micro_batch_size = 8;
   EXPECT_GT(plan_memory(cfg, mc, true, 1).device_peak, off.device_peak);
+}
+
+// ---- Expert LoRA stacked per block and matrix, against the per-expert adapters it replaces.
+
+namespace {
+
+struct ExpertCase {
+  static constexpr int E = 5;
+  static constexpr std::int64_t in = 24, out = 16;
+  LoraSpec spec;
+  std::unique_ptr<ExpertLora> stack;
+  std::vector<std::unique_ptr<LoraAdapter>> ref;  // the old form: one adapter per expert
+  ExpertCase() {
+    spec.r = 8;
+    spec.alpha = 16;
+    stack = std::make_unique<ExpertLora>(E, in, out, spec, at::kCPU);
+    at::manual_seed(4);
+    for (int e = 0; e < E; ++e) {
+      stack->init_expert(e, 100 + e);
+      ref.push_back(std::make_unique<LoraAdapter>(in, out, spec, 100 + e, at::kCPU));
+      at::NoGradGuard ng;  // a non-zero B, the same in both forms, so A gets a gradient
+      const at::Tensor b = at::randn({out, spec.r});
+      stack->B().select(0, e).copy_(b);
+      ref[e]->B().copy_(b);
+    }
+  }
+};
+
+}  // namespace
+
+TEST(ExpertLora, SlicesEqualPerExpertAdaptersInInitForwardAndGradients) {
+  ExpertCase c;
+  for (int e = 0; e < c.E; ++e) EXPECT_TRUE(c.stack->A()[e].equal(c.ref[e]->A())) << "peft init of expert " << e;
+  const std::vector<std::int64_t> counts = {3, 0, 4, 1, 2};  // expert 1 gets no row
+  const at::Tensor x0 = at::randn({10, c.in}), dy = at::randn({10, c.out});
+  auto run = [&](bool stacked) {
+    at::Tensor x = x0.clone().requires_grad_(true);
+    const ExpertLora::Slices s = c.stack->slices();
+    std::vector<at::Tensor> ys;
+    std::int64_t off = 0;
+    for (int e = 0; e < c.E; ++e) {
+      if (!counts[e]) continue;
+      const at::Tensor xe = x.narrow(0, off, counts[e]);
+      ys.push_back(stacked ? c.stack->delta(s, e, xe, false) : c.ref[e]->delta(xe, false));
+      off += counts[e];
+    }
+    const at::Tensor y = at::cat(ys);
+    torch::autograd::backward({y}, {dy});
+    return std::make_pair(y.detach(), x.grad());
+  };
+  const auto [y_old, dx_old] = run(false);
+  const auto [y_new, dx_new] = run(true);
+  // The same kernels on the same values: bitwise equal, not merely close.
+  EXPECT_TRUE(at::equal(y_new, y_old));
+  EXPECT_TRUE(at::equal(dx_new, dx_old));
+  ASSERT_TRUE(c.stack->A().grad().defined() && c.stack->B().grad().defined());
+  for (int e = 0; e < c.E; ++e) {
+    SCOPED_TRACE("expert " + std::to_string(e));
+    if (!counts[e]) {  // no row: the per-expert adapter has no gradient, its slice a zero one
+      EXPECT_FALSE(c.ref[e]->A().grad().defined());
+      EXPECT_EQ(c.stack->A().grad()[e].abs().max().item<double>(), 0.0);
+      EXPECT_EQ(c.stack->B().grad()[e].abs().max().item<double>(), 0.0);
+      continue;
+    }
+    EXPECT_TRUE(at::equal(c.stack->A().grad()[e], c.ref[e]->A().grad()));
+    EXPECT_TRUE(at::equal(c.stack->B().grad()[e], c.ref[e]->B().grad()));
+  }
+}
+
+// The grouped form (what the GPU runs in bf16) on fp32 CPU tensors, where this libtorch's CPU
+// _grouped_mm takes it: the same delta and gradients as the per-expert adapters, to fp32 rounding.
+TEST(ExpertLora, GroupedDeltaEqualsPerExpertAdapters) {
+  ExpertCase c;
+  const std::vector<std::int64_t> counts = {3, 2, 4, 1, 2};
+  const at::Tensor x0 = at::randn({12, c.in}), dy = at::randn({12, c.out});
+  const at::Tensor offsets = at::tensor(counts, at::kLong).cumsum(0).to(at::kInt);
+  at::Tensor x = x0.clone().requires_grad_(true);
+  at::Tensor y;
+  try {
+    y = c.stack->grouped_delta(x, offsets, false);
+  } catch (const c10::Error& e) {
+    GTEST_SKIP() << "this libtorch has no CPU _grouped_mm: " << e.what_without_backtrace();
+  }
+  torch::autograd::backward({y}, {dy});
+  at::Tensor xr = x0.clone().requires_grad_(true);
+  std::vector<at::Tensor> ys;
+  std::int64_t off = 0;
+  for (int e = 0; e < c.E; ++e) {
+    ys.push_back(c.ref[e]->delta(xr.narrow(0, off, counts[e]), false));
+    off += counts[e];
+  }
+  torch::autograd::backward({at::cat(ys)}, {dy});
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
+  };
+  EXPECT_LT(rel(y.detach(), at::cat(ys).detach()), 1e-6);
+  EXPECT_LT(rel(x.grad(), xr.grad()), 1e-6);
+  for (int e = 0; e < c.E; ++e) {
+    EXPECT_LT(rel(c.stack->A().grad()[e], c.ref[e]->A().grad()), 1e-6) << "expert " << e;
+    EXPECT_LT(rel(c.stack->B().grad()[e], c.ref[e]->B().grad()), 1e-6) << "expert " << e;
+  }
+}
+
+// The adapter a model writes is peft's per-expert form, byte for byte what the per-expert
+// adapters wrote (names spelled out here, not by the code under test); load_adapter puts it back
+// into the stacked tensors; checkpoints' name mapping round-trips.
+TEST(ExpertLora, AdapterIsPeftPerExpertBytesAndLoadsBack) {
+  LoadOptions lo;
+  auto m = MoeModel::load(kTiny, lo);
+  LoraSpec spec;
+  spec.r = 8;
+  spec.targets = {"q_proj", "gate_proj", "up_proj", "down_proj"};
+  m->add_lora(spec);
+  const int E = static_cast<int>(m->config().experts);
+  {
+    at::NoGradGuard ng;
+    at::manual_seed(6);
+    for (auto& [n, p] : m->lora_parameters()) p.normal_();
+  }
+  const auto params = m->lora_parameters();
+  // Every name keeps its block; one stacked tensor per block, matrix and factor.
+  std::vector<std::pair<std::string, at::Tensor>> expected;
+  for (const auto& [name, p] : params) {
+    ASSERT_EQ(name.rfind("base_model.model.model.layers.", 0), 0u) << name;
+    const auto k = name.find(".mlp.experts.");
+    if (k == std::string::npos) {
+      expected.emplace_back(name, p.detach());
+      continue;
+    }
+    ASSERT_EQ(p.size(0), E) << name;
+    const std::string tail = name.substr(k + 13);  // "<matrix>.lora_X.stacked"
+    const std::string matrix = tail.substr(0, tail.find('.'));
+    const std::string factor = tail.substr(matrix.size() + 1, 6);
+    ASSERT_EQ(tail, matrix + "." + factor + ".stacked");
+    for (int e = 0; e < E; ++e)
+      expected.emplace_back(name.substr(0, k) + ".mlp.experts." + std::to_string(e) + "." + matrix + "." + factor + ".weight",
+                            p.detach()[e].clone());
+  }
+  EXPECT_EQ(expected.size(), params.size() - 6 * m->num_layers() + 6 * m->num_layers() * std::size_t(E));
+  const fs::path dir = fs::temp_directory_path() / "eo-expert-lora-adapter";
+  fs::remove_all(dir);
+  m->save_adapter((dir / "new").string(), "tiny");
+  fs::create_directories(dir / "old");
+  st::save((dir / "old" / "adapter_model.safetensors").string(), expected);
+  auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(bytes(dir / "new" / "adapter_model.safetensors"), bytes(dir / "old" / "adapter_model.safetensors"));
+
+  auto fresh = MoeModel::load(kTiny, lo);
+  fresh->load_adapter((dir / "new").string());
+  const auto loaded = fresh->lora_parameters();
+  ASSERT_EQ(loaded.size(), params.size());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(loaded[i].first, params[i].first);
+    EXPECT_TRUE(loaded[i].second.equal(params[i].second)) << params[i].first;
+    EXPECT_TRUE(loaded[i].second.requires_grad() && loaded[i].second.is_leaf());
+  }
+  const auto restacked = stack_expert_lora(peft_lora_tensors(params));
+  ASSERT_EQ(restacked.size(), params.size());
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(restacked[i].first, params[i].first);
+    EXPECT_TRUE(restacked[i].second.equal(params[i].second)) << params[i].first;
+  }
+  fs::remove_all(dir);
 }

@@ -190,6 +190,36 @@ TEST_F(Train, ResumeFromCheckpointIsExact) {
   expect_same_adapter(a, c);
 }
 
+// 4b. LoRA on every linear, experts included (trained stacked, written per expert): the adapter
+//     and each checkpoint's adapter are peft's per-expert names and shapes, and resuming from a
+//     checkpoint continues bitwise (adapter restacked, optimizer state by stacked name).
+TEST_F(Train, ExpertLoraWritesPeftPerExpertAndResumesExactly) {
+  const std::vector<std::string> expert_lora = {"lora_target_linear=true", "lora_dropout=0.1"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.end(), expert_lora.begin(), expert_lora.end());
+    return v;
+  };
+  const fs::path a = dir_ / "a";
+  const Outcome ra = train(a, with({"max_steps=6", "save_steps=3", "save_total_limit=10"}));
+  ASSERT_TRUE(ra.exited && ra.code == 0) << ra.describe();
+  // 4 layers x (4 attention + 8 experts x 3) modules x (A, B); hidden 64, expert width 32, r 8.
+  for (const fs::path& f : {a / "adapter_model.safetensors", a / "checkpoint-3" / "adapter_model.safetensors"}) {
+    auto adapter = eo::st::File::open(f.string());
+    EXPECT_EQ(adapter->tensors().size(), 4u * (4 + 8 * 3) * 2) << f;
+    const eo::st::TensorInfo* up = adapter->find("base_model.model.model.layers.2.mlp.experts.7.up_proj.lora_A.weight");
+    ASSERT_NE(up, nullptr) << f;
+    EXPECT_EQ(up->shape, (std::vector<std::int64_t>{8, 64}));
+    const eo::st::TensorInfo* down = adapter->find("base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_B.weight");
+    ASSERT_NE(down, nullptr) << f;
+    EXPECT_EQ(down->shape, (std::vector<std::int64_t>{64, 8}));
+  }
+  const fs::path b = dir_ / "b";
+  const Outcome rb = train(b, with({"max_steps=6", "save_steps=0", "resume_from_checkpoint=" + (a / "checkpoint-3").string()}));
+  ASSERT_TRUE(rb.exited && rb.code == 0) << rb.describe();
+  expect_same_steps(read_metrics(a), read_metrics(b), 4, 6);
+  expect_same_adapter(a, b);
+}
+
 // 5. SIGTERM: the run saves a checkpoint at the end of the current step and exits 3; resuming
 //    with `auto` gives the losses of an uninterrupted run. (Constant lr: the interrupted run was
 //    planned for 400 steps, the others for fewer, and a cosine schedule depends on the total.)
