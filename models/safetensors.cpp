@@ -8,6 +8,7 @@
 #include "models/safetensors.h"
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/json_depth.h"
 #include "common/text.h"
 
@@ -464,20 +465,7 @@ std::vector<std::string> Checkpoint::names() const {
 // ---------------------------------------------------------------------------------------------
 // save
 
-namespace {
 
-void write_all(int fd, const void* data, std::size_t n, const std::string& what) {
-  const auto* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t(1) << 30));
-    if (w < 0 && errno == EINTR) continue;
-    EO_CHECK(w > 0, what, ": write failed: ", std::strerror(errno));
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-}
-
-}  // namespace
 
 void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
           const std::map<std::string, std::string>& metadata) {
@@ -531,42 +519,15 @@ void save(const std::string& path, const std::vector<std::pair<std::string, at::
   EO_CHECK(text.size() <= kMaxHeaderBytes, path, ": header would be ", text.size(), " bytes, over the ",
            kMaxHeaderBytes, "-byte limit readers enforce; save fewer tensors per file");
 
-  // Atomic: a temporary in the same folder, fsync, rename over the target, fsync the folder.
-  fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::string tmp = (dir / ("." + target.filename().string() + ".tmp.XXXXXX")).string();
-  const int fd = ::mkstemp(tmp.data());
-  EO_CHECK(fd >= 0, path, ": cannot create a temporary file in ", dir.string(), ": ", std::strerror(errno));
-  try {
-    EO_CHECK(::fchmod(fd, 0644) == 0, tmp, ": chmod failed: ", std::strerror(errno));
-    std::uint8_t len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
+  // Atomic (common/files.h): a temporary in the same folder, fsync, rename over the target, fsync the folder.
+  std::uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
+  write_file_atomic(path, [&](int fd, const std::string& tmp) {
     write_all(fd, len, 8, tmp);
     write_all(fd, text.data(), text.size(), tmp);
     for (const auto& it : items)
       if (it.data.nbytes()) write_all(fd, it.data.data_ptr(), it.data.nbytes(), tmp);
-    EO_CHECK(::fsync(fd) == 0, tmp, ": fsync failed: ", std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::close(fd) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    EO_FAIL(tmp, ": close failed: ", std::strerror(e));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    EO_FAIL(path, ": cannot rename the temporary file into place: ", std::strerror(e));
-  }
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  EO_CHECK(dfd >= 0, dir.string(), ": cannot open the folder to fsync it: ", std::strerror(errno));
-  const int rc = ::fsync(dfd);
-  const int e = errno;
-  ::close(dfd);
-  EO_CHECK(rc == 0, dir.string(), ": fsync of the folder failed: ", std::strerror(e));
+  });
 }
 
 }  // namespace eo::st

@@ -268,7 +268,7 @@ const std::vector<KeySpec>& schema() {
                      if (s.type != "tokenized" && s.type != "tokens")
                        issues.push_back({where + ".type", "unknown type '" + s.type +
                                                               "'; eo-ddp reads pre-tokenized data: 'tokenized' (JSONL) or 'tokens' "
-                                                              "(binary). Tokenize text with tools/tokenize.py"});
+                                                              "(binary). Tokenize text with tools/tokenize_data.py"});
                      if (s.type == "tokens") {
                        s.dtype = d["dtype"].IsDefined() && d["dtype"].IsScalar() ? d["dtype"].Scalar() : "uint16";
                        if (s.dtype != "uint16" && s.dtype != "uint32")

@@ -347,7 +347,7 @@ std::string jsonl_line(int n, int first) {
 
 TEST_F(FaultTest, DataErrorsStopBeforeTrainingWithExit2) {
   const std::vector<DataCase> cases{
-      {"empty.jsonl", "tokenized", "", 1, 1, {"no examples (the file is empty)", "tools/tokenize.py"}},
+      {"empty.jsonl", "tokenized", "", 1, 1, {"no examples (the file is empty)", "tools/tokenize_data.py"}},
       {"empty.bin", "tokens", "", 1, 1, {"is empty"}},
       {"bad_id.jsonl", "tokenized", jsonl_line(20, 1) + jsonl_line(20, 1) + "{\"input_ids\": [5, 256, 7]}\n", 1, 1,
        {"bad_id.jsonl:3", "token id 256 is outside the vocabulary [0, 256)", "tokenizer"}},

@@ -12,3 +12,7 @@ set_tests_properties(train_peft_check PROPERTIES LABELS ref TIMEOUT 600
 add_test(NAME schedule_train COMMAND ${PROJECT_SOURCE_DIR}/tests/schedule_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(schedule_train PROPERTIES LABELS unit TIMEOUT 900
                      PASS_REGULAR_EXPRESSION "schedule_train: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# Every command the README shows, run as written on the tiny model (tests/readme_commands.sh).
+add_test(NAME readme_commands COMMAND ${PROJECT_SOURCE_DIR}/tests/readme_commands.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(readme_commands PROPERTIES LABELS unit TIMEOUT 900
+                     PASS_REGULAR_EXPRESSION "readme_commands: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

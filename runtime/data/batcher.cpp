@@ -156,7 +156,7 @@ void Batcher::check_trainable_tokens() const {
   throw UsageError(detail::concat("dataset ", docs_->name(), " has no trainable token: every label is ", kIgnoreIndex,
                                   " (after truncation to sequence_len ", L,
                                   "; a sequence's first token is never a target). Training would report loss 0 and "
-                                  "learn nothing; check the labels of the data (tools/tokenize.py writes labels for "
+                                  "learn nothing; check the labels of the data (tools/tokenize_data.py writes labels for "
                                   "the completion or assistant tokens)."));
 }
 

@@ -71,14 +71,14 @@ std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::in
       if (id < 0 || (vocab_size > 0 && id >= vocab_size))
         throw UsageError(where + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +
                          std::to_string(vocab_size) + "); was the file tokenized with another model's tokenizer? "
-                         "Re-tokenize it with the base model's tokenizer (tools/tokenize.py)");
+                         "Re-tokenize it with the base model's tokenizer (tools/tokenize_data.py)");
       if (lab != -100 && (lab < 0 || (vocab_size > 0 && lab >= vocab_size)))
         throw UsageError(where + ": label " + std::to_string(lab) + " is neither -100 nor a token id of the vocabulary");
     }
     out.push_back(std::move(l));
   }
   if (lineno == 0 || out.empty())
-    throw UsageError(path + ": no examples (the file is empty); fill it with tools/tokenize.py or remove it from datasets");
+    throw UsageError(path + ": no examples (the file is empty); fill it with tools/tokenize_data.py or remove it from datasets");
   return out;
 }
 

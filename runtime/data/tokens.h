@@ -1,6 +1,6 @@
 // Flat binary token files: a little-endian array of uint16 or uint32 token ids, nothing else.
 //
-// This is the cheapest pre-tokenized format (nanoGPT/llm.c style, written by tools/tokenize.py
+// This is the cheapest pre-tokenized format (nanoGPT/llm.c style, written by tools/tokenize_data.py
 // --format bin): the file is memory-mapped, validated once, and read on demand, so a corpus of
 // billions of tokens costs no RAM beyond the page cache. Documents are split at eos_token_id (the
 // eos stays as the last token of its document); without an eos the file is one stream cut into

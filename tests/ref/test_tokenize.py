@@ -1,4 +1,4 @@
-"""Offline test of tools/tokenize.py with a tiny word-level tokenizer built here.
+"""Offline test of tools/tokenize_data.py with a tiny word-level tokenizer built here.
 
 Expected ids are written down from the vocabulary by hand, so they do not come from the tool or
 from transformers; the assistant mask is checked against the template's own generation block.
@@ -55,7 +55,7 @@ def run(*args, ok=True):
     finally:
         sys.argv = saved_argv
     p = Result(rc, out.getvalue(), err.getvalue())
-    assert (p.returncode == 0) == ok, f"tokenize.py {args}: rc {p.returncode}\n{p.stdout}\n{p.stderr}"
+    assert (p.returncode == 0) == ok, f"tokenize_data.py {args}: rc {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p
 
 

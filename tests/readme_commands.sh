@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The commands the README shows, as a user runs them, on the bundled tiny model (CPU): train (and a
+# re-run into the same output_dir as quickstart does it), --check, plan, score with the adapter, and
+# the metrics plot. Each must exit 0 and leave what the README says it leaves.
+# usage: readme_commands.sh BUILD_DIR SOURCE_DIR PYTHON
+set -uo pipefail
+bin=$1/eo-ddp
+src=$2
+py=$3
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cd "$src"
+export OMP_NUM_THREADS=1
+source "$src/tests/testlib.sh"
+out="$tmp/tiny"
+short=(--set max_steps=4 --set save_steps=2 --set output_dir="$out")
+check "train the bundled tiny model" timeout 300 "$bin" --config configs/tiny-qwen3-moe.yaml "${short[@]}"
+check "the adapter and metrics are there" test -s "$out/adapter_model.safetensors" -a -s "$out/adapter_config.json" -a -s "$out/metrics.jsonl"
+check "a quickstart re-run replaces its own output" timeout 300 "$bin" --config configs/tiny-qwen3-moe.yaml "${short[@]}" --set overwrite_output_dir=true
+check "--check" timeout 60 "$bin" --config configs/tiny-qwen3-moe.yaml --check
+check "plan" timeout 60 "$bin" plan --config configs/tiny-qwen3-moe-offload.yaml --vram 8GiB
+check "score with the adapter" timeout 300 "$bin" score --model fixtures/tiny-qwen3-moe --adapter "$out" --data fixtures/tiny-data/train.jsonl
+check "plot the metrics (tools/plot_metrics.py)" "$py" tools/plot_metrics.py "$out/metrics.jsonl"
+check "the plot is a PNG" sh -c "ls '$out'/*.png >/dev/null 2>&1 || ls '$tmp'/*.png >/dev/null 2>&1"
+[ $fail = 0 ] && echo "readme_commands: all checks passed" || echo "readme_commands: FAILED"
+exit $fail
