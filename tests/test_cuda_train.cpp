@@ -2,9 +2,13 @@
 //  - offloaded training is bitwise resident training on the GPU: the same kernels read the same
 //    bytes, so with deterministic algorithms every loss and LoRA tensor must be equal, on a model of
 //    8 MoE blocks and > 64 MiB of NF4 experts, prefetch depth 1 and 2, layer-major step at g = 2;
-//  - the GPU step (bf16, grouped expert GEMMs, fused kernels) against the CPU fp32 step on the same
-//    tiny model: loss and LoRA gradients within a bf16 tolerance (the GPU branches are otherwise
-//    only compared with each other).
+//  - the GPU step against the CPU fp32 step on the same tiny model (the GPU branches are otherwise
+//    only compared with each other): in fp32 on the GPU (its NF4 kernels, fused RMSNorm, SDPA,
+//    gather + bmm combine, chunked loss) every LoRA gradient within 1e-3; in bf16 (grouped expert
+//    GEMMs and grouped expert LoRA too) the loss within 1%. bf16 gradients are not compared with
+//    fp32 ones on this model: its random router puts near-ties everywhere, and bf16 rounding flips
+//    the top-k choice of many tokens (measured: 45-90% relative difference in every LoRA gradient);
+//    the grouped bf16 kernels are held to the CPU per block in test_cuda.cpp instead.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -114,8 +118,8 @@ TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
   at::globalContext().setDeterministicAlgorithms(false, false);
 }
 
-// One step's loss and LoRA gradients on the GPU (bf16) against the CPU (fp32), same tiny model and
-// batch, LoRA on every linear (experts included), layer-major at g = 2.
+// One step's loss and LoRA gradients on the GPU against the CPU (fp32), same tiny model and batch,
+// LoRA on every linear (experts included), layer-major at g = 2.
 TEST(CudaTrain, GpuStepMatchesTheCpuStep) {
   REQUIRE_CUDA();
   auto step = [](const at::Device& dev, at::ScalarType dtype) {
@@ -156,16 +160,19 @@ TEST(CudaTrain, GpuStepMatchesTheCpuStep) {
     return std::make_pair(l.ce_sum.item<double>(), grads);
   };
   const auto [cpu_loss, cpu] = step(at::kCPU, at::kFloat);
-  const auto [gpu_loss, gpu] = step(at::Device(at::kCUDA, 0), at::kBFloat16);
-  EXPECT_NEAR(gpu_loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
+  const auto [gpu_loss, gpu] = step(at::Device(at::kCUDA, 0), at::kFloat);
+  const auto [bf16_loss, bf16] = step(at::Device(at::kCUDA, 0), at::kBFloat16);
+  EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss));
+  EXPECT_NEAR(bf16_loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
   ASSERT_EQ(gpu.size(), cpu.size());
-  // bf16 compute against fp32: per-tensor relative Frobenius error within 5%.
+  ASSERT_EQ(bf16.size(), cpu.size());
+  // fp32 on both: per-tensor relative Frobenius error within 1e-3 (TF32 is off in libtorch by default).
   int checked = 0;
   for (const auto& [n, g] : cpu) {
     const double scale = g.norm().item<double>();
     if (scale == 0) continue;
     ++checked;
-    EXPECT_LT((gpu.at(n) - g).norm().item<double>(), 5e-2 * scale) << n;
+    EXPECT_LT((gpu.at(n) - g).norm().item<double>(), 1e-3 * scale) << n;
   }
   EXPECT_GT(checked, static_cast<int>(cpu.size()) / 2);
 }
