@@ -228,9 +228,8 @@ int main(int argc, char** argv) {
         std::string table;
         if (breakdown) {
           const std::int64_t profiled = warmup + 1;
-          hooks.before_step = [&profiler, profiled](std::int64_t s, int) {
+          hooks.before_step = [&profiler, profiled](std::int64_t s) {
             if (s == profiled) profiler.start();
-            return false;
           };
           hooks.after_step = [&, profiled](std::int64_t s) {
             if (s != profiled) return;

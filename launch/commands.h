@@ -9,6 +9,9 @@ namespace eo::launch {
 
 using Args = std::vector<std::string>;
 
+// eo-ddp's whole command line (launch/eo_ddp.cpp's main; the tests' eo-ddp-faults calls it too).
+int run_main(int argc, char** argv);
+
 int run_train(const Args& args);  // eo-ddp [train] --config F [--set k=v ...] [--check]
 int run_score(const Args& args);  // eo-ddp score --model DIR [--adapter DIR] --data FILE ...
 int run_plan(const Args& args);   // eo-ddp plan --config F [--vram SIZE] [--ranks-per-node N]

@@ -42,7 +42,7 @@ int fail(const std::string& message, int code) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int eo::launch::run_main(int argc, char** argv) {
   using namespace eo;
   launch::Args args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {

@@ -80,6 +80,24 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   }
 };
 
+struct GatherRowsFunction : public torch::autograd::Function<GatherRowsFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& index,
+                            const at::Tensor& inverse, std::int64_t fanout) {
+    ctx->saved_data["inverse"] = inverse;  // integer rows, no activation: nothing to checkpoint
+    ctx->saved_data["fanout"] = fanout;
+    ctx->saved_data["rows"] = x.size(0);
+    return x.index_select(0, index);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor inverse = ctx->saved_data["inverse"].toTensor();
+    const std::int64_t fanout = ctx->saved_data["fanout"].toInt(), rows = ctx->saved_data["rows"].toInt();
+    at::Tensor g = grads[0].index_select(0, inverse);
+    if (fanout > 1) g = g.view({rows, fanout, -1}).sum(1);  // accumulates in fp32, rounds once
+    return {g, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});  // through the saved-tensor hooks: checkpointing may drop them
@@ -96,6 +114,12 @@ struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
 };
 
 }  // namespace
+
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
+  EO_CHECK(x.dim() == 2 && index.dim() == 1 && inverse.numel() == x.size(0) * fanout && index.numel() == inverse.numel(),
+           "gather_rows: x ", x.sizes(), ", index ", index.sizes(), ", inverse ", inverse.sizes(), ", fanout ", fanout);
+  return GatherRowsFunction::apply(x, index, inverse, fanout);
+}
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   EO_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(), " differ");

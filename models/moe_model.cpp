@@ -161,17 +161,20 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
   const at::Tensor flat_expert = top_idx.reshape({-1});
   const at::Tensor order = at::argsort(flat_expert, /*stable=*/true, 0, false);
   const at::Tensor token_of = at::floor_divide(order, c.top_k);
-  const at::Tensor x_sorted = flat.index_select(0, token_of);
-  const at::Tensor y = experts_forward(x_sorted, flat_expert, ctx.training);
   at::Tensor out;
   if (flat.is_cuda()) {
-    // Combine by gather, not scatter: put the rows back in (token, slot) order and take each
-    // token's routing-weighted sum with one batched GEMM (fp32 accumulation, deterministic, no
-    // atomics; its backward is a gather and a scatter onto distinct rows).
+    // position[(t, k)] = where pair (token t, slot k) sits in expert order (order's inverse).
+    // Dispatch and combine are gathers both ways (gather_rows): no atomics, deterministic.
     const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-    const at::Tensor y_tok = y.index_select(0, position).view({N, c.top_k, H});
+    const at::Tensor x_sorted = gather_rows(flat, token_of, position, c.top_k);
+    const at::Tensor y = experts_forward(x_sorted, flat_expert, ctx.training);
+    // Combine: the rows back in (token, slot) order, each token's routing-weighted sum as one
+    // batched GEMM (fp32 accumulation).
+    const at::Tensor y_tok = gather_rows(y, position, order, 1).view({N, c.top_k, H});
     out = at::bmm(top_w.view({N, 1, c.top_k}), y_tok).view({N, H});
   } else {
+    const at::Tensor x_sorted = flat.index_select(0, token_of);
+    const at::Tensor y = experts_forward(x_sorted, flat_expert, ctx.training);
     const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
     out = at::zeros_like(flat).index_add(0, token_of, y * weight_sorted.unsqueeze(1));
   }

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/fault_seam.h"
 #include "common/text.h"
 #include "models/hf_config.h"
 
@@ -86,11 +87,9 @@ Limit cgroup_v1() {
 
 HostMemory host_memory_available() {
   HostMemory m;
-  if (const char* fake = std::getenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE"); fake && *fake) {
-    const auto v = parse_bytes(fake);
-    EO_CHECK(v, "EO_DDP_FAULT_HOST_MEM_AVAILABLE='", fake, "' is not a size in bytes");
-    m.available = static_cast<std::int64_t>(*v);
-    m.source = "EO_DDP_FAULT_HOST_MEM_AVAILABLE (test override)";
+  if (faults::plan().host_mem_available >= 0) {  // test seam
+    m.available = faults::plan().host_mem_available;
+    m.source = "the fault-injection plan (test override)";
     return m;
   }
   const std::int64_t kib = read_key("/proc/meminfo", "MemAvailable");

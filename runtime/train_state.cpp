@@ -22,6 +22,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/fault_seam.h"
 #include "common/files.h"
 #include "common/log.h"
 #include "common/text.h"
@@ -254,9 +255,8 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     fs::create_directories(tmp_dir);
     write_adapter(tmp_dir.string(), s.lora, cfg);
     st::save((tmp_dir / "optimizer.safetensors").string(), s.optimizer);
-    // Fault injection for tests: die like kill -9 in the middle of a checkpoint write.
-    if (const char* crash = std::getenv("EO_DDP_FAULT_KILL_IN_SAVE"); crash && std::to_string(s.step) == crash)
-      std::raise(SIGKILL);
+    // Test seam: die like kill -9 in the middle of a checkpoint write.
+    if (faults::plan().kill_in_save == s.step) std::raise(SIGKILL);
     st::save((tmp_dir / "rng.safetensors").string(), s.rng);
     json j;
     j["step"] = s.step;
@@ -279,8 +279,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     if (replacing) {
       fs::rename(final_dir, old_dir);
       fsync_path(output_dir);
-      if (const char* crash = std::getenv("EO_DDP_FAULT_KILL_IN_REPLACE"); crash && std::to_string(s.step) == crash)
-        std::raise(SIGKILL);
+      if (faults::plan().kill_in_replace == s.step) std::raise(SIGKILL);  // test seam
     }
     fs::rename(tmp_dir, final_dir);
     fsync_path(output_dir);

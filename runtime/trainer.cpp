@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "common/error.h"
+#include "common/fault_seam.h"
 #include "common/log.h"
 #include "common/text.h"
 #include "models/moe_model.h"
@@ -31,23 +32,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-// Fault injection for the failure tests: EO_DDP_FAULT_STEP=<step>[,<step>...] or "all", with
-// EO_DDP_FAULT=throw|kill|nan, on EO_DDP_FAULT_RANK (default: every rank). throw and kill end the
-// rank (a rank that dies must take the job down with a message naming it); nan returns true and
-// the step's loss on this rank becomes NaN (the non-finite step guard must skip the step).
-bool inject_faults(std::int64_t step, int rank) {
-  const char* at = std::getenv("EO_DDP_FAULT_STEP");
-  if (!at) return false;
-  const std::string steps = std::string(",") + at + ",";
-  if (steps != ",all," && steps.find("," + std::to_string(step) + ",") == std::string::npos) return false;
-  const char* who = std::getenv("EO_DDP_FAULT_RANK");
-  if (who && std::to_string(rank) != who) return false;
-  const std::string kind = std::getenv("EO_DDP_FAULT") ? std::getenv("EO_DDP_FAULT") : "throw";
-  if (kind == "nan") return true;
-  if (kind == "kill") std::raise(SIGKILL);
-  EO_FAIL("fault injected at step ", step, " on rank ", rank, " (EO_DDP_FAULT_STEP)");
-}
 
 StepOptions step_options(const TrainConfig& cfg, const Run& run) {
   StepOptions o;
@@ -106,7 +90,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   reset_peak_memory(device);
   bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
   while (step < total_steps) {
-    const bool inject_nan = inject_faults(step + 1, wi.rank) || (hooks.before_step && hooks.before_step(step + 1, wi.rank));
+    if (hooks.before_step) hooks.before_step(step + 1);
+    const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
     const auto t_step = Clock::now();
     const std::int64_t step_start_allocated = allocated_memory_bytes(device);
     std::vector<data::MicroBatch> micro;

@@ -29,12 +29,11 @@ struct TrainResult {
   std::string adapter_dir;
 };
 
-// Seams for tests and benchmarks; a production run passes none.
+// Observation points for benchmarks (a production run passes none; fault injection for tests
+// is common/fault_seam.h).
 struct TrainHooks {
-  // At the start of optimizer step `step` (1-based) on this rank. Returning true turns this rank's
-  // loss of the step into NaN (the non-finite guard must skip the step); it may also throw, or end
-  // the process, to simulate a failing rank.
-  std::function<bool(std::int64_t step, int rank)> before_step;
+  // At the start of optimizer step `step` (1-based), before its batches are read.
+  std::function<void(std::int64_t step)> before_step;
   // After step `step` has been applied and reported (a benchmark stops its profiler here).
   std::function<void(std::int64_t step)> after_step;
 };

@@ -64,7 +64,21 @@ struct Child {
 
 // argv[0] is the program (absolute path). Runs in the source folder (the bundled configs' paths
 // are relative to it) with one OpenMP thread (2 shared cores; and identical arithmetic per run).
-inline Child spawn(const std::vector<std::string>& argv_in, const fs::path& log, const RunOptions& o = {}) {
+// A run that injects faults (an EO_DDP_FAULT* variable in its environment) runs eo-ddp-faults, eo-ddp's
+// main with the test seam's plan read from those variables (tests/eo_ddp_faults.cpp); the eo-ddp
+// binary itself reads none of them.
+inline std::vector<std::string> with_fault_binary(std::vector<std::string> argv, const RunOptions& o) {
+  bool faults = false;
+  for (const auto& kv : o.env) faults = faults || kv.rfind("EO_DDP_FAULT", 0) == 0;
+  if (!faults) return argv;
+  const std::string plain = std::string(EO_BINARY_DIR) + "/eo-ddp";
+  for (auto& a : argv)
+    if (a == plain) a = plain + "-faults";
+  return argv;
+}
+
+inline Child spawn(const std::vector<std::string>& argv_given, const fs::path& log, const RunOptions& o = {}) {
+  const std::vector<std::string> argv_in = with_fault_binary(argv_given, o);
   std::vector<char*> argv;
   for (const auto& a : argv_in) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);

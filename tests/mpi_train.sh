@@ -11,6 +11,7 @@
 # usage: mpi_train.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 bin=$1/eo-ddp
+faults_bin=$1/eo-ddp-faults  # eo-ddp with the fault-injection test seam (tests/eo_ddp_faults.cpp)
 src=$2
 py=$3
 tmp=$(mktemp -d)
@@ -70,7 +71,7 @@ check "per_numa_node == per_rank, 3 ranks, bitwise" "$py" tests/ref/compare_adap
 check "one shared copy mapped by 3 ranks" grep -q "1 shared copy of .* mapped by 3 ranks" "$tmp/three1_shared.log"
 for kind in throw kill; do
   EO_DDP_FAULT_STEP=2 EO_DDP_FAULT_RANK=1 EO_DDP_FAULT=$kind timeout 120 $mpirun -np 2 -x EO_DDP_FAULT_STEP -x EO_DDP_FAULT_RANK \
-    -x EO_DDP_FAULT "$bin" "${common[@]}" --set max_steps=20 --set expert_offload=true --set expert_offload_homes=per_numa_node \
+    -x EO_DDP_FAULT "$faults_bin" "${common[@]}" --set max_steps=20 --set expert_offload=true --set expert_offload_homes=per_numa_node \
     --set output_dir="$tmp/shared_$kind" >"$tmp/shared_$kind.log" 2>&1
   check "per_numa_node, rank 1 fails ($kind): the job fails" test $? -ne 0
 done
@@ -88,7 +89,7 @@ for kind in throw kill; do
   start=$(date +%s)
   EO_DDP_FAULT_STEP=2 EO_DDP_FAULT_RANK=1 EO_DDP_FAULT=$kind timeout 120 $mpirun -np 2 \
     -x EO_DDP_FAULT_STEP -x EO_DDP_FAULT_RANK -x EO_DDP_FAULT \
-    "$bin" "${common[@]}" --set max_steps=50 --set output_dir="$tmp/fault_$kind" >"$tmp/fault_$kind.log" 2>&1
+    "$faults_bin" "${common[@]}" --set max_steps=50 --set output_dir="$tmp/fault_$kind" >"$tmp/fault_$kind.log" 2>&1
   rc=$?
   took=$(( $(date +%s) - start ))
   check "fault $kind: non-zero exit ($rc), not a timeout" test "$rc" -ne 0 -a "$rc" -ne 124

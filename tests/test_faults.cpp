@@ -12,6 +12,8 @@
 //  - data: empty files, token ids outside the vocabulary, too little data for one step: exit 2
 //    before training, naming the file (and line / index) and the fix.
 #include <gtest/gtest.h>
+
+#include "common/fault_seam.h"
 #include <csignal>
 #include <sched.h>
 #include <sys/mount.h>
@@ -277,13 +279,18 @@ TEST(HostMemory, MeasurementOverrideAndCheck) {
     }
   }
   ASSERT_GT(total_kib, 0);
-  unsetenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE");
   const auto real = eo::offload::host_memory_available();
   EXPECT_GT(real.available, 0);
   EXPECT_LE(real.available, total_kib * 1024) << real.source;
+  // The test seam's override (common/fault_seam.h), and nothing from the environment.
   setenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE", "12345", 1);
-  const auto fake = eo::offload::host_memory_available();
+  EXPECT_NE(eo::offload::host_memory_available().available, 12345) << "the library must not read EO_DDP_FAULT_HOST_MEM_AVAILABLE";
   unsetenv("EO_DDP_FAULT_HOST_MEM_AVAILABLE");
+  eo::faults::Plan plan;
+  plan.host_mem_available = 12345;
+  eo::faults::install(plan);
+  const auto fake = eo::offload::host_memory_available();
+  eo::faults::install({});
   EXPECT_EQ(fake.available, 12345);
 
   eo::offload::check_homes_fit(1000, 4, {4000, "test"});  // exactly fits

@@ -340,3 +340,30 @@ TEST(ExpertLora, AdapterIsPeftPerExpertBytesAndLoadsBack) {
   }
   fs::remove_all(dir);
 }
+
+// The MoE dispatch gather (gather_rows): forward is index_select; its gather-and-sum backward
+// equals index_select's own (scatter-add) backward, computed in float64.
+TEST(GatherRows, ForwardAndBackwardEqualIndexSelect) {
+  at::manual_seed(11);
+  const std::int64_t tokens = 7, k = 3, h = 5;
+  const at::Tensor experts = at::randint(0, 4, {tokens * k}, at::kLong);
+  const at::Tensor order = at::argsort(experts, /*stable=*/true, 0, false);
+  const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
+  const at::Tensor token_of = at::floor_divide(order, k);
+  const at::Tensor x0 = at::randn({tokens, h}, at::kDouble), dy = at::randn({tokens * k, h}, at::kDouble);
+  // Dispatch: every token copied k times in expert order.
+  at::Tensor x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
+  const at::Tensor y = gather_rows(x, token_of, position, k), yr = xr.index_select(0, token_of);
+  EXPECT_TRUE(at::equal(y, yr));
+  torch::autograd::backward({y}, {dy});
+  torch::autograd::backward({yr}, {dy});
+  EXPECT_TRUE(at::allclose(x.grad(), xr.grad(), 1e-12, 1e-12));
+  // Combine: a permutation back to (token, slot) order.
+  at::Tensor z = at::randn({tokens * k, h}, at::kDouble).requires_grad_(true);
+  at::Tensor zr = z.detach().clone().requires_grad_(true);
+  const at::Tensor dz = at::randn({tokens * k, h}, at::kDouble);
+  torch::autograd::backward({gather_rows(z, position, order, 1)}, {dz});
+  torch::autograd::backward({zr.index_select(0, position)}, {dz});
+  EXPECT_TRUE(at::equal(z.grad(), zr.grad()));
+  EXPECT_THROW(gather_rows(x0, token_of, position, k + 1), std::exception);
+}

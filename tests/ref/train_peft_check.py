@@ -17,6 +17,7 @@
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -42,8 +43,9 @@ def check(ok, msg):
         failures.append(msg)
 
 
-# ---- 1. train an adapter with eo-ddp
+# ---- 1. train an adapter with eo-ddp (in a fresh output_dir: it belongs to one run)
 out = os.path.join(WORK, "run")
+shutil.rmtree(out, ignore_errors=True)
 subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
                 "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_target_linear=false",
                 "--set", "lora_target_modules=[q_proj, k_proj, v_proj, o_proj]"],

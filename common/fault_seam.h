@@ -1,0 +1,26 @@
+// Fault injection for the failure tests, as a seam in the code instead of the environment.
+//
+// Production code asks these questions at the points a test wants to break (a step, the middle
+// of a checkpoint save, the host-RAM measurement); nothing answers unless a test binary installed
+// a plan first. The eo-ddp binary never does; tests/eo_ddp_faults.cpp (eo-ddp-faults, built for
+// the tests only) reads its plan from EO_DDP_FAULT* variables and then runs eo-ddp's own main.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace eo::faults {
+
+struct Plan {
+  // At the start of optimizer step `step` (1-based) on `rank`: true turns the rank's loss of that
+  // step into NaN; it may also throw or end the process (a failing rank).
+  std::function<bool(std::int64_t step, int rank)> at_step;
+  std::int64_t kill_in_save = -1;         // SIGKILL in the middle of writing checkpoint-<step>
+  std::int64_t kill_in_replace = -1;      // SIGKILL between the two renames replacing checkpoint-<step>
+  std::int64_t host_mem_available = -1;   // bytes of host RAM to report as available (-1: measure)
+};
+
+void install(Plan plan);  // test binaries only, before anything runs
+const Plan& plan();       // the installed plan, or one that injects nothing
+
+}  // namespace eo::faults

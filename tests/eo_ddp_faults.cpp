@@ -1,0 +1,43 @@
+// eo-ddp-faults: eo-ddp's own main with a fault-injection plan (common/fault_seam.h) read from
+// the environment. Built for the tests only; the eo-ddp binary reads none of these variables.
+//   EO_DDP_FAULT_STEP=<step>[,<step>...] | all, EO_DDP_FAULT=throw|kill|nan (default throw),
+//   EO_DDP_FAULT_RANK=<rank> (default: every rank): at the start of those steps, throw (the rank
+//   fails with a message naming it), SIGKILL itself, or turn its loss into NaN;
+//   EO_DDP_FAULT_KILL_IN_SAVE=<step>: SIGKILL in the middle of writing checkpoint-<step>;
+//   EO_DDP_FAULT_KILL_IN_REPLACE=<step>: SIGKILL between the renames replacing checkpoint-<step>;
+//   EO_DDP_FAULT_HOST_MEM_AVAILABLE=<size>: the host RAM the pre-load check sees.
+#include <csignal>
+#include <cstdlib>
+#include <string>
+
+#include "common/error.h"
+#include "common/fault_seam.h"
+#include "common/text.h"
+#include "launch/commands.h"
+
+namespace {
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  eo::faults::Plan plan;
+  if (const std::string at = env("EO_DDP_FAULT_STEP"); !at.empty()) {
+    const std::string who = env("EO_DDP_FAULT_RANK"), kind = env("EO_DDP_FAULT").empty() ? "throw" : env("EO_DDP_FAULT");
+    plan.at_step = [steps = "," + at + ",", who, kind](std::int64_t step, int rank) {
+      if (steps != ",all," && steps.find("," + std::to_string(step) + ",") == std::string::npos) return false;
+      if (!who.empty() && std::to_string(rank) != who) return false;
+      if (kind == "nan") return true;
+      if (kind == "kill") std::raise(SIGKILL);
+      EO_FAIL("fault injected at step ", step, " on rank ", rank, " (EO_DDP_FAULT_STEP)");
+    };
+  }
+  if (const std::string s = env("EO_DDP_FAULT_KILL_IN_SAVE"); !s.empty()) plan.kill_in_save = std::stoll(s);
+  if (const std::string s = env("EO_DDP_FAULT_KILL_IN_REPLACE"); !s.empty()) plan.kill_in_replace = std::stoll(s);
+  if (const std::string s = env("EO_DDP_FAULT_HOST_MEM_AVAILABLE"); !s.empty())
+    plan.host_mem_available = static_cast<std::int64_t>(eo::parse_bytes(s).value_or(0));
+  eo::faults::install(std::move(plan));
+  return eo::launch::run_main(argc, argv);
+}
