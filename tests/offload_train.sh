@@ -10,14 +10,8 @@
 #  3. pageable homes work and warn; offload on a model without expert blocks is a clear error.
 # usage: offload_train.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-bin=$1/eo-ddp
-src=$2
-py=$3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-cd "$src"
-export OMP_NUM_THREADS=1
-source "$src/tests/testlib.sh"
+source "$2/tests/testlib.sh"
+eo_test_setup "$@"
 common=(--config configs/tiny-qwen3-moe.yaml --set max_steps=5 --set save_steps=0 --set lora_dropout=0.1
         --set 'lora_target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]')
 run() {  # name [extra --set ...]

@@ -4,14 +4,8 @@
 # the metrics plot. Each must exit 0 and leave what the README says it leaves.
 # usage: readme_commands.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-bin=$1/eo-ddp
-src=$2
-py=$3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-cd "$src"
-export OMP_NUM_THREADS=1
-source "$src/tests/testlib.sh"
+source "$2/tests/testlib.sh"
+eo_test_setup "$@"
 out="$tmp/tiny"
 short=(--set max_steps=4 --set save_steps=2 --set output_dir="$out")
 check "train the bundled tiny model" timeout 300 "$bin" --config configs/tiny-qwen3-moe.yaml "${short[@]}"

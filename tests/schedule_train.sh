@@ -7,14 +7,8 @@
 #     metrics.jsonl): every block is staged once in forward and once in backward per step.
 # usage: schedule_train.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
-bin=$1/eo-ddp
-src=$2
-py=$3
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-cd "$src"
-export OMP_NUM_THREADS=1
-source "$src/tests/testlib.sh"
+source "$2/tests/testlib.sh"
+eo_test_setup "$@"
 experts='lora_target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]'
 run() {  # name g [extra --set ...]
   local name=$1 g=$2
