@@ -7,7 +7,8 @@
 //            [--targets attn|all] [--json FILE]
 //   modes: resident | sync (one slot) | prefetch (default depth) | prefetchN (N blocks ahead) |
 //          budget (prefetch + budget-fraction of the experts resident); a suffix ":park" adds
-//          activation_offloading, ":mm" the micro-batch-major step order (":park:mm" both)
+//          activation_offloading, ":mm" the micro-batch-major step order, ":shared" the homes in
+//          one shared memory file (expert_offload_homes: per_numa_node); they combine (":park:mm")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe)
 //   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
@@ -193,6 +194,7 @@ int main(int argc, char** argv) {
       const std::string mode = parts.empty() ? spec : parts[0];
       const bool park = std::find(parts.begin(), parts.end(), "park") != parts.end();
       const bool micro_major = std::find(parts.begin(), parts.end(), "mm") != parts.end();
+      const bool shared = std::find(parts.begin(), parts.end(), "shared") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -202,6 +204,7 @@ int main(int argc, char** argv) {
            << "lora_r: 16\nlora_alpha: 32\nlora_dropout: 0.0\nlora_target_modules: " << targets << "\n"
            << "gradient_accumulation_steps: " << accum << "\n"
            << (park ? "activation_offloading: true\n" : "") << (micro_major ? "step_order: micro_batch_major\n" : "")
+           << (shared ? "expert_offload_homes: per_numa_node\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"

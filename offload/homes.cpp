@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "common/text.h"
 #include "offload/host_memory.h"
 
@@ -200,7 +201,15 @@ std::unique_ptr<HostBuffer> HostBuffer::open_shared(const ShareHandle& h, std::s
                 " bytes, this rank expects " + std::to_string(bytes) + " (do all ranks load the same model?)");
   if (p == MAP_FAILED) fail_alloc(bytes, "map the shared", err);
   b->data_ = static_cast<std::uint8_t*>(p);
-  if (pinned) b->pin(/*read_only=*/true);
+  if (pinned) {
+    try {
+      b->pin(/*read_only=*/true);
+    } catch (const std::exception& e) {
+      // Not every driver/device can page-lock a read-only mapping: train on, at pageable speed.
+      log::warn(std::string(e.what()) + "; this rank's view of the node's shared homes stays pageable (much slower copies). "
+                "If that matters, use expert_offload_homes: per_rank.");
+    }
+  }
   return b;
 }
 

@@ -1,5 +1,7 @@
 #include "runtime/config.h"
 
+#include <charconv>
+
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -35,14 +37,26 @@ struct KeySpec {
   std::function<YAML::Node(const TrainConfig&)> write;
 };
 
+// Values for the resolved-config printout. Doubles in their shortest form that reads back
+// exactly (0.05, not yaml-cpp's 17-digit 0.050000000000000003).
+template <typename T>
+YAML::Node value_node(const T& v) {
+  return YAML::Node(v);
+}
+YAML::Node value_node(double v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return YAML::Node(std::string(buf, r.ptr));
+}
+
 template <typename T>
 std::function<YAML::Node(const TrainConfig&)> writer(T TrainConfig::*field) {
-  return [field](const TrainConfig& c) { return YAML::Node(c.*field); };
+  return [field](const TrainConfig& c) { return value_node(c.*field); };
 }
 
 template <typename T>
 std::function<YAML::Node(const TrainConfig&)> writer(std::optional<T> TrainConfig::*field) {
-  return [field](const TrainConfig& c) { return (c.*field) ? YAML::Node(*(c.*field)) : YAML::Node(); };
+  return [field](const TrainConfig& c) { return (c.*field) ? value_node(*(c.*field)) : YAML::Node(); };
 }
 
 std::string yaml_text(const YAML::Node& n) {

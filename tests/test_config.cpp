@@ -284,6 +284,13 @@ TEST(Config, ResolvedYamlRoundTrips) {
   const TrainConfig b = load(config_to_yaml(a));
   EXPECT_EQ(config_to_yaml(a), config_to_yaml(b));
   EXPECT_EQ(b.max_steps.value_or(0), 7);
+  // Doubles print in their shortest exact form (not 0.050000000000000003) and read back bitwise.
+  const TrainConfig c = load(std::string(kValid) + "lora_dropout: 0.05\nlearning_rate: 3.0e-4\n");
+  const std::string yaml = config_to_yaml(c);
+  EXPECT_NE(yaml.find("lora_dropout: 0.05\n"), std::string::npos) << yaml;
+  EXPECT_NE(yaml.find("learning_rate: 3e-04\n"), std::string::npos) << yaml;
+  EXPECT_EQ(load(yaml).lora_dropout, 0.05);
+  EXPECT_EQ(load(yaml).learning_rate, 3.0e-4);
 }
 
 TEST(Config, ReadmeDocumentsEveryKey) {
