@@ -1,4 +1,5 @@
 #include "offload/engine.h"
+#include "offload/layout.h"
 
 #include <ATen/ATen.h>
 
@@ -19,8 +20,6 @@
 namespace eo::offload {
 namespace {
 
-constexpr std::int64_t kAlign = 256;  // every tensor in an arena starts on a 256-byte boundary
-std::int64_t align_up(std::int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 #ifdef EO_WITH_CUDA
 void cuda_check(cudaError_t rc, const char* what) {
@@ -106,14 +105,16 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
       for (int m = 0; m < 3; ++m) {
         const nf4::QuantizedWeight& q = experts[e][m];
         auto& p = b->pieces[e][m];
-        p[0] = {off, q.packed.numel()};
-        off = align_up(off + p[0].bytes);
         const at::Tensor stats = q.nested ? q.nested->absmax_codes : q.absmax;
-        p[1] = {off, stats.numel() * static_cast<std::int64_t>(stats.element_size())};
-        off = align_up(off + p[1].bytes);
+        PieceBytes bytes;  // from the tensors themselves: a stored bitsandbytes layout is kept as it is
+        bytes.packed = q.packed.numel();
+        bytes.stats = stats.numel() * static_cast<std::int64_t>(stats.element_size());
+        bytes.nested = q.nested ? q.nested->nested_absmax.numel() * 4 : 0;
+        const PieceOffsets at = place_matrix(off, bytes);  // offload/layout.h: the one arena layout
+        p[0] = {at.packed, bytes.packed};
+        p[1] = {at.stats, bytes.stats};
         if (q.nested) {
-          p[2] = {off, q.nested->nested_absmax.numel() * 4};
-          off = align_up(off + p[2].bytes);
+          p[2] = {at.nested, bytes.nested};
           if (!nested_code_.defined()) nested_code_ = q.nested->nested_code.to(opt_.device, at::kFloat).contiguous();
         }
         nf4::QuantizedWeight meta;

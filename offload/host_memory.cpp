@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/fault_seam.h"
+#include "offload/layout.h"
 #include "common/text.h"
 #include "models/hf_config.h"
 
@@ -16,9 +17,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr std::int64_t kAlign = 256;  // as offload/engine.cpp: every piece starts on 256 bytes
-constexpr std::int64_t kNestedBlocksize = 256;  // bitsandbytes' double-quantisation block
-std::int64_t align_up(std::int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // A number from a one-value file ("max" and absent files: nothing).
 bool read_number(const fs::path& p, std::int64_t* out) {
@@ -106,21 +104,9 @@ HostMemory host_memory_available() {
 }
 
 std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant) {
-  auto matrix = [&](std::int64_t numel) {
-    const std::int64_t nblocks = (numel + blocksize - 1) / blocksize;
-    std::int64_t b = align_up((numel + 1) / 2);  // packed 4-bit codes
-    if (double_quant) {
-      b += align_up(nblocks);  // uint8 absmax codes
-      b += align_up((nblocks + kNestedBlocksize - 1) / kNestedBlocksize * 4);  // fp32 nested absmax
-    } else {
-      b += align_up(nblocks * 4);  // fp32 absmax
-    }
-    return b;
-  };
-  const std::int64_t per_expert = 3 * matrix(c.hidden * c.expert_width);  // gate, up [I, H]; down [H, I]
   std::int64_t total = 0;
   for (int i = 0; i < c.layers; ++i)
-    if (c.is_moe_layer(i)) total += c.experts * per_expert;
+    if (c.is_moe_layer(i)) total += expert_block_bytes(c, blocksize, double_quant);
   return total;
 }
 

@@ -20,12 +20,11 @@ struct HostMemory {
 
 // min(MemAvailable of /proc/meminfo, what the cgroup's memory limit leaves: limit − (usage −
 // reclaimable page cache)) for cgroup v2 (every level up to the root) and v1.
-// Test-only override: EO_DDP_FAULT_HOST_MEM_AVAILABLE=<bytes> (as the other EO_DDP_FAULT_* hooks,
-// for the failure tests) replaces the measurement.
+// The failure tests replace the measurement through the fault seam (common/fault_seam.h).
 HostMemory host_memory_available();
 
-// Bytes of one rank's homes for `c` quantised to NF4 with `blocksize` / `double_quant`: the same
-// arena layout as ExpertOffloader (packed codes, statistics, 256-byte aligned pieces). Exact for
+// Bytes of one rank's homes for `c` quantised to NF4 with `blocksize` / `double_quant`: the arena
+// layout the ExpertOffloader uses (offload/layout.h). Exact for
 // checkpoints quantised at load time; a bitsandbytes checkpoint keeps its stored layout, which
 // may differ slightly.
 std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant);

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "common/text.h"
+#include "offload/layout.h"
 
 namespace eo {
 namespace {
@@ -15,13 +16,7 @@ double nf4_bytes(double out, double in, int blocksize) {
   return std::ceil(n / 2) + std::ceil(n / blocksize) * 4;
 }
 
-double align256(double b) { return std::ceil(b / 256) * 256; }
 
-// One MoE block's experts as the offload engine lays them out (every tensor 256-byte aligned).
-double expert_block_bytes(const model::ModelConfig& c, int blocksize) {
-  const double n = double(c.expert_width) * double(c.hidden);
-  return double(c.experts) * 3 * (align256(std::ceil(n / 2)) + align256(std::ceil(n / blocksize) * 4));
-}
 
 bool targets(const TrainConfig& cfg, const std::string& name) {
   if (cfg.lora_target_linear) return true;
@@ -64,7 +59,8 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
                           ", norms, routers, attention" + (q4 ? " (NF4)" : "")});
 
   // ---- experts
-  p.block_bytes = expert_block_bytes(c, bs);
+  // One MoE block's experts exactly as the offload engine lays them out (offload/layout.h).
+  p.block_bytes = double(offload::expert_block_bytes(c, bs, cfg.bnb_4bit_use_double_quant));
   p.expert_bytes = p.block_bytes * moe_layers;
   if (cfg.expert_offload) {
     const int slots = std::min(moe_layers, cfg.expert_offload_prefetch ? 1 + cfg.expert_offload_prefetch_depth : 1);

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "common/fault_seam.h"
+#include "runtime/plan.h"
 #include <csignal>
 #include <sched.h>
 #include <sys/mount.h>
@@ -322,6 +323,17 @@ TEST(HostMemory, EstimateEqualsTheHomesAllocated) {
       eo::offload::ExpertOffloader off(std::move(resident->bank()), oo);
       EXPECT_EQ(eo::offload::estimate_home_bytes(model->config(), blocksize, dq), off.home_bytes())
           << "blocksize " << blocksize << (dq ? " with" : " without") << " double quantisation";
+      // The memory plan's slot size is the same arena (offload/layout.h), double quantisation included.
+      eo::TrainConfig cfg;
+      cfg.base_model = dir;
+      cfg.load_in_4bit = true;
+      cfg.adapter = "qlora";
+      cfg.expert_offload = true;
+      cfg.bnb_4bit_blocksize = blocksize;
+      cfg.bnb_4bit_use_double_quant = dq;
+      const eo::MemoryPlan plan = eo::plan_memory(cfg, model->config(), false, 1, false);
+      EXPECT_EQ(plan.block_bytes, double(off.block_bytes(0))) << "blocksize " << blocksize << (dq ? ", double quant" : "");
+      EXPECT_EQ(plan.host_pinned, double(off.home_bytes()));
     }
 }
 

@@ -1,0 +1,45 @@
+#include "offload/layout.h"
+
+#include "models/hf_config.h"
+
+namespace eo::offload {
+namespace {
+std::int64_t align_up(std::int64_t x) { return (x + kArenaAlign - 1) / kArenaAlign * kArenaAlign; }
+constexpr std::int64_t kNestedBlocksize = 256;  // bitsandbytes' double-quantisation block
+}  // namespace
+
+PieceOffsets place_matrix(std::int64_t& offset, const PieceBytes& b) {
+  PieceOffsets at;
+  at.packed = offset;
+  offset = align_up(offset + b.packed);
+  at.stats = offset;
+  offset = align_up(offset + b.stats);
+  if (b.nested > 0) {
+    at.nested = offset;
+    offset = align_up(offset + b.nested);
+  }
+  return at;
+}
+
+PieceBytes nf4_piece_bytes(std::int64_t numel, int blocksize, bool double_quant) {
+  const std::int64_t nblocks = (numel + blocksize - 1) / blocksize;
+  PieceBytes b;
+  b.packed = (numel + 1) / 2;
+  if (double_quant) {
+    b.stats = nblocks;  // u8 codes
+    b.nested = (nblocks + kNestedBlocksize - 1) / kNestedBlocksize * 4;
+  } else {
+    b.stats = nblocks * 4;
+  }
+  return b;
+}
+
+std::int64_t expert_block_bytes(const model::ModelConfig& c, int blocksize, bool double_quant) {
+  const PieceBytes m = nf4_piece_bytes(c.hidden * c.expert_width, blocksize, double_quant);  // gate, up [I, H]; down [H, I]
+  std::int64_t offset = 0;
+  for (std::int64_t e = 0; e < c.experts; ++e)
+    for (int k = 0; k < 3; ++k) place_matrix(offset, m);
+  return offset;
+}
+
+}  // namespace eo::offload
