@@ -17,8 +17,9 @@ const char* kUsage = R"(usage:
       Train (or with --check: validate, print the resolved config and the plan, load nothing).
       --set overrides a config key (dotted for nested keys, values are YAML scalars), e.g.
       --set gradient_checkpointing_kwargs.use_reentrant=false --set learning_rate=1e-4
-  eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit] [--json]
-      Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL.
+  eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit | --no-load-in-4bit] [--json]
+      Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL; the base
+      is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a flag says otherwise.
   eo-ddp plan --config FILE [--vram SIZE] [--ranks-per-node N] [--set key=value ...]
       Predict per-rank peak VRAM and pinned host RAM from config.json and the config alone
       (nothing is loaded); with --vram, say whether it fits such a card (exit 1 if not).

@@ -9,10 +9,14 @@
 #include <filesystem>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/log.h"
 #include "launch/commands.h"
 #include "models/moe_model.h"
 #include "runtime/data/jsonl.h"
+#include "runtime/train_state.h"
+
+#include <nlohmann/json.hpp>
 
 namespace eo::launch {
 
@@ -22,7 +26,7 @@ int run_score(const Args& args) {
   const std::string adapter_dir = reader.value("--adapter");
   const std::string data_path = reader.value("--data");
   const std::string dtype = reader.value("--dtype", "fp32");
-  const bool load_in_4bit = reader.flag("--load-in-4bit");
+  const bool force_4bit = reader.flag("--load-in-4bit"), force_dense = reader.flag("--no-load-in-4bit");
   const bool json = reader.flag("--json");
   reader.finish("score");
   if (model_dir.empty()) throw UsageError("score: --model DIR is required (see eo-ddp --help)");
@@ -32,9 +36,32 @@ int run_score(const Args& args) {
   if (!adapter_dir.empty() && !std::filesystem::is_directory(adapter_dir))
     throw UsageError("score: --adapter " + adapter_dir + " is not a folder");
 
+  if (force_4bit && force_dense) throw UsageError("score: --load-in-4bit and --no-load-in-4bit contradict each other");
+
   model::LoadOptions lo;
   lo.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  lo.load_in_4bit = load_in_4bit;
+  // The base: as given, else as the adapter was trained (its eo_ddp_base.json), else as stored.
+  std::string base = "weights as stored";
+  lo.load_in_4bit = force_4bit;
+  const std::filesystem::path recorded = std::filesystem::path(adapter_dir) / kAdapterBaseFile;
+  if (!force_4bit && !force_dense && !adapter_dir.empty() && std::filesystem::exists(recorded)) {
+    try {
+      std::string text;
+      read_file_nofollow(recorded.string(), text);
+      const auto j = nlohmann::json::parse(text);
+      lo.load_in_4bit = j.value("load_in_4bit", false);
+      lo.blocksize = j.value("bnb_4bit_blocksize", 64);
+      lo.double_quant = j.value("bnb_4bit_use_double_quant", false);
+      base = lo.load_in_4bit ? "NF4, as the adapter was trained (" + recorded.string() + ")"
+                             : "weights as stored, as the adapter was trained (" + recorded.string() + ")";
+    } catch (const std::exception& e) {
+      throw UsageError("score: " + recorded.string() + " is not readable JSON (" + e.what() +
+                       "); pass --load-in-4bit or --no-load-in-4bit to say which base to use");
+    }
+  } else if (force_4bit) {
+    base = "NF4 (--load-in-4bit)";
+  }
+  log::info("score: base model " + model_dir + ": " + base);
   lo.device = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   const model::ModelConfig cfg = model::load_config(model_dir);  // usage errors before loading weights
   const auto lines = data::read_tokenized_jsonl(data_path, cfg.vocab);

@@ -239,6 +239,14 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
   write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
+  // What the adapter was trained on top of (peft's config has no place for it): `eo-ddp score
+  // --adapter` evaluates on the same base unless told otherwise.
+  nlohmann::json base;
+  base["base_model"] = cfg.base_model;
+  base["load_in_4bit"] = cfg.load_in_4bit;
+  base["bnb_4bit_blocksize"] = cfg.bnb_4bit_blocksize;
+  base["bnb_4bit_use_double_quant"] = cfg.bnb_4bit_use_double_quant;
+  write_file_atomic((fs::path(dir) / kAdapterBaseFile).string(), base.dump(2) + "\n");
 }
 
 std::string save_checkpoint(const std::string& output_dir, const TrainingState& s, const TrainConfig& cfg, int keep) {

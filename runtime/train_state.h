@@ -36,7 +36,10 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // adapter_model.safetensors + adapter_config.json in `dir` (created), as peft writes them.
 // `lora` holds peft-named tensors (base_model.model.....lora_A.weight).
+// Writes a peft adapter folder (adapter_model.safetensors, adapter_config.json) and kAdapterBaseFile,
+// which records the base the adapter was trained on (NF4 or not, blocksize, double quantisation).
 void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg);
+inline constexpr const char* kAdapterBaseFile = "eo_ddp_base.json";
 
 struct TrainingState {
   std::int64_t step = 0;         // optimizer steps completed

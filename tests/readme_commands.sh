@@ -13,7 +13,13 @@ check "the adapter and metrics are there" test -s "$out/adapter_model.safetensor
 check "a quickstart re-run replaces its own output" timeout 300 "$bin" --config configs/tiny-qwen3-moe.yaml "${short[@]}" --set overwrite_output_dir=true
 check "--check" timeout 60 "$bin" --config configs/tiny-qwen3-moe.yaml --check
 check "plan" timeout 60 "$bin" plan --config configs/tiny-qwen3-moe-offload.yaml --vram 8GiB
-check "score with the adapter" timeout 300 "$bin" score --model fixtures/tiny-qwen3-moe --adapter "$out" --data fixtures/tiny-data/train.jsonl
+check "score with the adapter" timeout 300 "$bin" score --model fixtures/tiny-qwen3-moe --adapter "$out" --data fixtures/tiny-data/train.jsonl --json
+# A QLoRA adapter is scored on the NF4 base it was trained on, unless told otherwise.
+score() { "$bin" score --model fixtures/tiny-qwen3-moe --adapter "$out" --data fixtures/tiny-data/train.jsonl --json "$@"; }
+default=$(score 2>"$tmp/score-default.log"); nf4=$(score --load-in-4bit 2>/dev/null); dense=$(score --no-load-in-4bit 2>/dev/null)
+check "score --adapter defaults to the NF4 base the adapter was trained on" test -n "$default" -a "$default" = "$nf4"
+check "and says so" grep -q "NF4, as the adapter was trained" "$tmp/score-default.log"
+check "--no-load-in-4bit scores on the stored weights (a different loss)" test -n "$dense" -a "$default" != "$dense"
 check "plot the metrics (tools/plot_metrics.py)" "$py" tools/plot_metrics.py "$out/metrics.jsonl"
 check "the plot is a PNG" sh -c "ls '$out'/*.png >/dev/null 2>&1 || ls '$tmp'/*.png >/dev/null 2>&1"
 [ $fail = 0 ] && echo "readme_commands: all checks passed" || echo "readme_commands: FAILED"

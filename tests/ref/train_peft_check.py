@@ -64,7 +64,9 @@ with open(data, "w") as f:
 
 
 def eo_score(adapter=None):
-    cmd = [BINARY, "score", "--model", MODEL, "--data", data, "--json"] + (["--adapter", adapter] if adapter else [])
+    # The reference below runs on the full-precision base, so eo-ddp must too (by default it would
+    # score a QLoRA adapter on the NF4 base it was trained on).
+    cmd = [BINARY, "score", "--model", MODEL, "--data", data, "--json", "--no-load-in-4bit"] + (["--adapter", adapter] if adapter else [])
     r = subprocess.run(cmd, env=env, check=True, timeout=300, capture_output=True, text=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
