@@ -78,7 +78,9 @@ std::string progress_line(const StepReport& r) {
   std::string line = buf;
   if (r.extra.contains("h2d_gbps")) {
     char off[160];
-    std::snprintf(off, sizeof off, "  H2D %.1f GB/s  staged %s", r.extra["h2d_gbps"].get<double>(),
+    // On a CPU run the "device" slots are host memory: the rate is a memcpy's, not a host link's.
+    std::snprintf(off, sizeof off, "  %s %.1f GB/s  staged %s", r.extra.value("staging_link", std::string("H2D")).c_str(),
+                  r.extra["h2d_gbps"].get<double>(),
                   human_bytes(r.extra.value("staged_bytes", 0.0)).c_str());
     line += off;
   }

@@ -389,7 +389,8 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
               (distinct.size() == 1 ? "y" : "ies") + " of " + human_bytes(double(offloader->home_bytes())) + " mapped by " +
               std::to_string(wi.world_size) + " ranks";
     } else if (offloader) {
-      homes = ", expert homes identical on every rank (" + human_bytes(double(offloader->home_bytes())) + " pinned per rank, " +
+      homes = ", expert homes identical on every rank (" + human_bytes(double(offloader->home_bytes())) +
+              (device.is_cuda() && cfg.expert_offload_pin_memory ? " pinned" : " pageable") + " per rank, " +
               human_bytes(double(offloader->home_bytes()) * wi.local_size) + " on this node)";
     }
     log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" + homes);

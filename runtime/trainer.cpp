@@ -151,6 +151,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       r.extra["stagings"] = os.copies;
       r.extra["stage_calls"] = os.stage_calls;
       r.extra["h2d_gbps"] = os.copy_seconds > 0 ? double(os.copied_bytes) / os.copy_seconds / 1e9 : 0.0;
+      if (!device.is_cuda()) r.extra["staging_link"] = "memcpy";
       r.extra["copy_s"] = os.copy_seconds;
       r.extra["stall_s"] = os.stall_seconds;
       r.extra["resident_blocks"] = offloader->resident_layers().size();
