@@ -249,6 +249,23 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   write_file_atomic((fs::path(dir) / kAdapterBaseFile).string(), base.dump(2) + "\n");
 }
 
+std::vector<std::string> copy_tokenizer_files(const std::string& base_model, const std::string& dir) {
+  static const char* const kNames[] = {"tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json",
+                                       "added_tokens.json",  "chat_template.jinja",   "chat_template.json",
+                                       "tokenizer.model",    "vocab.json",            "merges.txt",
+                                       "vocab.txt",          "spiece.model"};
+  std::vector<std::string> copied;
+  for (const char* name : kNames) {
+    const fs::path from = fs::path(base_model) / name;
+    if (!fs::is_regular_file(from)) continue;
+    std::string bytes;
+    EO_CHECK(read_file_nofollow(from.string(), bytes), "cannot read ", from.string(), " to copy it beside the adapter");
+    write_file_atomic((fs::path(dir) / name).string(), bytes);
+    copied.push_back(name);
+  }
+  return copied;
+}
+
 std::string save_checkpoint(const std::string& output_dir, const TrainingState& s, const TrainConfig& cfg, int keep) {
   fs::create_directories(output_dir);
   const fs::path final_dir = fs::path(output_dir) / (kCheckpointPrefix + std::to_string(s.step));

@@ -40,6 +40,10 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 // which records the base the adapter was trained on (NF4 or not, blocksize, double quantisation).
 void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg);
 inline constexpr const char* kAdapterBaseFile = "eo_ddp_base.json";
+// Copies the base model's tokenizer files (tokenizer.json, tokenizer_config.json with its chat
+// template, chat_template.jinja, special_tokens_map.json, vocabularies ...) beside the adapter, as
+// axolotl does, so the output folder stands alone. Returns the names copied.
+std::vector<std::string> copy_tokenizer_files(const std::string& base_model, const std::string& dir);
 
 struct TrainingState {
   std::int64_t step = 0;         // optimizer steps completed

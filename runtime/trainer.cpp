@@ -199,6 +199,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   }
   if (wi.rank == 0) {
     write_adapter(cfg.output_dir, run.model->lora_parameters(), cfg);
+    const auto tokenizer = copy_tokenizer_files(cfg.base_model, cfg.output_dir);
+    if (!tokenizer.empty()) log::info("tokenizer files copied beside the adapter: " + join(tokenizer, ", "));
     log::info("adapter written to " + cfg.output_dir + " (adapter_model.safetensors, adapter_config.json)");
   }
   result.adapter_dir = cfg.output_dir;

@@ -20,6 +20,15 @@ default=$(score 2>"$tmp/score-default.log"); nf4=$(score --load-in-4bit 2>/dev/n
 check "score --adapter defaults to the NF4 base the adapter was trained on" test -n "$default" -a "$default" = "$nf4"
 check "and says so" grep -q "NF4, as the adapter was trained" "$tmp/score-default.log"
 check "--no-load-in-4bit scores on the stored weights (a different loss)" test -n "$dense" -a "$default" != "$dense"
+# The base model's tokenizer files (and chat template) are copied beside the adapter.
+cp -r fixtures/tiny-qwen3-moe "$tmp/model-with-tokenizer"
+printf '{"chat_template": "{{ messages }}", "model_max_length": 512}\n' >"$tmp/model-with-tokenizer/tokenizer_config.json"
+printf '{%% for m in messages %%}{{ m.content }}{%% endfor %%}\n' >"$tmp/model-with-tokenizer/chat_template.jinja"
+check "train on a model folder with a tokenizer" timeout 300 "$bin" --config configs/tiny-qwen3-moe.yaml --set max_steps=2 \
+  --set save_steps=0 --set base_model="$tmp/model-with-tokenizer" --set output_dir="$tmp/with-tok"
+for f in tokenizer_config.json chat_template.jinja; do
+  check "$f copied beside the adapter" cmp "$tmp/model-with-tokenizer/$f" "$tmp/with-tok/$f"
+done
 check "plot the metrics (tools/plot_metrics.py)" "$py" tools/plot_metrics.py "$out/metrics.jsonl"
 check "the plot is a PNG" sh -c "ls '$out'/*.png >/dev/null 2>&1 || ls '$tmp'/*.png >/dev/null 2>&1"
 [ $fail = 0 ] && echo "readme_commands: all checks passed" || echo "readme_commands: FAILED"
