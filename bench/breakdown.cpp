@@ -59,9 +59,15 @@ double union_seconds(std::vector<std::pair<std::uint64_t, std::uint64_t>> v) {
   return total / 1e9;
 }
 
+// A kernel's name without the noise that hides what it is: "void ", namespaces that every ATen
+// kernel shares, "(anonymous namespace)", and the argument list.
 std::string shorten(std::string n) {
+  for (const char* noise : {"(anonymous namespace)::", "void ", "at::native::", "at_cuda_detail::", "c10::"}) {
+    const std::string w(noise);
+    for (auto p = n.find(w); p != std::string::npos; p = n.find(w)) n.erase(p, w.size());
+  }
   if (const auto p = n.find('('); p != std::string::npos && p > 0) n = n.substr(0, p);
-  if (n.size() > 90) n = n.substr(0, 87) + "...";
+  if (n.size() > 130) n = n.substr(0, 127) + "...";
   for (auto& c : n)
     if (c == '|') c = '/';
   return n;
@@ -108,7 +114,7 @@ StepBreakdown StepProfiler::stop() {
   auto by_time = [](const PhaseTime& a, const PhaseTime& b) { return a.seconds > b.seconds; };
   std::sort(out.phases.begin(), out.phases.end(), by_time);
   std::sort(out.top_kernels.begin(), out.top_kernels.end(), by_time);
-  if (out.top_kernels.size() > 12) out.top_kernels.resize(12);
+  if (out.top_kernels.size() > 40) out.top_kernels.resize(40);
   return out;
 }
 

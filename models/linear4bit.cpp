@@ -98,32 +98,12 @@ struct GatherRowsFunction : public torch::autograd::Function<GatherRowsFunction>
   }
 };
 
-struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    ctx->save_for_backward({gate, up});  // through the saved-tensor hooks: checkpointing may drop them
-    return at::silu(gate) * up;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    // In fp32, rounded once: d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g).
-    const at::Tensor g = saved[0].to(at::kFloat), u = saved[1].to(at::kFloat), dh = grads[0].to(at::kFloat);
-    const at::Tensor s = at::sigmoid(g);
-    return {(dh * u * s * (1 + g * (1 - s))).to(saved[0].scalar_type()), (dh * g * s).to(saved[1].scalar_type())};
-  }
-};
-
 }  // namespace
 
 at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
   EO_CHECK(x.dim() == 2 && index.dim() == 1 && inverse.numel() == x.size(0) * fanout && index.numel() == inverse.numel(),
            "gather_rows: x ", x.sizes(), ", index ", index.sizes(), ", inverse ", inverse.sizes(), ", fanout ", fanout);
   return GatherRowsFunction::apply(x, index, inverse, fanout);
-}
-
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  EO_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
-  return SwiGluFunction::apply(gate, up);
 }
 
 namespace {

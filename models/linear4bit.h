@@ -52,8 +52,4 @@ void set_grouped_gemm_enabled(bool enabled);
 // Qwen3-30B-A3B shapes at 8,192 tokens), rounding every add in bf16, and not deterministic.
 at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout);
 
-// silu(gate) * up as one autograd node that saves only gate and up (autograd's silu + mul would
-// also keep silu(gate)): one [rows, I] tensor less per MoE block under backward.
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
-
 }  // namespace eo::model

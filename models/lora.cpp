@@ -33,12 +33,16 @@ at::Tensor peft_init_a(std::int64_t r, std::int64_t in, std::uint64_t gen_seed) 
   return at::empty({r, in}, at::kFloat).uniform_(-bound, bound, gen);
 }
 
-// B(A(dropout(x))) · scaling in x's dtype: the one formula of both adapter forms.
-at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, double scaling, double dropout,
-                      bool training) {
+// y + B(A(dropout(x))) · scaling in x's dtype, the one formula of both adapter forms: the
+// scale and the sum ride in the second GEMM (addmm's alpha and beta), one rounding and no
+// elementwise pass over [tokens, out] in forward or backward.
+at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, double scaling,
+                    double dropout, bool training) {
   const at::Tensor h = (training && dropout > 0) ? at::dropout(x, dropout, true) : x;
-  const at::Tensor down = at::linear(h, a.to(x.scalar_type()));
-  return at::linear(down, b.to(x.scalar_type())) * scaling;
+  const auto dt = x.scalar_type();
+  const at::Tensor down = at::linear(h, a.to(dt));  // [..., r]
+  const auto out = y.size(-1), r = a.size(0);
+  return at::addmm(y.reshape({-1, out}), down.reshape({-1, r}), b.to(dt).t(), 1, scaling).view(y.sizes());
 }
 
 }  // namespace
@@ -50,8 +54,8 @@ LoraAdapter::LoraAdapter(std::int64_t in, std::int64_t out, const LoraSpec& spec
   b_ = at::zeros({out, spec.r}, at::TensorOptions().dtype(at::kFloat).device(device)).set_requires_grad(true);
 }
 
-at::Tensor LoraAdapter::delta(const at::Tensor& x, bool training) const {
-  return lora_delta(x, a_, b_, scaling_, dropout_, training);
+at::Tensor LoraAdapter::add_to(const at::Tensor& y, const at::Tensor& x, bool training) const {
+  return lora_add(y, x, a_, b_, scaling_, dropout_, training);
 }
 
 ExpertLora::ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device)
@@ -68,8 +72,8 @@ void ExpertLora::init_expert(int e, std::uint64_t gen_seed) {
 
 ExpertLora::Slices ExpertLora::slices() const { return {a_.unbind(0), b_.unbind(0)}; }
 
-at::Tensor ExpertLora::delta(const Slices& s, int e, const at::Tensor& x, bool training) const {
-  return lora_delta(x, s.a.at(e), s.b.at(e), scaling_, dropout_, training);
+at::Tensor ExpertLora::add_to(const Slices& s, int e, const at::Tensor& y, const at::Tensor& x, bool training) const {
+  return lora_add(y, x, s.a.at(e), s.b.at(e), scaling_, dropout_, training);
 }
 
 at::Tensor ExpertLora::grouped_delta(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const {

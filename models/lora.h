@@ -31,8 +31,10 @@ class LoraAdapter {
  public:
   // Creates A (initialised from `gen_seed`, a per-module seed) and B = 0 on `device`.
   LoraAdapter(std::int64_t in, std::int64_t out, const LoraSpec& spec, std::uint64_t gen_seed, const at::Device& device);
-  // The low-rank delta B(A(dropout(x))) · scaling in x's dtype. Dropout only when `training`.
-  at::Tensor delta(const at::Tensor& x, bool training) const;
+  // y + B(A(dropout(x))) · scaling in x's dtype, the scale and the sum in the second GEMM's
+  // epilogue (addmm: one rounding, no [tokens, out] elementwise pass either way). Dropout only
+  // when `training`.
+  at::Tensor add_to(const at::Tensor& y, const at::Tensor& x, bool training) const;
 
   at::Tensor& A() { return a_; }
   at::Tensor& B() { return b_; }
@@ -62,8 +64,8 @@ class ExpertLora {
     std::vector<at::Tensor> a, b;
   };
   Slices slices() const;
-  // Expert e on its rows: LoraAdapter::delta's math with A[e], B[e].
-  at::Tensor delta(const Slices& s, int e, const at::Tensor& x, bool training) const;
+  // Expert e on its rows: LoraAdapter::add_to's math with A[e], B[e].
+  at::Tensor add_to(const Slices& s, int e, const at::Tensor& y, const at::Tensor& x, bool training) const;
   // Every expert on token-sorted rows: rows [offsets[e-1], offsets[e]) through expert e, as two
   // grouped GEMMs over the same int32 device offsets as the base (no host sync, no loop):
   // (dropout(x) · A^T) · B^T · scaling. Needs grouped_available(x).

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "common/error.h"
+#include "models/fused.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
 
@@ -28,24 +29,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor FrozenLinear::forward(const at::Tensor& x, bool training) const {
   at::Tensor y = q ? linear4bit(x, WeightHandle{nullptr, -1, -1, ExpertMatrix::Gate, q.get()}) : at::linear(x, weight);
   if (bias.defined()) y = y + bias;
-  if (lora) y = y + lora->delta(x, training);
+  if (lora) y = lora->add_to(y, x, training);
   return y;
 }
 
 at::Tensor Mlp::forward(const at::Tensor& x, bool training) const {
-  return down.forward(at::silu(gate.forward(x, training)) * up.forward(x, training), training);
+  return down.forward(swiglu(gate.forward(x, training), up.forward(x, training)), training);
 }
-
-namespace {
-
-at::Tensor rotate_half(const at::Tensor& x) {
-  const auto half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
-at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx) { return x * ctx.cos + rotate_half(x) * ctx.sin; }
-
-}  // namespace
 
 at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx) const {
   const ModelConfig& c = *cfg_;
@@ -67,8 +57,8 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
     q = rms_norm(q, q_norm_, c.rms_eps);
     k = rms_norm(k, k_norm_, c.rms_eps);
   }
-  q = apply_rope(q.transpose(1, 2), ctx);
-  k = apply_rope(k.transpose(1, 2), ctx);
+  q = rope(q, ctx.cos, ctx.sin).transpose(1, 2);  // [B, heads, T, D] views for SDPA
+  k = rope(k, ctx.cos, ctx.sin).transpose(1, 2);
   v = v.transpose(1, 2);
   // GQA: query head h reads kv head h / (heads / kv_heads). Plain causal attention passes the
   // grouping to the fused kernel (flash attention on a GPU); with a packing mask the kv heads
@@ -89,10 +79,10 @@ at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const
   auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
     const int mi = static_cast<int>(m);
     at::Tensor y = quantized_ ? linear4bit(in, WeightHandle{provider_, index_, e, m, nullptr}) : at::linear(in, experts_[mi][e]);
-    if (const auto& l = expert_lora_[mi]) y = y + l->delta(lora[mi], e, in, training);
+    if (const auto& l = expert_lora_[mi]) y = l->add_to(lora[mi], e, y, in, training);
     return y;
   };
-  return linear(ExpertMatrix::Down, at::silu(linear(ExpertMatrix::Gate, x)) * linear(ExpertMatrix::Up, x));
+  return linear(ExpertMatrix::Down, swiglu(linear(ExpertMatrix::Gate, x), linear(ExpertMatrix::Up, x)));
 }
 
 bool DecoderBlock::expert_lora_grouped_ok() const {
@@ -218,7 +208,7 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
   const at::Tensor j = at::arange(0, D, 2, at::TensorOptions().dtype(at::kLong).device(dev)).to(at::kFloat);
   const at::Tensor inv_freq = 1.0 / at::pow(cfg_.rope_theta, j / static_cast<double>(D));
   const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, T, D/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);      // [B, 1, T, D]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);                   // [B, T, D]
   ctx.cos = emb.cos().to(opts_.dtype);
   ctx.sin = emb.sin().to(opts_.dtype);
 

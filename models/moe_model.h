@@ -58,7 +58,7 @@ struct Mlp {
 
 // Per-forward inputs shared by every block.
 struct BlockContext {
-  at::Tensor cos, sin;   // [B, 1, T, head_dim] in the compute dtype
+  at::Tensor cos, sin;   // [B, T, head_dim] in the compute dtype (models/fused.h: rope)
   at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
   bool training = false;
   std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "common/files.h"
+#include "models/fused.h"
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/lora.h"
@@ -293,6 +294,66 @@ TEST(Cuda, Nf4DequantBandwidth) {
 
 // The grouped-GEMM expert path (GPU, bf16) against the per-expert loop it replaces: same loss and
 // LoRA gradients within bf16 rounding, for NF4 experts.
+// The fused SwiGLU and RoPE kernels (models/fused_cuda.cu) against float64 math of the same
+// formulas: fp32 to fp32 rounding, bf16 within one rounding of the exact value.
+namespace {
+at::Tensor rotate_half64(const at::Tensor& x) {
+  const auto h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+// HF's x * cos + rotate_half(x) * sin over the first rot dims of [B, T, H, D], cos/sin [B, T, rot].
+at::Tensor rope64(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s) {
+  const auto rot = c.size(-1), D = x.size(-1);
+  const at::Tensor xr = x.narrow(-1, 0, rot);
+  const at::Tensor out = xr * c.unsqueeze(2) + rotate_half64(xr) * s.unsqueeze(2);
+  return rot == D ? out : at::cat({out, x.narrow(-1, rot, D - rot)}, -1);
+}
+double rel_max(const at::Tensor& got, const at::Tensor& want) {
+  return (got.cpu().to(at::kDouble) - want).abs().max().item<double>() / want.abs().max().item<double>();
+}
+}  // namespace
+
+TEST(Cuda, FusedSwiGluAndRopeMatchFloat64) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  at::manual_seed(5);
+  for (const auto dt : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
+    const double tol = dt == at::kFloat ? 1e-6 : 8e-3;  // bf16: one rounding is 2^-9 relative
+    {
+      const at::Tensor g0 = (at::randn({300, 67}) * 3).to(dt), u0 = at::randn({300, 67}).to(dt), dh0 = at::randn({300, 67}).to(dt);
+      at::Tensor g = g0.to(dev).requires_grad_(true), u = u0.to(dev).requires_grad_(true);
+      const at::Tensor h = model::swiglu(g, u);
+      h.backward(dh0.to(dev));
+      at::Tensor g64 = g0.to(at::kDouble).requires_grad_(true), u64 = u0.to(at::kDouble).requires_grad_(true);
+      const at::Tensor ref = g64 * at::sigmoid(g64) * u64;
+      ref.backward(dh0.to(at::kDouble));
+      EXPECT_EQ(h.scalar_type(), dt);
+      EXPECT_LT(rel_max(h.detach(), ref.detach()), tol);
+      EXPECT_LT(rel_max(g.grad(), g64.grad()), tol);
+      EXPECT_LT(rel_max(u.grad(), u64.grad()), tol);
+    }
+    for (const std::int64_t rot : {16, 8}) {  // full and partial rotary
+      SCOPED_TRACE("rot " + std::to_string(rot));
+      const std::int64_t B = 2, T = 37, H = 3, D = 16;
+      const at::Tensor x0 = at::randn({B, T, H, D}).to(dt), dy0 = at::randn({B, T, H, D}).to(dt);
+      const at::Tensor ang = at::rand({B, T, rot / 2}) * 20;
+      const at::Tensor emb = at::cat({ang, ang}, -1);
+      const at::Tensor c0 = emb.cos().to(dt), s0 = emb.sin().to(dt);
+      at::Tensor x = x0.to(dev).requires_grad_(true);
+      // The projection's layout as the decoder hands it over, and a transposed gradient as SDPA
+      // gives it back.
+      const at::Tensor y = model::rope(x, c0.to(dev), s0.to(dev));
+      y.transpose(1, 2).backward(dy0.to(dev).transpose(1, 2));
+      at::Tensor x64 = x0.to(at::kDouble).requires_grad_(true);
+      const at::Tensor ref = rope64(x64, c0.to(at::kDouble), s0.to(at::kDouble));
+      ref.backward(dy0.to(at::kDouble));
+      EXPECT_LT(rel_max(y.detach(), ref.detach()), tol);
+      EXPECT_LT(rel_max(x.grad(), x64.grad()), tol);
+    }
+  }
+}
+
 TEST(Cuda, GroupedExpertsMatchThePerExpertLoop) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
@@ -345,7 +406,7 @@ TEST(Cuda, GroupedExpertLoraMatchesCpuFp32) {
   std::vector<at::Tensor> ys;
   std::int64_t off = 0;
   for (int e = 0; e < E; ++e) {
-    if (counts[e]) ys.push_back(cpu.delta(s, e, xc.narrow(0, off, counts[e]), false));
+    if (counts[e]) ys.push_back(cpu.add_to(s, e, at::zeros({counts[e], out}), xc.narrow(0, off, counts[e]), false));
     off += counts[e];
   }
   const at::Tensor y_ref = at::cat(ys);

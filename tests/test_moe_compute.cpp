@@ -11,6 +11,7 @@
 #include <fstream>
 #include <memory>
 
+#include "models/fused.h"
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
@@ -80,6 +81,31 @@ TEST(ChunkedCrossEntropy, ModelLossSumEqualsFullLogitsLoss) {
   const auto [full, count] = shifted_cross_entropy(m->head(h), b.labels);
   EXPECT_EQ(count, 2 * 8 - 1);
   EXPECT_NEAR(m->loss_sum(h, b.labels).item<double>(), full.item<double>(), 1e-5 * full.item<double>());
+}
+
+// The CPU path of rope() (models/fused.h), partial rotary included, against float64 math of HF's
+// formula: x * cos + rotate_half(x) * sin over the first rot dims, the rest passed through.
+TEST(Rope, PartialAndFullRotaryMatchFloat64) {
+  at::manual_seed(4);
+  for (const std::int64_t rot : {8, 4}) {
+    const std::int64_t B = 2, T = 5, H = 3, D = 8;
+    const at::Tensor x0 = at::randn({B, T, H, D}), dy = at::randn({B, T, H, D});
+    const at::Tensor ang = at::rand({B, T, rot / 2}) * 10, emb = at::cat({ang, ang}, -1);
+    at::Tensor x = x0.clone().requires_grad_(true);
+    const at::Tensor y = rope(x, emb.cos(), emb.sin());
+    torch::autograd::backward({y}, {dy});
+    at::Tensor x64 = x0.to(at::kDouble).requires_grad_(true);
+    const at::Tensor e64 = emb.to(at::kDouble), c = e64.cos().unsqueeze(2), s = e64.sin().unsqueeze(2);
+    const at::Tensor xr = x64.narrow(-1, 0, rot);
+    const at::Tensor rotated = at::cat({-xr.narrow(-1, rot / 2, rot / 2), xr.narrow(-1, 0, rot / 2)}, -1);
+    at::Tensor ref = xr * c + rotated * s;
+    if (rot < D) ref = at::cat({ref, x64.narrow(-1, rot, D - rot)}, -1);
+    torch::autograd::backward({ref}, {dy.to(at::kDouble)});
+    EXPECT_LT((y.to(at::kDouble) - ref).abs().max().item<double>(), 1e-5) << "rot " << rot;
+    EXPECT_LT((x.grad().to(at::kDouble) - x64.grad()).abs().max().item<double>(), 1e-5) << "rot " << rot;
+    // The pass-through dims are copied exactly.
+    if (rot < D) EXPECT_TRUE(at::equal(y.narrow(-1, rot, D - rot), x0.narrow(-1, rot, D - rot)));
+  }
 }
 
 TEST(SwiGlu, ValueAndGradientsMatchFloat64Autograd) {
@@ -216,7 +242,8 @@ TEST(ExpertLora, SlicesEqualPerExpertAdaptersInInitForwardAndGradients) {
     for (int e = 0; e < c.E; ++e) {
       if (!counts[e]) continue;
       const at::Tensor xe = x.narrow(0, off, counts[e]);
-      ys.push_back(stacked ? c.stack->delta(s, e, xe, false) : c.ref[e]->delta(xe, false));
+      const at::Tensor y0 = at::zeros({xe.size(0), c.out});
+      ys.push_back(stacked ? c.stack->add_to(s, e, y0, xe, false) : c.ref[e]->add_to(y0, xe, false));
       off += counts[e];
     }
     const at::Tensor y = at::cat(ys);
@@ -261,7 +288,7 @@ TEST(ExpertLora, GroupedDeltaEqualsPerExpertAdapters) {
   std::vector<at::Tensor> ys;
   std::int64_t off = 0;
   for (int e = 0; e < c.E; ++e) {
-    ys.push_back(c.ref[e]->delta(xr.narrow(0, off, counts[e]), false));
+    ys.push_back(c.ref[e]->add_to(at::zeros({counts[e], c.out}), xr.narrow(0, off, counts[e]), false));
     off += counts[e];
   }
   torch::autograd::backward({at::cat(ys)}, {dy});

@@ -1,0 +1,150 @@
+// Fused elementwise kernels (contract: fused_cuda.h). Grid-stride loops over plain arrays; the
+// load/store helpers convert each storage type to fp32 and back with round-to-nearest.
+#include "models/fused_cuda.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+namespace eo::fused::cuda {
+namespace {
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  static __device__ float in(float v) { return v; }
+  static __device__ float out(float v) { return v; }
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+  static __device__ float in(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __nv_bfloat16 out(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct Cvt<__half> {
+  static __device__ float in(__half v) { return __half2float(v); }
+  static __device__ __half out(float v) { return __float2half_rn(v); }
+};
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+template <typename T>
+__global__ void swiglu_forward_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ h,
+                                      std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
+    const float gv = Cvt<T>::in(g[i]), uv = Cvt<T>::in(u[i]);
+    h[i] = Cvt<T>::out(gv * sigmoid(gv) * uv);
+  }
+}
+
+template <typename T>
+__global__ void swiglu_backward_kernel(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ dh,
+                                       T* __restrict__ dg, T* __restrict__ du, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
+    const float gv = Cvt<T>::in(g[i]), uv = Cvt<T>::in(u[i]), d = Cvt<T>::in(dh[i]);
+    const float s = sigmoid(gv);
+    dg[i] = Cvt<T>::out(d * uv * s * (1.0f + gv * (1.0f - s)));
+    du[i] = Cvt<T>::out(d * gv * s);
+  }
+}
+
+// One thread per (row, head, pair j < rot_dim/2): reads x[j], x[j + half] and writes both; the
+// pass-through dims (rot_dim < head_dim) are copied by the threads with j in [half, D - half).
+template <typename T>
+__global__ void rope_kernel(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin,
+                            T* __restrict__ out, std::int64_t rows, int heads, int D, int rot, bool backward) {
+  const int half = rot / 2;
+  const int per_head = D - half;  // pairs, then the pass-through dims
+  const std::int64_t total = rows * heads * per_head;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const int j = int(i % per_head);
+    const std::int64_t rh = i / per_head;  // row * heads + head
+    const std::int64_t row = rh / heads;
+    const T* xh = x + rh * D;
+    T* oh = out + rh * D;
+    if (j >= half) {  // pass-through dim rot + (j - half)
+      const int d = rot + (j - half);
+      oh[d] = xh[d];
+      continue;
+    }
+    const T* c = cos + row * rot;
+    const T* s = sin + row * rot;
+    const float x1 = Cvt<T>::in(xh[j]), x2 = Cvt<T>::in(xh[j + half]);
+    const float c1 = Cvt<T>::in(c[j]), c2 = Cvt<T>::in(c[j + half]);
+    const float s1 = Cvt<T>::in(s[j]), s2 = Cvt<T>::in(s[j + half]);
+    if (!backward) {  // out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]
+      oh[j] = Cvt<T>::out(x1 * c1 - x2 * s1);
+      oh[j + half] = Cvt<T>::out(x2 * c2 + x1 * s2);
+    } else {  // dx = dy*cos + R^T(dy*sin), R^T(z) = [z2, -z1]
+      oh[j] = Cvt<T>::out(x1 * c1 + x2 * s2);
+      oh[j + half] = Cvt<T>::out(x2 * c2 - x1 * s1);
+    }
+  }
+}
+
+unsigned grid_for(std::int64_t n, int block) {
+  const std::int64_t want = (n + block - 1) / block;
+  return static_cast<unsigned>(std::max<std::int64_t>(1, std::min<std::int64_t>(want, 132 * 32)));
+}
+
+template <template <typename> class Launch, typename... A>
+cudaError_t by_type(DType t, A... a) {
+  switch (t) {
+    case DType::F32: Launch<float>::run(a...); break;
+    case DType::BF16: Launch<__nv_bfloat16>::run(a...); break;
+    case DType::F16: Launch<__half>::run(a...); break;
+  }
+  return cudaGetLastError();
+}
+
+constexpr int kBlock = 256;
+
+template <typename T>
+struct SwigluForward {
+  static void run(const void* g, const void* u, void* h, std::int64_t n, cudaStream_t s) {
+    swiglu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(g), static_cast<const T*>(u),
+                                                                     static_cast<T*>(h), n);
+  }
+};
+template <typename T>
+struct SwigluBackward {
+  static void run(const void* g, const void* u, const void* dh, void* dg, void* du, std::int64_t n, cudaStream_t s) {
+    swiglu_backward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(dh), static_cast<T*>(dg),
+        static_cast<T*>(du), n);
+  }
+};
+template <typename T>
+struct Rope {
+  static void run(const void* x, const void* c, const void* sn, void* out, std::int64_t rows, int heads, int D, int rot,
+                  bool backward, cudaStream_t s) {
+    const std::int64_t n = rows * heads * (D - rot / 2);
+    rope_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), static_cast<const T*>(c),
+                                                         static_cast<const T*>(sn), static_cast<T*>(out), rows, heads, D,
+                                                         rot, backward);
+  }
+};
+
+}  // namespace
+
+cudaError_t swiglu_forward(const void* g, const void* u, void* h, std::int64_t n, DType t, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  return by_type<SwigluForward>(t, g, u, h, n, s);
+}
+
+cudaError_t swiglu_backward(const void* g, const void* u, const void* dh, void* dg, void* du, std::int64_t n, DType t,
+                            cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  return by_type<SwigluBackward>(t, g, u, dh, dg, du, n, s);
+}
+
+cudaError_t rope(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, int heads, int head_dim,
+                 int rot_dim, bool backward, DType t, cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  return by_type<Rope>(t, x, cos, sin, out, rows, heads, head_dim, rot_dim, backward, s);
+}
+
+}  // namespace eo::fused::cuda
