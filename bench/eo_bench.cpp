@@ -8,7 +8,8 @@
 //   modes: resident | sync (one slot) | prefetch (default depth) | prefetchN (N blocks ahead) |
 //          budget (prefetch + budget-fraction of the experts resident); a suffix ":park" adds
 //          activation_offloading, ":mm" the micro-batch-major step order, ":shared" the homes in
-//          one shared memory file (expert_offload_homes: per_numa_node); they combine (":park:mm")
+//          one shared memory file (expert_offload_homes: per_numa_node), ":whole" / ":sliced" the
+//          expert bank dequantised whole / in 64 MiB slices; they combine (":park:mm")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe)
 //   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
@@ -40,6 +41,7 @@
 #include "common/text.h"
 #include "models/hf_config.h"
 #include "runtime/config.h"
+#include "runtime/device.h"
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
 #include "runtime/trainer.h"
@@ -61,7 +63,7 @@ struct Point {
 struct Row {
   std::string model, mode;
   Point point;
-  double s_per_step = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0;
+  double s_per_step = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0, reserved_vram = 0;
   double staged_per_step = 0, h2d_gbps = 0, stall_s = 0, floor_s = 0;
   std::string error;
 };
@@ -195,6 +197,8 @@ int main(int argc, char** argv) {
       const bool park = std::find(parts.begin(), parts.end(), "park") != parts.end();
       const bool micro_major = std::find(parts.begin(), parts.end(), "mm") != parts.end();
       const bool shared = std::find(parts.begin(), parts.end(), "shared") != parts.end();
+      const bool whole = std::find(parts.begin(), parts.end(), "whole") != parts.end();
+      const bool sliced = std::find(parts.begin(), parts.end(), "sliced") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -205,6 +209,7 @@ int main(int argc, char** argv) {
            << "gradient_accumulation_steps: " << accum << "\n"
            << (park ? "activation_offloading: true\n" : "") << (micro_major ? "step_order: micro_batch_major\n" : "")
            << (shared ? "expert_offload_homes: per_numa_node\n" : "")
+           << (whole ? "expert_dequant_chunk: whole\n" : sliced ? "expert_dequant_chunk: 64MiB\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"
@@ -240,7 +245,10 @@ int main(int argc, char** argv) {
                                                          std::to_string(accum) + " " + spec, useful_flops(mc, cfg));
           };
         }
+        const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+        release_cached_memory(dev);  // the previous mode's cached blocks would count as reserved
         train(cfg, world, hooks);
+        row.reserved_vram = double(peak_reserved_bytes(dev));
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");
         std::vector<double> times, staged, h2d, stall;
@@ -272,8 +280,8 @@ int main(int argc, char** argv) {
 
   // The table: offload rows against the same point's resident row and against their floor.
   std::printf("\naccumulation %d, LoRA on %s\n", accum, targets.c_str());
-  std::printf("\n| model | seq x mb | mode | s/step | tokens/s | peak VRAM | plan VRAM | pinned host | staged/step | H2D GB/s | stall s | floor s | vs resident | vs floor |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| model | seq x mb | mode | s/step | tokens/s | peak VRAM | plan VRAM | plan vs peak | reserved | pinned host | staged/step | H2D GB/s | stall s | floor s | vs resident | vs floor |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   nlohmann::json all = nlohmann::json::array();
   for (const Row& r : rows) {
     double resident = 0;
@@ -285,13 +293,15 @@ int main(int argc, char** argv) {
       char vs_res[32] = "", vs_floor[32] = "";
       if (resident > 0) std::snprintf(vs_res, sizeof vs_res, "%.2fx", r.s_per_step / resident);
       if (r.floor_s > 0) std::snprintf(vs_floor, sizeof vs_floor, "%.2fx", r.s_per_step / r.floor_s);
-      std::printf("| %s | %dx%d | %s | %.3f | %.0f | %s | %s | %s | %s | %.1f | %.3f | %.3f | %s | %s |\n", r.model.c_str(),
-                  r.point.seq, r.point.mb, r.mode.c_str(), r.s_per_step, r.tokens_per_s, human_bytes(r.peak_vram).c_str(),
-                  human_bytes(r.plan_vram).c_str(), human_bytes(r.pinned).c_str(), human_bytes(r.staged_per_step).c_str(),
+      const double err = r.peak_vram > 0 ? 100 * (r.plan_vram / r.peak_vram - 1) : 0;
+      std::printf("| %s | %dx%d | %s | %.3f | %.0f | %s | %s | %+.1f%% | %s | %s | %s | %.1f | %.3f | %.3f | %s | %s |\n",
+                  r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(), r.s_per_step, r.tokens_per_s,
+                  human_bytes(r.peak_vram).c_str(), human_bytes(r.plan_vram).c_str(), err, human_bytes(r.reserved_vram).c_str(),
+                  human_bytes(r.pinned).c_str(), human_bytes(r.staged_per_step).c_str(),
                   r.h2d_gbps, r.stall_s, r.floor_s, vs_res, vs_floor);
     }
     all.push_back({{"model", r.model}, {"mode", r.mode}, {"seq", r.point.seq}, {"mb", r.point.mb}, {"accum", accum}, {"s_per_step", r.s_per_step},
-                   {"tokens_per_s", r.tokens_per_s}, {"peak_vram", r.peak_vram}, {"plan_vram", r.plan_vram},
+                   {"tokens_per_s", r.tokens_per_s}, {"peak_vram", r.peak_vram}, {"plan_vram", r.plan_vram}, {"reserved_vram", r.reserved_vram},
                    {"pinned", r.pinned}, {"staged_per_step", r.staged_per_step}, {"h2d_gbps", r.h2d_gbps},
                    {"stall_s", r.stall_s}, {"floor_s", r.floor_s}, {"pinned_bw_gbps", bw}, {"error", r.error}});
   }

@@ -39,7 +39,7 @@ int run_plan(const Args& args) {
   // A plan is for the GPU: bf16 unless the config says bf16: false.
   const MemoryPlan plan = plan_memory(cfg, mc, cfg.bf16 != "false", ranks);
   std::fputs(describe_plan(plan, vram).c_str(), stdout);
-  return vram > 0 && plan.device_peak > vram ? kExitRuntime : kExitOk;
+  return vram > 0 && plan.device_peak + plan.margin > vram ? kExitRuntime : kExitOk;
 }
 
 }  // namespace eo::launch

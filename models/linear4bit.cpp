@@ -45,12 +45,23 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
 
 // The bank travels through saved_data like the handle above.
 struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFunction> {
-  static at::Tensor weights(const ExpertBank& bank, at::ScalarType dtype) {
-    if (bank.dense.defined()) return bank.dense.to(dtype);
+  static std::vector<const nf4::QuantizedWeight*> sources(const ExpertBank& bank) {
     std::vector<const nf4::QuantizedWeight*> qs;
     qs.reserve(bank.experts);
     for (int e = 0; e < bank.experts; ++e) qs.push_back(&bank.provider->expert_weight(bank.layer, e, bank.matrix));
-    return nf4::dequantize_stack(qs, dtype);  // [E, out, in]
+    return qs;
+  }
+  static at::Tensor weights(const ExpertBank& bank, at::ScalarType dtype) {
+    if (bank.dense.defined()) return bank.dense.to(dtype);
+    return nf4::dequantize_stack(sources(bank), dtype);  // [E, out, in]
+  }
+  // [out, in] of the bank's matrices, and the slice length along `dim` (1 rows, 2 columns) that
+  // max_bytes allows; the full length when the bank is dense or unlimited.
+  static std::pair<std::vector<std::int64_t>, std::int64_t> slicing(const ExpertBank& bank, int dim, at::ScalarType dt) {
+    if (bank.dense.defined()) return {{bank.dense.size(1), bank.dense.size(2)}, dim == 1 ? bank.dense.size(1) : bank.dense.size(2)};
+    const auto& shape = bank.provider->expert_weight(bank.layer, 0, bank.matrix).shape;
+    const std::int64_t full = dim == 1 ? shape[0] : shape[1], other = dim == 1 ? shape[1] : shape[0];
+    return {{shape[0], shape[1]}, bank_slice(full, bank.experts, other, c10::elementSize(dt), bank.max_bytes)};
   }
 
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& offsets,
@@ -59,10 +70,20 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     ctx->saved_data["layer"] = static_cast<std::int64_t>(bank.layer);
     ctx->saved_data["experts"] = static_cast<std::int64_t>(bank.experts);
     ctx->saved_data["matrix"] = static_cast<std::int64_t>(bank.matrix);
+    ctx->saved_data["max_bytes"] = bank.max_bytes;
     ctx->saved_data["offsets"] = offsets;
     if (bank.dense.defined()) ctx->saved_data["dense"] = bank.dense;
-    const at::Tensor w = weights(bank, x.scalar_type());  // [E, out, in]
-    return at::_grouped_mm(x, w.transpose(1, 2), offsets);
+    const auto [shape, rows] = slicing(bank, 1, x.scalar_type());
+    if (rows >= shape[0]) return at::_grouped_mm(x, weights(bank, x.scalar_type()).transpose(1, 2), offsets);
+    // Output columns [o0, o0 + rows) from rows [o0, o0 + rows) of every expert's matrix.
+    const auto qs = sources(bank);
+    at::Tensor y = at::empty({x.size(0), shape[0]}, x.options());
+    for (std::int64_t o0 = 0; o0 < shape[0]; o0 += rows) {
+      const std::int64_t n = std::min(rows, shape[0] - o0);
+      const at::Tensor w = nf4::dequantize_stack_window(qs, x.scalar_type(), o0, n, 0, shape[1]);  // [E, n, in]
+      y.narrow(1, o0, n).copy_(at::_grouped_mm(x, w.transpose(1, 2), offsets));
+    }
+    return y;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -72,11 +93,22 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     bank.layer = static_cast<int>(ctx->saved_data["layer"].toInt());
     bank.experts = static_cast<int>(ctx->saved_data["experts"].toInt());
     bank.matrix = static_cast<ExpertMatrix>(ctx->saved_data["matrix"].toInt());
+    bank.max_bytes = ctx->saved_data["max_bytes"].toInt();
     if (ctx->saved_data.count("dense")) bank.dense = ctx->saved_data["dense"].toTensor();
     const at::Tensor offsets = ctx->saved_data["offsets"].toTensor();
     const at::Tensor dy = grads[0].contiguous();
-    const at::Tensor w = weights(bank, dy.scalar_type());  // bytes current now (the recompute staged them)
-    return {at::_grouped_mm(dy, w, offsets), at::Tensor(), at::Tensor()};
+    // The bytes current now (the recompute staged them).
+    const auto [shape, cols] = slicing(bank, 2, dy.scalar_type());
+    if (cols >= shape[1]) return {at::_grouped_mm(dy, weights(bank, dy.scalar_type()), offsets), at::Tensor(), at::Tensor()};
+    // dX columns [c0, c0 + cols) from columns [c0, c0 + cols) of every expert's matrix.
+    const auto qs = sources(bank);
+    at::Tensor dx = at::empty({dy.size(0), shape[1]}, dy.options());
+    for (std::int64_t c0 = 0; c0 < shape[1]; c0 += cols) {
+      const std::int64_t n = std::min(cols, shape[1] - c0);
+      const at::Tensor w = nf4::dequantize_stack_window(qs, dy.scalar_type(), 0, shape[0], c0, n);  // [E, out, n]
+      dx.narrow(1, c0, n).copy_(at::_grouped_mm(dy, w, offsets));
+    }
+    return {dx, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -99,6 +131,13 @@ struct GatherRowsFunction : public torch::autograd::Function<GatherRowsFunction>
 };
 
 }  // namespace
+
+std::int64_t bank_slice(std::int64_t full, std::int64_t experts, std::int64_t other, std::int64_t elem_bytes,
+                        std::int64_t max_bytes) {
+  if (max_bytes <= 0) return full;
+  const std::int64_t fit = max_bytes / std::max<std::int64_t>(1, experts * other * elem_bytes);
+  return std::min(full, std::max<std::int64_t>(64, fit / 64 * 64));
+}
 
 at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
   EO_CHECK(x.dim() == 2 && index.dim() == 1 && inverse.numel() == x.size(0) * fanout && index.numel() == inverse.numel(),

@@ -32,13 +32,23 @@ at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle);
 //   NF4: the experts' weights are fetched through `provider` and dequantised together into one
 //   temporary [E, out, in] tensor, in forward and again in backward (never saved). Gate and up
 //   stay separate GEMMs so that only one matrix bank exists at a time.
+//   With max_bytes > 0 the bank is dequantised in slices of at most that many bytes (at least
+//   64 rows or columns each): forward in slices of output rows, backward (dX = dY · W) in slices
+//   of input columns, each its own grouped GEMM over the same offsets writing its columns of
+//   the result. The same sums in the same order per output element, over a bank that never
+//   exists whole: the small-card setting (LoadOptions::expert_bank_bytes).
 //   Dense: `dense` [E, out, in] is used as it is (frozen, saved by reference).
 struct ExpertBank {
   WeightProvider* provider = nullptr;
   int layer = -1, experts = 0;
   ExpertMatrix matrix = ExpertMatrix::Gate;
   at::Tensor dense;  // defined for dense (unquantised) experts
+  std::int64_t max_bytes = 0;  // NF4: largest dequantised slice; 0 = the whole bank at once
 };
+// The slice length (rows or columns of each expert matrix) that keeps an [E, len, other] slice of
+// `elem_bytes` values within max_bytes: a multiple of 64, at least 64, at most `full`.
+std::int64_t bank_slice(std::int64_t full, std::int64_t experts, std::int64_t other, std::int64_t elem_bytes,
+                        std::int64_t max_bytes);
 at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets, const ExpertBank& bank);
 // Whether grouped_expert_linear can run here: a CUDA tensor in bf16 (libtorch's grouped GEMM),
 // unless switched off (tests compare it with the per-expert loop).

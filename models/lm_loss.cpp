@@ -12,11 +12,6 @@ namespace {
 
 constexpr std::int64_t kIgnore = -100;
 
-std::int64_t pick_chunk_rows(std::int64_t rows, std::int64_t vocab, std::int64_t requested) {
-  if (requested > 0) return std::min(rows, requested);
-  const std::int64_t budget = std::int64_t(256) << 20;  // bytes of fp32 logits per chunk
-  return std::max<std::int64_t>(1, std::min(rows, budget / (4 * std::max<std::int64_t>(1, vocab))));
-}
 
 // fp32 logits of one chunk, as transformers forms them: the GEMM in the compute dtype, then upcast.
 at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& weight) { return at::linear(h, weight).to(at::kFloat); }
@@ -69,6 +64,11 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
 
 }  // namespace
 
+std::int64_t loss_chunk_rows(std::int64_t rows, std::int64_t vocab) {
+  const std::int64_t budget = std::int64_t(128) << 20;  // bytes of fp32 logits per chunk
+  return std::max<std::int64_t>(1, std::min(rows, budget / (4 * std::max<std::int64_t>(1, vocab))));
+}
+
 at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                         std::int64_t chunk_rows) {
   EO_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), "chunked_linear_cross_entropy: hidden ",
@@ -77,7 +77,7 @@ at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tens
            " for ", hidden.size(0), " rows");
   EO_CHECK(!weight.requires_grad(), "chunked_linear_cross_entropy: the head weight must be frozen");
   if (hidden.size(0) == 0) return at::zeros({}, hidden.options().dtype(at::kFloat));
-  const std::int64_t chunk = pick_chunk_rows(hidden.size(0), weight.size(0), chunk_rows);
+  const std::int64_t chunk = chunk_rows > 0 ? std::min(hidden.size(0), chunk_rows) : loss_chunk_rows(hidden.size(0), weight.size(0));
   return ChunkedCrossEntropy::apply(hidden.contiguous(), weight, targets.to(hidden.device(), at::kLong).contiguous(), chunk);
 }
 

@@ -235,6 +235,7 @@ struct ModelLoader {
       b->index_ = i;
       b->moe_ = c.is_moe_layer(i);
       b->quantized_ = opts.load_in_4bit;
+      b->bank_bytes_ = opts.expert_bank_bytes;
       const std::string p = "model.layers." + std::to_string(i) + ".";
       b->input_norm_ = get(p + "input_layernorm.weight", {H});
       b->post_norm_ = get(p + "post_attention_layernorm.weight", {H});

@@ -105,8 +105,12 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
       b.layer = index_;
       b.experts = static_cast<int>(c.experts);
       b.matrix = m;
-      if (quantized_) b.provider = provider_;
-      else b.dense = experts_[static_cast<int>(m)];
+      if (quantized_) {
+        b.provider = provider_;
+        b.max_bytes = bank_bytes_;
+      } else {
+        b.dense = experts_[static_cast<int>(m)];
+      }
       at::Tensor y = grouped_expert_linear(in, offsets, b);
       if (const auto& l = expert_lora_[static_cast<int>(m)]) y = y + l->grouped_delta(in, offsets, training);
       return y;

@@ -39,6 +39,9 @@ struct LoadOptions {
   // and copy only the gathered rows: vocab x hidden of device memory saved. Not with tied
   // embeddings (the lm_head needs the table on the device).
   bool embeddings_on_host = true;
+  // NF4 experts on a GPU: dequantise each grouped GEMM's bank in slices of at most this many
+  // bytes (linear4bit.h, ExpertBank::max_bytes); 0 = the whole bank at once.
+  std::int64_t expert_bank_bytes = 0;
 };
 
 // A frozen linear: dense or module-owned NF4 weight, optional bias, optional LoRA.
@@ -87,6 +90,7 @@ class DecoderBlock {
   int index_ = 0;
   bool moe_ = false;
   bool quantized_ = false;
+  std::int64_t bank_bytes_ = 0;  // LoadOptions::expert_bank_bytes
   WeightProvider* provider_ = nullptr;
   at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
   FrozenLinear q_, k_, v_, o_;

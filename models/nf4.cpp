@@ -221,8 +221,9 @@ cuda::Nf4Source source_of(const QuantizedWeight& q) {
   return s;
 }
 
-// Kernel path of dequantize_stack: every tensor already contiguous on one CUDA device.
-at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
+// Kernel path of dequantize_stack(_window): every tensor already contiguous on one CUDA device;
+// `window` null for the whole matrices.
+at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, const cuda::Nf4Window* window) {
   const QuantizedWeight& first = *qs.front();
   const at::Device dev = first.packed.device();
   c10::cuda::CUDAGuard guard(dev);
@@ -243,10 +244,18 @@ at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::Sc
              "nf4::dequantize: CUDA tensors must be contiguous and on one device");
     sources.push_back(source_of(*q));
   }
-  at::Tensor out = at::empty({static_cast<std::int64_t>(qs.size()), first.shape[0], first.shape[1]},
-                             at::TensorOptions().dtype(dtype).device(dev));
-  cuda_ok(cuda::dequantize(sources.data(), static_cast<int>(sources.size()), layout, out.data_ptr(), out_type(dtype),
-                           c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+  const auto count = static_cast<std::int64_t>(qs.size());
+  const auto stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  const auto opts = at::TensorOptions().dtype(dtype).device(dev);
+  if (window) {
+    at::Tensor out = at::empty({count, window->rows, window->cols}, opts);
+    cuda_ok(cuda::dequantize_window(sources.data(), static_cast<int>(count), layout, *window, out.data_ptr(), out_type(dtype),
+                                    stream),
+            "dequantize window kernel launch");
+    return out;
+  }
+  at::Tensor out = at::empty({count, first.shape[0], first.shape[1]}, opts);
+  cuda_ok(cuda::dequantize(sources.data(), static_cast<int>(count), layout, out.data_ptr(), out_type(dtype), stream),
           "dequantize kernel launch");
   return out;
 }
@@ -370,7 +379,7 @@ at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
            (q.nested ? q.nested->absmax_codes.numel() : q.absmax.numel()), " entries, expected ", nb, ".");
 #ifdef EO_WITH_CUDA
   if (q.packed.is_cuda() && q.packed.is_contiguous() && (!q.absmax.defined() || q.absmax.is_cuda()))
-    return dequantize_cuda({&q}, dtype)[0];
+    return dequantize_cuda({&q}, dtype, nullptr)[0];
 #endif
   const at::Tensor absmax = q.absmax_fp32().to(q.packed.device(), at::kFloat).reshape({-1});
 
@@ -395,11 +404,32 @@ at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::S
                  q->packed.device() == first.packed.device(),
              "nf4::dequantize_stack: the weights differ in shape, blocksize, statistics or device");
 #ifdef EO_WITH_CUDA
-  if (first.packed.is_cuda()) return dequantize_cuda(qs, dtype);
+  if (first.packed.is_cuda()) return dequantize_cuda(qs, dtype, nullptr);
 #endif
   std::vector<at::Tensor> parts;
   for (const QuantizedWeight* q : qs) parts.push_back(dequantize(*q, dtype));
   return at::stack(parts);
+}
+
+at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols) {
+  EO_CHECK(!qs.empty(), "nf4::dequantize_stack_window: no weights");
+  const QuantizedWeight& first = *qs.front();
+  const std::int64_t out = first.shape[0], in = first.shape[1];
+  EO_CHECK(r0 >= 0 && rows > 0 && r0 + rows <= out && c0 >= 0 && cols > 0 && c0 + cols <= in,
+           "nf4::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols,
+           ") outside [", out, ", ", in, "]");
+#ifdef EO_WITH_CUDA
+  if (first.packed.is_cuda()) {
+    for (const QuantizedWeight* q : qs)
+      EO_CHECK(q->shape == first.shape && q->blocksize == first.blocksize && q->nested.has_value() == first.nested.has_value() &&
+                   q->packed.device() == first.packed.device(),
+               "nf4::dequantize_stack_window: the weights differ in shape, blocksize, statistics or device");
+    const cuda::Nf4Window w{in, r0, rows, c0, cols};
+    return dequantize_cuda(qs, dtype, &w);
+  }
+#endif
+  return dequantize_stack(qs, dtype).narrow(1, r0, rows).narrow(2, c0, cols).contiguous();
 }
 
 }  // namespace eo::nf4

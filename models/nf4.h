@@ -58,6 +58,11 @@ at::Tensor dequantize(const QuantizedWeight& q);  // to q.dtype
 // into one [count, out, in] tensor: a MoE block's experts for a grouped GEMM. One kernel pass
 // on a GPU, no host synchronisation.
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
+// The same for rows [r0, r0 + rows) x columns [c0, c0 + cols) of every matrix: [count, rows, cols],
+// the same bits as the slice of dequantize_stack's result. On a GPU c0, cols and in must be
+// multiples of 8 (the window kernel); the CPU slices the whole stack.
+at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
 // bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)), 256 sorted values.
 at::Tensor dynamic_map_signed();

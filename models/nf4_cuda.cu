@@ -81,6 +81,37 @@ __global__ void dequantize_vec8(const SourceBatch batch, Nf4Layout layout, T* ou
   }
 }
 
+// The window variant: group g of the window maps to value (r0 + g / (cols/8)) * row_len + c0 +
+// 8 * (g % (cols/8)) of the matrix; the rest as dequantize_vec8 (same bits).
+template <typename T, bool kNested>
+__global__ void dequantize_window_vec8(const SourceBatch batch, Nf4Layout layout, Nf4Window w, T* out) {
+  __shared__ float code[16];
+  if (threadIdx.x < 16) code[threadIdx.x] = kCodeConst[threadIdx.x];
+  __syncthreads();
+  const Nf4Source& s = batch.src[blockIdx.y];
+  const std::int64_t per_row = w.cols / 8, groups = w.rows * per_row;
+  const std::uint32_t* src = reinterpret_cast<const std::uint32_t*>(s.packed);
+  T* dst_base = out + static_cast<std::int64_t>(blockIdx.y) * w.rows * w.cols;
+  for (std::int64_t g = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = g / per_row;
+    const std::int64_t flat = (w.r0 + row) * w.row_len + w.c0 + (g - row * per_row) * 8;
+    const std::uint32_t word = __ldg(src + flat / 8);
+    const float am = block_absmax<kNested>(s, layout, flat / layout.blocksize);
+    T vals[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const std::uint32_t byte = (word >> (8 * k)) & 0xFF;
+      vals[2 * k] = Store<T>::cvt(__fmul_rn(code[byte >> 4], am));
+      vals[2 * k + 1] = Store<T>::cvt(__fmul_rn(code[byte & 15], am));
+    }
+    uint4* dst = reinterpret_cast<uint4*>(dst_base + g * 8);
+    const uint4* v = reinterpret_cast<const uint4*>(vals);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(8 * sizeof(T) / 16); ++k) dst[k] = v[k];
+  }
+}
+
 template <typename T, bool kNested>
 __global__ void dequantize_bytes(const SourceBatch batch, Nf4Layout layout, T* out) {
   const Nf4Source& s = batch.src[blockIdx.y];
@@ -139,6 +170,35 @@ cudaError_t launch_type(const Nf4Source* sources, int count, const Nf4Layout& la
   return cudaSuccess;
 }
 
+template <typename T>
+cudaError_t launch_window(const Nf4Source* sources, int count, const Nf4Layout& layout, const Nf4Window& w, void* out,
+                          cudaStream_t stream) {
+  if (w.cols % 8 || w.c0 % 8 || w.row_len % 8 || w.r0 < 0 || w.c0 < 0 || w.c0 + w.cols > w.row_len ||
+      (w.r0 + w.rows) * w.row_len > layout.n || !aligned16(out) || (w.cols * static_cast<std::int64_t>(sizeof(T))) % 16)
+    return cudaErrorInvalidValue;
+  for (int i = 0; i < count; ++i)
+    if (reinterpret_cast<std::uintptr_t>(sources[i].packed) & 3) return cudaErrorInvalidValue;
+  int sms = 132, dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int threads = 256;
+  for (int first = 0; first < count; first += kMaxSourcesPerLaunch) {
+    const int k = std::min(kMaxSourcesPerLaunch, count - first);
+    SourceBatch batch;
+    for (int i = 0; i < k; ++i) batch.src[i] = sources[first + i];
+    const std::int64_t want = (w.rows * w.cols / 8 + threads - 1) / threads;
+    const std::int64_t cap = std::max<std::int64_t>(1, (static_cast<std::int64_t>(sms) * 8 + k - 1) / k);
+    const dim3 grid(static_cast<unsigned>(std::max<std::int64_t>(1, std::min(want, cap))), static_cast<unsigned>(k));
+    T* dst = static_cast<T*>(out) + static_cast<std::int64_t>(first) * w.rows * w.cols;
+    if (layout.nested)
+      dequantize_window_vec8<T, true><<<grid, threads, 0, stream>>>(batch, layout, w, dst);
+    else
+      dequantize_window_vec8<T, false><<<grid, threads, 0, stream>>>(batch, layout, w, dst);
+    const cudaError_t rc = cudaGetLastError();
+    if (rc != cudaSuccess) return rc;
+  }
+  return cudaSuccess;
+}
+
 // torch.bucketize(v, midpoints): midpoints m with !(m >= v); NaN counts all 15.
 __device__ __forceinline__ std::uint8_t nf4_index(float v, const float* mid) {
   int idx = 0;
@@ -182,6 +242,17 @@ cudaError_t dequantize(const Nf4Source* sources, int count, const Nf4Layout& lay
     case OutType::F32: return launch_type<float>(sources, count, layout, out, stream);
     case OutType::BF16: return launch_type<__nv_bfloat16>(sources, count, layout, out, stream);
     case OutType::F16: return launch_type<__half>(sources, count, layout, out, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t dequantize_window(const Nf4Source* sources, int count, const Nf4Layout& layout, const Nf4Window& window,
+                              void* out, OutType type, cudaStream_t stream) {
+  if (count <= 0 || window.rows <= 0 || window.cols <= 0) return cudaSuccess;
+  switch (type) {
+    case OutType::F32: return launch_window<float>(sources, count, layout, window, out, stream);
+    case OutType::BF16: return launch_window<__nv_bfloat16>(sources, count, layout, window, out, stream);
+    case OutType::F16: return launch_window<__half>(sources, count, layout, window, out, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -410,6 +410,15 @@ const std::vector<KeySpec>& schema() {
                    issues.push_back({"expert_offload_vram_budget", "expected a size such as 8GiB or 500MB, 0, or auto; got '" + v + "'"});
                  },
                  writer(&TrainConfig::expert_offload_vram_budget)});
+    k.push_back({"expert_dequant_chunk", "bytes, auto or whole", "auto",
+                 "Largest slice of a MoE block's experts dequantised at once for the grouped GEMMs (GPU); auto = 64MiB with expert_offload (small cards), whole otherwise.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+                   if (v == "auto" || v == "whole") { c.expert_dequant_chunk = v; return; }
+                   if (auto b = parse_bytes(v); b && *b >= (1 << 20)) { c.expert_dequant_chunk = v; return; }
+                   issues.push_back({"expert_dequant_chunk", "expected auto, whole, or a size of at least 1MiB such as 64MiB; got '" + v + "'"});
+                 },
+                 writer(&TrainConfig::expert_dequant_chunk)});
     // --- distributed
     k.push_back(integer("ddp_bucket_cap_mb", &TrainConfig::ddp_bucket_cap_mb, 1, 1 << 16, "Gradient bucket size for the all-reduce (MB)."));
     k.push_back(integer("ddp_timeout", &TrainConfig::ddp_timeout, 10, 1 << 24,
@@ -840,6 +849,13 @@ std::string config_to_yaml(const TrainConfig& c) {
 bool config_use_bf16(const TrainConfig& cfg, bool on_cuda) {
   if (cfg.bf16 == "auto") return on_cuda;
   return cfg.bf16 == "true";
+}
+
+std::int64_t expert_bank_bytes(const TrainConfig& cfg) {
+  if (cfg.expert_dequant_chunk == "whole") return 0;
+  if (cfg.expert_dequant_chunk == "auto") return cfg.expert_offload ? std::int64_t(64) << 20 : 0;
+  const auto b = parse_bytes(cfg.expert_dequant_chunk);
+  return b ? static_cast<std::int64_t>(*b) : 0;
 }
 
 }  // namespace eo

@@ -75,6 +75,7 @@ struct TrainConfig {
   bool expert_offload_prefetch = true;
   int expert_offload_prefetch_depth = 1;  // blocks staged ahead (slots = 1 + depth); with prefetch only
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
+  std::string expert_dequant_chunk = "auto";  // auto | whole | bytes: expert_bank_bytes()
   std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
   bool activation_offloading = false;  // checkpointed block inputs in pinned host RAM
   std::string step_order = "layer_major";  // "layer_major" | "micro_batch_major" (with checkpointing)
@@ -124,5 +125,7 @@ std::vector<std::string> config_known_keys();
 
 // True when `bf16` resolves to bf16 compute on this device kind.
 bool config_use_bf16(const TrainConfig& cfg, bool on_cuda);
+// expert_dequant_chunk in bytes: 0 = the whole bank at once.
+std::int64_t expert_bank_bytes(const TrainConfig& cfg);
 
 }  // namespace eo

@@ -48,6 +48,24 @@ void reset_peak_memory(const at::Device& d) {
   (void)d;
 }
 
+std::int64_t peak_reserved_bytes(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+    return stats.reserved_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  (void)d;
+  return 0;
+}
+
+void release_cached_memory(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  (void)d;
+}
+
 std::int64_t free_device_memory(const at::Device& d) {
 #ifdef EO_WITH_CUDA
   if (d.is_cuda()) {

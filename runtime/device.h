@@ -17,6 +17,10 @@ std::string describe_device(const at::Device& d);
 // process' max RSS on the CPU.
 std::int64_t peak_memory_bytes(const at::Device& d);
 void reset_peak_memory(const at::Device& d);
+// The caching allocator's peak of reserved (held from the driver) bytes since the last reset,
+// and releasing what it caches unused; 0 / nothing off a GPU.
+std::int64_t peak_reserved_bytes(const at::Device& d);
+void release_cached_memory(const at::Device& d);
 // Bytes this process could still allocate on the device: free per the driver plus what the
 // caching allocator holds but does not use. 0 on the CPU.
 std::int64_t free_device_memory(const at::Device& d);

@@ -6,6 +6,8 @@
 #include <sstream>
 
 #include "common/text.h"
+#include "models/linear4bit.h"
+#include "models/lm_loss.h"
 #include "offload/layout.h"
 
 namespace eo {
@@ -117,40 +119,91 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
                           (cfg.activation_offloading ? " (the rest parked in host RAM)" : "")});
   if (cfg.activation_offloading) p.host_pinned += g * double(c.layers) * N * H * d;
 
-  // One block recomputed for backward: what autograd saves (fp32 norm inputs, q/k norms, RoPE,
-  // attention inputs and output) ...
-  const double saved_attn = 2 * H * (4 + d) + (qd + kvd) * (4 + d) + 2 * (qd + kvd) * d + (qd + 2 * kvd) * d + 2 * qd * d;
-  // ... the router's probabilities and, per (token, expert) row, the expert activations (gate
-  // and up of width I, the weighted output of width H; swiglu saves no third tensor) ...
-  const double NK = N * K;
-  const double saved_moe = moe_layers > 0 ? E * (4 + d) + K * ((2 * I + H) * d + 16) : 3 * double(c.dense_width) * d;
-  // ... and the gradients in flight inside it.
-  const double grads = moe_layers > 0 ? K * (2 * H + 2 * I) * d : 2 * double(c.dense_width) * d;
-  // Two phases bound the block's peak: the expert GEMMs' backward (one dequantised matrix bank
-  // of every expert plus the activations, of which autograd has freed some: x 0.72) and the
-  // token-combine / attention backward (more activation tensors alive at once, no bank: x 1.8).
-  // Both factors are fitted to the allocator peaks eo-bench measured on the H200 (Qwen3-30B-A3B
-  // and OLMoE shapes, 2048 x 1 and x 4, every mode; docs/benchmarks.md, runs 1 and 3).
-  constexpr double kActivationsWithBank = 0.72, kActivationsWithoutBank = 1.8;
-  const double bank = moe_layers > 0 && q4 ? E * I * H * d : 0;
-  const double activations = N * (saved_attn + saved_moe + grads);
-  const double block = std::max(kActivationsWithBank * activations + bank, kActivationsWithoutBank * activations);
-  p.device.push_back({"block", block,
-                      "one block's recompute + backward (expert activations for " + std::to_string(static_cast<long long>(NK)) +
-                          " token-expert pairs, one dequantised matrix bank of " + human_bytes(bank) + ")"});
+  // ---- one block under backward: its recompute graph's saved tensors plus, op by op, what the
+  // backward holds at once (models/moe_model.cpp, linear4bit.cpp; GPU path: grouped experts).
+  // Nothing here is fitted: each term names a tensor of the code.
+  const double NK = N * double(c.top_k);
+  const bool lq = targets(cfg, "q_proj"), lk = targets(cfg, "k_proj"), lv = targets(cfg, "v_proj"),
+             lo = targets(cfg, "o_proj");
+  const double heads = double(c.heads), r_bytes = r * d;
+  // Attention, saved until its own backward: the normed input (for the q/k/v LoRA A), the q/k
+  // norm inputs and statistics, SDPA's q, k, v, output and log-sum-exp, the post-norm input and
+  // statistics, each LoRA's [tokens, r] intermediate.
+  double attn_saved = N * 4 + N * H * d + N * 4;  // input norm rstd; post-norm input h and its rstd
+  if (lq || lk || lv) attn_saved += N * H * d;
+  if (c.qk_norm != model::QkNorm::None) attn_saved += N * (qd + kvd) * d + N * 4 * (heads + double(c.kv_heads));
+  attn_saved += N * (qd + 2 * kvd) * d + N * qd * d + N * heads * 4;
+  attn_saved += N * r_bytes * double(int(lq) + int(lk) + int(lv) + int(lo));
+  // MoE, saved: router probabilities (fp32), top-k indices and weights, the dispatch's three
+  // int64 permutations, gate and up (swiglu), the routed outputs in (token, slot) order (the
+  // combine's bmm), and with expert LoRA its inputs and [pairs, r] intermediates.
+  const bool le = moe_layers > 0 && (targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj") ||
+                                     targets(cfg, mix ? "w2" : "down_proj"));
+  const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8;
+  const double gate_up = 2 * NK * I * d, routed_out = NK * H * d;
+  const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes : 0;
+  const double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
+  // The bank: every expert's matrix dequantised at once, or the largest slice of it
+  // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
+  double bank = moe_layers > 0 && q4 ? E * I * H * d : 0;
+  if (const std::int64_t max = expert_bank_bytes(cfg); bank > 0 && max > 0 && on_gpu) {
+    const auto e = std::int64_t(E), h = std::int64_t(H), i = std::int64_t(I), el = std::int64_t(d);
+    bank = std::max(E * H * d * double(model::bank_slice(i, e, h, el, max)), E * I * d * double(model::bank_slice(h, e, i, el, max)));
+  }
+  // Gradients in flight on the residual stream: the block's output gradient and its input's.
+  const double residual = 2 * N * H * d;
+  double block = 0;
+  std::string block_phase;
+  auto phase = [&](const char* name, double bytes) {
+    if (bytes > block) {
+      block = bytes;
+      block_phase = name;
+    }
+  };
+  if (moe_layers > 0) {
+    const double saved = attn_saved + moe_small + gate_up + routed_out + expert_lora + shared;
+    // Recompute, at the down projection: x_sorted, gate, up, swiglu's output, the bank, y.
+    phase("recompute (down projection)", attn_saved + moe_small + shared + NK * H * d + gate_up + NK * I * d + bank + NK * H * d);
+    // Backward of the down projection: y_tok's gradient gathered to expert order, the bank, dH.
+    phase("down-projection backward", saved - routed_out + NK * H * d + bank + NK * I * d);
+    // SwiGLU's backward: dH beside gate and up, and dGate, dUp.
+    phase("swiglu backward", saved - routed_out + NK * I * d + gate_up);
+    // Backward of gate / up: dGate and dUp in place of the freed gate and up, the bank, dX from
+    // gate and from up.
+    phase("gate/up backward", saved - routed_out + bank + 2 * NK * H * d);
+    // The dispatch's backward: dX in expert order, gathered back and summed per token.
+    phase("dispatch backward", attn_saved + moe_small + shared + 2 * NK * H * d + N * H * d);
+  }
+  if (dense_layers > 0) {
+    const double W = double(c.dense_width);
+    phase("dense MLP backward", attn_saved + 3 * N * W * d + N * H * d + W * H * d);
+  }
+  // Attention backward: SDPA's gradients (dq accumulated in fp32) beside what it saved.
+  phase("attention backward", attn_saved + N * (qd + 2 * kvd) * d + N * qd * 4);
+  block += residual;
+  p.device.push_back({"block", block, "one block's recompute + backward, peak at the " + block_phase + " (" +
+                                          std::to_string(static_cast<long long>(NK)) + " token-expert pairs" +
+                                          (bank > 0 ? ", dequantised bank " + human_bytes(bank) : std::string()) + ")"});
 
-  // The head: normed hidden and per-row log-sum-exp saved; one chunk of logits in flight
-  // (bf16 GEMM output, its fp32 copy and the fp32 softmax gradient). It runs before the blocks'
-  // backward, so the peak holds the larger of head and block, not both.
+  // ---- the head: the normed hidden and per-row log-sum-exp saved, the targets; one chunk of
+  // logits in flight (forward: the GEMM's output, its fp32 copy and logsumexp's fp32 temporary;
+  // backward: the GEMM's output, its fp32 softmax gradient and that cast back), the hidden's
+  // gradient. It runs before the blocks' backward, so the peak holds the larger of head and block.
   const double rows = double(cfg.micro_batch_size) * double(std::max(1, cfg.sequence_len - 1));
-  const double chunk = std::min(rows, std::max(1.0, std::floor(double(std::int64_t(1) << 27) / (4 * V))));
-  const double head = rows * (H * d * 2 + 4) + chunk * V * (d + 4 + 4);
+  const double chunk = double(model::loss_chunk_rows(std::int64_t(rows), std::int64_t(V)));
+  const double head = rows * (H * d + 4 + 8) + std::max(chunk * V * (d + 4 + 4), chunk * V * (d + 4 + d) + rows * H * d) +
+                      rows * H * d;
   p.device.push_back({"head", head, "chunked cross entropy, " + std::to_string(static_cast<long long>(chunk)) + " rows per chunk"});
 
   p.device_peak = 0;
   for (const auto& part : p.device)
     if (part.name != "block" && part.name != "head") p.device_peak += part.bytes;
   p.device_peak += std::max(block, head);
+  // What the caching allocator holds beyond what it hands out at that peak (block rounding,
+  // segments split by earlier allocations, cuBLAS workspaces): device_memory_limit caps the held
+  // bytes, so the start-up check wants peak + margin. eo-bench prints held (reserved) beside the
+  // allocated peak so the margin can be checked.
+  p.margin = on_gpu ? 0.10 * p.device_peak + double(std::int64_t(64) << 20) : 0;
   return p;
 }
 
@@ -165,6 +218,11 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
   std::snprintf(line, sizeof line, "  %-12s %10s  predicted allocator peak: all but block and head, plus the larger of those\n", "peak VRAM",
                 human_bytes(plan.device_peak).c_str());
   os << line;
+  if (plan.margin > 0) {
+    std::snprintf(line, sizeof line, "  %-12s %10s  allocator headroom the start-up check adds (10%% + 64 MiB)\n", "margin",
+                  human_bytes(plan.margin).c_str());
+    os << line;
+  }
   if (plan.host_pinned > 0 && plan.shared_homes) {
     std::snprintf(line, sizeof line, "  %-12s %10s  per NUMA node: one copy of the homes mapped by its %d rank(s)%s\n", "pinned host",
                   human_bytes(plan.host_pinned).c_str(), plan.ranks_per_node,
@@ -177,9 +235,10 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
     os << line;
   }
   if (vram > 0) {
-    const bool fits = plan.device_peak <= vram;
+    const double need = plan.device_peak + plan.margin;
+    const bool fits = need <= vram;
     os << "  " << (fits ? "fits" : "does NOT fit") << " a " << human_bytes(vram) << " card ("
-       << human_bytes(std::fabs(vram - plan.device_peak)) << (fits ? " to spare" : " short") << ")\n";
+       << human_bytes(std::fabs(vram - need)) << (fits ? " to spare" : " short") << ", margin included)\n";
   }
   return os.str();
 }

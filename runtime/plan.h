@@ -7,12 +7,15 @@
 //   experts     NF4 experts on the device: all of them, or the offload slots (+ budget blocks)
 //   lora        LoRA parameters, gradients and AdamW moments (fp32)
 //   checkpoints block inputs kept by activation checkpointing (one [tokens, hidden] per block)
-//   block       the largest block's recompute + backward working set (attention, router, the
-//               token-sorted expert activations, one dequantised expert matrix bank)
+//   block       one block's recompute + backward: its saved tensors plus the largest set that
+//               one backward op holds at once (the phase is named: down projection, gate/up,
+//               dispatch, attention), one dequantised expert bank or its largest slice
 //   head        the final norm and the chunked cross-entropy working set
 // The peak is everything but block and head, plus the larger of the two (they never coexist).
-// The activation terms are counted tensor by tensor (plan.cpp says which); the plan is checked
-// against measured peaks in bench/ and docs/benchmarks.md.
+// The activation terms are counted tensor by tensor from the shapes (plan.cpp names each; no
+// factor is fitted); the plan is checked against measured peaks in bench/ and
+// docs/benchmarks.md. The start-up check adds `margin` for what the allocator reserves beyond
+// what it hands out (rounding, fragmentation, cuBLAS workspaces).
 #pragma once
 
 #include <cstdint>
@@ -32,7 +35,8 @@ struct MemoryPart {
 
 struct MemoryPlan {
   std::vector<MemoryPart> device;  // per rank
-  double device_peak = 0;          // sum of `device`
+  double device_peak = 0;          // the predicted allocator peak (what `peak VRAM` measures)
+  double margin = 0;               // headroom the start-up check adds for reserved-but-unused memory
   double expert_bytes = 0;         // NF4 experts of the whole model
   double block_bytes = 0;          // one MoE block's experts (a slot)
   double host_pinned = 0;          // per rank: the homes when offloading, else 0

@@ -191,13 +191,14 @@ void check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf
   } else {
     return;
   }
-  log::info("memory plan: peak " + human_bytes(plan.device_peak) + " of " + what +
+  log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
             (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
-  if (plan.device_peak <= available) return;
+  if (plan.device_peak + plan.margin <= available) return;
   std::string fixes;
   if (!cfg.expert_offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
   fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
-  throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " of device memory, " + what +
+  throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " + a margin of " +
+                   human_bytes(plan.margin) + " of device memory, " + what +
                    ".\n" + describe_plan(plan, available) + "Try " + fixes + ". (eo-ddp plan --config F --vram SIZE "
                    "shows the plan without starting.)");
 }
@@ -305,6 +306,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   lo.load_in_4bit = cfg.load_in_4bit;
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
+  lo.expert_bank_bytes = expert_bank_bytes(cfg);
   lo.device = device;
   lo.experts_on_host = cfg.expert_offload;
   if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);

@@ -118,7 +118,7 @@ TEST_F(Cli, RunThatCannotFitStopsAtStartWithThePlan) {
   EXPECT_EQ(r.out.find("loading "), std::string::npos) << "must stop before loading: " << r.out;
   EXPECT_FALSE(fs::exists(dir_ / "out" / "adapter_model.safetensors"));
   // A VRAM budget for resident expert blocks larger than the card.
-  r = run(base + " --set device_memory_limit=6MiB --set expert_offload=true --set expert_offload_vram_budget=1GiB");
+  r = run(base + " --set device_memory_limit=3MiB --set expert_offload=true --set expert_offload_vram_budget=1GiB");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("resident blocks"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("loading "), std::string::npos) << r.out;

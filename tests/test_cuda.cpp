@@ -236,6 +236,11 @@ TEST(Cuda, Nf4KernelsAreBitIdenticalToTheCpuPath) {
       const nf4::QuantizedWeight* two[] = {&gpu, &gpu};
       const at::Tensor stacked = nf4::dequantize_stack({two[0], two[1]}, dt).cpu();
       EXPECT_TRUE(at::equal(stacked[1], ref)) << "stacked " << dt;
+      if (c.in % 16 == 0) {  // a window of rows and of columns (multiples of 8), as the sliced bank reads it
+        const std::int64_t r0 = c.out / 3, rows = c.out / 2, c0 = 8 * (c.in / 32), cols = 8 * (c.in / 16);
+        const at::Tensor win = nf4::dequantize_stack_window({two[0], two[1]}, dt, r0, rows, c0, cols).cpu();
+        EXPECT_TRUE(at::equal(win[1], ref.narrow(0, r0, rows).narrow(1, c0, cols))) << "window " << dt;
+      }
     }
   }
 }
@@ -292,8 +297,6 @@ TEST(Cuda, Nf4DequantBandwidth) {
 #endif
 }
 
-// The grouped-GEMM expert path (GPU, bf16) against the per-expert loop it replaces: same loss and
-// LoRA gradients within bf16 rounding, for NF4 experts.
 // The fused SwiGLU and RoPE kernels (models/fused_cuda.cu) against float64 math of the same
 // formulas: fp32 to fp32 rounding, bf16 within one rounding of the exact value.
 namespace {
@@ -354,6 +357,54 @@ TEST(Cuda, FusedSwiGluAndRopeMatchFloat64) {
   }
 }
 
+// The sliced bank (ExpertBank::max_bytes: forward in slices of output rows, backward in slices of
+// input columns) against the whole bank, on the same NF4 experts and token-sorted rows: each
+// output element is the same dot product, so only the GEMM's own tiling may differ.
+TEST(Cuda, GroupedExpertSlicesMatchTheWholeBank) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  const int E = 4;
+  const std::int64_t h = 256, i = 192;
+  model::ResidentWeights::Bank bank = big_bank(1, E, h, i);
+  for (auto& e : bank[0])
+    for (auto& q : e) q = nf4::quantize(nf4::dequantize(q, at::kFloat).to(dev), 64, /*double_quant=*/true);
+  model::ResidentWeights provider(std::move(bank));
+  const std::vector<std::int64_t> counts = {37, 0, 64, 27};
+  const at::Tensor offsets = at::tensor(counts, at::kLong).cumsum(0).to(at::kInt).to(dev);
+  at::manual_seed(3);
+  const at::Tensor x0 = at::randn({128, h}).to(dev, at::kBFloat16), x2 = at::randn({128, i}).to(dev, at::kBFloat16);
+  for (const auto m : {model::ExpertMatrix::Gate, model::ExpertMatrix::Down}) {
+    const bool down = m == model::ExpertMatrix::Down;
+    const at::Tensor& xin = down ? x2 : x0;
+    const std::int64_t out = down ? h : i;
+    const at::Tensor dy = at::randn({128, out}).to(dev, at::kBFloat16);
+    auto run = [&](std::int64_t max_bytes) {
+      model::ExpertBank b;
+      b.provider = &provider;
+      b.layer = 0;
+      b.experts = E;
+      b.matrix = m;
+      b.max_bytes = max_bytes;
+      at::Tensor x = xin.clone().requires_grad_(true);
+      const at::Tensor y = model::grouped_expert_linear(x, offsets, b);
+      y.backward(dy);
+      return std::make_pair(y.detach(), x.grad());
+    };
+    const auto [y_whole, dx_whole] = run(0);
+    // 64-row and 64-column slices: 3 or 4 of each.
+    const auto [y_sliced, dx_sliced] = run(std::int64_t(E) * 64 * 256 * 2);
+    auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+      return (a.to(at::kFloat) - b.to(at::kFloat)).norm().item<double>() / b.to(at::kFloat).norm().item<double>();
+    };
+    EXPECT_LT(rel(y_sliced, y_whole), 1e-3) << (down ? "down" : "gate");
+    EXPECT_LT(rel(dx_sliced, dx_whole), 1e-3) << (down ? "down" : "gate");
+    std::printf("sliced bank (%s): forward %s, backward %s to the whole bank\n", down ? "down" : "gate",
+                at::equal(y_sliced, y_whole) ? "bitwise equal" : "close", at::equal(dx_sliced, dx_whole) ? "bitwise equal" : "close");
+  }
+}
+
+// The grouped-GEMM expert path (GPU, bf16) against the per-expert loop it replaces: same loss and
+// LoRA gradients within bf16 rounding, for NF4 experts.
 TEST(Cuda, GroupedExpertsMatchThePerExpertLoop) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);

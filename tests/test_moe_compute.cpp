@@ -201,6 +201,33 @@ TEST(MemoryPlan, OffloadMovesExpertsToPinnedHostAndActivationsGrowWithTokens) {
   EXPECT_GT(plan_memory(cfg, mc, true, 1).device_peak, off.device_peak);
 }
 
+// expert_dequant_chunk: the plan's bank is the largest slice the grouped GEMMs dequantise
+// (OLMoE shapes: 64 experts of 1024 x 2048; 64 MiB = 256 rows or columns of every expert).
+TEST(MemoryPlan, SlicedBankIsTheLargestSlice) {
+  EXPECT_EQ(eo::model::bank_slice(1024, 64, 2048, 2, std::int64_t(64) << 20), 256);
+  EXPECT_EQ(eo::model::bank_slice(2048, 64, 1024, 2, std::int64_t(64) << 20), 512);
+  EXPECT_EQ(eo::model::bank_slice(1024, 64, 2048, 2, 0), 1024);          // 0: whole
+  EXPECT_EQ(eo::model::bank_slice(1024, 64, 2048, 2, 1), 64);            // never below 64
+  EXPECT_EQ(eo::model::bank_slice(100, 64, 2048, 2, std::int64_t(1) << 40), 100);  // never above the matrix
+  TrainConfig cfg;
+  cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/olmoe-1b-7b";
+  cfg.load_in_4bit = true;
+  cfg.adapter = "qlora";
+  cfg.expert_offload = true;
+  const ModelConfig mc = load_config(cfg.base_model);
+  auto block_of = [&](const MemoryPlan& p) {
+    for (const auto& part : p.device)
+      if (part.name == "block") return part;
+    return MemoryPart{};
+  };
+  const MemoryPart sliced = block_of(plan_memory(cfg, mc, true, 1));  // auto: 64 MiB with offload
+  EXPECT_NE(sliced.what.find("dequantised bank 64.00 MiB"), std::string::npos) << sliced.what;
+  cfg.expert_dequant_chunk = "whole";
+  const MemoryPart whole = block_of(plan_memory(cfg, mc, true, 1));
+  EXPECT_NE(whole.what.find("dequantised bank 256.00 MiB"), std::string::npos) << whole.what;
+  EXPECT_LT(sliced.bytes, whole.bytes);
+}
+
 // ---- Expert LoRA stacked per block and matrix, against the per-expert adapters it replaces.
 
 namespace {
