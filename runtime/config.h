@@ -125,7 +125,9 @@ std::vector<std::string> config_known_keys();
 
 // True when `bf16` resolves to bf16 compute on this device kind.
 bool config_use_bf16(const TrainConfig& cfg, bool on_cuda);
-// expert_dequant_chunk in bytes: 0 = the whole bank at once.
+// expert_dequant_chunk in bytes: 0 = the whole bank at once (auto resolves to whole here; the
+// start-up check turns it into kAutoBankSlice when only that fits).
 std::int64_t expert_bank_bytes(const TrainConfig& cfg);
+constexpr const char* kAutoBankSlice = "64MiB";
 
 }  // namespace eo

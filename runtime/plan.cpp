@@ -201,9 +201,11 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   p.device_peak += std::max(block, head);
   // What the caching allocator holds beyond what it hands out at that peak (block rounding,
   // segments split by earlier allocations, cuBLAS workspaces): device_memory_limit caps the held
-  // bytes, so the start-up check wants peak + margin. eo-bench prints held (reserved) beside the
-  // allocated peak so the margin can be checked.
-  p.margin = on_gpu ? 0.10 * p.device_peak + double(std::int64_t(64) << 20) : 0;
+  // bytes, so the start-up check wants peak + margin. Measured on the H200 (docs/benchmarks.md):
+  // held exceeds the allocated peak by 3-26%, but the allocator frees its cached blocks and
+  // retries before it fails, so only fragmentation is fatal; 15% + 256 MiB covers the rows
+  // measured short of the worst cache.
+  p.margin = on_gpu ? 0.15 * p.device_peak + double(std::int64_t(256) << 20) : 0;
   return p;
 }
 
@@ -219,7 +221,7 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
                 human_bytes(plan.device_peak).c_str());
   os << line;
   if (plan.margin > 0) {
-    std::snprintf(line, sizeof line, "  %-12s %10s  allocator headroom the start-up check adds (10%% + 64 MiB)\n", "margin",
+    std::snprintf(line, sizeof line, "  %-12s %10s  allocator headroom the start-up check adds (15%% + 256 MiB)\n", "margin",
                   human_bytes(plan.margin).c_str());
     os << line;
   }

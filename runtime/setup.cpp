@@ -177,8 +177,11 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
 // Before any weight is read: cap the allocator (device_memory_limit) and refuse a run whose
 // planned peak cannot fit, with the plan's numbers instead of an out-of-memory error mid-step.
 // On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
-void check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
-  const MemoryPlan plan = plan_memory(cfg, model::load_config(cfg.base_model), bf16, local_size, device.is_cuda());
+// Returns the expert bank slice to use (bytes, 0 = whole): expert_dequant_chunk, where auto is
+// the whole bank unless only 64 MiB slices make the plan fit.
+std::int64_t check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
+  const model::ModelConfig mc = model::load_config(cfg.base_model);
+  MemoryPlan plan = plan_memory(cfg, mc, bf16, local_size, device.is_cuda());
   if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
   double available = 0;
   std::string what;
@@ -189,18 +192,29 @@ void check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf
     available = double(free_device_memory(device));
     what = human_bytes(available) + " free on " + describe_device(device);
   } else {
-    return;
+    return expert_bank_bytes(cfg);
+  }
+  std::int64_t bank = expert_bank_bytes(cfg);
+  if (plan.device_peak + plan.margin > available && cfg.expert_dequant_chunk == "auto" && device.is_cuda()) {
+    TrainConfig sliced = cfg;
+    sliced.expert_dequant_chunk = kAutoBankSlice;
+    const MemoryPlan p2 = plan_memory(sliced, mc, bf16, local_size, true);
+    if (p2.device_peak < plan.device_peak) {
+      log::info(std::string("expert_dequant_chunk: auto -> ") + kAutoBankSlice + ": the whole bank would not fit (" +
+                human_bytes(plan.device_peak) + " + margin); slices of the experts are dequantised one at a time (slower)");
+      plan = p2;
+      bank = expert_bank_bytes(sliced);
+    }
   }
   log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
             (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
-  if (plan.device_peak + plan.margin <= available) return;
+  if (plan.device_peak + plan.margin <= available) return bank;
   std::string fixes;
   if (!cfg.expert_offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
   fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
   throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " + a margin of " +
-                   human_bytes(plan.margin) + " of device memory, " + what +
-                   ".\n" + describe_plan(plan, available) + "Try " + fixes + ". (eo-ddp plan --config F --vram SIZE "
-                   "shows the plan without starting.)");
+                   human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) + "Try " +
+                   fixes + ". (eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
 }
 
 // Each rank's intra-op thread pool (host-side tensor work: the embedding gather, data, CPU
@@ -267,7 +281,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   run.bf16 = config_use_bf16(cfg, device.is_cuda());
   const bool bf16 = run.bf16;
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
-  check_memory_plan(cfg, device, bf16, wi.local_size);
+  const std::int64_t bank_bytes = check_memory_plan(cfg, device, bf16, wi.local_size);
   const auto t_load = Clock::now();
   if (cfg.expert_offload) check_host_memory_for_homes(cfg, world, device);
 
@@ -306,7 +320,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   lo.load_in_4bit = cfg.load_in_4bit;
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
-  lo.expert_bank_bytes = expert_bank_bytes(cfg);
+  lo.expert_bank_bytes = bank_bytes;
   lo.device = device;
   lo.experts_on_host = cfg.expert_offload;
   if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);

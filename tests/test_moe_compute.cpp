@@ -220,10 +220,10 @@ TEST(MemoryPlan, SlicedBankIsTheLargestSlice) {
       if (part.name == "block") return part;
     return MemoryPart{};
   };
-  const MemoryPart sliced = block_of(plan_memory(cfg, mc, true, 1));  // auto: 64 MiB with offload
+  const MemoryPart whole = block_of(plan_memory(cfg, mc, true, 1));  // auto plans the whole bank
+  cfg.expert_dequant_chunk = "64MiB";
+  const MemoryPart sliced = block_of(plan_memory(cfg, mc, true, 1));
   EXPECT_NE(sliced.what.find("dequantised bank 64.00 MiB"), std::string::npos) << sliced.what;
-  cfg.expert_dequant_chunk = "whole";
-  const MemoryPart whole = block_of(plan_memory(cfg, mc, true, 1));
   EXPECT_NE(whole.what.find("dequantised bank 256.00 MiB"), std::string::npos) << whole.what;
   EXPECT_LT(sliced.bytes, whole.bytes);
 }
