@@ -92,6 +92,7 @@ int run_train(const Args& args) {
     for (const auto& warning : claim.warnings) log::warn(warning);
   }
   cfg.resume_from_checkpoint = w.broadcast_string(claim.resume, 0);
+  prepare_datasets(cfg, w);  // before any weight: a data problem costs no loading time
   return train(cfg, w).exit_code;
 }
 
