@@ -486,7 +486,9 @@ const std::vector<KeySpec>& schema() {
                    for (const auto& [k2, v] : c.special_tokens) m[k2] = v;
                    return m;
                  }});
-    k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence (longer examples are truncated)."));
+    k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence. A longer pre-tokenized document is truncated (cut into pieces with sample_packing); as "
+                        "axolotl, a longer chat_template / alpaca / input_output row is dropped (counted in the log) and a "
+                        "completion text is cut into pieces."));
     k.push_back(boolean("sample_packing", &TrainConfig::sample_packing,
                         "Pack several documents into one sequence; attention never crosses a document boundary."));
     k.push_back(integer("micro_batch_size", &TrainConfig::micro_batch_size, 1, 1 << 16, "Sequences per rank per micro-step."));
