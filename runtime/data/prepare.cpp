@@ -251,6 +251,7 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   }
   write_file_atomic(tmp + "/spec.json", spec.dump(2));
   const std::vector<std::string> argv = {find_python(), find_tool("prepare_data.py"), tmp + "/spec.json"};
+  log::info("running " + argv[0] + " " + argv[1]);
   std::string error_line;
   const int rc = run_tool(argv, tmp + "/stats.json", error_line);
   if (rc != 0) {
