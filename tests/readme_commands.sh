@@ -29,6 +29,13 @@ check "train on a model folder with a tokenizer" timeout 300 "$bin" --config con
 for f in tokenizer_config.json chat_template.jinja; do
   check "$f copied beside the adapter" cmp "$tmp/model-with-tokenizer/$f" "$tmp/with-tok/$f"
 done
+# Datasets as axolotl writes them: preprocess, then train with an eval loss (README "Data").
+chat=(--config configs/tiny-qwen3-moe-chat.yaml --set dataset_prepared_path="$tmp/prepared")
+check "preprocess the tiny chat config" timeout 300 "$bin" preprocess "${chat[@]}"
+check "train the tiny chat config" timeout 300 "$bin" "${chat[@]}" --set max_steps=4 --set eval_steps=2 --set output_dir="$tmp/chat"
+check "its metrics have the eval loss" grep -q eval_loss "$tmp/chat/metrics.jsonl"
+check "score its eval rows" timeout 300 "$bin" score --model fixtures/tiny-qwen3-moe --adapter "$tmp/chat" --data "$tmp/chat/eval.jsonl"
+check "plot the chat metrics" "$py" tools/plot_metrics.py "$tmp/chat/metrics.jsonl"
 check "plot the metrics (tools/plot_metrics.py)" "$py" tools/plot_metrics.py "$out/metrics.jsonl"
 check "the plot is a PNG" sh -c "ls '$out'/*.png >/dev/null 2>&1 || ls '$tmp'/*.png >/dev/null 2>&1"
 [ $fail = 0 ] && echo "readme_commands: all checks passed" || echo "readme_commands: FAILED"
