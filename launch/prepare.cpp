@@ -16,11 +16,13 @@
 namespace eo::launch {
 
 void prepare_datasets(TrainConfig& cfg, dist::World& world) {
-  data::PreparePlan plan;
-  std::string outcome;  // rank 0 -> all: the prepared files as JSON, or "error: ..."
+  // Rank 0 -> all: the prepared files as JSON ([test, index, file] each), or "error: ...".
   if (world.rank() == 0) {
-    plan = data::plan_preparation(cfg);
-    if (plan.empty()) return void(world.size() > 1 ? world.broadcast_string("[]", 0) : std::string());
+    data::PreparePlan plan = data::plan_preparation(cfg);
+    if (plan.empty()) {  // pre-tokenized data only: no Python
+      if (world.size() > 1) world.broadcast_string("[]", 0);
+      return;
+    }
     try {
       if (plan.missing() > 0)
         log::info("datasets: " + std::to_string(plan.missing()) + " of " + std::to_string(plan.datasets.size()) +
@@ -40,8 +42,8 @@ void prepare_datasets(TrainConfig& cfg, dist::World& world) {
   }
   // The other ranks wait for rank 0's tokenisation, bounded by dataset_prepare_timeout.
   const double ddp_timeout = world.timeout();
-  world.set_timeout(std::max<double>(cfg.dataset_prepare_timeout, ddp_timeout));
-  outcome = world.broadcast_string("", 0);
+  world.set_timeout(cfg.dataset_prepare_timeout, "dataset_prepare_timeout: rank 0 tokenising the datasets");
+  const std::string outcome = world.broadcast_string("", 0);
   world.set_timeout(ddp_timeout);
   if (outcome.rfind("error: ", 0) == 0) throw UsageError("rank 0 could not prepare the datasets: " + outcome.substr(7));
   for (const auto& f : nlohmann::json::parse(outcome)) {

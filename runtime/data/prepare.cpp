@@ -74,7 +74,7 @@ nlohmann::json hash_tokenizer(const std::string& dir) {
 }
 
 // The keys of one dataset entry that shape its tokens, as the tool reads them (empty = default).
-nlohmann::json dataset_shape(const TrainConfig& cfg, const DatasetSpec& d) {
+nlohmann::json dataset_shape(const DatasetSpec& d) {
   nlohmann::json j = {{"type", d.type}};
   auto put = [&](const char* k, const std::string& v) {
     if (!v.empty()) j[k] = v;
@@ -94,7 +94,6 @@ nlohmann::json dataset_shape(const TrainConfig& cfg, const DatasetSpec& d) {
     j["roles"] = r;
   }
   if (d.drop_system_message) j["drop_system_message"] = true;
-  (void)cfg;
   return j;
 }
 
@@ -218,7 +217,7 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
                                  {"keys", global_shape(cfg, "")}};
   for (auto& p : items) {
     const DatasetSpec& d = spec_of(cfg, p);
-    const nlohmann::json material = {{"common", common}, {"data", hash_file(d.path)}, {"dataset", dataset_shape(cfg, d)}};
+    const nlohmann::json material = {{"common", common}, {"data", hash_file(d.path)}, {"dataset", dataset_shape(d)}};
     Fnv f;
     f.add(material.dump());
     p.key = f.hex();
@@ -241,7 +240,7 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   for (auto& p : plan.datasets) {
     if (p.ready) continue;
     const DatasetSpec& d = spec_of(cfg, p);
-    nlohmann::json e = dataset_shape(cfg, d);
+    nlohmann::json e = dataset_shape(d);
     e["path"] = d.path;
     fs::create_directories(tmp + "/" + p.key);
     e["output"] = tmp + "/" + p.key + "/data.jsonl";
@@ -269,7 +268,7 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   for (std::size_t i = 0; i < todo.size(); ++i) {
     PreparedDataset& p = *todo[i];
     const DatasetSpec& d = spec_of(cfg, p);
-    nlohmann::json manifest = {{"source", d.path}, {"dataset", dataset_shape(cfg, d)}, {"keys", global_shape(cfg, plan.tokenizer)}};
+    nlohmann::json manifest = {{"source", d.path}, {"dataset", dataset_shape(d)}, {"keys", global_shape(cfg, plan.tokenizer)}};
     if (stats.is_object() && stats.contains("datasets") && i < stats["datasets"].size()) manifest["stats"] = stats["datasets"][i];
     write_file_atomic(tmp + "/" + p.key + "/manifest.json", manifest.dump(2) + "\n");
     std::error_code ec;
