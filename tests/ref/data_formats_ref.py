@@ -208,6 +208,26 @@ n_train = sum(1 for _ in open(chat_file)) + len(alpaca) + len(texts)
 held = sum(1 for _ in open(os.path.join(out, "eval.jsonl")))
 check(held >= 0.1 * n_train, f"val_set_size 0.1 held out {held} rows of {n_train}")
 
+# test_datasets, evals_per_epoch and saves_per_epoch over one epoch (no max_steps).
+p = eo("--config", write_config("epoch", datasets=[{"path": chat_file, "type": "chat_template"}],
+                                test_datasets=[{"path": os.path.join(DATA, "alpaca.jsonl"), "type": "alpaca"}],
+                                max_steps=None, num_epochs=1, micro_batch_size=4, evals_per_epoch=2, saves_per_epoch=2,
+                                save_total_limit=5))
+check(p.returncode == 0, "chat_template train with test_datasets (alpaca), evals_per_epoch 2, saves_per_epoch 2")
+out = os.path.join(WORK, "out-epoch")
+metrics = read_jsonl(os.path.join(out, "metrics.jsonl"))
+total = metrics[-1]["step"]
+half = -(-total // 2)
+evals = [m["step"] for m in metrics if "eval_loss" in m]
+check(evals == sorted(set(range(half, total + 1, half)) | {total}),
+      f"evals_per_epoch 2 over {total} steps: evaluations at steps {evals}")
+check(os.path.isdir(os.path.join(out, f"checkpoint-{half}")), f"saves_per_epoch 2: a checkpoint at step {half} of {total}")
+s = eo("score", "--model", MODEL, "--adapter", out, "--data", os.path.join(out, "eval.jsonl"), "--json")
+check(abs(json.loads(s.stdout)["loss"] - metrics[-1]["eval_loss"]) <= 1e-5 * metrics[-1]["eval_loss"],
+      "test_datasets eval loss == eo-ddp score on output_dir/eval.jsonl")
+alpaca_rows = sum(1 for r in read_jsonl(os.path.join(out, "eval.jsonl")))
+check(alpaca_rows == len(alpaca), f"eval.jsonl holds the {len(alpaca)} test_datasets rows ({alpaca_rows})")
+
 # ---- the cache: reused when nothing changed, rebuilt when the data or the tokenizer change -----
 cfg = write_config("cache", datasets=[{"path": os.path.join(WORK, "chat-copy.jsonl"), "type": "chat_template"}],
                    dataset_prepared_path=os.path.join(WORK, "cache"))
