@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The commands the README shows, as a user runs them, on the bundled tiny model (CPU): train (and a
 # re-run into the same output_dir as quickstart does it), --check, plan, score with the adapter, and
-# the metrics plot. Each must exit 0 and leave what the README says it leaves.
+# the metrics plot, and the tiny chat config (preprocess, train with eval, score, plot). Each must
+# exit 0 and leave what the README says it leaves. `cmake --install` and `mpirun -np 2 eo-ddp --config
+# qwen3-moe.yaml` from another folder are tests/install_mission.sh.
 # usage: readme_commands.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 source "$2/tests/testlib.sh"
