@@ -227,6 +227,7 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
   static const std::vector<std::string> common = {"path", "type", "ds_type"};
   static const std::vector<std::string> tokens_keys = {"dtype", "eos_token_id"};
   static const std::vector<std::string> chat_keys = {"field_messages", "message_field_role", "message_field_content",
+                                                     "message_property_mappings",
                                                      "message_field_training", "roles_to_train", "train_on_eos", "roles",
                                                      "drop_system_message", "chat_template", "chat_template_jinja"};
   std::vector<std::string> all = common;
@@ -292,6 +293,20 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       str("message_field_role", s.message_field_role);
       str("message_field_content", s.message_field_content);
       str("message_field_training", s.message_field_training);
+      // Newer axolotl spells the two field names as one map.
+      if (d["message_property_mappings"].IsDefined()) {
+        const YAML::Node m = d["message_property_mappings"];
+        if (!m.IsMap()) issues.push_back({where + ".message_property_mappings", "expected a map such as {role: from, content: value}"});
+        else
+          for (const auto& kv : m) {
+            const std::string k2 = key_text(kv.first);
+            std::string* field = k2 == "role" ? &s.message_field_role : k2 == "content" ? &s.message_field_content : nullptr;
+            if (!field || !kv.second.IsScalar() || kv.second.Scalar().empty())
+              issues.push_back({where + ".message_property_mappings." + k2,
+                                field ? "expected the data's field name" : "eo-ddp maps role and content only"});
+            else *field = kv.second.Scalar();
+          }
+      }
       str("chat_template", s.chat_template);
       str("chat_template_jinja", s.chat_template_jinja);
       str("train_on_eos", s.train_on_eos);
@@ -428,7 +443,8 @@ const std::vector<KeySpec>& schema() {
     // --- data
     k.push_back({"datasets", "list of datasets", "(required)",
                  "Training data, as axolotl writes it: `- path: F.jsonl` with `type:` chat_template (messages, "
-                 "rendered with the chat template; keys field_messages, message_field_role, message_field_content, "
+                 "rendered with the chat template; keys field_messages, message_field_role, message_field_content "
+                 "(or message_property_mappings), "
                  "message_field_training, roles_to_train, train_on_eos, roles, drop_system_message, chat_template, "
                  "chat_template_jinja), alpaca (instruction/input/output), completion (text; key field) or "
                  "input_output (segments of text/label) -- tokenised once with the model's tokenizer through "
@@ -886,7 +902,11 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
       formatted |= d.formatted();
       if (!d.path.empty() && !fs::is_regular_file(d.path))
         issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
-                          "file '" + d.path + "' not found"});
+                          "file '" + d.path + "' not found" +
+                              (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
+                                                           "hub dataset first, e.g. huggingface-cli download --repo-type "
+                                                           "dataset NAME --local-dir DIR)")
+                                             : std::string())});
     }
   // The axolotl formats are tokenised with the model's tokenizer: it must be there.
   if (formatted) {

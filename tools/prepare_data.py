@@ -231,20 +231,42 @@ class InputOutput:
 FORMATS = {"chat_template": ChatTemplate, "alpaca": Alpaca, "completion": Completion, "input_output": InputOutput}
 
 
-def count_lines(path):
+def rows_of(path):
+    """(row count, iterator of (line number, JSON text)): JSON lines, streamed, or one JSON array
+    (axolotl reads both)."""
+    if path.endswith((".parquet", ".arrow", ".csv")):
+        raise DataError(f"{path}: eo-ddp reads JSON lines (or a JSON array); convert it, e.g. "
+                        "datasets.load_dataset(...).to_json('data.jsonl')")
+    with open(path, encoding="utf-8") as f:
+        is_array = f.read(4096).lstrip().startswith("[")
+        if is_array:
+            f.seek(0)
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON ({e})")
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: expected JSON lines or a JSON array of rows")
+            return len(rows), ((i + 1, json.dumps(r)) for i, r in enumerate(rows))
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        total = sum(1 for line in f if line.strip())
+
+    def lines():
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield n, line
+    return total, lines()
 
 
 def prepare(tok, spec, ds):
     fmt = FORMATS[ds["type"]](tok, spec, ds)
-    path, total = ds["path"], count_lines(ds["path"])
+    path = ds["path"]
+    total, rows = rows_of(path)
     done = kept = tokens = trained = 0
     t0 = last = time.monotonic()
-    with open(path, encoding="utf-8") as f, open(ds["output"], "w", encoding="utf-8") as out:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(ds["output"], "w", encoding="utf-8") as out:
+        for line_no, line in rows:
             where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)

@@ -152,6 +152,12 @@ check(all(any(x != IGNORE for x in r["labels"]) and any(x == IGNORE for x in r["
                                       "field_messages": "conversations", "message_field_role": "from",
                                       "message_field_content": "value"}])
 compare("chat_template with field_messages / message_field_role / content (human, gpt)", rows, [ref_chat(m) for m in chats])
+array = os.path.join(WORK, "sharegpt-array.json")  # the same rows as one JSON array, newer axolotl's mapping key
+with open(array, "w") as f:
+    json.dump(read_jsonl(os.path.join(DATA, "sharegpt.jsonl")), f)
+(rows,), _ = preprocess("sharegpt-array", [{"path": array, "type": "chat_template", "field_messages": "conversations",
+                                            "message_property_mappings": {"role": "from", "content": "value"}}])
+compare("chat_template from a JSON array with message_property_mappings", rows, [ref_chat(m) for m in chats])
 for opts, kw in [({"chat_template": "chatml", "train_on_eos": "all"}, dict(template=CHATML, train_on_eos="all")),
                  ({"roles_to_train": ["assistant", "user"], "train_on_eos": "last"},
                   dict(roles_to_train=("assistant", "user"), train_on_eos="last")),
