@@ -5,6 +5,13 @@
 #include <string>
 #include <vector>
 
+namespace eo {
+struct TrainConfig;
+namespace dist {
+class World;
+}
+}  // namespace eo
+
 namespace eo::launch {
 
 using Args = std::vector<std::string>;
@@ -15,6 +22,11 @@ int run_main(int argc, char** argv);
 int run_train(const Args& args);  // eo-ddp [train] --config F [--set k=v ...] [--check]
 int run_score(const Args& args);  // eo-ddp score --model DIR [--adapter DIR] --data FILE ...
 int run_plan(const Args& args);   // eo-ddp plan --config F [--vram SIZE] [--ranks-per-node N]
+int run_preprocess(const Args& args);  // eo-ddp preprocess --config F [--set k=v ...]
+
+// Before training: the axolotl-format datasets tokenised into dataset_prepared_path (rank 0; the
+// others wait, bounded by dataset_prepare_timeout) and cfg pointed at the cached files. Collective.
+void prepare_datasets(TrainConfig& cfg, dist::World& world);
 
 // Small argument reader shared by the subcommands: --flag, --key value, --key=value.
 class ArgReader {

@@ -17,6 +17,10 @@ const char* kUsage = R"(usage:
       Train (or with --check: validate, print the resolved config and the plan, load nothing).
       --set overrides a config key (dotted for nested keys, values are YAML scalars), e.g.
       --set gradient_checkpointing_kwargs.use_reentrant=false --set learning_rate=1e-4
+  eo-ddp preprocess --config FILE [--set key=value ...]
+      Tokenise the chat_template / alpaca / completion / input_output datasets into
+      dataset_prepared_path with the model's tokenizer (Python transformers); train does it too
+      when the cache is missing or stale.
   eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit | --no-load-in-4bit] [--json]
       Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL; the base
       is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a flag says otherwise.
@@ -73,7 +77,8 @@ int eo::launch::run_main(int argc, char** argv) {
     }
     if (cmd == "score") return launch::run_score(args);  // single process, no MPI
     if (cmd == "plan") return launch::run_plan(args);
-    throw UsageError("unknown command '" + cmd + "' (commands: train, score, plan; see eo-ddp --help)");
+    if (cmd == "preprocess") return launch::run_preprocess(args);  // single process, no MPI
+    throw UsageError("unknown command '" + cmd + "' (commands: train, preprocess, score, plan; see eo-ddp --help)");
   } catch (const UsageError& e) {
     return fail(e.what(), kExitUsage);
   } catch (const std::exception& e) {

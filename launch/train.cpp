@@ -11,6 +11,7 @@
 #include "models/hf_config.h"
 #include "launch/commands.h"
 #include "runtime/config.h"
+#include "runtime/data/prepare.h"
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
 #include "runtime/train_state.h"
@@ -78,6 +79,12 @@ int run_train(const Args& args) {
     if (world.rank == 0) {
       std::printf("# resolved config (%s)\n%s\n\n%s", config_path.c_str(), config_to_yaml(cfg).c_str(),
                   describe_run(cfg, world).c_str());
+      // The axolotl-format datasets: cached already, or to be tokenised by rank 0 at start.
+      const data::PreparePlan prep = data::plan_preparation(cfg);
+      for (const auto& p : prep.datasets)
+        std::printf("  dataset %s (%s): %s %s\n", (p.test ? cfg.test_datasets : cfg.datasets)[p.index].path.c_str(),
+                    (p.test ? cfg.test_datasets : cfg.datasets)[p.index].type.c_str(),
+                    p.ready ? "tokenised in" : "to tokenise at start (or eo-ddp preprocess) into", p.dir.c_str());
       std::printf("config ok\n");
     }
     return kExitOk;
@@ -92,6 +99,7 @@ int run_train(const Args& args) {
     for (const auto& warning : claim.warnings) log::warn(warning);
   }
   cfg.resume_from_checkpoint = w.broadcast_string(claim.resume, 0);
+  prepare_datasets(cfg, w);  // before any weight: a data problem costs no loading time
   return train(cfg, w).exit_code;
 }
 

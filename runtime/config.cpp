@@ -137,6 +137,29 @@ KeySpec integer(std::string key, int TrainConfig::*field, std::int64_t lo, std::
           writer(field)};
 }
 
+// Optional variants: unset (the default is derived from other keys) until the YAML sets them.
+KeySpec boolean(std::string key, std::optional<bool> TrainConfig::*field, std::string doc) {
+  return {key, "bool", "(derived)", std::move(doc),
+          [key, field](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            if (auto v = as_bool(n)) c.*field = *v;
+            else issues.push_back({key, "expected true or false, got '" + yaml_text(n) + "'"});
+          },
+          writer(field)};
+}
+
+KeySpec integer(std::string key, std::optional<int> TrainConfig::*field, std::int64_t lo, std::int64_t hi, std::string doc) {
+  return {key, "int", "(none)", std::move(doc),
+          [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            auto v = as_int(n);
+            if (!v) return issues.push_back({key, "expected an integer, got '" + yaml_text(n) + "'"});
+            if (*v < lo || *v > hi)
+              return issues.push_back({key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) +
+                                                ", got " + std::to_string(*v)});
+            c.*field = static_cast<int>(*v);
+          },
+          writer(field)};
+}
+
 std::string fmt_double(double d) {
   std::ostringstream os;
   os << d;
@@ -189,6 +212,173 @@ KeySpec text(std::string key, std::string TrainConfig::*field, std::string doc) 
             c.*field = n.Scalar();
           },
           [field](const TrainConfig& c) { return (c.*field).empty() ? YAML::Node() : YAML::Node(c.*field); }};
+}
+
+// One `datasets:` / `test_datasets:` list. Each entry's keys are checked against its type: a key
+// that shapes tokens but does not apply to the type is an error, never silently dropped.
+const std::vector<std::string> kPreTokenized = {"tokenized", "tokens"};
+const std::vector<std::string> kFormatted = {"chat_template", "alpaca", "completion", "input_output"};
+
+std::string scalar_or_empty(const YAML::Node& n) { return n.IsDefined() && n.IsScalar() ? n.Scalar() : ""; }
+
+void read_datasets(const YAML::Node& n, const std::string& key, std::vector<DatasetSpec>& out, Issues& issues) {
+  if (!n.IsSequence() || n.size() == 0)
+    return issues.push_back({key, "expected a non-empty list, e.g. " + key + ": [{path: data.jsonl, type: chat_template}]"});
+  static const std::vector<std::string> common = {"path", "type", "ds_type"};
+  static const std::vector<std::string> tokens_keys = {"dtype", "eos_token_id"};
+  static const std::vector<std::string> chat_keys = {"field_messages", "message_field_role", "message_field_content",
+                                                     "message_property_mappings",
+                                                     "message_field_training", "roles_to_train", "train_on_eos", "roles",
+                                                     "drop_system_message", "chat_template", "chat_template_jinja"};
+  std::vector<std::string> all = common;
+  all.insert(all.end(), tokens_keys.begin(), tokens_keys.end());
+  all.insert(all.end(), chat_keys.begin(), chat_keys.end());
+  all.push_back("field");
+  std::vector<std::string> types = kPreTokenized;
+  types.insert(types.end(), kFormatted.begin(), kFormatted.end());
+  out.clear();
+  for (std::size_t i = 0; i < n.size(); ++i) {
+    const std::string where = key + "." + std::to_string(i);
+    const YAML::Node d = n[i];
+    if (!d.IsMap()) {
+      issues.push_back({where, "expected a map with path and type"});
+      continue;
+    }
+    DatasetSpec s;
+    if (!d["path"].IsDefined() || !d["path"].IsScalar() || d["path"].Scalar().empty())
+      issues.push_back({where + ".path", "required: the dataset file (a local JSONL file)"});
+    else s.path = d["path"].Scalar();
+    s.type = d["type"].IsDefined() ? scalar_or_empty(d["type"]) : "tokenized";
+    if (std::find(types.begin(), types.end(), s.type) == types.end()) {
+      std::string msg = "unknown type '" + s.type + "'; eo-ddp reads " + join(kFormatted, ", ") +
+                        " (tokenised through transformers) and the pre-tokenized tokenized (JSONL) and tokens (binary)";
+      if (auto m = closest_match(s.type, types)) msg += " (did you mean '" + *m + "'?)";
+      issues.push_back({where + ".type", msg});
+    }
+    if (d["ds_type"].IsDefined() && scalar_or_empty(d["ds_type"]) != "json")
+      issues.push_back({where + ".ds_type", "eo-ddp reads local JSON lines files: ds_type json (or leave it out)"});
+    // Which keys this type takes.
+    std::vector<std::string> allowed = common;
+    if (s.type == "tokens") allowed.insert(allowed.end(), tokens_keys.begin(), tokens_keys.end());
+    if (s.type == "chat_template") allowed.insert(allowed.end(), chat_keys.begin(), chat_keys.end());
+    if (s.type == "completion") allowed.push_back("field");
+    for (const auto& kv : d) {
+      const std::string kk = key_text(kv.first);
+      if (std::find(allowed.begin(), allowed.end(), kk) != allowed.end()) continue;
+      if (std::find(all.begin(), all.end(), kk) != all.end()) {
+        issues.push_back({where + "." + kk, "does not apply to type: " + s.type + " (remove it, or change the type)"});
+        continue;
+      }
+      std::string msg = "unknown key; type " + s.type + " takes " + join(allowed, ", ");
+      if (auto m = closest_match(kk, all)) msg += " (did you mean '" + *m + "'?)";
+      issues.push_back({where + "." + kk, msg});
+    }
+    if (s.type == "tokens") {
+      s.dtype = d["dtype"].IsDefined() ? scalar_or_empty(d["dtype"]) : "uint16";
+      if (s.dtype != "uint16" && s.dtype != "uint32")
+        issues.push_back({where + ".dtype", "expected uint16 or uint32, got '" + s.dtype + "'"});
+      if (d["eos_token_id"].IsDefined()) {
+        auto v = as_int(d["eos_token_id"]);
+        if (!v || *v < 0) issues.push_back({where + ".eos_token_id", "expected a token id >= 0"});
+        else s.eos_token_id = *v;
+      }
+    }
+    auto str = [&](const char* k, std::string& field) {
+      if (!d[k].IsDefined() || is_null(d[k])) return;
+      if (!d[k].IsScalar() || d[k].Scalar().empty()) issues.push_back({where + "." + k, "expected a non-empty string"});
+      else field = d[k].Scalar();
+    };
+    if (s.type == "chat_template") {
+      str("field_messages", s.field_messages);
+      str("message_field_role", s.message_field_role);
+      str("message_field_content", s.message_field_content);
+      str("message_field_training", s.message_field_training);
+      // Newer axolotl spells the two field names as one map.
+      if (d["message_property_mappings"].IsDefined()) {
+        const YAML::Node m = d["message_property_mappings"];
+        if (!m.IsMap()) issues.push_back({where + ".message_property_mappings", "expected a map such as {role: from, content: value}"});
+        else
+          for (const auto& kv : m) {
+            const std::string k2 = key_text(kv.first);
+            std::string* field = k2 == "role" ? &s.message_field_role : k2 == "content" ? &s.message_field_content : nullptr;
+            if (!field || !kv.second.IsScalar() || kv.second.Scalar().empty())
+              issues.push_back({where + ".message_property_mappings." + k2,
+                                field ? "expected the data's field name" : "eo-ddp maps role and content only"});
+            else *field = kv.second.Scalar();
+          }
+      }
+      str("chat_template", s.chat_template);
+      str("chat_template_jinja", s.chat_template_jinja);
+      str("train_on_eos", s.train_on_eos);
+      static const std::vector<std::string> templates = {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"};
+      if (!s.chat_template.empty() && std::find(templates.begin(), templates.end(), s.chat_template) == templates.end())
+        issues.push_back({where + ".chat_template", "unknown value '" + s.chat_template + "'; eo-ddp knows " + join(templates, ", ") +
+                                                        " (another template: chat_template: jinja with chat_template_jinja)"});
+      static const std::vector<std::string> eos = {"all", "turn", "last", "none"};
+      if (!s.train_on_eos.empty() && std::find(eos.begin(), eos.end(), s.train_on_eos) == eos.end())
+        issues.push_back({where + ".train_on_eos", "expected one of all, turn, last, none; got '" + s.train_on_eos + "'"});
+      if (d["roles_to_train"].IsDefined()) {
+        std::vector<std::string> roles;
+        bool ok = d["roles_to_train"].IsSequence();
+        if (ok)
+          for (const auto& r : d["roles_to_train"]) {
+            if (!r.IsScalar()) ok = false;
+            else roles.push_back(r.Scalar());
+          }
+        if (!ok) issues.push_back({where + ".roles_to_train", "expected a list of roles, e.g. [assistant]"});
+        else s.roles_to_train = roles;
+      }
+      if (d["roles"].IsDefined()) {
+        bool ok = d["roles"].IsMap();
+        if (ok)
+          for (const auto& kv : d["roles"]) {
+            std::vector<std::string> sources;
+            if (kv.second.IsScalar()) sources.push_back(kv.second.Scalar());
+            else if (kv.second.IsSequence()) {
+              for (const auto& x : kv.second) {
+                if (!x.IsScalar()) ok = false;
+                else sources.push_back(x.Scalar());
+              }
+            } else ok = false;
+            s.roles.emplace_back(key_text(kv.first), sources);
+          }
+        if (!ok) issues.push_back({where + ".roles", "expected a map of role: [names in the data], e.g. {assistant: [gpt]}"});
+      }
+      if (d["drop_system_message"].IsDefined()) {
+        if (auto v = as_bool(d["drop_system_message"])) s.drop_system_message = *v;
+        else issues.push_back({where + ".drop_system_message", "expected true or false"});
+      }
+    }
+    if (s.type == "completion") str("field", s.field);
+    out.push_back(s);
+  }
+}
+
+YAML::Node write_datasets(const std::vector<DatasetSpec>& list_in) {
+  YAML::Node list(YAML::NodeType::Sequence);
+  for (const auto& d : list_in) {
+    YAML::Node e;
+    e["path"] = d.path;
+    e["type"] = d.type;
+    if (!d.dtype.empty()) e["dtype"] = d.dtype;
+    if (d.eos_token_id) e["eos_token_id"] = *d.eos_token_id;
+    for (const auto& [k, v] : std::vector<std::pair<const char*, std::string>>{
+             {"field_messages", d.field_messages}, {"message_field_role", d.message_field_role},
+             {"message_field_content", d.message_field_content}, {"message_field_training", d.message_field_training},
+             {"train_on_eos", d.train_on_eos}, {"chat_template", d.chat_template},
+             {"chat_template_jinja", d.chat_template_jinja}, {"field", d.field}})
+      if (!v.empty()) e[k] = v;
+    if (d.roles_to_train) {
+      YAML::Node r(YAML::NodeType::Sequence);
+      for (const auto& x : *d.roles_to_train) r.push_back(x);
+      e["roles_to_train"] = r;
+    }
+    if (!d.roles.empty())
+      for (const auto& [role, sources] : d.roles) e["roles"][role] = sources;
+    if (d.drop_system_message) e["drop_system_message"] = true;
+    list.push_back(e);
+  }
+  return list;
 }
 
 const std::vector<KeySpec>& schema() {
@@ -251,66 +441,70 @@ const std::vector<KeySpec>& schema() {
                  },
                  writer(&TrainConfig::router_aux_loss_coef)});
     // --- data
-    k.push_back({"datasets", "list of {path, type, dtype, eos_token_id}", "(required)",
-                 "Training data. type: tokenized (JSONL with input_ids, optional labels and attention_mask) or tokens "
-                 "(flat binary token file; dtype uint16 or uint32; eos_token_id marks document ends).",
+    k.push_back({"datasets", "list of datasets", "(required)",
+                 "Training data, as axolotl writes it: `- path: F.jsonl` with `type:` chat_template (messages, "
+                 "rendered with the chat template; keys field_messages, message_field_role, message_field_content "
+                 "(or message_property_mappings), "
+                 "message_field_training, roles_to_train, train_on_eos, roles, drop_system_message, chat_template, "
+                 "chat_template_jinja), alpaca (instruction/input/output), completion (text; key field) or "
+                 "input_output (segments of text/label) -- tokenised once with the model's tokenizer through "
+                 "transformers into dataset_prepared_path -- or pre-tokenized: tokenized (JSONL with input_ids, "
+                 "optional labels and attention_mask) or tokens (flat binary token file; dtype uint16 or uint32; "
+                 "eos_token_id marks document ends), read with no Python.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) { read_datasets(n, "datasets", c.datasets, issues); },
+                 [](const TrainConfig& c) { return write_datasets(c.datasets); }});
+    k.push_back({"test_datasets", "list of datasets", "(none)",
+                 "Evaluation data, entries as in datasets (exclusive with val_set_size).",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-                   if (!n.IsSequence() || n.size() == 0)
-                     return issues.push_back({"datasets", "expected a non-empty list, e.g. datasets: [{path: data.jsonl, type: tokenized}]"});
-                   c.datasets.clear();
-                   for (std::size_t i = 0; i < n.size(); ++i) {
-                     const std::string where = "datasets." + std::to_string(i);
-                     const YAML::Node d = n[i];
-                     if (!d.IsMap()) {
-                       issues.push_back({where, "expected a map with path and type"});
+                   read_datasets(n, "test_datasets", c.test_datasets, issues);
+                 },
+                 [](const TrainConfig& c) { return c.test_datasets.empty() ? YAML::Node() : write_datasets(c.test_datasets); }});
+    k.push_back(text("dataset_prepared_path", &TrainConfig::dataset_prepared_path,
+                     "Cache of the tokenised axolotl-format datasets: one folder per dataset, named by a hash of the "
+                     "data file, the tokenizer files and every key that shapes its tokens; a missing or stale one is "
+                     "built by rank 0 at start (or by eo-ddp preprocess --config F). Relative to the working folder."));
+    k.push_back(integer("dataset_prepare_timeout", &TrainConfig::dataset_prepare_timeout, 10, 1 << 24,
+                        "Seconds the other ranks wait for rank 0 to tokenise the datasets before the run is ended."));
+    k.push_back(boolean("train_on_inputs", &TrainConfig::train_on_inputs,
+                        "Train on the prompt too (system/user turns, alpaca's prompt, input_output's unlabelled "
+                        "segments). false: those tokens get label -100, as in axolotl. Pre-tokenized data keeps its labels."));
+    k.push_back(choice("chat_template", &TrainConfig::chat_template,
+                       {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"},
+                       "Template for type: chat_template: the tokenizer's own, ChatML, the tokenizer's else ChatML, or "
+                       "chat_template_jinja."));
+    k.push_back(text("chat_template_jinja", &TrainConfig::chat_template_jinja, "The template text for chat_template: jinja."));
+    k.push_back(text("tokenizer_config", &TrainConfig::tokenizer_config,
+                     "Tokenizer folder for the axolotl formats (default: base_model)."));
+    k.push_back(text("tokenizer_type", &TrainConfig::tokenizer_type, "transformers tokenizer class (default AutoTokenizer)."));
+    k.push_back(boolean("trust_remote_code", &TrainConfig::trust_remote_code,
+                        "Let transformers run the tokenizer's own code (the model itself runs no Python)."));
+    k.push_back({"special_tokens", "map of token names", "(none)",
+                 "pad_token / eos_token / bos_token / unk_token set on the tokenizer before tokenising; each must "
+                 "already be in its vocabulary (eo-ddp does not add tokens: the embeddings are frozen).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (!n.IsMap()) return issues.push_back({"special_tokens", "expected a map such as {pad_token: \"<|endoftext|>\"}"});
+                   static const std::vector<std::string> names = {"pad_token", "eos_token", "bos_token", "unk_token"};
+                   c.special_tokens.clear();
+                   for (const auto& kv : n) {
+                     const std::string k2 = key_text(kv.first);
+                     if (std::find(names.begin(), names.end(), k2) == names.end()) {
+                       issues.push_back({"special_tokens." + k2, "unknown; eo-ddp sets " + join(names, ", ")});
                        continue;
                      }
-                     DatasetSpec s;
-                     for (const auto& kv : d) {
-                       const std::string kk = key_text(kv.first);
-                       if (kk != "path" && kk != "type" && kk != "dtype" && kk != "eos_token_id") {
-                         std::string msg = "unknown key; datasets entries take path, type, dtype, eos_token_id";
-                         if (auto m = closest_match(kk, {"path", "type", "dtype", "eos_token_id"}))
-                           msg += " (did you mean '" + *m + "'?)";
-                         issues.push_back({where + "." + kk, msg});
-                       }
-                     }
-                     if (!d["path"].IsDefined() || !d["path"].IsScalar() || d["path"].Scalar().empty())
-                       issues.push_back({where + ".path", "required: the dataset file"});
-                     else s.path = d["path"].Scalar();
-                     s.type = d["type"].IsDefined() && d["type"].IsScalar() ? d["type"].Scalar() : "tokenized";
-                     if (s.type != "tokenized" && s.type != "tokens")
-                       issues.push_back({where + ".type", "unknown type '" + s.type +
-                                                              "'; eo-ddp reads pre-tokenized data: 'tokenized' (JSONL) or 'tokens' "
-                                                              "(binary). Tokenize text with tools/tokenize_data.py"});
-                     if (s.type == "tokens") {
-                       s.dtype = d["dtype"].IsDefined() && d["dtype"].IsScalar() ? d["dtype"].Scalar() : "uint16";
-                       if (s.dtype != "uint16" && s.dtype != "uint32")
-                         issues.push_back({where + ".dtype", "expected uint16 or uint32, got '" + s.dtype + "'"});
-                       if (d["eos_token_id"].IsDefined()) {
-                         auto v = as_int(d["eos_token_id"]);
-                         if (!v || *v < 0) issues.push_back({where + ".eos_token_id", "expected a token id >= 0"});
-                         else s.eos_token_id = *v;
-                       }
-                     } else if (d["dtype"].IsDefined() || d["eos_token_id"].IsDefined()) {
-                       issues.push_back({where, "dtype and eos_token_id apply to type: tokens only"});
-                     }
-                     c.datasets.push_back(s);
+                     if (!kv.second.IsScalar() || kv.second.Scalar().empty())
+                       issues.push_back({"special_tokens." + k2, "expected a token string"});
+                     else c.special_tokens.emplace_back(k2, kv.second.Scalar());
                    }
                  },
                  [](const TrainConfig& c) {
-                   YAML::Node list(YAML::NodeType::Sequence);
-                   for (const auto& d : c.datasets) {
-                     YAML::Node e;
-                     e["path"] = d.path;
-                     e["type"] = d.type;
-                     if (!d.dtype.empty()) e["dtype"] = d.dtype;
-                     if (d.eos_token_id) e["eos_token_id"] = *d.eos_token_id;
-                     list.push_back(e);
-                   }
-                   return list;
+                   if (c.special_tokens.empty()) return YAML::Node();
+                   YAML::Node m(YAML::NodeType::Map);
+                   for (const auto& [k2, v] : c.special_tokens) m[k2] = v;
+                   return m;
                  }});
-    k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence (longer examples are truncated)."));
+    k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence. A longer pre-tokenized document is truncated (cut into pieces with sample_packing); as "
+                        "axolotl, a longer chat_template / alpaca / input_output row is dropped (counted in the log) and a "
+                        "completion text is cut into pieces."));
     k.push_back(boolean("sample_packing", &TrainConfig::sample_packing,
                         "Pack several documents into one sequence; attention never crosses a document boundary."));
     k.push_back(integer("micro_batch_size", &TrainConfig::micro_batch_size, 1, 1 << 16, "Sequences per rank per micro-step."));
@@ -432,6 +626,36 @@ const std::vector<KeySpec>& schema() {
                         "Start a fresh run in an output_dir that holds another run's checkpoints (they are left in place, "
                         "never pruned or resumed); without it such a run is refused."));
     k.push_back(integer("logging_steps", &TrainConfig::logging_steps, 1, 1 << 30, "Log and write metrics every N steps."));
+    k.push_back(integer("saves_per_epoch", &TrainConfig::saves_per_epoch, 1, 1 << 20,
+                        "Save a checkpoint this many times per epoch, evenly (exclusive with save_steps)."));
+    // --- evaluation
+    k.push_back({"val_set_size", "float", "(none)",
+                 "Hold out this fraction (< 1) or this many documents (>= 1) of the training data for evaluation: "
+                 "a seeded shuffle of the documents, the last ones held out (exclusive with test_datasets).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   auto v = as_double(n);
+                   if (!v || *v < 0 || (*v >= 1 && *v != std::floor(*v)))
+                     return issues.push_back({"val_set_size", "expected a fraction in [0, 1) or a whole number of documents, got '" +
+                                                                  yaml_text(n) + "'"});
+                   if (*v > 0) c.val_set_size = *v;
+                 },
+                 writer(&TrainConfig::val_set_size)});
+    k.push_back({"eval_steps", "float", "(none)",
+                 "Evaluate every N optimizer steps (>= 1), or every fraction of the run (< 1), and at the end.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   auto v = as_double(n);
+                   if (!v || *v <= 0 || (*v >= 1 && *v != std::floor(*v)))
+                     return issues.push_back({"eval_steps", "expected a whole number of steps or a fraction in (0, 1), got '" +
+                                                                yaml_text(n) + "'"});
+                   c.eval_steps = *v;
+                 },
+                 writer(&TrainConfig::eval_steps)});
+    k.push_back(integer("evals_per_epoch", &TrainConfig::evals_per_epoch, 1, 1 << 20,
+                        "Evaluate this many times per epoch, evenly (exclusive with eval_steps). With eval data and "
+                        "neither key, eo-ddp evaluates once at the end."));
+    k.push_back(boolean("eval_sample_packing", &TrainConfig::eval_sample_packing, "Pack the evaluation sequences (default: sample_packing)."));
+    k.push_back(integer("eval_batch_size", &TrainConfig::eval_batch_size, 1, 1 << 16,
+                        "Sequences per rank per evaluation forward (default: micro_batch_size)."));
     k.push_back(text("resume_from_checkpoint", &TrainConfig::resume_from_checkpoint,
                      "A checkpoint folder to continue from, or auto for the newest complete one of this run's lineage in output_dir."));
     return k;
@@ -470,32 +694,33 @@ const std::map<std::string, std::string>& ignored_keys() {
   static const std::map<std::string, std::string> m = {
       {"strict", "no effect"},
       {"model_type", "the architecture comes from config.json"},
-      {"tokenizer_type", "eo-ddp reads tokenized data"},
       {"base_model_config", "config.json is read from base_model"},
-      {"trust_remote_code", "eo-ddp runs no Python model code"},
-      {"dataset_prepared_path", "eo-ddp reads tokenized data directly"},
-      {"val_set_size", "evaluation is not implemented; use eo-ddp score"},
-      {"evals_per_epoch", "evaluation is not implemented; use eo-ddp score"},
-      {"eval_steps", "evaluation is not implemented; use eo-ddp score"},
-      {"eval_sample_packing", "evaluation is not implemented"},
-      {"saves_per_epoch", "use save_steps"},
+      {"dataset_processes", "tokenisation runs in one process"},
       {"flash_attention", "eo-ddp uses libtorch's fused attention where available"},
       {"sdp_attention", "eo-ddp uses libtorch's fused attention where available"},
       {"xformers_attention", "eo-ddp uses libtorch's fused attention where available"},
-      {"pad_to_sequence_len", "padding follows sample_packing"},
-      {"train_on_inputs", "labels come from the tokenized data"},
-      {"group_by_length", "no effect"},
+      {"pad_to_sequence_len", "padding follows sample_packing (padding is never attended or trained on)"},
       {"tf32", "no effect"},
       {"wandb_project", "metrics go to output_dir/metrics.jsonl"},
       {"wandb_entity", "metrics go to output_dir/metrics.jsonl"},
       {"wandb_watch", "metrics go to output_dir/metrics.jsonl"},
       {"wandb_name", "metrics go to output_dir/metrics.jsonl"},
       {"wandb_log_model", "metrics go to output_dir/metrics.jsonl"},
-      {"special_tokens", "eo-ddp reads tokenized data"},
-      {"lora_fan_in_fan_out", "eo-ddp's weights are [out, in] as peft's default"},
       {"local_rank", "ranks come from MPI"},
       {"debug", "no effect"},
       {"logging_dir", "metrics go to output_dir/metrics.jsonl"},
+  };
+  return m;
+}
+
+// axolotl keys that would change what is trained and that eo-ddp does not implement: accepted
+// only as false (or absent), an error otherwise.
+const std::map<std::string, std::string>& false_only_keys() {
+  static const std::map<std::string, std::string> m = {
+      {"fp16", "fp16 training is not supported; use bf16: true (or auto)"},
+      {"load_in_8bit", "8-bit loading is not supported; use load_in_4bit: true with adapter: qlora"},
+      {"group_by_length", "batches by length are not implemented (eo-ddp shuffles rows per epoch); set it to false"},
+      {"lora_fan_in_fan_out", "eo-ddp's weights are [out, in], peft's default; set it to false"},
   };
   return m;
 }
@@ -617,7 +842,7 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (!present.count("adapter"))
     issues.push_back({"adapter", "required: eo-ddp trains adapters only; set adapter: qlora (NF4 base) or adapter: lora"});
   if (!present.count("datasets"))
-    issues.push_back({"datasets", "required: e.g. datasets: [{path: train.jsonl, type: tokenized}]"});
+    issues.push_back({"datasets", "required: e.g. datasets: [{path: train.jsonl, type: chat_template}]"});
   if (c.adapter == "qlora" && !c.load_in_4bit)
     issues.push_back({"load_in_4bit", "adapter: qlora needs load_in_4bit: true (or use adapter: lora)"});
   if (c.adapter == "lora" && c.load_in_4bit)
@@ -630,6 +855,28 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (c.activation_offloading && !c.gradient_checkpointing)
     issues.push_back({"activation_offloading", "activation_offloading: true parks the inputs that gradient checkpointing "
                                                "keeps; set gradient_checkpointing: true (or drop activation_offloading)"});
+  // Evaluation and saving schedules: one way of saying each.
+  const bool has_eval = c.val_set_size.has_value() || !c.test_datasets.empty();
+  if (c.val_set_size && !c.test_datasets.empty())
+    issues.push_back({"val_set_size", "set either val_set_size (held out from datasets) or test_datasets, not both"});
+  if (c.eval_steps && c.evals_per_epoch)
+    issues.push_back({"evals_per_epoch", "set either eval_steps or evals_per_epoch, not both"});
+  for (const char* k : {"eval_steps", "evals_per_epoch", "eval_sample_packing", "eval_batch_size"})
+    if (present.count(k) && !has_eval)
+      issues.push_back({k, "there is no evaluation data: add val_set_size (e.g. 0.05) or test_datasets, or remove " +
+                               std::string(k)});
+  if (c.saves_per_epoch && present.count("save_steps") && c.save_steps > 0)
+    issues.push_back({"saves_per_epoch", "set either save_steps or saves_per_epoch, not both"});
+  if (c.chat_template == "jinja" && c.chat_template_jinja.empty())
+    issues.push_back({"chat_template_jinja", "chat_template: jinja needs the template text in chat_template_jinja"});
+  for (const auto* list : {&c.datasets, &c.test_datasets})
+    for (std::size_t i = 0; i < list->size(); ++i) {
+      const auto& d = (*list)[i];
+      if (d.chat_template == "jinja" && d.chat_template_jinja.empty() && c.chat_template_jinja.empty())
+        issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) +
+                              ".chat_template_jinja",
+                          "chat_template: jinja needs the template text in chat_template_jinja"});
+    }
   if (c.warmup_ratio && c.warmup_steps > 0)
     issues.push_back({"warmup_ratio", "set either warmup_steps or warmup_ratio, not both"});
   if (c.expert_offload) {
@@ -657,9 +904,31 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     else if (!fs::exists(p / "config.json"))
       issues.push_back({"base_model", "'" + c.base_model + "' has no config.json"});
   }
-  for (std::size_t i = 0; i < c.datasets.size(); ++i)
-    if (!c.datasets[i].path.empty() && !fs::is_regular_file(c.datasets[i].path))
-      issues.push_back({"datasets." + std::to_string(i) + ".path", "file '" + c.datasets[i].path + "' not found"});
+  bool formatted = false;
+  for (const auto* list : {&c.datasets, &c.test_datasets})
+    for (std::size_t i = 0; i < list->size(); ++i) {
+      const auto& d = (*list)[i];
+      formatted |= d.formatted();
+      if (!d.path.empty() && !fs::is_regular_file(d.path))
+        issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
+                          "file '" + d.path + "' not found" +
+                              (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
+                                                           "hub dataset first, e.g. huggingface-cli download --repo-type "
+                                                           "dataset NAME --local-dir DIR)")
+                                             : std::string())});
+    }
+  // The axolotl formats are tokenised with the model's tokenizer: it must be there.
+  if (formatted) {
+    const std::string tok = c.tokenizer_config.empty() ? c.base_model : c.tokenizer_config;
+    const std::string key = c.tokenizer_config.empty() ? "base_model" : "tokenizer_config";
+    if (!tok.empty() && fs::is_directory(tok) && !fs::exists(fs::path(tok) / "tokenizer.json") &&
+        !fs::exists(fs::path(tok) / "tokenizer_config.json"))
+      issues.push_back({key, "'" + tok + "' has no tokenizer (tokenizer.json / tokenizer_config.json), which the chat_template, "
+                             "alpaca, completion and input_output datasets are tokenised with; download the model's tokenizer "
+                             "files into it or set tokenizer_config to a tokenizer folder"});
+    else if (!c.tokenizer_config.empty() && !fs::is_directory(tok))
+      issues.push_back({"tokenizer_config", "'" + tok + "' is not a folder"});
+  }
   if (!c.resume_from_checkpoint.empty() && c.resume_from_checkpoint != "auto" &&
       !fs::is_directory(c.resume_from_checkpoint))
     issues.push_back({"resume_from_checkpoint", "'" + c.resume_from_checkpoint + "' is not a folder (use a checkpoint folder or auto)"});
@@ -759,10 +1028,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
       cfg.warnings.push_back("config key '" + key + "' is ignored by eo-ddp: " + it->second);
       continue;
     }
-    if (key == "fp16" || key == "load_in_8bit") {
-      if (as_bool(node).value_or(true) && !is_null(node))
-        issues.push_back({key, key == "fp16" ? "fp16 training is not supported; use bf16: true (or auto)"
-                                             : "8-bit loading is not supported; use load_in_4bit: true with adapter: qlora"});
+    if (auto it = false_only_keys().find(key); it != false_only_keys().end()) {
+      if (as_bool(node).value_or(true) && !is_null(node)) issues.push_back({key, it->second});
       continue;
     }
     const KeySpec* spec = nullptr;
@@ -823,7 +1090,8 @@ std::string config_reference_markdown() {
   std::vector<std::string> r;
   for (const auto& x : rejected_keys()) r.push_back("`" + x.key + "`");
   for (const auto& x : rejected_sizes()) r.push_back("`" + x.key + "` > 1");
-  os << join(r, ", ") << ", `fp16: true`, `load_in_8bit: true`.\n";
+  for (const auto& [k, v] : false_only_keys()) r.push_back("`" + k + ": true`");
+  os << join(r, ", ") << ".\n";
   os << "Accepted and ignored with a warning (axolotl keys with no meaning here): ";
   std::vector<std::string> ig;
   for (const auto& [k, v] : ignored_keys()) ig.push_back("`" + k + "`");

@@ -18,11 +18,25 @@ class Node;
 
 namespace eo {
 
+// One entry of `datasets:` / `test_datasets:`. Pre-tokenized types are read as they are;
+// the axolotl formats are tokenised once by tools/prepare_data.py into dataset_prepared_path
+// (runtime/data/prepare.h) and then read as tokenized JSONL from `prepared`.
 struct DatasetSpec {
   std::string path;
-  std::string type;  // "tokenized" (JSONL) or "tokens" (flat binary token file)
+  std::string type;  // tokenized | tokens | chat_template | alpaca | completion | input_output
   std::string dtype;  // for "tokens": uint16 | uint32
   std::optional<std::int64_t> eos_token_id;  // for "tokens": document boundary token
+  // chat_template (empty = axolotl's default)
+  std::string field_messages, message_field_role, message_field_content, message_field_training;
+  std::optional<std::vector<std::string>> roles_to_train;  // default [assistant]
+  std::string train_on_eos;                                // all | turn | last | none (default turn)
+  std::string chat_template, chat_template_jinja;          // override the top-level keys
+  std::vector<std::pair<std::string, std::vector<std::string>>> roles;  // role -> source names
+  bool drop_system_message = false;
+  std::string field;  // completion: the text field (default text)
+
+  std::string prepared;  // set before training: the tokenized JSONL made from `path`
+  bool formatted() const { return type != "tokenized" && type != "tokens"; }
 };
 
 struct TrainConfig {
@@ -50,6 +64,24 @@ struct TrainConfig {
   int gradient_accumulation_steps = 1;
   double num_epochs = 1;
   std::optional<std::int64_t> max_steps;
+  // Tokenisation of the axolotl formats (tools/prepare_data.py, through transformers).
+  std::string dataset_prepared_path = "last_run_prepared";
+  int dataset_prepare_timeout = 3600;  // seconds the other ranks wait for rank 0's preprocessing
+  bool train_on_inputs = false;
+  std::string chat_template = "tokenizer_default";
+  std::string chat_template_jinja;
+  std::string tokenizer_config;  // tokenizer folder; empty = base_model
+  std::string tokenizer_type;    // a transformers class; empty = AutoTokenizer
+  bool trust_remote_code = false;
+  std::vector<std::pair<std::string, std::string>> special_tokens;
+
+  // Evaluation.
+  std::optional<double> val_set_size;  // < 1: fraction of the training documents; >= 1: a count
+  std::vector<DatasetSpec> test_datasets;
+  std::optional<double> eval_steps;    // >= 1: every N steps; < 1: a fraction of the total steps
+  std::optional<int> evals_per_epoch;
+  std::optional<bool> eval_sample_packing;  // default: sample_packing
+  std::optional<int> eval_batch_size;       // default: micro_batch_size
 
   // Optimisation.
   double learning_rate = 2e-4;
@@ -87,6 +119,7 @@ struct TrainConfig {
   // Outputs.
   std::string output_dir = "./model-out";
   int save_steps = 0;
+  std::optional<int> saves_per_epoch;
   int save_total_limit = 3;
   int logging_steps = 1;
   std::string resume_from_checkpoint;  // path or "auto"; empty = start fresh

@@ -76,6 +76,12 @@ std::string progress_line(const StepReport& r) {
                 static_cast<long long>(r.step), static_cast<long long>(r.total_steps), r.loss, r.lr, r.grad_norm,
                 r.tokens_per_sec, r.step_time_s, eta, human_bytes(double(r.peak_mem_bytes)).c_str());
   std::string line = buf;
+  if (r.extra.contains("eval_loss")) {
+    char ev[96];
+    std::snprintf(ev, sizeof ev, "  eval loss %.4f ppl %.4g", r.extra["eval_loss"].get<double>(),
+                  r.extra["eval_perplexity"].get<double>());
+    line += ev;
+  }
   if (r.extra.contains("h2d_gbps")) {
     char off[160];
     // On a CPU run the "device" slots are host memory: the rate is a memcpy's, not a host link's.

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -46,27 +47,66 @@ int block_of_parameter(const std::string& name) {
   return std::stoi(name.substr(at + key.size()));
 }
 
-// The config's datasets as one document source; token ids are checked against the vocabulary
-// here, before training starts, with the file and line that is wrong.
-std::shared_ptr<const data::DocumentSource> load_documents(const TrainConfig& cfg, std::int64_t vocab) {
+// One list of datasets (datasets or test_datasets) as one document source; token ids are checked
+// against the vocabulary here, before training starts, with the file and line that is wrong. The
+// axolotl formats are read from their prepared cache and, as axolotl does, a completion text is
+// cut into sequence_len pieces while a longer row of the other formats is dropped (and counted).
+std::shared_ptr<const data::DocumentSource> load_documents(const TrainConfig& cfg, const std::vector<DatasetSpec>& list,
+                                                           std::int64_t vocab) {
   std::vector<std::shared_ptr<const data::DocumentSource>> parts;
-  for (const auto& d : cfg.datasets) {
+  const std::size_t L = static_cast<std::size_t>(cfg.sequence_len);
+  for (const auto& d : list) {
     if (d.type == "tokens") {
       parts.push_back(std::make_shared<data::TokenFileDocuments>(d.path, data::parse_token_dtype(d.dtype, d.path),
                                                                  d.eos_token_id, cfg.sequence_len, vocab));
-    } else {
-      std::vector<data::Example> examples;
-      for (auto& line : data::read_tokenized_jsonl(d.path, vocab)) {
-        data::Example e;
-        e.input_ids.assign(line.input_ids.begin(), line.input_ids.end());
-        e.labels.assign(line.labels.begin(), line.labels.end());
-        examples.push_back(std::move(e));
-      }
-      parts.push_back(std::make_shared<data::InMemoryDocuments>(std::move(examples), d.path));
+      continue;
     }
+    EO_CHECK(!d.formatted() || !d.prepared.empty(), "dataset ", d.path, " (type ", d.type, ") was not tokenised");
+    std::vector<data::Example> examples;
+    std::size_t rows = 0, dropped = 0;
+    for (auto& line : data::read_tokenized_jsonl(d.formatted() ? d.prepared : d.path, vocab)) {
+      ++rows;
+      const std::size_t n = line.input_ids.size();
+      if (d.formatted() && d.type != "completion" && n > L) {
+        ++dropped;
+        continue;
+      }
+      for (std::size_t at = 0; at < n; at += (d.type == "completion" ? L : n)) {
+        const std::size_t e = d.type == "completion" ? std::min(n, at + L) : n;
+        data::Example ex;
+        ex.input_ids.assign(line.input_ids.begin() + at, line.input_ids.begin() + e);
+        ex.labels.assign(line.labels.begin() + at, line.labels.begin() + e);
+        examples.push_back(std::move(ex));
+      }
+    }
+    if (dropped > 0)
+      log::info("dataset " + d.path + ": " + std::to_string(dropped) + " of " + std::to_string(rows) +
+                " rows are longer than sequence_len " + std::to_string(L) + " tokens and are dropped (as axolotl does)");
+    if (examples.empty())
+      throw UsageError("dataset " + d.path + ": every row is longer than sequence_len " + std::to_string(L) +
+                       " tokens; raise sequence_len");
+    parts.push_back(std::make_shared<data::InMemoryDocuments>(std::move(examples), d.path));
   }
   if (parts.size() == 1) return parts[0];
   return std::make_shared<data::ConcatDocuments>(std::move(parts));
+}
+
+// val_set_size: a seeded shuffle of the training documents (epoch_permutation(n, seed, -1)); the
+// last ones are held out. Both parts keep the documents' original order.
+std::pair<std::shared_ptr<const data::DocumentSource>, std::shared_ptr<const data::DocumentSource>> split_documents(
+    const std::shared_ptr<const data::DocumentSource>& docs, double val_set_size, std::int64_t seed) {
+  const std::size_t n = docs->num_documents();
+  const auto held = static_cast<std::size_t>(val_set_size < 1 ? std::ceil(val_set_size * double(n)) : val_set_size);
+  if (held == 0 || held >= n)
+    throw UsageError("val_set_size " + std::to_string(val_set_size) + " holds out " + std::to_string(held) + " of " +
+                     std::to_string(n) + " documents; it must leave at least one for training and one for evaluation");
+  const std::vector<std::size_t> perm = data::epoch_permutation(n, seed, -1);
+  std::vector<std::size_t> train(perm.begin(), perm.end() - static_cast<std::ptrdiff_t>(held));
+  std::vector<std::size_t> eval(perm.end() - static_cast<std::ptrdiff_t>(held), perm.end());
+  std::sort(train.begin(), train.end());
+  std::sort(eval.begin(), eval.end());
+  return {std::make_shared<data::SubsetDocuments>(docs, std::move(train), docs->name()),
+          std::make_shared<data::SubsetDocuments>(docs, std::move(eval), docs->name() + " (val_set_size)")};
 }
 
 // expert_offload_homes: per_numa_node. The ranks that share one copy: same host, same home NUMA
@@ -286,7 +326,21 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   if (cfg.expert_offload) check_host_memory_for_homes(cfg, world, device);
 
   // ---- data: read and checked before any weight, so a bad file costs no loading time
-  auto docs = load_documents(cfg, model::load_config(cfg.base_model).vocab);
+  const std::int64_t vocab = model::load_config(cfg.base_model).vocab;
+  auto docs = load_documents(cfg, cfg.datasets, vocab);
+  std::shared_ptr<const data::DocumentSource> eval_docs;
+  if (cfg.val_set_size) std::tie(docs, eval_docs) = split_documents(docs, *cfg.val_set_size, cfg.seed);
+  if (!cfg.test_datasets.empty()) eval_docs = load_documents(cfg, cfg.test_datasets, vocab);
+  if (eval_docs) {
+    data::BatcherOptions eo;
+    eo.sequence_len = cfg.sequence_len;
+    eo.sample_packing = cfg.eval_sample_packing.value_or(cfg.sample_packing);
+    eo.shuffle = false;
+    run.eval_rows = std::make_unique<data::Batcher>(eval_docs, eo);
+    log::info("evaluation: " + std::to_string(eval_docs->num_documents()) + " documents -> " +
+              std::to_string(run.eval_rows->num_sequences()) + " sequences of " + std::to_string(cfg.sequence_len) +
+              " tokens (" + eval_docs->name() + ")");
+  }
   data::BatcherOptions bo;
   bo.sequence_len = cfg.sequence_len;
   bo.sample_packing = cfg.sample_packing;

@@ -42,6 +42,7 @@ struct Run {
   std::int64_t total_steps = 0;  // optimizer steps of the whole run
   std::int64_t warmup = 0;       // LR warm-up steps
   std::unique_ptr<data::Batcher> batcher;
+  std::unique_ptr<data::Batcher> eval_rows;  // held-out rows (val_set_size / test_datasets), or null
   std::unique_ptr<model::MoeModel> model;
   std::shared_ptr<offload::ExpertOffloader> offloader;  // null without expert_offload
   NamedTensors lora;             // trainable parameters in order of use

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "common/error.h"
 #include "common/fault_seam.h"
@@ -19,6 +20,7 @@
 #include "runtime/dist/comm.h"
 #include "runtime/dist/reducer.h"
 #include "runtime/dist/world.h"
+#include "runtime/evaluate.h"
 #include "runtime/metrics.h"
 #include "runtime/optimizer.h"
 #include "runtime/setup.h"
@@ -44,6 +46,14 @@ StepOptions step_options(const TrainConfig& cfg, const Run& run) {
   return o;
 }
 
+// eval_steps / evals_per_epoch / saves_per_epoch as a step interval: N steps, a fraction of the
+// run (rounded up, as transformers does), or k times per epoch of steps_per_epoch steps. 0 = never.
+std::int64_t interval(std::optional<double> steps, std::optional<int> per_epoch, double steps_per_epoch, std::int64_t total) {
+  if (steps) return *steps >= 1 ? static_cast<std::int64_t>(*steps) : static_cast<std::int64_t>(std::ceil(*steps * double(total)));
+  if (per_epoch) return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(steps_per_epoch / *per_epoch)));
+  return 0;
+}
+
 }  // namespace
 
 TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks) {
@@ -63,6 +73,29 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   std::vector<at::Tensor> params;
   for (const auto& [n, p] : run.lora) params.push_back(p);
   StepRunner runner(*run.model, step_options(cfg, run), static_cast<int>(accum), reducer);
+  const double steps_per_epoch = double(batcher.num_batches_per_epoch()) / double(accum);
+  const std::int64_t save_every =
+      cfg.saves_per_epoch ? interval(std::nullopt, cfg.saves_per_epoch, steps_per_epoch, total_steps) : cfg.save_steps;
+  const std::int64_t eval_every = run.eval_rows ? interval(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch, total_steps) : 0;
+  if (run.eval_rows && wi.rank == 0) {
+    write_eval_rows(*run.eval_rows, cfg.output_dir + "/eval.jsonl");
+    log::info("evaluation " + (eval_every > 0 ? "every " + std::to_string(eval_every) + " steps and " : std::string()) +
+              "at the end; its rows are in " + cfg.output_dir + "/eval.jsonl (eo-ddp score --data gives the same loss)");
+  }
+  // Eval loss over all ranks, token-weighted: outside the step, so the offloader's step schedule
+  // is set aside and put back (the eval stages blocks in layer order; its copies are not the step's).
+  std::vector<bool> moe_blocks(run.model->num_layers());
+  for (int i = 0; i < run.model->num_layers(); ++i) moe_blocks[i] = run.model->block(i).is_moe();
+  auto evaluate = [&] {
+    run.model->weight_provider().set_schedule({});
+    const EvalSums e = evaluate_rows(*run.model, *run.eval_rows, wi.rank, wi.world_size,
+                                     cfg.eval_batch_size.value_or(cfg.micro_batch_size));
+    run.model->weight_provider().set_schedule(runner.schedule().staging_order(moe_blocks));
+    if (offloader) offloader->take_step_stats();
+    double sums[2] = {e.loss_sum, double(e.tokens)};
+    world.allreduce_sum(sums, 2);
+    return std::make_pair(sums[0] / std::max(1.0, sums[1]), static_cast<std::int64_t>(sums[1]));
+  };
 
   std::unique_ptr<MetricsLog> metrics;
   if (wi.rank == 0) metrics = std::make_unique<MetricsLog>(cfg.output_dir, run.resumed_from.empty() ? 0 : step);
@@ -160,7 +193,15 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     result.last_loss = r.loss;
     result.steps = step;
     r.extra["skipped_nonfinite"] = skipped_nonfinite;
-    if (wi.rank == 0 && (skip || step % cfg.logging_steps == 0 || step == total_steps)) {
+    const bool eval_now = run.eval_rows && ((eval_every > 0 && step % eval_every == 0) || step == total_steps);
+    if (eval_now) {
+      const auto [eval_loss, eval_tokens] = evaluate();
+      r.extra["eval_loss"] = eval_loss;
+      r.extra["eval_perplexity"] = std::exp(eval_loss);
+      r.extra["eval_tokens"] = eval_tokens;
+      result.eval_loss = eval_loss;
+    }
+    if (wi.rank == 0 && (skip || eval_now || step % cfg.logging_steps == 0 || step == total_steps)) {
       log::progress(progress_line(r), step == total_steps);
       metrics->write(r);
     }
@@ -179,7 +220,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       result.exit_code = kExitPreempted;
       return result;
     }
-    if (cfg.save_steps > 0 && step % cfg.save_steps == 0 && step < total_steps) save("save_steps");
+    if (save_every > 0 && step % save_every == 0 && step < total_steps) save(cfg.saves_per_epoch ? "saves_per_epoch" : "save_steps");
     if (auto_budget_pending) {
       size_auto_budget(*offloader, device, step_start_allocated);
       auto_budget_pending = false;

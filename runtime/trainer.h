@@ -9,6 +9,7 @@
 // sequences compute the gradient of the same global batch as 1 rank × N·b.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +27,7 @@ struct TrainResult {
   int exit_code = 0;       // kExitOk, or kExitPreempted after a signal-triggered save
   std::int64_t steps = 0;  // optimizer steps completed (including resumed ones)
   double first_loss = 0, last_loss = 0;
+  double eval_loss = NAN;  // the last evaluation's, if any
   std::string adapter_dir;
 };
 

@@ -39,6 +39,31 @@ run one4 1 4
 run two2 2 2
 check "2x2 == 1x4" "$py" tests/ref/compare_adapters.py "$tmp/one4" "$tmp/two2" --rtol 1e-3 --loss-rtol 1e-5
 check "LoRA identical on 2 ranks" grep -q "LoRA identical on all 2 ranks" "$tmp/two2.log"
+# Eval loss over ranks, token-weighted (issue #16): 2 ranks (rank 0 tokenises the chat data while
+# rank 1 waits: a cold cache) and 1 rank give the same eval loss at every evaluation.
+evalset=(--set "datasets=[{path: fixtures/tiny-chat/chat.jsonl, type: chat_template}]" --set val_set_size=0.25
+         --set eval_steps=2 --set sequence_len=256 --set dataset_prepared_path="$tmp/prepared")
+run eval_two 2 2 "${evalset[@]}"
+run eval_one 1 4 "${evalset[@]}"
+check "rank 0 tokenised the chat data for both ranks" grep -q "prepare: fixtures/tiny-chat/chat.jsonl" "$tmp/eval_two.log"
+check "eval loss: 2 ranks == 1 rank" "$py" -c "
+import json, sys
+ev = lambda d: [(m['step'], m['eval_loss'], m['eval_tokens']) for m in map(json.loads, open(d + '/metrics.jsonl')) if 'eval_loss' in m]
+a, b = ev('$tmp/eval_one'), ev('$tmp/eval_two')
+print(a, b)
+sys.exit(not (len(a) == 2 and [x[::2] for x in a] == [x[::2] for x in b] and all(abs(x[1] - y[1]) <= 1e-5 * x[1] for x, y in zip(a, b))))"
+# The other ranks' wait for rank 0's tokenisation is bounded: a tokeniser that hangs ends the job
+# after dataset_prepare_timeout, naming the key.
+printf '#!/bin/sh\nexec sleep 60\n' >"$tmp/hanging-python"
+chmod +x "$tmp/hanging-python"
+start=$(date +%s)
+EO_DDP_PYTHON="$tmp/hanging-python" timeout 120 $mpirun -np 2 -x EO_DDP_PYTHON "$bin" "${common[@]}" "${evalset[@]}" \
+  --set dataset_prepare_timeout=10 --set dataset_prepared_path="$tmp/prepared-hang" --set output_dir="$tmp/hang" >"$tmp/hang.log" 2>&1
+rc=$?
+took=$(( $(date +%s) - start ))
+check "a hanging tokeniser: the job fails ($rc), not a timeout" test "$rc" -ne 0 -a "$rc" -ne 124
+check "a hanging tokeniser: ended within the bound ($took s)" test "$took" -lt 55
+check "a hanging tokeniser: the message names dataset_prepare_timeout" grep -q "within 10 s (dataset_prepare_timeout" "$tmp/hang.log"
 run one4_off 1 4 --set expert_offload=true
 run two2_off 2 2 --set expert_offload=true
 check "2x2 == 1x4 with offload" "$py" tests/ref/compare_adapters.py "$tmp/one4_off" "$tmp/two2_off" --rtol 1e-3 --loss-rtol 1e-5

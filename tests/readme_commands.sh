@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The commands the README shows, as a user runs them, on the bundled tiny model (CPU): train (and a
 # re-run into the same output_dir as quickstart does it), --check, plan, score with the adapter, and
-# the metrics plot. Each must exit 0 and leave what the README says it leaves.
+# the metrics plot, and the tiny chat config (preprocess, train with eval, score, plot). Each must
+# exit 0 and leave what the README says it leaves. `cmake --install` and `mpirun -np 2 eo-ddp --config
+# qwen3-moe.yaml` from another folder are tests/install_mission.sh.
 # usage: readme_commands.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 source "$2/tests/testlib.sh"
@@ -29,6 +31,13 @@ check "train on a model folder with a tokenizer" timeout 300 "$bin" --config con
 for f in tokenizer_config.json chat_template.jinja; do
   check "$f copied beside the adapter" cmp "$tmp/model-with-tokenizer/$f" "$tmp/with-tok/$f"
 done
+# Datasets as axolotl writes them: preprocess, then train with an eval loss (README "Data").
+chat=(--config configs/tiny-qwen3-moe-chat.yaml --set dataset_prepared_path="$tmp/prepared")
+check "preprocess the tiny chat config" timeout 300 "$bin" preprocess "${chat[@]}"
+check "train the tiny chat config" timeout 300 "$bin" "${chat[@]}" --set max_steps=4 --set eval_steps=2 --set output_dir="$tmp/chat"
+check "its metrics have the eval loss" grep -q eval_loss "$tmp/chat/metrics.jsonl"
+check "score its eval rows" timeout 300 "$bin" score --model fixtures/tiny-qwen3-moe --adapter "$tmp/chat" --data "$tmp/chat/eval.jsonl"
+check "plot the chat metrics" "$py" tools/plot_metrics.py "$tmp/chat/metrics.jsonl"
 check "plot the metrics (tools/plot_metrics.py)" "$py" tools/plot_metrics.py "$out/metrics.jsonl"
 check "the plot is a PNG" sh -c "ls '$out'/*.png >/dev/null 2>&1 || ls '$tmp'/*.png >/dev/null 2>&1"
 [ $fail = 0 ] && echo "readme_commands: all checks passed" || echo "readme_commands: FAILED"

@@ -221,14 +221,93 @@ datasets:
   - path: a.bin
     type: tokens
     dtype: int8
-  - type: alpaca
+  - type: sharegpt
     pth: x
+  - path: c.jsonl
+    type: alpaca
+    roles_to_train: [assistant]
+  - path: d.jsonl
+    type: chat_template
+    train_on_eos: sometimes
+    chat_template: llama99
 )");
   EXPECT_NE(e.find("datasets.0.dtype: expected uint16 or uint32"), std::string::npos) << e;
-  EXPECT_NE(e.find("datasets.1.type: unknown type 'alpaca'"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets.1.type: unknown type 'sharegpt'"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets.2.roles_to_train: does not apply to type: alpaca"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets.3.train_on_eos: expected one of all, turn, last, none"), std::string::npos) << e;
+  EXPECT_NE(e.find("datasets.3.chat_template: unknown value 'llama99'"), std::string::npos) << e;
   EXPECT_NE(e.find("datasets.1.pth: unknown key"), std::string::npos) << e;
   EXPECT_NE(e.find("did you mean 'path'"), std::string::npos) << e;
   EXPECT_NE(e.find("datasets.1.path: required"), std::string::npos) << e;
+}
+
+// Issue #16: the axolotl dataset keys are read per type; what changes the training is implemented
+// or an error, never a warning.
+TEST(Config, AxolotlDatasetsAndEvaluation) {
+  const TrainConfig c = load(R"(
+base_model: /m
+adapter: lora
+train_on_inputs: true
+chat_template: chatml
+special_tokens: {pad_token: "<|endoftext|>"}
+datasets:
+  - path: chat.jsonl
+    type: chat_template
+    field_messages: conversations
+    message_field_role: from
+    message_field_content: value
+    roles_to_train: [gpt]
+    train_on_eos: last
+    roles: {assistant: [gpt, bot]}
+  - path: text.jsonl
+    type: completion
+    field: body
+val_set_size: 0.1
+evals_per_epoch: 4
+saves_per_epoch: 2
+)");
+  ASSERT_EQ(c.datasets.size(), 2u);
+  EXPECT_TRUE(c.datasets[0].formatted());
+  EXPECT_EQ(c.datasets[0].field_messages, "conversations");
+  EXPECT_EQ(c.datasets[0].roles_to_train.value(), std::vector<std::string>{"gpt"});
+  EXPECT_EQ(c.datasets[0].train_on_eos, "last");
+  ASSERT_EQ(c.datasets[0].roles.size(), 1u);
+  EXPECT_EQ(c.datasets[0].roles[0].second.size(), 2u);
+  EXPECT_EQ(c.datasets[1].field, "body");
+  EXPECT_TRUE(c.train_on_inputs);
+  EXPECT_EQ(c.chat_template, "chatml");
+  EXPECT_EQ(c.val_set_size.value(), 0.1);
+  EXPECT_EQ(c.evals_per_epoch.value(), 4);
+  EXPECT_EQ(c.saves_per_epoch.value(), 2);
+  for (const auto& w : c.warnings) EXPECT_EQ(w.find("train_on_inputs"), std::string::npos) << w;
+  // The printout reads back to the same config.
+  EXPECT_EQ(config_to_yaml(load(config_to_yaml(c))), config_to_yaml(c));
+
+  const std::string e = error_of(R"(
+base_model: /m
+adapter: lora
+datasets: [{path: a.jsonl, type: alpaca}]
+test_datasets: [{path: b.jsonl, type: alpaca}]
+val_set_size: 0.05
+eval_steps: 10
+evals_per_epoch: 2
+save_steps: 5
+saves_per_epoch: 2
+group_by_length: true
+lora_fan_in_fan_out: true
+special_tokens: {sep_token: x}
+)");
+  EXPECT_NE(e.find("val_set_size: set either val_set_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("evals_per_epoch: set either eval_steps or evals_per_epoch"), std::string::npos) << e;
+  EXPECT_NE(e.find("saves_per_epoch: set either save_steps or saves_per_epoch"), std::string::npos) << e;
+  EXPECT_NE(e.find("group_by_length: batches by length are not implemented"), std::string::npos) << e;
+  EXPECT_NE(e.find("lora_fan_in_fan_out:"), std::string::npos) << e;
+  EXPECT_NE(e.find("special_tokens.sep_token: unknown"), std::string::npos) << e;
+  const std::string no_eval = error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a}]\neval_steps: 5\n");
+  EXPECT_NE(no_eval.find("eval_steps: there is no evaluation data"), std::string::npos) << no_eval;
+  EXPECT_NE(error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a}]\nchat_template: jinja\n")
+                .find("chat_template_jinja: chat_template: jinja needs the template text"),
+            std::string::npos);
 }
 
 TEST(Config, SetOverridesFileAndIsValidated) {

@@ -410,6 +410,22 @@ TEST(Data, ConcatenatedDatasetsKeepOrderAndNames) {
   EXPECT_EQ(all.name(), "in-memory + empty.jsonl + b.jsonl");
 }
 
+// val_set_size's split (issue #16): a subset reads its documents from the parent, in the order given.
+TEST(Data, SubsetReadsTheChosenDocuments) {
+  auto docs = make_docs({2, 3, 4, 5});
+  SubsetDocuments sub(docs, {3, 1}, "held out");
+  ASSERT_EQ(sub.num_documents(), 2u);
+  EXPECT_EQ(sub.length(0), 5);
+  EXPECT_EQ(sub.length(1), 3);
+  std::vector<std::int64_t> ids(3), labels(3), want(3), want_labels(3);
+  sub.read(1, 0, 3, ids.data(), labels.data());
+  docs->read(1, 0, 3, want.data(), want_labels.data());
+  EXPECT_EQ(ids, want);
+  EXPECT_EQ(labels, want_labels);
+  EXPECT_EQ(sub.name(), "held out");
+  EXPECT_THROW(SubsetDocuments(docs, {4}, "past the end"), eo::Error);
+}
+
 // Issue #15 item 12: data with no trainable token (every label -100) is refused, naming the data,
 // instead of training at loss 0. One trainable label anywhere is enough.
 TEST(Data, DataWithoutATrainableTokenIsRefused) {

@@ -16,3 +16,8 @@ set_tests_properties(schedule_train PROPERTIES LABELS unit TIMEOUT 900
 add_test(NAME readme_commands COMMAND ${PROJECT_SOURCE_DIR}/tests/readme_commands.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(readme_commands PROPERTIES LABELS unit TIMEOUT 900
                      PASS_REGULAR_EXPRESSION "readme_commands: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# The mission's command (issue #16): cmake --install to a temporary prefix, then from another folder
+# mpirun -np 2 eo-ddp --config qwen3-moe.yaml (a copy pointed at the tiny model and a chat JSONL).
+add_test(NAME install_mission COMMAND ${PROJECT_SOURCE_DIR}/tests/install_mission.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(install_mission PROPERTIES LABELS mpi TIMEOUT 900 ENVIRONMENT "${EO_MPI_ENV}"
+                     PASS_REGULAR_EXPRESSION "install_mission: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

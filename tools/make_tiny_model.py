@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-# tools/ holds tokenize.py, which would shadow the standard library's tokenize module.
+# tools/ is not a package: keep it off the import path (no tool may shadow a standard module).
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import torch  # noqa: E402

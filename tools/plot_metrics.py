@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plot an eo-ddp metrics.jsonl (loss and throughput per step) to a PNG.
+"""Plot an eo-ddp metrics.jsonl (training and eval loss, throughput per step) to a PNG.
 
 usage: tools/plot_metrics.py OUTPUT_DIR/metrics.jsonl [-o metrics.png]
 """
@@ -35,7 +35,11 @@ def main() -> int:
 
     steps = [r["step"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax1.plot(steps, [r["loss"] for r in rows], color="tab:blue")
+    ax1.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="train loss")
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    if evals:  # val_set_size / test_datasets
+        ax1.plot([s for s, _ in evals], [v for _, v in evals], "o-", color="tab:orange", label="eval loss")
+        ax1.legend()
     ax1.set_ylabel("loss")
     ax1.grid(alpha=0.3)
     ax2.plot(steps, [r["tokens_per_sec"] for r in rows], color="tab:green")

@@ -21,14 +21,14 @@ Output (--format):
 Text documents get the eos token appended (both formats) so the model learns to stop, unless
 --no-eos; bin output always needs it. Examples:
 
-  tokenize.py --tokenizer Qwen/Qwen3-30B-A3B --input chat.jsonl --output chat.tok.jsonl
-  tokenize.py --tokenizer ./model --input corpus.jsonl --output corpus.bin --format bin --dtype uint32
+  tokenize_data.py --tokenizer Qwen/Qwen3-30B-A3B --input chat.jsonl --output chat.tok.jsonl
+  tokenize_data.py --tokenizer ./model --input corpus.jsonl --output corpus.bin --format bin --dtype uint32
 """
 import os
 import sys
 
-# This file is named like the standard library's `tokenize` module, which `inspect` (imported
-# by transformers) needs: drop our own folder from the import path before importing anything.
+# tools/ is not a package: keep our own folder off the import path, so no tool can shadow a
+# standard module that transformers imports.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
@@ -41,7 +41,7 @@ DTYPE_MAX = {"uint16": 0xFFFF, "uint32": 0xFFFFFFFF}
 
 
 def fail(message):
-    sys.exit(f"tokenize.py: error: {message}")
+    sys.exit(f"tokenize_data.py: error: {message}")
 
 
 def has_generation_blocks(template):
@@ -102,7 +102,7 @@ def main():
                         isinstance(m, dict) and "role" in m and "content" in m for m in messages):
                     fail(f"{where}: 'messages' must be a list of {{role, content}} objects")
                 if not use_mask and args.format == "jsonl" and not warned_no_mask:
-                    print("tokenize.py: warning: the chat template has no {% generation %} blocks, so "
+                    print("tokenize_data.py: warning: the chat template has no {% generation %} blocks, so "
                           "assistant tokens cannot be told apart; training on all tokens", file=sys.stderr)
                     warned_no_mask = True
                 ids, labels = encode_chat(tokenizer, messages, use_mask and args.format == "jsonl")

@@ -65,6 +65,11 @@ void InMemoryDocuments::read(std::size_t doc, std::int64_t begin, std::int64_t c
   }
 }
 
+SubsetDocuments::SubsetDocuments(std::shared_ptr<const DocumentSource> parent, std::vector<std::size_t> docs, std::string name)
+    : parent_(std::move(parent)), docs_(std::move(docs)), name_(std::move(name)) {
+  for (auto d : docs_) EO_CHECK(d < parent_->num_documents(), "subset: document ", d, " of ", parent_->num_documents());
+}
+
 ConcatDocuments::ConcatDocuments(std::vector<std::shared_ptr<const DocumentSource>> parts) : parts_(std::move(parts)) {
   starts_.push_back(0);
   for (const auto& p : parts_) starts_.push_back(starts_.back() + p->num_documents());

@@ -111,6 +111,24 @@ class ConcatDocuments : public DocumentSource {
   std::vector<std::size_t> starts_;  // first global doc index of each part, plus the total
 };
 
+// Some documents of another source, in the order given (val_set_size's train / eval split).
+class SubsetDocuments : public DocumentSource {
+ public:
+  SubsetDocuments(std::shared_ptr<const DocumentSource> parent, std::vector<std::size_t> docs, std::string name);
+  std::size_t num_documents() const override { return docs_.size(); }
+  std::int64_t length(std::size_t doc) const override { return parent_->length(docs_[doc]); }
+  void read(std::size_t doc, std::int64_t begin, std::int64_t count, std::int64_t* input_ids,
+            std::int64_t* labels) const override {
+    parent_->read(docs_[doc], begin, count, input_ids, labels);
+  }
+  std::string name() const override { return name_; }
+
+ private:
+  std::shared_ptr<const DocumentSource> parent_;
+  std::vector<std::size_t> docs_;
+  std::string name_;
+};
+
 struct BatcherOptions {
   std::int64_t sequence_len = 2048;
   bool sample_packing = false;

@@ -82,7 +82,8 @@ World& World::get() {
 
 bool World::initialized() { return g_world != nullptr; }
 
-void World::set_timeout(double seconds) {
+void World::set_timeout(double seconds, const std::string& key) {
+  timeout_key_ = key;
   EO_CHECK(seconds > 0, "ddp_timeout must be positive (got ", seconds, ")");
   timeout_s_ = seconds;
 }
@@ -144,8 +145,8 @@ void World::abort_on_timeout(const std::string& what, std::uint64_t seq, double 
     if (missing.empty() && behind.empty()) why += "; every rank arrived, so the collective itself is stuck (network?)";
     why += " [this is collective #" + std::to_string(seq) + "]";
   }
-  std::fprintf(stderr, "eo-ddp: rank %d: %s did not complete within %g s (ddp_timeout)%s; aborting all ranks\n", info_.rank,
-               what.c_str(), waited_s, why.c_str());
+  std::fprintf(stderr, "eo-ddp: rank %d: %s did not complete within %g s (%s)%s; aborting all ranks\n", info_.rank,
+               what.c_str(), waited_s, timeout_key_.c_str(), why.c_str());
   std::fflush(stderr);
   abort(kExitRuntime);
 }

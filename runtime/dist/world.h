@@ -42,7 +42,8 @@ class World {
   bool uses_mpi() const { return mpi_; }
 
   // Seconds any collective may wait (ddp_timeout; 600 until set).
-  void set_timeout(double seconds);
+  // `key`: the config key that sets the bound, named in the timeout message.
+  void set_timeout(double seconds, const std::string& key = "ddp_timeout");
   double timeout() const { return timeout_s_; }
 
   void barrier() const;
@@ -74,6 +75,7 @@ class World {
   bool mpi_ = false;
   bool finalized_ = false;
   double timeout_s_ = 600;
+  std::string timeout_key_ = "ddp_timeout";
   mutable std::atomic<std::uint64_t> collectives_{0};
   MPI_Comm probe_comm_ = MPI_COMM_NULL;  // a duplicate of MPI_COMM_WORLD for the probes only
 };

@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""Tokenize axolotl-style datasets for eo-ddp: chat_template, alpaca, completion, input_output.
+
+eo-ddp runs this (rank 0, when its dataset_prepared_path cache is missing or stale; or
+`eo-ddp preprocess --config F`); it is not meant to be called by hand. Input: a JSON spec
+written by eo-ddp,
+
+  {"tokenizer": DIR, "tokenizer_type": null|"AutoTokenizer"|..., "trust_remote_code": false,
+   "special_tokens": {"pad_token": ...}, "train_on_inputs": false, "chat_template": NAME,
+   "chat_template_jinja": null|TEXT,
+   "datasets": [{"path": F, "type": T, "output": OUT.jsonl, ...per-type keys...}, ...]}
+
+Output: one tokenized JSONL per dataset, {"input_ids": [...], "labels": [...]}, labels -100 where
+axolotl masks. The rules follow axolotl's prompt strategies:
+
+  chat_template  the conversation rendered by tokenizer.apply_chat_template (the tokenizer's own
+                 template, ChatML, or chat_template_jinja). Each turn's content tokens are found
+                 as axolotl's find_turn does: render the conversation up to the turn twice, once
+                 with the turn's content replaced by a dummy, and take the tokens where the two
+                 differ. A turn is trained when train_on_inputs is true, its role (after the
+                 `roles` mapping: human -> user, gpt -> assistant, ...) is in roles_to_train, or
+                 its message_field_training flag says so. EOS: the first eos token at or after the
+                 turn's end, if within 3 tokens, is trained for train_on_eos: all (every turn),
+                 turn (trained turns), last (the last such eos only); none trains no eos.
+  alpaca         axolotl's instruct prompt ("Below is an instruction ... ### Response:\\n"),
+                 tokenized with the tokenizer's special tokens; the response tokenized alone
+                 (bos stripped, eos appended). Prompt tokens are -100 unless train_on_inputs.
+  completion     the `field` text (default "text") tokenized, eos appended, every token trained.
+  input_output   `segments: [{"text", "label"}]`, each tokenized without special tokens;
+                 segments with label false are -100 unless train_on_inputs.
+
+Rows longer than sequence_len are dealt with by eo-ddp, not here (the cache does not depend on
+sequence_len). Progress goes to stderr every few seconds. Exit 2 with `file:line: message` for
+data that does not fit its type.
+"""
+import os
+import sys
+
+# tools/ is not a package; keep our own folder off the import path (it must not shadow stdlib).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+IGNORE = -100
+DUMMY = "[[dummy_message]]"
+# axolotl's ChatML template (chat_template: chatml).
+CHATML = ("{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+          "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+DEFAULT_ROLES = {"human": "user", "user": "user", "assistant": "assistant", "gpt": "assistant",
+                 "system": "system", "tool": "tool"}
+ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
+                "Write a response that appropriately completes the request.\n\n"
+                "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+                   "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+class DataError(Exception):
+    pass
+
+
+def load_tokenizer(spec):
+    import transformers
+    cls = getattr(transformers, spec.get("tokenizer_type") or "AutoTokenizer", None)
+    if cls is None:
+        raise DataError(f"tokenizer_type {spec['tokenizer_type']!r} is not a transformers class")
+    tok = cls.from_pretrained(spec["tokenizer"], trust_remote_code=bool(spec.get("trust_remote_code")))
+    vocab = tok.get_vocab()
+    for name, value in (spec.get("special_tokens") or {}).items():
+        # A token the vocabulary lacks would need new embedding rows, which eo-ddp does not train.
+        if value not in vocab:
+            raise DataError(f"special_tokens.{name}: {value!r} is not in the tokenizer's vocabulary; eo-ddp cannot "
+                            "add tokens (the embeddings are frozen); use a token the tokenizer has")
+        setattr(tok, name, value)
+    return tok
+
+
+def chat_ids(tok, template, messages):
+    enc = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True)
+    return list(enc["input_ids"])
+
+
+class ChatTemplate:
+    def __init__(self, tok, spec, ds):
+        self.tok = tok
+        name = ds.get("chat_template") or spec.get("chat_template") or "tokenizer_default"
+        jinja = ds.get("chat_template_jinja") or spec.get("chat_template_jinja")
+        own = getattr(tok, "chat_template", None)
+        if name == "tokenizer_default":
+            if not own:
+                raise DataError(f"chat_template: tokenizer_default, but the tokenizer in {spec['tokenizer']} has no chat "
+                                "template; set chat_template: chatml (or jinja with chat_template_jinja)")
+            self.template = own
+        elif name == "tokenizer_default_fallback_chatml":
+            self.template = own or CHATML
+        elif name == "chatml":
+            self.template = CHATML
+        elif name == "jinja":
+            if not jinja:
+                raise DataError("chat_template: jinja needs chat_template_jinja (the template text)")
+            self.template = jinja
+        else:
+            raise DataError(f"chat_template {name!r} is not supported")
+        self.field_messages = ds.get("field_messages") or "messages"
+        self.field_role = ds.get("message_field_role") or "role"
+        self.field_content = ds.get("message_field_content") or "content"
+        self.field_training = ds.get("message_field_training")
+        self.drop_system = bool(ds.get("drop_system_message"))
+        roles = ds.get("roles")
+        self.roles = {s: t for t, sources in roles.items() for s in sources} if roles else dict(DEFAULT_ROLES)
+        self.roles_to_train = [self.roles.get(r, r) for r in ds.get("roles_to_train", ["assistant"])]
+        self.train_on_eos = ds.get("train_on_eos") or "turn"
+        self.train_on_inputs = bool(spec.get("train_on_inputs"))
+
+    def turns(self, row):
+        messages = row.get(self.field_messages)
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"'{self.field_messages}' must be a non-empty list of messages (field_messages)")
+        out = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get(self.field_role), str) or not isinstance(
+                    m.get(self.field_content), str):
+                raise DataError(f"each message needs a string '{self.field_role}' and '{self.field_content}' "
+                                "(message_field_role / message_field_content)")
+            role = self.roles.get(m[self.field_role], m[self.field_role])
+            out.append({"role": role, "content": m[self.field_content],
+                        "training": m.get(self.field_training) if self.field_training else None})
+        if self.drop_system and out[0]["role"] == "system":
+            out = out[1:]
+        return out
+
+    def render(self, turns):
+        return chat_ids(self.tok, self.template, [{"role": t["role"], "content": t["content"]} for t in turns])
+
+    def find_turn(self, turns, i):
+        """Token span [start, end) of turn i's content, or (-1, -1) (axolotl's find_turn)."""
+        name = (self.tok.name_or_path or "").lower()
+        if i == 0 and turns[0]["role"] == "system" and ("mistral" in name or "gemma" in name):
+            return -1, -1
+        dummy = self.render(turns[:i] + [{"role": turns[i]["role"], "content": DUMMY}])
+        full = self.render(turns[:i + 1])
+        if not dummy or not full:
+            return -1, -1
+        n = min(len(dummy), len(full))
+        start = next((k for k in range(n) if dummy[k] != full[k]), None)
+        end = next((len(full) - k for k in range(n) if dummy[len(dummy) - 1 - k] != full[len(full) - 1 - k]), None)
+        if start is None or end is None or end <= start:
+            return -1, -1
+        return start, end
+
+    def __call__(self, row):
+        turns = self.turns(row)
+        ids = self.render(turns)
+        labels = [IGNORE] * len(ids)
+        eos = self.tok.eos_token_id
+        last_eos = -1
+        for i, turn in enumerate(turns):
+            train = turn["training"] if turn["training"] is not None else (
+                self.train_on_inputs or turn["role"] in self.roles_to_train)
+            start, end = self.find_turn(turns, i)
+            if start == -1:
+                continue
+            if train:
+                labels[start:end] = ids[start:end]
+            eos_at = next((k for k in range(end, len(ids)) if ids[k] == eos), -1)
+            if eos_at != -1 and eos_at - end <= 3:  # the template may put a few tokens before the eos
+                last_eos = eos_at
+                if self.train_on_eos == "all" or (self.train_on_eos == "turn" and train):
+                    labels[eos_at] = ids[eos_at]
+        if self.train_on_eos == "last" and last_eos != -1:
+            labels[last_eos] = ids[last_eos]
+        return ids, labels
+
+
+def text_field(row, key, required=True):
+    v = row.get(key, "" if not required else None)
+    if not isinstance(v, str):
+        raise DataError(f"'{key}' must be a string")
+    return v
+
+
+class Alpaca:
+    def __init__(self, tok, spec, ds):
+        self.tok, self.train_on_inputs = tok, bool(spec.get("train_on_inputs"))
+
+    def __call__(self, row):
+        instruction, inp, output = text_field(row, "instruction"), text_field(row, "input", False), text_field(row, "output")
+        prompt = (ALPACA_INPUT.format(instruction=instruction, input=inp) if inp
+                  else ALPACA_NO_INPUT.format(instruction=instruction))
+        p = list(self.tok(prompt)["input_ids"])
+        r = list(self.tok(output)["input_ids"])
+        if r and r[0] == self.tok.bos_token_id:
+            r = r[1:]
+        if not r or r[-1] != self.tok.eos_token_id:
+            r.append(self.tok.eos_token_id)
+        return p + r, (list(p) if self.train_on_inputs else [IGNORE] * len(p)) + r
+
+
+class Completion:
+    def __init__(self, tok, spec, ds):
+        self.tok, self.field = tok, ds.get("field") or "text"
+
+    def __call__(self, row):
+        ids = list(self.tok(text_field(row, self.field))["input_ids"])
+        if ids and ids[-1] != self.tok.eos_token_id:
+            ids.append(self.tok.eos_token_id)
+        return ids, list(ids)
+
+
+class InputOutput:
+    def __init__(self, tok, spec, ds):
+        self.tok, self.train_on_inputs = tok, bool(spec.get("train_on_inputs"))
+
+    def __call__(self, row):
+        segments = row.get("segments")
+        if not isinstance(segments, list):
+            raise DataError("'segments' must be a list of {\"text\", \"label\"}")
+        ids, labels = [], []
+        for s in segments:
+            if not isinstance(s, dict) or not isinstance(s.get("text"), str) or not isinstance(s.get("label"), bool):
+                raise DataError("each segment needs a string 'text' and a boolean 'label'")
+            t = list(self.tok(s["text"], add_special_tokens=False)["input_ids"])
+            ids += t
+            labels += t if (s["label"] or self.train_on_inputs) else [IGNORE] * len(t)
+        return ids, labels
+
+
+FORMATS = {"chat_template": ChatTemplate, "alpaca": Alpaca, "completion": Completion, "input_output": InputOutput}
+
+
+def rows_of(path):
+    """(row count, iterator of (line number, JSON text)): JSON lines, streamed, or one JSON array
+    (axolotl reads both)."""
+    if path.endswith((".parquet", ".arrow", ".csv")):
+        raise DataError(f"{path}: eo-ddp reads JSON lines (or a JSON array); convert it, e.g. "
+                        "datasets.load_dataset(...).to_json('data.jsonl')")
+    with open(path, encoding="utf-8") as f:
+        is_array = f.read(4096).lstrip().startswith("[")
+        if is_array:
+            f.seek(0)
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON ({e})")
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: expected JSON lines or a JSON array of rows")
+            return len(rows), ((i + 1, json.dumps(r)) for i, r in enumerate(rows))
+    with open(path, "rb") as f:
+        total = sum(1 for line in f if line.strip())
+
+    def lines():
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield n, line
+    return total, lines()
+
+
+def prepare(tok, spec, ds):
+    fmt = FORMATS[ds["type"]](tok, spec, ds)
+    path = ds["path"]
+    total, rows = rows_of(path)
+    done = kept = tokens = trained = 0
+    t0 = last = time.monotonic()
+    with open(ds["output"], "w", encoding="utf-8") as out:
+        for line_no, line in rows:
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e})")
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected a JSON object per line")
+            try:
+                ids, labels = fmt(row)
+            except DataError as e:
+                raise DataError(f"{where}: {e} (dataset type {ds['type']})")
+            done += 1
+            if ids:
+                out.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
+                kept += 1
+                tokens += len(ids)
+                trained += sum(1 for x in labels if x != IGNORE)
+            now = time.monotonic()
+            if now - last >= 5:
+                last = now
+                print(f"prepare: {path}: {done}/{total} rows ({done / (now - t0):.0f} rows/s)", file=sys.stderr, flush=True)
+    if kept == 0:
+        raise DataError(f"{path}: no rows (the file is empty or every row tokenized to nothing)")
+    return {"path": path, "type": ds["type"], "rows": kept, "tokens": tokens, "trained_tokens": trained,
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def main():
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) == 2 else 2)
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    try:
+        tok = load_tokenizer(spec)
+        if tok.eos_token_id is None:
+            raise DataError(f"the tokenizer in {spec['tokenizer']} has no eos_token; set special_tokens.eos_token")
+        stats = [prepare(tok, spec, ds) for ds in spec["datasets"]]
+    except DataError as e:
+        print(f"prepare_data.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for s in stats:
+        print(f"prepare: {s['path']} ({s['type']}): {s['rows']} rows, {s['tokens']} tokens, "
+              f"{s['trained_tokens']} trained on ({s['seconds']} s)", file=sys.stderr)
+    print(json.dumps({"datasets": stats}))
+
+
+if __name__ == "__main__":
+    main()
