@@ -51,6 +51,23 @@ __device__ __forceinline__ float block_absmax(const Nf4Source& s, const Nf4Layou
   return __fadd_rn(scaled, s.offset);
 }
 
+// 4 packed bytes (8 nibbles, little-endian: byte k holds values 2k, 2k+1) scaled by their
+// block's absmax, written as 8 values with 16-byte stores (dst 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store8(std::uint32_t word, float am, const float* code, T* dst) {
+  T vals[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const std::uint32_t byte = (word >> (8 * k)) & 0xFF;
+    vals[2 * k] = Store<T>::cvt(__fmul_rn(code[byte >> 4], am));
+    vals[2 * k + 1] = Store<T>::cvt(__fmul_rn(code[byte & 15], am));
+  }
+  uint4* out = reinterpret_cast<uint4*>(dst);
+  const uint4* v = reinterpret_cast<const uint4*>(vals);
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(8 * sizeof(T) / 16); ++k) out[k] = v[k];
+}
+
 // 4 packed bytes -> 8 values per thread and iteration: a warp reads 128 contiguous bytes and
 // writes 512 (bf16) contiguous bytes with one 16-byte store per thread, so loads and stores are
 // fully coalesced.
@@ -65,19 +82,7 @@ __global__ void dequantize_vec8(const SourceBatch batch, Nf4Layout layout, T* ou
   T* dst_base = out + static_cast<std::int64_t>(blockIdx.y) * layout.n;
   for (std::int64_t g = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; g < groups;
        g += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::uint32_t word = __ldg(src + g);
-    const float am = block_absmax<kNested>(s, layout, (g * 8) / layout.blocksize);
-    T vals[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const std::uint32_t byte = (word >> (8 * k)) & 0xFF;  // little-endian: byte 4g+k
-      vals[2 * k] = Store<T>::cvt(__fmul_rn(code[byte >> 4], am));
-      vals[2 * k + 1] = Store<T>::cvt(__fmul_rn(code[byte & 15], am));
-    }
-    uint4* dst = reinterpret_cast<uint4*>(dst_base + g * 8);
-    const uint4* v = reinterpret_cast<const uint4*>(vals);
-#pragma unroll
-    for (int k = 0; k < static_cast<int>(8 * sizeof(T) / 16); ++k) dst[k] = v[k];
+    store8(__ldg(src + g), block_absmax<kNested>(s, layout, (g * 8) / layout.blocksize), code, dst_base + g * 8);
   }
 }
 
@@ -96,19 +101,7 @@ __global__ void dequantize_window_vec8(const SourceBatch batch, Nf4Layout layout
        g += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t row = g / per_row;
     const std::int64_t flat = (w.r0 + row) * w.row_len + w.c0 + (g - row * per_row) * 8;
-    const std::uint32_t word = __ldg(src + flat / 8);
-    const float am = block_absmax<kNested>(s, layout, flat / layout.blocksize);
-    T vals[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const std::uint32_t byte = (word >> (8 * k)) & 0xFF;
-      vals[2 * k] = Store<T>::cvt(__fmul_rn(code[byte >> 4], am));
-      vals[2 * k + 1] = Store<T>::cvt(__fmul_rn(code[byte & 15], am));
-    }
-    uint4* dst = reinterpret_cast<uint4*>(dst_base + g * 8);
-    const uint4* v = reinterpret_cast<const uint4*>(vals);
-#pragma unroll
-    for (int k = 0; k < static_cast<int>(8 * sizeof(T) / 16); ++k) dst[k] = v[k];
+    store8(__ldg(src + flat / 8), block_absmax<kNested>(s, layout, flat / layout.blocksize), code, dst_base + g * 8);
   }
 }
 

@@ -123,16 +123,26 @@ KeySpec boolean(std::string key, bool TrainConfig::*field, std::string doc) {
           writer(field)};
 }
 
+// The YAML integer of `key` if it lies in [lo, hi]; else an issue naming the key.
+std::optional<std::int64_t> int_in_range(const std::string& key, const YAML::Node& n, std::int64_t lo, std::int64_t hi,
+                                         Issues& issues) {
+  auto v = as_int(n);
+  if (!v) {
+    issues.push_back({key, "expected an integer, got '" + yaml_text(n) + "'"});
+    return std::nullopt;
+  }
+  if (*v < lo || *v > hi) {
+    issues.push_back({key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + std::to_string(*v)});
+    return std::nullopt;
+  }
+  return v;
+}
+
 KeySpec integer(std::string key, int TrainConfig::*field, std::int64_t lo, std::int64_t hi, std::string doc) {
   TrainConfig defaults;
   return {key, "int", std::to_string(defaults.*field), std::move(doc),
           [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-            auto v = as_int(n);
-            if (!v) return issues.push_back({key, "expected an integer, got '" + yaml_text(n) + "'"});
-            if (*v < lo || *v > hi)
-              return issues.push_back({key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) +
-                                                ", got " + std::to_string(*v)});
-            c.*field = static_cast<int>(*v);
+            if (auto v = int_in_range(key, n, lo, hi, issues)) c.*field = static_cast<int>(*v);
           },
           writer(field)};
 }
@@ -150,12 +160,7 @@ KeySpec boolean(std::string key, std::optional<bool> TrainConfig::*field, std::s
 KeySpec integer(std::string key, std::optional<int> TrainConfig::*field, std::int64_t lo, std::int64_t hi, std::string doc) {
   return {key, "int", "(none)", std::move(doc),
           [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-            auto v = as_int(n);
-            if (!v) return issues.push_back({key, "expected an integer, got '" + yaml_text(n) + "'"});
-            if (*v < lo || *v > hi)
-              return issues.push_back({key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) +
-                                                ", got " + std::to_string(*v)});
-            c.*field = static_cast<int>(*v);
+            if (auto v = int_in_range(key, n, lo, hi, issues)) c.*field = static_cast<int>(*v);
           },
           writer(field)};
 }
