@@ -117,15 +117,22 @@ std::string describe_host_shortfall(std::int64_t bytes_needed) {
   return s + std::to_string(m.available) + " bytes (" + human_bytes(double(m.available)) + ") available now (" + m.source + ")";
 }
 
-void check_homes_fit(std::int64_t home_bytes, int ranks_on_node, const HostMemory& mem) {
+void check_homes_fit(std::int64_t home_bytes, int copies, const HostMemory& mem, bool copy_per_rank) {
   if (mem.available < 0 || home_bytes <= 0) return;
-  const std::int64_t needed = home_bytes * std::max(1, ranks_on_node);
+  const std::int64_t needed = home_bytes * std::max(1, copies);
   if (needed <= mem.available) return;
-  EO_FAIL("not enough host RAM for the expert homes: ", ranks_on_node, " rank(s) on this node x ", human_bytes(double(home_bytes)),
-          " of NF4 experts each = ", needed, " bytes (", human_bytes(double(needed)), ") needed, but only ", mem.available,
-          " bytes (", human_bytes(double(mem.available)), ") are available (", mem.source,
-          "). Every rank keeps its own copy of the experts in host RAM: run fewer ranks per node, use nodes with more RAM "
-          "(or raise the job's memory limit), or free host memory; expert_offload: false keeps the experts on the GPU instead.");
+  const std::string what = copy_per_rank ? std::to_string(copies) + " rank(s) on this node" : std::to_string(copies) + " NUMA node copy(ies)";
+  const std::string fix =
+      copy_per_rank
+          ? std::string("Every rank keeps its own copy of the experts in host RAM: ") +
+                (copies > 1 ? "set expert_offload_homes: per_numa_node (one copy per NUMA node, shared by its ranks), " : "") +
+                "run fewer ranks per node, use nodes with more RAM (or raise the job's memory limit), or free host memory"
+          : std::string("One copy per NUMA node is the least the homes take in RAM: use nodes with more RAM (or raise the "
+                        "job's memory limit), or free host memory");
+  EO_FAIL("not enough host RAM for the expert homes: ", what, " x ", human_bytes(double(home_bytes)), " of NF4 experts each = ",
+          needed, " bytes (", human_bytes(double(needed)), ") needed, but only ", mem.available, " bytes (",
+          human_bytes(double(mem.available)), ") are available (", mem.source, "). ", fix,
+          "; expert_offload: false keeps the experts on the GPU instead.");
 }
 
 }  // namespace eo::offload

@@ -29,9 +29,10 @@ HostMemory host_memory_available();
 // may differ slightly.
 std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant);
 
-// Throws eo::Error when `ranks_on_node` ranks, each with `home_bytes` of homes, need more than
-// `mem.available`; the message gives both numbers and what to do. No-op when available is unknown.
-void check_homes_fit(std::int64_t home_bytes, int ranks_on_node, const HostMemory& mem);
+// Throws eo::Error when `copies` copies of `home_bytes` of homes need more than `mem.available`;
+// the message gives both numbers and what to do (with one copy per rank and several ranks: one
+// copy per NUMA node, expert_offload_homes: per_numa_node). No-op when available is unknown.
+void check_homes_fit(std::int64_t home_bytes, int copies, const HostMemory& mem, bool copy_per_rank = true);
 
 // "N bytes needed, M available (source)" for allocation failures of homes.
 std::string describe_host_shortfall(std::int64_t bytes_needed);

@@ -208,7 +208,7 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
   const bool shared = cfg.expert_offload_homes == "per_numa_node";
   const int copies = shared ? home_group(world, device).copies_on_host
                             : static_cast<int>(v[1]);
-  offload::check_homes_fit(per_rank, copies, mem);
+  offload::check_homes_fit(per_rank, copies, mem, /*copy_per_rank=*/!shared);
   log::info("host memory: expert homes need " + human_bytes(double(per_rank)) + " per copy x " + std::to_string(copies) +
             (shared ? " NUMA node copy(ies)" : " rank(s)") + " on the node; " +
             (mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")"));

@@ -302,6 +302,14 @@ TEST(HostMemory, MeasurementOverrideAndCheck) {
     EXPECT_TRUE(contains(e.what(), "4 rank(s) on this node")) << e.what();
     EXPECT_TRUE(contains(e.what(), "4000 bytes")) << e.what();
     EXPECT_TRUE(contains(e.what(), "only 3999 bytes")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "expert_offload_homes: per_numa_node")) << "the shared form is suggested: " << e.what();
+  }
+  try {  // already one copy per NUMA node: nothing to share further
+    eo::offload::check_homes_fit(1000, 2, {1999, "test"}, /*copy_per_rank=*/false);
+    FAIL() << "2 copies x 1000 bytes fit in 1999";
+  } catch (const std::exception& e) {
+    EXPECT_TRUE(contains(e.what(), "2 NUMA node copy(ies)")) << e.what();
+    EXPECT_FALSE(contains(e.what(), "set expert_offload_homes")) << e.what();
   }
 }
 
