@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 
@@ -43,12 +44,43 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
-at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx) { return x * ctx.cos + rotate_half(x) * ctx.sin; }
+// RoPE on the first rope.dim channels of x [B, heads, T, D] (partial rotary: the rest pass
+// through). DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...: gathering the evens then
+// the odds turns that into the half-split rotation, which is transformers' interleaved formula
+// (its output is in that gathered order too; q and k share it, so q·k is unchanged).
+at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx, const Rope& rope) {
+  const auto D = x.size(-1), R = rope.dim;
+  at::Tensor r = R == D ? x : x.narrow(-1, 0, R);
+  if (rope.interleaved) r = r.unflatten(-1, {R / 2, 2}).transpose(-1, -2).flatten(-2);
+  r = r * ctx.cos + rotate_half(r) * ctx.sin;
+  return R == D ? r : at::cat({r, x.narrow(-1, R, D - R)}, -1);
+}
+
+// Softmax attention of q [B, h, T, Dq] over k [B, hk, T, Dq], v [B, hk, T, Dv] → [B, T, h·Dv].
+// GQA: query head i reads kv head i / (h / hk). Plain causal attention passes the grouping to the
+// fused kernel (flash attention on a GPU); with a packing mask the kv heads are repeated, which
+// the memory-efficient kernel accepts together with a mask.
+at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale) {
+  const auto B = q.size(0), T = q.size(2), h = q.size(1), hk = k.size(1);
+  const bool gqa = hk != h;
+  if (gqa && ctx.attn_mask.defined()) {
+    k = k.repeat_interleave(h / hk, 1);
+    v = v.repeat_interleave(h / hk, 1);
+  }
+  const std::optional<at::Tensor> mask = ctx.attn_mask.defined() ? std::optional<at::Tensor>(ctx.attn_mask) : std::nullopt;
+  const at::Tensor o =
+      at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, gqa && !mask.has_value());
+  return o.transpose(1, 2).reshape({B, T, h * v.size(-1)});
+}
+
+// DeepSeek's q_a_layernorm / kv_a_layernorm are built with RMSNorm's default eps, not rms_norm_eps.
+constexpr double kLatentNormEps = 1e-6;
 
 }  // namespace
 
 at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx) const {
   const ModelConfig& c = *cfg_;
+  if (c.mla) return latent_attention(x, ctx);
   const auto B = x.size(0), T = x.size(1);
   at::Tensor q = q_.forward(x, ctx.training), k = k_.forward(x, ctx.training), v = v_.forward(x, ctx.training);
   if (c.qk_norm == QkNorm::Whole) {  // olmoe: over the whole projection, before the split
@@ -63,26 +95,32 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   q = q.view({B, T, c.heads, c.head_dim});
   k = k.view({B, T, c.kv_heads, c.head_dim});
   v = v.view({B, T, c.kv_heads, c.head_dim});
-  if (c.qk_norm == QkNorm::PerHead) {  // qwen3: per head, after the view
+  if (c.qk_norm == QkNorm::PerHead) {  // qwen3, glm4_moe use_qk_norm: per head, after the view
     q = rms_norm(q, q_norm_, c.rms_eps);
     k = rms_norm(k, k_norm_, c.rms_eps);
   }
-  q = apply_rope(q.transpose(1, 2), ctx);
-  k = apply_rope(k.transpose(1, 2), ctx);
-  v = v.transpose(1, 2);
-  // GQA: query head h reads kv head h / (heads / kv_heads). Plain causal attention passes the
-  // grouping to the fused kernel (flash attention on a GPU); with a packing mask the kv heads
-  // are repeated, which the memory-efficient kernel accepts together with a mask.
-  const bool gqa = c.kv_heads != c.heads;
-  if (gqa && ctx.attn_mask.defined()) {
-    k = k.repeat_interleave(c.heads / c.kv_heads, 1);
-    v = v.repeat_interleave(c.heads / c.kv_heads, 1);
-  }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-  const std::optional<at::Tensor> mask = ctx.attn_mask.defined() ? std::optional<at::Tensor>(ctx.attn_mask) : std::nullopt;
-  const at::Tensor o =
-      at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, gqa && !mask.has_value());
-  return o_.forward(o.transpose(1, 2).reshape({B, T, c.heads * c.head_dim}), ctx.training);
+  q = apply_rope(q.transpose(1, 2), ctx, c.rope);
+  k = apply_rope(k.transpose(1, 2), ctx, c.rope);
+  return o_.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
+}
+
+// Multi-head latent attention (modeling_deepseek_v3.py DeepseekV3Attention): each head's query
+// and key are [nope | rope]; the keys' nope part and the values come from one kv latent per
+// token through kv_b_proj, the keys' rope part is one head shared by all heads.
+at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContext& ctx) const {
+  const ModelConfig& c = *cfg_;
+  const Mla& a = *c.mla;
+  const auto B = x.size(0), T = x.size(1), H = c.heads;
+  const bool tr = ctx.training;
+  const at::Tensor q_in = a.q_lora_rank > 0 ? rms_norm(q_a_.forward(x, tr), q_a_norm_, kLatentNormEps) : x;
+  const at::Tensor q = q_.forward(q_in, tr).view({B, T, H, a.qk_dim()}).transpose(1, 2);
+  const at::Tensor kv_a = kv_a_.forward(x, tr);  // [B, T, kv_lora_rank + rope]
+  const at::Tensor latent = rms_norm(kv_a.narrow(-1, 0, a.kv_lora_rank), kv_a_norm_, kLatentNormEps);
+  const at::Tensor k_rot = apply_rope(kv_a.narrow(-1, a.kv_lora_rank, a.rope_dim).unsqueeze(1), ctx, c.rope);  // [B, 1, T, R]
+  const at::Tensor q_full = at::cat({q.narrow(-1, 0, a.nope_dim), apply_rope(q.narrow(-1, a.nope_dim, a.rope_dim), ctx, c.rope)}, -1);
+  const at::Tensor kv = kv_b_.forward(latent, tr).view({B, T, H, a.nope_dim + a.v_dim}).transpose(1, 2);
+  const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
+  return o_.forward(attend(q_full, k, kv.narrow(-1, a.nope_dim, a.v_dim), ctx, c.attn_scale), tr);
 }
 
 at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const {
@@ -142,18 +180,44 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
   return at::cat(outs, 0);
 }
 
+std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, const BlockContext& ctx) const {
+  const ModelConfig& c = *cfg_;
+  const Router& r = c.router;
+  const auto N = flat.size(0), E = c.experts;
+  // Logits in the compute dtype (or fp32 for the families that keep their router in fp32);
+  // scores in fp32.
+  const at::Tensor logits = at::linear(r.fp32 ? flat.to(at::kFloat) : flat, router_);
+  if (ctx.router_logits) ctx.router_logits->push_back(logits);
+  const at::Tensor scores =
+      r.score == RouterScore::Sigmoid ? at::sigmoid(logits.to(at::kFloat)) : at::softmax(logits, -1, at::kFloat);
+  // The choice: scores plus the correction bias (choice only), limited to the best groups.
+  at::Tensor choice = r.correction_bias ? scores + router_bias_ : scores;
+  if (r.group != GroupScore::None) {
+    const auto G = r.n_group;
+    const at::Tensor grouped = choice.view({N, G, E / G});
+    const at::Tensor group_score = r.group == GroupScore::Max ? std::get<0>(grouped.max(-1))
+                                                              : std::get<0>(grouped.topk(2, -1)).sum(-1);
+    const at::Tensor best = std::get<1>(group_score.topk(r.topk_group, -1));
+    const at::Tensor keep = at::zeros({N, G}, flat.options().dtype(at::kBool))
+                                .scatter(1, best, true).unsqueeze(-1).expand({N, G, E / G}).reshape({N, E});
+    // The values transformers fills in: -inf for the sigmoid choice, 0 for DeepSeek-V2's softmax.
+    choice = choice.masked_fill(~keep, r.score == RouterScore::Sigmoid ? -INFINITY : 0.0);
+  }
+  auto [top_w, top_idx] = at::topk(choice, c.top_k, -1);
+  if (r.correction_bias) top_w = scores.gather(1, top_idx);  // the weights come from the unbiased scores
+  // (+1e-20 as in transformers' sigmoid routers; it cannot change a softmax top-k sum, >= k/E.)
+  if (c.norm_topk_prob) top_w = top_w / (top_w.sum(-1, true) + 1e-20);
+  if (r.scaling != 1.0) top_w = top_w * r.scaling;
+  return {top_w, top_idx};
+}
+
 at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const {
   const ModelConfig& c = *cfg_;
   const auto H = x.size(-1);
   const at::Tensor flat = x.reshape({-1, H});
   const auto N = flat.size(0);
 
-  // Router: logits in the compute dtype, softmax in fp32, top-k, optional renormalisation.
-  const at::Tensor logits = at::linear(flat, router_);
-  if (ctx.router_logits) ctx.router_logits->push_back(logits);
-  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
-  auto [top_w, top_idx] = at::topk(probs, c.top_k, -1);
-  if (c.norm_topk_prob) top_w = top_w / top_w.sum(-1, true);
+  auto [top_w, top_idx] = route(flat, ctx);
   top_w = top_w.to(x.scalar_type());
 
   // Token-sorted dispatch: order the (token, slot) pairs by expert, run each expert on its
@@ -179,8 +243,10 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
     out = at::zeros_like(flat).index_add(0, token_of, y * weight_sorted.unsqueeze(1));
   }
 
-  if (has_shared_)
-    out = out + at::sigmoid(at::linear(flat, shared_gate_)) * shared_.forward(flat, ctx.training);
+  if (has_shared_) {
+    const at::Tensor shared = shared_.forward(flat, ctx.training);
+    out = out + (c.shared_expert_gated ? at::sigmoid(at::linear(flat, shared_gate_)) * shared : shared);
+  }
   return out.view(x.sizes());
 }
 
@@ -188,6 +254,32 @@ at::Tensor DecoderBlock::forward(const at::Tensor& hidden, const BlockContext& c
   at::Tensor h = hidden + attention(rms_norm(hidden, input_norm_, cfg_->rms_eps), ctx);
   const at::Tensor normed = rms_norm(h, post_norm_, cfg_->rms_eps);
   return h + (moe_ ? moe(normed, ctx) : dense_.forward(normed, ctx.training));
+}
+
+at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& device) {
+  // transformers' _compute_default_rope_parameters / _compute_yarn_parameters, step for step in fp32.
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  const auto R = rope.dim;
+  const at::Tensor j = at::arange(0, R, 2, f32.dtype(at::kLong)).to(at::kFloat);
+  const at::Tensor pos_freqs = at::pow(theta, j / static_cast<double>(R));
+  if (!rope.yarn) return 1.0 / pos_freqs;
+  // YaRN: interpolate (÷ factor) the low frequencies, keep the high ones, ramp between the
+  // dimensions that turn beta_slow and beta_fast times over the original context.
+  auto correction_dim = [&](double rotations) {
+    return (static_cast<double>(R) * std::log(rope.original_max_positions / (rotations * 2 * M_PI))) / (2 * std::log(theta));
+  };
+  double low = correction_dim(rope.beta_fast), high = correction_dim(rope.beta_slow);
+  if (rope.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(R - 1));
+  if (low == high) high += 0.001;  // transformers' guard against a zero-width ramp
+  const at::Tensor ramp = ((at::arange(R / 2, f32) - low) / (high - low)).clamp(0, 1);
+  const at::Tensor extrapolation = 1 - ramp;
+  const at::Tensor inv_extra = 1.0 / pos_freqs, inv_inter = 1.0 / (rope.factor * pos_freqs);
+  return inv_inter * (1 - extrapolation) + inv_extra * extrapolation;
 }
 
 at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
@@ -213,14 +305,12 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
   ctx.training = training;
   at::Tensor pos = batch.positions.defined() ? batch.positions.to(dev, at::kLong)
                                              : at::arange(T, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, T});
-  // RoPE tables in fp32 (inv_freq = theta^(-2j/d)), cast to the compute dtype.
-  const auto D = cfg_.head_dim;
-  const at::Tensor j = at::arange(0, D, 2, at::TensorOptions().dtype(at::kLong).device(dev)).to(at::kFloat);
-  const at::Tensor inv_freq = 1.0 / at::pow(cfg_.rope_theta, j / static_cast<double>(D));
-  const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, T, D/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);      // [B, 1, T, D]
-  ctx.cos = emb.cos().to(opts_.dtype);
-  ctx.sin = emb.sin().to(opts_.dtype);
+  // RoPE tables in fp32, × the YaRN attention factor, cast to the compute dtype.
+  const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * rope_inv_freq(cfg_.rope, cfg_.rope_theta, dev);  // [B, T, R/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1).unsqueeze(1);                                            // [B, 1, T, R]
+  const double f = cfg_.rope.attention_factor;
+  ctx.cos = (f == 1.0 ? emb.cos() : emb.cos() * f).to(opts_.dtype);
+  ctx.sin = (f == 1.0 ? emb.sin() : emb.sin() * f).to(opts_.dtype);
 
   if (batch.attention_mask.defined() || batch.segment_ids.defined()) {
     const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);
@@ -283,6 +373,9 @@ at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std
 }
 
 ForwardOutput MoeModel::forward(const Batch& batch, const ForwardOptions& opts) const {
+  if (opts.aux_loss && !cfg_.has_aux_loss)
+    throw UsageError(cfg_.model_type + " has no router auxiliary loss in transformers (it balances its experts with "
+                     "e_score_correction_bias, or not at all); turn output_router_logits off");
   ForwardOutput out;
   std::vector<at::Tensor> router_logits;
   BlockContext ctx = context(batch, opts.training);
