@@ -82,11 +82,12 @@ std::string text(const Fields& f, const char* key, const std::string& fallback) 
   return v.get<std::string>();
 }
 
-// A key whose only supported value is `want` (absent is fine): anything else is named in the error.
+// A key whose only supported value is `want`, as JSON text (absent is fine): anything else is named
+// in the error.
 void require_value(const Fields& f, const char* key, const std::string& want, const std::string& why) {
   if (!f.has(key)) return;
   const json& v = f.j.at(key);
-  if (v.is_string() ? v.get<std::string>() == want : v.dump() == want) return;
+  if (v.dump() == want) return;
   throw UsageError(f.source + ": " + key + " " + v.dump() + " is not supported (only " + want + "): " + why);
 }
 

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -187,12 +188,115 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
     return "";
   };
   const std::string unknown = msg(R"({"model_type": "llama"})");
-  EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3"), std::string::npos)
+      << unknown;
   const std::string missing = msg(R"({"model_type": "mixtral", "num_hidden_layers": 2})");
   EXPECT_NE(missing.find("hidden_size"), std::string::npos) << missing;
   EXPECT_NE(missing.find("dir/config.json"), std::string::npos) << missing;
   const std::string typed = msg(R"({"model_type": "mixtral", "hidden_size": "64"})");
   EXPECT_NE(typed.find("'hidden_size' must be an integer"), std::string::npos) << typed;
+}
+
+// The real shapes in configs/models (Hub spelling: rope_scaling, top-level partial_rotary_factor):
+// the RoPE and softmax-scale numbers are transformers 5.24's (DeepseekV2Attention.scaling,
+// *RotaryEmbedding.attention_scaling / inv_freq), printed from those files.
+TEST(HfConfig, NewerFamiliesRealShapesMatchTransformers) {
+  const ModelConfig v2 = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/deepseek-v2-lite");
+  ASSERT_TRUE(v2.mla.has_value());
+  EXPECT_EQ(v2.mla->q_lora_rank, 0);
+  EXPECT_EQ(v2.mla->kv_lora_rank, 512);
+  EXPECT_EQ(v2.mla->qk_dim(), 192);
+  EXPECT_EQ(v2.head_dim, 64);
+  EXPECT_EQ(v2.rope.dim, 64);
+  EXPECT_TRUE(v2.rope.interleaved && v2.rope.yarn);
+  EXPECT_DOUBLE_EQ(v2.rope.attention_factor, 1.0);
+  EXPECT_NEAR(v2.attn_scale, 0.1147213867929261, 1e-15);
+  const at::Tensor f2 = rope_inv_freq(v2.rope, v2.rope_theta, at::kCPU);
+  ASSERT_EQ(f2.size(0), 32);
+  const double want2[] = {1.0, 0.23713736236095428, 0.0035619973205029964, 1.8747354260995053e-05, 3.3338035336782923e-06};
+  const int at_idx[] = {0, 5, 17, 25, 31};
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(f2[at_idx[i]].item<double>(), want2[i], 1e-6 * want2[i]) << at_idx[i];
+  EXPECT_EQ(v2.experts, 64);
+  EXPECT_EQ(v2.top_k, 6);
+  EXPECT_EQ(v2.shared_expert_width, 2 * 1408);
+  EXPECT_FALSE(v2.shared_expert_gated);
+  EXPECT_FALSE(v2.is_moe_layer(0));
+  EXPECT_TRUE(v2.is_moe_layer(1) && v2.is_moe_layer(26));
+  EXPECT_EQ(v2.router.score, RouterScore::Softmax);
+  EXPECT_EQ(v2.router.group, GroupScore::None);
+  EXPECT_FALSE(v2.has_aux_loss);
+  EXPECT_EQ(v2.linear_modules(), (std::vector<std::string>{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"}));
+
+  const ModelConfig glm = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/glm-4.5-air");
+  EXPECT_FALSE(glm.mla.has_value());
+  EXPECT_EQ(glm.head_dim, 128);
+  EXPECT_EQ(glm.rope.dim, 64);
+  EXPECT_FALSE(glm.rope.interleaved || glm.rope.yarn);
+  EXPECT_NEAR(glm.attn_scale, 1 / std::sqrt(128.0), 1e-15);
+  const at::Tensor fg = rope_inv_freq(glm.rope, glm.rope_theta, at::kCPU);
+  const double wantg[] = {1.0, 0.11547820270061493, 0.0006493816617876291, 2.0535249859676696e-05, 1.5399265294036013e-06};
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(fg[at_idx[i]].item<double>(), wantg[i], 1e-6 * wantg[i]) << at_idx[i];
+  EXPECT_TRUE(glm.qkv_bias);
+  EXPECT_FALSE(glm.o_bias);
+  EXPECT_EQ(glm.router.score, RouterScore::Sigmoid);
+  EXPECT_TRUE(glm.router.correction_bias && glm.router.fp32 && glm.norm_topk_prob);
+  EXPECT_EQ(glm.shared_expert_width, 1408);
+  EXPECT_FALSE(glm.is_moe_layer(0));
+  EXPECT_TRUE(glm.is_moe_layer(1));
+  EXPECT_EQ(glm.linear_modules(), (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                             "down_proj"}));
+}
+
+// Every option the newer families cannot honour is refused before a weight loads, naming the key.
+TEST(HfConfig, UnsupportedOptionsOfNewerFamiliesAreNamed) {
+  const nlohmann::json v2 = nlohmann::json::parse(R"({"model_type": "deepseek_v2", "hidden_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "q_lora_rank": null, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "intermediate_size": 64, "first_k_dense_replace": 1, "rope_theta": 10000})");
+  const nlohmann::json glm = nlohmann::json::parse(R"({"model_type": "glm4_moe", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 64, "rope_theta": 10000})");
+  EXPECT_NO_THROW(parse_config(v2, "c.json"));
+  EXPECT_NO_THROW(parse_config(glm, "c.json"));
+  auto msg = [](nlohmann::json j, const nlohmann::json& patch) -> std::string {
+    j.merge_patch(patch);
+    try {
+      parse_config(j, "dir/config.json");
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  auto expect = [&](const nlohmann::json& base, const char* patch, const char* want) {
+    const std::string m = msg(base, nlohmann::json::parse(patch));
+    EXPECT_NE(m.find(want), std::string::npos) << patch << " -> " << m;
+    EXPECT_NE(m.find("dir/config.json"), std::string::npos) << m;
+  };
+  expect(v2, R"({"norm_topk_prob": true})", "norm_topk_prob true is not supported for deepseek_v2");
+  expect(v2, R"({"topk_method": "noaux_tc"})", "topk_method 'noaux_tc' is not supported for deepseek_v2");
+  expect(v2, R"({"scoring_func": "sigmoid"})", "scoring_func \"sigmoid\" is not supported");
+  expect(v2, R"({"moe_layer_freq": 2})", "moe_layer_freq 2 is not supported");
+  expect(v2, R"({"num_key_value_heads": 2})", "must equal num_attention_heads");
+  expect(v2, R"({"rope_scaling": {"type": "dynamic", "factor": 2}})", "rope_scaling.rope_type 'dynamic' is not supported");
+  expect(v2, R"({"partial_rotary_factor": 0.5})", "partial_rotary_factor is not supported for deepseek_v2");
+  expect(v2, R"({"hidden_act": "gelu"})", "hidden_act 'gelu' is not supported");
+  expect(v2, R"({"topk_method": "group_limited_greedy", "n_group": 3})", "n_group (3) must divide");
+  expect(v2, R"({"qk_rope_head_dim": 7})", "head_dim must be even for RoPE");
+  nlohmann::json no_q = v2;
+  no_q.erase("q_lora_rank");
+  EXPECT_NE(msg(no_q, nlohmann::json::object()).find("'q_lora_rank' is missing"), std::string::npos);
+  expect(glm, R"({"scoring_func": "softmax"})", "scoring_func \"softmax\" is not supported");
+  expect(glm, R"({"n_group": 8, "topk_group": 2})", "needs at least two experts");
+  expect(glm, R"({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3})", "exceeds the experts of the 1 groups");
+  expect(glm, R"({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1}})", "rope_type 'longrope' is not supported");
+  expect(glm, R"({"partial_rotary_factor": 0.1})", "rotary dimension (1) must be positive and even");
+  // The older families keep refusing what they always refused.
+  const nlohmann::json qwen = nlohmann::json::parse(R"({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "rope_theta": 10000})");
+  expect(qwen, R"({"rope_scaling": {"rope_type": "yarn", "factor": 4}})", "(only 'default' RoPE)");
+  expect(qwen, R"({"partial_rotary_factor": 0.5})", "partial_rotary_factor is not supported for qwen3_moe");
 }
 
 // A provider whose bytes can be swapped, as the offload engine reuses slots.
