@@ -138,14 +138,18 @@ std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_
 // projections, and in all (+ attention scores, causal, and the LM head's forward and backward).
 std::map<std::string, double> useful_flops(const model::ModelConfig& c, const TrainConfig& cfg) {
   const double tokens = double(cfg.sequence_len) * cfg.micro_batch_size * cfg.gradient_accumulation_steps;
-  const double H = double(c.hidden), qd = double(c.heads * c.head_dim), kvd = double(c.kv_heads * c.head_dim);
+  const double H = double(c.hidden);
+  // Per token and head, QK^T runs over the q/k head dims and PV over the v dims (MLA: 192 and 128).
+  const double qd = c.mla ? double(c.heads) * double(c.mla->qk_dim() + c.mla->v_dim) / 2 : double(c.heads * c.head_dim);
   double moe_layers = 0;
   for (int i = 0; i < c.layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
   const double dense_layers = double(c.layers) - moe_layers;
   const double passes = 3;  // forward, recompute, dX
   const double experts = tokens * moe_layers * double(c.top_k) * 3 * 2 * H * double(c.expert_width) * passes;
   const double dense = tokens * dense_layers * 3 * 2 * H * double(c.dense_width) * passes;
-  const double proj = tokens * double(c.layers) * 2 * H * (2 * qd + 2 * kvd) * passes;
+  double attn_params = 0;  // q/k/v/o, or DeepSeek's latent-attention linears
+  for (const auto& l : c.attention_shapes()) attn_params += double(l.in) * double(l.out);
+  const double proj = tokens * double(c.layers) * 2 * attn_params * passes;
   // QK^T and PV over the causal half, forward twice (forward, recompute), backward ~2x forward.
   const double attn = tokens * double(c.layers) * 2 * 2 * (double(cfg.sequence_len) / 2) * qd * 4;
   const double head = tokens * 2 * H * double(c.vocab) * 2;

@@ -195,12 +195,23 @@ bool ModelConfig::is_moe_layer(int layer) const {
   return (layer + 1) % decoder_sparse_step == 0;
 }
 
+std::vector<ModelConfig::Linear> ModelConfig::attention_shapes() const {
+  const std::int64_t H = hidden;
+  if (!mla) return {{"q_proj", H, heads * head_dim}, {"k_proj", H, kv_heads * head_dim}, {"v_proj", H, kv_heads * head_dim},
+                    {"o_proj", heads * head_dim, H}};
+  const Mla& a = *mla;
+  std::vector<Linear> out;
+  if (a.q_lora_rank > 0) out = {{"q_a_proj", H, a.q_lora_rank}, {"q_b_proj", a.q_lora_rank, heads * a.qk_dim()}};
+  else out = {{"q_proj", H, heads * a.qk_dim()}};
+  out.push_back({"kv_a_proj_with_mqa", H, a.kv_lora_rank + a.rope_dim});
+  out.push_back({"kv_b_proj", a.kv_lora_rank, heads * (a.nope_dim + a.v_dim)});
+  out.push_back({"o_proj", heads * a.v_dim, H});
+  return out;
+}
+
 std::vector<std::string> ModelConfig::attention_linears() const {
-  if (!mla) return {"q_proj", "k_proj", "v_proj", "o_proj"};
   std::vector<std::string> out;
-  if (mla->q_lora_rank > 0) out = {"q_a_proj", "q_b_proj"};
-  else out = {"q_proj"};
-  out.insert(out.end(), {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"});
+  for (const auto& l : attention_shapes()) out.push_back(l.name);
   return out;
 }
 

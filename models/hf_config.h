@@ -106,7 +106,12 @@ struct ModelConfig {
   std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : "mlp"; }
   // The shared expert's module under the MoE block: qwen2_moe "shared_expert", else "shared_experts".
   std::string shared_expert_name() const { return arch == Arch::Qwen2Moe ? "shared_expert" : "shared_experts"; }
-  // The attention linears' short names as peft gives them, in model order.
+  // The attention linears (peft's short names, in model order) and their shapes.
+  struct Linear {
+    std::string name;
+    std::int64_t in = 0, out = 0;
+  };
+  std::vector<Linear> attention_shapes() const;
   std::vector<std::string> attention_linears() const;
   // Every LoRA-able linear's short name (attention, then MLP / expert matrices): what
   // lora_target_linear selects.
