@@ -186,7 +186,7 @@ void parse_groups(const Fields& f, ModelConfig& c, std::int64_t n_group, std::in
 
 }  // namespace
 
-const char* const kSupportedModelTypes = "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3";
+const char* const kSupportedModelTypes = "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss";
 
 bool ModelConfig::is_moe_layer(int layer) const {
   if (experts <= 0 || layer < first_k_dense) return false;
@@ -227,7 +227,7 @@ std::vector<std::string> ModelConfig::linear_modules() const {
   bool dense = false, moe = false;
   for (int i = 0; i < layers; ++i) (is_moe_layer(i) ? moe : dense) = true;
   if (moe && arch == Arch::Mixtral) out.insert(out.end(), {"w1", "w2", "w3"});
-  if (dense || (moe && arch != Arch::Mixtral)) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  if (dense || (moe && arch != Arch::Mixtral && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
   return out;
 }
 
@@ -245,11 +245,22 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   else if (c.model_type == "glm4_moe") c.arch = Arch::Glm4Moe;
   else if (c.model_type == "deepseek_v2") c.arch = Arch::DeepseekV2;
   else if (c.model_type == "deepseek_v3") c.arch = Arch::DeepseekV3;
+  else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
   else
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +
                      kSupportedModelTypes);
   const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3;
-  const bool newer = deepseek || c.arch == Arch::Glm4Moe;  // the families added with issue #19
+  const bool gpt_oss = c.arch == Arch::GptOss;
+  const bool newer = deepseek || gpt_oss || c.arch == Arch::Glm4Moe;  // the families added with issue #19
+  // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"); only float and
+  // bitsandbytes checkpoints load.
+  if (f.has("quantization_config") && j.at("quantization_config").is_object()) {
+    const Fields q{j.at("quantization_config"), source};
+    const std::string method = text(q, "quant_method", "");
+    if (method == "mxfp4")
+      throw UsageError(source + ": quantization_config.quant_method 'mxfp4' is not supported; load the checkpoint "
+                       "dequantised to bf16 (transformers: Mxfp4Config(dequantize=True), then save_pretrained)");
+  }
 
   c.hidden = f.integer("hidden_size");
   c.layers = f.integer("num_hidden_layers");
@@ -274,14 +285,16 @@ ModelConfig parse_config(const json& j, const std::string& source) {
     parse_mla(f, c);
   } else if (f.has("head_dim")) {
     c.head_dim = f.integer("head_dim");
+  } else if (gpt_oss) {
+    c.head_dim = 64;  // GptOssConfig's default
   } else {
     if (c.hidden % c.heads != 0) throw UsageError(source + ": hidden_size must be divisible by num_attention_heads when head_dim is absent");
     c.head_dim = c.hidden / c.heads;
   }
   require_positive(c.head_dim, "head_dim", source);
   if (c.head_dim % 2 != 0) throw UsageError(source + ": head_dim must be even for RoPE");
-  c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe || c.arch == Arch::Glm4Moe ? 1e-5 : 1e-6);
-  if (newer) {
+  c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe || c.arch == Arch::Glm4Moe || gpt_oss ? 1e-5 : 1e-6);
+  if (newer && !gpt_oss) {  // gpt-oss's experts have their own activation; transformers ignores hidden_act
     const std::string act = text(f, "hidden_act", "silu");
     if (act != "silu") throw UsageError(source + ": hidden_act '" + act + "' is not supported (only silu)");
   }
@@ -297,7 +310,7 @@ ModelConfig parse_config(const json& j, const std::string& source) {
 
   c.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
   c.initializer_range = f.number("initializer_range", 0.02);
-  c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.0);
+  c.router_aux_loss_coef = f.number("router_aux_loss_coef", gpt_oss ? 0.001 : 0.0);
 
   switch (c.arch) {
     case Arch::Qwen3Moe:
@@ -384,6 +397,33 @@ ModelConfig parse_config(const json& j, const std::string& source) {
         if (f.boolean("use_qk_norm", false)) c.qk_norm = QkNorm::PerHead;
       } else {
         c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+      }
+      break;
+    }
+    case Arch::GptOss: {
+      c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", 128);
+      c.top_k = f.integer("num_experts_per_tok", 4);
+      c.expert_width = f.integer("intermediate_size");
+      c.qkv_bias = c.o_bias = f.boolean("attention_bias", true);
+      c.router.score = RouterScore::SoftmaxTopK;
+      c.router.bias = true;
+      c.expert_bias = true;
+      c.swiglu_clamp = SwigluClamp{f.number("swiglu_alpha", 1.702), f.number("swiglu_limit", 7.0)};
+      if (!(c.swiglu_clamp->limit > 0)) throw UsageError(source + ": swiglu_limit must be positive");
+      c.attention_sinks = true;
+      c.sliding_window = f.integer("sliding_window", f.j.contains("sliding_window") ? 0 : 128);  // null: no window
+      if (c.sliding_window < 0) throw UsageError(source + ": sliding_window must be positive or null");
+      if (f.has("layer_types")) {
+        const json& lt = j.at("layer_types");
+        if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+          throw UsageError(source + ": layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) + ") strings");
+        for (const auto& t : lt) {
+          if (t == "sliding_attention") c.sliding_layers.push_back(true);
+          else if (t == "full_attention") c.sliding_layers.push_back(false);
+          else throw UsageError(source + ": layer_types entry " + t.dump() + " is not supported (sliding_attention, full_attention)");
+        }
+      } else {
+        for (int l = 0; l < c.layers; ++l) c.sliding_layers.push_back(l % 2 == 0);  // transformers' default: even layers slide
       }
       break;
     }

@@ -1,8 +1,9 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
-// The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3) share a
+// The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss) share a
 // decoder and differ in a few switches (q/k norm style, biases, shared experts, which layers are
-// sparse, the router's scoring, partial / interleaved / YaRN RoPE, DeepSeek's latent attention);
+// sparse, the router's scoring, partial / interleaved / YaRN RoPE, DeepSeek's latent attention,
+// gpt-oss's attention sinks, sliding-window layers and biased, clamped experts);
 // this struct holds exactly those switches so the decoder never looks at model_type strings again.
 #pragma once
 
@@ -15,7 +16,7 @@
 
 namespace eo::model {
 
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3 };
+enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss };
 
 // The names config.json's model_type takes, in Arch order, comma separated (error messages).
 extern const char* const kSupportedModelTypes;
@@ -39,7 +40,8 @@ struct Rope {
 };
 
 // How the router turns logits into the top-k experts and their weights.
-enum class RouterScore { Softmax, Sigmoid };
+// SoftmaxTopK (gpt-oss): top-k of the logits, then a softmax over those k only.
+enum class RouterScore { Softmax, Sigmoid, SoftmaxTopK };
 // Group-limited routing: experts fall into n_group groups; only the topk_group best groups
 // compete. A group's score: its best expert (DeepSeek-V2 group_limited_greedy) or the sum of its
 // two best (DeepSeek-V3 / GLM-4.5 noaux_tc).
@@ -51,6 +53,12 @@ struct Router {
   std::int64_t n_group = 1, topk_group = 1;
   double scaling = 1.0;  // routed_scaling_factor, on the final weights
   bool fp32 = false;     // weight and logits in fp32 whatever the compute dtype (transformers keeps gate.weight fp32)
+  bool bias = false;     // a bias on the router linear (gpt-oss)
+};
+
+// gpt-oss's expert activation: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit).
+struct SwigluClamp {
+  double alpha = 1.702, limit = 7.0;
 };
 
 // Multi-head latent attention (DeepSeek-V2/V3): q (optionally through a low-rank q_a → norm →
@@ -100,10 +108,24 @@ struct ModelConfig {
   // transformers computes the load-balancing aux loss for this family (glm4_moe and DeepSeek
   // balance with e_score_correction_bias / not at all in training and return none).
   bool has_aux_loss = true;
+  // gpt-oss: a learned per-head sink logit in every attention softmax, sliding-window layers
+  // (each attends to the last sliding_window positions, itself included), expert biases and the
+  // clamped activation.
+  bool attention_sinks = false;
+  std::int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;  // per layer; empty = none
+  bool expert_bias = false;
+  std::optional<SwigluClamp> swiglu_clamp;
 
   bool is_moe_layer(int layer) const;
   // The HF name prefix of a layer's MoE block: "mlp" or Mixtral's "block_sparse_moe".
   std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : "mlp"; }
+  // The router's module under the MoE block: gpt-oss "router", else "gate".
+  std::string router_name() const { return arch == Arch::GptOss ? "router" : "gate"; }
+  bool is_sliding_layer(int layer) const { return !sliding_layers.empty() && sliding_layers.at(layer) && sliding_window > 0; }
+  // Whether peft names the routed experts per expert (experts.{e}.gate_proj ...): every family but
+  // gpt-oss, whose experts only ever exist fused (peft reaches them through target_parameters).
+  bool experts_lora_ok() const { return arch != Arch::GptOss; }
   // The shared expert's module under the MoE block: qwen2_moe "shared_expert", else "shared_experts".
   std::string shared_expert_name() const { return arch == Arch::Qwen2Moe ? "shared_expert" : "shared_experts"; }
   // The attention linears (peft's short names, in model order) and their shapes.

@@ -208,6 +208,7 @@ struct ModelLoader {
     b.k_ = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
     b.v_ = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
     b.o_ = linear(p + "self_attn.o_proj", c.heads * D, H, c.o_bias, true);
+    if (c.attention_sinks) b.sinks_ = get(p + "self_attn.sinks", {c.heads});
     if (c.qk_norm == QkNorm::PerHead) {
       b.q_norm_ = get(p + "self_attn.q_norm.weight", {D});
       b.k_norm_ = get(p + "self_attn.k_norm.weight", {D});
@@ -232,6 +233,20 @@ struct ModelLoader {
     const ModelConfig& c = m.cfg_;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
     const std::string p = moe_prefix(i) + ".experts";
+    if (ck && ck->has(p + ".gate_up_proj_blocks"))
+      throw UsageError("checkpoint " + ck->folder() + ": experts '" + p + ".gate_up_proj_blocks' are MXFP4, which is not "
+                       "supported; load the checkpoint dequantised to bf16 (transformers: Mxfp4Config(dequantize=True)) and "
+                       "save_pretrained it");
+    if (m.cfg_.arch == Arch::GptOss) {
+      // gpt-oss's own layout, the only one it has: transposed [E, H, 2I] with gate and up
+      // interleaved (gate = columns 0, 2, 4, ...), down [E, I, H].
+      if (!ck) return {};
+      const at::Tensor gu = raw(p + ".gate_up_proj", {E, H, 2 * I}), down = raw(p + ".down_proj", {E, I, H});
+      std::vector<std::array<at::Tensor, 3>> out(E);
+      for (int e = 0; e < E; ++e)
+        out[e] = {gu[e].slice(1, 0, 2 * I, 2).t(), gu[e].slice(1, 1, 2 * I, 2).t(), down[e].t()};
+      return out;
+    }
     if (!ck || !ck->has(p + ".gate_up_proj")) return {};
     for (const char* name : {".gate_up_proj", ".down_proj"}) {
       // transformers saves bnb 4-bit experts per expert; a quantised fused tensor is not a format we know.
@@ -251,6 +266,13 @@ struct ModelLoader {
     static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
     static const char* kMix[3] = {"w1", "w3", "w2"};
     return moe_prefix(i) + ".experts." + std::to_string(e) + "." + (m.cfg_.arch == Arch::Mixtral ? kMix : kQwen)[mi];
+  }
+  // gpt-oss's expert biases, [E, out] per matrix (gate, up interleaved in gate_up_proj_bias).
+  std::array<at::Tensor, 3> expert_biases(int i) const {
+    const auto E = m.cfg_.experts, H = m.cfg_.hidden, I = m.cfg_.expert_width;
+    const std::string p = moe_prefix(i) + ".experts";
+    const at::Tensor gu = get(p + ".gate_up_proj_bias", {E, 2 * I}), down = get(p + ".down_proj_bias", {E, H});
+    return {gu.slice(1, 0, 2 * I, 2).contiguous(), gu.slice(1, 1, 2 * I, 2).contiguous(), down};
   }
   std::vector<std::int64_t> expert_shape(int mi) const {
     const auto H = m.cfg_.hidden, I = m.cfg_.expert_width;
@@ -280,8 +302,11 @@ struct ModelLoader {
       } else {
         const std::optional<at::ScalarType> router_dtype =
             c.router.fp32 ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
-        b->router_ = get(moe_prefix(i) + ".gate.weight", {c.experts, H}, router_dtype);
-        if (c.router.correction_bias) b->router_bias_ = get(moe_prefix(i) + ".gate.e_score_correction_bias", {c.experts}, at::kFloat);
+        const std::string router = moe_prefix(i) + "." + c.router_name();
+        b->router_ = get(router + ".weight", {c.experts, H}, router_dtype);
+        if (c.router.bias) b->router_b_ = get(router + ".bias", {c.experts}, router_dtype);
+        if (c.router.correction_bias) b->router_bias_ = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
+        if (c.expert_bias) b->expert_bias_ = expert_biases(i);
         const auto fused = fused_experts(i);
         if (opts.load_in_4bit) {
           bank[i].resize(c.experts);
@@ -373,7 +398,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
     static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
     static const char* kMix[3] = {"w1", "w3", "w2"};
     const std::int64_t in[3] = {c.hidden, c.hidden, c.expert_width}, out[3] = {c.expert_width, c.expert_width, c.hidden};
-    for (int e = 0; e < c.experts; ++e)
+    for (int e = 0; e < (c.experts_lora_ok() ? c.experts : 0); ++e)  // gpt-oss: no per-expert modules
       for (int mi = 0; mi < 3; ++mi) {
         const std::string short_name = mix ? kMix[mi] : kQwen[mi];
         LoraSite s{ep + std::to_string(e) + "." + short_name, short_name, in[mi], out[mi]};
@@ -416,7 +441,9 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     if (!matched.count(t)) {
       std::string names;
       for (const auto& n : cfg_.linear_modules()) names += (names.empty() ? "" : ", ") + n;
-      throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type + " model (" + names + ")");
+      throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type + " model (" + names + ")" +
+                       (cfg_.experts_lora_ok() ? "" : "; its experts exist only fused, which peft adapts through "
+                                                      "target_parameters, a format eo-ddp does not implement"));
     }
 }
 

@@ -73,6 +73,36 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockCo
   return o.transpose(1, 2).reshape({B, T, h * v.size(-1)});
 }
 
+// gpt-oss attention: a sliding window on some layers and a sink logit per head. The sink joins
+// the softmax as one more key whose score is exactly the sink: q gets an extra channel of 1, that
+// key holds sink / scale there (zeros elsewhere, value 0), every real key 0 there. So the fused
+// SDPA kernels run it (with a mask); the channel count is padded to a multiple of 8 for them.
+at::Tensor attend_with_sinks(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale,
+                             const at::Tensor& sinks, std::int64_t window) {
+  const auto B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), hk = k.size(1);
+  const auto opt = at::TensorOptions().dtype(at::kBool).device(q.device());
+  at::Tensor mask = ctx.attn_mask.defined() ? ctx.attn_mask : at::ones({T, T}, opt).tril().view({1, 1, T, T});
+  if (window > 0) {  // transformers' sliding_window_overlay: key j is seen from query i when j > i - window
+    const at::Tensor i = at::arange(T, opt.dtype(at::kLong)).view({T, 1}), j = at::arange(T, opt.dtype(at::kLong)).view({1, T});
+    mask = mask & (j > i - window).view({1, 1, T, T});
+  }
+  if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, ctx.training, nullptr}, scale);
+  if (hk != h) {  // each query head has its own sink key
+    k = k.repeat_interleave(h / hk, 1);
+    v = v.repeat_interleave(h / hk, 1);
+  }
+  const auto pad = (D + 1 + 7) / 8 * 8 - D;  // the extra channel and alignment
+  const auto o = q.options();
+  const at::Tensor q_aug = at::cat({q, at::ones({B, h, T, 1}, o), at::zeros({B, h, T, pad - 1}, o)}, -1);
+  const at::Tensor sink_key = at::cat({at::zeros({B, h, 1, D}, o), (sinks.to(q.scalar_type()) / scale).view({1, h, 1, 1}).expand({B, h, 1, 1}),
+                                       at::zeros({B, h, 1, pad - 1}, o)}, -1);
+  const at::Tensor k_aug = at::cat({sink_key, at::cat({k, at::zeros({B, h, T, pad}, o)}, -1)}, 2);
+  const at::Tensor v_aug = at::cat({at::zeros({B, h, 1, v.size(3)}, o), v}, 2);
+  const at::Tensor mask_aug = at::cat({at::ones({mask.size(0), 1, T, 1}, opt), mask.expand({mask.size(0), 1, T, T})}, -1);
+  const at::Tensor out = at::scaled_dot_product_attention(q_aug, k_aug, v_aug, mask_aug, 0.0, false, scale, false);
+  return out.transpose(1, 2).reshape({B, T, h * v.size(-1)});
+}
+
 // DeepSeek's q_a_layernorm / kv_a_layernorm are built with RMSNorm's default eps, not rms_norm_eps.
 constexpr double kLatentNormEps = 1e-6;
 
@@ -101,6 +131,9 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   }
   q = apply_rope(q.transpose(1, 2), ctx, c.rope);
   k = apply_rope(k.transpose(1, 2), ctx, c.rope);
+  const std::int64_t window = c.is_sliding_layer(index_) ? c.sliding_window : 0;
+  if (c.attention_sinks || window > 0)
+    return o_.forward(attend_with_sinks(q, k, v.transpose(1, 2), ctx, c.attn_scale, sinks_, window), ctx.training);
   return o_.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
 }
 
@@ -123,14 +156,26 @@ at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContex
   return o_.forward(attend(q_full, k, kv.narrow(-1, a.nope_dim, a.v_dim), ctx, c.attn_scale), tr);
 }
 
+namespace {
+
+// gpt-oss's clamped activation (GptOssExperts._apply_gate).
+at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, const SwigluClamp& s) {
+  const at::Tensor g = gate.clamp_max(s.limit);
+  return (up.clamp(-s.limit, s.limit) + 1) * (g * at::sigmoid(g * s.alpha));
+}
+
+}  // namespace
+
 at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const {
   auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
     const int mi = static_cast<int>(m);
     at::Tensor y = quantized_ ? linear4bit(in, WeightHandle{provider_, index_, e, m, nullptr}) : at::linear(in, experts_[mi][e]);
+    if (expert_bias_[mi].defined()) y = y + expert_bias_[mi][e];
     if (const auto& l = expert_lora_[mi]) y = y + l->delta(lora[mi], e, in, training);
     return y;
   };
-  return linear(ExpertMatrix::Down, at::silu(linear(ExpertMatrix::Gate, x)) * linear(ExpertMatrix::Up, x));
+  const at::Tensor gate = linear(ExpertMatrix::Gate, x), up = linear(ExpertMatrix::Up, x);
+  return linear(ExpertMatrix::Down, cfg_->swiglu_clamp ? clamped_swiglu(gate, up, *cfg_->swiglu_clamp) : at::silu(gate) * up);
 }
 
 bool DecoderBlock::expert_lora_grouped_ok() const {
@@ -148,6 +193,9 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
     // the same rows and offsets; offsets stay on the device, so the block runs without a host
     // synchronisation.
     const at::Tensor offsets = counts.cumsum(0).to(at::kInt);
+    // Expert biases (gpt-oss): each sorted row's expert, from the device counts (no host sync).
+    const at::Tensor row_expert =
+        c.expert_bias ? at::repeat_interleave(at::arange(c.experts, counts.options()), counts, 0, x_sorted.size(0)) : at::Tensor();
     auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
       ExpertBank b;
       b.layer = index_;
@@ -156,12 +204,13 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
       if (quantized_) b.provider = provider_;
       else b.dense = experts_[static_cast<int>(m)];
       at::Tensor y = grouped_expert_linear(in, offsets, b);
+      if (const auto& bias = expert_bias_[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, row_expert);
       if (const auto& l = expert_lora_[static_cast<int>(m)]) y = y + l->grouped_delta(in, offsets, training);
       return y;
     };
     const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
     const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
-    return linear(ExpertMatrix::Down, swiglu(gate, up));
+    return linear(ExpertMatrix::Down, c.swiglu_clamp ? clamped_swiglu(gate, up, *c.swiglu_clamp) : swiglu(gate, up));
   }
   // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
   // the counts are read on the host. The stacked LoRA is cut into per-expert views once.
@@ -186,8 +235,12 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, co
   const auto N = flat.size(0), E = c.experts;
   // Logits in the compute dtype (or fp32 for the families that keep their router in fp32);
   // scores in fp32.
-  const at::Tensor logits = at::linear(r.fp32 ? flat.to(at::kFloat) : flat, router_);
+  const at::Tensor logits = at::linear(r.fp32 ? flat.to(at::kFloat) : flat, router_, router_b_);
   if (ctx.router_logits) ctx.router_logits->push_back(logits);
+  if (r.score == RouterScore::SoftmaxTopK) {  // gpt-oss: the softmax runs over the k chosen logits only
+    auto [top_logits, idx] = at::topk(logits, c.top_k, -1);
+    return {at::softmax(top_logits, -1, at::kFloat), idx};
+  }
   const at::Tensor scores =
       r.score == RouterScore::Sigmoid ? at::sigmoid(logits.to(at::kFloat)) : at::softmax(logits, -1, at::kFloat);
   // The choice: scores plus the correction bias (choice only), limited to the best groups.

@@ -1,4 +1,4 @@
-// The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3) on libtorch, with frozen base weights
+// The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss) on libtorch, with frozen base weights
 // (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
@@ -98,6 +98,9 @@ class DecoderBlock {
   Mlp dense_;                          // dense layers
   at::Tensor router_;                  // [E, H] (fp32 when the family keeps its router in fp32)
   at::Tensor router_bias_;             // [E] fp32 e_score_correction_bias (sigmoid routers)
+  at::Tensor router_b_;                // [E] the router linear's bias (gpt-oss)
+  at::Tensor sinks_;                   // [heads] attention sink logits (gpt-oss)
+  std::array<at::Tensor, 3> expert_bias_;  // per ExpertMatrix [E, out] (gpt-oss); undefined without
   std::array<at::Tensor, 3> experts_;  // dense mode: [E, out, in] per ExpertMatrix
   std::array<std::shared_ptr<ExpertLora>, 3> expert_lora_;  // per ExpertMatrix, all experts stacked
   bool has_shared_ = false;

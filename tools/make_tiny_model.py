@@ -5,7 +5,7 @@
 
 ARCH: qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, or a variant of
 the newer families with their unusual options on (glm4_moe_grouped, deepseek_v2_grouped,
-deepseek_v3_yarn: group-limited routing, YaRN, dense first layers, biases, q/k norm).
+deepseek_v3_yarn: group-limited routing, YaRN, dense first layers, biases, q/k norm), gpt_oss.
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -111,11 +111,21 @@ def make_config(arch):
                                              n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=16.0,
                                              norm_topk_prob=False, attention_bias=True, mlp_bias=True,
                                              rope_theta=10000.0)
+    if arch == "gpt_oss":
+        # gpt-oss: attention sinks, a 4-token sliding window on every other layer (the test sequences
+        # are longer), biases everywhere, a router with bias, clamped SwiGLU with a limit low enough
+        # to clamp, YaRN without truncation (as gpt-oss-20b). Experts exist only fused.
+        return transformers.GptOssConfig(**COMMON, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+                                         intermediate_size=32, sliding_window=4, swiglu_limit=1.5,
+                                         router_aux_loss_coef=0.02,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 64})
     raise SystemExit(f"unknown --arch {arch}")
 
 
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
-         "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn"]
+         "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss"]
 
 
 def fuse_experts(path, cfg):

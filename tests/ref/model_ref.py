@@ -41,6 +41,9 @@ TOOL = os.path.join(HERE, "..", "..", "tools", "make_tiny_model.py")
 R, ALPHA = 4, 8.0
 SCALING = ALPHA / R
 MIX = ARCH == "mixtral"
+# gpt-oss's experts only exist fused (peft reaches them through target_parameters, another adapter
+# format): its LoRA reference covers attention only.
+GPT_OSS = ARCH == "gpt_oss"
 MLP_NAMES = ["w1", "w3", "w2"] if MIX else ["gate_proj", "up_proj", "down_proj"]  # gate, up, down
 
 # Up to date (newer than this script and the model builder): nothing to do. Otherwise build in a
@@ -65,7 +68,7 @@ if "kv_lora_rank" in cfg:  # DeepSeek latent attention (peft's names for its lin
         ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 else:
     ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
-TARGETS = ATTN + MLP_NAMES
+TARGETS = ATTN + ([] if GPT_OSS else MLP_NAMES)
 V = cfg["vocab_size"]
 g = torch.Generator().manual_seed(11)
 ids = torch.randint(0, V, (2, 13), generator=g)
@@ -168,7 +171,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 base = peft_model.base_model.model
 moe_attr = "block_sparse_moe" if MIX else "mlp"
-for i, layer in enumerate(base.model.layers):
+for i, layer in enumerate([] if GPT_OSS else base.model.layers):
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
         ex = mlp.experts
@@ -229,7 +232,8 @@ def nf4(w):
 # bitsandbytes' own bytes for two checkpoint weights: the C++ load_in_4bit path must equal them.
 disk = load_file(os.path.join(model_dir, "model.safetensors"))
 attn_key = f"model.layers.1.self_attn.{ATTN[0]}.weight"
-for key in (attn_key, sorted(k for k in disk if ".experts.0." in k)[0]):
+for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else \
+        (attn_key, sorted(k for k in disk if ".experts.0." in k)[0]):
     q, state = bnbf.quantize_4bit(disk[key].contiguous(), blocksize=64, quant_type="nf4")
     ref["nf4_packed." + key], ref["nf4_absmax." + key] = q, state.absmax
 
@@ -237,9 +241,16 @@ model = load()
 with torch.no_grad():
     for n, p in model.named_parameters():
         if ".layers." not in n or "norm" in n or n.endswith(".gate.weight") or "shared_expert_gate" in n \
-                or n.endswith(".bias"):
-            continue  # norms, routers, shared-expert gate and biases stay unquantised
-        if n.endswith("experts.gate_up_proj"):
+                or n.endswith("bias") or ".router." in n or n.endswith(".sinks"):
+            continue  # norms, routers, shared-expert gate, biases and sinks stay unquantised
+        if GPT_OSS and n.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate / up interleaved columns
+            for e in range(p.shape[0]):
+                p[e, :, 0::2] = nf4(p[e, :, 0::2].T.contiguous()).T
+                p[e, :, 1::2] = nf4(p[e, :, 1::2].T.contiguous()).T
+        elif GPT_OSS and n.endswith("experts.down_proj"):  # [E, I, H]
+            for e in range(p.shape[0]):
+                p[e] = nf4(p[e].T.contiguous()).T
+        elif n.endswith("experts.gate_up_proj"):
             I = p.shape[1] // 2
             for e in range(p.shape[0]):
                 p[e, :I] = nf4(p[e, :I])
