@@ -10,7 +10,8 @@
 //          activation_offloading, ":mm" the micro-batch-major step order, ":shared" the homes in
 //          one shared memory file (expert_offload_homes: per_numa_node); they combine (":park:mm")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
-//   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe)
+//   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
+//   attn (default): the attention linears, as the architecture names them
 //   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
 //                its GPU time by phase (bench/breakdown.h)
 //
@@ -173,9 +174,6 @@ int main(int argc, char** argv) {
   const int accum = std::stoi(arg(argc, argv, "--accum", "1"));
   bool breakdown = false;
   for (int i = 1; i < argc; ++i) breakdown = breakdown || std::string(argv[i]) == "--breakdown";
-  const std::string targets = arg(argc, argv, "--targets", "attn") == "all"
-                                  ? "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
-                                  : "[q_proj, k_proj, v_proj, o_proj]";
   const std::string work = arg(argc, argv, "--workdir", fs::exists("/dev/shm") ? "/dev/shm/eo-bench" : "/tmp/eo-bench");
   std::vector<Point> points;
   for (const auto& p : split(arg(argc, argv, "--points", "2048x1"), ',')) {
@@ -184,6 +182,11 @@ int main(int argc, char** argv) {
     points.push_back({std::stoi(xy[0]), std::stoi(xy[1])});
   }
   const model::ModelConfig mc = model::load_config(model_dir);
+  // The architecture's names (DeepSeek's latent attention has no k_proj / v_proj).
+  std::string targets;
+  for (const auto& t : arg(argc, argv, "--targets", "attn") == "all" ? mc.linear_modules() : mc.attention_linears())
+    targets += (targets.empty() ? "[" : ", ") + t;
+  targets += "]";
   const std::string name = fs::path(model_dir).filename().string();
   fs::create_directories(work);
 
