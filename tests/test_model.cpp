@@ -417,21 +417,25 @@ TEST(Lora, NamesFollowPeftAndOrderOfUse) {
   EXPECT_THROW(m->add_lora(s), UsageError);
 }
 
+// Packing (positions restart, segment mask) is exact: for plain attention, DeepSeek's latent
+// attention with interleaved RoPE, and gpt-oss's sinks and 4-token sliding window.
 TEST(Model, PackedSegmentsEqualSeparateSequences) {
-  const std::string dir = ref_dir("qwen3_moe");
   c10::NoGradGuard no_grad;
-  auto m = MoeModel::load(dir + "/model", LoadOptions{});
-  const at::Tensor a = at::arange(5, 12).view({1, 7}), b = at::arange(40, 46).view({1, 6});
-  Batch packed;
-  packed.input_ids = at::cat({a, b}, 1);
-  packed.positions = at::cat({at::arange(7), at::arange(6)}).view({1, 13});
-  packed.segment_ids = at::cat({at::full({7}, 1, at::kLong), at::full({6}, 2, at::kLong)}).view({1, 13});
-  const at::Tensor lp = m->forward(packed).logits;
-  Batch ba, bb;
-  ba.input_ids = a;
-  bb.input_ids = b;
-  EXPECT_LT(rel_err(lp.narrow(1, 0, 7), m->forward(ba).logits), 1e-5);
-  EXPECT_LT(rel_err(lp.narrow(1, 7, 6), m->forward(bb).logits), 1e-5);
+  for (const char* arch : {"qwen3_moe", "deepseek_v3", "gpt_oss"}) {
+    SCOPED_TRACE(arch);
+    auto m = MoeModel::load(ref_dir(arch) + "/model", LoadOptions{});
+    const at::Tensor a = at::arange(5, 12).view({1, 7}), b = at::arange(40, 46).view({1, 6});
+    Batch packed;
+    packed.input_ids = at::cat({a, b}, 1);
+    packed.positions = at::cat({at::arange(7), at::arange(6)}).view({1, 13});
+    packed.segment_ids = at::cat({at::full({7}, 1, at::kLong), at::full({6}, 2, at::kLong)}).view({1, 13});
+    const at::Tensor lp = m->forward(packed).logits;
+    Batch ba, bb;
+    ba.input_ids = a;
+    bb.input_ids = b;
+    EXPECT_LT(rel_err(lp.narrow(1, 0, 7), m->forward(ba).logits), 1e-5);
+    EXPECT_LT(rel_err(lp.narrow(1, 7, 6), m->forward(bb).logits), 1e-5);
+  }
 }
 
 TEST(Model, MissingOrMisshapedTensorsAreNamed) {
