@@ -252,14 +252,14 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3;
   const bool gpt_oss = c.arch == Arch::GptOss;
   const bool newer = deepseek || gpt_oss || c.arch == Arch::Glm4Moe;  // the families added with issue #19
-  // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"); only float and
-  // bitsandbytes checkpoints load.
+  // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"): the loader
+  // dequantises them (models/mxfp4.h). Other families' checkpoints are float or bitsandbytes.
   if (f.has("quantization_config") && j.at("quantization_config").is_object()) {
     const Fields q{j.at("quantization_config"), source};
     const std::string method = text(q, "quant_method", "");
-    if (method == "mxfp4")
-      throw UsageError(source + ": quantization_config.quant_method 'mxfp4' is not supported; load the checkpoint "
-                       "dequantised to bf16 (transformers: Mxfp4Config(dequantize=True), then save_pretrained)");
+    if (method == "mxfp4" && !gpt_oss)
+      throw UsageError(source + ": quantization_config.quant_method 'mxfp4' is supported for gpt_oss experts only, not for " +
+                       c.model_type);
   }
 
   c.hidden = f.integer("hidden_size");

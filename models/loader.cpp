@@ -27,6 +27,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/moe_model.h"
+#include "models/mxfp4.h"
 #include "models/nf4_bnb.h"
 #include "models/safetensors.h"
 
@@ -106,7 +107,7 @@ struct ModelLoader {
   const LoadOptions& opts;
   MoeModel& m;
   // Stored bitsandbytes modules seen, for the summary log lines at the end.
-  mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0;
+  mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0, mxfp4_dequantised = 0;
 
   at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!ck) return random->dense(name, shape, opts.dtype);
@@ -227,21 +228,40 @@ struct ModelLoader {
     return base + m.cfg_.moe_prefix();
   }
 
+  // An MXFP4 expert tensor `name`_blocks [E, rows, cols/32, 16] + `name`_scales [E, rows, cols/32],
+  // dequantised and transposed as transformers does: bf16 [E, cols, rows].
+  at::Tensor mxfp4_experts(const std::string& name, std::int64_t E, std::int64_t rows, std::int64_t cols) const {
+    if (cols % 32 != 0)
+      throw Error("checkpoint " + ck->folder() + ": MXFP4 tensor '" + name + "_blocks' needs a multiple of 32 columns, not " +
+                  std::to_string(cols));
+    const auto load_u8 = [&](const std::string& n, const std::vector<std::int64_t>& shape) {
+      if (!ck->has(n)) throw Error("checkpoint " + ck->folder() + ": tensor '" + n + "' is missing (MXFP4 experts)");
+      at::Tensor t = ck->load(n);
+      if (t.scalar_type() != at::kByte || t.sizes() != at::IntArrayRef(shape))
+        throw Error("checkpoint " + ck->folder() + ": tensor '" + n + "' is " + std::string(at::toString(t.scalar_type())) +
+                    " " + shape_str(t.sizes()) + ", expected uint8 " + shape_str(shape));
+      return t;
+    };
+    const at::Tensor blocks = load_u8(name + "_blocks", {E, rows, cols / 32, 16});
+    const at::Tensor scales = load_u8(name + "_scales", {E, rows, cols / 32});
+    ++mxfp4_dequantised;
+    return mxfp4::dequantize(blocks, scales).transpose(1, 2).contiguous();
+  }
+
   // Experts of layer i. Fused layout: [E][matrix] float views (CPU, checkpoint dtype). Per-expert
   // layout: empty; the matrices load one by one through expert_prefix (they may be bnb-quantised).
   std::vector<std::array<at::Tensor, 3>> fused_experts(int i) const {
     const ModelConfig& c = m.cfg_;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
     const std::string p = moe_prefix(i) + ".experts";
-    if (ck && ck->has(p + ".gate_up_proj_blocks"))
-      throw UsageError("checkpoint " + ck->folder() + ": experts '" + p + ".gate_up_proj_blocks' are MXFP4, which is not "
-                       "supported; load the checkpoint dequantised to bf16 (transformers: Mxfp4Config(dequantize=True)) and "
-                       "save_pretrained it");
     if (m.cfg_.arch == Arch::GptOss) {
       // gpt-oss's own layout, the only one it has: transposed [E, H, 2I] with gate and up
-      // interleaved (gate = columns 0, 2, 4, ...), down [E, I, H].
+      // interleaved (gate = columns 0, 2, 4, ...), down [E, I, H]; or MXFP4 as the Hub ships it.
       if (!ck) return {};
-      const at::Tensor gu = raw(p + ".gate_up_proj", {E, H, 2 * I}), down = raw(p + ".down_proj", {E, I, H});
+      const at::Tensor gu = ck->has(p + ".gate_up_proj_blocks") ? mxfp4_experts(p + ".gate_up_proj", E, 2 * I, H)
+                                                                : raw(p + ".gate_up_proj", {E, H, 2 * I});
+      const at::Tensor down = ck->has(p + ".down_proj_blocks") ? mxfp4_experts(p + ".down_proj", E, H, I)
+                                                               : raw(p + ".down_proj", {E, I, H});
       std::vector<std::array<at::Tensor, 3>> out(E);
       for (int e = 0; e < E; ++e)
         out[e] = {gu[e].slice(1, 0, 2 * I, 2).t(), gu[e].slice(1, 1, 2 * I, 2).t(), down[e].t()};
@@ -331,6 +351,9 @@ struct ModelLoader {
       m.blocks_.push_back(std::move(b));
     }
     m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
+    if (mxfp4_dequantised > 0)
+      log::info(ck->folder() + ": " + std::to_string(mxfp4_dequantised) + " MXFP4 expert tensors dequantised to bf16" +
+                (opts.load_in_4bit ? ", then quantised to NF4" : ""));
     if (stored_nf4 > 0)
       log::info(ck->folder() + ": " + std::to_string(stored_nf4) + " linears are bitsandbytes nf4 already; using their "
                 "stored bytes (no re-quantisation)");

@@ -19,3 +19,9 @@ endforeach()
 # or generate them under a lock on first use).
 add_test(NAME model_parity COMMAND test_model)
 set_tests_properties(model_parity PROPERTIES LABELS ref TIMEOUT 1200 FIXTURES_REQUIRED model_ref)
+# gpt-oss MXFP4 experts against transformers' dequantiser (tests/ref/mxfp4_ref.py).
+add_test(NAME mxfp4_ref_gpt_oss
+         COMMAND flock ${PROJECT_BINARY_DIR}/tests/mxfp4_ref/gpt_oss.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/mxfp4_ref.py gpt_oss ${PROJECT_BINARY_DIR}/tests/mxfp4_ref)
+set_tests_properties(mxfp4_ref_gpt_oss PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
+file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/mxfp4_ref)

@@ -21,6 +21,7 @@
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/moe_model.h"
+#include "models/mxfp4.h"
 #include "models/safetensors.h"
 #include "runtime/data/jsonl.h"
 
@@ -273,15 +274,19 @@ TEST(HfConfig, GptOssRealShapeMatchesTransformers) {
   EXPECT_EQ(c.router_aux_loss_coef, 0.9);
   // Its experts have no per-expert modules for peft: lora_target_linear is the attention.
   EXPECT_EQ(c.linear_modules(), (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj"}));
-  // The Hub file's MXFP4 quantization_config is refused before any weight is read.
+  // The Hub file's MXFP4 quantization_config is gpt-oss's (its experts are dequantised at load);
+  // on another family it is refused before any weight is read.
   std::ifstream in(std::string(EO_SOURCE_DIR) + "/configs/models/gpt-oss-20b/config.json");
   nlohmann::json j = nlohmann::json::parse(in);
   j["quantization_config"] = {{"quant_method", "mxfp4"}};
+  EXPECT_NO_THROW(parse_config(j, "oss/config.json"));
+  nlohmann::json glm = j;
+  glm["model_type"] = "glm4_moe";
   try {
-    parse_config(j, "oss/config.json");
-    ADD_FAILURE() << "an MXFP4 checkpoint was accepted";
+    parse_config(glm, "glm/config.json");
+    ADD_FAILURE() << "MXFP4 on glm4_moe was accepted";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("quant_method 'mxfp4' is not supported"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'mxfp4' is supported for gpt_oss experts only"), std::string::npos) << e.what();
   }
   j.erase("quantization_config");
   j["layer_types"][3] = "chunked_attention";
@@ -342,6 +347,43 @@ TEST(HfConfig, UnsupportedOptionsOfNewerFamiliesAreNamed) {
     "rope_theta": 10000})");
   expect(qwen, R"({"rope_scaling": {"rope_type": "yarn", "factor": 4}})", "(only 'default' RoPE)");
   expect(qwen, R"({"partial_rotary_factor": 0.5})", "partial_rotary_factor is not supported for qwen3_moe");
+}
+
+// gpt-oss MXFP4 experts (tests/ref/mxfp4_ref.py): the dequantisation is transformers'
+// convert_moe_packed_tensors byte for byte (every code, every scale byte, the Hub layout), and the
+// checkpoint loads as transformers' model on those dequantised weights.
+std::string mxfp4_dir() { return eo::testing::python_fixture("mxfp4_ref.py", "mxfp4_ref", "gpt_oss"); }
+
+TEST(Mxfp4, DequantisationIsBitExactAgainstTransformers) {
+  const Ref r = load_ref(mxfp4_dir());
+  for (const char* t : {"random", "layer0.gate_up_proj", "layer0.down_proj"}) {
+    SCOPED_TRACE(t);
+    const std::string n(t);
+    const at::Tensor got = mxfp4::dequantize(r[n + ".blocks"], r[n + ".scales"]);
+    const at::Tensor want = r[n + ".expected"];
+    ASSERT_EQ(got.sizes(), want.sizes());
+    ASSERT_EQ(got.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(got.view(at::kShort).equal(want.view(at::kShort))) << "bf16 bit patterns differ";
+  }
+  EXPECT_TRUE(r["random.expected"].isinf().any().item<bool>()) << "the extremes (scale byte 255) are covered";
+}
+
+TEST(Mxfp4, GptOssCheckpointLoadsAsTransformersDequantised) {
+  const std::string dir = mxfp4_dir();
+  const Ref r = load_ref(dir);
+  c10::NoGradGuard no_grad;
+  Batch b;
+  b.input_ids = r["input_ids"];
+  auto m = MoeModel::load(dir + "/model_mxfp4", LoadOptions{});
+  const at::Tensor logits = m->forward(b).logits;
+  RecordProperty("logits_rel_err", std::to_string(rel_err(logits, r["logits"])));
+  EXPECT_LT(rel_err(logits, r["logits"]), 1e-4);
+  LoadOptions q;
+  q.load_in_4bit = true;  // MXFP4 → bf16 → NF4
+  const at::Tensor nf4_logits = MoeModel::load(dir + "/model_mxfp4", q)->forward(b).logits;
+  EXPECT_TRUE(nf4_logits.isfinite().all().item<bool>());
+  EXPECT_LT(rel_err(nf4_logits, r["logits"]), 0.5);
+  EXPECT_GT(rel_err(nf4_logits, r["logits"]), 1e-4);
 }
 
 // A provider whose bytes can be swapped, as the offload engine reuses slots.
