@@ -11,7 +11,8 @@
 //          one shared memory file (expert_offload_homes: per_numa_node), ":whole" / ":sliced" the
 //          expert bank dequantised whole / in 64 MiB slices; they combine (":park:mm")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
-//   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe)
+//   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
+//   attn (default): the attention linears, as the architecture names them
 //   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
 //                its GPU time by phase (bench/breakdown.h)
 //
@@ -140,14 +141,18 @@ std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_
 // projections, and in all (+ attention scores, causal, and the LM head's forward and backward).
 std::map<std::string, double> useful_flops(const model::ModelConfig& c, const TrainConfig& cfg) {
   const double tokens = double(cfg.sequence_len) * cfg.micro_batch_size * cfg.gradient_accumulation_steps;
-  const double H = double(c.hidden), qd = double(c.heads * c.head_dim), kvd = double(c.kv_heads * c.head_dim);
+  const double H = double(c.hidden);
+  // Per token and head, QK^T runs over the q/k head dims and PV over the v dims (MLA: 192 and 128).
+  const double qd = c.mla ? double(c.heads) * double(c.mla->qk_dim() + c.mla->v_dim) / 2 : double(c.heads * c.head_dim);
   double moe_layers = 0;
   for (int i = 0; i < c.layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
   const double dense_layers = double(c.layers) - moe_layers;
   const double passes = 3;  // forward, recompute, dX
   const double experts = tokens * moe_layers * double(c.top_k) * 3 * 2 * H * double(c.expert_width) * passes;
   const double dense = tokens * dense_layers * 3 * 2 * H * double(c.dense_width) * passes;
-  const double proj = tokens * double(c.layers) * 2 * H * (2 * qd + 2 * kvd) * passes;
+  double attn_params = 0;  // q/k/v/o, or DeepSeek's latent-attention linears
+  for (const auto& l : c.attention_shapes()) attn_params += double(l.in) * double(l.out);
+  const double proj = tokens * double(c.layers) * 2 * attn_params * passes;
   // QK^T and PV over the causal half, forward twice (forward, recompute), backward ~2x forward.
   const double attn = tokens * double(c.layers) * 2 * 2 * (double(cfg.sequence_len) / 2) * qd * 4;
   const double head = tokens * 2 * H * double(c.vocab) * 2;
@@ -171,9 +176,6 @@ int main(int argc, char** argv) {
   const int accum = std::stoi(arg(argc, argv, "--accum", "1"));
   bool breakdown = false;
   for (int i = 1; i < argc; ++i) breakdown = breakdown || std::string(argv[i]) == "--breakdown";
-  const std::string targets = arg(argc, argv, "--targets", "attn") == "all"
-                                  ? "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
-                                  : "[q_proj, k_proj, v_proj, o_proj]";
   const std::string work = arg(argc, argv, "--workdir", fs::exists("/dev/shm") ? "/dev/shm/eo-bench" : "/tmp/eo-bench");
   std::vector<Point> points;
   for (const auto& p : split(arg(argc, argv, "--points", "2048x1"), ',')) {
@@ -182,6 +184,11 @@ int main(int argc, char** argv) {
     points.push_back({std::stoi(xy[0]), std::stoi(xy[1])});
   }
   const model::ModelConfig mc = model::load_config(model_dir);
+  // The architecture's names (DeepSeek's latent attention has no k_proj / v_proj).
+  std::string targets;
+  for (const auto& t : arg(argc, argv, "--targets", "attn") == "all" ? mc.linear_modules() : mc.attention_linears())
+    targets += (targets.empty() ? "[" : ", ") + t;
+  targets += "]";
   const std::string name = fs::path(model_dir).filename().string();
   fs::create_directories(work);
 

@@ -53,7 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--override", default="", help="comma list key=value applied to the config (JSON values)")
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--lora-alpha", type=int, default=32)
-    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument("--lora-targets", default="attn",
+                   help="comma-separated module names, or attn: every linear of the attention blocks as the "
+                        "architecture names them (eo-bench's default; DeepSeek: q_proj/q_a_proj, q_b_proj, "
+                        "kv_a_proj_with_mqa, kv_b_proj, o_proj)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--router-aux", choices=["config", "on", "off"], default="config",
                    help="include the router load-balancing loss (default: as config.output_router_logits says)")
@@ -188,8 +191,14 @@ def weight_census(model):
 
 def apply_lora(model, args):
     from peft import LoraConfig, get_peft_model
+    import torch
+    if args.lora_targets == "attn":
+        targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                          if ".self_attn." in n and isinstance(m, torch.nn.Linear)})
+    else:
+        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     lcfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, bias="none",
-                      target_modules=[t.strip() for t in args.lora_targets.split(",") if t.strip()],
+                      target_modules=targets,
                       task_type="CAUSAL_LM")
     return get_peft_model(model, lcfg)
 

@@ -37,12 +37,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::int64_t l = 0; l < c.layers; ++l)
       EO_FUZZ_ASSERT(c.is_moe_layer(static_cast<int>(l)) || c.dense_width > 0);
     EO_FUZZ_ASSERT(!c.moe_prefix().empty());
+    // RoPE and latent attention shapes the attention code slices by.
+    EO_FUZZ_ASSERT(c.rope.dim > 0 && c.rope.dim % 2 == 0 && c.rope.dim <= c.head_dim && c.attn_scale > 0);
+    if (c.mla)
+      EO_FUZZ_ASSERT(c.mla->kv_lora_rank > 0 && c.mla->nope_dim > 0 && c.mla->v_dim > 0 && c.mla->rope_dim == c.head_dim &&
+                     c.kv_heads == c.heads && c.mla->q_lora_rank >= 0);
+    if (c.router.group != eo::model::GroupScore::None)
+      EO_FUZZ_ASSERT(c.router.n_group > 1 && c.experts % c.router.n_group == 0 && c.router.topk_group <= c.router.n_group &&
+                     c.top_k <= c.router.topk_group * (c.experts / c.router.n_group));
     const auto j = nlohmann::json::parse(data, data + size, nullptr, false);
     EO_FUZZ_ASSERT(j.is_object());
     EO_FUZZ_ASSERT(same_number(j["hidden_size"], c.hidden) && same_number(j["num_hidden_layers"], c.layers));
     EO_FUZZ_ASSERT(same_number(j["vocab_size"], c.vocab));
-    if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null() && c.arch != eo::model::Arch::Olmoe &&
-        c.arch != eo::model::Arch::Mixtral)
+    // Only the Qwen families read decoder_sparse_step.
+    if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null() &&
+        (c.arch == eo::model::Arch::Qwen3Moe || c.arch == eo::model::Arch::Qwen2Moe))
       EO_FUZZ_ASSERT(same_number(j["decoder_sparse_step"], c.decoder_sparse_step));
     if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array() && !c.mlp_only_layers.empty())
       for (std::size_t i = 0; i < c.mlp_only_layers.size(); ++i)

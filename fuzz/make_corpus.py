@@ -81,6 +81,10 @@ put(hc, "qwen2_moe", json.dumps({"model_type": "qwen2_moe", "hidden_size": 32, "
                                  "num_attention_heads": 2, "vocab_size": 64, "rope_theta": 1e6, "num_experts": 4,
                                  "num_experts_per_tok": 1, "moe_intermediate_size": 8, "intermediate_size": 16,
                                  "shared_expert_intermediate_size": 16, "decoder_sparse_step": 2}))
+# The newer families (issue #19): the real shapes, Hub spelling (rope_scaling, partial_rotary_factor).
+for name in ("deepseek-v2-lite", "glm-4.5-air", "gpt-oss-20b"):
+    with open(os.path.join(HERE, "..", "configs", "models", name, "config.json")) as f:
+        put(hc, name.replace(".", "_"), f.read())
 put(hc, "huge_layers", json.dumps(dict(qwen3, num_hidden_layers=4000000000, mlp_only_layers=[])))
 put(hc, "float_field", json.dumps(dict(qwen3, hidden_size=64.0)))
 put(hc, "bad_type", json.dumps(dict(qwen3, model_type="llama")))

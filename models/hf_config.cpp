@@ -2,6 +2,7 @@
 #include "models/hf_config.h"
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -73,13 +74,161 @@ void require_positive(std::int64_t v, const char* what, const std::string& sourc
     throw UsageError(source + ": '" + what + "' is " + std::to_string(v) + ", over 2^31 - 1; the file is damaged");
 }
 
+// String field: absent/null → fallback; anything but a string is an error naming the key.
+std::string text(const Fields& f, const char* key, const std::string& fallback) {
+  if (!f.has(key)) return fallback;
+  const json& v = f.j.at(key);
+  if (!v.is_string()) throw UsageError(f.source + ": field '" + key + "' must be a string, got " + v.dump());
+  return v.get<std::string>();
+}
+
+// A key whose only supported value is `want`, as JSON text (absent is fine): anything else is named
+// in the error.
+void require_value(const Fields& f, const char* key, const std::string& want, const std::string& why) {
+  if (!f.has(key)) return;
+  const json& v = f.j.at(key);
+  if (v.dump() == want) return;
+  throw UsageError(f.source + ": " + key + " " + v.dump() + " is not supported (only " + want + "): " + why);
+}
+
+// yarn_get_mscale of transformers (DeepSeek and the YaRN attention factor).
+double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
+
+// RoPE: rope_parameters (transformers 5 saves) or the Hub's rope_theta / rope_scaling /
+// partial_rotary_factor, read the way transformers' standardize_rope_params merges them.
+// `mscale_all_dim` (DeepSeek) is returned for the softmax scale.
+void parse_rope(const Fields& f, ModelConfig& c, bool scaling_ok, double default_partial, double& mscale_all_dim) {
+  const std::string& source = f.source;
+  const json* rp = nullptr;
+  if (f.has("rope_parameters")) {
+    rp = &f.j.at("rope_parameters");
+    if (!rp->is_object()) throw UsageError(source + ": field 'rope_parameters' must be an object");
+  } else if (f.has("rope_scaling")) {
+    rp = &f.j.at("rope_scaling");
+    if (!rp->is_object()) throw UsageError(source + ": field 'rope_scaling' must be an object or null");
+  }
+  const json empty = json::object();
+  const Fields r{rp ? *rp : empty, source};
+  if (r.has("rope_theta")) c.rope_theta = r.number("rope_theta");
+  else if (f.has("rope_theta")) c.rope_theta = f.number("rope_theta");
+  else throw UsageError(source + ": neither 'rope_theta' nor 'rope_parameters.rope_theta' is present");
+  const std::string type = text(r, "rope_type", text(r, "type", "default"));
+  const std::string where = rp == nullptr ? "rope" : (f.has("rope_parameters") ? "rope_parameters" : "rope_scaling");
+  if (type != "default" && !(scaling_ok && type == "yarn"))
+    throw UsageError(source + ": " + where + ".rope_type '" + type + "' is not supported for " + c.model_type +
+                     (scaling_ok ? " (only 'default' and 'yarn')" : " (only 'default' RoPE)"));
+  const double partial = r.number("partial_rotary_factor", f.number("partial_rotary_factor", default_partial));
+  if (!(partial > 0 && partial <= 1)) throw UsageError(source + ": partial_rotary_factor must be in (0, 1], got " + std::to_string(partial));
+  // Latent attention rotates exactly its qk_rope_head_dim (transformers' DeepSeek rotary ignores the factor).
+  if (c.mla && partial != 1) throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type);
+  if (!c.mla) c.rope.dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * partial);  // int() as transformers
+  if (c.rope.dim <= 0 || c.rope.dim % 2 != 0)
+    throw UsageError(source + ": the rotary dimension (" + std::to_string(c.rope.dim) + ") must be positive and even");
+  if (type != "yarn") return;
+  c.rope.yarn = true;
+  const double max_pos = static_cast<double>(f.integer("max_position_embeddings", 2048));
+  // transformers: a top-level original_max_position_embeddings wins, then the dict's, then max_position_embeddings.
+  c.rope.original_max_positions = f.has("original_max_position_embeddings") ? f.number("original_max_position_embeddings")
+                                                                            : r.number("original_max_position_embeddings", max_pos);
+  c.rope.factor = r.has("factor") ? r.number("factor") : max_pos / c.rope.original_max_positions;
+  if (!(c.rope.factor >= 1) || !(c.rope.original_max_positions > 0))
+    throw UsageError(source + ": " + where + ": yarn needs factor >= 1 and original_max_position_embeddings > 0");
+  // `x or default` in transformers: 0 and null both take the default.
+  c.rope.beta_fast = r.number("beta_fast", 0) != 0 ? r.number("beta_fast") : 32.0;
+  c.rope.beta_slow = r.number("beta_slow", 0) != 0 ? r.number("beta_slow") : 1.0;
+  c.rope.truncate = r.boolean("truncate", true);
+  const double mscale = r.number("mscale", 0);
+  mscale_all_dim = r.number("mscale_all_dim", 0);
+  if (r.has("attention_factor")) c.rope.attention_factor = r.number("attention_factor");
+  else if (mscale != 0 && mscale_all_dim != 0)
+    c.rope.attention_factor = yarn_mscale(c.rope.factor, mscale) / yarn_mscale(c.rope.factor, mscale_all_dim);
+  else c.rope.attention_factor = yarn_mscale(c.rope.factor, 1.0);
+}
+
+// DeepSeek's latent attention dims; head_dim becomes the RoPE dims (as transformers sets it).
+void parse_mla(const Fields& f, ModelConfig& c) {
+  Mla m;
+  if (!f.j.contains("q_lora_rank"))
+    throw UsageError(f.source + ": required field 'q_lora_rank' is missing (null for a full q_proj)");
+  m.q_lora_rank = f.integer("q_lora_rank", 0);
+  if (f.has("q_lora_rank")) require_positive(m.q_lora_rank, "q_lora_rank", f.source);
+  m.kv_lora_rank = f.integer("kv_lora_rank");
+  m.nope_dim = f.integer("qk_nope_head_dim");
+  m.rope_dim = f.integer("qk_rope_head_dim");
+  m.v_dim = f.integer("v_head_dim");
+  require_positive(m.kv_lora_rank, "kv_lora_rank", f.source);
+  require_positive(m.nope_dim, "qk_nope_head_dim", f.source);
+  require_positive(m.rope_dim, "qk_rope_head_dim", f.source);
+  require_positive(m.v_dim, "v_head_dim", f.source);
+  if (c.kv_heads != c.heads)
+    throw UsageError(f.source + ": num_key_value_heads (" + std::to_string(c.kv_heads) + ") must equal num_attention_heads (" +
+                     std::to_string(c.heads) + ") with latent attention (kv_b_proj gives every head its keys)");
+  c.head_dim = m.rope_dim;
+  c.rope.dim = m.rope_dim;
+  c.mla = m;
+}
+
+// The group-limited top-k parameters (n_group, topk_group) of a router that has them.
+void parse_groups(const Fields& f, ModelConfig& c, std::int64_t n_group, std::int64_t topk_group, GroupScore score) {
+  Router& r = c.router;
+  r.n_group = f.integer("n_group", n_group);
+  r.topk_group = f.integer("topk_group", topk_group);
+  require_positive(r.n_group, "n_group", f.source);
+  require_positive(r.topk_group, "topk_group", f.source);
+  if (c.experts % r.n_group != 0 || r.topk_group > r.n_group)
+    throw UsageError(f.source + ": n_group (" + std::to_string(r.n_group) + ") must divide the number of experts (" +
+                     std::to_string(c.experts) + ") and be at least topk_group (" + std::to_string(r.topk_group) + ")");
+  if (score == GroupScore::TopTwoSum && c.experts / r.n_group < 2)
+    throw UsageError(f.source + ": each of the n_group groups needs at least two experts (the group score sums its best two)");
+  // One group is every expert: the mask selects all of them, so skip the work.
+  r.group = r.n_group > 1 ? score : GroupScore::None;
+}
+
 }  // namespace
 
+const char* const kSupportedModelTypes = "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss";
+
 bool ModelConfig::is_moe_layer(int layer) const {
-  if (experts <= 0) return false;
+  if (experts <= 0 || layer < first_k_dense) return false;
   for (int l : mlp_only_layers)
     if (l == layer) return false;
   return (layer + 1) % decoder_sparse_step == 0;
+}
+
+std::vector<ModelConfig::Linear> ModelConfig::attention_shapes() const {
+  const std::int64_t H = hidden;
+  if (!mla) return {{"q_proj", H, heads * head_dim}, {"k_proj", H, kv_heads * head_dim}, {"v_proj", H, kv_heads * head_dim},
+                    {"o_proj", heads * head_dim, H}};
+  const Mla& a = *mla;
+  std::vector<Linear> out;
+  if (a.q_lora_rank > 0) out = {{"q_a_proj", H, a.q_lora_rank}, {"q_b_proj", a.q_lora_rank, heads * a.qk_dim()}};
+  else out = {{"q_proj", H, heads * a.qk_dim()}};
+  out.push_back({"kv_a_proj_with_mqa", H, a.kv_lora_rank + a.rope_dim});
+  out.push_back({"kv_b_proj", a.kv_lora_rank, heads * (a.nope_dim + a.v_dim)});
+  out.push_back({"o_proj", heads * a.v_dim, H});
+  return out;
+}
+
+std::vector<std::string> ModelConfig::attention_linears() const {
+  std::vector<std::string> out;
+  for (const auto& l : attention_shapes()) out.push_back(l.name);
+  return out;
+}
+
+const std::vector<std::string>& all_linear_modules() {
+  static const std::vector<std::string> names = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                                                 "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj",
+                                                 "w1", "w2", "w3"};
+  return names;
+}
+
+std::vector<std::string> ModelConfig::linear_modules() const {
+  std::vector<std::string> out = attention_linears();
+  bool dense = false, moe = false;
+  for (int i = 0; i < layers; ++i) (is_moe_layer(i) ? moe : dense) = true;
+  if (moe && arch == Arch::Mixtral) out.insert(out.end(), {"w1", "w2", "w3"});
+  if (dense || (moe && arch != Arch::Mixtral && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  return out;
 }
 
 ModelConfig parse_config(const json& j, const std::string& source) {
@@ -87,15 +236,31 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   Fields f{j, source};
   ModelConfig c;
   if (!j.contains("model_type") || !j.at("model_type").is_string())
-    throw UsageError(source + ": field 'model_type' (string) is missing; supported: qwen3_moe, olmoe, mixtral, qwen2_moe");
+    throw UsageError(source + ": field 'model_type' (string) is missing; supported: " + kSupportedModelTypes);
   c.model_type = j.at("model_type").get<std::string>();
   if (c.model_type == "qwen3_moe") c.arch = Arch::Qwen3Moe;
   else if (c.model_type == "olmoe") c.arch = Arch::Olmoe;
   else if (c.model_type == "mixtral") c.arch = Arch::Mixtral;
   else if (c.model_type == "qwen2_moe") c.arch = Arch::Qwen2Moe;
+  else if (c.model_type == "glm4_moe") c.arch = Arch::Glm4Moe;
+  else if (c.model_type == "deepseek_v2") c.arch = Arch::DeepseekV2;
+  else if (c.model_type == "deepseek_v3") c.arch = Arch::DeepseekV3;
+  else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
   else
-    throw UsageError(source + ": model_type '" + c.model_type +
-                     "' is not supported; supported model types: qwen3_moe, olmoe, mixtral, qwen2_moe");
+    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +
+                     kSupportedModelTypes);
+  const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3;
+  const bool gpt_oss = c.arch == Arch::GptOss;
+  const bool newer = deepseek || gpt_oss || c.arch == Arch::Glm4Moe;  // the families added with issue #19
+  // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"): the loader
+  // dequantises them (models/mxfp4.h). Other families' checkpoints are float or bitsandbytes.
+  if (f.has("quantization_config") && j.at("quantization_config").is_object()) {
+    const Fields q{j.at("quantization_config"), source};
+    const std::string method = text(q, "quant_method", "");
+    if (method == "mxfp4" && !gpt_oss)
+      throw UsageError(source + ": quantization_config.quant_method 'mxfp4' is supported for gpt_oss experts only, not for " +
+                       c.model_type);
+  }
 
   c.hidden = f.integer("hidden_size");
   c.layers = f.integer("num_hidden_layers");
@@ -116,36 +281,36 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   if (c.heads % c.kv_heads != 0)
     throw UsageError(source + ": num_attention_heads (" + std::to_string(c.heads) +
                      ") must be a multiple of num_key_value_heads (" + std::to_string(c.kv_heads) + ")");
-  if (f.has("head_dim")) {
+  if (deepseek) {
+    parse_mla(f, c);
+  } else if (f.has("head_dim")) {
     c.head_dim = f.integer("head_dim");
+  } else if (gpt_oss) {
+    c.head_dim = 64;  // GptOssConfig's default
   } else {
     if (c.hidden % c.heads != 0) throw UsageError(source + ": hidden_size must be divisible by num_attention_heads when head_dim is absent");
     c.head_dim = c.hidden / c.heads;
   }
   require_positive(c.head_dim, "head_dim", source);
   if (c.head_dim % 2 != 0) throw UsageError(source + ": head_dim must be even for RoPE");
-  c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe ? 1e-5 : 1e-6);
-
-  // rope_theta: top level (older configs) or rope_parameters.rope_theta (transformers v5).
-  if (f.has("rope_theta")) {
-    c.rope_theta = f.number("rope_theta");
-  } else if (f.has("rope_parameters")) {
-    const json& rp = j.at("rope_parameters");
-    if (!rp.is_object()) throw UsageError(source + ": field 'rope_parameters' must be an object");
-    Fields rf{rp, source};
-    c.rope_theta = rf.number("rope_theta");
-    if (rp.contains("rope_type") && rp.at("rope_type").is_string() && rp.at("rope_type").get<std::string>() != "default")
-      throw UsageError(source + ": rope_parameters.rope_type '" + rp.at("rope_type").get<std::string>() +
-                       "' is not supported (only 'default' RoPE)");
-  } else {
-    throw UsageError(source + ": neither 'rope_theta' nor 'rope_parameters.rope_theta' is present");
+  c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe || c.arch == Arch::Glm4Moe || gpt_oss ? 1e-5 : 1e-6);
+  if (newer && !gpt_oss) {  // gpt-oss's experts have their own activation; transformers ignores hidden_act
+    const std::string act = text(f, "hidden_act", "silu");
+    if (act != "silu") throw UsageError(source + ": hidden_act '" + act + "' is not supported (only silu)");
   }
-  if (f.has("rope_scaling") && !j.at("rope_scaling").is_null())
-    throw UsageError(source + ": rope_scaling is not supported (only default RoPE)");
+
+  double mscale_all_dim = 0;
+  parse_rope(f, c, /*scaling_ok=*/newer, c.arch == Arch::Glm4Moe ? 0.5 : 1.0, mscale_all_dim);
+  if (!newer && c.rope.dim != c.head_dim)
+    throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type);
+  c.rope.interleaved = c.arch == Arch::DeepseekV2 || (c.arch == Arch::DeepseekV3 && f.boolean("rope_interleave", true));
+  c.attn_scale = 1.0 / std::sqrt(static_cast<double>(c.mla ? c.mla->qk_dim() : c.head_dim));
+  // DeepSeek's softmax scale carries YaRN's mscale twice (q and k), as yarn_apply_mscale does.
+  if (deepseek && c.rope.yarn && mscale_all_dim != 0) c.attn_scale *= std::pow(yarn_mscale(c.rope.factor, mscale_all_dim), 2);
 
   c.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
   c.initializer_range = f.number("initializer_range", 0.02);
-  c.router_aux_loss_coef = f.number("router_aux_loss_coef", 0.0);
+  c.router_aux_loss_coef = f.number("router_aux_loss_coef", gpt_oss ? 0.001 : 0.0);
 
   switch (c.arch) {
     case Arch::Qwen3Moe:
@@ -182,19 +347,98 @@ ModelConfig parse_config(const json& j, const std::string& source) {
       c.expert_width = f.integer("moe_intermediate_size");
       c.dense_width = f.integer("intermediate_size", 0);
       c.shared_expert_width = f.integer("shared_expert_intermediate_size", 0);
+      c.shared_expert_gated = true;
       c.norm_topk_prob = f.boolean("norm_topk_prob", false);
       c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
       c.mlp_only_layers = f.int_list("mlp_only_layers");
       c.qkv_bias = f.boolean("qkv_bias", true);
       break;
+    case Arch::Glm4Moe:
+    case Arch::DeepseekV2:
+    case Arch::DeepseekV3: {
+      // The defaults are transformers' config classes' (used when a key is absent).
+      const bool v2 = c.arch == Arch::DeepseekV2, glm = c.arch == Arch::Glm4Moe;
+      // transformers 5 saves n_routed_experts; num_local_experts / num_experts are its aliases.
+      c.experts = f.has("n_routed_experts") ? f.integer("n_routed_experts")
+                  : f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", glm ? 128 : v2 ? 64 : 256);
+      c.top_k = f.integer("num_experts_per_tok", glm ? 8 : v2 ? 0 : 8);
+      c.expert_width = f.integer("moe_intermediate_size");
+      c.dense_width = f.integer("intermediate_size", 0);
+      c.shared_expert_width = c.expert_width * f.integer("n_shared_experts", glm ? 1 : v2 ? 2 : 1);
+      c.first_k_dense = f.small_integer("first_k_dense_replace", glm ? 1 : v2 ? 0 : 3);
+      if (c.first_k_dense < 0) throw UsageError(source + ": first_k_dense_replace must be >= 0");
+      require_value(f, "moe_layer_freq", "1", "transformers makes every layer from first_k_dense_replace on sparse");
+      c.has_aux_loss = false;
+      c.router.fp32 = true;
+      c.router.scaling = f.number("routed_scaling_factor", glm || v2 ? 1.0 : 2.5);
+      if (v2) {
+        // transformers' DeepseekV2 router never renormalises; DeepSeek's own code does when
+        // norm_topk_prob is set. The two disagree, so a config asking for it is refused.
+        if (f.boolean("norm_topk_prob", false))
+          throw UsageError(source + ": norm_topk_prob true is not supported for deepseek_v2 (transformers ignores it, "
+                           "DeepSeek's reference code renormalises; the weights would differ)");
+        require_value(f, "scoring_func", "\"softmax\"", "deepseek_v2 routes on softmax scores");
+        const std::string method = text(f, "topk_method", "greedy");
+        c.router.score = RouterScore::Softmax;
+        if (method == "group_limited_greedy") parse_groups(f, c, 1, 1, GroupScore::Max);
+        else if (method != "greedy")
+          throw UsageError(source + ": topk_method '" + method + "' is not supported for deepseek_v2 (greedy, group_limited_greedy)");
+        c.mlp_bias = f.boolean("mlp_bias", false);
+      } else {
+        c.norm_topk_prob = f.boolean("norm_topk_prob", true);
+        require_value(f, "scoring_func", "\"sigmoid\"", c.model_type + " routes on sigmoid scores");
+        require_value(f, "topk_method", "\"noaux_tc\"", c.model_type + " routes with the correction bias (noaux_tc)");
+        c.router.score = RouterScore::Sigmoid;
+        c.router.correction_bias = true;
+        parse_groups(f, c, glm ? 1 : 8, glm ? 1 : 4, GroupScore::TopTwoSum);
+      }
+      if (glm) {
+        c.qkv_bias = f.boolean("attention_bias", false);
+        if (f.boolean("use_qk_norm", false)) c.qk_norm = QkNorm::PerHead;
+      } else {
+        c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+      }
+      break;
+    }
+    case Arch::GptOss: {
+      c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", 128);
+      c.top_k = f.integer("num_experts_per_tok", 4);
+      c.expert_width = f.integer("intermediate_size");
+      c.qkv_bias = c.o_bias = f.boolean("attention_bias", true);
+      c.router.score = RouterScore::SoftmaxTopK;
+      c.router.bias = true;
+      c.expert_bias = true;
+      c.swiglu_clamp = SwigluClamp{f.number("swiglu_alpha", 1.702), f.number("swiglu_limit", 7.0)};
+      if (!(c.swiglu_clamp->limit > 0)) throw UsageError(source + ": swiglu_limit must be positive");
+      c.attention_sinks = true;
+      c.sliding_window = f.integer("sliding_window", f.j.contains("sliding_window") ? 0 : 128);  // null: no window
+      if (c.sliding_window < 0) throw UsageError(source + ": sliding_window must be positive or null");
+      if (f.has("layer_types")) {
+        const json& lt = j.at("layer_types");
+        if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+          throw UsageError(source + ": layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) + ") strings");
+        for (const auto& t : lt) {
+          if (t == "sliding_attention") c.sliding_layers.push_back(true);
+          else if (t == "full_attention") c.sliding_layers.push_back(false);
+          else throw UsageError(source + ": layer_types entry " + t.dump() + " is not supported (sliding_attention, full_attention)");
+        }
+      } else {
+        for (int l = 0; l < c.layers; ++l) c.sliding_layers.push_back(l % 2 == 0);  // transformers' default: even layers slide
+      }
+      break;
+    }
   }
   require_positive(c.experts, "number of experts", source);
   require_positive(c.top_k, "num_experts_per_tok", source);
   require_positive(c.expert_width, "expert intermediate size", source);
   require_positive(c.decoder_sparse_step, "decoder_sparse_step", source);
+  if (c.shared_expert_width < 0) throw UsageError(source + ": the shared expert width must not be negative");
   if (c.top_k > c.experts)
     throw UsageError(source + ": num_experts_per_tok (" + std::to_string(c.top_k) + ") exceeds the number of experts (" +
                      std::to_string(c.experts) + ")");
+  if (c.router.group != GroupScore::None && c.top_k > c.router.topk_group * (c.experts / c.router.n_group))
+    throw UsageError(source + ": num_experts_per_tok (" + std::to_string(c.top_k) + ") exceeds the experts of the " +
+                     std::to_string(c.router.topk_group) + " groups a token may use");
   for (int l : c.mlp_only_layers)
     if (l < 0 || l >= c.layers) throw UsageError(source + ": mlp_only_layers entry " + std::to_string(l) + " is not a layer index");
   for (int l = 0; l < c.layers; ++l)

@@ -1,8 +1,10 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
-// The four families (qwen3_moe, olmoe, mixtral, qwen2_moe) share a decoder and differ in a few
-// switches (q/k norm style, biases, shared expert, which layers are sparse); this struct holds
-// exactly those switches so the decoder never looks at model_type strings again.
+// The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss) share a
+// decoder and differ in a few switches (q/k norm style, biases, shared experts, which layers are
+// sparse, the router's scoring, partial / interleaved / YaRN RoPE, DeepSeek's latent attention,
+// gpt-oss's attention sinks, sliding-window layers and biased, clamped experts);
+// this struct holds exactly those switches so the decoder never looks at model_type strings again.
 #pragma once
 
 #include <cstdint>
@@ -14,13 +16,59 @@
 
 namespace eo::model {
 
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe };
+enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss };
+
+// The names config.json's model_type takes, in Arch order, comma separated (error messages).
+extern const char* const kSupportedModelTypes;
 
 // How the attention block normalises q and k.
 enum class QkNorm {
   None,      // mixtral, qwen2_moe
   PerHead,   // qwen3_moe: RMSNorm(head_dim) after the view into heads
   Whole,     // olmoe: RMSNorm over the whole projection before the split
+};
+
+// RoPE as transformers' rotary embeddings compute it (rope_parameters / rope_scaling).
+struct Rope {
+  std::int64_t dim = 0;      // rotated dims of each q/k head: head_dim × partial_rotary_factor; MLA: qk_rope_head_dim
+  bool interleaved = false;  // DeepSeek: pairs (x0, x1), (x2, x3), ... rotate together, not the two halves
+  bool yarn = false;         // rope_type "yarn": blended inv_freq and cos/sin × attention_factor
+  double factor = 1.0, beta_fast = 32.0, beta_slow = 1.0;
+  double original_max_positions = 0;
+  bool truncate = true;
+  double attention_factor = 1.0;  // cos and sin are multiplied by it
+};
+
+// How the router turns logits into the top-k experts and their weights.
+// SoftmaxTopK (gpt-oss): top-k of the logits, then a softmax over those k only.
+enum class RouterScore { Softmax, Sigmoid, SoftmaxTopK };
+// Group-limited routing: experts fall into n_group groups; only the topk_group best groups
+// compete. A group's score: its best expert (DeepSeek-V2 group_limited_greedy) or the sum of its
+// two best (DeepSeek-V3 / GLM-4.5 noaux_tc).
+enum class GroupScore { None, Max, TopTwoSum };
+struct Router {
+  RouterScore score = RouterScore::Softmax;
+  bool correction_bias = false;  // e_score_correction_bias: added to the scores for the choice only
+  GroupScore group = GroupScore::None;
+  std::int64_t n_group = 1, topk_group = 1;
+  double scaling = 1.0;  // routed_scaling_factor, on the final weights
+  bool fp32 = false;     // weight and logits in fp32 whatever the compute dtype (transformers keeps gate.weight fp32)
+  bool bias = false;     // a bias on the router linear (gpt-oss)
+};
+
+// gpt-oss's expert activation: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit).
+struct SwigluClamp {
+  double alpha = 1.702, limit = 7.0;
+};
+
+// Multi-head latent attention (DeepSeek-V2/V3): q (optionally through a low-rank q_a → norm →
+// q_b) and one compressed kv latent per token (kv_a_proj_with_mqa → norm → kv_b_proj), with the
+// RoPE part of each key shared by all heads.
+struct Mla {
+  std::int64_t q_lora_rank = 0;  // 0: a full q_proj (DeepSeek-V2-Lite)
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t nope_dim = 0, rope_dim = 0, v_dim = 0;  // qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+  std::int64_t qk_dim() const { return nope_dim + rope_dim; }
 };
 
 struct ModelConfig {
@@ -38,22 +86,62 @@ struct ModelConfig {
   std::int64_t top_k = 0;
   std::int64_t expert_width = 0;         // per-expert intermediate size
   std::int64_t dense_width = 0;          // intermediate_size of dense MLP layers (0 = none)
-  std::int64_t shared_expert_width = 0;  // qwen2_moe shared expert (0 = none)
+  std::int64_t shared_expert_width = 0;  // shared expert(s), summed width (0 = none)
+  bool shared_expert_gated = false;      // qwen2_moe: sigmoid(shared_expert_gate(x)) × shared expert
   bool norm_topk_prob = false;           // renormalise the top-k probabilities (mixtral: always)
   int decoder_sparse_step = 1;
   std::vector<int> mlp_only_layers;
+  int first_k_dense = 0;  // first_k_dense_replace: layers below it are dense
   bool tie_word_embeddings = false;
   double router_aux_loss_coef = 0.0;
   double initializer_range = 0.02;  // std of random init (synthetic weights)
   double router_jitter_noise = 0.0;  // mixtral, training only; not applied (warned by callers)
   std::optional<double> clip_qkv;    // olmoe
-  bool qkv_bias = false;             // bias on q/k/v projections (qwen2_moe)
+  bool qkv_bias = false;             // bias on q/k/v projections (qwen2_moe, glm4_moe); MLA: q_a / kv_a
+  bool o_bias = false;               // bias on o_proj (DeepSeek attention_bias)
+  bool mlp_bias = false;             // bias on dense and shared-expert MLP linears (deepseek_v2 mlp_bias)
   QkNorm qk_norm = QkNorm::None;
+  Rope rope;
+  double attn_scale = 0;  // softmax scale: 1/sqrt(qk head dim), DeepSeek YaRN × mscale²
+  Router router;
+  std::optional<Mla> mla;
+  // transformers computes the load-balancing aux loss for this family (glm4_moe and DeepSeek
+  // balance with e_score_correction_bias / not at all in training and return none).
+  bool has_aux_loss = true;
+  // gpt-oss: a learned per-head sink logit in every attention softmax, sliding-window layers
+  // (each attends to the last sliding_window positions, itself included), expert biases and the
+  // clamped activation.
+  bool attention_sinks = false;
+  std::int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;  // per layer; empty = none
+  bool expert_bias = false;
+  std::optional<SwigluClamp> swiglu_clamp;
 
   bool is_moe_layer(int layer) const;
   // The HF name prefix of a layer's MoE block: "mlp" or Mixtral's "block_sparse_moe".
   std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : "mlp"; }
+  // The router's module under the MoE block: gpt-oss "router", else "gate".
+  std::string router_name() const { return arch == Arch::GptOss ? "router" : "gate"; }
+  bool is_sliding_layer(int layer) const { return !sliding_layers.empty() && sliding_layers.at(layer) && sliding_window > 0; }
+  // Whether peft names the routed experts per expert (experts.{e}.gate_proj ...): every family but
+  // gpt-oss, whose experts only ever exist fused (peft reaches them through target_parameters).
+  bool experts_lora_ok() const { return arch != Arch::GptOss; }
+  // The shared expert's module under the MoE block: qwen2_moe "shared_expert", else "shared_experts".
+  std::string shared_expert_name() const { return arch == Arch::Qwen2Moe ? "shared_expert" : "shared_experts"; }
+  // The attention linears (peft's short names, in model order) and their shapes.
+  struct Linear {
+    std::string name;
+    std::int64_t in = 0, out = 0;
+  };
+  std::vector<Linear> attention_shapes() const;
+  std::vector<std::string> attention_linears() const;
+  // Every LoRA-able linear's short name (attention, then MLP / expert matrices): what
+  // lora_target_linear selects.
+  std::vector<std::string> linear_modules() const;
 };
+
+// Every linear short name some supported family has (what lora_target_modules may name).
+const std::vector<std::string>& all_linear_modules();
 
 // `source` names the file in error messages.
 ModelConfig parse_config(const nlohmann::json& j, const std::string& source);

@@ -27,6 +27,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/moe_model.h"
+#include "models/mxfp4.h"
 #include "models/nf4_bnb.h"
 #include "models/safetensors.h"
 
@@ -68,11 +69,11 @@ class RandomWeights {
 #endif
     gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
   }
-  // norms 1, biases 0, everything else N(0, init_range).
+  // norms 1, biases 0 (e_score_correction_bias too), everything else N(0, init_range).
   at::Tensor dense(const std::string& name, const std::vector<std::int64_t>& shape, at::ScalarType dtype) {
     const auto o = at::TensorOptions().dtype(dtype).device(device_);
     if (ends_with(name, "norm.weight")) return at::ones(shape, o);
-    if (ends_with(name, ".bias")) return at::zeros(shape, o);
+    if (ends_with(name, "bias")) return at::zeros(shape, o);
     return at::randn(shape, gen_, o.dtype(at::kFloat)).mul_(init_range_).to(dtype);
   }
   // Uniform NF4 codes; absmax varies ±25% around the value that gives the weights a standard
@@ -106,7 +107,7 @@ struct ModelLoader {
   const LoadOptions& opts;
   MoeModel& m;
   // Stored bitsandbytes modules seen, for the summary log lines at the end.
-  mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0;
+  mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0, mxfp4_dequantised = 0;
 
   at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!ck) return random->dense(name, shape, opts.dtype);
@@ -139,14 +140,17 @@ struct ModelLoader {
 
   // Frozen tensor in the compute dtype on the device; `P.weight` of a bitsandbytes module is
   // dequantised (e.g. a router someone chose to quantise).
-  at::Tensor get(const std::string& name, std::vector<std::int64_t> shape) const {
+  // `dtype` overrides the compute dtype (routers some families keep in fp32).
+  at::Tensor get(const std::string& name, std::vector<std::int64_t> shape, std::optional<at::ScalarType> dtype = {}) const {
+    const at::ScalarType dt = dtype.value_or(opts.dtype);
     static const std::string kWeight = ".weight";
     if (name.size() > kWeight.size() && name.compare(name.size() - kWeight.size(), kWeight.size(), kWeight) == 0)
       if (auto q = stored_4bit(name.substr(0, name.size() - kWeight.size()), shape)) {
         ++stored_dequantised;
-        return nf4::dequantize(*q, opts.dtype).to(opts.device).contiguous();
+        return nf4::dequantize(*q, dt).to(opts.device).contiguous();
       }
-    return raw(name, std::move(shape)).to(opts.device, opts.dtype).contiguous();
+    if (!ck) return random->dense(name, shape, dt);
+    return raw(name, std::move(shape)).to(opts.device, dt).contiguous();
   }
   nf4::QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
     // On the target device: a GPU quantises with the CUDA kernel (same bytes as the CPU path).
@@ -177,8 +181,42 @@ struct ModelLoader {
   }
   Mlp mlp(const std::string& prefix, std::int64_t width) const {
     const auto H = m.cfg_.hidden;
-    return Mlp{linear(prefix + ".gate_proj", H, width, false, true), linear(prefix + ".up_proj", H, width, false, true),
-               linear(prefix + ".down_proj", width, H, false, true)};
+    const bool b = m.cfg_.mlp_bias;
+    return Mlp{linear(prefix + ".gate_proj", H, width, b, true), linear(prefix + ".up_proj", H, width, b, true),
+               linear(prefix + ".down_proj", width, H, b, true)};
+  }
+
+  // Attention of one block: q/k/v/o (with the family's norms), or DeepSeek's latent attention.
+  void attention(DecoderBlock& b, const std::string& p) const {
+    const ModelConfig& c = m.cfg_;
+    const auto H = c.hidden, D = c.head_dim;
+    if (c.mla) {
+      const Mla& a = *c.mla;
+      if (a.q_lora_rank > 0) {
+        b.q_a_ = linear(p + "self_attn.q_a_proj", H, a.q_lora_rank, c.qkv_bias, true);
+        b.q_a_norm_ = get(p + "self_attn.q_a_layernorm.weight", {a.q_lora_rank});
+        b.q_ = linear(p + "self_attn.q_b_proj", a.q_lora_rank, c.heads * a.qk_dim(), false, true);
+      } else {
+        b.q_ = linear(p + "self_attn.q_proj", H, c.heads * a.qk_dim(), false, true);
+      }
+      b.kv_a_ = linear(p + "self_attn.kv_a_proj_with_mqa", H, a.kv_lora_rank + a.rope_dim, c.qkv_bias, true);
+      b.kv_a_norm_ = get(p + "self_attn.kv_a_layernorm.weight", {a.kv_lora_rank});
+      b.kv_b_ = linear(p + "self_attn.kv_b_proj", a.kv_lora_rank, c.heads * (a.nope_dim + a.v_dim), false, true);
+      b.o_ = linear(p + "self_attn.o_proj", c.heads * a.v_dim, H, c.o_bias, true);
+      return;
+    }
+    b.q_ = linear(p + "self_attn.q_proj", H, c.heads * D, c.qkv_bias, true);
+    b.k_ = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
+    b.v_ = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
+    b.o_ = linear(p + "self_attn.o_proj", c.heads * D, H, c.o_bias, true);
+    if (c.attention_sinks) b.sinks_ = get(p + "self_attn.sinks", {c.heads});
+    if (c.qk_norm == QkNorm::PerHead) {
+      b.q_norm_ = get(p + "self_attn.q_norm.weight", {D});
+      b.k_norm_ = get(p + "self_attn.k_norm.weight", {D});
+    } else if (c.qk_norm == QkNorm::Whole) {
+      b.q_norm_ = get(p + "self_attn.q_norm.weight", {c.heads * D});
+      b.k_norm_ = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});
+    }
   }
 
   // The MoE block's name prefix: Mixtral checkpoints use block_sparse_moe, transformers v5's
@@ -190,12 +228,45 @@ struct ModelLoader {
     return base + m.cfg_.moe_prefix();
   }
 
+  // An MXFP4 expert tensor `name`_blocks [E, rows, cols/32, 16] + `name`_scales [E, rows, cols/32],
+  // dequantised and transposed as transformers does: bf16 [E, cols, rows].
+  at::Tensor mxfp4_experts(const std::string& name, std::int64_t E, std::int64_t rows, std::int64_t cols) const {
+    if (cols % 32 != 0)
+      throw Error("checkpoint " + ck->folder() + ": MXFP4 tensor '" + name + "_blocks' needs a multiple of 32 columns, not " +
+                  std::to_string(cols));
+    const auto load_u8 = [&](const std::string& n, const std::vector<std::int64_t>& shape) {
+      if (!ck->has(n)) throw Error("checkpoint " + ck->folder() + ": tensor '" + n + "' is missing (MXFP4 experts)");
+      at::Tensor t = ck->load(n);
+      if (t.scalar_type() != at::kByte || t.sizes() != at::IntArrayRef(shape))
+        throw Error("checkpoint " + ck->folder() + ": tensor '" + n + "' is " + std::string(at::toString(t.scalar_type())) +
+                    " " + shape_str(t.sizes()) + ", expected uint8 " + shape_str(shape));
+      return t;
+    };
+    const at::Tensor blocks = load_u8(name + "_blocks", {E, rows, cols / 32, 16});
+    const at::Tensor scales = load_u8(name + "_scales", {E, rows, cols / 32});
+    ++mxfp4_dequantised;
+    return mxfp4::dequantize(blocks, scales).transpose(1, 2).contiguous();
+  }
+
   // Experts of layer i. Fused layout: [E][matrix] float views (CPU, checkpoint dtype). Per-expert
   // layout: empty; the matrices load one by one through expert_prefix (they may be bnb-quantised).
   std::vector<std::array<at::Tensor, 3>> fused_experts(int i) const {
     const ModelConfig& c = m.cfg_;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
     const std::string p = moe_prefix(i) + ".experts";
+    if (m.cfg_.arch == Arch::GptOss) {
+      // gpt-oss's own layout, the only one it has: transposed [E, H, 2I] with gate and up
+      // interleaved (gate = columns 0, 2, 4, ...), down [E, I, H]; or MXFP4 as the Hub ships it.
+      if (!ck) return {};
+      const at::Tensor gu = ck->has(p + ".gate_up_proj_blocks") ? mxfp4_experts(p + ".gate_up_proj", E, 2 * I, H)
+                                                                : raw(p + ".gate_up_proj", {E, H, 2 * I});
+      const at::Tensor down = ck->has(p + ".down_proj_blocks") ? mxfp4_experts(p + ".down_proj", E, H, I)
+                                                               : raw(p + ".down_proj", {E, I, H});
+      std::vector<std::array<at::Tensor, 3>> out(E);
+      for (int e = 0; e < E; ++e)
+        out[e] = {gu[e].slice(1, 0, 2 * I, 2).t(), gu[e].slice(1, 1, 2 * I, 2).t(), down[e].t()};
+      return out;
+    }
     if (!ck || !ck->has(p + ".gate_up_proj")) return {};
     for (const char* name : {".gate_up_proj", ".down_proj"}) {
       // transformers saves bnb 4-bit experts per expert; a quantised fused tensor is not a format we know.
@@ -216,6 +287,13 @@ struct ModelLoader {
     static const char* kMix[3] = {"w1", "w3", "w2"};
     return moe_prefix(i) + ".experts." + std::to_string(e) + "." + (m.cfg_.arch == Arch::Mixtral ? kMix : kQwen)[mi];
   }
+  // gpt-oss's expert biases, [E, out] per matrix (gate, up interleaved in gate_up_proj_bias).
+  std::array<at::Tensor, 3> expert_biases(int i) const {
+    const auto E = m.cfg_.experts, H = m.cfg_.hidden, I = m.cfg_.expert_width;
+    const std::string p = moe_prefix(i) + ".experts";
+    const at::Tensor gu = get(p + ".gate_up_proj_bias", {E, 2 * I}), down = get(p + ".down_proj_bias", {E, H});
+    return {gu.slice(1, 0, 2 * I, 2).contiguous(), gu.slice(1, 1, 2 * I, 2).contiguous(), down};
+  }
   std::vector<std::int64_t> expert_shape(int mi) const {
     const auto H = m.cfg_.hidden, I = m.cfg_.expert_width;
     return mi == 2 ? std::vector<std::int64_t>{H, I} : std::vector<std::int64_t>{I, H};
@@ -223,7 +301,7 @@ struct ModelLoader {
 
   void run() {
     const ModelConfig& c = m.cfg_;
-    const auto H = c.hidden, D = c.head_dim;
+    const auto H = c.hidden;
     m.embed_ = get("model.embed_tokens.weight", {c.vocab, H});
     if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) m.embed_ = m.embed_.to(at::kCPU);
     m.final_norm_ = get("model.norm.weight", {H});
@@ -239,21 +317,17 @@ struct ModelLoader {
       const std::string p = "model.layers." + std::to_string(i) + ".";
       b->input_norm_ = get(p + "input_layernorm.weight", {H});
       b->post_norm_ = get(p + "post_attention_layernorm.weight", {H});
-      b->q_ = linear(p + "self_attn.q_proj", H, c.heads * D, c.qkv_bias, true);
-      b->k_ = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
-      b->v_ = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
-      b->o_ = linear(p + "self_attn.o_proj", c.heads * D, H, false, true);
-      if (c.qk_norm == QkNorm::PerHead) {
-        b->q_norm_ = get(p + "self_attn.q_norm.weight", {D});
-        b->k_norm_ = get(p + "self_attn.k_norm.weight", {D});
-      } else if (c.qk_norm == QkNorm::Whole) {
-        b->q_norm_ = get(p + "self_attn.q_norm.weight", {c.heads * D});
-        b->k_norm_ = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});
-      }
+      attention(*b, p);
       if (!b->moe_) {
         b->dense_ = mlp(p + "mlp", c.dense_width);
       } else {
-        b->router_ = get(moe_prefix(i) + ".gate.weight", {c.experts, H});
+        const std::optional<at::ScalarType> router_dtype =
+            c.router.fp32 ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
+        const std::string router = moe_prefix(i) + "." + c.router_name();
+        b->router_ = get(router + ".weight", {c.experts, H}, router_dtype);
+        if (c.router.bias) b->router_b_ = get(router + ".bias", {c.experts}, router_dtype);
+        if (c.router.correction_bias) b->router_bias_ = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
+        if (c.expert_bias) b->expert_bias_ = expert_biases(i);
         const auto fused = fused_experts(i);
         if (opts.load_in_4bit) {
           bank[i].resize(c.experts);
@@ -271,13 +345,16 @@ struct ModelLoader {
         }
         if (c.shared_expert_width > 0) {
           b->has_shared_ = true;
-          b->shared_ = mlp(p + "mlp.shared_expert", c.shared_expert_width);
-          b->shared_gate_ = get(p + "mlp.shared_expert_gate.weight", {1, H});
+          b->shared_ = mlp(p + "mlp." + c.shared_expert_name(), c.shared_expert_width);
+          if (c.shared_expert_gated) b->shared_gate_ = get(p + "mlp.shared_expert_gate.weight", {1, H});
         }
       }
       m.blocks_.push_back(std::move(b));
     }
     m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
+    if (mxfp4_dequantised > 0)
+      log::info(ck->folder() + ": " + std::to_string(mxfp4_dequantised) + " MXFP4 expert tensors dequantised to bf16" +
+                (opts.load_in_4bit ? ", then quantised to NF4" : ""));
     if (stored_nf4 > 0)
       log::info(ck->folder() + ": " + std::to_string(stored_nf4) + " linears are bitsandbytes nf4 already; using their "
                 "stored bytes (no re-quantisation)");
@@ -325,10 +402,12 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
   for (const auto& bp : blocks_) {
     DecoderBlock& b = *bp;
     const std::string p = "model.layers." + std::to_string(b.index_) + ".";
-    add(p + "self_attn.q_proj", "q_proj", b.q_);
-    add(p + "self_attn.k_proj", "k_proj", b.k_);
-    add(p + "self_attn.v_proj", "v_proj", b.v_);
-    add(p + "self_attn.o_proj", "o_proj", b.o_);
+    // The attention linears under peft's names (attention_linears() order).
+    for (const std::string& n : c.attention_linears()) {
+      FrozenLinear& l = n == "q_proj" || n == "q_b_proj" ? b.q_ : n == "k_proj" ? b.k_ : n == "v_proj" ? b.v_
+                        : n == "o_proj"                  ? b.o_ : n == "q_a_proj" ? b.q_a_ : n == "kv_a_proj_with_mqa" ? b.kv_a_ : b.kv_b_;
+      add(p + "self_attn." + n, n, l);
+    }
     auto add_mlp = [&](const std::string& prefix, Mlp& mm) {
       add(prefix + ".gate_proj", "gate_proj", mm.gate);
       add(prefix + ".up_proj", "up_proj", mm.up);
@@ -343,7 +422,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
     static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
     static const char* kMix[3] = {"w1", "w3", "w2"};
     const std::int64_t in[3] = {c.hidden, c.hidden, c.expert_width}, out[3] = {c.expert_width, c.expert_width, c.hidden};
-    for (int e = 0; e < c.experts; ++e)
+    for (int e = 0; e < (c.experts_lora_ok() ? c.experts : 0); ++e)  // gpt-oss: no per-expert modules
       for (int mi = 0; mi < 3; ++mi) {
         const std::string short_name = mix ? kMix[mi] : kQwen[mi];
         LoraSite s{ep + std::to_string(e) + "." + short_name, short_name, in[mi], out[mi]};
@@ -353,7 +432,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
         s.stack_prefix = p + c.moe_prefix() + ".experts";
         sites.push_back(std::move(s));
       }
-    if (b.has_shared_) add_mlp(p + "mlp.shared_expert", b.shared_);
+    if (b.has_shared_) add_mlp(p + "mlp." + c.shared_expert_name(), b.shared_);
   }
   return sites;
 }
@@ -383,10 +462,13 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     (*s.stack)->init_expert(s.expert, gen_seed);
   }
   for (const auto& t : spec.targets)
-    if (!matched.count(t))
-      throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type +
-                       " model (q_proj, k_proj, v_proj, o_proj, " +
-                       (cfg_.arch == Arch::Mixtral ? "w1, w2, w3" : "gate_proj, up_proj, down_proj") + ")");
+    if (!matched.count(t)) {
+      std::string names;
+      for (const auto& n : cfg_.linear_modules()) names += (names.empty() ? "" : ", ") + n;
+      throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type + " model (" + names + ")" +
+                       (cfg_.experts_lora_ok() ? "" : "; its experts exist only fused, which peft adapts through "
+                                                      "target_parameters, a format eo-ddp does not implement"));
+    }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> MoeModel::lora_parameters() const {

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 
@@ -37,8 +38,82 @@ at::Tensor Mlp::forward(const at::Tensor& x, bool training) const {
   return down.forward(swiglu(gate.forward(x, training), up.forward(x, training)), training);
 }
 
+namespace {
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const auto half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// RoPE on the first rope.dim channels of x [B, heads, T, D] (partial rotary: the rest pass
+// through), in ATen ops: the interleaved and latent-attention paths. DeepSeek rotates interleaved
+// pairs (x0, x1), (x2, x3), ...: gathering the evens then the odds turns that into the half-split
+// rotation, which is transformers' interleaved formula (its output is in that gathered order too;
+// q and k share it, so q·k is unchanged). The half-split layouts of [B, T, heads, D] projections
+// take the fused kernel instead (models/fused.h, rope()).
+at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx, const Rope& rope) {
+  const auto D = x.size(-1), R = rope.dim;
+  at::Tensor r = R == D ? x : x.narrow(-1, 0, R);
+  if (rope.interleaved) r = r.unflatten(-1, {R / 2, 2}).transpose(-1, -2).flatten(-2);
+  r = r * ctx.cos.unsqueeze(1) + rotate_half(r) * ctx.sin.unsqueeze(1);  // tables [B, T, R] -> [B, 1, T, R]
+  return R == D ? r : at::cat({r, x.narrow(-1, R, D - R)}, -1);
+}
+
+// Softmax attention of q [B, h, T, Dq] over k [B, hk, T, Dq], v [B, hk, T, Dv] → [B, T, h·Dv].
+// GQA: query head i reads kv head i / (h / hk). Plain causal attention passes the grouping to the
+// fused kernel (flash attention on a GPU); with a packing mask the kv heads are repeated, which
+// the memory-efficient kernel accepts together with a mask.
+at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale) {
+  const auto B = q.size(0), T = q.size(2), h = q.size(1), hk = k.size(1);
+  const bool gqa = hk != h;
+  if (gqa && ctx.attn_mask.defined()) {
+    k = k.repeat_interleave(h / hk, 1);
+    v = v.repeat_interleave(h / hk, 1);
+  }
+  const std::optional<at::Tensor> mask = ctx.attn_mask.defined() ? std::optional<at::Tensor>(ctx.attn_mask) : std::nullopt;
+  const at::Tensor o =
+      at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, gqa && !mask.has_value());
+  return o.transpose(1, 2).reshape({B, T, h * v.size(-1)});
+}
+
+// gpt-oss attention: a sliding window on some layers and a sink logit per head. The sink joins
+// the softmax as one more key whose score is exactly the sink: q gets an extra channel of 1, that
+// key holds sink / scale there (zeros elsewhere, value 0), every real key 0 there. So the fused
+// SDPA kernels run it (with a mask); the channel count is padded to a multiple of 8 for them.
+at::Tensor attend_with_sinks(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale,
+                             const at::Tensor& sinks, std::int64_t window) {
+  const auto B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), hk = k.size(1);
+  const auto opt = at::TensorOptions().dtype(at::kBool).device(q.device());
+  at::Tensor mask = ctx.attn_mask.defined() ? ctx.attn_mask : at::ones({T, T}, opt).tril().view({1, 1, T, T});
+  if (window > 0) {  // transformers' sliding_window_overlay: key j is seen from query i when j > i - window
+    const at::Tensor i = at::arange(T, opt.dtype(at::kLong)).view({T, 1}), j = at::arange(T, opt.dtype(at::kLong)).view({1, T});
+    mask = mask & (j > i - window).view({1, 1, T, T});
+  }
+  if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, ctx.training, nullptr}, scale);
+  if (hk != h) {  // each query head has its own sink key
+    k = k.repeat_interleave(h / hk, 1);
+    v = v.repeat_interleave(h / hk, 1);
+  }
+  const auto pad = (D + 1 + 7) / 8 * 8 - D;  // the extra channel and alignment
+  const auto o = q.options();
+  const at::Tensor q_aug = at::cat({q, at::ones({B, h, T, 1}, o), at::zeros({B, h, T, pad - 1}, o)}, -1);
+  const at::Tensor sink_key = at::cat({at::zeros({B, h, 1, D}, o), (sinks.to(q.scalar_type()) / scale).view({1, h, 1, 1}).expand({B, h, 1, 1}),
+                                       at::zeros({B, h, 1, pad - 1}, o)}, -1);
+  const at::Tensor k_aug = at::cat({sink_key, at::cat({k, at::zeros({B, h, T, pad}, o)}, -1)}, 2);
+  const at::Tensor v_aug = at::cat({at::zeros({B, h, 1, v.size(3)}, o), v}, 2);
+  const at::Tensor mask_aug = at::cat({at::ones({mask.size(0), 1, T, 1}, opt), mask.expand({mask.size(0), 1, T, T})}, -1);
+  const at::Tensor out = at::scaled_dot_product_attention(q_aug, k_aug, v_aug, mask_aug, 0.0, false, scale, false);
+  return out.transpose(1, 2).reshape({B, T, h * v.size(-1)});
+}
+
+// DeepSeek's q_a_layernorm / kv_a_layernorm are built with RMSNorm's default eps, not rms_norm_eps.
+constexpr double kLatentNormEps = 1e-6;
+
+}  // namespace
+
 at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx) const {
   const ModelConfig& c = *cfg_;
+  if (c.mla) return latent_attention(x, ctx);
   const auto B = x.size(0), T = x.size(1);
   at::Tensor q = q_.forward(x, ctx.training), k = k_.forward(x, ctx.training), v = v_.forward(x, ctx.training);
   if (c.qk_norm == QkNorm::Whole) {  // olmoe: over the whole projection, before the split
@@ -53,36 +128,62 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   q = q.view({B, T, c.heads, c.head_dim});
   k = k.view({B, T, c.kv_heads, c.head_dim});
   v = v.view({B, T, c.kv_heads, c.head_dim});
-  if (c.qk_norm == QkNorm::PerHead) {  // qwen3: per head, after the view
+  if (c.qk_norm == QkNorm::PerHead) {  // qwen3, glm4_moe use_qk_norm: per head, after the view
     q = rms_norm(q, q_norm_, c.rms_eps);
     k = rms_norm(k, k_norm_, c.rms_eps);
   }
-  q = rope(q, ctx.cos, ctx.sin).transpose(1, 2);  // [B, heads, T, D] views for SDPA
-  k = rope(k, ctx.cos, ctx.sin).transpose(1, 2);
-  v = v.transpose(1, 2);
-  // GQA: query head h reads kv head h / (heads / kv_heads). Plain causal attention passes the
-  // grouping to the fused kernel (flash attention on a GPU); with a packing mask the kv heads
-  // are repeated, which the memory-efficient kernel accepts together with a mask.
-  const bool gqa = c.kv_heads != c.heads;
-  if (gqa && ctx.attn_mask.defined()) {
-    k = k.repeat_interleave(c.heads / c.kv_heads, 1);
-    v = v.repeat_interleave(c.heads / c.kv_heads, 1);
+  if (c.rope.interleaved) {
+    q = apply_rope(q.transpose(1, 2), ctx, c.rope);
+    k = apply_rope(k.transpose(1, 2), ctx, c.rope);
+  } else {  // the fused kernel on the projection's own layout, then [B, heads, T, D] views for SDPA
+    q = rope(q, ctx.cos, ctx.sin).transpose(1, 2);
+    k = rope(k, ctx.cos, ctx.sin).transpose(1, 2);
   }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-  const std::optional<at::Tensor> mask = ctx.attn_mask.defined() ? std::optional<at::Tensor>(ctx.attn_mask) : std::nullopt;
-  const at::Tensor o =
-      at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, gqa && !mask.has_value());
-  return o_.forward(o.transpose(1, 2).reshape({B, T, c.heads * c.head_dim}), ctx.training);
+  const std::int64_t window = c.is_sliding_layer(index_) ? c.sliding_window : 0;
+  if (c.attention_sinks || window > 0)
+    return o_.forward(attend_with_sinks(q, k, v.transpose(1, 2), ctx, c.attn_scale, sinks_, window), ctx.training);
+  return o_.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
 }
+
+// Multi-head latent attention (modeling_deepseek_v3.py DeepseekV3Attention): each head's query
+// and key are [nope | rope]; the keys' nope part and the values come from one kv latent per
+// token through kv_b_proj, the keys' rope part is one head shared by all heads.
+at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContext& ctx) const {
+  const ModelConfig& c = *cfg_;
+  const Mla& a = *c.mla;
+  const auto B = x.size(0), T = x.size(1), H = c.heads;
+  const bool tr = ctx.training;
+  const at::Tensor q_in = a.q_lora_rank > 0 ? rms_norm(q_a_.forward(x, tr), q_a_norm_, kLatentNormEps) : x;
+  const at::Tensor q = q_.forward(q_in, tr).view({B, T, H, a.qk_dim()}).transpose(1, 2);
+  const at::Tensor kv_a = kv_a_.forward(x, tr);  // [B, T, kv_lora_rank + rope]
+  const at::Tensor latent = rms_norm(kv_a.narrow(-1, 0, a.kv_lora_rank), kv_a_norm_, kLatentNormEps);
+  const at::Tensor k_rot = apply_rope(kv_a.narrow(-1, a.kv_lora_rank, a.rope_dim).unsqueeze(1), ctx, c.rope);  // [B, 1, T, R]
+  const at::Tensor q_full = at::cat({q.narrow(-1, 0, a.nope_dim), apply_rope(q.narrow(-1, a.nope_dim, a.rope_dim), ctx, c.rope)}, -1);
+  const at::Tensor kv = kv_b_.forward(latent, tr).view({B, T, H, a.nope_dim + a.v_dim}).transpose(1, 2);
+  const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
+  return o_.forward(attend(q_full, k, kv.narrow(-1, a.nope_dim, a.v_dim), ctx, c.attn_scale), tr);
+}
+
+namespace {
+
+// gpt-oss's clamped activation (GptOssExperts._apply_gate).
+at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, const SwigluClamp& s) {
+  const at::Tensor g = gate.clamp_max(s.limit);
+  return (up.clamp(-s.limit, s.limit) + 1) * (g * at::sigmoid(g * s.alpha));
+}
+
+}  // namespace
 
 at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const {
   auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
     const int mi = static_cast<int>(m);
     at::Tensor y = quantized_ ? linear4bit(in, WeightHandle{provider_, index_, e, m, nullptr}) : at::linear(in, experts_[mi][e]);
+    if (expert_bias_[mi].defined()) y = y + expert_bias_[mi][e];
     if (const auto& l = expert_lora_[mi]) y = l->add_to(lora[mi], e, y, in, training);
     return y;
   };
-  return linear(ExpertMatrix::Down, swiglu(linear(ExpertMatrix::Gate, x), linear(ExpertMatrix::Up, x)));
+  const at::Tensor gate = linear(ExpertMatrix::Gate, x), up = linear(ExpertMatrix::Up, x);
+  return linear(ExpertMatrix::Down, cfg_->swiglu_clamp ? clamped_swiglu(gate, up, *cfg_->swiglu_clamp) : swiglu(gate, up));
 }
 
 bool DecoderBlock::expert_lora_grouped_ok() const {
@@ -100,6 +201,9 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
     // the same rows and offsets; offsets stay on the device, so the block runs without a host
     // synchronisation.
     const at::Tensor offsets = counts.cumsum(0).to(at::kInt);
+    // Expert biases (gpt-oss): each sorted row's expert, from the device counts (no host sync).
+    const at::Tensor row_expert =
+        c.expert_bias ? at::repeat_interleave(at::arange(c.experts, counts.options()), counts, 0, x_sorted.size(0)) : at::Tensor();
     auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
       ExpertBank b;
       b.layer = index_;
@@ -112,12 +216,13 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
         b.dense = experts_[static_cast<int>(m)];
       }
       at::Tensor y = grouped_expert_linear(in, offsets, b);
+      if (const auto& bias = expert_bias_[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, row_expert);
       if (const auto& l = expert_lora_[static_cast<int>(m)]) y = y + l->grouped_delta(in, offsets, training);
       return y;
     };
     const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
     const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
-    return linear(ExpertMatrix::Down, swiglu(gate, up));
+    return linear(ExpertMatrix::Down, c.swiglu_clamp ? clamped_swiglu(gate, up, *c.swiglu_clamp) : swiglu(gate, up));
   }
   // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
   // the counts are read on the host. The stacked LoRA is cut into per-expert views once.
@@ -136,18 +241,48 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
   return at::cat(outs, 0);
 }
 
+std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, const BlockContext& ctx) const {
+  const ModelConfig& c = *cfg_;
+  const Router& r = c.router;
+  const auto N = flat.size(0), E = c.experts;
+  // Logits in the compute dtype (or fp32 for the families that keep their router in fp32);
+  // scores in fp32.
+  const at::Tensor logits = at::linear(r.fp32 ? flat.to(at::kFloat) : flat, router_, router_b_);
+  if (ctx.router_logits) ctx.router_logits->push_back(logits);
+  if (r.score == RouterScore::SoftmaxTopK) {  // gpt-oss: the softmax runs over the k chosen logits only
+    auto [top_logits, idx] = at::topk(logits, c.top_k, -1);
+    return {at::softmax(top_logits, -1, at::kFloat), idx};
+  }
+  const at::Tensor scores =
+      r.score == RouterScore::Sigmoid ? at::sigmoid(logits.to(at::kFloat)) : at::softmax(logits, -1, at::kFloat);
+  // The choice: scores plus the correction bias (choice only), limited to the best groups.
+  at::Tensor choice = r.correction_bias ? scores + router_bias_ : scores;
+  if (r.group != GroupScore::None) {
+    const auto G = r.n_group;
+    const at::Tensor grouped = choice.view({N, G, E / G});
+    const at::Tensor group_score = r.group == GroupScore::Max ? std::get<0>(grouped.max(-1))
+                                                              : std::get<0>(grouped.topk(2, -1)).sum(-1);
+    const at::Tensor best = std::get<1>(group_score.topk(r.topk_group, -1));
+    const at::Tensor keep = at::zeros({N, G}, flat.options().dtype(at::kBool))
+                                .scatter(1, best, true).unsqueeze(-1).expand({N, G, E / G}).reshape({N, E});
+    // The values transformers fills in: -inf for the sigmoid choice, 0 for DeepSeek-V2's softmax.
+    choice = choice.masked_fill(~keep, r.score == RouterScore::Sigmoid ? -INFINITY : 0.0);
+  }
+  auto [top_w, top_idx] = at::topk(choice, c.top_k, -1);
+  if (r.correction_bias) top_w = scores.gather(1, top_idx);  // the weights come from the unbiased scores
+  // (+1e-20 as in transformers' sigmoid routers; it cannot change a softmax top-k sum, >= k/E.)
+  if (c.norm_topk_prob) top_w = top_w / (top_w.sum(-1, true) + 1e-20);
+  if (r.scaling != 1.0) top_w = top_w * r.scaling;
+  return {top_w, top_idx};
+}
+
 at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const {
   const ModelConfig& c = *cfg_;
   const auto H = x.size(-1);
   const at::Tensor flat = x.reshape({-1, H});
   const auto N = flat.size(0);
 
-  // Router: logits in the compute dtype, softmax in fp32, top-k, optional renormalisation.
-  const at::Tensor logits = at::linear(flat, router_);
-  if (ctx.router_logits) ctx.router_logits->push_back(logits);
-  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
-  auto [top_w, top_idx] = at::topk(probs, c.top_k, -1);
-  if (c.norm_topk_prob) top_w = top_w / top_w.sum(-1, true);
+  auto [top_w, top_idx] = route(flat, ctx);
   top_w = top_w.to(x.scalar_type());
 
   // Token-sorted dispatch: order the (token, slot) pairs by expert, run each expert on its
@@ -173,8 +308,10 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
     out = at::zeros_like(flat).index_add(0, token_of, y * weight_sorted.unsqueeze(1));
   }
 
-  if (has_shared_)
-    out = out + at::sigmoid(at::linear(flat, shared_gate_)) * shared_.forward(flat, ctx.training);
+  if (has_shared_) {
+    const at::Tensor shared = shared_.forward(flat, ctx.training);
+    out = out + (c.shared_expert_gated ? at::sigmoid(at::linear(flat, shared_gate_)) * shared : shared);
+  }
   return out.view(x.sizes());
 }
 
@@ -182,6 +319,32 @@ at::Tensor DecoderBlock::forward(const at::Tensor& hidden, const BlockContext& c
   at::Tensor h = hidden + attention(rms_norm(hidden, input_norm_, cfg_->rms_eps), ctx);
   const at::Tensor normed = rms_norm(h, post_norm_, cfg_->rms_eps);
   return h + (moe_ ? moe(normed, ctx) : dense_.forward(normed, ctx.training));
+}
+
+at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& device) {
+  // transformers' _compute_default_rope_parameters / _compute_yarn_parameters, step for step in fp32.
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  const auto R = rope.dim;
+  const at::Tensor j = at::arange(0, R, 2, f32.dtype(at::kLong)).to(at::kFloat);
+  const at::Tensor pos_freqs = at::pow(theta, j / static_cast<double>(R));
+  if (!rope.yarn) return 1.0 / pos_freqs;
+  // YaRN: interpolate (÷ factor) the low frequencies, keep the high ones, ramp between the
+  // dimensions that turn beta_slow and beta_fast times over the original context.
+  auto correction_dim = [&](double rotations) {
+    return (static_cast<double>(R) * std::log(rope.original_max_positions / (rotations * 2 * M_PI))) / (2 * std::log(theta));
+  };
+  double low = correction_dim(rope.beta_fast), high = correction_dim(rope.beta_slow);
+  if (rope.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(R - 1));
+  if (low == high) high += 0.001;  // transformers' guard against a zero-width ramp
+  const at::Tensor ramp = ((at::arange(R / 2, f32) - low) / (high - low)).clamp(0, 1);
+  const at::Tensor extrapolation = 1 - ramp;
+  const at::Tensor inv_extra = 1.0 / pos_freqs, inv_inter = 1.0 / (rope.factor * pos_freqs);
+  return inv_inter * (1 - extrapolation) + inv_extra * extrapolation;
 }
 
 at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
@@ -207,14 +370,12 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
   ctx.training = training;
   at::Tensor pos = batch.positions.defined() ? batch.positions.to(dev, at::kLong)
                                              : at::arange(T, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, T});
-  // RoPE tables in fp32 (inv_freq = theta^(-2j/d)), cast to the compute dtype.
-  const auto D = cfg_.head_dim;
-  const at::Tensor j = at::arange(0, D, 2, at::TensorOptions().dtype(at::kLong).device(dev)).to(at::kFloat);
-  const at::Tensor inv_freq = 1.0 / at::pow(cfg_.rope_theta, j / static_cast<double>(D));
-  const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * inv_freq;  // [B, T, D/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);                   // [B, T, D]
-  ctx.cos = emb.cos().to(opts_.dtype);
-  ctx.sin = emb.sin().to(opts_.dtype);
+  // RoPE tables in fp32, × the YaRN attention factor, cast to the compute dtype.
+  const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * rope_inv_freq(cfg_.rope, cfg_.rope_theta, dev);  // [B, T, R/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);                                                         // [B, T, R]
+  const double f = cfg_.rope.attention_factor;
+  ctx.cos = (f == 1.0 ? emb.cos() : emb.cos() * f).to(opts_.dtype);
+  ctx.sin = (f == 1.0 ? emb.sin() : emb.sin() * f).to(opts_.dtype);
 
   if (batch.attention_mask.defined() || batch.segment_ids.defined()) {
     const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);
@@ -277,6 +438,9 @@ at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std
 }
 
 ForwardOutput MoeModel::forward(const Batch& batch, const ForwardOptions& opts) const {
+  if (opts.aux_loss && !cfg_.has_aux_loss)
+    throw UsageError(cfg_.model_type + " has no router auxiliary loss in transformers (it balances its experts with "
+                     "e_score_correction_bias, or not at all); turn output_router_logits off");
   ForwardOutput out;
   std::vector<at::Tensor> router_logits;
   BlockContext ctx = context(batch, opts.training);

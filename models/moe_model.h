@@ -1,4 +1,4 @@
-// The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe) on libtorch, with frozen base weights
+// The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss) on libtorch, with frozen base weights
 // (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
@@ -61,7 +61,7 @@ struct Mlp {
 
 // Per-forward inputs shared by every block.
 struct BlockContext {
-  at::Tensor cos, sin;   // [B, T, head_dim] in the compute dtype (models/fused.h: rope)
+  at::Tensor cos, sin;   // [B, T, rotary dims] in the compute dtype (models/fused.h: rope)
   at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
   bool training = false;
   std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]
@@ -77,7 +77,10 @@ class DecoderBlock {
   friend class MoeModel;
   friend struct ModelLoader;
   at::Tensor attention(const at::Tensor& x, const BlockContext& ctx) const;
+  at::Tensor latent_attention(const at::Tensor& x, const BlockContext& ctx) const;  // DeepSeek MLA
   at::Tensor moe(const at::Tensor& x, const BlockContext& ctx) const;
+  // The router on flat tokens [N, H]: top-k weights (fp32) and expert indices, both [N, k].
+  std::pair<at::Tensor, at::Tensor> route(const at::Tensor& flat, const BlockContext& ctx) const;
   using ExpertLoraSlices = std::array<ExpertLora::Slices, 3>;  // per matrix; empty without LoRA
   at::Tensor expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const;
   // Every expert on its slice of token-sorted rows x_sorted (expert_of: the expert of each
@@ -93,14 +96,20 @@ class DecoderBlock {
   std::int64_t bank_bytes_ = 0;  // LoadOptions::expert_bank_bytes
   WeightProvider* provider_ = nullptr;
   at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
-  FrozenLinear q_, k_, v_, o_;
+  FrozenLinear q_, k_, v_, o_;  // q_: q_proj, or MLA's q_b_proj when q_lora_rank is set
+  FrozenLinear q_a_, kv_a_, kv_b_;     // MLA: q_a_proj, kv_a_proj_with_mqa, kv_b_proj
+  at::Tensor q_a_norm_, kv_a_norm_;    // MLA: q_a_layernorm, kv_a_layernorm
   Mlp dense_;                          // dense layers
-  at::Tensor router_;                  // [E, H]
+  at::Tensor router_;                  // [E, H] (fp32 when the family keeps its router in fp32)
+  at::Tensor router_bias_;             // [E] fp32 e_score_correction_bias (sigmoid routers)
+  at::Tensor router_b_;                // [E] the router linear's bias (gpt-oss)
+  at::Tensor sinks_;                   // [heads] attention sink logits (gpt-oss)
+  std::array<at::Tensor, 3> expert_bias_;  // per ExpertMatrix [E, out] (gpt-oss); undefined without
   std::array<at::Tensor, 3> experts_;  // dense mode: [E, out, in] per ExpertMatrix
   std::array<std::shared_ptr<ExpertLora>, 3> expert_lora_;  // per ExpertMatrix, all experts stacked
   bool has_shared_ = false;
   Mlp shared_;
-  at::Tensor shared_gate_;  // [1, H]
+  at::Tensor shared_gate_;  // [1, H]; qwen2_moe only
 };
 
 struct Batch {
@@ -183,6 +192,8 @@ class MoeModel {
 
 // Pieces usable on their own (and by tests).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// RoPE inverse frequencies [rope.dim / 2] in fp32 (default or YaRN), as transformers computes them.
+at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& device);
 // Summed next-token cross entropy in fp32 (labels shifted left by one, -100 ignored).
 std::pair<at::Tensor, std::int64_t> shifted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels);
 // transformers' load_balancing_loss_func: E · Σ_e f_e · P_e over all layers' router logits.

@@ -403,8 +403,9 @@ const std::vector<KeySpec>& schema() {
     k.push_back(real("lora_alpha", &TrainConfig::lora_alpha, 0, true, INFINITY, "LoRA scaling numerator: scale = alpha / r (alpha / sqrt(r) with rsLoRA)."));
     k.push_back(real("lora_dropout", &TrainConfig::lora_dropout, 0, false, 0.99, "Dropout on the LoRA input."));
     k.push_back({"lora_target_modules", "list of strings", "[q_proj, k_proj, v_proj, o_proj]",
-                 "Module names to adapt: attention q_proj/k_proj/v_proj/o_proj; experts gate_proj/up_proj/down_proj "
-                 "(Mixtral: w1/w3/w2); dense MLP and shared expert use the same names.",
+                 "Module names to adapt: attention q_proj/k_proj/v_proj/o_proj (DeepSeek latent attention: q_proj or "
+                 "q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj); experts gate_proj/up_proj/down_proj "
+                 "(Mixtral: w1/w3/w2); dense MLP and shared experts use the same names.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    std::vector<std::string> v;
                    if (n.IsScalar()) v.push_back(n.Scalar());
@@ -415,8 +416,7 @@ const std::vector<KeySpec>& schema() {
                        v.push_back(e.Scalar());
                      }
                    } else return issues.push_back({"lora_target_modules", "expected a list of module names"});
-                   static const std::vector<std::string> known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                  "up_proj", "down_proj", "w1", "w2", "w3"};
+                   const std::vector<std::string>& known = model::all_linear_modules();
                    for (const auto& m : v) {
                      bool ok = false;
                      for (const auto& kn : known) ok |= kn == m;
@@ -939,42 +939,31 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     issues.push_back({"resume_from_checkpoint", "'" + c.resume_from_checkpoint + "' is not a folder (use a checkpoint folder or auto)"});
 }
 
-// The linear modules LoRA can target in base_model's architecture, as the loader names them:
-// attention q/k/v/o_proj; experts w1/w2/w3 in Mixtral, gate/up/down_proj elsewhere; dense MLPs and
-// shared experts gate/up/down_proj. nullopt when config.json cannot be read (reported elsewhere).
-std::optional<std::vector<std::string>> linear_modules(const TrainConfig& c, std::string& model_type) {
+// Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).
+// lora_target_linear resolves to the architecture's linears (ModelConfig::linear_modules); any
+// target that matches none of them is a config error here, before a weight is read. So is asking
+// for the router aux loss of a family transformers computes none for.
+void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
+  if (!present.count("base_model") || c.base_model.empty()) return;
   model::ModelConfig mc;
   try {
     mc = model::load_config(c.base_model);
   } catch (const std::exception&) {
-    return std::nullopt;
-  }
-  model_type = mc.model_type;
-  std::vector<std::string> out{"q_proj", "k_proj", "v_proj", "o_proj"};
-  bool dense = false, moe = false;
-  for (int i = 0; i < mc.layers; ++i) (mc.is_moe_layer(i) ? moe : dense) = true;
-  if (moe && mc.arch == model::Arch::Mixtral) out.insert(out.end(), {"w1", "w2", "w3"});
-  if (dense || (moe && mc.arch != model::Arch::Mixtral)) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
-  return out;
-}
-
-// lora_target_linear resolves to the architecture's linears; any target that matches none of
-// them is a config error here, before a weight is read.
-void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
-  if (!present.count("base_model") || c.base_model.empty()) return;
-  std::string model_type;
-  const auto linears = linear_modules(c, model_type);
-  if (!linears) return;
-  if (c.lora_target_linear) {
-    c.lora_target_modules = *linears;
     return;
   }
-  static const std::set<std::string> known = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                                              "w1", "w2", "w3"};  // other names: reported by the key's own check
+  if (c.output_router_logits && !mc.has_aux_loss)
+    issues.push_back({"output_router_logits", mc.model_type + " has no router auxiliary loss in transformers (it balances "
+                                              "its experts with e_score_correction_bias, or not at all); set it to false"});
+  const std::vector<std::string> linears = mc.linear_modules();
+  if (c.lora_target_linear) {
+    c.lora_target_modules = linears;
+    return;
+  }
+  const std::vector<std::string>& known = model::all_linear_modules();  // other names: reported by the key's own check
   for (const auto& t : c.lora_target_modules)
-    if (known.count(t) && std::find(linears->begin(), linears->end(), t) == linears->end())
-      issues.push_back({"lora_target_modules", "'" + t + "' matches no linear of " + model_type + " (" + c.base_model +
-                                                   "/config.json); its linears are " + join(*linears, ", ") +
+    if (std::find(known.begin(), known.end(), t) != known.end() && std::find(linears.begin(), linears.end(), t) == linears.end())
+      issues.push_back({"lora_target_modules", "'" + t + "' matches no linear of " + mc.model_type + " (" + c.base_model +
+                                                   "/config.json); its linears are " + join(linears, ", ") +
                                                    " (or set lora_target_linear: true)"});
 }
 

@@ -48,7 +48,8 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   // memory: model::LoadOptions::embeddings_on_host)
   const bool host_embeddings = p.on_gpu && !c.tie_word_embeddings;
   double weights = V * H * d * (c.tie_word_embeddings || host_embeddings ? 1 : 2) + H * d;
-  const double attn = linear(qd, H) + 2 * linear(kvd, H) + linear(H, qd);
+  double attn = 0;  // q/k/v/o, or DeepSeek's latent-attention linears
+  for (const auto& l : c.attention_shapes()) attn += linear(double(l.out), double(l.in));
   double norms = 2 * H * d;
   if (c.qk_norm == model::QkNorm::PerHead) norms += 2 * D * d;
   if (c.qk_norm == model::QkNorm::Whole) norms += (qd + kvd) * d;
@@ -87,10 +88,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   auto site = [&](const std::string& name, double in, double out, double count) {
     if (targets(cfg, name)) lora_params += count * r * (in + out);
   };
-  site("q_proj", H, qd, double(c.layers));
-  site("k_proj", H, kvd, double(c.layers));
-  site("v_proj", H, kvd, double(c.layers));
-  site("o_proj", qd, H, double(c.layers));
+  for (const auto& l : c.attention_shapes()) site(l.name, double(l.in), double(l.out), double(c.layers));
   const bool mix = c.arch == model::Arch::Mixtral;
   site(mix ? "w1" : "gate_proj", H, I, moe_layers * E);
   site(mix ? "w3" : "up_proj", H, I, moe_layers * E);

@@ -7,7 +7,9 @@ add_dependencies(test_model eo-ddp)  # the score tests run the binary
 
 set(EO_MODEL_REF_ROOT ${PROJECT_BINARY_DIR}/tests/model_ref)
 file(MAKE_DIRECTORY ${EO_MODEL_REF_ROOT})  # flock needs the folder for its lock file
-foreach(arch qwen3_moe olmoe mixtral qwen2_moe)
+# glm4_moe / DeepSeek: each family and a variant with its unusual options on (tools/make_tiny_model.py).
+foreach(arch qwen3_moe olmoe mixtral qwen2_moe glm4_moe glm4_moe_grouped deepseek_v2 deepseek_v2_grouped deepseek_v3
+        deepseek_v3_yarn gpt_oss)
   add_test(NAME model_ref_${arch}
            COMMAND flock ${EO_MODEL_REF_ROOT}/${arch}.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/model_ref.py ${arch} ${EO_MODEL_REF_ROOT})
   set_tests_properties(model_ref_${arch} PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
@@ -17,3 +19,9 @@ endforeach()
 # or generate them under a lock on first use).
 add_test(NAME model_parity COMMAND test_model)
 set_tests_properties(model_parity PROPERTIES LABELS ref TIMEOUT 1200 FIXTURES_REQUIRED model_ref)
+# gpt-oss MXFP4 experts against transformers' dequantiser (tests/ref/mxfp4_ref.py).
+add_test(NAME mxfp4_ref_gpt_oss
+         COMMAND flock ${PROJECT_BINARY_DIR}/tests/mxfp4_ref/gpt_oss.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/mxfp4_ref.py gpt_oss ${PROJECT_BINARY_DIR}/tests/mxfp4_ref)
+set_tests_properties(mxfp4_ref_gpt_oss PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
+file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/mxfp4_ref)

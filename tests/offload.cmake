@@ -3,3 +3,7 @@
 add_test(NAME offload_train COMMAND ${PROJECT_SOURCE_DIR}/tests/offload_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(offload_train PROPERTIES LABELS unit TIMEOUT 600
                      PASS_REGULAR_EXPRESSION "offload_train: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# The same equality for glm4_moe and DeepSeek (tests/offload_arch.sh).
+add_test(NAME offload_arch COMMAND ${PROJECT_SOURCE_DIR}/tests/offload_arch.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(offload_arch PROPERTIES LABELS unit TIMEOUT 900
+                     PASS_REGULAR_EXPRESSION "offload_arch: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

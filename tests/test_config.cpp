@@ -404,7 +404,7 @@ TEST(Config, EmptySetValueIsAnError) {
 TEST(Config, TargetModulesComeFromTheArchitecture) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("eo_cfg_targets_" + std::to_string(::getpid()));
-  for (const char* m : {"mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b"}) {
+  for (const char* m : {"mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite", "glm-4.5-air"}) {
     fs::create_directories(dir / m);
     fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/" + m + "/config.json", dir / m / "config.json",
                   fs::copy_options::overwrite_existing);
@@ -419,6 +419,20 @@ TEST(Config, TargetModulesComeFromTheArchitecture) {
   EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, mixtral);
   EXPECT_EQ(load_config_text(yaml("qwen3-30b-a3b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
   EXPECT_EQ(load_config_text(yaml("olmoe-1b-7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
+  // Issue #19: GLM-4.5-Air has q/k/v/o and MLPs; DeepSeek-V2-Lite's latent attention (full q_proj).
+  EXPECT_EQ(load_config_text(yaml("glm-4.5-air", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
+  const std::vector<std::string> mla{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, mla);
+  try {
+    load_config_text(yaml("deepseek-v2-lite", "lora_target_modules: [q_proj, k_proj, q_b_proj]\noutput_router_logits: true\n"),
+                     "t.yaml", {});
+    ADD_FAILURE() << "k_proj / q_b_proj on DeepSeek-V2-Lite were accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'k_proj' matches no linear of deepseek_v2"), std::string::npos) << m;
+    EXPECT_NE(m.find("'q_b_proj' matches no linear of deepseek_v2"), std::string::npos) << m;
+    EXPECT_NE(m.find("output_router_logits: deepseek_v2 has no router auxiliary loss"), std::string::npos) << m;
+  }
   try {
     load_config_text(yaml("mixtral-8x7b", "lora_target_modules: [q_proj, gate_proj, up_proj]\n"), "t.yaml", {});
     ADD_FAILURE() << "gate_proj on Mixtral was accepted";

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Build a tiny random Hugging Face MoE checkpoint for tests and smoke runs.
 
-    make_tiny_model.py --arch {qwen3_moe,olmoe,mixtral,qwen2_moe} --out DIR [--seed N] [--fused-experts]
+    make_tiny_model.py --arch ARCH --out DIR [--seed N] [--fused-experts]
+
+ARCH: qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, or a variant of
+the newer families with their unusual options on (glm4_moe_grouped, deepseek_v2_grouped,
+deepseek_v3_yarn: group-limited routing, YaRN, dense first layers, biases, q/k norm), gpt_oss.
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -46,7 +50,82 @@ def make_config(arch):
                                            shared_expert_intermediate_size=48, intermediate_size=72,
                                            decoder_sparse_step=2, norm_topk_prob=False, qkv_bias=True,
                                            router_aux_loss_coef=0.01)
+    if arch == "glm4_moe":
+        # GLM-4.5-Air's layout: layer 0 dense (first_k_dense_replace), sigmoid router with a
+        # correction bias, one shared expert, half the head dims rotated, q/k/v biases.
+        return transformers.Glm4MoeConfig(**COMMON, head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, intermediate_size=80, n_shared_experts=1,
+                                          first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                                          routed_scaling_factor=1.0, attention_bias=True, use_qk_norm=False,
+                                          rope_theta=5000.0, partial_rotary_factor=0.5)
+    if arch == "glm4_moe_grouped":
+        # Group-limited routing (4 groups, best 2), q/k norm, 2 dense layers, scaled unnormalised
+        # weights, two shared experts, YaRN on 3/4 of the head dims.
+        return transformers.Glm4MoeConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, n_routed_experts=8,
+                                          num_experts_per_tok=3, moe_intermediate_size=24, intermediate_size=64,
+                                          n_shared_experts=2, first_k_dense_replace=2, n_group=4, topk_group=2,
+                                          norm_topk_prob=False, routed_scaling_factor=2.5, attention_bias=False,
+                                          use_qk_norm=True, partial_rotary_factor=0.75,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                           "original_max_position_embeddings": 64})
+    # Latent attention gives every head its own keys: num_key_value_heads = num_attention_heads.
+    MLA_COMMON = {**COMMON, "num_key_value_heads": 4}
+    mla = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+    if arch == "deepseek_v3":
+        # DeepSeek-V3's layout: low-rank q, sigmoid router with correction bias over 2 groups (best 1),
+        # routed_scaling_factor 2.5, interleaved RoPE, a dense first layer.
+        return transformers.DeepseekV3Config(**MLA_COMMON, q_lora_rank=24, **mla, n_routed_experts=8,
+                                             num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+                                             intermediate_size=80, n_shared_experts=1, first_k_dense_replace=1,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+                                             rope_theta=5000.0)
+    if arch == "deepseek_v3_yarn":
+        # YaRN (mscale != mscale_all_dim: cos/sin scaled and the softmax scale too), half-split RoPE,
+        # full q_proj, biased attention, 4 groups (best 2), 2 dense layers, unnormalised weights.
+        return transformers.DeepseekV3Config(**{**MLA_COMMON, "num_hidden_layers": 4}, q_lora_rank=None, **mla,
+                                             n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                             moe_intermediate_size=24, intermediate_size=64, n_shared_experts=1,
+                                             first_k_dense_replace=2, routed_scaling_factor=1.5, norm_topk_prob=False,
+                                             rope_interleave=False, attention_bias=True,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                              "mscale": 0.707, "mscale_all_dim": 1.0,
+                                                              "original_max_position_embeddings": 64,
+                                                              "beta_fast": 16, "beta_slow": 2})
+    if arch == "deepseek_v2":
+        # DeepSeek-V2-Lite's layout: full q_proj, softmax greedy top-k, two shared experts, a dense
+        # first layer, YaRN with mscale = mscale_all_dim (its rope_scaling).
+        return transformers.DeepseekV2Config(**MLA_COMMON, q_lora_rank=None, **mla, n_routed_experts=8,
+                                             num_experts_per_tok=2, topk_method="greedy", moe_intermediate_size=32,
+                                             intermediate_size=80, n_shared_experts=2, first_k_dense_replace=1,
+                                             routed_scaling_factor=1.0, norm_topk_prob=False,
+                                             rope_scaling={"type": "yarn", "factor": 4.0, "mscale": 0.707,
+                                                           "mscale_all_dim": 0.707,
+                                                           "original_max_position_embeddings": 64,
+                                                           "beta_fast": 32, "beta_slow": 1})
+    if arch == "deepseek_v2_grouped":
+        # DeepSeek-V2's group_limited_greedy (4 groups, best 2), low-rank q, biased attention and MLPs,
+        # routed_scaling_factor 16 as V2, every layer sparse.
+        return transformers.DeepseekV2Config(**MLA_COMMON, q_lora_rank=24, **mla, n_routed_experts=8,
+                                             num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4,
+                                             topk_group=2, moe_intermediate_size=24, intermediate_size=64,
+                                             n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=16.0,
+                                             norm_topk_prob=False, attention_bias=True, mlp_bias=True,
+                                             rope_theta=10000.0)
+    if arch == "gpt_oss":
+        # gpt-oss: attention sinks, a 4-token sliding window on every other layer (the test sequences
+        # are longer), biases everywhere, a router with bias, clamped SwiGLU with a limit low enough
+        # to clamp, YaRN without truncation (as gpt-oss-20b). Experts exist only fused.
+        return transformers.GptOssConfig(**COMMON, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+                                         intermediate_size=32, sliding_window=4, swiglu_limit=1.5,
+                                         router_aux_loss_coef=0.02,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 64})
     raise SystemExit(f"unknown --arch {arch}")
+
+
+ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
+         "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss"]
 
 
 def fuse_experts(path, cfg):
@@ -69,7 +148,7 @@ def fuse_experts(path, cfg):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", required=True, choices=["qwen3_moe", "olmoe", "mixtral", "qwen2_moe"])
+    ap.add_argument("--arch", required=True, choices=ARCHS)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused-experts", action="store_true")
@@ -88,6 +167,9 @@ def main():
             else:
                 fan_in = p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / fan_in ** 0.5))
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # non-zero, so that it changes which experts are chosen
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     if args.fused_experts:

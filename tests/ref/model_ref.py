@@ -4,11 +4,14 @@ peft and bitsandbytes — never from eo-ddp.
 
     model_ref.py ARCH OUT_DIR
 
+ARCH: a tools/make_tiny_model.py --arch name (a family, or one of its variants).
+
 Writes OUT_DIR/ARCH/:
   model/, model_fused/ (tools/make_tiny_model.py; fused = transformers v5 [E,2I,H] layout)
   adapter/             peft adapter with non-zero B on attention + MLP + every expert
   data.jsonl           tokenized lines for `eo-ddp score`
-  ref.safetensors      input_ids, labels, logits, loss, aux_loss, logits_lora, loss_lora,
+  ref.safetensors      input_ids, labels, logits, loss, aux_loss (has_aux_loss 0: transformers
+                       computes none for the family), logits_lora, loss_lora,
                        grad.<peft name> for every LoRA tensor, logits_nf4, score_loss,
                        score_tokens, score_loss_adapter
 peft 0.21 with transformers 5.24 cannot target per-expert linears (experts are fused 3-D
@@ -38,8 +41,10 @@ TOOL = os.path.join(HERE, "..", "..", "tools", "make_tiny_model.py")
 R, ALPHA = 4, 8.0
 SCALING = ALPHA / R
 MIX = ARCH == "mixtral"
+# gpt-oss's experts only exist fused (peft reaches them through target_parameters, another adapter
+# format): its LoRA reference covers attention only.
+GPT_OSS = ARCH == "gpt_oss"
 MLP_NAMES = ["w1", "w3", "w2"] if MIX else ["gate_proj", "up_proj", "down_proj"]  # gate, up, down
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"] + MLP_NAMES
 
 # Up to date (newer than this script and the model builder): nothing to do. Otherwise build in a
 # temporary folder and swap it in at the end, so tests reading the old fixtures never see a
@@ -58,6 +63,12 @@ def load(dtype=torch.float32):
 
 ref = {}
 cfg = json.load(open(os.path.join(model_dir, "config.json")))
+if "kv_lora_rank" in cfg:  # DeepSeek latent attention (peft's names for its linears)
+    ATTN = (["q_proj"] if cfg["q_lora_rank"] is None else ["q_a_proj", "q_b_proj"]) + \
+        ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+else:
+    ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TARGETS = ATTN + ([] if GPT_OSS else MLP_NAMES)
 V = cfg["vocab_size"]
 g = torch.Generator().manual_seed(11)
 ids = torch.randint(0, V, (2, 13), generator=g)
@@ -72,7 +83,10 @@ with torch.no_grad():
     o = model(input_ids=ids, labels=labels)
     ref["logits"], ref["loss"] = o.logits, o.loss.reshape(1)
     oa = model(input_ids=ids, labels=labels, output_router_logits=True)
-    ref["aux_loss"], ref["loss_with_aux"] = oa.aux_loss.reshape(1).float(), oa.loss.reshape(1)
+    ref["loss_with_aux"] = oa.loss.reshape(1)
+    ref["has_aux_loss"] = torch.tensor([int(oa.aux_loss is not None)])
+    if oa.aux_loss is not None:
+        ref["aux_loss"] = oa.aux_loss.reshape(1).float()
 
 # ---- score: mean over every counted token of the file
 lines = []
@@ -106,7 +120,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 torch.manual_seed(3)
 peft_model = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
-                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+                                               target_modules=ATTN))
 gl = torch.Generator().manual_seed(5)
 with torch.no_grad():
     for n, p in peft_model.named_parameters():
@@ -157,7 +171,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 base = peft_model.base_model.model
 moe_attr = "block_sparse_moe" if MIX else "mlp"
-for i, layer in enumerate(base.model.layers):
+for i, layer in enumerate([] if GPT_OSS else base.model.layers):
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
         ex = mlp.experts
@@ -165,11 +179,13 @@ for i, layer in enumerate(base.model.layers):
         ex.lora = [[lora_pair(f"model.layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
                     for m in range(3)] for e in range(E)]
         ex.forward = experts_forward.__get__(ex)
-        if getattr(mlp, "shared_expert", None) is not None:
+        for shared in ("shared_expert", "shared_experts"):  # qwen2_moe / glm4_moe, DeepSeek
+            if getattr(mlp, shared, None) is None:
+                continue
             for nm in ("gate_proj", "up_proj", "down_proj"):
-                lin = getattr(mlp.shared_expert, nm)
-                setattr(mlp.shared_expert, nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.mlp.shared_expert.{nm}",
-                                                                         lin.in_features, lin.out_features)))
+                lin = getattr(getattr(mlp, shared), nm)
+                setattr(getattr(mlp, shared), nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.mlp.{shared}.{nm}",
+                                                                            lin.in_features, lin.out_features)))
     else:
         for nm in ("gate_proj", "up_proj", "down_proj"):
             lin = getattr(mlp, nm)
@@ -215,7 +231,9 @@ def nf4(w):
 
 # bitsandbytes' own bytes for two checkpoint weights: the C++ load_in_4bit path must equal them.
 disk = load_file(os.path.join(model_dir, "model.safetensors"))
-for key in ("model.layers.1.self_attn.q_proj.weight", sorted(k for k in disk if ".experts.0." in k)[0]):
+attn_key = f"model.layers.1.self_attn.{ATTN[0]}.weight"
+for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else \
+        (attn_key, sorted(k for k in disk if ".experts.0." in k)[0]):
     q, state = bnbf.quantize_4bit(disk[key].contiguous(), blocksize=64, quant_type="nf4")
     ref["nf4_packed." + key], ref["nf4_absmax." + key] = q, state.absmax
 
@@ -223,9 +241,16 @@ model = load()
 with torch.no_grad():
     for n, p in model.named_parameters():
         if ".layers." not in n or "norm" in n or n.endswith(".gate.weight") or "shared_expert_gate" in n \
-                or n.endswith(".bias"):
-            continue  # norms, routers, shared-expert gate and biases stay unquantised
-        if n.endswith("experts.gate_up_proj"):
+                or n.endswith("bias") or ".router." in n or n.endswith(".sinks"):
+            continue  # norms, routers, shared-expert gate, biases and sinks stay unquantised
+        if GPT_OSS and n.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate / up interleaved columns
+            for e in range(p.shape[0]):
+                p[e, :, 0::2] = nf4(p[e, :, 0::2].T.contiguous()).T
+                p[e, :, 1::2] = nf4(p[e, :, 1::2].T.contiguous()).T
+        elif GPT_OSS and n.endswith("experts.down_proj"):  # [E, I, H]
+            for e in range(p.shape[0]):
+                p[e] = nf4(p[e].T.contiguous()).T
+        elif n.endswith("experts.gate_up_proj"):
             I = p.shape[1] // 2
             for e in range(p.shape[0]):
                 p[e, :I] = nf4(p[e, :I])
