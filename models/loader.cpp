@@ -17,6 +17,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -417,6 +418,25 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       add_mlp(p + "mlp", b.dense_);
       continue;
     }
+    if (!lora_spec_.target_parameters.empty()) {
+      // lora_target_parameters: peft's ParamWrapper on transformers 5's fused expert parameters,
+      // named under its module path (`mlp` in every family, Mixtral included); the experts are
+      // adapted only this way (as in peft, target_modules reach no fused expert).
+      const std::string fp = p + "mlp.experts";
+      auto fused = [&](const char* param, const char* short_name, std::int64_t in, std::int64_t out,
+                       std::shared_ptr<ExpertLora>* stack) {
+        LoraSite s{fp + "." + short_name, short_name, in, out};
+        s.stack = stack;
+        s.experts = static_cast<int>(c.experts);
+        s.stack_prefix = fp;
+        s.param = param;
+        sites.push_back(std::move(s));
+      };
+      fused(kGateUpParam, "gate_up_proj", c.hidden, 2 * c.expert_width, &b.gate_up_lora_);
+      fused(kDownParam, "down_proj", c.expert_width, c.hidden, &b.expert_lora_[static_cast<int>(ExpertMatrix::Down)]);
+      if (b.has_shared_) add_mlp(p + "mlp.shared_expert", b.shared_);
+      continue;
+    }
     // peft names experts under the checkpoint's module path (Mixtral: block_sparse_moe, w1/w3/w2).
     const std::string ep = p + c.moe_prefix() + ".experts.";
     static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
@@ -439,13 +459,29 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
 
 void MoeModel::add_lora(const LoraSpec& spec) {
   EO_CHECK(spec.r > 0, "LoRA rank must be positive");
+  for (const auto& p : spec.target_parameters)
+    if (canonical_target_parameter(p) != p)
+      throw UsageError("LoRA target parameter '" + p + "' is not " + kGateUpParam + " or " + kDownParam);
+  const bool moe = std::any_of(blocks_.begin(), blocks_.end(), [](const auto& b) { return b->moe_; });
+  if (!spec.target_parameters.empty() && !moe)
+    throw UsageError("lora_target_parameters needs MoE blocks with fused experts; this " + cfg_.model_type +
+                     " model has none");
   lora_spec_ = spec;
   std::set<std::string> matched;
+  for (auto& b : blocks_) {  // every block's stacked expert LoRA is made afresh below
+    for (auto& l : b->expert_lora_) l.reset();
+    b->gate_up_lora_.reset();
+  }
   const auto sites = lora_sites();
-  for (const auto& s : sites)
-    if (s.stack) s.stack->reset();  // every block's stacked expert LoRA is made afresh below
   for (std::size_t i = 0; i < sites.size(); ++i) {
     const auto& s = sites[i];
+    if (!s.param.empty()) {
+      if (!spec.targets_parameter(s.param)) continue;
+      // One generator per fused parameter, as peft draws one lora_A per ParamWrapper.
+      *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
+      (*s.stack)->init_fused(spec.seed * 1000003ULL + i);
+      continue;
+    }
     if (!spec.targets_module(s.short_name)) {
       if (s.slot) s.slot->reset();
       continue;
@@ -461,19 +497,29 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     if (!*s.stack) *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
     (*s.stack)->init_expert(s.expert, gen_seed);
   }
+  static const std::set<std::string> kExpertNames = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"};
   for (const auto& t : spec.targets)
-    if (!matched.count(t)) {
+    // With target_parameters an expert matrix name may match only the experts, which it does
+    // not reach (peft on transformers 5 likewise): not an error.
+    if (!matched.count(t) && !(!spec.target_parameters.empty() && moe && kExpertNames.count(t))) {
       std::string names;
       for (const auto& n : cfg_.linear_modules()) names += (names.empty() ? "" : ", ") + n;
       throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type + " model (" + names + ")" +
                        (cfg_.experts_lora_ok() ? "" : "; its experts exist only fused, which peft adapts through "
-                                                      "target_parameters, a format eo-ddp does not implement"));
+                                                      "target_parameters, a format eo-ddp implements for the [E, 2I, H] layout only"));
     }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> MoeModel::lora_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& s : lora_sites()) {
+    if (!s.param.empty()) {
+      if (!*s.stack) continue;
+      const std::string prefix = "base_model.model." + s.stack_prefix;
+      out.emplace_back(fused_lora_name(prefix, s.short_name, 'A'), (*s.stack)->A());
+      out.emplace_back(fused_lora_name(prefix, s.short_name, 'B'), (*s.stack)->B());
+      continue;
+    }
     if (s.stack) {
       // Once per block and matrix (at expert 0's site): the stacked leaves, gate, up, down.
       if (s.expert != 0 || !*s.stack) continue;
@@ -496,8 +542,9 @@ void MoeModel::load_adapter(const std::string& adapter_dir) {
   if (!std::filesystem::exists(path)) throw UsageError(path + ": missing (only safetensors adapters are supported)");
   const auto file = st::File::open(path);
   std::set<std::string> used;
-  // peft's per-expert names; expert tensors are views into the stacked leaves, filled in place.
-  std::vector<std::pair<std::string, at::Tensor>> leaves;
+  // The file's tensors under peft's names and shapes (per-expert slices, ParamWrapper layouts),
+  // then taken back to the trained form and copied into the leaves.
+  std::vector<std::pair<std::string, at::Tensor>> leaves, loaded;
   for (const auto& [name, p] : lora_parameters()) leaves.emplace_back(name, p.detach());
   for (auto& [name, param] : peft_lora_tensors(leaves)) {
     const st::TensorInfo* info = file->find(name);
@@ -508,19 +555,23 @@ void MoeModel::load_adapter(const std::string& adapter_dir) {
     if (t.sizes() != param.sizes())
       throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) + ", expected " +
                        shape_str(param.sizes()) + " (r=" + std::to_string(spec.r) + ")");
-    param.copy_(t.to(at::kFloat));  // a detached alias: the leaf keeps requires_grad
+    loaded.emplace_back(name, t.to(at::kFloat));
     used.insert(name);
   }
   for (const auto& info : file->tensors())
     if (!used.count(info.name))
       throw UsageError(path + ": tensor '" + info.name + "' does not belong to any targeted module of this model");
+  std::map<std::string, at::Tensor> trained;
+  for (auto& [name, t] : stack_expert_lora(loaded, &spec)) trained.emplace(name, t);
+  for (auto& [name, leaf] : leaves) leaf.copy_(trained.at(name));  // a detached alias: the leaf keeps requires_grad
 }
 
 void MoeModel::save_adapter(const std::string& adapter_dir, const std::string& base_model) const {
   std::filesystem::create_directories(adapter_dir);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (auto& [name, t] : lora_parameters()) tensors.emplace_back(name, t.detach().to(at::kCPU));
-  tensors = peft_lora_tensors(tensors);  // peft's per-expert names and shapes
+  tensors = peft_lora_tensors(tensors);  // peft's per-expert / ParamWrapper names and shapes
+  for (auto& [name, t] : tensors) t = t.contiguous();
   st::save(adapter_dir + "/adapter_model.safetensors", tensors);
   write_adapter_config(adapter_dir, lora_spec_, base_model);
 }

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -21,6 +22,18 @@ bool LoraSpec::targets_module(const std::string& short_name) const {
   for (const auto& t : targets)
     if (t == short_name) return true;
   return false;
+}
+
+bool LoraSpec::targets_parameter(const std::string& canonical) const {
+  for (const auto& t : target_parameters)
+    if (t == canonical) return true;
+  return false;
+}
+
+std::string canonical_target_parameter(const std::string& name) {
+  if (name == kGateUpParam || name == "gate_up_proj") return kGateUpParam;
+  if (name == kDownParam || name == "down_proj") return kDownParam;
+  return "";
 }
 
 namespace {
@@ -70,6 +83,12 @@ void ExpertLora::init_expert(int e, std::uint64_t gen_seed) {
   a_.select(0, e).copy_(peft_init_a(a_.size(1), a_.size(2), gen_seed));
 }
 
+void ExpertLora::init_fused(std::uint64_t gen_seed) {
+  at::NoGradGuard ng;
+  const auto E = a_.size(0), r = a_.size(1), in = a_.size(2);
+  a_.copy_(peft_init_a(E * r, in, gen_seed).view({E, r, in}));
+}
+
 ExpertLora::Slices ExpertLora::slices() const { return {a_.unbind(0), b_.unbind(0)}; }
 
 at::Tensor ExpertLora::add_to(const Slices& s, int e, const at::Tensor& y, const at::Tensor& x, bool training) const {
@@ -92,6 +111,10 @@ at::Tensor ExpertLora::grouped_delta(const at::Tensor& x_sorted, const at::Tenso
 
 std::string stacked_lora_name(const std::string& experts_prefix, const std::string& matrix, char ab) {
   return experts_prefix + "." + matrix + ".lora_" + ab + ".stacked";
+}
+
+std::string fused_lora_name(const std::string& experts_prefix, const std::string& param, char ab) {
+  return experts_prefix + "." + param + ".lora_" + ab + ".fused";
 }
 
 namespace {
@@ -132,11 +155,62 @@ std::optional<std::tuple<std::string, long, std::string>> parse_peft_expert(cons
   return std::make_tuple(head, std::stol(p[0]), p[1] + "." + p[2]);
 }
 
+// "<head>.experts.<param>.lora_A.fused" → {head.experts, "<param>", 'A'}.
+std::optional<std::tuple<std::string, std::string, char>> parse_fused(const std::string& name) {
+  std::string head;
+  std::vector<std::string> p;
+  if (!split_tail(name, 3, head, p) || p[2] != "fused" || !is_lora_factor(p[1])) return std::nullopt;
+  if (p[0] != "gate_up_proj" && p[0] != "down_proj") return std::nullopt;
+  return std::make_tuple(head, p[0], p[1].back());
+}
+
+// peft's ParamWrapper layout (peft/tuners/lora/layer.py, get_delta_weight): lora_A [r·E, in]
+// read as A.reshape(E, r, in), lora_B [out, r·E] read as B.reshape(out, r, E), expert e's
+// ΔW_e = scaling · B[:, :, e] @ A[e].
+at::Tensor fused_to_peft(const at::Tensor& t, char ab) {
+  const auto E = t.size(0);
+  if (ab == 'A') return t.reshape({E * t.size(1), t.size(2)});
+  return t.permute({1, 2, 0}).reshape({t.size(1), t.size(2) * E});  // [E, out, r] → [out, r, E]
+}
+
+at::Tensor fused_from_peft(const at::Tensor& t, char ab, std::int64_t r, const std::string& name) {
+  EO_CHECK(t.dim() == 2, name, ": expected a 2-D ParamWrapper tensor, got shape ", t.sizes());
+  if (ab == 'A') {
+    EO_CHECK(t.size(0) % r == 0, name, ": ", t.size(0), " rows are not a multiple of r=", r);
+    return t.reshape({t.size(0) / r, r, t.size(1)});
+  }
+  EO_CHECK(t.size(1) % r == 0, name, ": ", t.size(1), " columns are not a multiple of r=", r);
+  return t.reshape({t.size(0), r, t.size(1) / r}).permute({2, 0, 1}).contiguous();
+}
+
+// peft's ParamWrapper names: "<head>.experts.lora_A.weight" → {head.experts, 'A', false},
+// "<head>.experts.base_layer.lora_A.weight" (the inner of two nested wrappers) → {..., true}.
+std::optional<std::tuple<std::string, char, bool>> parse_param_wrapper(const std::string& name) {
+  std::string head;
+  std::vector<std::string> p;
+  if (split_tail(name, 2, head, p) && p[1] == "weight" && is_lora_factor(p[0]))
+    return std::make_tuple(head, p[0].back(), false);
+  if (split_tail(name, 3, head, p) && p[0] == "base_layer" && p[2] == "weight" && is_lora_factor(p[1]))
+    return std::make_tuple(head, p[1].back(), true);
+  return std::nullopt;
+}
+
 }  // namespace
 
 NamedLora peft_lora_tensors(const NamedLora& params) {
   NamedLora out;
   for (std::size_t i = 0; i < params.size();) {
+    if (const auto f = parse_fused(params[i].first)) {
+      const auto& [head, param, ab] = *f;
+      // Nested wrappers: gate_up_proj is the inner one when down_proj is adapted too.
+      bool nested = false;
+      if (param == "gate_up_proj")
+        for (const auto& [n, t] : params) nested |= n == fused_lora_name(head, "down_proj", 'A');
+      EO_CHECK(params[i].second.defined(), params[i].first, ": undefined tensor");
+      out.emplace_back(head + (nested ? ".base_layer" : "") + ".lora_" + ab + ".weight", fused_to_peft(params[i].second, ab));
+      ++i;
+      continue;
+    }
     const auto first = parse_stacked(params[i].first);
     if (!first) {
       out.push_back(params[i++]);
@@ -161,10 +235,20 @@ NamedLora peft_lora_tensors(const NamedLora& params) {
   return out;
 }
 
-NamedLora stack_expert_lora(const NamedLora& peft) {
+NamedLora stack_expert_lora(const NamedLora& peft, const LoraSpec* spec) {
   NamedLora out;
   std::map<std::string, std::map<long, at::Tensor>> groups;  // stacked name → expert → slice
+  const bool gate_up = spec && spec->targets_parameter(kGateUpParam), down = spec && spec->targets_parameter(kDownParam);
   for (const auto& [name, t] : peft) {
+    if (const auto w = (gate_up || down) ? parse_param_wrapper(name) : std::nullopt) {
+      const auto& [head, ab, inner] = *w;
+      // The outer (or only) wrapper is down_proj when it is adapted; the inner one gate_up_proj.
+      if (!inner || (gate_up && down)) {
+        const std::string param = (!inner && down) ? "down_proj" : "gate_up_proj";
+        out.emplace_back(fused_lora_name(head, param, ab), fused_from_peft(t, ab, spec->r, name));
+        continue;
+      }
+    }
     const auto parsed = parse_peft_expert(name);
     if (!parsed) {
       out.emplace_back(name, t);
@@ -221,13 +305,32 @@ LoraSpec read_adapter_config(const std::string& adapter_dir) {
     throw UsageError(path + ": rank_pattern is not supported (one r for every module)");
   if (j.contains("alpha_pattern") && j["alpha_pattern"].is_object() && !j["alpha_pattern"].empty())
     throw UsageError(path + ": alpha_pattern is not supported (one lora_alpha for every module)");
-  const auto& t = j.value("target_modules", nlohmann::json());
+  nlohmann::json t = j.value("target_modules", nlohmann::json::array());
+  if (t.is_null()) t = nlohmann::json::array();  // peft writes null when only target_parameters are set
   if (!t.is_array()) throw UsageError(path + ": 'target_modules' must be a list of module names");
   for (const auto& x : t) {
     if (!x.is_string()) throw UsageError(path + ": 'target_modules' must be a list of module names");
     s.targets.push_back(x.get<std::string>());
   }
-  if (s.targets.empty()) throw UsageError(path + ": 'target_modules' is empty");
+  // peft's target_parameters (ParamWrapper): only the fused expert parameters are supported.
+  const auto& tp = j.value("target_parameters", nlohmann::json());
+  if (!tp.is_null()) {
+    if (!tp.is_array()) throw UsageError(path + ": 'target_parameters' must be a list of parameter names");
+    for (const auto& x : tp) {
+      const std::string c = x.is_string() ? canonical_target_parameter(x.get<std::string>()) : "";
+      if (c.empty())
+        throw UsageError(path + ": target_parameters entry " + x.dump() + " is not supported (only " + kGateUpParam +
+                         " and " + kDownParam + ")");
+      if (!s.targets_parameter(c)) s.target_parameters.push_back(c);
+    }
+    // One order (peft writes a set): gate_up_proj, then down_proj.
+    std::sort(s.target_parameters.begin(), s.target_parameters.end(),
+              [](const std::string& a, const std::string& b) { return (a == kGateUpParam) > (b == kGateUpParam); });
+    if (!s.target_parameters.empty() && s.dropout > 0)
+      throw UsageError(path + ": lora_dropout must be 0 with target_parameters (peft's ParamWrapper refuses dropout)");
+  }
+  if (s.targets.empty() && s.target_parameters.empty())
+    throw UsageError(path + ": 'target_modules' and 'target_parameters' are empty");
   return s;
 }
 
@@ -236,6 +339,7 @@ void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, 
                       {"lora_alpha", spec.alpha},   {"lora_dropout", spec.dropout}, {"target_modules", spec.targets},
                       {"bias", "none"},             {"use_rslora", spec.use_rslora}, {"fan_in_fan_out", false},
                       {"base_model_name_or_path", base_model}, {"inference_mode", true}};
+  if (!spec.target_parameters.empty()) j["target_parameters"] = spec.target_parameters;
   const std::string path = adapter_dir + "/adapter_config.json";
   std::ofstream out(path);
   EO_CHECK(out, path, ": cannot write");

@@ -21,11 +21,23 @@ struct LoraSpec {
   double dropout = 0.0;
   bool use_rslora = false;
   std::vector<std::string> targets;  // module short names: q_proj, gate_proj, w1, ...
+  // peft's target_parameters: the fused expert parameters of transformers 5, canonical names
+  // kGateUpParam / kDownParam (canonical_target_parameter). When set, the experts are adapted
+  // only through them (target_modules names reach no expert, as in peft on transformers 5).
+  std::vector<std::string> target_parameters;
   std::uint64_t seed = 0;
 
   double scaling() const;
   bool targets_module(const std::string& short_name) const;
+  bool targets_parameter(const std::string& canonical) const;
 };
+
+// The fused expert parameters peft's ParamWrapper adapts ([E, out, in] in transformers 5 for
+// Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral alike).
+inline constexpr const char* kGateUpParam = "mlp.experts.gate_up_proj";
+inline constexpr const char* kDownParam = "mlp.experts.down_proj";
+// "mlp.experts.gate_up_proj" or "gate_up_proj" → kGateUpParam (likewise down); others: "".
+std::string canonical_target_parameter(const std::string& name);
 
 class LoraAdapter {
  public:
@@ -56,6 +68,10 @@ class ExpertLora {
   // A and B zero; init_expert fills expert e's A as a LoraAdapter seeded `gen_seed` would.
   ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device);
   void init_expert(int e, std::uint64_t gen_seed);
+  // peft's ParamWrapper init: its lora_A is one Linear(in, r·E) whose weight [r·E, in] is A
+  // viewed as [E·r, in] (expert e = rows [e·r, (e+1)·r)), drawn as one kaiming_uniform(a=√5)
+  // = U(±1/√in) tensor from a generator seeded `gen_seed`.
+  void init_fused(std::uint64_t gen_seed);
 
   // Per-expert views for one forward (the loop path). unbind is one autograd node whose backward
   // stacks the experts' gradients into one [E, ...] gradient (zeros for experts without rows),
@@ -90,13 +106,23 @@ class ExpertLora {
 // e.g. base_model.model.model.layers.3.mlp (the block index stays in every name).
 std::string stacked_lora_name(const std::string& experts_prefix, const std::string& matrix, char ab);
 using NamedLora = std::vector<std::pair<std::string, at::Tensor>>;
+// LoRA on a fused expert parameter (lora_target_parameters) under internal names:
+// `<P>.experts.<param>.lora_{A,B}.fused` with <param> gate_up_proj or down_proj, P e.g.
+// base_model.model.model.layers.3.mlp; A [E, r, in], B [E, out, r] like ExpertLora.
+std::string fused_lora_name(const std::string& experts_prefix, const std::string& param, char ab);
 // peft's per-expert form of a parameter list: every stacked tensor becomes its E slices (views,
 // sharing storage) under `<P>.experts.{e}.<matrix>.lora_{A,B}.weight`, in the per-expert order
-// (expert-major, then the run's matrices in order, A before B); other entries pass through.
+// (expert-major, then the run's matrices in order, A before B). Every fused tensor becomes
+// peft's ParamWrapper tensor: A [r·E, in] (A viewed), B [out, r·E] with column k·E + e =
+// B[e][:, k] (a copy), named `<P>.experts.lora_{A,B}.weight`; when both parameters of a block are
+// adapted peft nests the wrappers, gate_up_proj's inner, so its names gain `.base_layer`.
+// Other entries pass through.
 NamedLora peft_lora_tensors(const NamedLora& params);
-// The inverse on names alone (checkpoints): per-expert peft tensors are stacked over e = 0..E-1;
+// The inverse on names (checkpoints, load_adapter): per-expert peft tensors are stacked over
+// e = 0..E-1; with `spec` naming target_parameters, ParamWrapper tensors are taken back to the
+// fused form (which parameter `<P>.experts.lora_A.weight` is, and E = rows / r, come from spec);
 // other entries pass through. Throws if an expert index is missing.
-NamedLora stack_expert_lora(const NamedLora& peft);
+NamedLora stack_expert_lora(const NamedLora& peft, const LoraSpec* spec = nullptr);
 
 // peft's adapter_config.json, the subset we read and write.
 LoraSpec read_adapter_config(const std::string& adapter_dir);

@@ -182,14 +182,22 @@ at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const
     if (const auto& l = expert_lora_[mi]) y = l->add_to(lora[mi], e, y, in, training);
     return y;
   };
-  const at::Tensor gate = linear(ExpertMatrix::Gate, x), up = linear(ExpertMatrix::Up, x);
+  at::Tensor gate = linear(ExpertMatrix::Gate, x), up = linear(ExpertMatrix::Up, x);
+  if (gate_up_lora_) {
+    // The fused [gate; up] output takes one LoRA delta (shared A), then splits as transformers'
+    // gate_up_proj(...).chunk(2) does.
+    const auto I = gate.size(-1);
+    const at::Tensor gu = gate_up_lora_->add_to(lora[3], e, at::cat({gate, up}, -1), x, training);
+    gate = gu.narrow(-1, 0, I);
+    up = gu.narrow(-1, I, I);
+  }
   return linear(ExpertMatrix::Down, cfg_->swiglu_clamp ? clamped_swiglu(gate, up, *cfg_->swiglu_clamp) : swiglu(gate, up));
 }
 
 bool DecoderBlock::expert_lora_grouped_ok() const {
   for (const auto& l : expert_lora_)
     if (l && !l->grouped_ok()) return false;
-  return true;
+  return !gate_up_lora_ || gate_up_lora_->grouped_ok();
 }
 
 at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const {
@@ -220,8 +228,14 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
       if (const auto& l = expert_lora_[static_cast<int>(m)]) y = y + l->grouped_delta(in, offsets, training);
       return y;
     };
-    const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
-    const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
+    at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
+    at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
+    if (gate_up_lora_) {  // one delta [N, 2I] for the fused [gate; up], split
+      const at::Tensor d = gate_up_lora_->grouped_delta(x_sorted, offsets, training);
+      const auto I = gate.size(-1);
+      gate = gate + d.narrow(1, 0, I);
+      up = up + d.narrow(1, I, I);
+    }
     return linear(ExpertMatrix::Down, c.swiglu_clamp ? clamped_swiglu(gate, up, *c.swiglu_clamp) : swiglu(gate, up));
   }
   // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
@@ -231,6 +245,7 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
   ExpertLoraSlices lora;
   for (int mi = 0; mi < 3; ++mi)
     if (expert_lora_[mi]) lora[mi] = expert_lora_[mi]->slices();
+  if (gate_up_lora_) lora[3] = gate_up_lora_->slices();
   std::vector<at::Tensor> outs;
   std::int64_t offset = 0;
   for (int e = 0; e < c.experts; ++e) {

@@ -81,7 +81,8 @@ class DecoderBlock {
   at::Tensor moe(const at::Tensor& x, const BlockContext& ctx) const;
   // The router on flat tokens [N, H]: top-k weights (fp32) and expert indices, both [N, k].
   std::pair<at::Tensor, at::Tensor> route(const at::Tensor& flat, const BlockContext& ctx) const;
-  using ExpertLoraSlices = std::array<ExpertLora::Slices, 3>;  // per matrix; empty without LoRA
+  // Per ExpertMatrix, then the fused gate_up LoRA at index 3; empty without LoRA.
+  using ExpertLoraSlices = std::array<ExpertLora::Slices, 4>;
   at::Tensor expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const;
   // Every expert on its slice of token-sorted rows x_sorted (expert_of: the expert of each
   // (token, slot) pair, any order; only its counts are used).
@@ -107,6 +108,11 @@ class DecoderBlock {
   std::array<at::Tensor, 3> expert_bias_;  // per ExpertMatrix [E, out] (gpt-oss); undefined without
   std::array<at::Tensor, 3> experts_;  // dense mode: [E, out, in] per ExpertMatrix
   std::array<std::shared_ptr<ExpertLora>, 3> expert_lora_;  // per ExpertMatrix, all experts stacked
+  // lora_target_parameters' gate_up_proj: one LoRA on the fused [gate; up] matrix, B [E, 2I, r]
+  // (rows [0, I) gate, [I, 2I) up), so gate and up share A [E, r, H], as peft's ParamWrapper on
+  // transformers 5's gate_up_proj defines it. Its down_proj is expert_lora_[Down] (the same math
+  // as a per-expert down_proj LoRA; only the saved layout differs).
+  std::shared_ptr<ExpertLora> gate_up_lora_;
   bool has_shared_ = false;
   Mlp shared_;
   at::Tensor shared_gate_;  // [1, H]; qwen2_moe only
@@ -143,6 +149,7 @@ struct LoraSite {
   std::shared_ptr<ExpertLora>* stack = nullptr;  // experts: the block's stacked adapter
   int expert = -1, experts = 0;
   std::string stack_prefix;  // experts: model.layers.{i}.<moe prefix>.experts
+  std::string param;         // a fused expert parameter (kGateUpParam / kDownParam): the whole stack
 };
 
 class MoeModel {

@@ -431,6 +431,46 @@ const std::vector<KeySpec>& schema() {
                  writer(&TrainConfig::lora_target_modules)});
     k.push_back(boolean("lora_target_linear", &TrainConfig::lora_target_linear,
                         "Adapt every linear layer of the decoder blocks, as base_model's architecture names them (attention q/k/v/o_proj; experts w1/w2/w3 in Mixtral, gate/up/down_proj elsewhere; dense MLPs); overrides lora_target_modules."));
+    k.push_back({"lora_target_parameters", "list of strings", "[]",
+                 "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
+                 "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; the bare "
+                 "names gate_up_proj, down_proj are accepted). The adapter loads in peft on transformers 5, whose "
+                 "experts are fused. With it the experts are adapted only this way; needs lora_dropout: 0.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   std::vector<std::string> v;
+                   if (n.IsScalar()) v.push_back(n.Scalar());
+                   else if (n.IsSequence()) {
+                     for (const auto& e : n) {
+                       if (!e.IsScalar())
+                         return issues.push_back({"lora_target_parameters", "expected a list of parameter names"});
+                       v.push_back(e.Scalar());
+                     }
+                   } else return issues.push_back({"lora_target_parameters", "expected a list of parameter names"});
+                   // Canonical names (peft's and axolotl's); the bare names are the same parameters.
+                   // (Kept here rather than in models/lora.cpp: the config parser is fuzzed alone.)
+                   static const std::vector<std::string> accepted = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                                                     "gate_up_proj", "down_proj"};
+                   std::vector<std::string> canonical;
+                   for (const auto& m : v) {
+                     std::string cm;
+                     if (m == "gate_up_proj" || m == accepted[0]) cm = accepted[0];
+                     else if (m == "down_proj" || m == accepted[1]) cm = accepted[1];
+                     if (cm.empty()) {
+                       std::string msg = "unknown parameter '" + m + "'; eo-ddp can adapt the fused expert parameters " +
+                                         join(accepted, ", ");
+                       if (auto s = closest_match(m, accepted)) msg += " (did you mean '" + *s + "'?)";
+                       issues.push_back({"lora_target_parameters", msg});
+                     } else if (std::find(canonical.begin(), canonical.end(), cm) == canonical.end()) {
+                       canonical.push_back(cm);
+                     }
+                   }
+                   // One order (gate_up_proj, down_proj) whatever the user's: resume compares it.
+                   std::sort(canonical.begin(), canonical.end(), [&](const std::string& a, const std::string& b) {
+                     return (a == accepted[0]) > (b == accepted[0]);
+                   });
+                   c.lora_target_parameters = canonical;
+                 },
+                 writer(&TrainConfig::lora_target_parameters)});
     k.push_back(boolean("peft_use_rslora", &TrainConfig::peft_use_rslora, "rsLoRA scaling alpha / sqrt(r)."));
     k.push_back(integer("bnb_4bit_blocksize", &TrainConfig::bnb_4bit_blocksize, 32, 4096,
                         "NF4 quantisation block size (a power of two, as bitsandbytes)."));
@@ -848,6 +888,9 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
     issues.push_back({"adapter", "required: eo-ddp trains adapters only; set adapter: qlora (NF4 base) or adapter: lora"});
   if (!present.count("datasets"))
     issues.push_back({"datasets", "required: e.g. datasets: [{path: train.jsonl, type: chat_template}]"});
+  if (!c.lora_target_parameters.empty() && c.lora_dropout > 0)
+    issues.push_back({"lora_dropout", "must be 0 with lora_target_parameters: peft's ParamWrapper refuses dropout (it "
+                                      "cannot be applied to the input of a fused parameter), got " + value_node(c.lora_dropout).Scalar()});
   if (c.adapter == "qlora" && !c.load_in_4bit)
     issues.push_back({"load_in_4bit", "adapter: qlora needs load_in_4bit: true (or use adapter: lora)"});
   if (c.adapter == "lora" && c.load_in_4bit)
@@ -942,7 +985,8 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
 // Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).
 // lora_target_linear resolves to the architecture's linears (ModelConfig::linear_modules); any
 // target that matches none of them is a config error here, before a weight is read. So is asking
-// for the router aux loss of a family transformers computes none for.
+// for the router aux loss of a family transformers computes none for, and lora_target_parameters
+// on a model without the fused [E, 2I, H] gate_up_proj experts it is built for.
 void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
   if (!present.count("base_model") || c.base_model.empty()) return;
   model::ModelConfig mc;
@@ -954,6 +998,19 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   if (c.output_router_logits && !mc.has_aux_loss)
     issues.push_back({"output_router_logits", mc.model_type + " has no router auxiliary loss in transformers (it balances "
                                               "its experts with e_score_correction_bias, or not at all); set it to false"});
+  if (!c.lora_target_parameters.empty()) {
+    bool moe = false;
+    for (int i = 0; i < mc.layers; ++i) moe = moe || mc.is_moe_layer(i);
+    const bool fused_layout = mc.arch == model::Arch::Qwen3Moe || mc.arch == model::Arch::Olmoe ||
+                              mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe;
+    if (!moe)
+      issues.push_back({"lora_target_parameters", mc.model_type + " (" + c.base_model + "/config.json) has no MoE block, "
+                                                  "so no fused expert parameter to adapt"});
+    else if (!fused_layout)
+      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral and qwen2_moe (experts fused as "
+                                                  "gate_up_proj [E, 2I, H] and down_proj [E, H, I]); not yet for " +
+                                                  mc.model_type + ": use lora_target_modules"});
+  }
   const std::vector<std::string> linears = mc.linear_modules();
   if (c.lora_target_linear) {
     c.lora_target_modules = linears;

@@ -50,6 +50,9 @@ struct TrainConfig {
   double lora_dropout = 0.0;
   std::vector<std::string> lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
   bool lora_target_linear = false;
+  // peft's target_parameters: the fused expert parameters (canonical: mlp.experts.gate_up_proj,
+  // mlp.experts.down_proj); empty = experts adapted per expert through lora_target_modules.
+  std::vector<std::string> lora_target_parameters;
   bool peft_use_rslora = false;
   int bnb_4bit_blocksize = 64;
   bool bnb_4bit_use_double_quant = false;

@@ -90,9 +90,21 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   };
   for (const auto& l : c.attention_shapes()) site(l.name, double(l.in), double(l.out), double(c.layers));
   const bool mix = c.arch == model::Arch::Mixtral;
-  site(mix ? "w1" : "gate_proj", H, I, moe_layers * E);
-  site(mix ? "w3" : "up_proj", H, I, moe_layers * E);
-  site(mix ? "w2" : "down_proj", I, H, moe_layers * E);
+  // lora_target_parameters: peft's ParamWrapper per fused parameter, A [r·E, in], B [out, r·E]
+  // (gate_up_proj: in H, out 2I, one A for gate and up); target_modules then reach no expert.
+  auto fused = [&](const char* param) {
+    return std::find(cfg.lora_target_parameters.begin(), cfg.lora_target_parameters.end(), param) !=
+           cfg.lora_target_parameters.end();
+  };
+  const bool fused_gate_up = fused("mlp.experts.gate_up_proj"), fused_down = fused("mlp.experts.down_proj");
+  if (!cfg.lora_target_parameters.empty()) {
+    if (fused_gate_up) lora_params += moe_layers * E * r * (H + 2 * I);
+    if (fused_down) lora_params += moe_layers * E * r * (I + H);
+  } else {
+    site(mix ? "w1" : "gate_proj", H, I, moe_layers * E);
+    site(mix ? "w3" : "up_proj", H, I, moe_layers * E);
+    site(mix ? "w2" : "down_proj", I, H, moe_layers * E);
+  }
   if (dense_layers > 0) {
     site("gate_proj", H, double(c.dense_width), dense_layers);
     site("up_proj", H, double(c.dense_width), dense_layers);
@@ -135,8 +147,10 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   // MoE, saved: router probabilities (fp32), top-k indices and weights, the dispatch's three
   // int64 permutations, gate and up (swiglu), the routed outputs in (token, slot) order (the
   // combine's bmm), and with expert LoRA its inputs and [pairs, r] intermediates.
-  const bool le = moe_layers > 0 && (targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj") ||
-                                     targets(cfg, mix ? "w2" : "down_proj"));
+  const bool le = moe_layers > 0 && (cfg.lora_target_parameters.empty()
+                                         ? (targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj") ||
+                                            targets(cfg, mix ? "w2" : "down_proj"))
+                                         : (fused_gate_up || fused_down));
   const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8;
   const double gate_up = 2 * NK * I * d, routed_out = NK * H * d;
   const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes : 0;

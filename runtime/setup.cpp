@@ -391,6 +391,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   spec.dropout = cfg.lora_dropout;
   spec.use_rslora = cfg.peft_use_rslora;
   spec.targets = cfg.lora_target_modules;
+  spec.target_parameters = cfg.lora_target_parameters;
   spec.seed = static_cast<std::uint64_t>(cfg.seed);
   model->add_lora(spec);
   run.lora = model->lora_parameters();

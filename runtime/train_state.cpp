@@ -225,6 +225,7 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   c["lora_alpha"] = cfg.lora_alpha;
   c["lora_dropout"] = cfg.lora_dropout;
   c["target_modules"] = cfg.lora_target_modules;
+  if (!cfg.lora_target_parameters.empty()) c["target_parameters"] = cfg.lora_target_parameters;
   c["bias"] = "none";
   c["use_rslora"] = cfg.peft_use_rslora;
   c["fan_in_fan_out"] = false;
@@ -354,7 +355,9 @@ TrainingState load_checkpoint(const std::string& folder, bool with_tensors) {
   }
   if (!with_tensors) return s;
   // The adapter is stored in peft's per-expert form (write_adapter); the model trains it stacked.
-  s.lora = model::stack_expert_lora(as_list(load_all((dir / "adapter_model.safetensors").string())));
+  // ParamWrapper tensors (lora_target_parameters) need r and the parameters: from the adapter's config.
+  const model::LoraSpec spec = model::read_adapter_config(dir.string());
+  s.lora = model::stack_expert_lora(as_list(load_all((dir / "adapter_model.safetensors").string())), &spec);
   s.optimizer = as_list(load_all((dir / "optimizer.safetensors").string()));
   s.rng = as_list(load_all((dir / "rng.safetensors").string()));
   return s;
@@ -425,6 +428,7 @@ json recorded_config(const TrainConfig& cfg) {
           {"lora_alpha", cfg.lora_alpha},
           {"peft_use_rslora", cfg.peft_use_rslora},
           {"lora_target_modules", cfg.lora_target_modules},
+          {"lora_target_parameters", cfg.lora_target_parameters},
           {"lora_dropout", cfg.lora_dropout},
           {"load_in_4bit", cfg.load_in_4bit},
           {"bnb_4bit_blocksize", cfg.bnb_4bit_blocksize},
@@ -448,7 +452,7 @@ std::vector<std::string> check_resume_compatible(const TrainingState& s, const T
   const json now = recorded_config(cfg);
   // Keys whose change makes the saved adapter or the data cursor mean something else.
   static const char* kRefuse[] = {"adapter",        "lora_r",          "lora_alpha",         "peft_use_rslora",
-                                  "lora_target_modules", "load_in_4bit", "bnb_4bit_blocksize", "bnb_4bit_use_double_quant",
+                                  "lora_target_modules", "lora_target_parameters", "load_in_4bit", "bnb_4bit_blocksize", "bnb_4bit_use_double_quant",
                                   "sequence_len",   "sample_packing"};
   std::vector<std::string> problems;
   auto differs = [&](const char* key) { return s.recorded.contains(key) && s.recorded[key] != now[key]; };

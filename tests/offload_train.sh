@@ -47,6 +47,14 @@ later="7/2/$((2 * block))"
 check "depth 2: 2 copies (2N-6) on each later step" test "$(echo "$depth2_counts" | cut -d' ' -f2-)" = "$later $later $later $later"
 check "depth 2: the log says 3 slots" grep -q "3 device slot(s) of .* (prefetch 2 ahead)" "$tmp/depth2.log"
 
+# lora_target_parameters (fused expert LoRA, no dropout as peft requires): offload == resident too.
+fused=(--set lora_dropout=0 --set 'lora_target_modules=[q_proj, k_proj, v_proj, o_proj]'
+       --set 'lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]')
+run fused_resident "${fused[@]}"
+run fused_prefetch "${fused[@]}" --set expert_offload=true
+check "fused expert LoRA: offload (prefetch) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/fused_resident" "$tmp/fused_prefetch" --exact
+check "fused expert LoRA is in the adapter" grep -q "experts.base_layer.lora_A" "$tmp/fused_prefetch/adapter_model.safetensors"
+
 run pageable --set expert_offload=true --set expert_offload_pin_memory=false
 check "pageable homes warn" grep -q "expert_offload_pin_memory: false gives pageable homes" "$tmp/pageable.log"
 check "pageable homes train like pinned" "$py" tests/ref/compare_adapters.py "$tmp/resident" "$tmp/pageable" --exact
@@ -64,5 +72,9 @@ timeout 120 "$bin" "${common[@]}" --set base_model="$tmp/dense" --set expert_off
 rc=$?
 check "offload without expert blocks exits 2" test $rc = 2
 check "and says what was looked for" grep -q "has no MoE expert blocks" "$tmp/dense.log"
+timeout 120 "$bin" "${common[@]}" "${fused[@]}" --set base_model="$tmp/dense" --set output_dir="$tmp/dense_fused" >"$tmp/dense_fused.log" 2>&1
+rc=$?
+check "lora_target_parameters without expert blocks exits 2" test $rc = 2
+check "and names the key" grep -q "lora_target_parameters: qwen3_moe .* has no MoE block" "$tmp/dense_fused.log"
 [ $fail = 0 ] && echo "offload_train: all checks passed" || { echo "offload_train: FAILED"; for f in "$tmp"/*.log; do echo "== $f"; tail -3 "$f"; done; }
 exit $fail

@@ -450,3 +450,23 @@ TEST(Config, TargetModulesComeFromTheArchitecture) {
   }
   fs::remove_all(dir);
 }
+
+// Issue #16 item 5: lora_target_parameters takes peft's fused expert parameter names (full or
+// bare, written canonical), names the accepted values for anything else, and refuses dropout as
+// peft's ParamWrapper does; all before a weight is read.
+TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
+  const TrainConfig c = load(std::string(kValid) + "lora_target_parameters: [gate_up_proj, mlp.experts.down_proj, down_proj]\n");
+  EXPECT_EQ(c.lora_target_parameters, (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  EXPECT_TRUE(load(kValid).lora_target_parameters.empty());
+  EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [down_proj, gate_up_proj]\n").lora_target_parameters,
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}))
+      << "one order, as resume compares it";
+  const std::string bad = error_of(std::string(kValid) + "lora_target_parameters: [mlp.experts.gate_proj]\n");
+  EXPECT_NE(bad.find("lora_target_parameters: unknown parameter 'mlp.experts.gate_proj'"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("mlp.experts.gate_up_proj, mlp.experts.down_proj, gate_up_proj, down_proj"), std::string::npos) << bad;
+  const std::string map = error_of(std::string(kValid) + "lora_target_parameters: {a: 1}\n");
+  EXPECT_NE(map.find("lora_target_parameters: expected a list of parameter names"), std::string::npos) << map;
+  const std::string drop = error_of(std::string(kValid) + "lora_dropout: 0.05\nlora_target_parameters: [down_proj]\n");
+  EXPECT_NE(drop.find("lora_dropout: must be 0 with lora_target_parameters"), std::string::npos) << drop;
+  EXPECT_NO_THROW(load(std::string(kValid) + "lora_dropout: 0.05\n"));
+}

@@ -484,7 +484,8 @@ TEST(Cuda, GroupedExpertLoraMatchesCpuFp32) {
 
 namespace {
 
-std::unique_ptr<model::MoeModel> tiny_bf16_with_expert_lora(const at::Device& dev) {
+// fused: lora_target_parameters (gate_up_proj's one LoRA over [gate; up], down_proj's).
+std::unique_ptr<model::MoeModel> tiny_bf16_with_expert_lora(const at::Device& dev, bool fused = false) {
   model::LoadOptions lo;
   lo.dtype = at::kBFloat16;
   lo.load_in_4bit = true;
@@ -494,6 +495,7 @@ std::unique_ptr<model::MoeModel> tiny_bf16_with_expert_lora(const at::Device& de
   spec.r = 8;
   spec.alpha = 16;
   spec.targets = {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"};
+  if (fused) spec.target_parameters = {model::kGateUpParam, model::kDownParam};
   m->add_lora(spec);
   at::NoGradGuard ng;  // non-zero B so every LoRA factor gets a gradient
   at::manual_seed(3);
@@ -510,6 +512,15 @@ TEST(Cuda, GroupedExpertLoraModelMatchesThePerExpertLoop) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
   auto m = tiny_bf16_with_expert_lora(dev);
+  expect_grouped_matches_loop(*m, dev);
+}
+
+// The same with lora_target_parameters: the fused gate_up delta as one grouped GEMM pair split
+// into gate and up, against the loop's per-expert [gate; up] LoRA.
+TEST(Cuda, GroupedFusedExpertLoraModelMatchesThePerExpertLoop) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  auto m = tiny_bf16_with_expert_lora(dev, /*fused=*/true);
   expect_grouped_matches_loop(*m, dev);
 }
 

@@ -130,6 +130,40 @@ TEST_P(Parity, LoraLogitsAndGradientsMatchPeft) {
   RecordProperty("grad_worst_rel_err", std::to_string(worst_grad));
 }
 
+// lora_target_parameters: peft's own ParamWrapper adapter (fused gate_up_proj / down_proj,
+// made and saved by peft in model_ref.py) loads, and gives peft's logits, loss and gradients.
+// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config.cpp says so).
+class FusedParity : public Parity {};
+TEST_P(FusedParity, FusedExpertLoraMatchesPeftParamWrapper) {
+  const std::string dir = ref_dir(GetParam());
+  const Ref r = load_ref(dir);
+  auto m = MoeModel::load(dir + "/model", LoadOptions{});
+  m->load_adapter(dir + "/adapter_params");
+  EXPECT_EQ(m->lora_spec().target_parameters, (std::vector<std::string>{kGateUpParam, kDownParam}));
+  const auto out = m->forward(ref_batch(r));
+  EXPECT_LT(rel_err(out.logits, r["logits_params"]), 1e-4);
+  const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
+  EXPECT_NEAR(loss.item<double>(), r["loss_params"].item<double>(), 1e-5 * r["loss_params"].item<double>());
+  loss.backward();
+  NamedLora trained = m->lora_parameters(), trained_grads;
+  for (const auto& [name, p] : trained) trained_grads.emplace_back(name, p.grad().defined() ? p.grad() : at::zeros_like(p));
+  const auto params = peft_lora_tensors(trained), grads = peft_lora_tensors(trained_grads);
+  std::size_t n_ref = 0;
+  for (const auto& t : r.file->tensors()) n_ref += t.name.rfind("grad_params.", 0) == 0;
+  EXPECT_EQ(params.size(), n_ref) << "every LoRA tensor of peft's model has a counterpart, and no more";
+  std::size_t fused = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, p] = params[i];
+    SCOPED_TRACE(name);
+    ASSERT_EQ(grads[i].first, name);
+    const at::Tensor want = r["grad_params." + name];
+    EXPECT_EQ(p.sizes(), want.sizes());
+    fused += name.find(".experts.") != std::string::npos;
+    EXPECT_LT(rel_err(grads[i].second, want), 1e-4);
+  }
+  EXPECT_GT(fused, 0u);
+}
+
 TEST_P(Parity, Nf4ModelMatchesBitsandbytesDequantisedTransformers) {
   const std::string dir = ref_dir(GetParam());
   const Ref r = load_ref(dir);
@@ -156,6 +190,7 @@ TEST_P(Parity, ScoreCommandMatchesTransformersLoss) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss"));

@@ -421,3 +421,36 @@ TEST(GatherRows, ForwardAndBackwardEqualIndexSelect) {
   EXPECT_TRUE(at::equal(z.grad(), zr.grad()));
   EXPECT_THROW(gather_rows(x0, token_of, position, k + 1), std::exception);
 }
+
+// The plan's LoRA term counts exactly the parameters the model creates, for the per-expert form
+// (lora_target_modules on experts) and the fused form (lora_target_parameters, gate_up_proj
+// with one A for gate and up), and the two differ.
+TEST(MemoryPlan, LoraTermEqualsTheModelsLoraParametersPerExpertAndFused) {
+  const ModelConfig mc = load_config(kTiny);
+  auto m = MoeModel::load(kTiny, LoadOptions{});
+  auto count = [&](const TrainConfig& cfg) {
+    LoraSpec spec;
+    spec.r = cfg.lora_r;
+    spec.targets = cfg.lora_target_modules;
+    spec.target_parameters = cfg.lora_target_parameters;
+    m->add_lora(spec);
+    double n = 0;
+    for (const auto& [name, p] : m->lora_parameters()) n += double(p.numel());
+    return n;
+  };
+  auto planned = [&](const TrainConfig& cfg) {
+    for (const auto& p : plan_memory(cfg, mc, false, 1).device)
+      if (p.name == "lora") return p.bytes / 16;
+    return -1.0;
+  };
+  TrainConfig per_expert;
+  per_expert.base_model = kTiny;
+  per_expert.lora_target_modules = {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"};
+  TrainConfig fused = per_expert;
+  fused.lora_target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+  TrainConfig gate_up_only = per_expert;
+  gate_up_only.lora_target_parameters = {"mlp.experts.gate_up_proj"};
+  for (const TrainConfig* c : {&per_expert, &fused, &gate_up_only}) EXPECT_EQ(planned(*c), count(*c));
+  EXPECT_LT(count(fused), count(per_expert));  // gate and up share A
+  EXPECT_LT(count(gate_up_only), count(fused));
+}

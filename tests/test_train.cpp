@@ -220,6 +220,42 @@ TEST_F(Train, ExpertLoraWritesPeftPerExpertAndResumesExactly) {
   expect_same_adapter(a, b);
 }
 
+// 4c. lora_target_parameters (fused expert LoRA): the adapter and each checkpoint's adapter carry
+//     peft's ParamWrapper names and shapes (gate_up_proj nested under base_layer), and resuming
+//     from a checkpoint continues bitwise (ParamWrapper tensors taken back to the trained form).
+TEST_F(Train, FusedExpertLoraWritesPeftParamWrapperAndResumesExactly) {
+  const std::vector<std::string> fused = {"lora_dropout=0", "lora_target_modules=[q_proj, v_proj]",
+                                          "lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.end(), fused.begin(), fused.end());
+    return v;
+  };
+  const fs::path a = dir_ / "a";
+  const Outcome ra = train(a, with({"max_steps=6", "save_steps=3", "save_total_limit=10"}));
+  ASSERT_TRUE(ra.exited && ra.code == 0) << ra.describe();
+  // 4 layers x (2 attention + 2 fused) modules x (A, B); hidden 64, expert width 32, 8 experts, r 8.
+  for (const fs::path& f : {a / "adapter_model.safetensors", a / "checkpoint-3" / "adapter_model.safetensors"}) {
+    auto adapter = eo::st::File::open(f.string());
+    EXPECT_EQ(adapter->tensors().size(), 4u * (2 + 2) * 2) << f;
+    const std::string p = "base_model.model.model.layers.2.mlp.experts.";
+    const std::pair<const char*, std::vector<std::int64_t>> want[] = {{"base_layer.lora_A.weight", {64, 64}},
+                                                                      {"base_layer.lora_B.weight", {64, 64}},
+                                                                      {"lora_A.weight", {64, 32}},
+                                                                      {"lora_B.weight", {64, 64}}};
+    for (const auto& [name, shape] : want) {
+      const eo::st::TensorInfo* t = adapter->find(p + name);
+      ASSERT_NE(t, nullptr) << f << " " << name;
+      EXPECT_EQ(t->shape, shape) << name;
+    }
+    EXPECT_EQ(adapter->find("base_model.model.model.layers.2.mlp.experts.0.down_proj.lora_A.weight"), nullptr);
+  }
+  const fs::path b = dir_ / "b";
+  const Outcome rb = train(b, with({"max_steps=6", "save_steps=0", "resume_from_checkpoint=" + (a / "checkpoint-3").string()}));
+  ASSERT_TRUE(rb.exited && rb.code == 0) << rb.describe();
+  expect_same_steps(read_metrics(a), read_metrics(b), 4, 6);
+  expect_same_adapter(a, b);
+}
+
 // 5. SIGTERM: the run saves a checkpoint at the end of the current step and exits 3; resuming
 //    with `auto` gives the losses of an uninterrupted run. (Constant lr: the interrupted run was
 //    planned for 400 steps, the others for fewer, and a cosine schedule depends on the total.)

@@ -7,6 +7,13 @@ add_test(NAME train_peft_check
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft)
 set_tests_properties(train_peft_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# lora_target_parameters (issue #16 item 5): the fused expert LoRA eo-ddp trains is the adapter
+# peft's ParamWrapper saves and loads (keys, shapes, config), and means the same loss there.
+add_test(NAME train_peft_fused_check
+         COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_fused_check.py
+                 $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_fused)
+set_tests_properties(train_peft_fused_check PROPERTIES LABELS ref TIMEOUT 600
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
 # The step's schedule end to end: layer-major == micro-batch-major bitwise for g = 1, 2, 4 with and
 # without offload, staged bytes per step <= 2 x expert bytes (tests/schedule_train.sh).
 add_test(NAME schedule_train COMMAND ${PROJECT_SOURCE_DIR}/tests/schedule_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})

@@ -9,10 +9,12 @@ ARCH: a tools/make_tiny_model.py --arch name (a family, or one of its variants).
 Writes OUT_DIR/ARCH/:
   model/, model_fused/ (tools/make_tiny_model.py; fused = transformers v5 [E,2I,H] layout)
   adapter/             peft adapter with non-zero B on attention + MLP + every expert
+  adapter_params/      peft's own adapter with target_parameters (fused expert ParamWrappers)
   data.jsonl           tokenized lines for `eo-ddp score`
   ref.safetensors      input_ids, labels, logits, loss, aux_loss (has_aux_loss 0: transformers
                        computes none for the family), logits_lora, loss_lora,
-                       grad.<peft name> for every LoRA tensor, logits_nf4, score_loss,
+                       grad.<peft name> for every LoRA tensor, logits_params, loss_params,
+                       grad_params.<peft name> (adapter_params/), logits_nf4, score_loss,
                        score_tokens, score_loss_adapter
 peft 0.21 with transformers 5.24 cannot target per-expert linears (experts are fused 3-D
 parameters at run time; peft wraps them as one parametrized module with other names), nor did
@@ -212,6 +214,28 @@ json.dump(acfg, open(os.path.join(adapter_dir, "adapter_config.json"), "w"), ind
 with torch.no_grad():
     ref["score_loss_adapter"] = torch.tensor([score(peft_model)[0]], dtype=torch.float64)
 del peft_model
+
+# ---- fused expert LoRA (lora_target_parameters): peft's own ParamWrapper on transformers 5's
+# gate_up_proj / down_proj (nested wrappers), non-zero B; logits, loss, every gradient, and the
+# adapter exactly as peft saves it.
+if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe"):  # the [E, 2I, H] gate_up_proj families
+    params_dir = os.path.join(out, "adapter_params")
+    torch.manual_seed(11)
+    pm = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
+                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gl))
+    o = pm(input_ids=ids, labels=labels)
+    o.loss.backward()
+    ref["logits_params"], ref["loss_params"] = o.logits.detach(), o.loss.detach().reshape(1)
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            ref["grad_params." + n.replace(".default", "")] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+    pm.save_pretrained(params_dir)
+    del pm
 
 # ---- NF4: bitsandbytes quantise → dequantise every decoder-block linear, then transformers
 import bitsandbytes.functional as bnbf  # noqa: E402
