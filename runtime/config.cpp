@@ -435,7 +435,8 @@ const std::vector<KeySpec>& schema() {
                  "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
                  "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; the bare "
                  "names gate_up_proj, down_proj are accepted). The adapter loads in peft on transformers 5, whose "
-                 "experts are fused. With it the experts are adapted only this way; needs lora_dropout: 0.",
+                 "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
+                 "lora_target_linear: peft would load those as the fused parameters at rank 2r); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    std::vector<std::string> v;
                    if (n.IsScalar()) v.push_back(n.Scalar());
@@ -891,6 +892,27 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (!c.lora_target_parameters.empty() && c.lora_dropout > 0)
     issues.push_back({"lora_dropout", "must be 0 with lora_target_parameters: peft's ParamWrapper refuses dropout (it "
                                       "cannot be applied to the input of a fused parameter), got " + value_node(c.lora_dropout).Scalar()});
+  if (!c.lora_target_parameters.empty()) {
+    // peft 0.21 on transformers 5 rewrites expert names in target_modules (gate_proj, up_proj,
+    // down_proj, w1, w2, w3) into target_parameters, gate_up_proj at rank 2r, when it loads an
+    // adapter: beside lora_target_parameters the adapter would not load as trained.
+    static const char* kWhy = "peft 0.21 on transformers 5 maps these names onto the fused expert parameters "
+                              "(gate_up_proj at rank 2r) when it loads the adapter, so together with "
+                              "lora_target_parameters it would not load as trained";
+    if (present.count("lora_target_linear") && c.lora_target_linear) {
+      issues.push_back({"lora_target_linear", std::string("cannot be combined with lora_target_parameters: it adapts "
+                                                          "gate_proj/up_proj/down_proj (w1/w2/w3), and ") + kWhy +
+                                                  "; list the attention modules in lora_target_modules instead"});
+    } else {
+      std::vector<std::string> experts;
+      for (const auto& t : c.lora_target_modules)
+        for (const char* n : {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+          if (t == n) experts.push_back(t);
+      if (!experts.empty())
+        issues.push_back({"lora_target_modules", "names " + join(experts, ", ") + " beside lora_target_parameters; " +
+                                                     kWhy + "; keep the attention modules only"});
+    }
+  }
   if (c.adapter == "qlora" && !c.load_in_4bit)
     issues.push_back({"load_in_4bit", "adapter: qlora needs load_in_4bit: true (or use adapter: lora)"});
   if (c.adapter == "lora" && c.load_in_4bit)

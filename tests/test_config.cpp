@@ -469,4 +469,12 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   const std::string drop = error_of(std::string(kValid) + "lora_dropout: 0.05\nlora_target_parameters: [down_proj]\n");
   EXPECT_NE(drop.find("lora_dropout: must be 0 with lora_target_parameters"), std::string::npos) << drop;
   EXPECT_NO_THROW(load(std::string(kValid) + "lora_dropout: 0.05\n"));
+  // Expert names beside it: peft 0.21 would load them as the fused parameters at rank 2r.
+  const std::string both = error_of(std::string(kValid) + "lora_target_modules: [q_proj, gate_proj, w2]\n"
+                                    "lora_target_parameters: [down_proj]\n");
+  EXPECT_NE(both.find("lora_target_modules: names gate_proj, w2 beside lora_target_parameters"), std::string::npos) << both;
+  EXPECT_NE(both.find("rank 2r"), std::string::npos) << both;
+  const std::string linear = error_of(std::string(kValid) + "lora_target_linear: true\nlora_target_parameters: [down_proj]\n");
+  EXPECT_NE(linear.find("lora_target_linear: cannot be combined with lora_target_parameters"), std::string::npos) << linear;
+  EXPECT_EQ(linear.find("lora_target_modules:"), std::string::npos) << "one error for one cause\n" << linear;
 }

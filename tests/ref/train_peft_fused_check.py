@@ -6,7 +6,7 @@ and means the same thing there.
 
 1. eo-ddp trains a short LoRA run of the bundled tiny Qwen3-MoE (configs/tiny-qwen3-moe.yaml) on
    the attention projections and the fused expert parameters
-   (lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]), NF4 base.
+   (lora_target_parameters: both, gate_up_proj alone, down_proj alone), NF4 base.
 2. The adapter's keys, shapes and adapter_config.json are peft's own: the same as
    get_peft_model(...).save_pretrained(...) writes for the same LoraConfig (nested ParamWrappers,
    A [r*E, in], B [out, r*E]).
@@ -46,31 +46,6 @@ def check(ok, msg):
         failures.append(msg)
 
 
-# ---- 1. train (bare and full names both accepted; written canonical)
-out = os.path.join(WORK, "run")
-shutil.rmtree(out, ignore_errors=True)
-subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
-                "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_dropout=0",
-                "--set", "lora_target_modules=[" + ", ".join(ATTN) + "]",
-                "--set", "lora_target_parameters=[gate_up_proj, mlp.experts.down_proj]"],
-               cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
-
-# ---- 2. peft's own save of the same LoraConfig: same keys, shapes, config fields
-acfg = json.load(open(os.path.join(out, "adapter_config.json")))
-check(acfg.get("target_parameters") == PARAMS, f"adapter_config.json target_parameters {acfg.get('target_parameters')}")
-check(acfg.get("lora_dropout") == 0, "adapter_config.json lora_dropout 0")
-model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
-ref_dir = os.path.join(WORK, "peft_own")
-get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
-               LoraConfig(r=acfg["r"], lora_alpha=acfg["lora_alpha"], target_modules=ATTN,
-                          target_parameters=PARAMS)).save_pretrained(ref_dir)
-own = load_file(os.path.join(ref_dir, "adapter_model.safetensors"))
-saved = load_file(os.path.join(out, "adapter_model.safetensors"))
-check(set(own) == set(saved), f"the same {len(own)} keys as peft's save: only peft's {sorted(set(own) - set(saved))[:3]}, "
-      f"only eo-ddp's {sorted(set(saved) - set(own))[:3]}")
-check(all(own[k].shape == saved[k].shape for k in set(own) & set(saved)), "every tensor has peft's shape")
-check(any(".experts.base_layer.lora_A" in k for k in saved), "nested wrappers: gate_up_proj under experts.base_layer")
-
 # ---- scoring data: prompt-masked labels, a right-padded line, plain lines
 lines = [json.loads(l) for l in open(os.path.join(SRC, "fixtures", "tiny-data", "train.jsonl")) if l.strip()][:12]
 lines[0]["labels"] = [-100] * 6 + lines[0]["input_ids"][6:]
@@ -104,31 +79,64 @@ def reference_score(model):
     return loss_sum / count, count
 
 
-# ---- 3. transformers + peft load it unchanged
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    peft_model = PeftModel.from_pretrained(model, out).eval()
-load_warnings = [str(w.message) for w in caught if "key" in str(w.message).lower()]
-check(not load_warnings, f"PeftModel.from_pretrained warns of no missing/unexpected keys {load_warnings}")
-placed = {n.replace(".default.", "."): p for n, p in peft_model.named_parameters() if "lora_" in n}
-check(set(placed) == set(saved), f"peft's LoRA parameters ({len(placed)}) are the file's tensors ({len(saved)})")
-check(all(torch.equal(placed[k], saved[k]) for k in set(placed) & set(saved)), "every loaded LoRA tensor equals the file's")
-check(all(saved[k].abs().max() > 0 for k in saved if ".experts." in k and "lora_B" in k),
-      "training moved every expert lora_B off zero")
 
-# ---- 4. losses
-adapter_loss, adapter_tokens = reference_score(peft_model)
-eo = eo_score(out)
-check(eo["tokens"] == adapter_tokens, f"eo-ddp score counts {eo['tokens']} tokens, reference {adapter_tokens}")
-rel = abs(eo["loss"] - adapter_loss) / abs(adapter_loss)
-check(rel < RTOL, f"eo-ddp score {eo['loss']:.8f} vs transformers/peft {adapter_loss:.8f} (rel {rel:.2e})")
-with torch.no_grad():
-    for k, p in peft_model.named_parameters():
-        if ".experts." in k and "lora_B" in k:
-            p.zero_()
-no_expert_loss, _ = reference_score(peft_model)
-change = abs(adapter_loss - no_expert_loss) / adapter_loss
-check(change > 100 * RTOL, f"the expert LoRA changes the loss: {no_expert_loss:.6f} -> {adapter_loss:.6f} (rel {change:.2e})")
+def run_case(name, given, params):
+    print(f"== {name}: lora_target_parameters {given}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
+    # ---- 1. train (bare and full names both accepted; written canonical)
+    out = os.path.join(WORK, name)
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
+                    "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_dropout=0",
+                    "--set", "lora_target_modules=[" + ", ".join(ATTN) + "]",
+                    "--set", "lora_target_parameters=[" + ", ".join(given) + "]"],
+                   cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
+
+    # ---- 2. peft's own save of the same LoraConfig: same keys, shapes, config fields
+    acfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    check(acfg.get("target_parameters") == params, f"adapter_config.json target_parameters {acfg.get('target_parameters')}")
+    check(acfg.get("lora_dropout") == 0, "adapter_config.json lora_dropout 0")
+    ref_dir = os.path.join(WORK, name + "_peft_own")
+    get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
+                   LoraConfig(r=acfg["r"], lora_alpha=acfg["lora_alpha"], target_modules=ATTN,
+                              target_parameters=params)).save_pretrained(ref_dir)
+    own = load_file(os.path.join(ref_dir, "adapter_model.safetensors"))
+    saved = load_file(os.path.join(out, "adapter_model.safetensors"))
+    check(set(own) == set(saved), f"the same {len(own)} keys as peft's save: only peft's {sorted(set(own) - set(saved))[:3]}, "
+          f"only eo-ddp's {sorted(set(saved) - set(own))[:3]}")
+    check(all(own[k].shape == saved[k].shape for k in set(own) & set(saved)), "every tensor has peft's shape")
+    check(any(".experts.base_layer.lora_A" in k for k in saved) == (len(params) == 2),
+          "nested wrappers (gate_up_proj under experts.base_layer) exactly when both parameters are adapted")
+
+    # ---- 3. transformers + peft load it unchanged
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft_model = PeftModel.from_pretrained(model, out).eval()
+    load_warnings = [str(w.message) for w in caught if "key" in str(w.message).lower()]
+    check(not load_warnings, f"PeftModel.from_pretrained warns of no missing/unexpected keys {load_warnings}")
+    placed = {n.replace(".default.", "."): p for n, p in peft_model.named_parameters() if "lora_" in n}
+    check(set(placed) == set(saved), f"peft's LoRA parameters ({len(placed)}) are the file's tensors ({len(saved)})")
+    check(all(torch.equal(placed[k], saved[k]) for k in set(placed) & set(saved)), "every loaded LoRA tensor equals the file's")
+    check(all(saved[k].abs().max() > 0 for k in saved if ".experts." in k and "lora_B" in k),
+          "training moved every expert lora_B off zero")
+
+    # ---- 4. losses
+    adapter_loss, adapter_tokens = reference_score(peft_model)
+    eo = eo_score(out)
+    check(eo["tokens"] == adapter_tokens, f"eo-ddp score counts {eo['tokens']} tokens, reference {adapter_tokens}")
+    rel = abs(eo["loss"] - adapter_loss) / abs(adapter_loss)
+    check(rel < RTOL, f"eo-ddp score {eo['loss']:.8f} vs transformers/peft {adapter_loss:.8f} (rel {rel:.2e})")
+    with torch.no_grad():
+        for k, p in peft_model.named_parameters():
+            if ".experts." in k and "lora_B" in k:
+                p.zero_()
+    no_expert_loss, _ = reference_score(peft_model)
+    change = abs(adapter_loss - no_expert_loss) / adapter_loss
+    check(change > 100 * RTOL, f"the expert LoRA changes the loss: {no_expert_loss:.6f} -> {adapter_loss:.6f} (rel {change:.2e})")
+
+run_case("both", ["gate_up_proj", "mlp.experts.down_proj"], PARAMS)
+run_case("gate_up_only", ["gate_up_proj"], PARAMS[:1])  # one wrapper each: no nesting
+run_case("down_only", ["down_proj"], PARAMS[1:])
 
 print(f"{len(failures)} failed")
 sys.exit(1 if failures else 0)
