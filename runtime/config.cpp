@@ -123,6 +123,26 @@ KeySpec boolean(std::string key, bool TrainConfig::*field, std::string doc) {
           writer(field)};
 }
 
+// A scalar or a list of scalars as strings; else an issue naming the key.
+std::optional<std::vector<std::string>> string_list(const std::string& key, const YAML::Node& n, const std::string& what,
+                                                    Issues& issues) {
+  std::vector<std::string> v;
+  if (n.IsScalar()) {
+    v.push_back(n.Scalar());
+    return v;
+  }
+  if (n.IsSequence())
+    for (const auto& e : n) {
+      if (!e.IsScalar()) break;
+      v.push_back(e.Scalar());
+    }
+  if (!n.IsSequence() || v.size() != n.size()) {
+    issues.push_back({key, "expected a list of " + what});
+    return std::nullopt;
+  }
+  return v;
+}
+
 // The YAML integer of `key` if it lies in [lo, hi]; else an issue naming the key.
 std::optional<std::int64_t> int_in_range(const std::string& key, const YAML::Node& n, std::int64_t lo, std::int64_t hi,
                                          Issues& issues) {
@@ -407,15 +427,9 @@ const std::vector<KeySpec>& schema() {
                  "q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj); experts gate_proj/up_proj/down_proj "
                  "(Mixtral: w1/w3/w2); dense MLP and shared experts use the same names.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-                   std::vector<std::string> v;
-                   if (n.IsScalar()) v.push_back(n.Scalar());
-                   else if (n.IsSequence()) {
-                     for (const auto& e : n) {
-                       if (!e.IsScalar())
-                         return issues.push_back({"lora_target_modules", "expected a list of module names"});
-                       v.push_back(e.Scalar());
-                     }
-                   } else return issues.push_back({"lora_target_modules", "expected a list of module names"});
+                   const auto parsed = string_list("lora_target_modules", n, "module names", issues);
+                   if (!parsed) return;
+                   const std::vector<std::string>& v = *parsed;
                    const std::vector<std::string>& known = model::all_linear_modules();
                    for (const auto& m : v) {
                      bool ok = false;
@@ -438,15 +452,9 @@ const std::vector<KeySpec>& schema() {
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
                  "lora_target_linear: peft would load those as the fused parameters at rank 2r); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-                   std::vector<std::string> v;
-                   if (n.IsScalar()) v.push_back(n.Scalar());
-                   else if (n.IsSequence()) {
-                     for (const auto& e : n) {
-                       if (!e.IsScalar())
-                         return issues.push_back({"lora_target_parameters", "expected a list of parameter names"});
-                       v.push_back(e.Scalar());
-                     }
-                   } else return issues.push_back({"lora_target_parameters", "expected a list of parameter names"});
+                   const auto parsed = string_list("lora_target_parameters", n, "parameter names", issues);
+                   if (!parsed) return;
+                   const std::vector<std::string>& v = *parsed;
                    // Canonical names (peft's and axolotl's); the bare names are the same parameters.
                    // (Kept here rather than in models/lora.cpp: the config parser is fuzzed alone.)
                    static const std::vector<std::string> accepted = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
