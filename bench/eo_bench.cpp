@@ -9,7 +9,8 @@
 //          budget (prefetch + budget-fraction of the experts resident); a suffix ":park" adds
 //          activation_offloading, ":mm" the micro-batch-major step order, ":shared" the homes in
 //          one shared memory file (expert_offload_homes: per_numa_node), ":whole" / ":sliced" the
-//          expert bank dequantised whole / in 64 MiB slices; they combine (":park:mm")
+//          expert bank dequantised whole / in 64 MiB slices, ":eager" without CUDA graphs
+//          (cuda_graphs: false); they combine (":park:mm")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
 //   attn (default): the attention linears, as the architecture names them
@@ -206,6 +207,7 @@ int main(int argc, char** argv) {
       const bool shared = std::find(parts.begin(), parts.end(), "shared") != parts.end();
       const bool whole = std::find(parts.begin(), parts.end(), "whole") != parts.end();
       const bool sliced = std::find(parts.begin(), parts.end(), "sliced") != parts.end();
+      const bool eager = std::find(parts.begin(), parts.end(), "eager") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -217,6 +219,7 @@ int main(int argc, char** argv) {
            << (park ? "activation_offloading: true\n" : "") << (micro_major ? "step_order: micro_batch_major\n" : "")
            << (shared ? "expert_offload_homes: per_numa_node\n" : "")
            << (whole ? "expert_dequant_chunk: whole\n" : sliced ? "expert_dequant_chunk: 64MiB\n" : "")
+           << (eager ? "cuda_graphs: false\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"

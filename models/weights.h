@@ -37,6 +37,9 @@ class WeightProvider {
   // The order of stage() calls in one optimizer step, repeating every step (an offloader prefetches
   // and evicts along it). Memory-resident stores ignore it.
   virtual void set_schedule(const std::vector<int>& /*staging_order*/) {}
+  // Where layer's staged weights are, as a token: equal tokens = the same device addresses. A
+  // CUDA graph captured on one placement replays only on it (an offloader has several slots).
+  virtual std::int64_t placement(int /*layer*/) { return 0; }
 
   std::int64_t stage_count(int layer) const {
     std::lock_guard<std::mutex> lock(count_mutex_);

@@ -418,6 +418,14 @@ const nf4::QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert
   return s->views[expert][static_cast<int>(m)];
 }
 
+std::int64_t ExpertOffloader::placement(int layer) {
+  if (layer < 0 || layer >= static_cast<int>(blocks_.size()) || !blocks_[layer]) return 0;
+  if (blocks_[layer]->resident.defined()) return 0;
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i]->layer == layer) return static_cast<std::int64_t>(i) + 1;
+  return -1;
+}
+
 OffloadStats ExpertOffloader::take_step_stats() {
 #ifdef EO_WITH_CUDA
   if (cuda_) {

@@ -76,6 +76,8 @@ class ExpertOffloader : public model::WeightProvider {
   ~ExpertOffloader() override;
 
   const nf4::QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override;
+  // 0 for a budget-resident block, 1 + its slot's index for a staged one, -1 when not staged.
+  std::int64_t placement(int layer) override;
   // The order of stage() calls of one optimizer step (MoE layers; repeats every step). Replaces
   // any earlier schedule and restarts at its first entry. An empty list: no schedule.
   void set_schedule(const std::vector<int>& staging_order) override;

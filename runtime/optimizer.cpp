@@ -98,9 +98,15 @@ void Optimizer::step(double lr) {
   }
 }
 
-void Optimizer::zero_grad() {
-  // Drop the gradients (set_to_none) so an unused parameter is distinguishable from a zero one.
-  for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
+void Optimizer::zero_grad(bool set_to_none) {
+  if (set_to_none) {
+    for (auto& [name, p] : params_) p.mutable_grad() = at::Tensor();
+    return;
+  }
+  std::vector<at::Tensor> grads;
+  for (auto& [name, p] : params_)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (!grads.empty()) at::_foreach_zero_(grads);
 }
 
 NamedTensors Optimizer::state() const {

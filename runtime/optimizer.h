@@ -41,7 +41,9 @@ class Optimizer {
   Optimizer(const NamedTensors& params, const TrainConfig& cfg);
   ~Optimizer();
   void step(double lr);
-  void zero_grad();
+  // set_to_none: drop the gradients (an unused parameter is then skipped by step()); else zero them
+  // in place (CUDA graphs accumulate into them at fixed addresses).
+  void zero_grad(bool set_to_none = true);
   // Optimizer state as named tensors ("<param>.exp_avg", ".exp_avg_sq", ".step" as fp64 [1]),
   // for checkpoints. load_state also takes the per-expert names of checkpoints written before
   // expert LoRA was stacked (models/lora.h), stacking them.

@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "models/moe_model.h"
 #include "offload/activations.h"
+#include "runtime/block_graphs.h"
 #include "runtime/data/batcher.h"
 #include "runtime/dist/reducer.h"
 
@@ -94,9 +95,16 @@ StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int m
   model_.weight_provider().set_schedule(schedule_.staging_order(moe));
   const at::Device device = model_.options().device;
   store_ = std::make_unique<offload::ActivationStore>(device, options_.activation_offloading);
+  // Graphs replay the checkpointed uses (forward without a graph, recompute + backward); without
+  // checkpointing a block's autograd graph outlives its use. Per-use dropout seeds are set on the
+  // host, which a replay would not see.
+  graphs_ = std::make_unique<BlockGraphs>(device, options_.cuda_graphs && options_.checkpointing && !options_.random_blocks);
 }
 
 StepRunner::~StepRunner() { model_.weight_provider().set_schedule({}); }
+
+bool StepRunner::graphs_enabled() const { return graphs_->enabled(); }
+int StepRunner::graphs_captured() const { return graphs_->graphs(); }
 
 std::int64_t StepRunner::peak_checkpoint_bytes() const { return store_->peak_device_bytes(); }
 std::int64_t StepRunner::checkpoint_host_bytes() const { return store_->host_bytes(); }
@@ -133,14 +141,26 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
   at::Tensor aux_sum = options_.aux_loss ? at::zeros_like(ce_sum) : at::Tensor();
 
   // Runs block i on micro-batch m; `router` receives its router logits (MoE blocks) when set.
-  auto run_block = [&](int i, int m, const at::Tensor& x, at::Tensor* router) {
+  auto run_block = [&](int i, int m, const at::Tensor& x, model::BlockContext c, at::Tensor* router) {
     std::vector<at::Tensor> captured;
-    model::BlockContext c = ctx[m];
     c.router_logits = router ? &captured : nullptr;
     UseRng rng(options_.random_blocks, step_seed, i, m, device);
     at::Tensor y = model_.block(i).forward(x, c);
     if (router && !captured.empty()) *router = captured.front();
     return y;
+  };
+
+  // A use's graph: its kind, its block and where the block's experts are staged now.
+  auto use_key = [&](const char* kind, int i) {
+    const std::int64_t where = model_.block(i).is_moe() ? model_.weight_provider().placement(i) : 0;
+    return std::string(kind) + std::to_string(i) + "@" + std::to_string(where);
+  };
+  // The micro-batch's context with the RoPE tables and mask given as a use's inputs 1..3.
+  auto with_tables = [](model::BlockContext c, const std::vector<at::Tensor>& in) {
+    c.cos = in[1];
+    c.sin = in[2];
+    c.attn_mask = in[3];
+    return c;
   };
 
   int staged_last = -1;  // the block of the previous use: consecutive uses of a block stage it once
@@ -157,12 +177,19 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
       case Kind::Forward: {
         if (options_.checkpointing) {
           store_->put(i, m, hidden[m]);
-          at::NoGradGuard no_grad;
-          hidden[m] = run_block(i, m, hidden[m], router);
+          const auto outs = graphs_->run(use_key("F", i), {hidden[m], ctx[m].cos, ctx[m].sin, ctx[m].attn_mask},
+                                         [&](const std::vector<at::Tensor>& in) {
+                                           at::NoGradGuard no_grad;
+                                           at::Tensor r;
+                                           at::Tensor y = run_block(i, m, in[0], with_tables(ctx[m], in), router ? &r : nullptr);
+                                           return std::vector<at::Tensor>{y, r};
+                                         });
+          hidden[m] = outs[0];
+          if (router) *router = outs[1];
         } else {
           KeptGraph& kg = kept[i][m];
           kg.input = i > 0 ? hidden[m].detach().requires_grad_(true) : hidden[m];
-          kg.output = run_block(i, m, kg.input, router ? &kg.router_logits : nullptr);
+          kg.output = run_block(i, m, kg.input, ctx[m], router ? &kg.router_logits : nullptr);
           hidden[m] = kg.output.detach();
           if (router) logits[i][m] = kg.router_logits.detach();
         }
@@ -196,29 +223,36 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
         break;
       }
       case Kind::Backward: {
-        std::vector<at::Tensor> roots, grads;
-        at::Tensor input;
+        // backward(roots = output (+ router logits), their gradients) from the block's input.
+        auto backward = [&](const at::Tensor& input, std::vector<at::Tensor> roots, const at::Tensor& dy, const at::Tensor& dr) {
+          std::vector<at::Tensor> grads{dy};
+          if (roots.size() > 1) {
+            EO_CHECK(dr.defined(), "step: block ", i, " has router logits but no aux-loss gradient for them");
+            grads.push_back(dr);
+          }
+          torch::autograd::backward(roots, grads);
+          return i > 0 ? input.grad() : at::Tensor();
+        };
         if (options_.checkpointing) {
           const at::Tensor x = store_->take(i, m);
-          input = i > 0 ? x.detach().requires_grad_(true) : x;
-          at::Tensor recomputed_logits;
-          roots.push_back(run_block(i, m, input, router ? &recomputed_logits : nullptr));
-          if (router && recomputed_logits.defined()) roots.push_back(recomputed_logits);
+          const auto outs = graphs_->run(
+              use_key("B", i), {x, ctx[m].cos, ctx[m].sin, ctx[m].attn_mask, dh[m], dlogits[i][m]},
+              [&](const std::vector<at::Tensor>& in) {
+                const at::Tensor input = i > 0 ? in[0].detach().requires_grad_(true) : in[0];
+                at::Tensor r;
+                std::vector<at::Tensor> roots{run_block(i, m, input, with_tables(ctx[m], in), router ? &r : nullptr)};
+                if (r.defined()) roots.push_back(r);
+                return std::vector<at::Tensor>{backward(input, roots, in[4], in[5])};
+              });
+          dh[m] = outs[0];
         } else {
           KeptGraph& kg = kept[i][m];
-          input = kg.input;
-          roots.push_back(kg.output);
+          std::vector<at::Tensor> roots{kg.output};
           if (router && kg.router_logits.defined()) roots.push_back(kg.router_logits);
+          dh[m] = backward(kg.input, roots, dh[m], dlogits[i][m]);
           kg = KeptGraph{};
         }
-        grads.push_back(dh[m]);
-        if (roots.size() > 1) {
-          EO_CHECK(dlogits[i][m].defined(), "step: block ", i, " has router logits but no aux-loss gradient for them");
-          grads.push_back(dlogits[i][m]);
-          dlogits[i][m] = at::Tensor();
-        }
-        torch::autograd::backward(roots, grads);
-        dh[m] = i > 0 ? input.grad() : at::Tensor();
+        dlogits[i][m] = at::Tensor();
         if (reducer_ && k == last_backward_[i]) reducer_->block_done(i);
         break;
       }

@@ -39,6 +39,7 @@ class GradReducer;
 namespace offload {
 class ActivationStore;
 }
+class BlockGraphs;
 
 struct StepOptions {
   bool checkpointing = true;           // recompute blocks in backward (else keep each block's graph)
@@ -47,6 +48,7 @@ struct StepOptions {
   bool aux_loss = false;               // router load-balancing loss (output_router_logits)
   double aux_coef = 0;                 // its weight per micro-batch: coef / (g x ranks)
   bool random_blocks = false;          // blocks draw random numbers (LoRA dropout): seed per use
+  bool cuda_graphs = true;             // replay checkpointed block uses as CUDA graphs (runtime/block_graphs.h)
 };
 
 // Device scalars: read them once, after the step (no host synchronisation inside it).
@@ -71,6 +73,10 @@ class StepRunner {
   // Peak device bytes of saved block inputs in the steps run so far.
   std::int64_t peak_checkpoint_bytes() const;
   std::int64_t checkpoint_host_bytes() const;
+  // Whether block uses replay as CUDA graphs; then the LoRA gradients must stay allocated between
+  // steps (zeroed in place), since the graphs accumulate into them at fixed addresses.
+  bool graphs_enabled() const;
+  int graphs_captured() const;
 
  private:
   model::MoeModel& model_;
@@ -79,6 +85,7 @@ class StepRunner {
   std::vector<std::size_t> last_backward_;
   dist::GradReducer* reducer_;
   std::unique_ptr<offload::ActivationStore> store_;
+  std::unique_ptr<BlockGraphs> graphs_;
 };
 
 }  // namespace eo

@@ -9,7 +9,11 @@
 //    GEMMs and grouped expert LoRA too) the loss within 1%. bf16 gradients are not compared with
 //    fp32 ones on this model: its random router puts near-ties everywhere, and bf16 rounding flips
 //    the top-k choice of many tokens (measured: 45-90% relative difference in every LoRA gradient);
-//    the grouped bf16 kernels are held to the CPU per block in test_cuda.cpp instead.
+//    the grouped bf16 kernels are held to the CPU per block in test_cuda.cpp instead;
+//  - CUDA graphs (runtime/block_graphs.h): block uses replayed as graphs give bitwise the eager
+//    step's gradients, step after step (a packed micro-batch with a mask beside an unpacked one,
+//    LoRA on every linear, experts included), and trained adapters and losses equal to eager
+//    training, resident and offloaded, with and without the router aux loss.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -178,6 +182,112 @@ TEST(CudaTrain, GpuStepMatchesTheCpuStep) {
     EXPECT_LT((gpu.at(n) - g).norm().item<double>(), 1e-3 * scale) << n;
   }
   EXPECT_GT(checked, static_cast<int>(cpu.size()) / 2);
+}
+
+TEST(CudaTrain, GraphedBlockUsesGiveTheEagerGradients) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  auto steps = [&](bool graphs, int* captured) {
+    model::LoadOptions lo;
+    lo.dtype = at::kBFloat16;
+    lo.load_in_4bit = true;
+    lo.device = dev;
+    auto m = model::MoeModel::load(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", lo);
+    model::LoraSpec spec;
+    spec.r = 8;
+    spec.alpha = 16;
+    spec.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    spec.seed = 3;
+    m->add_lora(spec);
+    {
+      at::manual_seed(4);
+      at::NoGradGuard ng;
+      for (auto& [n, p] : m->lora_parameters())
+        if (n.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
+    }
+    StepOptions o;
+    o.cuda_graphs = graphs;
+    StepRunner runner(*m, o, 2, nullptr);
+    std::vector<std::map<std::string, at::Tensor>> per_step;
+    for (int step = 0; step < 4; ++step) {
+      at::manual_seed(10 + step);
+      std::vector<data::MicroBatch> micro;
+      double tokens = 0;
+      for (int k = 0; k < 2; ++k) {
+        data::MicroBatch mb;
+        mb.input_ids = at::randint(3, m->config().vocab, {2, 64}, at::kLong);
+        mb.labels = mb.input_ids.clone();
+        mb.position_ids = at::arange(64, at::kLong).expand({2, 64}).contiguous();
+        mb.segment_ids = at::zeros({2, 64}, at::kInt);
+        if (k == 1) {  // two documents packed in each row: a mask, and positions restarting
+          mb.segment_ids.narrow(1, 40, 24).fill_(1);
+          mb.position_ids.narrow(1, 40, 24).copy_(at::arange(24, at::kLong).expand({2, 24}));
+        }
+        mb.num_target_tokens = 2 * 63;
+        tokens += 2 * 63;
+        micro.push_back(mb);
+      }
+      runner.run(micro, tokens);
+      std::map<std::string, at::Tensor> g;
+      for (auto& [n, p] : m->lora_parameters()) {
+        g[n] = p.grad().to(at::kCPU).clone();
+        p.mutable_grad().zero_();  // in place, as the trainer does with graphs
+      }
+      per_step.push_back(g);
+    }
+    *captured = runner.graphs_captured();
+    return per_step;
+  };
+  int eager_graphs = -1, graphs = -1;
+  const auto eager = steps(false, &eager_graphs);
+  const auto graphed = steps(true, &graphs);
+  EXPECT_EQ(eager_graphs, 0);
+  // 3 blocks x (forward, backward) x (no mask, mask): every use after the first of its key replays.
+  EXPECT_GT(graphs, 0) << "no block use was captured (see the log for why graphs turned off)";
+  ASSERT_EQ(eager.size(), graphed.size());
+  for (std::size_t s = 0; s < eager.size(); ++s) {
+    int differing = 0;
+    for (const auto& [n, g] : eager[s]) differing += at::equal(g, graphed[s].at(n)) ? 0 : 1;
+    EXPECT_EQ(differing, 0) << "step " << s << ": " << differing << " of " << eager[s].size() << " LoRA gradients differ";
+  }
+}
+
+TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
+  REQUIRE_CUDA();
+  const fs::path root = fs::temp_directory_path() / "eo_cuda_graphs";
+  remove_tree(root.string());
+  const fs::path model = make_model_dir(root / "model");
+  const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 6);
+  auto run = [&](const std::string& name, std::vector<std::string> extra) {
+    std::ostringstream yaml;
+    yaml << "base_model: " << model.string() << "\nsynthetic_weights: true\nload_in_4bit: true\nadapter: qlora\n"
+         << "lora_r: 8\nlora_alpha: 16\nlora_dropout: 0.0\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
+         << "datasets: [{path: " << tokens.string() << ", type: tokens, dtype: uint32}]\n"
+         << "sequence_len: 512\nmicro_batch_size: 2\ngradient_accumulation_steps: 2\nmax_steps: 4\n"
+         << "learning_rate: 1e-3\nlr_scheduler: constant\nbf16: true\ngradient_checkpointing: true\n"
+         << "gradient_checkpointing_kwargs: {use_reentrant: false}\nsave_steps: 0\n"
+         << "output_dir: " << (root / name).string() << "\n";
+    TrainConfig cfg = load_config_text(yaml.str(), "test_cuda_train", extra);
+    train(cfg, dist::World::get());
+    return root / name;
+  };
+  for (const auto& [label, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"resident", {}},
+           {"g1", {"gradient_accumulation_steps=1"}},
+           {"prefetch", {"expert_offload=true"}},
+           {"prefetch2", {"expert_offload=true", "expert_offload_prefetch_depth=2"}},
+           {"aux", {"output_router_logits=true"}}}) {
+    std::vector<std::string> eager = extra;
+    eager.push_back("cuda_graphs=false");
+    const fs::path a = run(label + "-eager", eager), b = run(label + "-graphs", extra);
+    const auto ref = read_adapter(a), got = read_adapter(b);
+    ASSERT_FALSE(ref.empty()) << label;
+    int differing = 0;
+    for (const auto& [k, v] : ref) differing += at::equal(v, got.at(k)) ? 0 : 1;
+    EXPECT_EQ(differing, 0) << label << ": " << differing << " of " << ref.size() << " LoRA tensors differ from eager";
+    EXPECT_EQ(read_losses(a), read_losses(b)) << label;
+  }
+  remove_tree(root.string());
 }
 
 int main(int argc, char** argv) {
