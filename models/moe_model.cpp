@@ -375,6 +375,9 @@ at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
     const at::Tensor rows = at::embedding(embed_, input_ids.to(at::kCPU));
     return rows.pin_memory().to(opts_.device, /*non_blocking=*/true);
   }
+  // Host ids for a device table: through pinned memory, so the copy does not wait for the stream.
+  if (input_ids.is_cpu() && embed_.is_cuda())
+    return at::embedding(embed_, input_ids.contiguous().pin_memory().to(embed_.device(), /*non_blocking=*/true));
   return at::embedding(embed_, input_ids.to(embed_.device()));
 }
 

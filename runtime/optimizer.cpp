@@ -28,20 +28,25 @@ std::int64_t resolve_warmup_steps(const TrainConfig& cfg, std::int64_t total_ste
   return cfg.warmup_steps;
 }
 
-double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
+at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
-  if (grads.empty()) return 0.0;
+  if (grads.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble));
   // Per-tensor norms in one multi-tensor kernel (fp32, each reduced in a tree), combined in fp64
-  // so the total does not depend on the order of ~37k tensors; the one host read of the step.
+  // so the total does not depend on the order of ~37k tensors.
   const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
-  const double norm = at::stack(norms).to(at::kDouble).pow(2).sum().sqrt().item<double>();
-  if (max_norm > 0 && std::isfinite(norm)) {
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0) at::_foreach_mul_(grads, coef);
+  const at::Tensor norm = at::stack(norms).to(at::kDouble).pow(2).sum().sqrt();
+  if (max_norm > 0) {
+    // The coefficient where it is < 1 and the norm finite, else 1 (x * 1 = x: nothing changes).
+    const at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+    at::_foreach_mul_(grads, at::where(at::isfinite(norm), coef, at::ones_like(coef)).to(at::kFloat));
   }
   return norm;
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
+  return clip_grad_norm_on_device(params, max_norm).item<double>();
 }
 
 namespace {

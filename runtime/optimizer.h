@@ -27,7 +27,10 @@ std::int64_t resolve_warmup_steps(const TrainConfig& cfg, std::int64_t total_ste
 // Scales every gradient so their global L2 norm is at most max_norm (torch.nn.utils.
 // clip_grad_norm_: coefficient max_norm / (norm + 1e-6), only when < 1). Returns the norm
 // before clipping. Parameters without a gradient count as zero. Multi-tensor kernels (one
-// launch for all gradients, not one per tensor) and one host read of the norm per call.
+// launch for all gradients, not one per tensor); the norm stays on the device (fp64 []), so the
+// step reads it with its losses, in one host synchronisation.
+at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm);
+// The same, returning the norm read on the host.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
 
 // AdamW over named fp32 parameters with torch.optim.AdamW's math (decoupled decay

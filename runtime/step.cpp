@@ -73,6 +73,13 @@ bool single_document_rows(const at::Tensor& segment_ids) {
   return (seg == seg.narrow(1, 0, 1)).all().item<bool>();
 }
 
+// A host batch tensor on the device without waiting: a copy from pageable memory first waits for
+// the stream to drain, one from pinned memory is queued like a kernel.
+at::Tensor to_device(const at::Tensor& t, const at::Device& device) {
+  if (!device.is_cuda() || !t.is_cpu()) return t.to(device);
+  return t.contiguous().pin_memory().to(device, /*non_blocking=*/true);
+}
+
 // A graph kept from Forward to Backward (no checkpointing).
 struct KeptGraph {
   at::Tensor input;   // the leaf the block ran on
@@ -124,12 +131,12 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
   for (int m = 0; m < g; ++m) {
     const data::MicroBatch& mb = micro[m];
     model::Batch b;
-    b.input_ids = mb.input_ids.to(device);
-    b.positions = mb.position_ids.to(device);
+    b.input_ids = to_device(mb.input_ids, device);
+    b.positions = to_device(mb.position_ids, device);
     // Rows holding one document need no mask: plain causal attention takes the fused kernel.
-    if (!single_document_rows(mb.segment_ids)) b.segment_ids = mb.segment_ids.to(device, at::kLong);
+    if (!single_document_rows(mb.segment_ids)) b.segment_ids = to_device(mb.segment_ids.to(at::kLong), device);
     ctx[m] = model_.context(b, /*training=*/true);
-    labels[m] = mb.labels.to(device);
+    labels[m] = to_device(mb.labels, device);
     at::NoGradGuard no_grad;
     hidden[m] = model_.embed(mb.input_ids);  // host ids: the table may be host-held
     out.tokens += mb.num_target_tokens;

@@ -143,16 +143,18 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
     const StepLosses sl = runner.run(micro, global_tokens, [&](int) { return inject_nan; });
     if (reducer) reducer->finalize();
-    const double grad_norm = clip_grad_norm(params, cfg.max_grad_norm);  // scales nothing when not finite
+    const at::Tensor norm = clip_grad_norm_on_device(params, cfg.max_grad_norm);  // scales nothing when not finite
     const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
     // Non-finite guard. The gradients are all-reduced, but the loss is not, so each rank adds a
     // flag and every rank takes the same decision from the summed flags. A skipped step leaves the
     // LoRA and the optimizer state (AdamW's step count included) untouched; it still counts as a
     // step (its batch is consumed and the LR schedule, a function of the step, moves on), as
     // transformers' Trainer does when the AMP grad scaler skips an update.
-    // The step's one read of its losses (the device ran ahead until here).
-    const at::Tensor both = at::stack({sl.ce_sum, sl.aux_sum.defined() ? sl.aux_sum : at::zeros_like(sl.ce_sum)}).to(at::kCPU, at::kDouble);
-    const double ce_sum = both[0].item<double>(), aux_sum = both[1].item<double>();
+    // The step's one read of its losses and gradient norm (the device ran ahead until here).
+    const at::Tensor both = at::stack({sl.ce_sum, sl.aux_sum.defined() ? sl.aux_sum : at::zeros_like(sl.ce_sum),
+                                       norm.to(sl.ce_sum.device(), at::kDouble)})
+                                .to(at::kCPU, at::kDouble);
+    const double ce_sum = both[0].item<double>(), aux_sum = both[1].item<double>(), grad_norm = both[2].item<double>();
     const bool loss_finite_here = std::isfinite(ce_sum) && std::isfinite(aux_sum);
     double sums[4] = {ce_sum, aux_sum, loss_finite_here ? 0.0 : 1.0, std::isfinite(grad_norm) ? 0.0 : 1.0};
     world.allreduce_sum(sums, 4);
