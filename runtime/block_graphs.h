@@ -1,8 +1,10 @@
-// CUDA graphs of a step's block uses. A decoder block at micro-batch 1 is ~100 small kernels per
-// use, launched from one host thread: the step waits on the host, and more so when another process
-// takes the cores. Each block use of the step schedule (runtime/step.h) is a function of a few
-// tensors with static shapes (the block input, the RoPE tables, the mask, the incoming gradient)
-// reading weights at fixed device addresses, so it replays as one graph.
+// CUDA graphs of a step's uses. A decoder block at micro-batch 1 is ~100 small kernels per use,
+// launched from one host thread (and each backward hands over to autograd's device thread): the
+// step waits on the host, and more so when another process takes the cores. Each use of the step
+// schedule (runtime/step.h: a block's forward, its recompute + backward, the loss and its
+// backward) is a function of a few tensors with static shapes (the block input, the RoPE tables,
+// the mask, the incoming gradient; the labels and token count) reading weights at fixed device
+// addresses, so it replays as one graph.
 //
 //   run(key, inputs, fn): the first use of a key runs fn eagerly (warm-up: lazy library state,
 //   workspaces); the second captures fn on static input buffers and replays it; later uses copy the

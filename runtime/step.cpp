@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <limits>
+#include <utility>
 #include <mutex>
 
 #include "common/error.h"
@@ -146,6 +147,10 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
   std::vector<std::vector<KeptGraph>> kept(n, std::vector<KeptGraph>(g));
   at::Tensor ce_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
   at::Tensor aux_sum = options_.aux_loss ? at::zeros_like(ce_sum) : at::Tensor();
+  // The loss use's scalars as device tensors, so a graph of it reads this step's values.
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  const at::Tensor tokens_t = at::full({}, global_tokens, f32), one_t = at::ones({}, f32);
+  const at::Tensor nan_t = poison ? at::full({}, std::numeric_limits<double>::quiet_NaN(), f32) : at::Tensor();
 
   // Runs block i on micro-batch m; `router` receives its router logits (MoE blocks) when set.
   auto run_block = [&](int i, int m, const at::Tensor& x, model::BlockContext c, at::Tensor* router) {
@@ -203,30 +208,34 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
         break;
       }
       case Kind::Loss: {
-        const at::Tensor h = hidden[m].detach().requires_grad_(true);
+        // Inputs: h, labels, the token count, the poison factor, then every block's router logits
+        // (aux loss; undefined for dense blocks). Outputs: dL/dh, ce, aux, then d aux / d logits.
+        std::vector<at::Tensor> in{hidden[m], labels[m], tokens_t, poison && poison(m) ? nan_t : one_t};
         hidden[m] = at::Tensor();
-        at::Tensor ce = model_.loss_sum(h, labels[m]);
-        if (poison && poison(m)) ce = ce * std::numeric_limits<double>::quiet_NaN();
-        at::Tensor loss = ce / global_tokens;
-        std::vector<at::Tensor> leaves;  // the router logits of every MoE block, as leaves
-        std::vector<int> leaf_block;
-        if (options_.aux_loss) {
-          for (int b = 0; b < n; ++b)
-            if (logits[b][m].defined()) {
-              leaves.push_back(logits[b][m].detach().requires_grad_(true));
-              leaf_block.push_back(b);
-              logits[b][m] = at::Tensor();
-            }
-          if (!leaves.empty()) {
-            const at::Tensor aux = model::load_balancing_loss(leaves, mc.experts, mc.top_k, at::Tensor());
+        if (options_.aux_loss)
+          for (int b = 0; b < n; ++b) in.push_back(std::exchange(logits[b][m], at::Tensor()));
+        const auto outs = graphs_->run("L", in, [&](const std::vector<at::Tensor>& x) {
+          const at::Tensor h = x[0].detach().requires_grad_(true);
+          const at::Tensor ce = model_.loss_sum(h, x[1]) * x[3];
+          at::Tensor loss = ce / x[2];
+          std::vector<at::Tensor> leaves(x.size() - 4);  // the router logits, as leaves
+          std::vector<at::Tensor> present;
+          for (std::size_t b = 0; b < leaves.size(); ++b)
+            if (x[4 + b].defined()) present.push_back(leaves[b] = x[4 + b].detach().requires_grad_(true));
+          at::Tensor aux;
+          if (!present.empty()) {
+            aux = model::load_balancing_loss(present, mc.experts, mc.top_k, at::Tensor());
             loss = loss + aux * options_.aux_coef;
-            aux_sum.add_(aux.detach().to(at::kDouble));
           }
-        }
-        loss.backward();
-        dh[m] = h.grad();
-        for (std::size_t j = 0; j < leaves.size(); ++j) dlogits[leaf_block[j]][m] = leaves[j].grad();
-        ce_sum.add_(ce.detach().to(at::kDouble));
+          loss.backward();
+          std::vector<at::Tensor> out{h.grad(), ce.detach(), aux.defined() ? aux.detach() : at::Tensor()};
+          for (const auto& l : leaves) out.push_back(l.defined() ? l.grad() : at::Tensor());
+          return out;
+        });
+        dh[m] = outs[0];
+        ce_sum.add_(outs[1].to(at::kDouble));
+        if (outs[2].defined()) aux_sum.add_(outs[2].to(at::kDouble));
+        for (int b = 0; b + 3 < static_cast<int>(outs.size()); ++b) dlogits[b][m] = outs[3 + b];
         break;
       }
       case Kind::Backward: {

@@ -10,7 +10,7 @@
 //    fp32 ones on this model: its random router puts near-ties everywhere, and bf16 rounding flips
 //    the top-k choice of many tokens (measured: 45-90% relative difference in every LoRA gradient);
 //    the grouped bf16 kernels are held to the CPU per block in test_cuda.cpp instead;
-//  - CUDA graphs (runtime/block_graphs.h): block uses replayed as graphs give bitwise the eager
+//  - CUDA graphs (runtime/block_graphs.h): block and loss uses replayed as graphs give bitwise the eager
 //    step's gradients, step after step (a packed micro-batch with a mask beside an unpacked one,
 //    LoRA on every linear, experts included), and trained adapters and losses equal to eager
 //    training, resident and offloaded, with and without the router aux loss.
