@@ -80,6 +80,64 @@ std::vector<double> read_losses(const fs::path& dir) {
   return out;
 }
 
+// The tiny fixture with LoRA r 8 on every linear, experts included, and non-zero B so every LoRA
+// factor gets a gradient.
+std::unique_ptr<model::MoeModel> tiny_model_with_lora(const at::Device& dev, at::ScalarType dtype) {
+  model::LoadOptions lo;
+  lo.dtype = dtype;
+  lo.load_in_4bit = true;
+  lo.device = dev;
+  auto m = model::MoeModel::load(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", lo);
+  model::LoraSpec spec;
+  spec.r = 8;
+  spec.alpha = 16;
+  spec.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  spec.seed = 3;
+  m->add_lora(spec);
+  at::manual_seed(4);
+  at::NoGradGuard ng;
+  for (auto& [n, p] : m->lora_parameters())
+    if (n.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
+  return m;
+}
+
+// Two micro-batches of 2 x 64 random tokens; with packed_second, the second one holds two documents
+// per row (a mask, and positions restarting). Adds their target tokens to *tokens.
+std::vector<data::MicroBatch> random_micro_batches(std::int64_t vocab, bool packed_second, double* tokens) {
+  std::vector<data::MicroBatch> micro;
+  for (int k = 0; k < 2; ++k) {
+    data::MicroBatch mb;
+    mb.input_ids = at::randint(3, vocab, {2, 64}, at::kLong);
+    mb.labels = mb.input_ids.clone();
+    mb.position_ids = at::arange(64, at::kLong).expand({2, 64}).contiguous();
+    mb.segment_ids = at::zeros({2, 64}, at::kInt);
+    if (packed_second && k == 1) {
+      mb.segment_ids.narrow(1, 40, 24).fill_(1);
+      mb.position_ids.narrow(1, 40, 24).copy_(at::arange(24, at::kLong).expand({2, 24}));
+    }
+    mb.num_target_tokens = 2 * 63;
+    *tokens += 2 * 63;
+    micro.push_back(mb);
+  }
+  return micro;
+}
+
+// Trains the 8-block model for 4 steps of g = 2 (bf16, checkpointing) into root/name.
+fs::path train_run(const fs::path& root, const fs::path& model, const fs::path& tokens, const std::string& name,
+                   const std::string& dropout, const std::vector<std::string>& extra) {
+  std::ostringstream yaml;
+  yaml << "base_model: " << model.string() << "\nsynthetic_weights: true\nload_in_4bit: true\nadapter: qlora\n"
+       << "lora_r: 8\nlora_alpha: 16\nlora_dropout: " << dropout << "\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
+       << "datasets: [{path: " << tokens.string() << ", type: tokens, dtype: uint32}]\n"
+       << "sequence_len: 512\nmicro_batch_size: 2\ngradient_accumulation_steps: 2\nmax_steps: 4\n"
+       << "learning_rate: 1e-3\nlr_scheduler: constant\nbf16: true\ngradient_checkpointing: true\n"
+       << "gradient_checkpointing_kwargs: {use_reentrant: false}\nsave_steps: 0\n"
+       << "output_dir: " << (root / name).string() << "\n";
+  TrainConfig cfg = load_config_text(yaml.str(), "test_cuda_train", extra);
+  train(cfg, dist::World::get());
+  return root / name;
+}
+
 }  // namespace
 
 TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
@@ -90,17 +148,7 @@ TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
   const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 6);
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
   auto run = [&](const std::string& name, std::vector<std::string> extra) {
-    std::ostringstream yaml;
-    yaml << "base_model: " << model.string() << "\nsynthetic_weights: true\nload_in_4bit: true\nadapter: qlora\n"
-         << "lora_r: 8\nlora_alpha: 16\nlora_dropout: 0.1\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
-         << "datasets: [{path: " << tokens.string() << ", type: tokens, dtype: uint32}]\n"
-         << "sequence_len: 512\nmicro_batch_size: 2\ngradient_accumulation_steps: 2\nmax_steps: 4\n"
-         << "learning_rate: 1e-3\nlr_scheduler: constant\nbf16: true\ngradient_checkpointing: true\n"
-         << "gradient_checkpointing_kwargs: {use_reentrant: false}\nsave_steps: 0\n"
-         << "output_dir: " << (root / name).string() << "\n";
-    TrainConfig cfg = load_config_text(yaml.str(), "test_cuda_train", extra);
-    train(cfg, dist::World::get());
-    return root / name;
+    return train_run(root, model, tokens, name, "0.1", extra);
   };
   const fs::path resident = run("resident", {});
   const fs::path again = run("resident2", {});
@@ -130,36 +178,10 @@ TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
 TEST(CudaTrain, GpuStepMatchesTheCpuStep) {
   REQUIRE_CUDA();
   auto step = [](const at::Device& dev, at::ScalarType dtype) {
-    model::LoadOptions lo;
-    lo.dtype = dtype;
-    lo.load_in_4bit = true;
-    lo.device = dev;
-    auto m = model::MoeModel::load(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", lo);
-    model::LoraSpec spec;
-    spec.r = 8;
-    spec.alpha = 16;
-    spec.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-    spec.seed = 3;
-    m->add_lora(spec);
-    {
-      at::manual_seed(4);
-      at::NoGradGuard ng;  // non-zero B so every LoRA factor gets a gradient
-      for (auto& [n, p] : m->lora_parameters())
-        if (n.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
-    }
+    auto m = tiny_model_with_lora(dev, dtype);
     at::manual_seed(2);
-    std::vector<data::MicroBatch> micro;
     double tokens = 0;
-    for (int k = 0; k < 2; ++k) {
-      data::MicroBatch mb;
-      mb.input_ids = at::randint(3, m->config().vocab, {2, 64}, at::kLong);
-      mb.labels = mb.input_ids.clone();
-      mb.position_ids = at::arange(64, at::kLong).expand({2, 64}).contiguous();
-      mb.segment_ids = at::zeros({2, 64}, at::kInt);
-      mb.num_target_tokens = 2 * 63;
-      tokens += 2 * 63;
-      micro.push_back(mb);
-    }
+    const auto micro = random_micro_batches(m->config().vocab, /*packed_second=*/false, &tokens);
     StepRunner runner(*m, StepOptions{}, 2, nullptr);
     const StepLosses l = runner.run(micro, tokens);
     std::map<std::string, at::Tensor> grads;
@@ -188,46 +210,15 @@ TEST(CudaTrain, GraphedBlockUsesGiveTheEagerGradients) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
   auto steps = [&](bool graphs, int* captured) {
-    model::LoadOptions lo;
-    lo.dtype = at::kBFloat16;
-    lo.load_in_4bit = true;
-    lo.device = dev;
-    auto m = model::MoeModel::load(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", lo);
-    model::LoraSpec spec;
-    spec.r = 8;
-    spec.alpha = 16;
-    spec.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-    spec.seed = 3;
-    m->add_lora(spec);
-    {
-      at::manual_seed(4);
-      at::NoGradGuard ng;
-      for (auto& [n, p] : m->lora_parameters())
-        if (n.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
-    }
+    auto m = tiny_model_with_lora(dev, at::kBFloat16);
     StepOptions o;
     o.cuda_graphs = graphs;
     StepRunner runner(*m, o, 2, nullptr);
     std::vector<std::map<std::string, at::Tensor>> per_step;
     for (int step = 0; step < 4; ++step) {
       at::manual_seed(10 + step);
-      std::vector<data::MicroBatch> micro;
       double tokens = 0;
-      for (int k = 0; k < 2; ++k) {
-        data::MicroBatch mb;
-        mb.input_ids = at::randint(3, m->config().vocab, {2, 64}, at::kLong);
-        mb.labels = mb.input_ids.clone();
-        mb.position_ids = at::arange(64, at::kLong).expand({2, 64}).contiguous();
-        mb.segment_ids = at::zeros({2, 64}, at::kInt);
-        if (k == 1) {  // two documents packed in each row: a mask, and positions restarting
-          mb.segment_ids.narrow(1, 40, 24).fill_(1);
-          mb.position_ids.narrow(1, 40, 24).copy_(at::arange(24, at::kLong).expand({2, 24}));
-        }
-        mb.num_target_tokens = 2 * 63;
-        tokens += 2 * 63;
-        micro.push_back(mb);
-      }
-      runner.run(micro, tokens);
+      runner.run(random_micro_batches(m->config().vocab, /*packed_second=*/true, &tokens), tokens);
       std::map<std::string, at::Tensor> g;
       for (auto& [n, p] : m->lora_parameters()) {
         g[n] = p.grad().to(at::kCPU).clone();
@@ -259,17 +250,7 @@ TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
   const fs::path model = make_model_dir(root / "model");
   const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 6);
   auto run = [&](const std::string& name, std::vector<std::string> extra) {
-    std::ostringstream yaml;
-    yaml << "base_model: " << model.string() << "\nsynthetic_weights: true\nload_in_4bit: true\nadapter: qlora\n"
-         << "lora_r: 8\nlora_alpha: 16\nlora_dropout: 0.0\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
-         << "datasets: [{path: " << tokens.string() << ", type: tokens, dtype: uint32}]\n"
-         << "sequence_len: 512\nmicro_batch_size: 2\ngradient_accumulation_steps: 2\nmax_steps: 4\n"
-         << "learning_rate: 1e-3\nlr_scheduler: constant\nbf16: true\ngradient_checkpointing: true\n"
-         << "gradient_checkpointing_kwargs: {use_reentrant: false}\nsave_steps: 0\n"
-         << "output_dir: " << (root / name).string() << "\n";
-    TrainConfig cfg = load_config_text(yaml.str(), "test_cuda_train", extra);
-    train(cfg, dist::World::get());
-    return root / name;
+    return train_run(root, model, tokens, name, "0.0", extra);
   };
   for (const auto& [label, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"resident", {}},
