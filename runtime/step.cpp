@@ -15,7 +15,6 @@
 #include "offload/activations.h"
 #include "runtime/block_graphs.h"
 #include "runtime/data/batcher.h"
-#include "runtime/device.h"
 #include "runtime/dist/reducer.h"
 
 namespace eo {
@@ -124,7 +123,6 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
   EO_CHECK(static_cast<int>(micro.size()) == g, "step: ", micro.size(), " micro-batches for a schedule of ", g);
   const at::Device device = model_.options().device;
   const std::uint64_t step_seed = options_.random_blocks ? draw_step_seed() : 0;
-  const int graphs_before = graphs_->graphs();
   const auto& mc = model_.config();
 
   // Per micro-batch: labels and the blocks' context on the device, the embedded hidden state.
@@ -278,9 +276,6 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
   }
   out.ce_sum = ce_sum;
   out.aux_sum = aux_sum;
-  // Graphs replay out of their own memory pool: what the eager warm-up left cached in the default
-  // pool would otherwise stay reserved beside it (about one block's working set).
-  if (graphs_->graphs() > graphs_before) release_cached_memory(device);
   return out;
 }
 
