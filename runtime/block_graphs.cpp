@@ -9,6 +9,7 @@
 #ifdef EO_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -136,6 +137,9 @@ void BlockGraphs::capture(Entry& e, const std::vector<at::Tensor>& inputs, const
       e.in[j] = shared_buffer(inputs_, j, inputs[j]);
       e.in[j].copy_(inputs[j]);
     }
+  // The graph's temporaries come from its own pool: hand back what the eager uses left cached in
+  // the default pool first, so the two never hold a block's working set each.
+  c10::cuda::CUDACachingAllocator::emptyCache();
   e.graph = std::make_unique<at::cuda::CUDAGraph>();
   bool capturing = false;
   try {

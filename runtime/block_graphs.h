@@ -19,7 +19,8 @@
 //
 // Static input and output buffers are shared by all graphs (one per argument position, shape and
 // dtype), and all graphs allocate from one memory pool: uses run one after another on one stream,
-// so the temporaries of one graph are free while another replays.
+// so the temporaries of one graph are free while another replays. Before each capture the default
+// pool's cache is released, so it and the graphs' pool do not each keep a working set.
 //
 // A capture that fails (an operation that cannot be captured) turns graphs off for the rest of the
 // run, with one log line; the use runs eagerly. CPU builds and CPU devices always run eagerly.
