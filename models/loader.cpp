@@ -416,7 +416,9 @@ struct ModelLoader {
     }
     m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
     const std::string source = ck ? ck->folder() : std::string("synthetic weights");
-    if (mxfp4_kept > 0)
+    if (mxfp4_kept > 0 && !ck)
+      log::info(source + ": experts held in MXFP4 (random codes and scales: config.json's quant_method is mxfp4)");
+    else if (mxfp4_kept > 0)
       log::info(source + ": experts held in MXFP4, the checkpoint's own bytes (" + std::to_string(mxfp4_kept) +
                 " expert tensors, 4.25 bits per weight: lossless with respect to the checkpoint), dequantised to bf16 on "
                 "the fly; expert_quant: nf4 would re-quantise them to NF4");

@@ -413,7 +413,8 @@ const std::vector<KeySpec>& schema() {
     k.push_back(text("base_model", &TrainConfig::base_model,
                      "Hugging Face checkpoint folder (config.json + *.safetensors). Required."));
     k.push_back(boolean("synthetic_weights", &TrainConfig::synthetic_weights,
-                        "Initialise the frozen base model with seeded random weights (NF4 drawn directly on the device) from "
+                        "Initialise the frozen base model with seeded random weights (NF4 drawn directly on the device; MXFP4 "
+                        "experts when they are held so, see expert_quant) from "
                         "base_model/config.json alone: for benchmarks and memory planning on real shapes without a download."));
     k.push_back(boolean("load_in_4bit", &TrainConfig::load_in_4bit,
                         "Quantise the decoder blocks' linear weights to NF4 (bitsandbytes layout). Required for adapter: qlora."));
