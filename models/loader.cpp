@@ -99,9 +99,9 @@ class RandomWeights {
   nf4::QuantizedWeight mxfp4(const std::vector<std::int64_t>& shape) {
     const std::int64_t groups = shape[1] / mxfp4::kGroup;
     const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
-    const int top = 127 + static_cast<int>(std::lround(std::log2(init_range_ / std::sqrt(8.5625))));
+    const int top = std::clamp(127 + static_cast<int>(std::lround(std::log2(init_range_ / std::sqrt(8.5625)))), 1, 254);
     const at::Tensor blocks = at::randint(0, 256, {shape[0], groups, 16}, gen_, u8);
-    const at::Tensor scales = at::randint(0, 2, {shape[0], groups}, gen_, u8).neg_().add_(std::clamp(top, 1, 254));
+    const at::Tensor scales = at::randint(top - 1, top + 1, {shape[0], groups}, gen_, u8);  // top - 1 or top
     return mxfp4::weight(blocks, scales);
   }
 
