@@ -26,8 +26,10 @@
 #include "offload/engine.h"
 #include "offload/host_memory.h"
 #include "runtime/config.h"
+#include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
 #include "runtime/plan.h"
+#include "runtime/step.h"
 
 namespace fs = std::filesystem;
 using namespace eo;
@@ -488,6 +490,36 @@ TEST(Mxfp4, QloraWithMxfp4ExpertsMatchesTransformersAndPeft) {
     SCOPED_TRACE(name);
     ASSERT_TRUE(p.grad().defined());
     EXPECT_LT(rel_err(p.grad(), r["grad." + name]), 1e-4);
+  }
+  // Training's own step (runtime/step.h: checkpointed blocks, each staged again for its
+  // recompute) on the resident experts and then on MXFP4 homes (the offload engine): bitwise the
+  // same loss and gradients, and transformers' + peft's within the same tolerances.
+  auto train_step = [&](MoeModel& model) {
+    for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
+    data::MicroBatch mb;
+    mb.input_ids = r["input_ids"];
+    mb.labels = r["labels"];
+    mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
+    mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
+    mb.num_target_tokens = out.tokens;
+    StepRunner runner(model, StepOptions{}, 1, nullptr);
+    const double loss = runner.run({mb}, double(out.tokens)).ce_sum.item<double>() / double(out.tokens);
+    std::vector<at::Tensor> grads;
+    for (auto& [name, p] : model.lora_parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(loss, grads);
+  };
+  const auto [resident_loss, resident_grads] = train_step(*m);
+  auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
+  m->set_weight_provider(off);
+  const auto [homed_loss, homed_grads] = train_step(*m);
+  EXPECT_EQ(homed_loss, resident_loss);
+  EXPECT_NEAR(homed_loss, r["loss_qlora"].item<double>(), 1e-5 * r["loss_qlora"].item<double>());
+  EXPECT_GT(off->take_step_stats().copies, 0) << "the blocks came from their homes";
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    SCOPED_TRACE(params[i].first);
+    EXPECT_TRUE(homed_grads[i].equal(resident_grads[i]));
+    EXPECT_LT(rel_err(homed_grads[i], r["grad." + params[i].first]), 1e-4);
   }
   // expert_quant: nf4 re-quantises the dequantised experts: other logits, NF4 experts.
   c10::NoGradGuard no_grad;
