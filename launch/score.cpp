@@ -52,7 +52,9 @@ int run_score(const Args& args) {
       lo.load_in_4bit = j.value("load_in_4bit", false);
       lo.blocksize = j.value("bnb_4bit_blocksize", 64);
       lo.double_quant = j.value("bnb_4bit_use_double_quant", false);
-      base = lo.load_in_4bit ? "NF4, as the adapter was trained (" + recorded.string() + ")"
+      lo.expert_quant = model::expert_quant_named(j.value("expert_quant", std::string("auto")));
+      base = lo.load_in_4bit ? "NF4, as the adapter was trained (" + recorded.string() + "; experts: expert_quant " +
+                                   j.value("expert_quant", std::string("auto")) + ")"
                              : "weights as stored, as the adapter was trained (" + recorded.string() + ")";
     } catch (const std::exception& e) {
       throw UsageError("score: " + recorded.string() + " is not readable JSON (" + e.what() +

@@ -31,23 +31,26 @@ std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
   else
     os << "  devices: cpu (this build or host has no CUDA)\n";
   os << "  compute: " << (config_use_bf16(cfg, cuda) ? "bf16" : "fp32") << ", LoRA master weights and AdamW state fp32\n";
-  os << "  base model: " << cfg.base_model << (cfg.load_in_4bit ? " (decoder linears quantised to NF4, blocksize " +
-                                                                     std::to_string(cfg.bnb_4bit_blocksize) + ")"
-                                                                : " (weights as stored)")
+  // The model's shape comes from config.json alone: no weights are read.
+  const model::ModelConfig mc = model::load_config(cfg.base_model);
+  const bool mxfp4 = experts_in_mxfp4(cfg, mc);
+  os << "  base model: " << cfg.base_model
+     << (cfg.load_in_4bit ? " (decoder linears quantised to NF4, blocksize " + std::to_string(cfg.bnb_4bit_blocksize) +
+                                (mxfp4 ? "; experts kept in the checkpoint's MXFP4, lossless)" : ")")
+                          : " (weights as stored)")
      << "\n";
   os << "  adapter: " << cfg.adapter << " r=" << cfg.lora_r << " alpha=" << cfg.lora_alpha << " on [";
   for (std::size_t i = 0; i < cfg.lora_target_modules.size(); ++i) os << (i ? ", " : "") << cfg.lora_target_modules[i];
   os << "]\n";
-  // The model's shape comes from config.json alone: no weights are read.
-  const model::ModelConfig mc = model::load_config(cfg.base_model);
   const MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, cuda), w.local_size, cuda);
   int moe_layers = 0;
   for (int i = 0; i < mc.layers; ++i) moe_layers += mc.is_moe_layer(i) ? 1 : 0;
   os << "  model: " << mc.model_type << ", " << mc.layers << " layers (" << moe_layers << " MoE), " << mc.experts
-     << " experts of width " << mc.expert_width << ", top-" << mc.top_k << "; NF4 experts "
+     << " experts of width " << mc.expert_width << ", top-" << mc.top_k << "; "
+     << quant_format_name(plan.expert_format) << " experts "
      << human_bytes(plan.block_bytes) << " per block, " << human_bytes(plan.expert_bytes) << " in all\n";
   if (cfg.expert_offload)
-    os << "  expert offload: every MoE block's NF4 experts in " << (cfg.expert_offload_pin_memory ? "pinned, NUMA-local" : "pageable")
+    os << "  expert offload: every MoE block's " << quant_format_name(plan.expert_format) << " experts in " << (cfg.expert_offload_pin_memory ? "pinned, NUMA-local" : "pageable")
        << " host RAM per rank (host RAM = ranks per node x expert bytes); "
        << (cfg.expert_offload_prefetch ? "2 device slots with prefetch" : "1 device slot, synchronous")
        << "; VRAM budget for resident blocks: " << cfg.expert_offload_vram_budget << "\n";

@@ -253,13 +253,15 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   const bool gpt_oss = c.arch == Arch::GptOss;
   const bool newer = deepseek || gpt_oss || c.arch == Arch::Glm4Moe;  // the families added with issue #19
   // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"): the loader
-  // dequantises them (models/mxfp4.h). Other families' checkpoints are float or bitsandbytes.
+  // keeps them so or dequantises them (models/mxfp4.h). Other families' checkpoints are float or
+  // bitsandbytes.
   if (f.has("quantization_config") && j.at("quantization_config").is_object()) {
     const Fields q{j.at("quantization_config"), source};
     const std::string method = text(q, "quant_method", "");
     if (method == "mxfp4" && !gpt_oss)
       throw UsageError(source + ": quantization_config.quant_method 'mxfp4' is supported for gpt_oss experts only, not for " +
                        c.model_type);
+    c.mxfp4_experts = method == "mxfp4";
   }
 
   c.hidden = f.integer("hidden_size");

@@ -116,6 +116,9 @@ struct ModelConfig {
   std::vector<bool> sliding_layers;  // per layer; empty = none
   bool expert_bias = false;
   std::optional<SwigluClamp> swiglu_clamp;
+  // The checkpoint stores its experts in MXFP4 (quantization_config.quant_method "mxfp4": gpt-oss
+  // as the Hub ships it), so with load_in_4bit they can stay in that format (models/mxfp4.h).
+  bool mxfp4_experts = false;
 
   bool is_moe_layer(int layer) const;
   // The HF name prefix of a layer's MoE block: "mlp" or Mixtral's "block_sparse_moe".

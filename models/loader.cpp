@@ -46,6 +46,7 @@ std::string shape_str(at::IntArrayRef s) {
 nf4::QuantizedWeight to_device(nf4::QuantizedWeight q, const at::Device& d) {
   q.packed = q.packed.to(d);
   if (q.absmax.defined()) q.absmax = q.absmax.to(d);
+  if (q.scales.defined()) q.scales = q.scales.to(d);
   if (q.nested) {
     q.nested->absmax_codes = q.nested->absmax_codes.to(d);
     q.nested->nested_absmax = q.nested->nested_absmax.to(d);
@@ -92,6 +93,17 @@ class RandomWeights {
     q.absmax = at::rand({q.nblocks()}, gen_, u8.dtype(at::kFloat)).mul_(0.5).add_(0.75).mul_(scale);
     return q;
   }
+  // Uniform MXFP4 codes; per group a scale 2^(s - 127) of the nearest power of two to the one that
+  // gives the weights a standard deviation of init_range (the codes' RMS is sqrt(8.5625)), or half
+  // of it (one random bit per group).
+  nf4::QuantizedWeight mxfp4(const std::vector<std::int64_t>& shape) {
+    const std::int64_t groups = shape[1] / mxfp4::kGroup;
+    const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
+    const int top = std::clamp(127 + static_cast<int>(std::lround(std::log2(init_range_ / std::sqrt(8.5625)))), 1, 254);
+    const at::Tensor blocks = at::randint(0, 256, {shape[0], groups, 16}, gen_, u8);
+    const at::Tensor scales = at::randint(top - 1, top + 1, {shape[0], groups}, gen_, u8);  // top - 1 or top
+    return mxfp4::weight(blocks, scales);
+  }
 
  private:
   static bool ends_with(const std::string& s, const std::string& tail) {
@@ -108,7 +120,7 @@ struct ModelLoader {
   const LoadOptions& opts;
   MoeModel& m;
   // Stored bitsandbytes modules seen, for the summary log lines at the end.
-  mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0, mxfp4_dequantised = 0;
+  mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0, mxfp4_dequantised = 0, mxfp4_kept = 0;
 
   at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!ck) return random->dense(name, shape, opts.dtype);
@@ -229,9 +241,10 @@ struct ModelLoader {
     return base + m.cfg_.moe_prefix();
   }
 
-  // An MXFP4 expert tensor `name`_blocks [E, rows, cols/32, 16] + `name`_scales [E, rows, cols/32],
-  // dequantised and transposed as transformers does: bf16 [E, cols, rows].
-  at::Tensor mxfp4_experts(const std::string& name, std::int64_t E, std::int64_t rows, std::int64_t cols) const {
+  // An MXFP4 expert tensor as stored: `name`_blocks [E, rows, cols/32, 16] and `name`_scales
+  // [E, rows, cols/32] (uint8, checked).
+  std::pair<at::Tensor, at::Tensor> mxfp4_tensors(const std::string& name, std::int64_t E, std::int64_t rows,
+                                                  std::int64_t cols) const {
     if (cols % 32 != 0)
       throw Error("checkpoint " + ck->folder() + ": MXFP4 tensor '" + name + "_blocks' needs a multiple of 32 columns, not " +
                   std::to_string(cols));
@@ -243,10 +256,55 @@ struct ModelLoader {
                     " " + shape_str(t.sizes()) + ", expected uint8 " + shape_str(shape));
       return t;
     };
-    const at::Tensor blocks = load_u8(name + "_blocks", {E, rows, cols / 32, 16});
-    const at::Tensor scales = load_u8(name + "_scales", {E, rows, cols / 32});
+    return {load_u8(name + "_blocks", {E, rows, cols / 32, 16}), load_u8(name + "_scales", {E, rows, cols / 32})};
+  }
+  // The same dequantised and transposed as transformers does: bf16 [E, cols, rows].
+  at::Tensor mxfp4_experts(const std::string& name, std::int64_t E, std::int64_t rows, std::int64_t cols) const {
+    const auto [blocks, scales] = mxfp4_tensors(name, E, rows, cols);
     ++mxfp4_dequantised;
     return mxfp4::dequantize(blocks, scales).transpose(1, 2).contiguous();
+  }
+
+  // Whether layer i's experts stay in MXFP4 (LoadOptions::expert_quant): they must be stored so
+  // (random weights: config.json says so), and load_in_4bit must be on.
+  bool keep_mxfp4(int i) const {
+    if (!opts.load_in_4bit || opts.expert_quant == ExpertQuant::Nf4) return false;
+    const std::string p = moe_prefix(i) + ".experts";
+    const bool stored = m.cfg_.arch == Arch::GptOss &&
+                        (ck ? ck->has(p + ".gate_up_proj_blocks") && ck->has(p + ".down_proj_blocks") : m.cfg_.mxfp4_experts);
+    if (!stored && opts.expert_quant == ExpertQuant::Mxfp4)
+      throw UsageError((ck ? "checkpoint " + ck->folder() : std::string("the synthetic weights")) +
+                       ": expert_quant: mxfp4 keeps experts in MXFP4 as the checkpoint stores them, but layer " +
+                       std::to_string(i) + "'s experts are not MXFP4 (no '" + p +
+                       ".gate_up_proj_blocks' / '.down_proj_blocks'); use expert_quant: nf4 or auto");
+    return stored;
+  }
+  // Layer i's experts as the checkpoint's MXFP4 bytes, re-arranged losslessly into eo-ddp's
+  // [out, in] matrices (models/mxfp4.h): gate = the even rows of gate_up_proj, up = the odd rows,
+  // down = down_proj; each row keeps its 32-groups along `in`.
+  std::vector<std::array<nf4::QuantizedWeight, 3>> mxfp4_bank(int i) const {
+    const auto E = m.cfg_.experts, H = m.cfg_.hidden, I = m.cfg_.expert_width;
+    const at::Device home = opts.experts_on_host ? at::Device(at::kCPU) : opts.device;
+    std::vector<std::array<nf4::QuantizedWeight, 3>> out(E);
+    if (!ck) {
+      if (H % mxfp4::kGroup || I % mxfp4::kGroup)
+        throw UsageError("synthetic MXFP4 experts need hidden_size and intermediate_size multiples of 32, got " +
+                         std::to_string(H) + " and " + std::to_string(I) + "; use expert_quant: nf4");
+      for (auto& e : out)
+        for (int mi = 0; mi < 3; ++mi) e[mi] = to_device(random->mxfp4(expert_shape(mi)), home);
+      mxfp4_kept += 2;
+      return out;
+    }
+    const std::string p = moe_prefix(i) + ".experts";
+    const auto [gu_blocks, gu_scales] = mxfp4_tensors(p + ".gate_up_proj", E, 2 * I, H);
+    const auto [down_blocks, down_scales] = mxfp4_tensors(p + ".down_proj", E, H, I);
+    for (int e = 0; e < E; ++e) {
+      out[e][0] = to_device(mxfp4::weight(gu_blocks[e].slice(0, 0, 2 * I, 2), gu_scales[e].slice(0, 0, 2 * I, 2)), home);
+      out[e][1] = to_device(mxfp4::weight(gu_blocks[e].slice(0, 1, 2 * I, 2), gu_scales[e].slice(0, 1, 2 * I, 2)), home);
+      out[e][2] = to_device(mxfp4::weight(down_blocks[e], down_scales[e]), home);
+    }
+    mxfp4_kept += 2;
+    return out;
   }
 
   // Experts of layer i. Fused layout: [E][matrix] float views (CPU, checkpoint dtype). Per-expert
@@ -303,6 +361,9 @@ struct ModelLoader {
   void run() {
     const ModelConfig& c = m.cfg_;
     const auto H = c.hidden;
+    if (opts.expert_quant != ExpertQuant::Auto && !opts.load_in_4bit)
+      throw UsageError("expert_quant applies with load_in_4bit: true; without it the experts are loaded in " +
+                       std::string(at::toString(opts.dtype)));
     m.embed_ = get("model.embed_tokens.weight", {c.vocab, H});
     if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) m.embed_ = m.embed_.to(at::kCPU);
     m.final_norm_ = get("model.norm.weight", {H});
@@ -329,8 +390,9 @@ struct ModelLoader {
         if (c.router.bias) b->router_b_ = get(router + ".bias", {c.experts}, router_dtype);
         if (c.router.correction_bias) b->router_bias_ = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
         if (c.expert_bias) b->expert_bias_ = expert_biases(i);
-        const auto fused = fused_experts(i);
-        if (opts.load_in_4bit) {
+        if (keep_mxfp4(i)) {
+          bank[i] = mxfp4_bank(i);
+        } else if (const auto fused = fused_experts(i); opts.load_in_4bit) {
           bank[i].resize(c.experts);
           for (int e = 0; e < c.experts; ++e)
             for (int mi = 0; mi < 3; ++mi)
@@ -353,9 +415,16 @@ struct ModelLoader {
       m.blocks_.push_back(std::move(b));
     }
     m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
+    const std::string source = ck ? ck->folder() : std::string("synthetic weights");
+    if (mxfp4_kept > 0 && !ck)
+      log::info(source + ": experts held in MXFP4 (random codes and scales: config.json's quant_method is mxfp4)");
+    else if (mxfp4_kept > 0)
+      log::info(source + ": experts held in MXFP4, the checkpoint's own bytes (" + std::to_string(mxfp4_kept) +
+                " expert tensors, 4.25 bits per weight: lossless with respect to the checkpoint), dequantised to bf16 on "
+                "the fly; expert_quant: nf4 would re-quantise them to NF4");
     if (mxfp4_dequantised > 0)
-      log::info(ck->folder() + ": " + std::to_string(mxfp4_dequantised) + " MXFP4 expert tensors dequantised to bf16" +
-                (opts.load_in_4bit ? ", then quantised to NF4" : ""));
+      log::info(source + ": " + std::to_string(mxfp4_dequantised) + " MXFP4 expert tensors dequantised to bf16" +
+                (opts.load_in_4bit ? ", then quantised to NF4 (expert_quant: nf4); experts held in NF4" : ""));
     if (stored_nf4 > 0)
       log::info(ck->folder() + ": " + std::to_string(stored_nf4) + " linears are bitsandbytes nf4 already; using their "
                 "stored bytes (no re-quantisation)");
@@ -369,6 +438,13 @@ struct ModelLoader {
                 (opts.load_in_4bit ? " (they are not decoder-block linears)" : " because load_in_4bit is off"));
   }
 };
+
+ExpertQuant expert_quant_named(const std::string& name) {
+  if (name == "auto") return ExpertQuant::Auto;
+  if (name == "nf4") return ExpertQuant::Nf4;
+  if (name == "mxfp4") return ExpertQuant::Mxfp4;
+  throw UsageError("expert_quant must be auto, nf4 or mxfp4, got '" + name + "'");
+}
 
 std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const LoadOptions& opts) {
   if (opts.dtype != at::kFloat && opts.dtype != at::kBFloat16 && opts.dtype != at::kHalf)

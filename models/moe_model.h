@@ -23,17 +23,27 @@
 
 namespace eo::model {
 
+// How load_in_4bit holds the routed experts. Auto: MXFP4 where the checkpoint's experts are
+// MXFP4 (kept as stored: lossless), else NF4. Nf4: always NF4 (MXFP4 experts are dequantised to
+// bf16 first, as transformers' Mxfp4Config(dequantize=True) does, then quantised). Mxfp4: keep the
+// checkpoint's MXFP4 experts; an error for a checkpoint without them.
+enum class ExpertQuant { Auto, Nf4, Mxfp4 };
+// The config key's names "auto", "nf4", "mxfp4"; UsageError for any other.
+ExpertQuant expert_quant_named(const std::string& name);
+
 struct LoadOptions {
   at::ScalarType dtype = at::kFloat;  // compute dtype of the frozen weights (fp32 or bf16)
-  bool load_in_4bit = false;          // NF4 for every decoder-block linear
+  bool load_in_4bit = false;          // NF4 for every decoder-block linear (the experts: expert_quant)
   int blocksize = 64;
   bool double_quant = false;
+  ExpertQuant expert_quant = ExpertQuant::Auto;  // with load_in_4bit
   at::Device device = at::kCPU;
   // Keep the experts' NF4 weights in CPU memory (the offload engine moves them into its homes),
   // so device memory never holds every expert at once, not even while loading.
   bool experts_on_host = false;
   // Seeded random weights from config.json alone (no safetensors read): NF4 bytes drawn
-  // uniformly on the device with absmax scaled to the config's initializer_range, norms 1.
+  // uniformly on the device with absmax scaled to the config's initializer_range, norms 1
+  // (MXFP4 experts: uniform codes, scales for the same spread).
   std::optional<std::uint64_t> random_seed;
   // On a GPU, keep the input embedding table (frozen, read a few rows per step) in host memory
   // and copy only the gathered rows: vocab x hidden of device memory saved. Not with tied

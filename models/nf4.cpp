@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "models/mxfp4.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -44,6 +45,10 @@
 
 #include "models/nf4_cuda.h"
 #endif
+
+namespace eo {
+const char* quant_format_name(QuantFormat f) { return f == QuantFormat::Mxfp4 ? "MXFP4" : "NF4"; }
+}  // namespace eo
 
 namespace eo::nf4 {
 
@@ -178,6 +183,7 @@ std::int64_t QuantizedWeight::numel() const {
 std::int64_t QuantizedWeight::nblocks() const { return (numel() + blocksize - 1) / blocksize; }
 
 at::Tensor QuantizedWeight::absmax_fp32() const {
+  EO_CHECK(format == QuantFormat::Nf4, "nf4: an MXFP4 weight has E8M0 scales, not absmax");
   if (!nested) return absmax;
   // bnb dequantize_blockwise: code[q] * nested_absmax[i / 256] in fp32, then += offset. Two
   // tensor ops, so no fused multiply-add can change the rounding.
@@ -190,9 +196,14 @@ at::Tensor QuantizedWeight::absmax_fp32() const {
   return values.slice(0, 0, n) + dq.offset;
 }
 
+const at::Tensor& QuantizedWeight::stats() const {
+  return format == QuantFormat::Mxfp4 ? scales : nested ? nested->absmax_codes : absmax;
+}
+
 std::int64_t QuantizedWeight::bytes() const {
   std::int64_t total = packed.defined() ? packed.nbytes() : 0;
   if (absmax.defined()) total += absmax.nbytes();
+  if (scales.defined()) total += scales.nbytes();
   if (nested) total += nested->absmax_codes.nbytes() + nested->nested_absmax.nbytes() + nested->nested_code.nbytes();
   return total;
 }
@@ -371,6 +382,7 @@ at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
   EO_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
            "nf4::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");
   EO_CHECK(q.packed.defined() && q.shape.size() == 2, "nf4::dequantize: the quantised weight is empty.");
+  if (q.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack({&q}, dtype)[0];
   // Tensor ops only, so this runs on whatever device the packed bytes live on.
   const std::int64_t n = q.numel(), nb = q.nblocks();
   EO_CHECK(q.packed.numel() == (n + 1) / 2, "nf4::dequantize: packed has ", q.packed.numel(),
@@ -399,8 +411,9 @@ at::Tensor dequantize(const QuantizedWeight& q) { return dequantize(q, q.dtype);
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
   EO_CHECK(!qs.empty(), "nf4::dequantize_stack: no weights");
   const QuantizedWeight& first = *qs.front();
+  if (first.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack(qs, dtype);
   for (const QuantizedWeight* q : qs)
-    EO_CHECK(q->shape == first.shape && q->blocksize == first.blocksize && q->nested.has_value() == first.nested.has_value() &&
+    EO_CHECK(q->format == QuantFormat::Nf4 && q->shape == first.shape && q->blocksize == first.blocksize && q->nested.has_value() == first.nested.has_value() &&
                  q->packed.device() == first.packed.device(),
              "nf4::dequantize_stack: the weights differ in shape, blocksize, statistics or device");
 #ifdef EO_WITH_CUDA
@@ -415,6 +428,7 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   EO_CHECK(!qs.empty(), "nf4::dequantize_stack_window: no weights");
   const QuantizedWeight& first = *qs.front();
+  if (first.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
   const std::int64_t out = first.shape[0], in = first.shape[1];
   EO_CHECK(r0 >= 0 && rows > 0 && r0 + rows <= out && c0 >= 0 && cols > 0 && c0 + cols <= in,
            "nf4::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols,
@@ -422,8 +436,8 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
 #ifdef EO_WITH_CUDA
   if (first.packed.is_cuda()) {
     for (const QuantizedWeight* q : qs)
-      EO_CHECK(q->shape == first.shape && q->blocksize == first.blocksize && q->nested.has_value() == first.nested.has_value() &&
-                   q->packed.device() == first.packed.device(),
+      EO_CHECK(q->format == QuantFormat::Nf4 && q->shape == first.shape && q->blocksize == first.blocksize &&
+                   q->nested.has_value() == first.nested.has_value() && q->packed.device() == first.packed.device(),
                "nf4::dequantize_stack_window: the weights differ in shape, blocksize, statistics or device");
     const cuda::Nf4Window w{in, r0, rows, c0, cols};
     return dequantize_cuda(qs, dtype, &w);

@@ -7,6 +7,12 @@
 // 2j+1 in the low nibble; packed is uint8 [(n+1)/2, 1]. With double quantisation
 // (compress_statistics) absmax is stored as uint8 codes of bitsandbytes' signed dynamic map
 // in blocks of 256, plus per-block fp32 scales and the mean offset.
+//
+// QuantizedWeight is the frozen 4-bit weight of the whole code base, in one of two formats (its
+// `format` tag): NF4 as above, or MXFP4 (models/mxfp4.h: the format gpt-oss's checkpoints ship
+// their experts in, kept as stored). dequantize / dequantize_stack / dequantize_stack_window
+// below take either and dispatch on the tag, so the 4-bit linear, the grouped expert GEMM and the
+// offload engine hold and stage both the same way.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,6 +21,8 @@
 #include <cstdint>
 #include <optional>
 #include <vector>
+
+#include "models/quant_format.h"
 
 namespace eo::nf4 {
 
@@ -29,19 +37,29 @@ struct DoubleQuant {
   int nested_blocksize = 256;
 };
 
-// A quantised weight. `packed` and the statistics are CPU or device tensors.
+// A quantised weight [out, in]. `packed` and the statistics are CPU or device tensors.
+//   NF4:   packed uint8 [(numel + 1) / 2, 1] (element 2j in the high nibble of byte j), absmax or
+//          nested statistics per `blocksize` values of the row-major flattening.
+//   MXFP4: packed uint8 [numel / 2, 1], the FP4 E2M1 codes of row-major [out, in] (element 2j in
+//          the LOW nibble of byte j), scales uint8 [numel / 32] (E8M0: 2^(s - 127) for the 32
+//          values of one row's columns [32g, 32g + 32)); in % 32 == 0, blocksize 32, dtype bf16.
 struct QuantizedWeight {
-  at::Tensor packed;  // uint8 [(numel + 1) / 2, 1]
-  at::Tensor absmax;  // fp32 [nblocks]; undefined when `nested` holds the statistics
+  QuantFormat format = QuantFormat::Nf4;
+  at::Tensor packed;  // uint8, as above
+  at::Tensor absmax;  // NF4: fp32 [nblocks]; undefined when `nested` holds the statistics (or MXFP4)
   std::optional<DoubleQuant> nested;
+  at::Tensor scales;  // MXFP4: uint8 [nblocks] E8M0 scale bytes; undefined for NF4
   std::vector<std::int64_t> shape;  // [out, in]
   int blocksize = 64;
   at::ScalarType dtype = at::kFloat;  // the original dtype (dequantise casts to it by default)
 
   std::int64_t numel() const;
   std::int64_t nblocks() const;
-  // fp32 absmax, undoing double quantisation when present.
+  // NF4: fp32 absmax, undoing double quantisation when present.
   at::Tensor absmax_fp32() const;
+  // The per-block statistics as stored (what an arena holds after the codes): NF4 fp32 absmax or
+  // the nested u8 codes, MXFP4 the u8 scales.
+  const at::Tensor& stats() const;
   std::int64_t bytes() const;  // packed + statistics
 };
 
@@ -51,7 +69,8 @@ struct QuantizedWeight {
 // (double_quant) an absmax mean that overflows. The result lives on the weight's device.
 QuantizedWeight quantize(const at::Tensor& weight, int blocksize = 64, bool double_quant = false);
 // Dequantises to `dtype` with shape [out, in], on the device of q.packed:
-// code[nibble] * absmax[i / blocksize] in fp32, rounded to dtype (CUDA kernel on a GPU).
+// code[nibble] * absmax[i / blocksize] in fp32, rounded to dtype (CUDA kernel on a GPU); MXFP4
+// weights as mxfp4.h defines it. These three take either format (all weights of a stack alike).
 at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype);
 at::Tensor dequantize(const QuantizedWeight& q);  // to q.dtype
 // Dequantises matrices of one layout (same shape, blocksize and statistics kind, one device)

@@ -91,8 +91,9 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   const bool pin = opt_.pin_memory && opt_.device.is_cuda();
   std::int64_t max_block = 0, shared_bytes = 0;
   blocks_.resize(bank.size());
-  // Layout of every block: for each expert and matrix, packed bytes then absmax (fp32, or u8
-  // codes + fp32 scales), each piece 256-byte aligned; blocks page-aligned in a shared copy.
+  // Layout of every block: for each expert and matrix, packed bytes then the statistics (NF4: fp32
+  // absmax, or u8 codes + fp32 scales; MXFP4: u8 E8M0 scales), each piece 256-byte aligned; blocks
+  // page-aligned in a shared copy.
   for (std::size_t layer = 0; layer < bank.size(); ++layer) {
     const auto& experts = bank[layer];
     if (experts.empty()) continue;
@@ -105,7 +106,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
       for (int m = 0; m < 3; ++m) {
         const nf4::QuantizedWeight& q = experts[e][m];
         auto& p = b->pieces[e][m];
-        const at::Tensor stats = q.nested ? q.nested->absmax_codes : q.absmax;
+        const at::Tensor& stats = q.stats();
         PieceBytes bytes;  // from the tensors themselves: a stored bitsandbytes layout is kept as it is
         bytes.packed = q.packed.numel();
         bytes.stats = stats.numel() * static_cast<std::int64_t>(stats.element_size());
@@ -118,6 +119,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
           if (!nested_code_.defined()) nested_code_ = q.nested->nested_code.to(opt_.device, at::kFloat).contiguous();
         }
         nf4::QuantizedWeight meta;
+        meta.format = q.format;
         meta.shape = q.shape;
         meta.blocksize = q.blocksize;
         meta.dtype = q.dtype;
@@ -156,7 +158,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
         for (int m = 0; m < 3; ++m) {
           const nf4::QuantizedWeight& q = experts[e][m];
           put(b.pieces[e][m][0], q.packed);
-          put(b.pieces[e][m][1], q.nested ? q.nested->absmax_codes : q.absmax);
+          put(b.pieces[e][m][1], q.stats());
           if (q.nested) put(b.pieces[e][m][2], q.nested->nested_absmax);
         }
     }
@@ -253,6 +255,8 @@ void ExpertOffloader::build_views(std::vector<std::array<nf4::QuantizedWeight, 3
         q.nested->absmax_codes = arena.narrow(0, p[1].offset, p[1].bytes);
         q.nested->nested_absmax = arena.narrow(0, p[2].offset, p[2].bytes).view(at::kFloat);
         q.nested->nested_code = nested_code_;
+      } else if (q.format == QuantFormat::Mxfp4) {
+        q.scales = arena.narrow(0, p[1].offset, p[1].bytes);
       } else {
         q.absmax = arena.narrow(0, p[1].offset, p[1].bytes).view(at::kFloat);
       }

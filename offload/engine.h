@@ -2,8 +2,8 @@
 // block. Implements model::WeightProvider, so the decoder neither knows nor cares where the bytes
 // are (design.md §2.3).
 //
-//  - Each MoE block's NF4 experts (packed bytes + quantisation statistics) live in one exact-size,
-//    NUMA-local, page-locked host arena: one copy per block moves everything.
+//  - Each MoE block's 4-bit experts (NF4 or MXFP4: packed codes + quantisation statistics) live in
+//    one exact-size, NUMA-local, page-locked host arena: one copy per block moves everything.
 //  - Device slots, allocated once, hold the staged blocks: one in synchronous mode, 1 + depth with
 //    prefetch (expert_offload_prefetch_depth). stage(L) is called by block L's forward and again by
 //    its recompute in backward; what to copy and which slot to overwrite are chosen at staging

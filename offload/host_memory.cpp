@@ -103,10 +103,10 @@ HostMemory host_memory_available() {
   return m;
 }
 
-std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant) {
+std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant, QuantFormat format) {
   std::int64_t total = 0;
   for (int i = 0; i < c.layers; ++i)
-    if (c.is_moe_layer(i)) total += expert_block_bytes(c, blocksize, double_quant);
+    if (c.is_moe_layer(i)) total += expert_block_bytes(c, blocksize, double_quant, format);
   return total;
 }
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "models/quant_format.h"
+
 namespace eo::model {
 struct ModelConfig;
 }
@@ -23,11 +25,12 @@ struct HostMemory {
 // The failure tests replace the measurement through the fault seam (common/fault_seam.h).
 HostMemory host_memory_available();
 
-// Bytes of one rank's homes for `c` quantised to NF4 with `blocksize` / `double_quant`: the arena
-// layout the ExpertOffloader uses (offload/layout.h). Exact for
-// checkpoints quantised at load time; a bitsandbytes checkpoint keeps its stored layout, which
-// may differ slightly.
-std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant);
+// Bytes of one rank's homes for `c` quantised to NF4 with `blocksize` / `double_quant` (or held
+// in the checkpoint's MXFP4): the arena layout the ExpertOffloader uses (offload/layout.h). Exact
+// for checkpoints quantised at load time and for MXFP4; a bitsandbytes checkpoint keeps its
+// stored layout, which may differ slightly.
+std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant,
+                                 QuantFormat format = QuantFormat::Nf4);
 
 // Throws eo::Error when `copies` copies of `home_bytes` of homes need more than `mem.available`;
 // the message gives both numbers and what to do (with one copy per rank and several ranks: one

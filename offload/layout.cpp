@@ -34,8 +34,16 @@ PieceBytes nf4_piece_bytes(std::int64_t numel, int blocksize, bool double_quant)
   return b;
 }
 
-std::int64_t expert_block_bytes(const model::ModelConfig& c, int blocksize, bool double_quant) {
-  const PieceBytes m = nf4_piece_bytes(c.hidden * c.expert_width, blocksize, double_quant);  // gate, up [I, H]; down [H, I]
+PieceBytes mxfp4_piece_bytes(std::int64_t numel) {
+  PieceBytes b;
+  b.packed = numel / 2;
+  b.stats = numel / 32;  // one E8M0 byte per 32 values
+  return b;
+}
+
+std::int64_t expert_block_bytes(const model::ModelConfig& c, int blocksize, bool double_quant, QuantFormat format) {
+  const std::int64_t n = c.hidden * c.expert_width;  // gate, up [I, H]; down [H, I]
+  const PieceBytes m = format == QuantFormat::Mxfp4 ? mxfp4_piece_bytes(n) : nf4_piece_bytes(n, blocksize, double_quant);
   std::int64_t offset = 0;
   for (std::int64_t e = 0; e < c.experts; ++e)
     for (int k = 0; k < 3; ++k) place_matrix(offset, m);

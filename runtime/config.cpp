@@ -413,7 +413,8 @@ const std::vector<KeySpec>& schema() {
     k.push_back(text("base_model", &TrainConfig::base_model,
                      "Hugging Face checkpoint folder (config.json + *.safetensors). Required."));
     k.push_back(boolean("synthetic_weights", &TrainConfig::synthetic_weights,
-                        "Initialise the frozen base model with seeded random weights (NF4 drawn directly on the device) from "
+                        "Initialise the frozen base model with seeded random weights (NF4 drawn directly on the device; MXFP4 "
+                        "experts when they are held so, see expert_quant) from "
                         "base_model/config.json alone: for benchmarks and memory planning on real shapes without a download."));
     k.push_back(boolean("load_in_4bit", &TrainConfig::load_in_4bit,
                         "Quantise the decoder blocks' linear weights to NF4 (bitsandbytes layout). Required for adapter: qlora."));
@@ -485,6 +486,12 @@ const std::vector<KeySpec>& schema() {
                         "NF4 quantisation block size (a power of two, as bitsandbytes)."));
     k.push_back(boolean("bnb_4bit_use_double_quant", &TrainConfig::bnb_4bit_use_double_quant,
                         "Quantise the NF4 absmax statistics again (8-bit, blocks of 256), as bitsandbytes' compress_statistics."));
+    k.push_back(choice("expert_quant", &TrainConfig::expert_quant, {"auto", "nf4", "mxfp4"},
+                       "With load_in_4bit, the format the routed experts are held in (homes and device): auto keeps a "
+                       "checkpoint's MXFP4 experts (gpt-oss as the Hub ships it: 4.25 bits per weight, lossless with "
+                       "respect to the checkpoint, dequantised to bf16 on the fly) and quantises any other to NF4; nf4 "
+                       "always NF4 (MXFP4 experts are dequantised first, as transformers' Mxfp4Config(dequantize=True)); "
+                       "mxfp4 requires an MXFP4 checkpoint."));
     k.push_back(boolean("output_router_logits", &TrainConfig::output_router_logits,
                         "Add the router load-balancing auxiliary loss (coefficient from config.json or router_aux_loss_coef)."));
     k.push_back({"router_aux_loss_coef", "float", "(from config.json)", "Overrides the checkpoint's router auxiliary loss coefficient.",
@@ -931,6 +938,9 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
     issues.push_back({"load_in_4bit", "load_in_4bit: true needs adapter: qlora"});
   if ((c.bnb_4bit_blocksize & (c.bnb_4bit_blocksize - 1)) != 0)
     issues.push_back({"bnb_4bit_blocksize", "must be a power of two (32 ... 4096), got " + std::to_string(c.bnb_4bit_blocksize)});
+  if (c.expert_quant != "auto" && !c.load_in_4bit)
+    issues.push_back({"expert_quant", c.expert_quant + " needs load_in_4bit: true (without it the experts are loaded "
+                                      "unquantised); remove expert_quant or set load_in_4bit: true"});
   if (c.use_reentrant.value_or(false) && c.gradient_checkpointing)
     issues.push_back({"gradient_checkpointing_kwargs.use_reentrant",
                       "eo-ddp implements non-reentrant checkpointing only; set it to false"});
@@ -1029,6 +1039,10 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   } catch (const std::exception&) {
     return;
   }
+  if (c.expert_quant == "mxfp4" && !mc.mxfp4_experts)
+    issues.push_back({"expert_quant", "mxfp4 keeps experts in the MXFP4 a checkpoint stores them in, but " + c.base_model +
+                                      "/config.json (" + mc.model_type + ") has no quantization_config with quant_method "
+                                      "mxfp4; use expert_quant: nf4 or auto"});
   if (c.output_router_logits && !mc.has_aux_loss)
     issues.push_back({"output_router_logits", mc.model_type + " has no router auxiliary loss in transformers (it balances "
                                               "its experts with e_score_correction_bias, or not at all); set it to false"});
@@ -1202,6 +1216,10 @@ std::string config_to_yaml(const TrainConfig& c) {
 bool config_use_bf16(const TrainConfig& cfg, bool on_cuda) {
   if (cfg.bf16 == "auto") return on_cuda;
   return cfg.bf16 == "true";
+}
+
+bool experts_in_mxfp4(const TrainConfig& cfg, const model::ModelConfig& mc) {
+  return cfg.load_in_4bit && (cfg.expert_quant == "mxfp4" || (cfg.expert_quant == "auto" && mc.mxfp4_experts));
 }
 
 std::int64_t expert_bank_bytes(const TrainConfig& cfg) {

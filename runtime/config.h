@@ -15,6 +15,9 @@
 namespace YAML {
 class Node;
 }
+namespace eo::model {
+struct ModelConfig;
+}
 
 namespace eo {
 
@@ -56,6 +59,7 @@ struct TrainConfig {
   bool peft_use_rslora = false;
   int bnb_4bit_blocksize = 64;
   bool bnb_4bit_use_double_quant = false;
+  std::string expert_quant = "auto";  // "auto" | "nf4" | "mxfp4": experts_in_mxfp4()
   bool output_router_logits = false;
   std::optional<double> router_aux_loss_coef;
 
@@ -166,5 +170,9 @@ bool config_use_bf16(const TrainConfig& cfg, bool on_cuda);
 // start-up check turns it into kAutoBankSlice when only that fits).
 std::int64_t expert_bank_bytes(const TrainConfig& cfg);
 constexpr const char* kAutoBankSlice = "64MiB";
+// Whether the routed experts are held in MXFP4 (else NF4, or unquantised without load_in_4bit):
+// load_in_4bit with expert_quant mxfp4, or auto on a checkpoint whose config.json says its
+// experts are MXFP4 (the loader's ExpertQuant::Auto; the plan and the home sizes use this).
+bool experts_in_mxfp4(const TrainConfig& cfg, const model::ModelConfig& mc);
 
 }  // namespace eo

@@ -61,9 +61,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
                       std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
                           ", norms, routers, attention" + (q4 ? " (NF4)" : "")});
 
-  // ---- experts
+  // ---- experts: NF4, or the checkpoint's MXFP4 kept (expert_quant)
+  const bool mx = experts_in_mxfp4(cfg, c);
+  p.expert_format = mx ? QuantFormat::Mxfp4 : QuantFormat::Nf4;
+  const std::string held = q4 ? std::string(mx ? " (MXFP4, the checkpoint's own bytes)" : " (NF4)") : std::string();
   // One MoE block's experts exactly as the offload engine lays them out (offload/layout.h).
-  p.block_bytes = double(offload::expert_block_bytes(c, bs, cfg.bnb_4bit_use_double_quant));
+  p.block_bytes = double(offload::expert_block_bytes(c, bs, cfg.bnb_4bit_use_double_quant, p.expert_format));
   p.expert_bytes = p.block_bytes * moe_layers;
   if (cfg.expert_offload) {
     const int slots = std::min(moe_layers, cfg.expert_offload_prefetch ? 1 + cfg.expert_offload_prefetch_depth : 1);
@@ -74,12 +77,13 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
     budget = std::min(budget, p.expert_bytes);
     p.device.push_back({"experts", double(slots) * p.block_bytes + budget,
                         std::to_string(slots) + " slot(s) of " + human_bytes(p.block_bytes) +
-                            (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string())});
+                            (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string()) + held});
     p.host_pinned = p.expert_bytes;
     p.shared_homes = cfg.expert_offload_homes == "per_numa_node";
   } else {
     // Resident experts are separate tensors (no arena alignment).
-    p.device.push_back({"experts", double(moe_layers) * E * 3 * (q4 ? nf4_bytes(I, H, bs) : I * H * d), "every expert resident"});
+    const double matrix = !q4 ? I * H * d : mx ? I * H / 2 + I * H / 32 : nf4_bytes(I, H, bs);
+    p.device.push_back({"experts", double(moe_layers) * E * 3 * matrix, "every expert resident" + held});
   }
 
   // ---- LoRA: fp32 parameter, gradient and two AdamW moments

@@ -4,7 +4,7 @@
 // Device bytes are what the caching allocator will hand out at the step's peak (the figure
 // `peak VRAM` reports), broken into named parts so a user sees what to change:
 //   weights     resident frozen weights: embeddings, lm_head, norms, routers, NF4 attention
-//   experts     NF4 experts on the device: all of them, or the offload slots (+ budget blocks)
+//   experts     NF4 (or MXFP4) experts on the device: all of them, or the offload slots (+ budget blocks)
 //   lora        LoRA parameters, gradients and AdamW moments (fp32)
 //   checkpoints block inputs kept by activation checkpointing (one [tokens, hidden] per block)
 //   block       one block's recompute + backward: its saved tensors plus the largest set that
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "models/hf_config.h"
+#include "models/quant_format.h"
 #include "runtime/config.h"
 
 namespace eo {
@@ -37,7 +38,8 @@ struct MemoryPlan {
   std::vector<MemoryPart> device;  // per rank
   double device_peak = 0;          // the predicted allocator peak (what `peak VRAM` measures)
   double margin = 0;               // headroom the start-up check adds for reserved-but-unused memory
-  double expert_bytes = 0;         // NF4 experts of the whole model
+  double expert_bytes = 0;         // 4-bit experts of the whole model
+  QuantFormat expert_format = QuantFormat::Nf4;  // how load_in_4bit holds them (expert_quant)
   double block_bytes = 0;          // one MoE block's experts (a slot)
   double host_pinned = 0;          // per rank: the homes when offloading, else 0
   int ranks_per_node = 1;

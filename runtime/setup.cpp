@@ -194,7 +194,8 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
 // all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
 void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, const at::Device& device) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
-  const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant);
+  const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant,
+                                                             experts_in_mxfp4(cfg, mc) ? QuantFormat::Mxfp4 : QuantFormat::Nf4);
   offload::HostMemory mem = offload::host_memory_available();
   double v[2] = {-(mem.available < 0 ? 1e18 : double(mem.available)),
                  double(world.info().local_size)};
@@ -374,6 +375,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   lo.load_in_4bit = cfg.load_in_4bit;
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
+  lo.expert_quant = model::expert_quant_named(cfg.expert_quant);  // the loader logs the experts' format
   lo.expert_bank_bytes = bank_bytes;
   lo.device = device;
   lo.experts_on_host = cfg.expert_offload;

@@ -247,6 +247,7 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   base["load_in_4bit"] = cfg.load_in_4bit;
   base["bnb_4bit_blocksize"] = cfg.bnb_4bit_blocksize;
   base["bnb_4bit_use_double_quant"] = cfg.bnb_4bit_use_double_quant;
+  base["expert_quant"] = cfg.expert_quant;
   write_file_atomic((fs::path(dir) / kAdapterBaseFile).string(), base.dump(2) + "\n");
 }
 
@@ -433,6 +434,7 @@ json recorded_config(const TrainConfig& cfg) {
           {"load_in_4bit", cfg.load_in_4bit},
           {"bnb_4bit_blocksize", cfg.bnb_4bit_blocksize},
           {"bnb_4bit_use_double_quant", cfg.bnb_4bit_use_double_quant},
+          {"expert_quant", cfg.expert_quant},
           {"sequence_len", cfg.sequence_len},
           {"sample_packing", cfg.sample_packing},
           {"datasets", datasets},
@@ -452,8 +454,8 @@ std::vector<std::string> check_resume_compatible(const TrainingState& s, const T
   const json now = recorded_config(cfg);
   // Keys whose change makes the saved adapter or the data cursor mean something else.
   static const char* kRefuse[] = {"adapter",        "lora_r",          "lora_alpha",         "peft_use_rslora",
-                                  "lora_target_modules", "lora_target_parameters", "load_in_4bit", "bnb_4bit_blocksize", "bnb_4bit_use_double_quant",
-                                  "sequence_len",   "sample_packing"};
+                                  "lora_target_modules", "lora_target_parameters", "load_in_4bit", "bnb_4bit_blocksize",
+                                  "bnb_4bit_use_double_quant", "expert_quant", "sequence_len",   "sample_packing"};
   std::vector<std::string> problems;
   auto differs = [&](const char* key) { return s.recorded.contains(key) && s.recorded[key] != now[key]; };
   if (differs("base_model_fingerprint")) {

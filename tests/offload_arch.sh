@@ -5,12 +5,16 @@
 # attention only), QLoRA on every linear with the routed experts offloaded
 # (synchronous and with prefetch) gives bitwise the losses and adapter of resident training.
 # Only the routed experts move; shared experts, dense layers and attention stay resident.
+# gpt_oss_mxfp4: gpt-oss with its experts in MXFP4 as the Hub ships them, held so in the homes
+# (expert_quant: auto), and `plan` / `--check` counting them as MXFP4.
 # usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 source "$2/tests/testlib.sh"
 eo_test_setup "$@"
-for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn gpt_oss; do
-  "$py" tools/make_tiny_model.py --arch "$arch" --out "$tmp/$arch/model" --seed 3 >/dev/null 2>&1 ||
+for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn gpt_oss gpt_oss_mxfp4; do
+  tool=(--arch "$arch")
+  [ $arch = gpt_oss_mxfp4 ] && tool=(--arch gpt_oss --mxfp4-experts)
+  "$py" tools/make_tiny_model.py "${tool[@]}" --out "$tmp/$arch/model" --seed 3 >/dev/null 2>&1 ||
     { echo "FAILED: make_tiny_model.py --arch $arch"; fail=1; continue; }
   common=(--config configs/tiny-qwen3-moe.yaml --set base_model="$tmp/$arch/model" --set max_steps=4 --set save_steps=0
           --set lora_dropout=0.1 --set lora_target_linear=true --set sequence_len=64)
@@ -24,6 +28,20 @@ for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn gpt_oss; do
   check "$arch: offload (synchronous) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/$arch/resident" "$tmp/$arch/sync" --exact
   check "$arch: offload (prefetch) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/$arch/resident" "$tmp/$arch/prefetch" --exact
   check "$arch: the offload engine ran (slots logged)" grep -q "device slot(s) of" "$tmp/$arch/sync.log"
+  if [ $arch = gpt_oss_mxfp4 ]; then
+    for run in resident sync prefetch; do
+      check "$arch $run: the log says the experts are held in MXFP4" grep -q "experts held in MXFP4" "$tmp/$arch/$run.log"
+    done
+    "$bin" plan "${common[@]}" --set expert_offload=true >"$tmp/$arch/plan.txt" 2>&1
+    check "$arch: plan counts the experts as MXFP4" grep -q "experts .*(MXFP4, the checkpoint's own bytes)" "$tmp/$arch/plan.txt"
+    # 6 experts x 3 matrices of 64 x 32: 1024 code bytes and 64 scale bytes each, 256-byte aligned.
+    check "$arch: plan's slot is the MXFP4 arena (22.50 KiB)" grep -q "slot(s) of 22.50 KiB" "$tmp/$arch/plan.txt"
+    "$bin" plan "${common[@]}" --set expert_offload=true --set expert_quant=nf4 >"$tmp/$arch/plan_nf4.txt" 2>&1
+    check "$arch: expert_quant: nf4 plans NF4" grep -q "experts .*(NF4)" "$tmp/$arch/plan_nf4.txt"
+    "$bin" train "${common[@]}" --check >"$tmp/$arch/check.txt" 2>&1
+    check "$arch: --check names MXFP4 experts" grep -q "MXFP4 experts" "$tmp/$arch/check.txt"
+    continue
+  fi
   # The adapter holds the latent-attention / shared-expert modules under peft's names.
   [ $arch = gpt_oss ] && continue
   check "$arch: adapter has shared-expert LoRA" "$py" -c "

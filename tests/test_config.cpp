@@ -4,9 +4,11 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "common/error.h"
 #include "common/text.h"
+#include "models/hf_config.h"
 #include "runtime/config.h"
 
 using namespace eo;
@@ -477,4 +479,67 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   const std::string linear = error_of(std::string(kValid) + "lora_target_linear: true\nlora_target_parameters: [down_proj]\n");
   EXPECT_NE(linear.find("lora_target_linear: cannot be combined with lora_target_parameters"), std::string::npos) << linear;
   EXPECT_EQ(linear.find("lora_target_modules:"), std::string::npos) << "one error for one cause\n" << linear;
+}
+
+// expert_quant: one of auto / nf4 / mxfp4, needs load_in_4bit when not auto, and mxfp4 needs a
+// checkpoint whose config.json says its experts are MXFP4; listed with the other problems, before
+// a weight is read. experts_in_mxfp4 resolves auto as the loader does.
+TEST(Config, ExpertQuantIsCheckedAgainstTheCheckpoint) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_cfg_expert_quant_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "oss");
+  fs::create_directories(dir / "oss_mxfp4");
+  fs::create_directories(dir / "qwen");
+  std::ifstream in(std::string(EO_SOURCE_DIR) + "/configs/models/gpt-oss-20b/config.json");
+  const std::string oss((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::ofstream(dir / "oss" / "config.json") << oss;
+  const std::string tail = "\"quantization_config\": {\"quant_method\": \"mxfp4\"},\n";
+  std::ofstream(dir / "oss_mxfp4" / "config.json") << std::string("{\n") + tail + oss.substr(oss.find('{') + 1);
+  fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/qwen3-30b-a3b/config.json", dir / "qwen" / "config.json");
+  std::ofstream(dir / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  auto yaml = [&](const std::string& model, const std::string& extra) {
+    return "base_model: " + (dir / model).string() + "\nload_in_4bit: true\nadapter: qlora\ndatasets: [{path: " +
+           (dir / "train.jsonl").string() + "}]\n" + extra;
+  };
+  auto error = [&](const std::string& text) -> std::string {
+    try {
+      load_config_text(text, "t.yaml", {});
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  const TrainConfig mx = load_config_text(yaml("oss_mxfp4", "expert_quant: mxfp4\n"), "t.yaml", {});
+  EXPECT_EQ(mx.expert_quant, "mxfp4");
+  const model::ModelConfig oss_mx = model::load_config((dir / "oss_mxfp4").string());
+  const model::ModelConfig oss_float = model::load_config((dir / "oss").string());
+  EXPECT_TRUE(oss_mx.mxfp4_experts);
+  EXPECT_FALSE(oss_float.mxfp4_experts);
+  EXPECT_TRUE(experts_in_mxfp4(mx, oss_mx));
+  TrainConfig c = load_config_text(yaml("oss_mxfp4", ""), "t.yaml", {});
+  EXPECT_EQ(c.expert_quant, "auto");
+  EXPECT_TRUE(experts_in_mxfp4(c, oss_mx)) << "auto keeps a checkpoint's MXFP4";
+  EXPECT_FALSE(experts_in_mxfp4(c, oss_float)) << "auto quantises float experts to NF4";
+  c.expert_quant = "nf4";
+  EXPECT_FALSE(experts_in_mxfp4(c, oss_mx));
+  c.expert_quant = "auto";
+  c.load_in_4bit = false;
+  EXPECT_FALSE(experts_in_mxfp4(c, oss_mx)) << "without load_in_4bit the experts are unquantised";
+
+  const std::string bad = error(yaml("oss_mxfp4", "expert_quant: fp4\n"));
+  EXPECT_NE(bad.find("expert_quant: unknown value 'fp4'; expected one of auto, nf4, mxfp4"), std::string::npos) << bad;
+  for (const char* model : {"oss", "qwen"}) {
+    const std::string e = error(yaml(model, "expert_quant: mxfp4\nlora_r: 0\n"));
+    EXPECT_NE(e.find("expert_quant: mxfp4 keeps experts in the MXFP4 a checkpoint stores them in, but " + (dir / model).string() +
+                     "/config.json"),
+              std::string::npos)
+        << e;
+    EXPECT_NE(e.find("use expert_quant: nf4 or auto"), std::string::npos) << e;
+    EXPECT_NE(e.find("lora_r: must be between 1 and 4096"), std::string::npos) << "all problems at once\n" << e;
+  }
+  const std::string dense = error("base_model: " + (dir / "oss_mxfp4").string() + "\nadapter: lora\ndatasets: [{path: " +
+                                  (dir / "train.jsonl").string() + "}]\nexpert_quant: mxfp4\n");
+  EXPECT_NE(dense.find("expert_quant: mxfp4 needs load_in_4bit: true"), std::string::npos) << dense;
+  EXPECT_NO_THROW(load_config_text(yaml("qwen", "expert_quant: nf4\n"), "t.yaml", {}));
+  fs::remove_all(dir);
 }

@@ -16,6 +16,7 @@
 #include "models/linear4bit.h"
 #include "models/lora.h"
 #include "models/moe_model.h"
+#include "models/mxfp4.h"
 #include "models/nf4.h"
 #include "offload/engine.h"
 #include "runtime/config.h"
@@ -589,6 +590,136 @@ TEST(Cuda, FusedAdamWAndClipMatchTheCpu) {
   for (std::size_t i = 0; i < cpu.size(); ++i) {
     const at::Tensor d = (gpu[i].second.detach().cpu() - cpu[i].second.detach()).abs().max();
     EXPECT_LT(d.item<double>(), 1e-5 * cpu[i].second.detach().abs().max().item<double>()) << cpu[i].first;
+  }
+}
+
+
+// ---- MXFP4 experts (gpt-oss as the Hub ships it): the CUDA kernel against the CPU path, bit for bit
+// (the CPU path is checked against transformers in test_model, Mxfp4.*), and the kernel in use.
+namespace {
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {  // -0 and +0 differ, inf equals inf
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  return a.scalar_type() == at::kFloat ? a.view(at::kInt).equal(b.view(at::kInt)) : a.view(at::kShort).equal(b.view(at::kShort));
+}
+
+// A tiny gpt-oss config.json whose experts are MXFP4 (quant_method mxfp4), for synthetic weights:
+// H = I = 256 (multiples of 32), 8 experts, top-4, the tiny fixture's vocabulary.
+std::string tiny_mxfp4_gpt_oss(const std::string& name) {
+  const fs::path dir = fs::temp_directory_path() / name;
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
+    "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "intermediate_size": 256, "num_local_experts": 8, "num_experts_per_tok": 4, "experts_per_token": 4,
+    "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 7.0,
+    "attention_bias": true, "tie_word_embeddings": false, "initializer_range": 0.02, "router_aux_loss_coef": 0.9,
+    "output_router_logits": false,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+      "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}})";
+  return dir.string();
+}
+
+}  // namespace
+
+// Every code at every scale byte (256 rows of 16 groups, each group's 16 bytes all different),
+// gpt-oss-20b's row length (2880: 90 groups), odd row counts; every output dtype; whole matrices,
+// stacks of more matrices than one launch takes (64) and windows of rows and columns (multiples
+// of 8), as the grouped GEMM's sliced bank reads them.
+TEST(Cuda, Mxfp4KernelIsBitIdenticalToTheCpuPath) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  at::manual_seed(13);
+  const auto u8 = at::TensorOptions().dtype(at::kByte);
+  at::Tensor all_blocks = at::arange(256, at::kInt).to(at::kByte).view({1, 16, 16}).expand({256, 16, 16}).contiguous();
+  at::Tensor all_scales = at::arange(256, at::kInt).to(at::kByte).view({256, 1}).expand({256, 16}).contiguous();
+  struct Case { at::Tensor blocks, scales; };
+  std::vector<Case> cases = {{all_blocks, all_scales}};
+  for (const auto& [rows, groups] : std::vector<std::pair<std::int64_t, std::int64_t>>{{96, 90}, {33, 2}, {7, 1}})
+    cases.push_back({at::randint(0, 256, {rows, groups, 16}, u8), at::randint(110, 140, {rows, groups}, u8)});
+  for (const Case& c : cases) {
+    const nf4::QuantizedWeight cpu = mxfp4::weight(c.blocks, c.scales);
+    const nf4::QuantizedWeight gpu = mxfp4::weight(c.blocks.to(dev), c.scales.to(dev));
+    ASSERT_TRUE(gpu.packed.is_cuda() && gpu.scales.is_cuda());
+    const std::int64_t rows = cpu.shape[0], cols = cpu.shape[1];
+    for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + std::string(at::toString(dt)));
+      const at::Tensor ref = nf4::dequantize(cpu, dt);
+      EXPECT_TRUE(same_bits(nf4::dequantize(gpu, dt).cpu(), ref)) << "whole";
+      std::vector<const nf4::QuantizedWeight*> many(70, &gpu);  // two launches
+      const at::Tensor stacked = nf4::dequantize_stack(many, dt).cpu();
+      EXPECT_TRUE(same_bits(stacked[0], ref) && same_bits(stacked[69], ref)) << "stacked";
+      const std::int64_t r0 = rows / 3, nr = std::max<std::int64_t>(1, rows / 2), c0 = 8 * (cols / 32), nc = 8 * std::max<std::int64_t>(1, cols / 16);
+      const at::Tensor win = nf4::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
+      EXPECT_TRUE(same_bits(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
+      EXPECT_TRUE(same_bits(win[1], nf4::dequantize_stack_window({&cpu}, dt, r0, nr, c0, nc)[0])) << "window vs CPU window";
+    }
+  }
+}
+
+// A bf16 gpt-oss model whose experts are held in MXFP4 on the GPU: the grouped GEMMs over the
+// kernel's bank (whole and in 64-row/column slices) against the per-expert loop.
+TEST(Cuda, GroupedExpertsOverAnMxfp4BankMatchThePerExpertLoop) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  for (std::int64_t bank_bytes : {std::int64_t(0), std::int64_t(8) * 64 * 256 * 2}) {
+    model::LoadOptions lo;
+    lo.dtype = at::kBFloat16;
+    lo.load_in_4bit = true;
+    lo.device = dev;
+    lo.random_seed = 7;
+    lo.expert_bank_bytes = bank_bytes;
+    auto m = model::MoeModel::load(tiny_mxfp4_gpt_oss("eo_cuda_mxfp4_model"), lo);
+    const auto& q = m->weight_provider().expert_weight(0, 3, model::ExpertMatrix::Down);
+    ASSERT_EQ(q.format, QuantFormat::Mxfp4);
+    ASSERT_TRUE(q.packed.is_cuda());
+    model::LoraSpec spec;
+    spec.r = 8;
+    spec.alpha = 16;
+    spec.targets = {"q_proj", "v_proj", "o_proj"};
+    m->add_lora(spec);
+    {
+      at::NoGradGuard ng;
+      for (auto& [n, p] : m->lora_parameters()) p.normal_(0, 0.05);
+    }
+    expect_grouped_matches_loop(*m, dev);
+  }
+}
+
+// Offloaded training with MXFP4 homes equals resident training on the GPU (the same kernels over
+// the same bytes), and the homes are the MXFP4 arena.
+TEST(Cuda, Mxfp4OffloadTrainingMatchesResident) {
+  REQUIRE_CUDA();
+  const std::string model_dir = tiny_mxfp4_gpt_oss("eo_cuda_mxfp4_train");
+  auto run = [&](bool offload, bool prefetch, const std::string& out) {
+    TrainConfig cfg = load_config_file(std::string(EO_SOURCE_DIR) + "/configs/tiny-qwen3-moe.yaml",
+                                       {"max_steps=4", "save_steps=0", "output_dir=" + out, "bf16=true", "synthetic_weights=true",
+                                        "base_model=" + model_dir, "lora_target_linear=true",
+                                        "datasets.0.path=" + std::string(EO_SOURCE_DIR) + "/fixtures/tiny-data/train.jsonl",
+                                        std::string("expert_offload=") + (offload ? "true" : "false"),
+                                        std::string("expert_offload_prefetch=") + (prefetch ? "true" : "false")});
+    EXPECT_TRUE(experts_in_mxfp4(cfg, model::load_config(model_dir)));
+    remove_tree(out);
+    train(cfg, dist::World::get());
+    std::vector<double> losses;
+    std::ifstream in(out + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto k = line.find("\"loss\":");
+      losses.push_back(std::stod(line.substr(k + 7)));
+    }
+    return losses;
+  };
+  const std::string tmp = fs::temp_directory_path().string();
+  const auto resident = run(false, false, tmp + "/eo_cuda_mxfp4_resident");
+  const auto sync = run(true, false, tmp + "/eo_cuda_mxfp4_sync");
+  const auto pre = run(true, true, tmp + "/eo_cuda_mxfp4_prefetch");
+  ASSERT_EQ(resident.size(), 4u);
+  ASSERT_EQ(sync.size(), 4u);
+  ASSERT_EQ(pre.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(std::isfinite(resident[i])) << "step " << i + 1;
+    EXPECT_NEAR(sync[i], resident[i], 1e-2 * std::abs(resident[i])) << "step " << i + 1;
+    EXPECT_NEAR(pre[i], resident[i], 1e-2 * std::abs(resident[i])) << "step " << i + 1;
   }
 }
 

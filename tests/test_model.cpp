@@ -23,7 +23,13 @@
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
 #include "models/safetensors.h"
+#include "offload/engine.h"
+#include "offload/host_memory.h"
+#include "runtime/config.h"
+#include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
+#include "runtime/plan.h"
+#include "runtime/step.h"
 
 namespace fs = std::filesystem;
 using namespace eo;
@@ -385,40 +391,231 @@ TEST(HfConfig, UnsupportedOptionsOfNewerFamiliesAreNamed) {
 }
 
 // gpt-oss MXFP4 experts (tests/ref/mxfp4_ref.py): the dequantisation is transformers'
-// convert_moe_packed_tensors byte for byte (every code, every scale byte, the Hub layout), and the
-// checkpoint loads as transformers' model on those dequantised weights.
+// convert_moe_packed_tensors bit for bit (every code at every scale byte, the Hub layout), whether
+// the bytes are the checkpoint's tensors or a QuantizedWeight held in MXFP4 (whole, stacked,
+// windowed, any output dtype); the checkpoint loads as transformers' model with
+// Mxfp4Config(dequantize=True), and QLoRA on it with the experts kept in MXFP4 gives transformers'
+// + peft's logits, loss and gradients.
 std::string mxfp4_dir() { return eo::testing::python_fixture("mxfp4_ref.py", "mxfp4_ref", "gpt_oss"); }
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         (a.scalar_type() == at::kFloat ? a.view(at::kInt).equal(b.view(at::kInt)) : a.view(at::kShort).equal(b.view(at::kShort)));
+}
 
 TEST(Mxfp4, DequantisationIsBitExactAgainstTransformers) {
   const Ref r = load_ref(mxfp4_dir());
   for (const char* t : {"random", "layer0.gate_up_proj", "layer0.down_proj"}) {
     SCOPED_TRACE(t);
     const std::string n(t);
-    const at::Tensor got = mxfp4::dequantize(r[n + ".blocks"], r[n + ".scales"]);
-    const at::Tensor want = r[n + ".expected"];
+    const at::Tensor blocks = r[n + ".blocks"], scales = r[n + ".scales"], want = r[n + ".expected"];  // [E, rows, cols]
+    const at::Tensor got = mxfp4::dequantize(blocks, scales);
     ASSERT_EQ(got.sizes(), want.sizes());
     ASSERT_EQ(got.scalar_type(), at::kBFloat16);
-    EXPECT_TRUE(got.view(at::kShort).equal(want.view(at::kShort))) << "bf16 bit patterns differ";
+    EXPECT_TRUE(same_bits(got, want)) << "bf16 bit patterns differ";
+    // Each expert's matrix held in MXFP4: the dispatching dequantisers give the same bits (fp32:
+    // the same values; fp16: those values rounded), whole, stacked and windowed.
+    std::vector<nf4::QuantizedWeight> qs;
+    for (std::int64_t e = 0; e < blocks.size(0); ++e) qs.push_back(mxfp4::weight(blocks[e], scales[e]));
+    std::vector<const nf4::QuantizedWeight*> ptrs;
+    for (const auto& q : qs) ptrs.push_back(&q);
+    EXPECT_EQ(qs[0].format, QuantFormat::Mxfp4);
+    EXPECT_EQ(qs[0].shape, (std::vector<std::int64_t>{want.size(1), want.size(2)}));
+    EXPECT_EQ(qs[0].bytes(), want.size(1) * want.size(2) / 2 + want.size(1) * want.size(2) / 32);
+    for (std::int64_t e = 0; e < blocks.size(0); ++e) {
+      EXPECT_TRUE(same_bits(nf4::dequantize(qs[e]), want[e])) << "expert " << e;
+      EXPECT_TRUE(same_bits(nf4::dequantize(qs[e], at::kFloat), want[e].to(at::kFloat))) << "expert " << e;
+      EXPECT_TRUE(same_bits(nf4::dequantize(qs[e], at::kHalf), want[e].to(at::kHalf))) << "expert " << e;
+    }
+    EXPECT_TRUE(same_bits(nf4::dequantize_stack(ptrs, at::kBFloat16), want));
+    const std::int64_t rows = want.size(1), cols = want.size(2);
+    const std::int64_t r0 = rows / 3, nr = rows / 2, c0 = 8, nc = cols - 16;
+    EXPECT_TRUE(same_bits(nf4::dequantize_stack_window(ptrs, at::kBFloat16, r0, nr, c0, nc),
+                          want.narrow(1, r0, nr).narrow(2, c0, nc).contiguous()));
   }
-  EXPECT_TRUE(r["random.expected"].isinf().any().item<bool>()) << "the extremes (scale byte 255) are covered";
+  // The extremes are covered: every scale byte with every code, so ±inf (2^128 and beyond),
+  // bf16 subnormals (scale bytes 0 and 1) and -0.
+  const at::Tensor all = r["random.expected"].to(at::kFloat);
+  EXPECT_TRUE(all.isinf().any().item<bool>());
+  EXPECT_TRUE(((all.abs() > 0) & (all.abs() < 1.1754943508222875e-38)).any().item<bool>());
+  EXPECT_TRUE((all.eq(0) & all.signbit()).any().item<bool>());
+}
+
+// The checkpoint's expert rows re-arranged into eo-ddp's [out, in] matrices are exactly what
+// transformers runs: gate = the even rows of gate_up_proj's [2I, H], up = the odd rows, down as is.
+void expect_experts_are_transformers(MoeModel& m, const Ref& r) {
+  const at::Tensor gu = r["layer0.gate_up_proj.expected"], down = r["layer0.down_proj.expected"];
+  const auto I = m.config().expert_width;
+  for (int e = 0; e < m.config().experts; ++e) {
+    const auto& gate = m.weight_provider().expert_weight(0, e, ExpertMatrix::Gate);
+    ASSERT_EQ(gate.format, QuantFormat::Mxfp4);
+    EXPECT_TRUE(same_bits(nf4::dequantize(gate, at::kBFloat16), gu[e].slice(0, 0, 2 * I, 2).contiguous())) << "gate " << e;
+    EXPECT_TRUE(same_bits(nf4::dequantize(m.weight_provider().expert_weight(0, e, ExpertMatrix::Up), at::kBFloat16),
+                          gu[e].slice(0, 1, 2 * I, 2).contiguous()))
+        << "up " << e;
+    EXPECT_TRUE(same_bits(nf4::dequantize(m.weight_provider().expert_weight(0, e, ExpertMatrix::Down), at::kBFloat16), down[e]))
+        << "down " << e;
+  }
 }
 
 TEST(Mxfp4, GptOssCheckpointLoadsAsTransformersDequantised) {
   const std::string dir = mxfp4_dir();
   const Ref r = load_ref(dir);
   c10::NoGradGuard no_grad;
+  const auto out = MoeModel::load(dir + "/model_mxfp4", LoadOptions{})->forward(ref_batch(r));
+  RecordProperty("logits_rel_err", std::to_string(rel_err(out.logits, r["logits"])));
+  EXPECT_LT(rel_err(out.logits, r["logits"]), 1e-4);
+  EXPECT_NEAR(out.loss_sum.item<double>() / out.tokens, r["loss"].item<double>(), 1e-5 * r["loss"].item<double>());
+}
+
+TEST(Mxfp4, QloraWithMxfp4ExpertsMatchesTransformersAndPeft) {
+  const std::string dir = mxfp4_dir();
+  const Ref r = load_ref(dir);
+  LoadOptions lo;
+  lo.load_in_4bit = true;  // expert_quant auto: an MXFP4 checkpoint keeps its experts
+  auto m = MoeModel::load(dir + "/model_mxfp4", lo);
+  expect_experts_are_transformers(*m, r);
+  m->load_adapter(dir + "/adapter");
+  const auto out = m->forward(ref_batch(r));
+  RecordProperty("logits_rel_err", std::to_string(rel_err(out.logits, r["logits_qlora"])));
+  EXPECT_LT(rel_err(out.logits, r["logits_qlora"]), 1e-4);
+  const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
+  EXPECT_NEAR(loss.item<double>(), r["loss_qlora"].item<double>(), 1e-5 * r["loss_qlora"].item<double>());
+  loss.backward();
+  const auto params = m->lora_parameters();
+  std::size_t n_ref = 0;
+  for (const auto& t : r.file->tensors()) n_ref += t.name.rfind("grad.", 0) == 0;
+  EXPECT_EQ(params.size(), n_ref);
+  for (const auto& [name, p] : params) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_LT(rel_err(p.grad(), r["grad." + name]), 1e-4);
+  }
+  // Training's own step (runtime/step.h: checkpointed blocks, each staged again for its
+  // recompute) on the resident experts and then on MXFP4 homes (the offload engine): bitwise the
+  // same loss and gradients, and transformers' + peft's within the same tolerances.
+  auto train_step = [&](MoeModel& model) {
+    for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
+    data::MicroBatch mb;
+    mb.input_ids = r["input_ids"];
+    mb.labels = r["labels"];
+    mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
+    mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
+    mb.num_target_tokens = out.tokens;
+    StepRunner runner(model, StepOptions{}, 1, nullptr);
+    const double loss = runner.run({mb}, double(out.tokens)).ce_sum.item<double>() / double(out.tokens);
+    std::vector<at::Tensor> grads;
+    for (auto& [name, p] : model.lora_parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(loss, grads);
+  };
+  const auto [resident_loss, resident_grads] = train_step(*m);
+  auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
+  m->set_weight_provider(off);
+  const auto [homed_loss, homed_grads] = train_step(*m);
+  EXPECT_EQ(homed_loss, resident_loss);
+  EXPECT_NEAR(homed_loss, r["loss_qlora"].item<double>(), 1e-5 * r["loss_qlora"].item<double>());
+  EXPECT_GT(off->take_step_stats().copies, 0) << "the blocks came from their homes";
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    SCOPED_TRACE(params[i].first);
+    EXPECT_TRUE(homed_grads[i].equal(resident_grads[i]));
+    EXPECT_LT(rel_err(homed_grads[i], r["grad." + params[i].first]), 1e-4);
+  }
+  // expert_quant: nf4 re-quantises the dequantised experts: other logits, NF4 experts.
+  c10::NoGradGuard no_grad;
+  lo.expert_quant = ExpertQuant::Nf4;
+  auto n = MoeModel::load(dir + "/model_mxfp4", lo);
+  EXPECT_EQ(n->weight_provider().expert_weight(1, 0, ExpertMatrix::Down).format, QuantFormat::Nf4);
+  n->load_adapter(dir + "/adapter");
+  EXPECT_GT(rel_err(n->forward(ref_batch(r)).logits, r["logits_qlora"]), 1e-3);
+  lo.expert_quant = ExpertQuant::Mxfp4;
+  EXPECT_EQ(MoeModel::load(dir + "/model_mxfp4", lo)->weight_provider().expert_weight(2, 5, ExpertMatrix::Up).format,
+            QuantFormat::Mxfp4);
+}
+
+// expert_quant: mxfp4 needs MXFP4 experts in the checkpoint, and load_in_4bit; each a clear error.
+TEST(Mxfp4, ExpertQuantMxfp4NeedsAnMxfp4Checkpoint) {
+  const std::string dir = mxfp4_dir();
+  LoadOptions lo;
+  lo.load_in_4bit = true;
+  lo.expert_quant = ExpertQuant::Mxfp4;
+  auto message = [](const std::string& model, const LoadOptions& o) -> std::string {
+    try {
+      MoeModel::load(model, o);
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  const std::string plain = message(dir + "/model_plain", lo);
+  EXPECT_NE(plain.find("expert_quant: mxfp4 keeps experts in MXFP4"), std::string::npos) << plain;
+  EXPECT_NE(plain.find("use expert_quant: nf4 or auto"), std::string::npos) << plain;
+  const std::string qwen = message(ref_dir("qwen3_moe") + "/model", lo);
+  EXPECT_NE(qwen.find("are not MXFP4"), std::string::npos) << qwen;
+  lo.load_in_4bit = false;
+  const std::string dense = message(dir + "/model_mxfp4", lo);
+  EXPECT_NE(dense.find("expert_quant applies with load_in_4bit: true"), std::string::npos) << dense;
+  // auto on a float checkpoint: NF4, as before.
+  lo.load_in_4bit = true;
+  lo.expert_quant = ExpertQuant::Auto;
+  EXPECT_EQ(MoeModel::load(dir + "/model_plain", lo)->weight_provider().expert_weight(0, 0, ExpertMatrix::Gate).format,
+            QuantFormat::Nf4);
+}
+
+// The memory plan counts the MXFP4 experts' bytes as the model holds them, and the offload arena
+// as the engine lays it out from the loaded tensors; the engine's views give the resident bits.
+TEST(Mxfp4, PlanAndArenaCountTheMxfp4Bytes) {
+  const std::string dir = mxfp4_dir();
+  TrainConfig cfg;
+  cfg.base_model = dir + "/model_mxfp4";
+  cfg.load_in_4bit = true;
+  cfg.adapter = "qlora";
+  const ModelConfig mc = load_config(cfg.base_model);
+  ASSERT_TRUE(mc.mxfp4_experts);
+  ASSERT_TRUE(experts_in_mxfp4(cfg, mc));
+  const MemoryPlan plan = plan_memory(cfg, mc, /*bf16=*/false, 1, /*on_gpu=*/false);
+  LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = MoeModel::load(cfg.base_model, lo);
+  double held = 0;  // what the model holds, counted from its tensors
+  for (int l = 0; l < m->num_layers(); ++l)
+    for (int e = 0; e < mc.experts; ++e)
+      for (auto mx : {ExpertMatrix::Gate, ExpertMatrix::Up, ExpertMatrix::Down}) {
+        const auto& q = m->weight_provider().expert_weight(l, e, mx);
+        held += double(q.packed.nbytes() + q.scales.nbytes());
+      }
+  // By hand: H x I weights per matrix, half a byte each plus one scale byte per 32.
+  const double per_matrix = double(mc.hidden * mc.expert_width) * (0.5 + 1.0 / 32);
+  EXPECT_EQ(held, double(mc.layers * mc.experts * 3) * per_matrix);
+  const MemoryPart* experts = nullptr;
+  for (const auto& p : plan.device)
+    if (p.name == "experts") experts = &p;
+  ASSERT_NE(experts, nullptr);
+  EXPECT_EQ(experts->bytes, held);
+  EXPECT_NE(experts->what.find("MXFP4"), std::string::npos) << experts->what;
+  EXPECT_NE(describe_plan(plan, 0).find("MXFP4"), std::string::npos);
+  // NF4 for the same checkpoint (expert_quant: nf4) is counted as NF4: 4.5 bits per weight at
+  // blocksize 64 (the resident tensors; the tiny arena's 256-byte alignment hides the difference).
+  cfg.expert_quant = "nf4";
+  EXPECT_FALSE(experts_in_mxfp4(cfg, mc));
+  for (const auto& p : plan_memory(cfg, mc, false, 1, false).device)
+    if (p.name == "experts") EXPECT_EQ(p.bytes, double(mc.layers * mc.experts * 3) * double(mc.hidden * mc.expert_width) * (0.5 + 4.0 / 64));
+  cfg.expert_quant = "auto";
+
+  // The offload engine's arena: laid out from the tensors themselves, equal to the plan's and the
+  // host-RAM check's formula; forward through it gives the resident logits bit for bit.
   Batch b;
-  b.input_ids = r["input_ids"];
-  auto m = MoeModel::load(dir + "/model_mxfp4", LoadOptions{});
-  const at::Tensor logits = m->forward(b).logits;
-  RecordProperty("logits_rel_err", std::to_string(rel_err(logits, r["logits"])));
-  EXPECT_LT(rel_err(logits, r["logits"]), 1e-4);
-  LoadOptions q;
-  q.load_in_4bit = true;  // MXFP4 → bf16 → NF4
-  const at::Tensor nf4_logits = MoeModel::load(dir + "/model_mxfp4", q)->forward(b).logits;
-  EXPECT_TRUE(nf4_logits.isfinite().all().item<bool>());
-  EXPECT_LT(rel_err(nf4_logits, r["logits"]), 0.5);
-  EXPECT_GT(rel_err(nf4_logits, r["logits"]), 1e-4);
+  b.input_ids = load_ref(dir)["input_ids"];
+  c10::NoGradGuard no_grad;
+  const at::Tensor resident = m->forward(b).logits;
+  offload::OffloadOptions oo;
+  auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), oo);
+  m->set_weight_provider(off);
+  for (int l = 0; l < mc.layers; ++l) EXPECT_EQ(double(off->block_bytes(l)), plan.block_bytes) << "layer " << l;
+  EXPECT_EQ(off->home_bytes(), offload::estimate_home_bytes(mc, 64, false, QuantFormat::Mxfp4));
+  EXPECT_TRUE(m->forward(b).logits.equal(resident));
+  EXPECT_EQ(off->expert_weight(mc.layers - 1, 0, ExpertMatrix::Down).format, QuantFormat::Mxfp4);
 }
 
 // A provider whose bytes can be swapped, as the offload engine reuses slots.

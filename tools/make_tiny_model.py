@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build a tiny random Hugging Face MoE checkpoint for tests and smoke runs.
 
-    make_tiny_model.py --arch ARCH --out DIR [--seed N] [--fused-experts]
+    make_tiny_model.py --arch ARCH --out DIR [--seed N] [--fused-experts] [--mxfp4-experts]
 
 ARCH: qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, or a variant of
 the newer families with their unusual options on (glm4_moe_grouped, deepseek_v2_grouped,
@@ -11,6 +11,11 @@ transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral `block_sparse_moe.experts.{e}.w1.weight`).
 --fused-experts rewrites the file into the fused layout so loaders are tested on both.
+--mxfp4-experts (gpt_oss) stores the experts as the Hub's gpt-oss does: MXFP4 `gate_up_proj_blocks`
+[E, 2I, H/32, 16] / `_scales` [E, 2I, H/32] (the transposed [E, H, 2I] parameter, 32-groups along H)
+and `down_proj_blocks` / `_scales` likewise, with quant_method "mxfp4" in config.json; each
+32-group's scale is the smallest power of two that fits its largest value in FP4's 6, codes round
+to the nearest FP4 value.
 Deterministic for a given seed; weights are scaled up from HF's tiny init so routing and
 attention are far from uniform (a broken router or RoPE changes the logits visibly).
 """
@@ -146,13 +151,50 @@ def fuse_experts(path, cfg):
     save_file(sd, path, metadata={"format": "pt"})
 
 
+FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_quantize(x):
+    """x [..., rows, cols] (cols a multiple of 32) -> blocks uint8 [..., rows, cols/32, 16] (code 2j in
+    the low nibble of byte j) and E8M0 scales uint8 [..., rows, cols/32]."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = g.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -127.0)).clamp(-127, 127)
+    y = g / torch.exp2(exp).unsqueeze(-1)  # |y| <= 6
+    mag = (y.abs().unsqueeze(-1) - FP4_MAGNITUDES).abs().argmin(-1)  # nearest (ties: the smaller)
+    code = (mag + 8 * ((y < 0) & (mag > 0))).to(torch.uint8)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_experts(out_dir, cfg):
+    """Replace gpt-oss's float experts by MXFP4 blocks / scales in the Hub layout."""
+    path = os.path.join(out_dir, "model.safetensors")
+    sd = load_file(path)
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        for name in ("gate_up_proj", "down_proj"):  # [E, H, 2I] and [E, I, H]: stored transposed
+            blocks, scales = mxfp4_quantize(sd.pop(p + name).transpose(1, 2))
+            sd[p + name + "_blocks"], sd[p + name + "_scales"] = blocks, scales
+    save_file(sd, path, metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json")) as f:
+        c = json.load(f)
+    c["quantization_config"] = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", required=True, choices=ARCHS)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused-experts", action="store_true")
+    ap.add_argument("--mxfp4-experts", action="store_true")
     args = ap.parse_args()
+    if args.mxfp4_experts and args.arch != "gpt_oss":
+        raise SystemExit("--mxfp4-experts: only gpt_oss checkpoints store MXFP4 experts")
 
     cfg = make_config(args.arch)
     torch.manual_seed(args.seed)
@@ -174,6 +216,8 @@ def main():
     model.save_pretrained(args.out, safe_serialization=True)
     if args.fused_experts:
         fuse_experts(os.path.join(args.out, "model.safetensors"), cfg)
+    if args.mxfp4_experts:
+        mxfp4_experts(args.out, cfg)
     print(json.dumps({"arch": args.arch, "out": args.out}))
 
 
