@@ -1,8 +1,8 @@
 // Fault injection for the failure tests, as a seam in the code instead of the environment.
 //
 // Production code asks these questions at the points a test wants to break (a step, the middle
-// of a checkpoint save, the host-RAM measurement); nothing answers unless a test binary installed
-// a plan first. The eo-ddp binary never does; tests/eo_ddp_faults.cpp (eo-ddp-faults, built for
+// of a checkpoint save, the host-RAM measurement, the disk homes' file); nothing answers unless a
+// test binary installed a plan first. The eo-ddp binary never does; tests/eo_ddp_faults.cpp (eo-ddp-faults, built for
 // the tests only) reads its plan from EO_DDP_FAULT* variables and then runs eo-ddp's own main.
 #pragma once
 
@@ -18,6 +18,8 @@ struct Plan {
   std::int64_t kill_in_save = -1;         // SIGKILL in the middle of writing checkpoint-<step>
   std::int64_t kill_in_replace = -1;      // SIGKILL between the two renames replacing checkpoint-<step>
   std::int64_t host_mem_available = -1;   // bytes of host RAM to report as available (-1: measure)
+  std::int64_t disk_homes_full_after = -1;  // writes of the disk homes file fail with ENOSPC past this many bytes
+  bool refuse_o_direct = false;           // opening the disk homes file with O_DIRECT fails as on tmpfs (EINVAL)
 };
 
 void install(Plan plan);  // test binaries only, before anything runs

@@ -1,11 +1,18 @@
 #include "offload/engine.h"
+
+#include "offload/disk_homes.h"
 #include "offload/layout.h"
 
 #include <ATen/ATen.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -38,7 +45,9 @@ struct ExpertOffloader::Block {
   int layer = -1;
   std::int64_t bytes = 0;  // arena size
   std::unique_ptr<HostBuffer> home;  // per_rank: this block's own home
-  std::int64_t shared_offset = 0;    // per_numa_node: where the block sits in the node's copy
+  // Where the block sits in one contiguous, page-aligned copy of every home: the node's memory
+  // file (per_numa_node), or the disk homes file after its header (disk).
+  std::int64_t copy_offset = 0;
   // Per expert and matrix: the metadata (shape, blocksize, ...) and where its tensors live.
   std::vector<std::array<nf4::QuantizedWeight, 3>> meta;  // tensors undefined; filled into views
   std::vector<std::array<std::array<Piece, 3>, 3>> pieces;  // [expert][matrix][packed|absmax|nested_absmax]
@@ -131,52 +140,41 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
         b->meta[e][m] = std::move(meta);
       }
     b->bytes = off;
-    b->shared_offset = shared_bytes;
+    b->copy_offset = shared_bytes;
     shared_bytes = (shared_bytes + off + 4095) / 4096 * 4096;
     max_block = std::max(max_block, b->bytes);
     blocks_[layer] = std::move(b);
   }
   EO_CHECK(max_block > 0, "offload: the model has no expert blocks to offload");
-  const bool sharing = opt_.sharing.has_value();
-  const bool fill = !sharing || opt_.sharing->leader;
-  if (sharing && fill) shared_ = HostBuffer::create_shared(static_cast<std::size_t>(shared_bytes), node_);
-  // Fill the homes layer by layer, dropping the bank's tensors as we go (host RAM holds the
-  // checkpoint's experts and the homes at once for one block, not for all of them).
-  for (std::size_t layer = 0; layer < bank.size(); ++layer) {
-    auto& experts = bank[layer];
-    if (experts.empty()) continue;
-    Block& b = *blocks_[layer];
-    if (!sharing) b.home = std::make_unique<HostBuffer>(static_cast<std::size_t>(b.bytes), node_, pin);
-    if (fill) {
-      std::uint8_t* dst = sharing ? shared_->data() + b.shared_offset : b.home->data();
-      auto put = [&](const Piece& p, const at::Tensor& t) {
-        const at::Tensor c = t.to(at::kCPU).contiguous();
-        EO_CHECK(c.numel() * static_cast<std::int64_t>(c.element_size()) == p.bytes, "offload: size mismatch in layout");
-        std::memcpy(dst + p.offset, c.data_ptr(), static_cast<std::size_t>(p.bytes));
-      };
-      for (std::size_t e = 0; e < experts.size(); ++e)
-        for (int m = 0; m < 3; ++m) {
-          const nf4::QuantizedWeight& q = experts[e][m];
-          put(b.pieces[e][m][0], q.packed);
-          put(b.pieces[e][m][1], q.stats());
-          if (q.nested) put(b.pieces[e][m][2], q.nested->nested_absmax);
-        }
+  if (opt_.disk) {
+    start_disk_homes(bank);
+  } else {
+    const bool sharing = opt_.sharing.has_value();
+    const bool fill = !sharing || opt_.sharing->leader;
+    if (sharing && fill) shared_ = HostBuffer::create_shared(static_cast<std::size_t>(shared_bytes), node_);
+    // Fill the homes layer by layer, dropping the bank's tensors as we go (host RAM holds the
+    // checkpoint's experts and the homes at once for one block, not for all of them).
+    for (std::size_t layer = 0; layer < bank.size(); ++layer) {
+      auto& experts = bank[layer];
+      if (experts.empty()) continue;
+      Block& b = *blocks_[layer];
+      if (!sharing) b.home = std::make_unique<HostBuffer>(static_cast<std::size_t>(b.bytes), node_, pin);
+      if (fill) fill_arena(sharing ? shared_->data() + b.copy_offset : b.home->data(), b, experts);
+      experts.clear();
+      experts.shrink_to_fit();
     }
-    experts.clear();
-    experts.shrink_to_fit();
-  }
-  if (sharing) {
-    // The leader's copy is complete: the other ranks of its node map it, then it stops sharing.
-    const ShareHandle leader = opt_.sharing->exchange(fill ? shared_->share() : ShareHandle{});
-    if (fill) {
-      if (pin) shared_->pin(/*read_only=*/false);
-    } else {
-      shared_ = HostBuffer::open_shared(leader, static_cast<std::size_t>(shared_bytes), pin);
+    if (sharing) {
+      // The leader's copy is complete: the other ranks of its node map it, then it stops sharing.
+      const ShareHandle leader = opt_.sharing->exchange(fill ? shared_->share() : ShareHandle{});
+      if (fill) {
+        if (pin) shared_->pin(/*read_only=*/false);
+      } else {
+        shared_ = HostBuffer::open_shared(leader, static_cast<std::size_t>(shared_bytes), pin);
+      }
+      opt_.sharing->barrier();
+      shared_->stop_sharing();
     }
-    opt_.sharing->barrier();
-    shared_->stop_sharing();
   }
-
 
   // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
   promote_resident(opt_.vram_budget_bytes);
@@ -196,14 +194,131 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
 #endif
     slots_.push_back(std::move(s));
   }
-  log::info("expert offload: " + std::to_string(moe_layers().size()) + " MoE blocks, " + human_bytes(double(home_bytes())) +
-            " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + ")" +
+  policy_ = std::make_unique<StagingPolicy>(static_cast<int>(blocks_.size()), static_cast<int>(slots_.size()), opt_.prefetch);
+  for (const auto& b : blocks_)
+    if (b && b->resident.defined()) policy_->set_resident(b->layer);
+  std::string where;
+  if (disk_) {
+    where = human_bytes(double(home_bytes())) + " in " + disk_->path() + " (" + disk_->how() + "), read ahead into " +
+            std::to_string(disk_->ring_size()) + " " + (disk_->pinned() ? "pinned" : "pageable") + " buffers of " +
+            human_bytes(double(disk_->buffer_bytes())) + " (" + node_.reason + ")";
+  } else {
+    where = human_bytes(double(home_bytes())) + " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + ")" +
             (shared_ ? std::string(opt_.sharing->leader ? ", created and shared with this node's ranks"
                                                         : ", the node leader's copy mapped read-only")
-                     : std::string()) + "; " +
+                     : std::string());
+  }
+  log::info("expert offload: " + std::to_string(moe_layers().size()) + " MoE blocks, " + where + "; " +
             std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) +
             (slots_.size() > 1 ? " (prefetch " + std::to_string(slots_.size() - 1) + " ahead)" : std::string()) + "; " +
             std::to_string(resident_layers().size()) + " block(s) resident within the VRAM budget");
+}
+
+void ExpertOffloader::fill_arena(std::uint8_t* dst, const Block& b,
+                                 const std::vector<std::array<nf4::QuantizedWeight, 3>>& experts) const {
+  auto put = [&](const Piece& p, const at::Tensor& t) {
+    const at::Tensor c = t.to(at::kCPU).contiguous();
+    EO_CHECK(c.numel() * static_cast<std::int64_t>(c.element_size()) == p.bytes, "offload: size mismatch in layout");
+    std::memcpy(dst + p.offset, c.data_ptr(), static_cast<std::size_t>(p.bytes));
+  };
+  for (std::size_t e = 0; e < experts.size(); ++e)
+    for (int m = 0; m < 3; ++m) {
+      const nf4::QuantizedWeight& q = experts[e][m];
+      put(b.pieces[e][m][0], q.packed);
+      put(b.pieces[e][m][1], q.stats());
+      if (q.nested) put(b.pieces[e][m][2], q.nested->nested_absmax);
+    }
+}
+
+// expert_offload_homes: disk. Every rank builds each block's arena from its checkpoint once, to
+// checksum it (the file must hold exactly these bytes); the writer — the host's leader, or this
+// rank alone — reuses the file when it matches and otherwise (re)writes it, dropping the bank's
+// tensors as it goes; the others open it once exchange() says it is ready and check its header
+// against their own checksums. Then the ring is opened: host RAM from here on is the ring.
+void ExpertOffloader::start_disk_homes(model::ResidentWeights::Bank& bank) {
+  const DiskHomesOptions& d = *opt_.disk;
+  const bool writer = !opt_.sharing || opt_.sharing->leader;
+  const std::string path = disk_homes_path(d.dir);
+  DiskHomesHeader header;
+  header.identity = d.identity;
+  header.identity["arena"] = "NF4 expert arenas: per expert gate, up, down; packed codes then statistics, " +
+                             std::to_string(kArenaAlign) + "-byte aligned";
+  std::vector<std::int64_t> offsets;
+  {
+    std::int64_t largest = 0;
+    for (const auto& b : blocks_)
+      if (b) largest = std::max(largest, b->bytes);
+    HostBuffer scratch(static_cast<std::size_t>(largest), HomeNode{}, /*pinned=*/false);
+    for (std::size_t layer = 0; layer < bank.size(); ++layer) {
+      if (bank[layer].empty()) continue;
+      const Block& b = *blocks_[layer];
+      std::memset(scratch.data(), 0, static_cast<std::size_t>(b.bytes));
+      fill_arena(scratch.data(), b, bank[layer]);
+      DiskBlock db;
+      db.layer = b.layer;
+      db.bytes = b.bytes;
+      db.checksum = arena_checksum(scratch.data(), b.bytes);
+      header.blocks.push_back(db);
+      offsets.push_back(b.copy_offset);
+      disk_checksums_.push_back(db.checksum);
+    }
+  }
+  place_disk_blocks(header, offsets);
+  auto drop_bank = [&bank] {
+    for (auto& experts : bank) {
+      experts.clear();
+      experts.shrink_to_fit();
+    }
+  };
+  DiskHomesCheck check;
+  if (writer) {
+    std::error_code ec;
+    std::filesystem::create_directories(d.dir, ec);
+    check = check_disk_homes(path, header);
+    if (check.matches) {
+      log::info("expert homes on disk: reusing " + path + " (" + std::to_string(header.blocks.size()) + " blocks, " +
+                human_bytes(double(header.file_bytes)) + "; its header, size and every block's checksum match this run's experts)");
+    } else {
+      if (::access(d.dir.c_str(), W_OK) != 0 || ec) {
+        const std::string why = ec ? ec.message() : std::strerror(errno);
+        throw Error("expert_offload_homes: disk: expert_offload_disk_path " + d.dir + " is not a writable directory (" + why +
+                    ") and holds no usable homes file (" + path + ": " + check.reason +
+                    "); make it writable or set expert_offload_disk_path to a directory on a local drive with " +
+                    human_bytes(double(header.file_bytes)) + " free");
+      }
+      log::info("expert homes on disk: " + std::string(check.exists ? "rebuilding " : "writing ") + path + " (" +
+                human_bytes(double(header.file_bytes)) + "): " + check.reason);
+      const auto t0 = std::chrono::steady_clock::now();
+      std::size_t at = 0;
+      write_disk_homes(path, header, [&](const DiskBlock& db, std::uint8_t* dst) {
+        auto& experts = bank[static_cast<std::size_t>(db.layer)];
+        fill_arena(dst, *blocks_[static_cast<std::size_t>(db.layer)], experts);
+        EO_CHECK(arena_checksum(dst, db.bytes) == header.blocks[at++].checksum, "offload: layer ", db.layer,
+                 "'s arena changed between its checksum and its write");
+        experts.clear();
+        experts.shrink_to_fit();
+      });
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      check = check_disk_homes(path, header);
+      EO_CHECK(check.matches, "expert homes on disk: the file just written to ", path, " does not check out: ", check.reason);
+      log::info("expert homes on disk: wrote " + path + " in " + std::to_string(s).substr(0, 5) + " s");
+    }
+  }
+  drop_bank();
+  if (opt_.sharing) {
+    opt_.sharing->exchange(ShareHandle{});  // returns once every host's leader has its file ready
+    if (!writer) {
+      check = check_disk_homes(path, header);
+      if (!check.matches)
+        throw Error("expert_offload_homes: disk: the homes file " + path + " that this host's leader rank wrote does not " +
+                    "match this rank's experts: " + check.reason + " (do all ranks load the same checkpoint with the same "
+                    "settings, and does expert_offload_disk_path name a directory on this host's own drive?)");
+    }
+  }
+  const int slots_planned = std::min<int>(static_cast<int>(header.blocks.size()), opt_.prefetch ? 1 + opt_.prefetch_depth : 1);
+  const int ring = d.ring_buffers > 0 ? d.ring_buffers : disk_ring_buffers(slots_planned);
+  disk_ = std::make_unique<DiskReader>(path, header.blocks, ring, opt_.pin_memory && opt_.device.is_cuda(), node_, check.file_id);
+  if (opt_.sharing) opt_.sharing->barrier();
 }
 
 int ExpertOffloader::promote_resident(std::int64_t budget) {
@@ -211,15 +326,33 @@ int ExpertOffloader::promote_resident(std::int64_t budget) {
   for (auto& b : blocks_) {
     if (!b || b->resident.defined() || b->bytes > budget) continue;
     b->resident = at::empty({b->bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
-    b->resident.copy_(at::from_blob(const_cast<std::uint8_t*>(home_of(*b)), {b->bytes}, at::kByte));
+    b->resident.copy_(at::from_blob(const_cast<std::uint8_t*>(acquire_home(*b)), {b->bytes}, at::kByte));  // synchronous
+    release_home(*b);
     build_views(b->resident_views, *b, b->resident);
+    if (policy_) policy_->set_resident(b->layer);
     budget -= b->bytes;
     ++promoted;
   }
+  if (promoted > 0) plan_reads();
   return promoted;
 }
 
+const std::uint8_t* ExpertOffloader::acquire_home(const Block& b) { return disk_ ? disk_->acquire(b.layer) : home_of(b); }
+
+void ExpertOffloader::release_home(const Block& b, std::function<void()> copied) {
+  if (disk_) disk_->release(b.layer, std::move(copied));
+}
+
+// The ring reads ahead exactly the blocks the next copies will take, in order: the policy's dry
+// run along the schedule from the next stage() on (a step and a bit, enough to fill the ring).
+void ExpertOffloader::plan_reads() {
+  if (!disk_ || !policy_) return;
+  const std::size_t n = policy_->schedule().size();
+  disk_->plan(policy_->upcoming_copies(cursor_, static_cast<std::size_t>(disk_->ring_size()), 2 * n + 1));
+}
+
 bool ExpertOffloader::b_pinned() const {
+  if (disk_) return disk_->pinned();
   for (const auto& b : blocks_)
     if (b) return shared_ ? shared_->pinned() : b->home->pinned();
   return false;
@@ -273,74 +406,50 @@ void ExpertOffloader::set_schedule(const std::vector<int>& order) {
   for (int l : order)
     EO_CHECK(l >= 0 && l < static_cast<int>(blocks_.size()) && blocks_[l], "offload: the step schedule stages layer ", l,
              ", which has no offloaded experts");
-  schedule_ = order;
+  policy_->set_schedule(order);
   cursor_ = 0;
+  plan_reads();
 }
 
-// The streamed layers stage() will be called with after schedule position `from_position`, in
-// order of their next use, each once, `current` left out. The walk goes round the schedule once:
-// the next step repeats it, so the list is exact across the step boundary too. Budget-resident
-// blocks are skipped: they are never copied.
-std::vector<int> ExpertOffloader::upcoming_layers(std::size_t from_position, int current) const {
-  std::vector<int> out;
-  if (schedule_.empty()) return out;
-  std::vector<char> seen(blocks_.size(), 0);
-  if (current >= 0) seen[current] = 1;
-  for (std::size_t k = 1; k <= schedule_.size(); ++k) {
-    const int l = schedule_[(from_position + k) % schedule_.size()];
-    if (seen[l] || blocks_[l]->resident.defined()) continue;
-    seen[l] = 1;
-    out.push_back(l);
-  }
-  return out;
-}
-
-// A slot whose block is not in `keep`: an empty one if any, else the one whose block `future`
-// needs last (Belady's rule — the order is static, so `future` is exact). Ties go to the lowest
-// slot, so the choice is deterministic.
-ExpertOffloader::Slot* ExpertOffloader::slot_to_overwrite(const std::vector<int>& future, const std::vector<int>& keep) {
-  Slot* best = nullptr;
-  std::size_t best_rank = 0;
-  for (auto& s : slots_) {
-    if (s->layer >= 0 && std::find(keep.begin(), keep.end(), s->layer) != keep.end()) continue;
-    const auto it = std::find(future.begin(), future.end(), s->layer);
-    const std::size_t rank = s->layer < 0 ? future.size() + 1 : static_cast<std::size_t>(it - future.begin());
-    if (!best || rank > best_rank) {
-      best = s.get();
-      best_rank = rank;
-    }
-  }
-  EO_CHECK(best, "offload: every one of the ", slots_.size(), " slots holds a block that must stay");
-  return best;
-}
-
-void ExpertOffloader::copy_into(Slot& slot, int layer, bool wait_for_release) {
+void ExpertOffloader::copy_into(Slot& slot, int layer) {
   const Block& b = *blocks_[layer];
   ++stats_.copies;
   stats_.copied_bytes += b.bytes;
+  const std::uint8_t* home = acquire_home(b);
 #ifdef EO_WITH_CUDA
   if (cuda_) {
     cudaStream_t cs = cuda_->copy_stream.stream();
     // The slot's previous block may still be read by kernels enqueued on the compute stream.
-    if (wait_for_release) cuda_check(cudaStreamWaitEvent(cs, slot.released, 0), "cudaStreamWaitEvent");
+    cuda_check(cudaStreamWaitEvent(cs, slot.released, 0), "cudaStreamWaitEvent");
     cudaEvent_t start = cuda_->take(), end = cuda_->take();
     cuda_check(cudaEventRecord(start, cs), "cudaEventRecord");
-    cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), home_of(b), static_cast<std::size_t>(b.bytes),
-                               cudaMemcpyHostToDevice, cs),
+    cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes), cudaMemcpyHostToDevice, cs),
                "cudaMemcpyAsync (expert staging)");
     cuda_check(cudaEventRecord(end, cs), "cudaEventRecord");
     cuda_check(cudaEventRecord(slot.ready, cs), "cudaEventRecord");
     cuda_->copy_events.emplace_back(start, end);
+    if (disk_) {
+      // The ring buffer is free again once this copy has read it: the reader waits on an event
+      // of its own (the pooled ones are this thread's) before it reads another block into it.
+      cudaEvent_t copied;
+      cuda_check(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming), "cudaEventCreate");
+      cuda_check(cudaEventRecord(copied, cs), "cudaEventRecord");
+      release_home(b, [copied] {
+        const cudaError_t rc = cudaEventSynchronize(copied);
+        cudaEventDestroy(copied);
+        if (rc != cudaSuccess) EO_FAIL("offload: waiting for a copy out of the disk homes' ring: ", cudaGetErrorString(rc));
+      });
+    }
     slot.copy_pending = true;
     slot.layer = layer;
     build_views(slot.views, b, slot.arena);
     return;
   }
 #endif
-  (void)wait_for_release;
   const auto t0 = std::chrono::steady_clock::now();
-  std::memcpy(slot.arena.data_ptr(), home_of(b), static_cast<std::size_t>(b.bytes));
+  std::memcpy(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes));
   stats_.copy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  release_home(b);
   slot.layer = layer;
   build_views(slot.views, b, slot.arena);
 }
@@ -364,12 +473,13 @@ void ExpertOffloader::stage_block(int layer) {
   EO_CHECK(layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer],
            "offload: stage(", layer, ") but layer ", layer, " has no offloaded experts");
   ++stats_.stage_calls;
+  const std::vector<int>& schedule = policy_->schedule();
   std::size_t position = 0;
-  if (!schedule_.empty()) {
+  if (!schedule.empty()) {
     position = cursor_;
-    EO_CHECK(schedule_[position] == layer, "offload: stage(", layer, ") at position ", position, " of the step schedule, which stages layer ",
-             schedule_[position], " there; the trainer must stage blocks in the order it handed over (set_schedule)");
-    cursor_ = (cursor_ + 1) % schedule_.size();
+    EO_CHECK(schedule[position] == layer, "offload: stage(", layer, ") at position ", position, " of the step schedule, which stages layer ",
+             schedule[position], " there; the trainer must stage blocks in the order it handed over (set_schedule)");
+    cursor_ = (cursor_ + 1) % schedule.size();
   }
   Slot* in_use = current_ >= 0 ? slot_holding(current_) : nullptr;
 #ifdef EO_WITH_CUDA
@@ -377,35 +487,29 @@ void ExpertOffloader::stage_block(int layer) {
   if (cuda_ && in_use)
     cuda_check(cudaEventRecord(in_use->released, c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()),
                "cudaEventRecord");
+#else
+  (void)in_use;
 #endif
-  const int previous = current_;
   current_ = layer;
-  // Every streamed block still to come, soonest first: it says what to prefetch and what to evict.
-  const std::vector<int> future = upcoming_layers(position, layer);
-  Block& b = *blocks_[layer];
+  const Block& b = *blocks_[layer];
+  Slot* hit = slot_holding(layer);
+  // The policy says what to copy where: this block if it is not in a slot, then the prefetches.
+  const std::vector<StagingPolicy::Copy> copies = policy_->stage(layer, position);
   if (b.resident.defined()) {
     ++stats_.resident_hits;
-  } else if (Slot* s = slot_holding(layer)) {
+  } else if (hit) {
     ++stats_.slot_hits;
-    wait_ready(*s);
-  } else {
-    // A miss (the first stage, synchronous mode, or no schedule). Keep
-    // the slot in use if there is another: overwriting it would wait for the kernels reading it.
-    std::vector<int> keep;
-    if (slots_.size() > 1 && previous >= 0) keep.push_back(previous);
-    Slot* target = slot_to_overwrite(future, keep);
-    copy_into(*target, layer, /*wait_for_release=*/true);
-    wait_ready(*target);
+    wait_ready(*hit);
   }
-  // Prefetch: those of the next `depth` streamed blocks that are not in a slot are copied into
-  // slots holding neither this block nor any of the `depth`. With 1 + depth slots there are always
-  // enough: this block and those of the `depth` already in slots fill at most 1 + depth - missing.
-  if (!opt_.prefetch || slots_.empty()) return;
-  const std::size_t depth = std::min(slots_.size() - 1, future.size());
-  std::vector<int> keep(future.begin(), future.begin() + static_cast<std::ptrdiff_t>(depth));
-  keep.push_back(layer);
-  for (std::size_t i = 0; i < depth; ++i)
-    if (!slot_holding(future[i])) copy_into(*slot_to_overwrite(future, keep), future[i], /*wait_for_release=*/true);
+  for (const auto& c : copies) {
+    Slot& slot = *slots_[static_cast<std::size_t>(c.slot)];
+    copy_into(slot, c.layer);
+    if (c.layer == layer) wait_ready(slot);
+  }
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    EO_CHECK(slots_[i]->layer == policy_->slot_layers()[i], "offload: slot ", i, " holds layer ", slots_[i]->layer,
+             ", the staging policy says ", policy_->slot_layers()[i]);
+  plan_reads();
 }
 
 const nf4::QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert, model::ExpertMatrix m) {
@@ -451,6 +555,14 @@ OffloadStats ExpertOffloader::take_step_stats() {
     cuda_->stall_events.clear();
   }
 #endif
+  if (disk_) {
+    const DiskReader::Stats d = disk_->take_stats();
+    stats_.disk_reads = d.reads;
+    stats_.disk_read_bytes = d.read_bytes;
+    stats_.disk_read_seconds = d.read_seconds;
+    stats_.disk_wait_seconds = d.wait_seconds;
+    stats_.disk_unplanned = d.unplanned;
+  }
   OffloadStats out = stats_;
   stats_ = OffloadStats{};
   return out;
@@ -501,21 +613,30 @@ std::vector<int> ExpertOffloader::staged_layers() const {
 
 std::vector<std::pair<const void*, std::size_t>> ExpertOffloader::home_ranges() const {
   std::vector<std::pair<const void*, std::size_t>> out;
+  if (disk_) return {{disk_checksums_.data(), disk_checksums_.size() * sizeof(std::uint64_t)}};
   for (const auto& b : blocks_)
     if (b) out.emplace_back(home_of(*b), static_cast<std::size_t>(b->bytes));
   return out;
 }
 
 const std::uint8_t* ExpertOffloader::home_of(const Block& b) const {
-  return shared_ ? shared_->data() + b.shared_offset : b.home->data();
+  return shared_ ? shared_->data() + b.copy_offset : b.home->data();
 }
 
 std::pair<std::uint64_t, std::uint64_t> ExpertOffloader::homes_file_id() const {
+  if (disk_) return disk_->file_id();
   return shared_ ? shared_->file_id() : std::pair<std::uint64_t, std::uint64_t>{0, 0};
 }
 
+std::int64_t ExpertOffloader::host_ram_bytes() const { return disk_ ? disk_->ram_bytes() : home_bytes(); }
+
+std::string ExpertOffloader::disk_file() const { return disk_ ? disk_->path() : std::string(); }
+
+int ExpertOffloader::disk_ring_size() const { return disk_ ? disk_->ring_size() : 0; }
+
 std::vector<int> ExpertOffloader::home_page_nodes() const {
   std::vector<int> out;
+  if (disk_) return disk_->buffer_nodes();
   if (shared_) return shared_->resident_nodes();
   for (const auto& b : blocks_)
     if (b)

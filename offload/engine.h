@@ -20,6 +20,13 @@
 //    Without a schedule (scoring, tests) every stage() of a block not in a slot copies it
 //    synchronously and nothing is prefetched.
 //  - Blocks that fit in expert_offload_vram_budget stay resident and are never copied.
+//  - Which block goes into which slot when is one policy (offload/staging.h), a plain value the
+//    engine runs for real and the disk homes' read-ahead runs dry.
+//  - Homes (expert_offload_homes): per_rank, each block's arena in this rank's own host buffer;
+//    per_numa_node, every block in one memory file per NUMA node; disk, every block in one file
+//    on a local drive (offload/disk_homes.h), read along the schedule into a ring of a few
+//    page-locked buffers just before its copy. A copy reads a block's bytes only through
+//    acquire_home() / release_home(), whichever the homes are.
 //  - On a CPU build the slots are host memory and copies are memcpy: the same state machine runs,
 //    so its logic is tested without a GPU.
 #pragma once
@@ -27,31 +34,47 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
-#include <functional>
-#include <optional>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "models/weights.h"
 #include "offload/homes.h"
+#include "offload/staging.h"
 
 namespace eo::offload {
 
-// expert_offload_homes: per_numa_node. One rank per NUMA node (the leader) creates and fills the
-// homes; the others of the node map the leader's copy read-only. The two calls are collectives
-// over the whole job (every rank calls them, in this order), provided by the trainer, so this
-// module needs no MPI: `exchange(mine)` returns the share handle of this rank's leader (a follower
-// passes an empty handle); `barrier()` returns once every rank has mapped its homes.
+// Homes one rank makes for several: per_numa_node (one rank per NUMA node, the leader, creates
+// and fills the homes; the others of the node map the leader's copy read-only) and disk (one rank
+// per host writes or checks the file; the others open it read-only). The two calls are
+// collectives over the whole job (every rank calls them, in this order), provided by the trainer,
+// so this module needs no MPI: `exchange(mine)` returns once every leader's homes are ready, with
+// the share handle of this rank's leader (a follower, and every rank with disk homes, passes an
+// empty handle); `barrier()` returns once every rank has opened its homes.
 struct HomeSharing {
   bool leader = true;
   std::function<ShareHandle(const ShareHandle& mine)> exchange;
   std::function<void()> barrier;
 };
 
+// expert_offload_homes: disk (offload/disk_homes.h).
+struct DiskHomesOptions {
+  std::string dir;  // expert_offload_disk_path: the homes file goes there (created if missing)
+  // What the homes are made from (model, quantisation settings): written into the file's header,
+  // so a later run of another model or setting rebuilds the file and says which key differs.
+  std::map<std::string, std::string> identity;
+  int ring_buffers = 0;  // read buffers; 0 = disk_ring_buffers(slots)
+};
+
 struct OffloadOptions {
   at::Device device = at::kCPU;
-  std::optional<HomeSharing> sharing;  // unset: every rank its own homes (per_rank)
+  // Unset: every rank its own homes (per_rank). With `disk` unset it means per_numa_node.
+  std::optional<HomeSharing> sharing;
+  std::optional<DiskHomesOptions> disk;  // homes on a local drive (with `sharing`: one file per host)
   bool pin_memory = true;
   bool prefetch = true;
   int prefetch_depth = 1;  // with prefetch: blocks staged ahead of the one computing (slots = 1 + depth)
@@ -67,7 +90,13 @@ struct OffloadStats {
   std::int64_t resident_hits = 0; // stage() of a budget-resident block
   double copy_seconds = 0;        // time the copies took (CUDA events / host clock)
   double stall_seconds = 0;       // time compute waited for a copy to finish
+  // Disk homes: blocks read from the drive into the ring, the reader thread's time reading, the
+  // time a copy waited for its block's read, and blocks read on demand (not planned ahead).
+  std::int64_t disk_reads = 0, disk_read_bytes = 0, disk_unplanned = 0;
+  double disk_read_seconds = 0, disk_wait_seconds = 0;
 };
+
+class DiskReader;
 
 class ExpertOffloader : public model::WeightProvider {
  public:
@@ -87,7 +116,8 @@ class ExpertOffloader : public model::WeightProvider {
   int promote_resident(std::int64_t budget_bytes);
 
   OffloadStats take_step_stats();  // waits for outstanding copies, returns and resets the counters
-  std::int64_t home_bytes() const;  // host bytes of all homes (this rank)
+  std::int64_t home_bytes() const;  // bytes of all homes' arenas (this rank; in RAM or on the drive)
+  std::int64_t host_ram_bytes() const;  // host RAM the homes take on this rank (disk: the read ring)
   std::int64_t block_bytes(int layer) const;
   std::int64_t slot_bytes() const;  // device bytes of the slots
   std::int64_t resident_bytes() const;  // device bytes of budget-resident blocks
@@ -99,8 +129,12 @@ class ExpertOffloader : public model::WeightProvider {
   const HomeNode& home_node() const { return node_; }
   std::vector<int> home_page_nodes() const;  // where the homes' pages really are
   bool homes_shared() const { return shared_ != nullptr; }
+  bool homes_on_disk() const { return disk_ != nullptr; }
+  std::string disk_file() const;    // the disk homes file ("" without)
+  int disk_ring_size() const;       // read buffers of the disk homes (0 without)
   std::pair<std::uint64_t, std::uint64_t> homes_file_id() const;  // equal on every rank sharing one copy
-  // Every home's bytes (for the cross-rank checksum).
+  // What the cross-rank checksum compares: every home's bytes; with disk homes the checksums of
+  // every block as this rank built it from its own checkpoint (what it checked the file against).
   std::vector<std::pair<const void*, std::size_t>> home_ranges() const;
 
  protected:
@@ -112,24 +146,32 @@ class ExpertOffloader : public model::WeightProvider {
   struct Slot;    // device arena + the views of the block it holds
   struct CudaState;
 
-  void copy_into(Slot& slot, int layer, bool wait_for_release);
+  void copy_into(Slot& slot, int layer);
   void wait_ready(Slot& slot);
   void build_views(std::vector<std::array<nf4::QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena) const;
-  std::vector<int> upcoming_layers(std::size_t from_position, int current) const;
-  Slot* slot_to_overwrite(const std::vector<int>& future, const std::vector<int>& keep);
   Slot* slot_holding(int layer);
   bool b_pinned() const;
+  // One block's arena bytes from the checkpoint's tensors into `dst` (zeroed, b.bytes long).
+  void fill_arena(std::uint8_t* dst, const Block& b, const std::vector<std::array<nf4::QuantizedWeight, 3>>& experts) const;
+  void start_disk_homes(model::ResidentWeights::Bank& bank);
+  // A block's bytes for a copy, wherever its home is; held until release_home (disk: a ring
+  // buffer; `copied` then waits for an asynchronous copy out of it to end).
+  const std::uint8_t* acquire_home(const Block& b);
+  void release_home(const Block& b, std::function<void()> copied = {});
+  void plan_reads();  // disk homes: the ring reads ahead the copies the policy will make next
 
   OffloadOptions opt_;
   HomeNode node_;
   const std::uint8_t* home_of(const Block& b) const;
   std::vector<std::unique_ptr<Block>> blocks_;  // indexed by layer; null for dense layers
   std::unique_ptr<HostBuffer> shared_;          // per_numa_node: every block's home, one copy per node
+  std::unique_ptr<DiskReader> disk_;            // disk: the homes file and its read ring
+  std::vector<std::uint64_t> disk_checksums_;   // disk: every block's checksum, in layer order
   std::vector<std::unique_ptr<Slot>> slots_;
+  std::unique_ptr<StagingPolicy> policy_;       // which block each stage() copies into which slot
   at::Tensor nested_code_;  // shared 256-entry map for double-quantised statistics (device)
   int current_ = -1;        // layer in use (last staged)
-  std::vector<int> schedule_;  // staging order of one step (empty: unscheduled)
-  std::size_t cursor_ = 0;     // position in schedule_ of the next stage() call
+  std::size_t cursor_ = 0;  // position in the schedule (policy_->schedule()) of the next stage() call
   OffloadStats stats_;
   std::unique_ptr<CudaState> cuda_;
 };

@@ -5,7 +5,9 @@
 //   fails with a message naming it), SIGKILL itself, or turn its loss into NaN;
 //   EO_DDP_FAULT_KILL_IN_SAVE=<step>: SIGKILL in the middle of writing checkpoint-<step>;
 //   EO_DDP_FAULT_KILL_IN_REPLACE=<step>: SIGKILL between the renames replacing checkpoint-<step>;
-//   EO_DDP_FAULT_HOST_MEM_AVAILABLE=<size>: the host RAM the pre-load check sees.
+//   EO_DDP_FAULT_HOST_MEM_AVAILABLE=<size>: the host RAM the pre-load check sees;
+//   EO_DDP_FAULT_DISK_FULL_AFTER=<size>: writing the disk homes file fails with ENOSPC past <size> bytes;
+//   EO_DDP_FAULT_NO_O_DIRECT=1: the disk homes file cannot be opened with O_DIRECT (as on old tmpfs).
 #include <csignal>
 #include <cstdlib>
 #include <string>
@@ -38,6 +40,9 @@ int main(int argc, char** argv) {
   if (const std::string s = env("EO_DDP_FAULT_KILL_IN_REPLACE"); !s.empty()) plan.kill_in_replace = std::stoll(s);
   if (const std::string s = env("EO_DDP_FAULT_HOST_MEM_AVAILABLE"); !s.empty())
     plan.host_mem_available = static_cast<std::int64_t>(eo::parse_bytes(s).value_or(0));
+  if (const std::string s = env("EO_DDP_FAULT_DISK_FULL_AFTER"); !s.empty())
+    plan.disk_homes_full_after = static_cast<std::int64_t>(eo::parse_bytes(s).value_or(0));
+  plan.refuse_o_direct = env("EO_DDP_FAULT_NO_O_DIRECT") == "1";
   eo::faults::install(std::move(plan));
   return eo::launch::run_main(argc, argv);
 }

@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/checksum.h"
 #include "common/error.h"
 
 namespace eo::dist {
@@ -178,38 +179,11 @@ void broadcast_parameters(const std::vector<NamedTensor>& tensors, Communicator&
   }
 }
 
-namespace {
-inline std::uint64_t mix64(std::uint64_t x) {  // splitmix64 finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-inline std::uint64_t rotl(std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-// Four independent lanes over 32-byte blocks (fast enough for tens of GB of homes), then a tail.
-std::uint64_t hash_range(const unsigned char* p, std::size_t n, std::uint64_t seed) {
-  constexpr std::uint64_t kMul = 0x9E3779B97F4A7C15ULL;
-  std::uint64_t lane[4] = {seed ^ 0x243F6A8885A308D3ULL, seed ^ 0x13198A2E03707344ULL, seed ^ 0xA4093822299F31D0ULL,
-                           seed ^ 0x082EFA98EC4E6C89ULL};
-  std::size_t i = 0;
-  for (; i + 32 <= n; i += 32)
-    for (int l = 0; l < 4; ++l) {
-      std::uint64_t w;
-      std::memcpy(&w, p + i + 8 * l, 8);
-      lane[l] = rotl(lane[l] ^ (w * kMul), 31) * 0xC2B2AE3D27D4EB4FULL;
-    }
-  std::uint64_t h = mix64(n) ^ lane[0] ^ rotl(lane[1], 17) ^ rotl(lane[2], 29) ^ rotl(lane[3], 43);
-  for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001B3ULL;
-  return mix64(h);
-}
-}  // namespace
 
 std::uint64_t checksum_bytes(const std::vector<HostBytes>& ranges) {
   std::uint64_t h = mix64(ranges.size());
   for (std::size_t r = 0; r < ranges.size(); ++r)
-    h = mix64(h ^ hash_range(static_cast<const unsigned char*>(ranges[r].data), ranges[r].size, r + 1));
+    h = mix64(h ^ hash_bytes(ranges[r].data, ranges[r].size, r + 1));
   return h;
 }
 

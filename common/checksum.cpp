@@ -1,0 +1,35 @@
+#include "common/checksum.h"
+
+#include <cstring>
+
+namespace eo {
+namespace {
+inline std::uint64_t rotl(std::uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+}  // namespace
+
+std::uint64_t mix64(std::uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::uint64_t hash_bytes(const void* data, std::size_t n, std::uint64_t seed) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  constexpr std::uint64_t kMul = 0x9E3779B97F4A7C15ULL;
+  std::uint64_t lane[4] = {seed ^ 0x243F6A8885A308D3ULL, seed ^ 0x13198A2E03707344ULL, seed ^ 0xA4093822299F31D0ULL,
+                           seed ^ 0x082EFA98EC4E6C89ULL};
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int l = 0; l < 4; ++l) {
+      std::uint64_t w;
+      std::memcpy(&w, p + i + 8 * l, 8);
+      lane[l] = rotl(lane[l] ^ (w * kMul), 31) * 0xC2B2AE3D27D4EB4FULL;
+    }
+  std::uint64_t h = mix64(n) ^ lane[0] ^ rotl(lane[1], 17) ^ rotl(lane[2], 29) ^ rotl(lane[3], 43);
+  for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001B3ULL;
+  return mix64(h);
+}
+
+}  // namespace eo
