@@ -348,6 +348,7 @@ struct DiskReader::Buffer {
   int layer = -1;
   enum class State { Empty, Reading, Ready } state = State::Empty;
   bool in_use = false;
+  bool used = false;  // acquired since it was read
   std::function<void()> copied;  // an asynchronous copy from this buffer that must end before it is overwritten
 };
 
@@ -536,6 +537,7 @@ void DiskReader::run() {
       buf.layer = -1;
     } else {
       buf.state = Buffer::State::Ready;
+      buf.used = false;
       verified_[static_cast<std::size_t>(layer)] = 1;
       ++stats_.reads;
       stats_.read_bytes += block.bytes;
@@ -576,6 +578,9 @@ const std::uint8_t* DiskReader::acquire(int layer) {
   if (!error_.empty()) throw Error(error_);
   Buffer* b = ready();
   b->in_use = true;
+  ++stats_.acquires;
+  if (b->used) ++stats_.ring_hits;
+  b->used = true;
   if (urgent_ == layer) urgent_ = -1;
   return b->mem->data();
 }

@@ -117,6 +117,8 @@ class DiskReader {
     double read_seconds = 0;                 // time the reader thread spent reading
     double wait_seconds = 0;                 // time acquire() waited for a read
     std::int64_t unplanned = 0;              // acquire() of a block that was not planned (read on demand)
+    std::int64_t acquires = 0;
+    std::int64_t ring_hits = 0;              // acquire() served by a block still in the ring from an earlier use
   };
   Stats take_stats();
 

@@ -322,18 +322,27 @@ void ExpertOffloader::start_disk_homes(model::ResidentWeights::Bank& bank) {
 }
 
 int ExpertOffloader::promote_resident(std::int64_t budget) {
-  int promoted = 0;
+  std::vector<Block*> chosen;
   for (auto& b : blocks_) {
     if (!b || b->resident.defined() || b->bytes > budget) continue;
+    chosen.push_back(b.get());
+    budget -= b->bytes;
+  }
+  if (disk_) {  // read them ahead, in order
+    std::vector<int> layers;
+    for (const Block* b : chosen) layers.push_back(b->layer);
+    disk_->plan(layers);
+  }
+  int promoted = 0;
+  for (Block* b : chosen) {
     b->resident = at::empty({b->bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
     b->resident.copy_(at::from_blob(const_cast<std::uint8_t*>(acquire_home(*b)), {b->bytes}, at::kByte));  // synchronous
     release_home(*b);
     build_views(b->resident_views, *b, b->resident);
     if (policy_) policy_->set_resident(b->layer);
-    budget -= b->bytes;
     ++promoted;
   }
-  if (promoted > 0) plan_reads();
+  if (disk_) plan_reads();
   return promoted;
 }
 
@@ -562,6 +571,7 @@ OffloadStats ExpertOffloader::take_step_stats() {
     stats_.disk_read_seconds = d.read_seconds;
     stats_.disk_wait_seconds = d.wait_seconds;
     stats_.disk_unplanned = d.unplanned;
+    stats_.disk_ring_hits = d.ring_hits;
   }
   OffloadStats out = stats_;
   stats_ = OffloadStats{};

@@ -92,7 +92,8 @@ struct OffloadStats {
   double stall_seconds = 0;       // time compute waited for a copy to finish
   // Disk homes: blocks read from the drive into the ring, the reader thread's time reading, the
   // time a copy waited for its block's read, and blocks read on demand (not planned ahead).
-  std::int64_t disk_reads = 0, disk_read_bytes = 0, disk_unplanned = 0;
+  // Blocks a copy found still in the ring from an earlier use were not read again (disk_ring_hits).
+  std::int64_t disk_reads = 0, disk_read_bytes = 0, disk_unplanned = 0, disk_ring_hits = 0;
   double disk_read_seconds = 0, disk_wait_seconds = 0;
 };
 

@@ -7,3 +7,5 @@ set_tests_properties(offload_train PROPERTIES LABELS unit TIMEOUT 600
 add_test(NAME offload_arch COMMAND ${PROJECT_SOURCE_DIR}/tests/offload_arch.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(offload_arch PROPERTIES LABELS unit TIMEOUT 900
                      PASS_REGULAR_EXPRESSION "offload_arch: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# Disk homes below the engine: the file, its checks, a full drive, the read ring (test_disk_homes.cpp).
+eo_unit_test(test_disk_homes SOURCES test_disk_homes.cpp LIBS eo_runtime)

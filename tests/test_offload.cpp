@@ -1,21 +1,46 @@
 // The offload engine's state machine on the CPU build: homes, slots, staging order, prefetch (one
-// and more blocks ahead), budget residency, and that only the staged block can be read.
+// and more blocks ahead), budget residency, and that only the staged block can be read. The
+// state-machine tests run twice: homes in host RAM, and homes on the drive (expert_offload_homes:
+// disk) read through the ring, which must change nothing but where the bytes come from.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <string>
 
 #include <ATen/ATen.h>
 
 #include "common/error.h"
 #include "models/nf4.h"
+#include "offload/disk_homes.h"
 #include "offload/engine.h"
 #include "offload/homes.h"
+#include "offload/staging.h"
 
 using namespace eo;
 using model::ExpertMatrix;
 
 namespace {
+
+// Where a test's engines keep their homes: host RAM, or a file in a folder of this process
+// (removed when the test ends).
+enum class Homes { Memory, Disk };
+const char* name_of(Homes h) { return h == Homes::Memory ? "homes in RAM" : "homes on disk"; }
+struct DiskFolder {
+  std::filesystem::path dir = std::filesystem::temp_directory_path() / ("eo-offload-disk-" + std::to_string(::getpid()));
+  DiskFolder() { std::filesystem::remove_all(dir); }
+  ~DiskFolder() { std::filesystem::remove_all(dir); }
+};
+offload::OffloadOptions with_homes(offload::OffloadOptions o, Homes h, const DiskFolder& folder) {
+  if (h == Homes::Disk) {
+    o.disk = offload::DiskHomesOptions{};
+    o.disk->dir = folder.dir.string();
+    o.disk->identity = {{"test", "offload"}};
+  }
+  return o;
+}
+constexpr Homes kAllHomes[] = {Homes::Memory, Homes::Disk};
 
 // A bank with `layers` layers, dense (empty) at the given indexes, `experts` experts each.
 model::ResidentWeights::Bank make_bank(int layers, int experts, std::vector<int> dense = {}, bool double_quant = false) {
@@ -100,58 +125,69 @@ std::vector<offload::OffloadStats> run_steps(offload::ExpertOffloader& off, int 
       EXPECT_EQ(std::find(staged.begin(), staged.end(), l), staged.end()) << "resident block " << l << " was copied";
     if ((i + 1) % per_step == 0) out.push_back(off.take_step_stats());
   }
+  // Disk homes: every block a copy took was read ahead along the schedule, none on demand.
+  if (off.homes_on_disk())
+    for (const auto& st : out) EXPECT_EQ(st.disk_unplanned, 0) << "a copy's block was not read ahead";
   return out;
 }
 
 }  // namespace
 
 TEST(Offload, StagedBytesEqualTheBanksInEveryMode) {
-  for (bool prefetch : {false, true})
-    for (bool dq : {false, true}) {
-      auto bank = make_bank(4, 3, {1}, dq);
-      const auto ref = reference(bank);
-      offload::OffloadOptions o;
-      o.prefetch = prefetch;
-      offload::ExpertOffloader off(std::move(bank), o);
-      off.set_schedule(micro_step_order(off.moe_layers()));
-      EXPECT_EQ(off.moe_layers(), (std::vector<int>{0, 2, 3}));
-      EXPECT_EQ(off.num_slots(), prefetch ? 2 : 1);
-      for (int l : micro_step_order(off.moe_layers())) {
-        off.stage(l);
-        expect_layer_readable(off, l, ref);
-        // Never more blocks in slots than slots.
-        EXPECT_LE(static_cast<int>(off.staged_layers().size()), off.num_slots());
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    for (bool prefetch : {false, true})
+      for (bool dq : {false, true}) {
+        auto bank = make_bank(4, 3, {1}, dq);
+        const auto ref = reference(bank);
+        offload::OffloadOptions o;
+        o.prefetch = prefetch;
+        offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+        off.set_schedule(micro_step_order(off.moe_layers()));
+        EXPECT_EQ(off.moe_layers(), (std::vector<int>{0, 2, 3}));
+        EXPECT_EQ(off.num_slots(), prefetch ? 2 : 1);
+        for (int l : micro_step_order(off.moe_layers())) {
+          off.stage(l);
+          expect_layer_readable(off, l, ref);
+          // Never more blocks in slots than slots.
+          EXPECT_LE(static_cast<int>(off.staged_layers().size()), off.num_slots());
+        }
       }
-    }
+  }
 }
 
 TEST(Offload, CopiesPerMicroStepAndTheTurn) {
-  const int n = 5;
-  for (bool prefetch : {false, true}) {
-    offload::OffloadOptions o;
-    o.prefetch = prefetch;
-    offload::ExpertOffloader off(make_bank(n, 2), o);
-    off.set_schedule(micro_step_order(off.moe_layers()));
-    for (int l : micro_step_order(off.moe_layers())) off.stage(l);
-    auto s = off.take_step_stats();
-    EXPECT_EQ(s.stage_calls, 2 * n);  // every block staged in forward and again in its recompute
-    if (!prefetch) {
-      // One slot: every stage copies, except the last forward block, reused at the turn.
-      EXPECT_EQ(s.copies, 2 * n - 1);
-      EXPECT_EQ(s.slot_hits, 1);
-    } else {
-      // Two slots: block n-2 is still in the second slot at the turn, so it is reused too; every
-      // stage after the first finds its block already copied (prefetched).
-      EXPECT_EQ(s.copies, 2 * n - 2);
-      EXPECT_EQ(s.slot_hits, 2 * n - 1);
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    const int n = 5;
+    for (bool prefetch : {false, true}) {
+      offload::OffloadOptions o;
+      o.prefetch = prefetch;
+      offload::ExpertOffloader off(make_bank(n, 2), with_homes(o, homes, folder));
+      off.set_schedule(micro_step_order(off.moe_layers()));
+      for (int l : micro_step_order(off.moe_layers())) off.stage(l);
+      auto s = off.take_step_stats();
+      EXPECT_EQ(s.stage_calls, 2 * n);  // every block staged in forward and again in its recompute
+      if (!prefetch) {
+        // One slot: every stage copies, except the last forward block, reused at the turn.
+        EXPECT_EQ(s.copies, 2 * n - 1);
+        EXPECT_EQ(s.slot_hits, 1);
+      } else {
+        // Two slots: block n-2 is still in the second slot at the turn, so it is reused too; every
+        // stage after the first finds its block already copied (prefetched).
+        EXPECT_EQ(s.copies, 2 * n - 2);
+        EXPECT_EQ(s.slot_hits, 2 * n - 1);
+      }
+      EXPECT_EQ(s.copied_bytes, s.copies * off.block_bytes(0));
+      // The next micro-step starts where backward ended: block 0 (and with prefetch block 1) is
+      // still in a slot.
+      for (int l : micro_step_order(off.moe_layers())) off.stage(l);
+      s = off.take_step_stats();
+      EXPECT_EQ(s.copies, prefetch ? 2 * n - 4 : 2 * n - 2);
+      for (int l = 0; l < n; ++l) EXPECT_EQ(off.stage_count(l), 4);
     }
-    EXPECT_EQ(s.copied_bytes, s.copies * off.block_bytes(0));
-    // The next micro-step starts where backward ended: block 0 (and with prefetch block 1) is
-    // still in a slot.
-    for (int l : micro_step_order(off.moe_layers())) off.stage(l);
-    s = off.take_step_stats();
-    EXPECT_EQ(s.copies, prefetch ? 2 * n - 4 : 2 * n - 2);
-    for (int l = 0; l < n; ++l) EXPECT_EQ(off.stage_count(l), 4);
   }
 }
 
@@ -167,56 +203,68 @@ TEST(Offload, CopiesPerMicroStepAndTheTurn) {
 // S = 1 (synchronous) gives 2N-1 / 2N-2 and S = 2 gives 2N-2 / 2N-4, the counts of the test above.
 // Only the very first stage() misses: every other one finds its block already in a slot.
 TEST(Offload, DeeperPrefetchCopiesEachBlockOncePerPassOutsideTheTurns) {
-  const int n = 6;
-  for (int depth : {2, 3}) {
-    auto bank = make_bank(n, 2);
-    const auto ref = reference(bank);
-    offload::OffloadOptions o;
-    o.prefetch = true;
-    o.prefetch_depth = depth;
-    offload::ExpertOffloader off(std::move(bank), o);
-    const int slots = 1 + depth;
-    ASSERT_EQ(off.num_slots(), slots);
-    const auto steps = run_steps(off, 3, depth, ref);
-    SCOPED_TRACE("depth " + std::to_string(depth));
-    EXPECT_EQ(steps[0].copies, 2 * n - slots);  // depth 2: 9, depth 3: 8
-    EXPECT_EQ(steps[0].slot_hits, 2 * n - 1);
-    for (int k : {1, 2}) {
-      EXPECT_EQ(steps[k].copies, 2 * n - 2 * slots);  // depth 2: 6, depth 3: 4
-      EXPECT_EQ(steps[k].slot_hits, 2 * n);
-      EXPECT_EQ(steps[k].stage_calls, 2 * n);
-      EXPECT_EQ(steps[k].copied_bytes, steps[k].copies * off.block_bytes(0));
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    const int n = 6;
+    for (int depth : {2, 3}) {
+      auto bank = make_bank(n, 2);
+      const auto ref = reference(bank);
+      offload::OffloadOptions o;
+      o.prefetch = true;
+      o.prefetch_depth = depth;
+      offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+      const int slots = 1 + depth;
+      ASSERT_EQ(off.num_slots(), slots);
+      const auto steps = run_steps(off, 3, depth, ref);
+      SCOPED_TRACE("depth " + std::to_string(depth));
+      EXPECT_EQ(steps[0].copies, 2 * n - slots);  // depth 2: 9, depth 3: 8
+      EXPECT_EQ(steps[0].slot_hits, 2 * n - 1);
+      for (int k : {1, 2}) {
+        EXPECT_EQ(steps[k].copies, 2 * n - 2 * slots);  // depth 2: 6, depth 3: 4
+        EXPECT_EQ(steps[k].slot_hits, 2 * n);
+        EXPECT_EQ(steps[k].stage_calls, 2 * n);
+        EXPECT_EQ(steps[k].copied_bytes, steps[k].copies * off.block_bytes(0));
+      }
     }
   }
 }
 
 // Depth 1 (two slots) through the same checks: the slots hold the staged block and the next one.
 TEST(Offload, DepthOneHoldsTheNextBlock) {
-  const int n = 5;
-  auto bank = make_bank(n, 2);
-  const auto ref = reference(bank);
-  offload::OffloadOptions o;
-  o.prefetch = true;
-  offload::ExpertOffloader off(std::move(bank), o);
-  ASSERT_EQ(off.num_slots(), 2);
-  const auto steps = run_steps(off, 2, 1, ref);
-  EXPECT_EQ(steps[0].copies, 2 * n - 2);
-  EXPECT_EQ(steps[1].copies, 2 * n - 4);
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    const int n = 5;
+    auto bank = make_bank(n, 2);
+    const auto ref = reference(bank);
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+    ASSERT_EQ(off.num_slots(), 2);
+    const auto steps = run_steps(off, 2, 1, ref);
+    EXPECT_EQ(steps[0].copies, 2 * n - 2);
+    EXPECT_EQ(steps[1].copies, 2 * n - 4);
+  }
 }
 
 // More depth than blocks: the slots are capped at the streamed blocks, each is copied once, and
 // from then on every block stays in its slot.
 TEST(Offload, DepthBeyondTheBlocksKeepsThemAll) {
-  auto bank = make_bank(3, 2);
-  const auto ref = reference(bank);
-  offload::OffloadOptions o;
-  o.prefetch = true;
-  o.prefetch_depth = 8;
-  offload::ExpertOffloader off(std::move(bank), o);
-  EXPECT_EQ(off.num_slots(), 3);
-  const auto steps = run_steps(off, 2, 8, ref);
-  EXPECT_EQ(steps[0].copies, 3);
-  EXPECT_EQ(steps[1].copies, 0);
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    auto bank = make_bank(3, 2);
+    const auto ref = reference(bank);
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    o.prefetch_depth = 8;
+    offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+    EXPECT_EQ(off.num_slots(), 3);
+    const auto steps = run_steps(off, 2, 8, ref);
+    EXPECT_EQ(steps[0].copies, 3);
+    EXPECT_EQ(steps[1].copies, 0);
+  }
 }
 
 // Budget-resident blocks are skipped by the lookahead: with blocks 0 and 1 resident, staging block 0
@@ -224,24 +272,28 @@ TEST(Offload, DepthBeyondTheBlocksKeepsThemAll) {
 // lookahead turns and looks at 3, 4 for the next forward. M = 4 streamed blocks, S = 3 slots: the
 // formula above with N -> M gives 2M - S = 5 copies on the first step, 2M - 2S = 2 after.
 TEST(Offload, DeeperPrefetchSkipsBudgetResidentBlocks) {
-  auto bank = make_bank(6, 2);
-  const auto ref = reference(bank);
-  const std::int64_t block = offload::ExpertOffloader(make_bank(6, 2), offload::OffloadOptions{}).block_bytes(0);
-  offload::OffloadOptions o;
-  o.prefetch = true;
-  o.prefetch_depth = 2;
-  o.vram_budget_bytes = 2 * block + block / 2;  // room for two blocks
-  offload::ExpertOffloader off(std::move(bank), o);
-  ASSERT_EQ(off.resident_layers(), (std::vector<int>{0, 1}));
-  ASSERT_EQ(off.num_slots(), 3);
-  // run_steps checks after every stage that the slots hold the next two streamed blocks (after
-  // stage(0): 2 and 3) and never a resident one.
-  const auto steps = run_steps(off, 3, 2, ref);
-  EXPECT_EQ(steps[0].copies, 5);
-  EXPECT_EQ(steps[0].resident_hits, 4);
-  for (int k : {1, 2}) {
-    EXPECT_EQ(steps[k].copies, 2);
-    EXPECT_EQ(steps[k].resident_hits, 4);
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    auto bank = make_bank(6, 2);
+    const auto ref = reference(bank);
+    const std::int64_t block = offload::ExpertOffloader(make_bank(6, 2), offload::OffloadOptions{}).block_bytes(0);
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    o.prefetch_depth = 2;
+    o.vram_budget_bytes = 2 * block + block / 2;  // room for two blocks
+    offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+    ASSERT_EQ(off.resident_layers(), (std::vector<int>{0, 1}));
+    ASSERT_EQ(off.num_slots(), 3);
+    // run_steps checks after every stage that the slots hold the next two streamed blocks (after
+    // stage(0): 2 and 3) and never a resident one.
+    const auto steps = run_steps(off, 3, 2, ref);
+    EXPECT_EQ(steps[0].copies, 5);
+    EXPECT_EQ(steps[0].resident_hits, 4);
+    for (int k : {1, 2}) {
+      EXPECT_EQ(steps[k].copies, 2);
+      EXPECT_EQ(steps[k].resident_hits, 4);
+    }
   }
 }
 
@@ -249,67 +301,134 @@ TEST(Offload, DeeperPrefetchSkipsBudgetResidentBlocks) {
 // hold the next `depth` blocks the schedule stages (run_steps checks it against the literal list),
 // and a stage() out of the schedule is refused instead of guessed at.
 TEST(Offload, AnyScheduleIsFollowedExactly) {
-  auto bank = make_bank(6, 2);
-  const auto ref = reference(bank);
-  offload::OffloadOptions o;
-  o.prefetch = true;
-  o.prefetch_depth = 2;
-  offload::ExpertOffloader off(std::move(bank), o);
-  const auto steps = run_steps(off, 3, 2, ref, {0, 2, 4, 1, 3, 5, 5, 3, 1});
-  for (const auto& st : steps) EXPECT_EQ(st.stage_calls, 9);
-  off.set_schedule({0, 1, 2});
-  off.stage(0);
-  EXPECT_THROW(off.stage(2), eo::Error);
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    auto bank = make_bank(6, 2);
+    const auto ref = reference(bank);
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    o.prefetch_depth = 2;
+    offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+    const auto steps = run_steps(off, 3, 2, ref, {0, 2, 4, 1, 3, 5, 5, 3, 1});
+    for (const auto& st : steps) EXPECT_EQ(st.stage_calls, 9);
+    off.set_schedule({0, 1, 2});
+    off.stage(0);
+    EXPECT_THROW(off.stage(2), eo::Error);
+  }
 }
 
 // Without a schedule (scoring), every block not in a slot is copied when staged; nothing ahead.
 TEST(Offload, UnscheduledStagingCopiesOnDemand) {
-  auto bank = make_bank(4, 2);
-  const auto ref = reference(bank);
-  offload::OffloadOptions o;
-  o.prefetch = true;
-  offload::ExpertOffloader off(std::move(bank), o);
-  const std::vector<int> calls{0, 1, 2, 3, 3, 0};
-  for (std::size_t k = 0; k < calls.size(); ++k) {
-    off.stage(calls[k]);
-    expect_layer_readable(off, calls[k], ref);
-    EXPECT_EQ(off.staged_layers().size(), std::min<std::size_t>(k + 1, 2)) << "nothing is prefetched";
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    auto bank = make_bank(4, 2);
+    const auto ref = reference(bank);
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+    const std::vector<int> calls{0, 1, 2, 3, 3, 0};
+    for (std::size_t k = 0; k < calls.size(); ++k) {
+      off.stage(calls[k]);
+      expect_layer_readable(off, calls[k], ref);
+      EXPECT_EQ(off.staged_layers().size(), std::min<std::size_t>(k + 1, 2)) << "nothing is prefetched";
+    }
+    const auto st = off.take_step_stats();
+    EXPECT_EQ(st.copies, 5);  // 0, 1, 2, 3, then 0 again (evicted); 3 is a hit
   }
-  const auto st = off.take_step_stats();
-  EXPECT_EQ(st.copies, 5);  // 0, 1, 2, 3, then 0 again (evicted); 3 is a hit
 }
 
 TEST(Offload, OnlyTheStagedBlockCanBeRead) {
-  offload::OffloadOptions o;
-  o.prefetch = true;
-  offload::ExpertOffloader off(make_bank(3, 2), o);
-  off.set_schedule({0, 1, 2, 1});
-  off.stage(0);  // block 1 is being prefetched into the other slot, but is not staged
-  EXPECT_NO_THROW(off.expert_weight(0, 1, ExpertMatrix::Down));
-  EXPECT_THROW(off.expert_weight(1, 0, ExpertMatrix::Gate), eo::Error);
-  EXPECT_THROW(off.expert_weight(2, 0, ExpertMatrix::Gate), eo::Error);
-  EXPECT_THROW(off.stage(7), eo::Error);
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    offload::ExpertOffloader off(make_bank(3, 2), with_homes(o, homes, folder));
+    off.set_schedule({0, 1, 2, 1});
+    off.stage(0);  // block 1 is being prefetched into the other slot, but is not staged
+    EXPECT_NO_THROW(off.expert_weight(0, 1, ExpertMatrix::Down));
+    EXPECT_THROW(off.expert_weight(1, 0, ExpertMatrix::Gate), eo::Error);
+    EXPECT_THROW(off.expert_weight(2, 0, ExpertMatrix::Gate), eo::Error);
+    EXPECT_THROW(off.stage(7), eo::Error);
+  }
 }
 
 TEST(Offload, BudgetResidentBlocksAreNeverCopied) {
-  auto bank = make_bank(4, 2);
+  for (Homes homes : kAllHomes) {
+    SCOPED_TRACE(name_of(homes));
+    DiskFolder folder;
+    auto bank = make_bank(4, 2);
+    const auto ref = reference(bank);
+    offload::OffloadOptions probe;
+    const std::int64_t block = offload::ExpertOffloader(make_bank(4, 2), probe).block_bytes(0);
+    offload::OffloadOptions o;
+    o.prefetch = true;
+    o.vram_budget_bytes = 2 * block + block / 2;  // room for two blocks
+    offload::ExpertOffloader off(std::move(bank), with_homes(o, homes, folder));
+    EXPECT_EQ(off.resident_layers(), (std::vector<int>{0, 1}));
+    EXPECT_EQ(off.resident_bytes(), 2 * block);
+    off.set_schedule(micro_step_order(off.moe_layers()));
+    for (int l : micro_step_order(off.moe_layers())) {
+      off.stage(l);
+      expect_layer_readable(off, l, ref);
+    }
+    auto s = off.take_step_stats();
+    EXPECT_EQ(s.resident_hits, 4);
+    EXPECT_EQ(s.copies, 2);  // blocks 2 and 3 once each: the two streamed blocks fit the two slots
+  }
+}
+
+// Disk homes keep only the read ring in host RAM, and the ring reads each copy's block ahead of
+// it: over three steps the blocks read are the blocks copied, less those still in the ring from
+// an earlier copy (plus at most a ring's worth read ahead for the next step), none on demand. A second engine over the same experts reuses the
+// file; one over other experts rebuilds it, and each reads back its own bytes.
+TEST(Offload, DiskHomesHoldOnlyTheRingInRamAndReadEveryCopyAhead) {
+  DiskFolder folder;
+  const int n = 6;
+  auto bank = make_bank(n, 2);
   const auto ref = reference(bank);
-  offload::OffloadOptions probe;
-  const std::int64_t block = offload::ExpertOffloader(make_bank(4, 2), probe).block_bytes(0);
   offload::OffloadOptions o;
   o.prefetch = true;
-  o.vram_budget_bytes = 2 * block + block / 2;  // room for two blocks
-  offload::ExpertOffloader off(std::move(bank), o);
-  EXPECT_EQ(off.resident_layers(), (std::vector<int>{0, 1}));
-  EXPECT_EQ(off.resident_bytes(), 2 * block);
-  off.set_schedule(micro_step_order(off.moe_layers()));
-  for (int l : micro_step_order(off.moe_layers())) {
-    off.stage(l);
-    expect_layer_readable(off, l, ref);
+  offload::ExpertOffloader off(std::move(bank), with_homes(o, Homes::Disk, folder));
+  ASSERT_TRUE(off.homes_on_disk());
+  EXPECT_EQ(off.disk_ring_size(), offload::disk_ring_buffers(2));
+  const std::int64_t padded = (off.block_bytes(0) + 4095) / 4096 * 4096;
+  EXPECT_EQ(off.host_ram_bytes(), off.disk_ring_size() * padded);
+  EXPECT_EQ(off.home_bytes(), n * off.block_bytes(0));
+  EXPECT_LT(off.host_ram_bytes(), off.home_bytes());
+  const auto steps = run_steps(off, 3, 1, ref);
+  std::int64_t reads = 0, copies = 0, hits = 0;
+  for (const auto& st : steps) {
+    reads += st.disk_reads;
+    copies += st.copies;
+    hits += st.disk_ring_hits;
+    EXPECT_EQ(st.disk_unplanned, 0);
   }
-  auto s = off.take_step_stats();
-  EXPECT_EQ(s.resident_hits, 4);
-  EXPECT_EQ(s.copies, 2);  // blocks 2 and 3 once each: the two streamed blocks fit the two slots
+  EXPECT_EQ(copies, (2 * n - 2) + 2 * (2 * n - 4));
+  // Every copy read its block from the drive, or found it still in the ring from an earlier copy;
+  // beyond that the ring may have read up to its size ahead into the next step.
+  EXPECT_GE(reads, copies - hits);
+  EXPECT_LE(reads, copies - hits + off.disk_ring_size());
+  EXPECT_LT(hits, copies);
+  const auto file = std::filesystem::path(off.disk_file());
+  const auto written = std::filesystem::last_write_time(file);
+
+  offload::ExpertOffloader again(make_bank(n, 2), with_homes(o, Homes::Disk, folder));
+  EXPECT_EQ(std::filesystem::last_write_time(file), written) << "the same experts: the file is reused, not rewritten";
+  run_steps(again, 1, 1, ref);
+
+  at::manual_seed(99);
+  model::ResidentWeights::Bank other(n);
+  for (auto& l : other) {
+    l.resize(2);
+    for (auto& e : l) e = {nf4::quantize(at::randn({24, 64}), 64, false), nf4::quantize(at::randn({24, 64}), 64, false),
+                           nf4::quantize(at::randn({64, 24}), 64, false)};
+  }
+  const auto other_ref = reference(other);
+  offload::ExpertOffloader rebuilt(std::move(other), with_homes(o, Homes::Disk, folder));
+  run_steps(rebuilt, 1, 1, other_ref);
 }
 
 TEST(Offload, HomesAreExactSizeAndPlacedOnTheChosenNode) {
