@@ -24,9 +24,11 @@ const char* kUsage = R"(usage:
   eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit | --no-load-in-4bit] [--json]
       Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL; the base
       is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a flag says otherwise.
-  eo-ddp plan --config FILE [--vram SIZE] [--ranks-per-node N] [--set key=value ...]
-      Predict per-rank peak VRAM and pinned host RAM from config.json and the config alone
-      (nothing is loaded); with --vram, say whether it fits such a card (exit 1 if not).
+  eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]
+      Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
+      the drive reads per step, from config.json and the config alone (nothing is loaded); with
+      --vram / --host-ram, say whether it fits such a card / node (exit 1 if not); without
+      --host-ram the pinned RAM is set against this machine's available RAM.
   eo-ddp --help | --help-config | --version
 
 Multi-GPU / multi-node: mpirun -np N eo-ddp --config FILE (one rank per GPU).

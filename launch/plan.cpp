@@ -1,11 +1,14 @@
-// `eo-ddp plan --config F [--vram SIZE] [--ranks-per-node N] [--set k=v ...]`: the memory plan
-// from config.json and the training config alone (nothing is loaded), and whether it fits.
+// `eo-ddp plan --config F [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set k=v ...]`:
+// the memory plan from config.json and the training config alone (nothing is loaded), whether it
+// fits the card, and whether the pinned host RAM per node fits (--host-ram, else this machine's
+// available RAM), with what the other expert homes would take when it does not.
 #include <cstdio>
 
 #include "common/error.h"
 #include "common/text.h"
 #include "launch/commands.h"
 #include "models/hf_config.h"
+#include "offload/host_memory.h"
 #include "runtime/config.h"
 #include "runtime/plan.h"
 
@@ -15,6 +18,7 @@ int run_plan(const Args& args) {
   ArgReader reader(args);
   const std::string config_path = reader.value("--config");
   const std::string vram_text = reader.value("--vram");
+  const std::string host_text = reader.value("--host-ram");
   const std::string ranks_text = reader.value("--ranks-per-node", "1");
   const auto overrides = reader.values("--set");
   reader.finish("plan");
@@ -24,6 +28,12 @@ int run_plan(const Args& args) {
     const auto b = parse_bytes(vram_text);
     if (!b || *b == 0) throw UsageError("plan: --vram expects a size such as 12GiB or 80GB, got '" + vram_text + "'");
     vram = double(*b);
+  }
+  double host_ram = 0;
+  if (!host_text.empty()) {
+    const auto b = parse_bytes(host_text);
+    if (!b || *b == 0) throw UsageError("plan: --host-ram expects a size such as 512GiB, got '" + host_text + "'");
+    host_ram = double(*b);
   }
   int ranks = 0;
   try {
@@ -39,7 +49,17 @@ int run_plan(const Args& args) {
   // A plan is for the GPU: bf16 unless the config says bf16: false.
   const MemoryPlan plan = plan_memory(cfg, mc, cfg.bf16 != "false", ranks);
   std::fputs(describe_plan(plan, vram).c_str(), stdout);
-  return vram > 0 && plan.device_peak + plan.margin > vram ? kExitRuntime : kExitOk;
+  std::string source = "--host-ram";
+  if (host_ram <= 0) {
+    const offload::HostMemory m = offload::host_memory_available();
+    host_ram = double(m.available);
+    source = "available on this machine: " + m.source;
+  }
+  const HostRamFit host = describe_host_ram(cfg, mc, plan, host_ram, source);
+  std::fputs(host.text.c_str(), stdout);
+  const bool vram_short = vram > 0 && plan.device_peak + plan.margin > vram;
+  const bool host_short = !host_text.empty() && !host.fits;  // only a limit given explicitly fails the command
+  return vram_short || host_short ? kExitRuntime : kExitOk;
 }
 
 }  // namespace eo::launch

@@ -20,6 +20,8 @@
 #include "common/json_depth.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "models/hf_config.h"
+#include "offload/layout.h"
 
 namespace eo::offload {
 namespace {
@@ -340,6 +342,21 @@ DirectFile open_direct(const std::string& path) {
 }
 
 int disk_ring_buffers(int num_slots) { return std::max(2, num_slots + 1); }
+
+DiskHomesSize estimate_disk_homes(const model::ModelConfig& c, int blocksize, bool double_quant, int num_slots) {
+  DiskHomesSize z;
+  for (int i = 0; i < c.layers; ++i) z.blocks += c.is_moe_layer(i) ? 1 : 0;
+  z.block_bytes = expert_block_bytes(c, blocksize, double_quant);
+  DiskHomesHeader h;
+  h.identity["arena"] = std::string(200, 'x');  // the engine's and the trainer's identity: a few hundred bytes
+  h.blocks.resize(static_cast<std::size_t>(z.blocks));
+  for (auto& b : h.blocks) b.bytes = z.block_bytes;
+  place_disk_blocks(h);
+  z.file_bytes = h.file_bytes;
+  z.ring = disk_ring_buffers(std::min(num_slots, z.blocks));
+  z.ring_bytes = z.ring * align_up(z.block_bytes);
+  return z;
+}
 
 // ---- the ring ---------------------------------------------------------------------------------
 

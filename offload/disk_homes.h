@@ -31,6 +31,10 @@
 
 #include "offload/homes.h"
 
+namespace eo::model {
+struct ModelConfig;
+}
+
 namespace eo::offload {
 
 constexpr std::int64_t kDiskAlign = 4096;  // O_DIRECT alignment of offsets, lengths and buffers
@@ -89,6 +93,18 @@ DirectFile open_direct(const std::string& path);
 // Read buffers: one more than the device slots, so the next copies can wait read while one is
 // copied (at least 2).
 int disk_ring_buffers(int num_slots);
+
+// The disk homes of a model quantised at load time (offload/layout.h's arenas), before anything
+// is loaded: the file (its header estimated at a few KiB) and the read ring for `num_slots`
+// device slots (the ring's buffers hold one block each, rounded up to kDiskAlign).
+struct DiskHomesSize {
+  std::int64_t file_bytes = 0;
+  std::int64_t block_bytes = 0;  // one MoE block's arena
+  int blocks = 0;                // MoE blocks
+  int ring = 0;                  // read buffers
+  std::int64_t ring_bytes = 0;   // host RAM of the ring, per rank
+};
+DiskHomesSize estimate_disk_homes(const model::ModelConfig& c, int blocksize, bool double_quant, int num_slots);
 
 // The ring: blocks read from the file into `ring` page-aligned host buffers (page-locked on CUDA
 // builds with `pinned`), ahead of use. The engine says which blocks it will copy next, in order

@@ -117,22 +117,37 @@ std::string describe_host_shortfall(std::int64_t bytes_needed) {
   return s + std::to_string(m.available) + " bytes (" + human_bytes(double(m.available)) + ") available now (" + m.source + ")";
 }
 
-void check_homes_fit(std::int64_t home_bytes, int copies, const HostMemory& mem, bool copy_per_rank) {
-  if (mem.available < 0 || home_bytes <= 0) return;
-  const std::int64_t needed = home_bytes * std::max(1, copies);
+void check_homes_fit(std::int64_t bytes, int copies, const HostMemory& mem, HomesKind kind, std::int64_t disk_ring_bytes) {
+  if (mem.available < 0 || bytes <= 0) return;
+  const std::int64_t needed = bytes * std::max(1, copies);
   if (needed <= mem.available) return;
-  const std::string what = copy_per_rank ? std::to_string(copies) + " rank(s) on this node" : std::to_string(copies) + " NUMA node copy(ies)";
-  const std::string fix =
-      copy_per_rank
-          ? std::string("Every rank keeps its own copy of the experts in host RAM: ") +
-                (copies > 1 ? "set expert_offload_homes: per_numa_node (one copy per NUMA node, shared by its ranks), " : "") +
-                "run fewer ranks per node, use nodes with more RAM (or raise the job's memory limit), or free host memory"
-          : std::string("One copy per NUMA node is the least the homes take in RAM: use nodes with more RAM (or raise the "
-                        "job's memory limit), or free host memory");
-  EO_FAIL("not enough host RAM for the expert homes: ", what, " x ", human_bytes(double(home_bytes)), " of NF4 experts each = ",
-          needed, " bytes (", human_bytes(double(needed)), ") needed, but only ", mem.available, " bytes (",
-          human_bytes(double(mem.available)), ") are available (", mem.source, "). ", fix,
-          "; expert_offload: false keeps the experts on the GPU instead.");
+  const std::string disk = disk_ring_bytes > 0
+                               ? "set expert_offload_homes: disk (the homes in one file per host on a local drive, " +
+                                     human_bytes(double(disk_ring_bytes)) + " of read buffers per rank in RAM, the blocks "
+                                     "read from the drive every step) with expert_offload_disk_path, "
+                               : std::string();
+  std::string what, fix;
+  switch (kind) {
+    case HomesKind::PerRank:
+      what = std::to_string(copies) + " rank(s) on this node x " + human_bytes(double(bytes)) + " of NF4 experts each";
+      fix = std::string("Every rank keeps its own copy of the experts in host RAM: ") +
+            (copies > 1 ? "set expert_offload_homes: per_numa_node (one copy per NUMA node, shared by its ranks), " : "") + disk +
+            "run fewer ranks per node, use nodes with more RAM (or raise the job's memory limit), or free host memory";
+      break;
+    case HomesKind::PerNumaNode:
+      what = std::to_string(copies) + " NUMA node copy(ies) x " + human_bytes(double(bytes)) + " of NF4 experts each";
+      fix = "One copy per NUMA node is the least the homes take in RAM: " + disk +
+            "use nodes with more RAM (or raise the job's memory limit), or free host memory";
+      break;
+    case HomesKind::Disk:
+      what = std::to_string(copies) + " rank(s) on this node x " + human_bytes(double(bytes)) + " of disk homes read buffers each";
+      fix = "Each rank's read ring holds one block per device slot and one more: lower expert_offload_prefetch_depth, run "
+            "fewer ranks per node, or free host memory";
+      break;
+  }
+  EO_FAIL("not enough host RAM for the expert homes: ", what, " = ", needed, " bytes (", human_bytes(double(needed)),
+          ") needed, but only ", mem.available, " bytes (", human_bytes(double(mem.available)), ") are available (", mem.source,
+          "). ", fix, "; expert_offload: false keeps the experts on the GPU instead.");
 }
 
 }  // namespace eo::offload

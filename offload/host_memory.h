@@ -32,10 +32,19 @@ HostMemory host_memory_available();
 std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant,
                                  QuantFormat format = QuantFormat::Nf4);
 
-// Throws eo::Error when `copies` copies of `home_bytes` of homes need more than `mem.available`;
-// the message gives both numbers and what to do (with one copy per rank and several ranks: one
-// copy per NUMA node, expert_offload_homes: per_numa_node). No-op when available is unknown.
-void check_homes_fit(std::int64_t home_bytes, int copies, const HostMemory& mem, bool copy_per_rank = true);
+// expert_offload_homes: what one copy of `bytes` in the check below is, and how many there are.
+enum class HomesKind {
+  PerRank,      // every rank its homes: copies = ranks on the node
+  PerNumaNode,  // one copy per NUMA node: copies = NUMA nodes used on the host
+  Disk,         // the homes on a drive; in RAM each rank's read ring: copies = ranks on the node
+};
+
+// Throws eo::Error when `copies` copies of `bytes` need more host RAM than `mem.available`; the
+// message gives both numbers and what to do: one copy per NUMA node (per_numa_node, when every
+// rank keeps its own), the homes on a local drive (disk: `disk_ring_bytes` per rank, suggested
+// when > 0), fewer ranks per node, more RAM. No-op when available is unknown.
+void check_homes_fit(std::int64_t bytes, int copies, const HostMemory& mem, HomesKind kind = HomesKind::PerRank,
+                     std::int64_t disk_ring_bytes = 0);
 
 // "N bytes needed, M available (source)" for allocation failures of homes.
 std::string describe_host_shortfall(std::int64_t bytes_needed);

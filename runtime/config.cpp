@@ -1,5 +1,7 @@
 #include "runtime/config.h"
 
+#include <unistd.h>
+
 #include <charconv>
 
 #include <yaml-cpp/yaml.h>
@@ -630,10 +632,17 @@ const std::vector<KeySpec>& schema() {
                         "Keep the frozen NF4 experts in pinned host RAM and stream one MoE block at a time to the device."));
     k.push_back(boolean("expert_offload_pin_memory", &TrainConfig::expert_offload_pin_memory,
                         "Pinned, NUMA-local homes (false: pageable host memory, much slower copies)."));
-    k.push_back(choice("expert_offload_homes", &TrainConfig::expert_offload_homes, {"per_rank", "per_numa_node"},
-                       "Where the offloaded experts live in host RAM: per_rank = every rank its own copy (host RAM = "
-                       "ranks per node x expert bytes); per_numa_node = one copy per NUMA node, filled by one rank and "
-                       "mapped read-only by the node's other ranks (host RAM = NUMA nodes x expert bytes)."));
+    k.push_back(choice("expert_offload_homes", &TrainConfig::expert_offload_homes, {"per_rank", "per_numa_node", "disk"},
+                       "Where the offloaded experts live between uses: per_rank = every rank its own copy in host RAM "
+                       "(host RAM = ranks per node x expert bytes); per_numa_node = one copy per NUMA node, filled by one "
+                       "rank and mapped read-only by the node's other ranks (host RAM = NUMA nodes x expert bytes); disk "
+                       "= one file per host in expert_offload_disk_path, written once from the checkpoint and reused by "
+                       "later runs, read with O_DIRECT ahead of use into a ring of a few blocks per rank (host RAM = ranks "
+                       "per node x ring; every step reads the streamed blocks from the drive)."));
+    k.push_back(text("expert_offload_disk_path", &TrainConfig::expert_offload_disk_path,
+                     "With expert_offload_homes: disk, the directory (on a local drive, ideally NVMe; created if missing) "
+                     "of the homes file eo-ddp-expert-homes.bin. A file written for another model or quantisation "
+                     "setting, or damaged, is rebuilt; one directory per model avoids rebuilding."));
     k.push_back(boolean("expert_offload_prefetch", &TrainConfig::expert_offload_prefetch,
                         "Stage the next blocks on a copy stream while the current one computes (1 + expert_offload_prefetch_depth slots)."));
     k.push_back(integer("expert_offload_prefetch_depth", &TrainConfig::expert_offload_prefetch_depth, 1, 8,
@@ -971,6 +980,13 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
     }
   if (c.warmup_ratio && c.warmup_steps > 0)
     issues.push_back({"warmup_ratio", "set either warmup_steps or warmup_ratio, not both"});
+  if (c.expert_offload_homes == "disk") {
+    if (!c.expert_offload)
+      issues.push_back({"expert_offload_homes", "disk keeps the offloaded experts on a drive: it needs expert_offload: true"});
+    if (c.expert_offload_disk_path.empty())
+      issues.push_back({"expert_offload_disk_path", "is required with expert_offload_homes: disk: a directory on a local "
+                                                    "drive (ideally NVMe) for the homes file, e.g. /local/nvme/eo-homes"});
+  }
   if (c.expert_offload) {
     const std::string why = " (expert_offload streams NF4 experts, re-staged by the non-reentrant recompute in backward)";
     if (!c.load_in_4bit) issues.push_back({"load_in_4bit", "expert_offload: true requires load_in_4bit: true" + why});
@@ -1020,6 +1036,21 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
                              "files into it or set tokenizer_config to a tokenizer folder"});
     else if (!c.tokenizer_config.empty() && !fs::is_directory(tok))
       issues.push_back({"tokenizer_config", "'" + tok + "' is not a folder"});
+  }
+  // The disk homes' directory: one that exists, or that can be created (its nearest existing
+  // ancestor is a writable directory). It is created when the homes are written.
+  if (c.expert_offload_homes == "disk" && !c.expert_offload_disk_path.empty()) {
+    const fs::path p = fs::absolute(c.expert_offload_disk_path);
+    std::error_code ec;
+    if (fs::exists(p, ec) && !fs::is_directory(p, ec)) {
+      issues.push_back({"expert_offload_disk_path", "'" + c.expert_offload_disk_path + "' exists and is not a directory"});
+    } else if (!fs::exists(p, ec)) {
+      fs::path up = p.parent_path();
+      while (!up.empty() && !fs::exists(up, ec) && up != up.parent_path()) up = up.parent_path();
+      if (!fs::is_directory(up, ec) || ::access(up.c_str(), W_OK) != 0)
+        issues.push_back({"expert_offload_disk_path", "'" + c.expert_offload_disk_path + "' does not exist and cannot be "
+                                                      "created: '" + up.string() + "' is not a writable directory"});
+    }
   }
   if (!c.resume_from_checkpoint.empty() && c.resume_from_checkpoint != "auto" &&
       !fs::is_directory(c.resume_from_checkpoint))
@@ -1159,6 +1190,9 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))
     cfg.warnings.push_back("expert_offload_prefetch_depth is ignored: it needs expert_offload: true and "
                            "expert_offload_prefetch: true (synchronous staging uses one slot)");
+  if (!cfg.expert_offload_disk_path.empty() && cfg.expert_offload_homes != "disk")
+    cfg.warnings.push_back("expert_offload_disk_path is ignored: expert_offload_homes is " + cfg.expert_offload_homes +
+                           ", not disk");
   if (cfg.expert_offload && !cfg.expert_offload_pin_memory)
     cfg.warnings.push_back("expert_offload_pin_memory: false gives pageable homes; host-to-device copies are far slower "
                            "(about 18x on the H200 machine)");

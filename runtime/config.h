@@ -110,7 +110,8 @@ struct TrainConfig {
   std::optional<bool> use_reentrant;  // gradient_checkpointing_kwargs.use_reentrant
   bool expert_offload = false;
   bool expert_offload_pin_memory = true;
-  std::string expert_offload_homes = "per_rank";  // "per_rank" | "per_numa_node"
+  std::string expert_offload_homes = "per_rank";  // "per_rank" | "per_numa_node" | "disk"
+  std::string expert_offload_disk_path;           // with disk: the directory of the homes file
   bool expert_offload_prefetch = true;
   int expert_offload_prefetch_depth = 1;  // blocks staged ahead (slots = 1 + depth); with prefetch only
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0

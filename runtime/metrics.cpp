@@ -90,6 +90,12 @@ std::string progress_line(const StepReport& r) {
                   human_bytes(r.extra.value("staged_bytes", 0.0)).c_str());
     line += off;
   }
+  if (r.extra.contains("disk_gbps")) {
+    char disk[96];
+    std::snprintf(disk, sizeof disk, "  disk %.1f GB/s  read %s", r.extra["disk_gbps"].get<double>(),
+                  human_bytes(r.extra.value("disk_read_bytes", 0.0)).c_str());
+    line += disk;
+  }
   return line;
 }
 

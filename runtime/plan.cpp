@@ -8,7 +8,10 @@
 #include "common/text.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
+#include "offload/disk_homes.h"
 #include "offload/layout.h"
+#include "offload/staging.h"
+#include "runtime/schedule.h"
 
 namespace eo {
 namespace {
@@ -80,6 +83,30 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
                             (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string()) + held});
     p.host_pinned = p.expert_bytes;
     p.shared_homes = cfg.expert_offload_homes == "per_numa_node";
+    // Copies per warm step: the engine's staging policy run dry along the step's staging order,
+    // the blocks within the VRAM budget resident (the first ones, in layer order, as the engine).
+    std::vector<bool> is_moe(static_cast<std::size_t>(c.layers));
+    std::vector<int> moe_list;
+    for (int i = 0; i < c.layers; ++i)
+      if ((is_moe[static_cast<std::size_t>(i)] = c.is_moe_layer(i))) moe_list.push_back(i);
+    const int resident_blocks = p.block_bytes > 0 ? int(budget / p.block_bytes) : 0;
+    const std::vector<int> resident(moe_list.begin(), moe_list.begin() + std::min<std::size_t>(moe_list.size(), resident_blocks));
+    const int streamed = moe_layers - int(resident.size());
+    const StepSchedule step = make_step_schedule(int(c.layers), cfg.gradient_accumulation_steps,
+                                                 cfg.step_order == "micro_batch_major" ? StepOrder::MicroBatchMajor
+                                                                                       : StepOrder::LayerMajor);
+    if (!moe_list.empty())
+      p.copies_per_step = offload::steady_copies_per_step(step.staging_order(is_moe), int(c.layers), std::min(slots, streamed),
+                                                          cfg.expert_offload_prefetch, resident);
+    if (cfg.expert_offload_homes == "disk") {
+      const offload::DiskHomesSize z = offload::estimate_disk_homes(c, bs, cfg.bnb_4bit_use_double_quant, slots);
+      p.disk_homes = true;
+      p.disk_file_bytes = double(z.file_bytes);
+      p.disk_ring = z.ring;
+      p.disk_ring_bytes = double(z.ring_bytes);
+      p.disk_reads_per_step = double(p.copies_per_step) * p.block_bytes;
+      p.host_pinned = p.disk_ring_bytes;
+    }
   } else {
     // Resident experts are separate tensors (no arena alignment).
     const double matrix = !q4 ? I * H * d : mx ? I * H / 2 + I * H / 32 : nf4_bytes(I, H, bs);
@@ -241,7 +268,22 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
                   human_bytes(plan.margin).c_str());
     os << line;
   }
-  if (plan.host_pinned > 0 && plan.shared_homes) {
+  if (plan.disk_homes) {
+    std::snprintf(line, sizeof line, "  %-12s %10s  per rank: the disk homes' read ring, %d buffers of %s (%s for %d rank(s) on a node)%s\n",
+                  "pinned host", human_bytes(plan.host_pinned).c_str(), plan.disk_ring,
+                  human_bytes(plan.disk_ring_bytes / std::max(1, plan.disk_ring)).c_str(),
+                  human_bytes(plan.host_pinned * plan.ranks_per_node).c_str(), plan.ranks_per_node,
+                  plan.host_pinned > plan.disk_ring_bytes ? " (+ parked block inputs)" : "");
+    os << line;
+    std::snprintf(line, sizeof line, "  %-12s %10s  one homes file per host on the drive (expert_offload_disk_path)\n", "disk homes",
+                  human_bytes(plan.disk_file_bytes).c_str());
+    os << line;
+    std::snprintf(line, sizeof line,
+                  "  %-12s %10s  per rank and optimizer step: %lld block copies read from the drive (%s per step for %d rank(s) on a node)\n",
+                  "disk reads", human_bytes(plan.disk_reads_per_step).c_str(), static_cast<long long>(plan.copies_per_step),
+                  human_bytes(plan.disk_reads_per_step * plan.ranks_per_node).c_str(), plan.ranks_per_node);
+    os << line;
+  } else if (plan.host_pinned > 0 && plan.shared_homes) {
     std::snprintf(line, sizeof line, "  %-12s %10s  per NUMA node: one copy of the homes mapped by its %d rank(s)%s\n", "pinned host",
                   human_bytes(plan.host_pinned).c_str(), plan.ranks_per_node,
                   plan.host_pinned > plan.expert_bytes ? " (+ each rank's parked block inputs)" : "");
@@ -259,6 +301,39 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
        << human_bytes(std::fabs(vram - need)) << (fits ? " to spare" : " short") << ", margin included)\n";
   }
   return os.str();
+}
+
+HostRamFit describe_host_ram(const TrainConfig& cfg, const model::ModelConfig& mc, const MemoryPlan& plan, double host_ram,
+                             const std::string& source) {
+  HostRamFit out;
+  if (!cfg.expert_offload || host_ram <= 0) return out;
+  // Pinned host RAM per node: a copy per rank (per_rank, and each rank's ring with disk), one per
+  // NUMA node (counted as one here: the plan does not know the node's NUMA layout).
+  auto per_node = [&](const MemoryPlan& p) { return p.shared_homes ? p.host_pinned : p.host_pinned * p.ranks_per_node; };
+  const double need = per_node(plan);
+  out.fits = need <= host_ram;
+  std::ostringstream os;
+  os << "  host RAM " << (out.fits ? "fits" : "does NOT fit") << ": " << human_bytes(need) << " pinned per node"
+     << (plan.shared_homes ? " (per NUMA node)" : "") << " of " << human_bytes(host_ram) << " (" << source << ")";
+  if (!out.fits) {
+    std::vector<std::string> tries;
+    for (const char* homes : {"per_numa_node", "disk"}) {
+      if (cfg.expert_offload_homes == homes) continue;
+      TrainConfig other = cfg;
+      other.expert_offload_homes = homes;
+      const MemoryPlan q = plan_memory(other, mc, plan.bf16, plan.ranks_per_node, plan.on_gpu);
+      if (std::string(homes) == "per_numa_node" && plan.ranks_per_node <= 1) continue;  // nothing to share
+      tries.push_back(std::string("expert_offload_homes: ") + homes + " (" + human_bytes(per_node(q)) + " per node" +
+                      (q.disk_homes ? " + " + human_bytes(q.disk_file_bytes) + " on a local drive, reading " +
+                                          human_bytes(q.disk_reads_per_step) + " per rank and step"
+                                    : std::string(" per NUMA node")) +
+                      ")");
+    }
+    if (!tries.empty()) os << "; try " << join(tries, " or ");
+  }
+  os << "\n";
+  out.text = os.str();
+  return out;
 }
 
 }  // namespace eo

@@ -41,9 +41,18 @@ struct MemoryPlan {
   double expert_bytes = 0;         // 4-bit experts of the whole model
   QuantFormat expert_format = QuantFormat::Nf4;  // how load_in_4bit holds them (expert_quant)
   double block_bytes = 0;          // one MoE block's experts (a slot)
-  double host_pinned = 0;          // per rank: the homes when offloading, else 0
+  double host_pinned = 0;          // per rank: the homes when offloading (disk: the read ring), else 0
   int ranks_per_node = 1;
   bool shared_homes = false;       // expert_offload_homes: per_numa_node (one copy per NUMA node)
+  // expert_offload_homes: disk: the homes file (one per host), its read ring per rank, and the
+  // bytes read from the drive per rank and optimizer step — every block the step copies into a
+  // slot (the staging policy's own count, offload/staging.h), less any still in the ring.
+  bool disk_homes = false;
+  double disk_file_bytes = 0;
+  int disk_ring = 0;
+  double disk_ring_bytes = 0;
+  double disk_reads_per_step = 0;
+  std::int64_t copies_per_step = 0;  // blocks copied into a slot per warm optimizer step (with offload)
   bool bf16 = true;
   bool on_gpu = true;
 };
@@ -55,5 +64,14 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, boo
 
 // A table of the plan, and (when vram > 0) whether it fits a card of that many bytes.
 std::string describe_plan(const MemoryPlan& plan, double vram_bytes);
+
+// Whether the pinned host RAM per node of `cfg`'s plan fits `host_ram` bytes per node; when not,
+// what the other expert_offload_homes would take (per_numa_node, disk), planned the same way.
+struct HostRamFit {
+  bool fits = true;
+  std::string text;
+};
+HostRamFit describe_host_ram(const TrainConfig& cfg, const model::ModelConfig& mc, const MemoryPlan& plan, double host_ram,
+                             const std::string& source);
 
 }  // namespace eo

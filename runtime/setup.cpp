@@ -8,16 +8,21 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
 #include <thread>
 
+#include "common/checksum.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/text.h"
 #include "models/moe_model.h"
+#include "offload/disk_homes.h"
 #include "offload/engine.h"
 #include "offload/homes.h"
 #include "offload/host_memory.h"
@@ -109,16 +114,19 @@ std::pair<std::shared_ptr<const data::DocumentSource>, std::shared_ptr<const dat
           std::make_shared<data::SubsetDocuments>(docs, std::move(eval), docs->name() + " (val_set_size)")};
 }
 
-// expert_offload_homes: per_numa_node. The ranks that share one copy: same host, same home NUMA
-// node. Collective (every rank calls it).
+// The ranks that share one copy of the homes: per_numa_node, same host and home NUMA node; disk,
+// same host (one file per host). Collective (every rank calls it).
 struct HomeGroup {
   int leader = 0;   // lowest rank of the group
   int size = 1;     // ranks in the group
   int copies_on_host = 1;  // distinct groups on this rank's host
 };
-HomeGroup home_group(dist::World& world, const at::Device& device) {
-  const offload::HomeNode node = offload::choose_home_node(offload::Topology::get(), device.is_cuda() ? device.index() : -1);
-  const std::string mine = world.info().hostname + "/numa" + std::to_string(node.node);
+HomeGroup home_group(dist::World& world, const at::Device& device, bool by_numa_node = true) {
+  std::string mine = world.info().hostname;
+  if (by_numa_node) {
+    const offload::HomeNode node = offload::choose_home_node(offload::Topology::get(), device.is_cuda() ? device.index() : -1);
+    mine += "/numa" + std::to_string(node.node);
+  }
   const std::vector<std::string> all = world.allgather(mine);
   HomeGroup g;
   g.leader = -1;
@@ -129,7 +137,7 @@ HomeGroup home_group(dist::World& world, const at::Device& device) {
       if (g.leader < 0) g.leader = r;
       ++g.size;
     }
-    if (all[r].substr(0, all[r].rfind('/')) == world.info().hostname) on_host.insert(all[r]);
+    if (all[r].substr(0, all[r].find('/')) == world.info().hostname) on_host.insert(all[r]);
   }
   g.copies_on_host = static_cast<int>(on_host.size());
   return g;
@@ -150,6 +158,25 @@ offload::HomeSharing make_home_sharing(dist::World& world, const HomeGroup& g) {
   };
   s.barrier = [&world] { world.barrier(); };
   return s;
+}
+
+// What disk homes are made from, for their header: a file made from another checkpoint or with
+// other quantisation settings is rebuilt, naming the key that differs. (Every block's checksum is
+// compared too; these say why in words.)
+std::map<std::string, std::string> disk_homes_identity(const TrainConfig& cfg, const model::ModelConfig& mc) {
+  std::error_code ec;
+  const std::filesystem::path model = std::filesystem::weakly_canonical(cfg.base_model, ec);
+  std::string config_json;
+  std::ifstream in(std::filesystem::path(cfg.base_model) / "config.json", std::ios::binary);
+  config_json.assign(std::istreambuf_iterator<char>(in), {});
+  char sum[24];
+  std::snprintf(sum, sizeof sum, "%016llx", static_cast<unsigned long long>(hash_bytes(config_json.data(), config_json.size())));
+  return {{"base_model", ec ? cfg.base_model : model.string()},
+          {"config.json", sum},
+          {"model_type", mc.model_type},
+          {"weights", cfg.synthetic_weights ? "synthetic, seed " + std::to_string(cfg.seed) : "checkpoint"},
+          {"bnb_4bit_blocksize", std::to_string(cfg.bnb_4bit_blocksize)},
+          {"bnb_4bit_use_double_quant", cfg.bnb_4bit_use_double_quant ? "true" : "false"}};
 }
 
 // Moves the model's NF4 experts into this rank's homes and streams them from there.
@@ -184,9 +211,38 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
     log::info("expert homes: one copy per NUMA node, shared by " + std::to_string(g.size) + " rank(s) (leader: rank " +
               std::to_string(g.leader) + ")");
   }
+  if (cfg.expert_offload_homes == "disk") {
+    const HomeGroup g = home_group(world, device, /*by_numa_node=*/false);
+    oo.sharing = make_home_sharing(world, g);
+    oo.disk = offload::DiskHomesOptions{};
+    oo.disk->dir = cfg.expert_offload_disk_path;
+    oo.disk->identity = disk_homes_identity(cfg, model.config());
+    log::info("expert homes: on disk in " + cfg.expert_offload_disk_path + ", one file for this host's " + std::to_string(g.size) +
+              " rank(s) (written or checked by rank " + std::to_string(g.leader) + ")");
+  }
   auto off = std::make_shared<offload::ExpertOffloader>(std::move(resident->bank()), oo);
   model.set_weight_provider(off);
   return off;
+}
+
+// expert_offload_homes: disk, before any weight is read: a homes file that must be (re)written
+// needs its bytes free on the drive. A file already there of the right size is most likely reused
+// (if not, the writer's own ENOSPC error still says what happened).
+void check_disk_space_for_homes(const TrainConfig& cfg, const offload::DiskHomesSize& disk) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string file = offload::disk_homes_path(cfg.expert_offload_disk_path);
+  const auto existing = fs::file_size(file, ec);
+  if (!ec && static_cast<std::int64_t>(existing) == disk.file_bytes) return;
+  fs::path dir = fs::absolute(cfg.expert_offload_disk_path);
+  while (!fs::exists(dir, ec) && dir != dir.parent_path()) dir = dir.parent_path();
+  const fs::space_info space = fs::space(dir, ec);
+  if (ec) return;
+  if (static_cast<std::int64_t>(space.available) >= disk.file_bytes) return;
+  throw Error("not enough space for the disk homes: the homes file " + file + " needs " + std::to_string(disk.file_bytes) +
+              " bytes (" + human_bytes(double(disk.file_bytes)) + "), but " + dir.string() + " has " +
+              std::to_string(space.available) + " bytes (" + human_bytes(double(space.available)) +
+              ") free. Free space there, or set expert_offload_disk_path to a local drive with room.");
 }
 
 // Before any weight is read: the homes of every rank on this node must fit in the host RAM (and
@@ -196,6 +252,8 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
   const model::ModelConfig mc = model::load_config(cfg.base_model);
   const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant,
                                                              experts_in_mxfp4(cfg, mc) ? QuantFormat::Mxfp4 : QuantFormat::Nf4);
+  const offload::DiskHomesSize disk = offload::estimate_disk_homes(
+      mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant, cfg.expert_offload_prefetch ? 1 + cfg.expert_offload_prefetch_depth : 1);
   offload::HostMemory mem = offload::host_memory_available();
   double v[2] = {-(mem.available < 0 ? 1e18 : double(mem.available)),
                  double(world.info().local_size)};
@@ -205,14 +263,26 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
     mem.available = smallest;
     mem.source += ", the smallest of all ranks";
   }
-  // per_rank: a copy per rank on the node; per_numa_node: a copy per NUMA node used on this host.
+  // per_rank: a copy per rank on the node; per_numa_node: a copy per NUMA node used on this host;
+  // disk: a read ring per rank on the node.
   const bool shared = cfg.expert_offload_homes == "per_numa_node";
-  const int copies = shared ? home_group(world, device).copies_on_host
-                            : static_cast<int>(v[1]);
-  offload::check_homes_fit(per_rank, copies, mem, /*copy_per_rank=*/!shared);
+  const bool on_disk = cfg.expert_offload_homes == "disk";
+  const int copies = shared ? home_group(world, device).copies_on_host : static_cast<int>(v[1]);
+  const std::string available =
+      mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")";
+  if (on_disk) {
+    offload::check_homes_fit(disk.ring_bytes, copies, mem, offload::HomesKind::Disk);
+    check_disk_space_for_homes(cfg, disk);
+    log::info("host memory: disk homes need a read ring of " + std::to_string(disk.ring) + " x " +
+              human_bytes(double(disk.ring_bytes / disk.ring)) + " = " + human_bytes(double(disk.ring_bytes)) + " per rank x " +
+              std::to_string(copies) + " rank(s) on the node (the homes, " + human_bytes(double(per_rank)) +
+              ", stay on the drive); " + available);
+    return;
+  }
+  offload::check_homes_fit(per_rank, copies, mem, shared ? offload::HomesKind::PerNumaNode : offload::HomesKind::PerRank,
+                           disk.ring_bytes);
   log::info("host memory: expert homes need " + human_bytes(double(per_rank)) + " per copy x " + std::to_string(copies) +
-            (shared ? " NUMA node copy(ies)" : " rank(s)") + " on the node; " +
-            (mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")"));
+            (shared ? " NUMA node copy(ies)" : " rank(s)") + " on the node; " + available);
 }
 
 // Before any weight is read: cap the allocator (device_memory_limit) and refuse a run whose
@@ -453,7 +523,14 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
       dist::check_same_bytes(homes, comm, "expert homes (did every rank load the same checkpoint?)");
     }
     std::string homes;
-    if (offloader && offloader->homes_shared()) {
+    if (offloader && offloader->homes_on_disk()) {
+      const auto [dev, ino] = offloader->homes_file_id();
+      const auto ids = world.allgather(wi.hostname + " " + std::to_string(dev) + ":" + std::to_string(ino));
+      const std::set<std::string> distinct(ids.begin(), ids.end());
+      homes = ", expert homes identical on every rank: " + std::to_string(distinct.size()) + " disk file(s) of " +
+              human_bytes(double(offloader->home_bytes())) + " read by " + std::to_string(wi.world_size) + " ranks, " +
+              human_bytes(double(offloader->host_ram_bytes())) + " of read buffers per rank";
+    } else if (offloader && offloader->homes_shared()) {
       // RAM accounting: the ranks that share a copy must map one and the same memory file.
       const auto [dev, ino] = offloader->homes_file_id();
       const auto ids = world.allgather(wi.hostname + " " + std::to_string(dev) + ":" + std::to_string(ino));

@@ -197,6 +197,12 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       r.extra["copy_s"] = os.copy_seconds;
       r.extra["stall_s"] = os.stall_seconds;
       r.extra["resident_blocks"] = offloader->resident_layers().size();
+      if (offloader->homes_on_disk()) {
+        r.extra["disk_read_bytes"] = os.disk_read_bytes;
+        r.extra["disk_reads"] = os.disk_reads;
+        r.extra["disk_gbps"] = os.disk_read_seconds > 0 ? double(os.disk_read_bytes) / os.disk_read_seconds / 1e9 : 0.0;
+        r.extra["disk_wait_s"] = os.disk_wait_seconds;
+      }
     }
     if (result.steps == 0) result.first_loss = r.loss;
     result.last_loss = r.loss;

@@ -294,21 +294,34 @@ TEST(HostMemory, MeasurementOverrideAndCheck) {
   eo::faults::install({});
   EXPECT_EQ(fake.available, 12345);
 
+  using eo::offload::HomesKind;
   eo::offload::check_homes_fit(1000, 4, {4000, "test"});  // exactly fits
   try {
-    eo::offload::check_homes_fit(1000, 4, {3999, "test"});
+    eo::offload::check_homes_fit(1000, 4, {3999, "test"}, HomesKind::PerRank, 300);
     FAIL() << "4 ranks x 1000 bytes fit in 3999";
   } catch (const std::exception& e) {
     EXPECT_TRUE(contains(e.what(), "4 rank(s) on this node")) << e.what();
     EXPECT_TRUE(contains(e.what(), "4000 bytes")) << e.what();
     EXPECT_TRUE(contains(e.what(), "only 3999 bytes")) << e.what();
     EXPECT_TRUE(contains(e.what(), "expert_offload_homes: per_numa_node")) << "the shared form is suggested: " << e.what();
+    EXPECT_TRUE(contains(e.what(), "set expert_offload_homes: disk (the homes in one file per host on a local drive, 300 B of "
+                                   "read buffers per rank"))
+        << "disk homes are suggested with their RAM: " << e.what();
   }
-  try {  // already one copy per NUMA node: nothing to share further
-    eo::offload::check_homes_fit(1000, 2, {1999, "test"}, /*copy_per_rank=*/false);
+  try {  // already one copy per NUMA node: nothing to share further, the drive is left
+    eo::offload::check_homes_fit(1000, 2, {1999, "test"}, HomesKind::PerNumaNode, 300);
     FAIL() << "2 copies x 1000 bytes fit in 1999";
   } catch (const std::exception& e) {
     EXPECT_TRUE(contains(e.what(), "2 NUMA node copy(ies)")) << e.what();
+    EXPECT_FALSE(contains(e.what(), "per_numa_node")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "set expert_offload_homes: disk")) << e.what();
+  }
+  try {  // disk homes: each rank's read ring
+    eo::offload::check_homes_fit(1000, 3, {2999, "test"}, HomesKind::Disk);
+    FAIL() << "3 rings x 1000 bytes fit in 2999";
+  } catch (const std::exception& e) {
+    EXPECT_TRUE(contains(e.what(), "3 rank(s) on this node x 1000 B of disk homes read buffers each = 3000 bytes")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "lower expert_offload_prefetch_depth")) << e.what();
     EXPECT_FALSE(contains(e.what(), "set expert_offload_homes")) << e.what();
   }
 }
