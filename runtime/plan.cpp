@@ -323,8 +323,8 @@ HostRamFit describe_host_ram(const TrainConfig& cfg, const model::ModelConfig& m
       other.expert_offload_homes = homes;
       const MemoryPlan q = plan_memory(other, mc, plan.bf16, plan.ranks_per_node, plan.on_gpu);
       if (std::string(homes) == "per_numa_node" && plan.ranks_per_node <= 1) continue;  // nothing to share
-      tries.push_back(std::string("expert_offload_homes: ") + homes + " (" + human_bytes(per_node(q)) + " per node" +
-                      (q.disk_homes ? " + " + human_bytes(q.disk_file_bytes) + " on a local drive, reading " +
+      tries.push_back(std::string("expert_offload_homes: ") + homes + " (" + human_bytes(per_node(q)) +
+                      (q.disk_homes ? " per node + " + human_bytes(q.disk_file_bytes) + " on a local drive, reading " +
                                           human_bytes(q.disk_reads_per_step) + " per rank and step"
                                     : std::string(" per NUMA node")) +
                       ")");

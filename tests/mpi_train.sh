@@ -7,7 +7,8 @@
 #  3. the bytes that went through collectives are exactly the LoRA gradients (+ the initial LoRA
 #     broadcast): no expert byte was communicated;
 #  4. a rank that throws, or is killed, takes every rank down with a non-zero exit within a bound,
-#     naming the failed rank.
+#     naming the failed rank;
+#  5. shared homes (per_numa_node) and disk homes train bitwise like per-rank homes (2 and 3 ranks).
 # usage: mpi_train.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 bin=$1/eo-ddp
@@ -104,6 +105,35 @@ for kind in throw kill; do
   check "per_numa_node, rank 1 fails ($kind): the job fails" test $? -ne 0
 done
 check "per_numa_node: nothing left in /dev/shm" test "$(ours_in_shm)" = "$shm_before"
+
+# expert_offload_homes: disk (issue #17): one homes file per host, written by one rank and read by
+# all through their own read rings, trains bitwise like per-rank homes with 2 and 3 ranks; a second
+# 3-rank run reuses the file (same inode and modification time).
+run two2_disk 2 2 --set expert_offload=true --set expert_offload_homes=disk --set expert_offload_disk_path="$tmp/homes2"
+check "disk == per_rank, 2 ranks, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/two2_off" "$tmp/two2_disk" --exact
+check "one disk file read by both ranks" grep -q "1 disk file(s) of .* read by 2 ranks" "$tmp/two2_disk.log"
+run three1_disk 3 1 --set expert_offload=true --set expert_offload_homes=disk --set expert_offload_disk_path="$tmp/homes3"
+check "disk == per_rank, 3 ranks, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/three1_off" "$tmp/three1_disk" --exact
+check "one disk file read by 3 ranks" grep -q "1 disk file(s) of .* read by 3 ranks" "$tmp/three1_disk.log"
+check "3 ranks: the file was written" grep -q "expert homes on disk: writing $tmp/homes3/eo-ddp-expert-homes.bin" "$tmp/three1_disk.log"
+homes3=$(stat -c '%i %y' "$tmp/homes3/eo-ddp-expert-homes.bin")
+run three1_disk_again 3 1 --set expert_offload=true --set expert_offload_homes=disk --set expert_offload_disk_path="$tmp/homes3"
+check "3 ranks again: the file is reused" grep -q "expert homes on disk: reusing $tmp/homes3/eo-ddp-expert-homes.bin" "$tmp/three1_disk_again.log"
+check "3 ranks again: its inode and mtime are unchanged" test "$(stat -c '%i %y' "$tmp/homes3/eo-ddp-expert-homes.bin")" = "$homes3"
+check "3 ranks again: bitwise" "$py" tests/ref/compare_adapters.py "$tmp/three1_off" "$tmp/three1_disk_again" --exact
+# The writer's drive fills up while the other rank waits for the file: the job ends (no hang),
+# naming the file, and leaves nothing in the directory.
+start=$(date +%s)
+EO_DDP_FAULT_DISK_FULL_AFTER=50000 timeout 120 $mpirun -np 2 -x EO_DDP_FAULT_DISK_FULL_AFTER "$faults_bin" "${common[@]}" \
+  --set expert_offload=true --set expert_offload_homes=disk --set expert_offload_disk_path="$tmp/homes_full" \
+  --set output_dir="$tmp/disk_full" >"$tmp/disk_full.log" 2>&1
+rc=$?
+took=$(( $(date +%s) - start ))
+check "disk homes, full drive on 2 ranks: the job fails ($rc), not a timeout" test "$rc" -ne 0 -a "$rc" -ne 124
+check "disk homes, full drive on 2 ranks: within the bound ($took s)" test "$took" -lt 100
+check "disk homes, full drive on 2 ranks: the message names the file" \
+  grep -q "cannot write the expert homes file $tmp/homes_full/.eo-ddp-expert-homes.bin.tmp.* No space left on device" "$tmp/disk_full.log"
+check "disk homes, full drive on 2 ranks: nothing left in the directory" test -z "$(ls -A "$tmp/homes_full")"
 
 # Collective bytes = steps x LoRA gradient bytes (allreduce) + LoRA bytes once (broadcast).
 lora_bytes=$("$py" -c "

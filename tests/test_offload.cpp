@@ -431,6 +431,49 @@ TEST(Offload, DiskHomesHoldOnlyTheRingInRamAndReadEveryCopyAhead) {
   run_steps(rebuilt, 1, 1, other_ref);
 }
 
+// Disk homes with several ranks on a host: only the leader writes. A follower (HomeSharing with
+// leader = false; the collectives stubbed, as the trainer's would return once the leader is done)
+// never creates or changes the file: without one it stops with a message naming the leader's
+// file; with the leader's file it opens it as it is.
+TEST(Offload, DiskHomesFollowersNeverWriteTheFile) {
+  DiskFolder folder;
+  offload::OffloadOptions o = with_homes(offload::OffloadOptions{}, Homes::Disk, folder);
+  offload::HomeSharing follower;
+  follower.leader = false;
+  int exchanges = 0, barriers = 0;
+  follower.exchange = [&](const offload::ShareHandle& mine) {
+    EXPECT_EQ(mine.fd, -1) << "disk homes share no memory file";
+    ++exchanges;
+    return offload::ShareHandle{};
+  };
+  follower.barrier = [&] { ++barriers; };
+  o.sharing = follower;
+  const std::string file = offload::disk_homes_path(folder.dir.string());
+  try {
+    offload::ExpertOffloader off(make_bank(3, 2), o);
+    ADD_FAILURE() << "a follower started without its leader's file";
+  } catch (const eo::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the homes file " + file + " that this host's leader rank wrote does not match this "
+                                         "rank's experts: no homes file yet"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(file)) << "a follower wrote the homes file";
+  EXPECT_EQ(exchanges, 1);
+
+  // The leader writes; then a follower opens the same file, unchanged.
+  offload::OffloadOptions lo = with_homes(offload::OffloadOptions{}, Homes::Disk, folder);
+  { offload::ExpertOffloader leader(make_bank(3, 2), lo); }
+  const auto written = std::filesystem::last_write_time(file);
+  auto bank = make_bank(3, 2);
+  const auto ref = reference(bank);
+  offload::ExpertOffloader off(std::move(bank), o);
+  EXPECT_EQ(std::filesystem::last_write_time(file), written);
+  EXPECT_EQ(exchanges, 2);
+  EXPECT_EQ(barriers, 1);
+  run_steps(off, 1, 1, ref);
+}
+
 TEST(Offload, HomesAreExactSizeAndPlacedOnTheChosenNode) {
   auto& topo = offload::Topology::get();
   const auto node = offload::choose_home_node(topo, -1);
