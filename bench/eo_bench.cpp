@@ -8,10 +8,15 @@
 //   modes: resident | sync (one slot) | prefetch (default depth) | prefetchN (N blocks ahead) |
 //          budget (prefetch + budget-fraction of the experts resident); a suffix ":park" adds
 //          activation_offloading, ":mm" the micro-batch-major step order, ":shared" the homes in
-//          one shared memory file (expert_offload_homes: per_numa_node), ":whole" / ":sliced" the
-//          expert bank dequantised whole / in 64 MiB slices, ":eager" without CUDA graphs
-//          (cuda_graphs: false); they combine (":park:mm")
+//          one shared memory file (expert_offload_homes: per_numa_node), ":disk" the homes on a
+//          drive (expert_offload_homes: disk, the file in --disk-dir, default WORKDIR/disk-homes;
+//          the row is followed by the drive's raw O_DIRECT sequential read rate of that file beside
+//          the rate the read ring reached in training), ":whole" / ":sliced" the expert bank
+//          dequantised whole / in 64 MiB slices, ":eager" without CUDA graphs (cuda_graphs:
+//          false); they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
+//   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
+//                  tmpfs: pass a directory on the drive to measure :disk
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
 //   attn (default): the attention linears, as the architecture names them
 //   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
@@ -47,7 +52,10 @@
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
 #include "runtime/trainer.h"
+#include "offload/disk_homes.h"
 #include "bench/breakdown.h"
+
+#include <sys/vfs.h>
 
 #ifdef EO_WITH_CUDA
 #include <cuda_runtime.h>
@@ -67,6 +75,7 @@ struct Row {
   Point point;
   double s_per_step = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0, reserved_vram = 0;
   double staged_per_step = 0, h2d_gbps = 0, stall_s = 0, floor_s = 0;
+  double disk_read_per_step = 0, disk_gbps = 0, disk_raw_gbps = 0, disk_wait_s = 0;  // :disk
   std::string error;
 };
 
@@ -178,6 +187,7 @@ int main(int argc, char** argv) {
   bool breakdown = false;
   for (int i = 1; i < argc; ++i) breakdown = breakdown || std::string(argv[i]) == "--breakdown";
   const std::string work = arg(argc, argv, "--workdir", fs::exists("/dev/shm") ? "/dev/shm/eo-bench" : "/tmp/eo-bench");
+  const std::string disk_dir = arg(argc, argv, "--disk-dir", work + "/disk-homes");
   std::vector<Point> points;
   for (const auto& p : split(arg(argc, argv, "--points", "2048x1"), ',')) {
     const auto xy = split(p, 'x');
@@ -208,6 +218,7 @@ int main(int argc, char** argv) {
       const bool whole = std::find(parts.begin(), parts.end(), "whole") != parts.end();
       const bool sliced = std::find(parts.begin(), parts.end(), "sliced") != parts.end();
       const bool eager = std::find(parts.begin(), parts.end(), "eager") != parts.end();
+      const bool disk = std::find(parts.begin(), parts.end(), "disk") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -218,6 +229,7 @@ int main(int argc, char** argv) {
            << "gradient_accumulation_steps: " << accum << "\n"
            << (park ? "activation_offloading: true\n" : "") << (micro_major ? "step_order: micro_batch_major\n" : "")
            << (shared ? "expert_offload_homes: per_numa_node\n" : "")
+           << (disk ? "expert_offload_homes: disk\nexpert_offload_disk_path: " + disk_dir + "\n" : std::string())
            << (whole ? "expert_dequant_chunk: whole\n" : sliced ? "expert_dequant_chunk: 64MiB\n" : "")
            << (eager ? "cuda_graphs: false\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
@@ -261,7 +273,7 @@ int main(int argc, char** argv) {
         row.reserved_vram = double(peak_reserved_bytes(dev));
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");
-        std::vector<double> times, staged, h2d, stall;
+        std::vector<double> times, staged, h2d, stall, disk_read, disk_rate, disk_wait;
         std::string line;
         while (std::getline(in, line)) {
           const auto j = nlohmann::json::parse(line);
@@ -271,6 +283,9 @@ int main(int argc, char** argv) {
           staged.push_back(j.value("staged_bytes", 0.0));
           h2d.push_back(j.value("h2d_gbps", 0.0));
           stall.push_back(j.value("stall_s", 0.0));
+          disk_read.push_back(j.value("disk_read_bytes", 0.0));
+          disk_rate.push_back(j.value("disk_gbps", 0.0));
+          disk_wait.push_back(j.value("disk_wait_s", 0.0));
         }
         row.s_per_step = median(times);
         row.tokens_per_s = row.s_per_step > 0 ? double(pt.seq) * pt.mb * accum / row.s_per_step : 0;
@@ -278,6 +293,28 @@ int main(int argc, char** argv) {
         row.h2d_gbps = median(h2d);
         row.stall_s = median(stall);
         row.floor_s = bw > 0 ? row.staged_per_step / (bw * 1e9) : 0;
+        if (disk) {
+          // The drive's own rate on the homes file just used: one sequential O_DIRECT pass in 64 MiB
+          // reads, against what the read ring reached during the timed steps.
+          row.disk_read_per_step = median(disk_read);
+          row.disk_gbps = median(disk_rate);
+          row.disk_wait_s = median(disk_wait);
+          const std::string file = offload::disk_homes_path(disk_dir);
+          std::int64_t bytes = 0;
+          bool direct = false;
+          row.disk_raw_gbps = offload::sequential_read_gbps(file, std::int64_t(64) << 20, &bytes, &direct);
+          struct statfs fsinfo {};
+          const bool tmpfs = ::statfs(disk_dir.c_str(), &fsinfo) == 0 && fsinfo.f_type == 0x01021994;  // TMPFS_MAGIC
+          std::printf("# %s %s: disk homes %s (%s): raw sequential read %.2f GB/s (%s, 64 MiB reads); in training the ring "
+                      "read %s per step at %.2f GB/s (floor at the raw rate %.3f s/step), copies waited %.3f s per step for "
+                      "reads%s\n",
+                      name.c_str(), spec.c_str(), file.c_str(), human_bytes(double(bytes)).c_str(), row.disk_raw_gbps,
+                      direct ? "O_DIRECT" : "buffered: O_DIRECT refused", human_bytes(row.disk_read_per_step).c_str(),
+                      row.disk_gbps, row.disk_raw_gbps > 0 ? row.disk_read_per_step / (row.disk_raw_gbps * 1e9) : 0.0,
+                      row.disk_wait_s,
+                      tmpfs ? " -- NOTE: the homes are on tmpfs (RAM), not a drive: pass --workdir or --disk-dir on the drive"
+                            : "");
+        }
       } catch (const std::exception& e) {
         row.error = e.what();
         const auto nl = row.error.find('\n');
@@ -313,7 +350,9 @@ int main(int argc, char** argv) {
     all.push_back({{"model", r.model}, {"mode", r.mode}, {"seq", r.point.seq}, {"mb", r.point.mb}, {"accum", accum}, {"s_per_step", r.s_per_step},
                    {"tokens_per_s", r.tokens_per_s}, {"peak_vram", r.peak_vram}, {"plan_vram", r.plan_vram}, {"reserved_vram", r.reserved_vram},
                    {"pinned", r.pinned}, {"staged_per_step", r.staged_per_step}, {"h2d_gbps", r.h2d_gbps},
-                   {"stall_s", r.stall_s}, {"floor_s", r.floor_s}, {"pinned_bw_gbps", bw}, {"error", r.error}});
+                   {"stall_s", r.stall_s}, {"floor_s", r.floor_s}, {"pinned_bw_gbps", bw}, {"error", r.error},
+                   {"disk_read_per_step", r.disk_read_per_step}, {"disk_gbps", r.disk_gbps},
+                   {"disk_raw_gbps", r.disk_raw_gbps}, {"disk_wait_s", r.disk_wait_s}});
   }
   if (!json_out.empty()) std::ofstream(json_out) << all.dump(1) << "\n";
   world.finalize();

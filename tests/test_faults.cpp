@@ -28,6 +28,7 @@
 #include "models/moe_model.h"
 #include "offload/engine.h"
 #include "offload/host_memory.h"
+#include "runtime/schedule.h"
 #include "runtime/train_state.h"
 
 using namespace eo::faults;
@@ -356,6 +357,59 @@ TEST(HostMemory, EstimateEqualsTheHomesAllocated) {
       EXPECT_EQ(plan.block_bytes, double(off.block_bytes(0))) << "blocksize " << blocksize << (dq ? ", double quant" : "");
       EXPECT_EQ(plan.host_pinned, double(off.home_bytes()));
     }
+}
+
+// Disk homes: the plan's pinned RAM is the engine's read ring, its file the file the engine writes,
+// and its copies (= drive reads) per step those the engine makes along the trainer's schedule —
+// 2N - 2S for N blocks and S slots.
+TEST(HostMemory, DiskHomesPlanEqualsTheRingTheFileAndTheCopies) {
+  const std::string dir = std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe";
+  const fs::path homes = fs::temp_directory_path() / ("eo-faults-disk-" + std::to_string(::getpid()));
+  for (bool dq : {false, true})
+    for (int depth : {1, 2}) {
+      SCOPED_TRACE(std::string(dq ? "double quant" : "plain") + ", depth " + std::to_string(depth));
+      fs::remove_all(homes);
+      eo::model::LoadOptions lo;
+      lo.load_in_4bit = true;
+      lo.double_quant = dq;
+      lo.experts_on_host = true;
+      auto model = eo::model::MoeModel::load(dir, lo);
+      auto* resident = dynamic_cast<eo::model::ResidentWeights*>(&model->weight_provider());
+      ASSERT_NE(resident, nullptr);
+      eo::offload::OffloadOptions oo;
+      oo.pin_memory = false;
+      oo.prefetch_depth = depth;
+      oo.disk = eo::offload::DiskHomesOptions{};
+      oo.disk->dir = homes.string();
+      eo::offload::ExpertOffloader off(std::move(resident->bank()), oo);
+      eo::TrainConfig cfg;
+      cfg.base_model = dir;
+      cfg.load_in_4bit = true;
+      cfg.adapter = "qlora";
+      cfg.expert_offload = true;
+      cfg.expert_offload_prefetch_depth = depth;
+      cfg.bnb_4bit_use_double_quant = dq;
+      cfg.expert_offload_homes = "disk";
+      const eo::MemoryPlan plan = eo::plan_memory(cfg, model->config(), false, 1, false);
+      EXPECT_TRUE(plan.disk_homes);
+      EXPECT_EQ(plan.host_pinned, double(off.host_ram_bytes()));
+      EXPECT_EQ(plan.disk_ring, off.disk_ring_size());
+      EXPECT_EQ(plan.disk_file_bytes, double(fs::file_size(off.disk_file())));
+      const int n = model->num_layers();
+      std::vector<bool> moe(static_cast<std::size_t>(n));
+      for (int i = 0; i < n; ++i) moe[static_cast<std::size_t>(i)] = model->config().is_moe_layer(i);
+      const std::vector<int> order = eo::make_step_schedule(n, 1, eo::StepOrder::LayerMajor).staging_order(moe);
+      off.set_schedule(order);
+      eo::offload::OffloadStats st;
+      for (int step = 0; step < 3; ++step) {
+        for (int l : order) off.stage(l);
+        st = off.take_step_stats();
+      }
+      EXPECT_EQ(st.copies, 2 * n - 2 * (1 + depth));
+      EXPECT_EQ(plan.copies_per_step, st.copies);
+      EXPECT_EQ(plan.disk_reads_per_step, double(st.copied_bytes));
+    }
+  fs::remove_all(homes);
 }
 
 // ---- data -----------------------------------------------------------------------------------------
