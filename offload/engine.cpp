@@ -443,7 +443,8 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
       cudaEvent_t copied;
       cuda_check(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming), "cudaEventCreate");
       cuda_check(cudaEventRecord(copied, cs), "cudaEventRecord");
-      release_home(b, [copied] {
+      release_home(b, [copied, device = opt_.device.index()] {
+        cudaSetDevice(device);  // the reader thread's calls go to this rank's device
         const cudaError_t rc = cudaEventSynchronize(copied);
         cudaEventDestroy(copied);
         if (rc != cudaSuccess) EO_FAIL("offload: waiting for a copy out of the disk homes' ring: ", cudaGetErrorString(rc));

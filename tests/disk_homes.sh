@@ -3,8 +3,9 @@
 # in mpi_train.sh):
 #  1. disk homes train bitwise like per-rank homes; the file is written once and a second run
 #     reuses it (the log says so; its inode and modification time are unchanged);
-#  2. a corrupted header, a truncated file and a file of another quantisation setting are each
-#     found, named in the log and rebuilt, and the run trains bitwise like per-rank homes;
+#  2. a corrupted header, a truncated file and a file of another quantisation setting or another
+#     model are each found, named in the log and rebuilt, and the run trains bitwise like per-rank
+#     homes;
 #  3. the drive reads per step are the plan's (eo-ddp plan) and the staged bytes; where O_DIRECT
 #     is refused the log says so and the reads are buffered, still bitwise;
 #  4. a full drive while writing — the test seam's ENOSPC, and a real full tmpfs in a private
@@ -65,6 +66,12 @@ same "blocksize 128" blocksize per_rank_128
 run back "${disk[@]}"
 check "and back again" grep -q "bnb_4bit_blocksize: the file's is '128', this run's '64'" "$tmp/back.log"
 same "back to blocksize 64" back
+# Another model: the same shapes with other (seeded synthetic) weights.
+run per_rank_synthetic --set synthetic_weights=true
+run synthetic "${disk[@]}" --set synthetic_weights=true
+check "a file of another model is found" \
+  grep -q "rebuilding $file (.*): it holds the homes of another model or quantisation (weights: the file's is 'checkpoint', this run's 'synthetic, seed 42')" "$tmp/synthetic.log"
+same "another model" synthetic per_rank_synthetic
 
 # ---- 3. reads per step = the plan = the staged bytes; buffered reads where O_DIRECT is refused
 "$bin" plan "${common[@]}" "${disk[@]}" >"$tmp/plan.txt" 2>&1
