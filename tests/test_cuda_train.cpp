@@ -2,7 +2,7 @@
 //  - offloaded training is bitwise resident training on the GPU: the same kernels read the same
 //    bytes, so with deterministic algorithms every loss and LoRA tensor must be equal, on a model of
 //    8 MoE blocks and > 64 MiB of NF4 experts, prefetch depth 1 and 2, one slot, host-parked block
-//    inputs and shared (per_numa_node) homes, layer-major step at g = 2;
+//    inputs, shared (per_numa_node) and disk homes, layer-major step at g = 2;
 //  - the GPU step against the CPU fp32 step on the same tiny model (the GPU branches are otherwise
 //    only compared with each other): in fp32 on the GPU (its NF4 kernels, fused RMSNorm, SDPA,
 //    gather + bmm combine, chunked loss) every LoRA gradient within 1e-3; in bf16 (grouped expert
@@ -170,6 +170,11 @@ TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
   same(run("parked", {"expert_offload=true", "activation_offloading=true"}));
   // One copy per NUMA node: the homes in an anonymous memory file, page-locked by this rank.
   same(run("shared", {"expert_offload=true", "expert_offload_homes=per_numa_node"}));
+  // Disk homes: the file written once, read with O_DIRECT into the page-locked ring, the ring's
+  // buffers reused only after their asynchronous copies (CUDA events); then reused by a second run.
+  const std::string disk = "expert_offload_disk_path=" + (root / "homes").string();
+  same(run("disk", {"expert_offload=true", "expert_offload_homes=disk", disk}));
+  same(run("disk_depth2", {"expert_offload=true", "expert_offload_homes=disk", disk, "expert_offload_prefetch_depth=2"}));
   at::globalContext().setDeterministicAlgorithms(false, false);
 }
 
