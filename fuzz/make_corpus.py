@@ -156,3 +156,18 @@ put(nb, "missing_nested", b"\x08" + json.dumps(nested).encode())
 put(nb, "float_blocksize", b"\x00" + json.dumps(dict(qs, blocksize=1e30)).encode())
 put(nb, "huge_offset", b"\x00" + json.dumps(dict(nested, nested_offset=1e300)).encode())
 put(nb, "unknown_key", b"\x00" + json.dumps(dict(qs, packed=True)).encode())
+
+# --- disk_homes (mode byte, then the file or the header JSON; see fuzz_disk_homes.cpp) ----------
+dh = "disk_homes"
+# The expected header of the harness: layers 0 (100 bytes) and 2 (5000 bytes) after a 4096-byte
+# header region, each block padded to 4096.
+blocks = [[0, 4096, 100, "0x0000000000001234"], [2, 8192, 5000, "0x000000000000abcd"]]
+ident = {"base_model": "/m", "bnb_4bit_blocksize": "64"}
+header = {"blocks": blocks, "file_bytes": 12288, "identity": ident}
+put(dh, "valid", b"\x03" + json.dumps(header, separators=(",", ":")).encode())
+put(dh, "unpadded", b"\x01" + json.dumps(header, separators=(",", ":")).encode())
+put(dh, "other_identity", b"\x03" + json.dumps(dict(header, identity=dict(ident, bnb_4bit_blocksize="128"))).encode())
+put(dh, "other_layout", b"\x03" + json.dumps(dict(header, blocks=blocks[:1])).encode())
+put(dh, "bad_checksum", b"\x03" + json.dumps(dict(header, blocks=[blocks[0], [2, 8192, 5000, "zz"]])).encode())
+put(dh, "wrong_types", b"\x03" + json.dumps(dict(header, blocks=[[0, "a", None, 1]])).encode())
+put(dh, "raw_magic_only", b"\x00EODDPHOM" + bytes(40))

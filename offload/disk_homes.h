@@ -3,8 +3,9 @@
 // few blocks), not the model.
 //
 // The file: [header region][block arenas]. The header region (a multiple of 4096 bytes) starts
-// with a fixed prefix — the magic "EODDPHOM", the format version, the region's size, the JSON's
-// length and checksum — then the JSON: the identity (what the homes were made from: model,
+// with a fixed 48-byte little-endian prefix — the magic "EODDPHOM", u32 format version, u32 0, u64
+// region size, u64 JSON length, u64 JSON checksum, u64 checksum of the 40 bytes before it (both
+// common/checksum.h's hash, seeded with the version) — then the JSON: the identity (what the homes were made from: model,
 // quantisation settings; given by the trainer), every block's layer, offset, bytes and checksum,
 // and the file's size. Each block starts on a 4096-byte boundary, zero-padded to the next one, so
 // it reads with O_DIRECT; its bytes are the arena exactly as the engine would hold it in RAM
@@ -56,6 +57,9 @@ struct DiskHomesHeader {
 
 // A block's checksum: of its arena bytes (padding excluded), as the header records it.
 std::uint64_t arena_checksum(const std::uint8_t* data, std::int64_t bytes);
+std::string checksum_hex(std::uint64_t checksum);  // "0x" and 16 hex digits
+// pread(2) until `n` bytes or the end of the file, retrying EINTR: the bytes read, or -1 (errno).
+std::int64_t pread_full(int fd, std::uint8_t* dst, std::int64_t n, std::int64_t offset);
 
 // The homes file of the directory expert_offload_disk_path.
 std::string disk_homes_path(const std::string& dir);

@@ -4,6 +4,7 @@
 // equal the file's, buffered reads where O_DIRECT is refused, corruption caught on first read).
 // The file's bytes are read back here with plain stdio, not with the code under test.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/checksum.h"
 #include "common/error.h"
 #include "common/fault_seam.h"
 #include "offload/disk_homes.h"
@@ -115,6 +117,38 @@ TEST_F(DiskHomesTest, WrittenFileHoldsEveryArenaAlignedAndChecksOut) {
   const auto check = offload::check_disk_homes(path(), header_);
   EXPECT_TRUE(check.matches) << check.reason;
   EXPECT_EQ(folder(), std::vector<std::string>{"eo-ddp-expert-homes.bin"}) << "a temporary was left behind";
+}
+
+// The format as disk_homes.h documents it, written here by hand (prefix: magic, u32 version, u32
+// 0, u64 region, u64 JSON length, u64 JSON checksum, u64 prefix checksum; the JSON; the blocks at
+// their offsets): the check accepts it, and the writer's file is the same bytes.
+TEST_F(DiskHomesTest, TheDocumentedFormatIsWhatTheWriterWrites) {
+  make_blocks();
+  write(header_);
+  const std::string written = file_bytes();
+  nlohmann::json blocks = nlohmann::json::array();
+  for (const auto& b : header_.blocks) blocks.push_back({b.layer, b.offset, b.bytes, offload::checksum_hex(b.checksum)});
+  const std::string text =
+      nlohmann::json{{"identity", header_.identity}, {"blocks", blocks}, {"file_bytes", header_.file_bytes}}.dump();
+  const std::int64_t region = header_.blocks.front().offset;
+  std::string f(static_cast<std::size_t>(header_.file_bytes), '\0');
+  auto u64 = [&](std::size_t at, std::uint64_t v) { std::memcpy(&f[at], &v, 8); };
+  std::memcpy(&f[0], "EODDPHOM", 8);
+  const std::uint32_t version = 1;
+  std::memcpy(&f[8], &version, 4);
+  u64(16, static_cast<std::uint64_t>(region));
+  u64(24, text.size());
+  u64(32, eo::hash_bytes(text.data(), text.size(), 1));
+  u64(40, eo::hash_bytes(f.data(), 40, 1));
+  std::memcpy(&f[48], text.data(), text.size());
+  for (const auto& b : header_.blocks)
+    std::memcpy(&f[static_cast<std::size_t>(b.offset)], data_[b.layer].data(), static_cast<std::size_t>(b.bytes));
+  EXPECT_EQ(region % 4096, 0);
+  EXPECT_EQ(f, written) << "the writer's file differs from the documented format";
+  fs::remove(path());
+  std::ofstream(path(), std::ios::binary).write(f.data(), static_cast<std::streamsize>(f.size()));
+  const auto c = offload::check_disk_homes(path(), header_);
+  EXPECT_TRUE(c.matches) << c.reason;
 }
 
 TEST_F(DiskHomesTest, EveryMismatchIsFoundAndNamed) {
