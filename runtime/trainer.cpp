@@ -200,6 +200,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       if (offloader->homes_on_disk()) {
         r.extra["disk_read_bytes"] = os.disk_read_bytes;
         r.extra["disk_reads"] = os.disk_reads;
+        r.extra["disk_ring_hits"] = os.disk_ring_hits;  // copies whose block was still in the ring: not read again
         r.extra["disk_gbps"] = os.disk_read_seconds > 0 ? double(os.disk_read_bytes) / os.disk_read_seconds / 1e9 : 0.0;
         r.extra["disk_wait_s"] = os.disk_wait_seconds;
       }

@@ -80,11 +80,19 @@ same "another model" synthetic per_rank_synthetic
 check "the plan shows the disk homes" grep -qE "disk homes +132.00 KiB" "$tmp/plan.txt"
 check "the plan shows the ring" grep -qE "pinned host +96.00 KiB  per rank: the disk homes' read ring, 3 buffers of 32.00 KiB" "$tmp/plan.txt"
 check "the plan shows the reads per step" grep -qE "disk reads +120.00 KiB  per rank and optimizer step: 4 block copies" "$tmp/plan.txt"
-check "the run reads what the plan says (steps 2, 3: 4 blocks = the staged bytes)" "$py" -c "
+# The plan's reads are the copies of a warm step (4 here: 2N - 2S); the ring reads each copy's block
+# unless it is still there from an earlier copy, and reads ahead of the step boundary (up to its 3
+# buffers), so over the run: copies - ring hits <= reads <= copies - ring hits + 3.
+check "the run copies what the plan says (steps 2, 3: 4 blocks) and reads them, less ring hits" "$py" -c "
 import json, sys
 rows = [json.loads(l) for l in open('$tmp/second/metrics.jsonl')]
 block = rows[0]['staged_bytes'] // rows[0]['stagings']
-sys.exit(not all(r['disk_read_bytes'] == r['staged_bytes'] == 4 * block == 4 * 30720 and r['disk_reads'] == 4 for r in rows[1:]))"
+copies = sum(r['stagings'] for r in rows)
+hits = sum(r['disk_ring_hits'] for r in rows)
+reads = sum(r['disk_reads'] for r in rows)
+print(copies, hits, reads)
+sys.exit(not (block == 30720 and all(r['staged_bytes'] == 4 * block for r in rows[1:]) and
+              copies - hits <= reads <= copies - hits + 3 and sum(r['disk_read_bytes'] for r in rows) == reads * block))"
 EO_DDP_FAULT_NO_O_DIRECT=1 timeout 300 "$faults_bin" "${common[@]}" "${disk[@]}" --set output_dir="$tmp/buffered" >"$tmp/buffered.log" 2>&1
 check "without O_DIRECT: trains" test $? = 0
 check "without O_DIRECT: the log says reads are buffered" \
