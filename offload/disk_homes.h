@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/quant_format.h"
 #include "offload/homes.h"
 
 namespace eo::model {
@@ -98,9 +99,9 @@ DirectFile open_direct(const std::string& path);
 // copied (at least 2).
 int disk_ring_buffers(int num_slots);
 
-// The disk homes of a model quantised at load time (offload/layout.h's arenas), before anything
-// is loaded: the file (its header estimated at a few KiB) and the read ring for `num_slots`
-// device slots (the ring's buffers hold one block each, rounded up to kDiskAlign).
+// The disk homes of a model whose experts are NF4 quantised at load time or the checkpoint's MXFP4
+// (offload/layout.h's arenas), before anything is loaded: the file (its header estimated at a few
+// KiB) and the read ring for `num_slots` device slots (a buffer per block, rounded up to kDiskAlign).
 struct DiskHomesSize {
   std::int64_t file_bytes = 0;
   std::int64_t block_bytes = 0;  // one MoE block's arena
@@ -108,7 +109,8 @@ struct DiskHomesSize {
   int ring = 0;                  // read buffers
   std::int64_t ring_bytes = 0;   // host RAM of the ring, per rank
 };
-DiskHomesSize estimate_disk_homes(const model::ModelConfig& c, int blocksize, bool double_quant, int num_slots);
+DiskHomesSize estimate_disk_homes(const model::ModelConfig& c, int blocksize, bool double_quant, int num_slots,
+                                  QuantFormat format = QuantFormat::Nf4);
 
 // The ring: blocks read from the file into `ring` page-aligned host buffers (page-locked on CUDA
 // builds with `pinned`), ahead of use. The engine says which blocks it will copy next, in order

@@ -241,7 +241,9 @@ void ExpertOffloader::start_disk_homes(model::ResidentWeights::Bank& bank) {
   const std::string path = disk_homes_path(d.dir);
   DiskHomesHeader header;
   header.identity = d.identity;
-  header.identity["arena"] = "NF4 expert arenas: per expert gate, up, down; packed codes then statistics, " +
+  // The arenas' layout (offload/layout.h); what the bytes encode is the engine's and the identity's
+  // business, not the file's.
+  header.identity["arena"] = "4-bit expert arenas: per expert gate, up, down; packed codes then statistics, " +
                              std::to_string(kArenaAlign) + "-byte aligned";
   std::vector<std::int64_t> offsets;
   {

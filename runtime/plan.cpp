@@ -99,7 +99,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
       p.copies_per_step = offload::steady_copies_per_step(step.staging_order(is_moe), int(c.layers), std::min(slots, streamed),
                                                           cfg.expert_offload_prefetch, resident);
     if (cfg.expert_offload_homes == "disk") {
-      const offload::DiskHomesSize z = offload::estimate_disk_homes(c, bs, cfg.bnb_4bit_use_double_quant, slots);
+      const offload::DiskHomesSize z = offload::estimate_disk_homes(c, bs, cfg.bnb_4bit_use_double_quant, slots, p.expert_format);
       p.disk_homes = true;
       p.disk_file_bytes = double(z.file_bytes);
       p.disk_ring = z.ring;

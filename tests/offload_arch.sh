@@ -6,7 +6,9 @@
 # (synchronous and with prefetch) gives bitwise the losses and adapter of resident training.
 # Only the routed experts move; shared experts, dense layers and attention stay resident.
 # gpt_oss_mxfp4: gpt-oss with its experts in MXFP4 as the Hub ships them, held so in the homes
-# (expert_quant: auto), and `plan` / `--check` counting them as MXFP4.
+# (expert_quant: auto), and `plan` / `--check` counting them as MXFP4. Every family also trains
+# bitwise with its homes on disk (expert_offload_homes: disk: the file holds the arenas whatever
+# they encode); an MXFP4 file is rebuilt for an NF4 run, the log naming the difference.
 # usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 source "$2/tests/testlib.sh"
@@ -18,20 +20,26 @@ for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn gpt_oss gpt_os
     { echo "FAILED: make_tiny_model.py --arch $arch"; fail=1; continue; }
   common=(--config configs/tiny-qwen3-moe.yaml --set base_model="$tmp/$arch/model" --set max_steps=4 --set save_steps=0
           --set lora_dropout=0.1 --set lora_target_linear=true --set sequence_len=64)
-  for run in resident sync prefetch; do
+  for run in resident sync prefetch disk; do
     extra=()
     [ $run = sync ] && extra=(--set expert_offload=true --set expert_offload_prefetch=false)
     [ $run = prefetch ] && extra=(--set expert_offload=true)
+    [ $run = disk ] && extra=(--set expert_offload=true --set expert_offload_homes=disk --set expert_offload_disk_path="$tmp/$arch/homes")
     timeout 300 "$bin" "${common[@]}" --set output_dir="$tmp/$arch/$run" "${extra[@]}" >"$tmp/$arch/$run.log" 2>&1 ||
       { echo "FAILED: $arch $run run"; tail -5 "$tmp/$arch/$run.log"; fail=1; }
   done
   check "$arch: offload (synchronous) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/$arch/resident" "$tmp/$arch/sync" --exact
   check "$arch: offload (prefetch) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/$arch/resident" "$tmp/$arch/prefetch" --exact
+  check "$arch: offload (disk homes) == resident, bitwise" "$py" tests/ref/compare_adapters.py "$tmp/$arch/resident" "$tmp/$arch/disk" --exact
   check "$arch: the offload engine ran (slots logged)" grep -q "device slot(s) of" "$tmp/$arch/sync.log"
   if [ $arch = gpt_oss_mxfp4 ]; then
-    for run in resident sync prefetch; do
+    for run in resident sync prefetch disk; do
       check "$arch $run: the log says the experts are held in MXFP4" grep -q "experts held in MXFP4" "$tmp/$arch/$run.log"
     done
+    timeout 300 "$bin" "${common[@]}" --set expert_quant=nf4 --set expert_offload=true --set expert_offload_homes=disk \
+      --set expert_offload_disk_path="$tmp/$arch/homes" --set output_dir="$tmp/$arch/disk_nf4" >"$tmp/$arch/disk_nf4.log" 2>&1
+    check "$arch: an NF4 run rebuilds the MXFP4 disk homes, saying why" \
+      grep -q "rebuilding $tmp/$arch/homes/eo-ddp-expert-homes.bin (.*): it holds the homes of another model or quantisation (experts: the file's is 'MXFP4 (the checkpoint's)', this run's 'NF4')" "$tmp/$arch/disk_nf4.log"
     "$bin" plan "${common[@]}" --set expert_offload=true >"$tmp/$arch/plan.txt" 2>&1
     check "$arch: plan counts the experts as MXFP4" grep -q "experts .*(MXFP4, the checkpoint's own bytes)" "$tmp/$arch/plan.txt"
     # 6 experts x 3 matrices of 64 x 32: 1024 code bytes and 64 scale bytes each, 256-byte aligned.
