@@ -137,6 +137,19 @@ class FileWriter {
   std::int64_t total_, written_ = 0, since_flush_ = 0;
 };
 
+// A whole number of the header's JSON, or a throw (which the check reports as a corrupted header):
+// nlohmann's get<> would convert a float or an out-of-range number with undefined behaviour.
+std::int64_t whole_number(const json& v, std::int64_t lo, std::int64_t hi) {
+  if (v.is_number_unsigned() && v.get<std::uint64_t>() <= static_cast<std::uint64_t>(hi)) {
+    const auto x = static_cast<std::int64_t>(v.get<std::uint64_t>());
+    if (x >= lo) return x;
+  } else if (v.is_number_integer() && !v.is_number_unsigned()) {
+    const auto x = v.get<std::int64_t>();
+    if (x >= lo && x <= hi) return x;
+  }
+  throw std::runtime_error("'" + v.dump() + "' is not a whole number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
 // The first difference between two identities, for the log.
 std::string identity_difference(const std::map<std::string, std::string>& file, const std::map<std::string, std::string>& run) {
   std::map<std::string, std::pair<std::string, std::string>> keys;
@@ -253,13 +266,17 @@ DiskHomesCheck check_disk_homes(const std::string& path, const DiskHomesHeader& 
   try {
     const json j = json::parse(text, json_depth_limit([] { throw std::runtime_error("nested too deeply"); }));
     file.identity = j.at("identity").get<std::map<std::string, std::string>>();
-    file.file_bytes = j.at("file_bytes").get<std::int64_t>();
+    constexpr std::int64_t kMax = std::int64_t(1) << 62;
+    file.file_bytes = whole_number(j.at("file_bytes"), 0, kMax);
     for (const auto& e : j.at("blocks")) {
       DiskBlock b;
-      b.layer = e.at(0).get<int>();
-      b.offset = e.at(1).get<std::int64_t>();
-      b.bytes = e.at(2).get<std::int64_t>();
-      b.checksum = std::stoull(e.at(3).get<std::string>(), nullptr, 16);
+      b.layer = static_cast<int>(whole_number(e.at(0), 0, 1 << 20));
+      b.offset = whole_number(e.at(1), 0, kMax);
+      b.bytes = whole_number(e.at(2), 0, kMax);
+      const std::string sum = e.at(3).get<std::string>();
+      std::size_t used = 0;
+      b.checksum = std::stoull(sum, &used, 16);
+      if (used != sum.size()) throw std::runtime_error("checksum '" + sum + "' is not hexadecimal");
       file.blocks.push_back(b);
     }
   } catch (const std::exception& e) {
