@@ -222,8 +222,9 @@ TEST(CudaTrain, GraphedBlockUsesGiveTheEagerGradients) {
     std::vector<std::map<std::string, at::Tensor>> per_step;
     for (int step = 0; step < 4; ++step) {
       at::manual_seed(10 + step);
-      double tokens = 0;
-      runner.run(random_micro_batches(m->config().vocab, /*packed_second=*/true, &tokens), tokens);
+      double tokens = 0;  // counted by random_micro_batches: build the batches before passing it on
+      const auto micro = random_micro_batches(m->config().vocab, /*packed_second=*/true, &tokens);
+      runner.run(micro, tokens);
       std::map<std::string, at::Tensor> g;
       for (auto& [n, p] : m->lora_parameters()) {
         g[n] = p.grad().to(at::kCPU).clone();
@@ -243,7 +244,10 @@ TEST(CudaTrain, GraphedBlockUsesGiveTheEagerGradients) {
   ASSERT_EQ(eager.size(), graphed.size());
   for (std::size_t s = 0; s < eager.size(); ++s) {
     int differing = 0;
-    for (const auto& [n, g] : eager[s]) differing += at::equal(g, graphed[s].at(n)) ? 0 : 1;
+    for (const auto& [n, g] : eager[s]) {
+      ASSERT_TRUE(at::isfinite(g).all().item<bool>()) << "step " << s << ": " << n << " is not finite (eager)";
+      differing += at::equal(g, graphed[s].at(n)) ? 0 : 1;
+    }
     EXPECT_EQ(differing, 0) << "step " << s << ": " << differing << " of " << eager[s].size() << " LoRA gradients differ";
   }
 }
