@@ -12,8 +12,8 @@
 //          drive (expert_offload_homes: disk, the file in --disk-dir, default WORKDIR/disk-homes;
 //          the row is followed by the drive's raw O_DIRECT sequential read rate of that file beside
 //          the rate the read ring reached in training), ":whole" / ":sliced" the expert bank
-//          dequantised whole / in 64 MiB slices, ":eager" without CUDA graphs (cuda_graphs:
-//          false); they combine (":park:mm", "prefetch:disk")
+//          dequantised whole / in 64 MiB slices, ":eager" / ":graphs" without / with CUDA graphs (cuda_graphs:
+//          false / true); they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
 //                  tmpfs: pass a directory on the drive to measure :disk
@@ -218,6 +218,7 @@ int main(int argc, char** argv) {
       const bool whole = std::find(parts.begin(), parts.end(), "whole") != parts.end();
       const bool sliced = std::find(parts.begin(), parts.end(), "sliced") != parts.end();
       const bool eager = std::find(parts.begin(), parts.end(), "eager") != parts.end();
+      const bool graphs = std::find(parts.begin(), parts.end(), "graphs") != parts.end();
       const bool disk = std::find(parts.begin(), parts.end(), "disk") != parts.end();
       Row row;
       row.model = name;
@@ -231,7 +232,7 @@ int main(int argc, char** argv) {
            << (shared ? "expert_offload_homes: per_numa_node\n" : "")
            << (disk ? "expert_offload_homes: disk\nexpert_offload_disk_path: " + disk_dir + "\n" : std::string())
            << (whole ? "expert_dequant_chunk: whole\n" : sliced ? "expert_dequant_chunk: 64MiB\n" : "")
-           << (eager ? "cuda_graphs: false\n" : "")
+           << (eager ? "cuda_graphs: false\n" : graphs ? "cuda_graphs: true\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"

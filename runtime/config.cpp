@@ -649,10 +649,13 @@ const std::vector<KeySpec>& schema() {
                         "Blocks staged ahead of the one computing (device slots = 1 + depth). Each extra block also "
                         "stays across the forward/backward turns (2 copies fewer per step) and lets copies run further "
                         "ahead, at the cost of one block of device memory."));
-    k.push_back(boolean("cuda_graphs", &TrainConfig::cuda_graphs,
-                        "On CUDA with gradient_checkpointing, replay each block's forward and its recompute + backward "
-                        "as CUDA graphs (captured on their second use), so the step no longer waits on one host thread "
-                        "launching kernels. Off by itself with lora_dropout > 0 (per-use dropout seeds are host state)."));
+    k.push_back(choice("cuda_graphs", &TrainConfig::cuda_graphs, {"auto", "true", "false"},
+                       "On CUDA with gradient_checkpointing, replay each block's forward, its recompute + backward and "
+                       "the loss as CUDA graphs (captured on their second use), so the step no longer waits on one host "
+                       "thread launching kernels. Graphs keep a second working set of device memory (their own pool): "
+                       "auto = on when the experts are resident and the memory plan has room for it (offloaded runs "
+                       "are transfer-bound and short of memory: off). Off with lora_dropout > 0 (per-use dropout seeds "
+                       "are host state)."));
     k.push_back(boolean("activation_offloading", &TrainConfig::activation_offloading,
                         "Keep the checkpointed block inputs (every block x micro-batch of a step) in pinned host RAM "
                         "until backward, copied on a copy stream ahead of use (needs gradient_checkpointing)."));

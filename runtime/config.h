@@ -118,7 +118,7 @@ struct TrainConfig {
   std::string expert_dequant_chunk = "auto";  // auto | whole | bytes: expert_bank_bytes()
   std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
   bool activation_offloading = false;  // checkpointed block inputs in pinned host RAM
-  bool cuda_graphs = true;  // block uses replayed as CUDA graphs (runtime/block_graphs.h)
+  std::string cuda_graphs = "auto";  // auto | true | false: step uses replayed as CUDA graphs (runtime/block_graphs.h)
   std::string step_order = "layer_major";  // "layer_major" | "micro_batch_major" (with checkpointing)
 
   // Distributed.

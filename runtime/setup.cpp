@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "common/checksum.h"
 #include "common/error.h"
@@ -292,7 +293,15 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
 // On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
 // Returns the expert bank slice to use (bytes, 0 = whole): expert_dequant_chunk, where auto is
 // the whole bank unless only 64 MiB slices make the plan fit.
-std::int64_t check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
+// The plan checked against the device; what the start-up decides from it.
+struct PlanFit {
+  std::int64_t bank_bytes = 0;    // the expert bank the grouped GEMMs may use (expert_dequant_chunk)
+  double graphs_extra = 0;        // what CUDA graphs would keep besides: one more working set
+  bool graphs_fit = false;        // ... and whether it fits too
+  std::string available;          // what was checked against, in words
+};
+
+PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
   MemoryPlan plan = plan_memory(cfg, mc, bf16, local_size, device.is_cuda());
   if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
@@ -305,7 +314,7 @@ std::int64_t check_memory_plan(const TrainConfig& cfg, const at::Device& device,
     available = double(free_device_memory(device));
     what = human_bytes(available) + " free on " + describe_device(device);
   } else {
-    return expert_bank_bytes(cfg);
+    return {expert_bank_bytes(cfg), 0, false, "the CPU"};
   }
   std::int64_t bank = expert_bank_bytes(cfg);
   if (plan.device_peak + plan.margin > available && cfg.expert_dequant_chunk == "auto" && device.is_cuda()) {
@@ -321,13 +330,34 @@ std::int64_t check_memory_plan(const TrainConfig& cfg, const at::Device& device,
   }
   log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
             (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
-  if (plan.device_peak + plan.margin <= available) return bank;
+  if (plan.device_peak + plan.margin <= available) {
+    // Graphs replay from their own memory pool, which keeps the largest working set of a use (a
+    // block's recompute + backward, or the loss head) beside the default pool's.
+    double extra = 0;
+    for (const auto& part : plan.device)
+      if (part.name == "block" || part.name == "head") extra = std::max(extra, part.bytes);
+    return {bank, extra, plan.device_peak + plan.margin + extra <= available, what};
+  }
   std::string fixes;
   if (!cfg.expert_offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
   fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
   throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " + a margin of " +
                    human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) + "Try " +
                    fixes + ". (eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
+}
+
+// cuda_graphs: auto | true | false, and why, for the log.
+std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit) {
+  if (!device.is_cuda()) return {false, "off (a CPU run)"};
+  if (cfg.cuda_graphs == "false") return {false, "off (cuda_graphs: false)"};
+  if (!cfg.gradient_checkpointing) return {false, "off (they replay checkpointed block uses; gradient_checkpointing is off)"};
+  if (cfg.lora_dropout > 0) return {false, "off (lora_dropout > 0: each use's dropout seed is set on the host)"};
+  const std::string extra = human_bytes(fit.graphs_extra) + " more device memory for their pool";
+  if (cfg.cuda_graphs == "true") return {true, "on (cuda_graphs: true; up to " + extra + ")"};
+  if (cfg.expert_offload)
+    return {false, "off (auto: an offloaded run is transfer-bound and graphs would keep " + extra + "; cuda_graphs: true forces them)"};
+  if (!fit.graphs_fit) return {false, "off (auto: " + extra + " does not fit in " + fit.available + ")"};
+  return {true, "on (auto; " + extra + ")"};
 }
 
 // Each rank's intra-op thread pool (host-side tensor work: the embedding gather, data, CPU
@@ -394,7 +424,9 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   run.bf16 = config_use_bf16(cfg, device.is_cuda());
   const bool bf16 = run.bf16;
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
-  const std::int64_t bank_bytes = check_memory_plan(cfg, device, bf16, wi.local_size);
+  const PlanFit fit = check_memory_plan(cfg, device, bf16, wi.local_size);
+  const std::int64_t bank_bytes = fit.bank_bytes;
+  std::tie(run.cuda_graphs, run.cuda_graphs_why) = resolve_cuda_graphs(cfg, device, fit);
   const auto t_load = Clock::now();
   if (cfg.expert_offload) check_host_memory_for_homes(cfg, world, device);
 

@@ -54,6 +54,8 @@ struct Run {
   std::unique_ptr<dist::Communicator> comm;
   std::unique_ptr<dist::GradReducer> reducer;  // null in a world of one
   double aux_coef = 0;           // router_aux_loss_coef in effect
+  bool cuda_graphs = false;      // step uses replay as CUDA graphs (cuda_graphs resolved at start)
+  std::string cuda_graphs_why;   // the reason, for the log
 
   Run();
   ~Run();

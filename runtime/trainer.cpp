@@ -43,7 +43,7 @@ StepOptions step_options(const TrainConfig& cfg, const Run& run) {
   o.aux_loss = cfg.output_router_logits;
   o.aux_coef = run.aux_coef / double(run.accum * std::max(1, run.comm->size()));
   o.random_blocks = cfg.lora_dropout > 0;
-  o.cuda_graphs = cfg.cuda_graphs;
+  o.cuda_graphs = run.cuda_graphs;
   return o;
 }
 
@@ -75,10 +75,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   for (const auto& [n, p] : run.lora) params.push_back(p);
   StepRunner runner(*run.model, step_options(cfg, run), static_cast<int>(accum), reducer);
   if (device.is_cuda() && wi.rank == 0)
-    log::info(runner.graphs_enabled() ? std::string("CUDA graphs: each block's forward and recompute + backward replay as graphs from their second use")
-              : !cfg.cuda_graphs            ? std::string("CUDA graphs: off (cuda_graphs: false)")
-              : !cfg.gradient_checkpointing ? std::string("CUDA graphs: off (they replay checkpointed block uses; gradient_checkpointing is off)")
-                                            : std::string("CUDA graphs: off (lora_dropout > 0: each use's dropout seed is set on the host)"));
+    log::info("CUDA graphs: " + run.cuda_graphs_why +
+              (run.cuda_graphs ? ": each block's forward, recompute + backward and the loss replay as graphs from their second use"
+                               : std::string()));
   const double steps_per_epoch = double(batcher.num_batches_per_epoch()) / double(accum);
   const std::int64_t save_every =
       cfg.saves_per_epoch ? interval(std::nullopt, cfg.saves_per_epoch, steps_per_epoch, total_steps) : cfg.save_steps;

@@ -267,9 +267,10 @@ TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
            {"prefetch", {"expert_offload=true"}},
            {"prefetch2", {"expert_offload=true", "expert_offload_prefetch_depth=2"}},
            {"aux", {"output_router_logits=true"}}}) {
-    std::vector<std::string> eager = extra;
+    std::vector<std::string> eager = extra, graphs = extra;
     eager.push_back("cuda_graphs=false");
-    const fs::path a = run(label + "-eager", eager), b = run(label + "-graphs", extra);
+    graphs.push_back("cuda_graphs=true");  // auto leaves them off when offloading
+    const fs::path a = run(label + "-eager", eager), b = run(label + "-graphs", graphs);
     const auto ref = read_adapter(a), got = read_adapter(b);
     ASSERT_FALSE(ref.empty()) << label;
     int differing = 0;
