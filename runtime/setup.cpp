@@ -293,14 +293,6 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
 // On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
 // Returns the expert bank slice to use (bytes, 0 = whole): expert_dequant_chunk, where auto is
 // the whole bank unless only 64 MiB slices make the plan fit.
-// The plan checked against the device; what the start-up decides from it.
-struct PlanFit {
-  std::int64_t bank_bytes = 0;    // the expert bank the grouped GEMMs may use (expert_dequant_chunk)
-  double graphs_extra = 0;        // what CUDA graphs would keep besides: one more working set
-  bool graphs_fit = false;        // ... and whether it fits too
-  std::string available;          // what was checked against, in words
-};
-
 PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
   MemoryPlan plan = plan_memory(cfg, mc, bf16, local_size, device.is_cuda());
@@ -346,20 +338,6 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
                    fixes + ". (eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
 }
 
-// cuda_graphs: auto | true | false, and why, for the log.
-std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit) {
-  if (!device.is_cuda()) return {false, "off (a CPU run)"};
-  if (cfg.cuda_graphs == "false") return {false, "off (cuda_graphs: false)"};
-  if (!cfg.gradient_checkpointing) return {false, "off (they replay checkpointed block uses; gradient_checkpointing is off)"};
-  if (cfg.lora_dropout > 0) return {false, "off (lora_dropout > 0: each use's dropout seed is set on the host)"};
-  const std::string extra = human_bytes(fit.graphs_extra) + " more device memory for their pool";
-  if (cfg.cuda_graphs == "true") return {true, "on (cuda_graphs: true; up to " + extra + ")"};
-  if (cfg.expert_offload)
-    return {false, "off (auto: an offloaded run is transfer-bound and graphs would keep " + extra + "; cuda_graphs: true forces them)"};
-  if (!fit.graphs_fit) return {false, "off (auto: " + extra + " does not fit in " + fit.available + ")"};
-  return {true, "on (auto; " + extra + ")"};
-}
-
 // Each rank's intra-op thread pool (host-side tensor work: the embedding gather, data, CPU
 // compute) gets its share of the host's cores, not all of them: N ranks with a pool each the size
 // of the host oversubscribe it N times over, and a descheduled thread delays the kernel launches
@@ -376,6 +354,19 @@ void size_thread_pool(int local_size) {
 }
 
 }  // namespace
+
+std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit) {
+  if (!device.is_cuda()) return {false, "off (a CPU run)"};
+  if (cfg.cuda_graphs == "false") return {false, "off (cuda_graphs: false)"};
+  if (!cfg.gradient_checkpointing) return {false, "off (they replay checkpointed block uses; gradient_checkpointing is off)"};
+  if (cfg.lora_dropout > 0) return {false, "off (lora_dropout > 0: each use's dropout seed is set on the host)"};
+  const std::string extra = human_bytes(fit.graphs_extra) + " more device memory for their pool";
+  if (cfg.cuda_graphs == "true") return {true, "on (cuda_graphs: true; up to " + extra + ")"};
+  if (cfg.expert_offload)
+    return {false, "off (auto: an offloaded run is transfer-bound and graphs would keep " + extra + "; cuda_graphs: true forces them)"};
+  if (!fit.graphs_fit) return {false, "off (auto: " + extra + " does not fit in " + fit.available + ")"};
+  return {true, "on (auto; " + extra + ")"};
+}
 
 Run::Run() = default;
 Run::~Run() = default;

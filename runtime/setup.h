@@ -35,6 +35,18 @@ class Optimizer;
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
+// The memory plan checked against the device at start-up, and what is decided from it.
+struct PlanFit {
+  std::int64_t bank_bytes = 0;  // the expert bank the grouped GEMMs may use (expert_dequant_chunk)
+  double graphs_extra = 0;      // what CUDA graphs would keep besides: one more working set
+  bool graphs_fit = false;      // ... and whether the plan has room for it
+  std::string available;        // what was checked against, in words
+};
+
+// cuda_graphs: auto | true | false resolved for this run, and why (for the log). auto: on for
+// resident experts when the plan has room for the graphs' pool; off when offloading.
+std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit);
+
 struct Run {
   at::Device device = at::kCPU;
   bool bf16 = false;

@@ -10,6 +10,7 @@
 #include "common/text.h"
 #include "models/hf_config.h"
 #include "runtime/config.h"
+#include "runtime/setup.h"
 
 using namespace eo;
 
@@ -542,4 +543,44 @@ TEST(Config, ExpertQuantIsCheckedAgainstTheCheckpoint) {
   EXPECT_NE(dense.find("expert_quant: mxfp4 needs load_in_4bit: true"), std::string::npos) << dense;
   EXPECT_NO_THROW(load_config_text(yaml("qwen", "expert_quant: nf4\n"), "t.yaml", {}));
   fs::remove_all(dir);
+}
+
+// cuda_graphs: the decision table of runtime/setup.h (no GPU needed: a CUDA device is a value here).
+TEST(Config, CudaGraphsAutoIsOnForResidentExpertsWithRoomForThePool) {
+  TrainConfig cfg;
+  cfg.gradient_checkpointing = true;
+  cfg.lora_dropout = 0;
+  const at::Device cuda(at::kCUDA, 0);
+  PlanFit room;
+  room.graphs_extra = 1.5 * double(1 << 30);
+  room.graphs_fit = true;
+  room.available = "80 GiB free";
+  PlanFit tight = room;
+  tight.graphs_fit = false;
+  auto on = [&](const TrainConfig& c, const PlanFit& f, const at::Device& d) { return resolve_cuda_graphs(c, d, f); };
+
+  EXPECT_EQ(cfg.cuda_graphs, "auto");
+  EXPECT_TRUE(on(cfg, room, cuda).first);
+  const auto [tight_on, tight_why] = on(cfg, tight, cuda);
+  EXPECT_FALSE(tight_on);
+  EXPECT_NE(tight_why.find("does not fit"), std::string::npos) << tight_why;
+  EXPECT_FALSE(on(cfg, room, at::Device(at::kCPU)).first);
+
+  TrainConfig offload = cfg;
+  offload.expert_offload = true;
+  const auto [off_on, off_why] = on(offload, room, cuda);
+  EXPECT_FALSE(off_on) << "auto: offloaded runs keep the memory";
+  EXPECT_NE(off_why.find("cuda_graphs: true"), std::string::npos) << "says how to force them: " << off_why;
+  offload.cuda_graphs = "true";
+  EXPECT_TRUE(on(offload, tight, cuda).first) << "true is the user's choice, even when the plan is tight";
+
+  TrainConfig never = cfg;
+  never.cuda_graphs = "false";
+  EXPECT_FALSE(on(never, room, cuda).first);
+  TrainConfig dropout = offload;  // cuda_graphs: true
+  dropout.lora_dropout = 0.05;
+  EXPECT_FALSE(on(dropout, room, cuda).first) << "per-use dropout seeds are host state a replay does not see";
+  TrainConfig no_ckpt = offload;
+  no_ckpt.gradient_checkpointing = false;
+  EXPECT_FALSE(on(no_ckpt, room, cuda).first);
 }
