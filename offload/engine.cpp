@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 
 #include "common/error.h"
@@ -70,6 +71,10 @@ struct ExpertOffloader::CudaState {
   c10::cuda::CUDAStream copy_stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> stall_events;  // (before wait, after wait) pairs to time
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> copy_events;   // (start, end) of every copy this step
+  struct Closed {  // a closed step's events, timed when its stats are taken
+    std::vector<std::pair<cudaEvent_t, cudaEvent_t>> stall, copy;
+  };
+  std::deque<Closed> closed;
   std::vector<cudaEvent_t> free_events;
   cudaEvent_t take() {
     if (!free_events.empty()) {
@@ -377,7 +382,12 @@ ExpertOffloader::~ExpertOffloader() {
       cudaEventDestroy(s->ready);
       cudaEventDestroy(s->released);
     }
-    for (auto* list : {&cuda_->stall_events, &cuda_->copy_events})
+    std::vector<std::vector<std::pair<cudaEvent_t, cudaEvent_t>>*> lists{&cuda_->stall_events, &cuda_->copy_events};
+    for (auto& c : cuda_->closed) {
+      lists.push_back(&c.stall);
+      lists.push_back(&c.copy);
+    }
+    for (auto* list : lists)
       for (auto& [a, b] : *list) {
         cudaEventDestroy(a);
         cudaEventDestroy(b);
@@ -546,27 +556,7 @@ std::int64_t ExpertOffloader::placement(int layer) {
   return -1;
 }
 
-OffloadStats ExpertOffloader::take_step_stats() {
-#ifdef EO_WITH_CUDA
-  if (cuda_) {
-    cuda_check(cudaStreamSynchronize(cuda_->copy_stream.stream()), "cudaStreamSynchronize");
-    cuda_check(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()), "cudaStreamSynchronize");
-    for (auto& [start, end] : cuda_->copy_events) {
-      float ms = 0;
-      if (cudaEventElapsedTime(&ms, start, end) == cudaSuccess) stats_.copy_seconds += ms / 1e3;
-      cuda_->free_events.push_back(start);
-      cuda_->free_events.push_back(end);
-    }
-    cuda_->copy_events.clear();
-    for (auto& [before, after] : cuda_->stall_events) {
-      float ms = 0;
-      if (cudaEventElapsedTime(&ms, before, after) == cudaSuccess) stats_.stall_seconds += ms / 1e3;
-      cuda_->free_events.push_back(before);
-      cuda_->free_events.push_back(after);
-    }
-    cuda_->stall_events.clear();
-  }
-#endif
+void ExpertOffloader::end_step() {
   if (disk_) {
     const DiskReader::Stats d = disk_->take_stats();
     stats_.disk_reads = d.reads;
@@ -576,8 +566,39 @@ OffloadStats ExpertOffloader::take_step_stats() {
     stats_.disk_unplanned = d.unplanned;
     stats_.disk_ring_hits = d.ring_hits;
   }
-  OffloadStats out = stats_;
+#ifdef EO_WITH_CUDA
+  if (cuda_) {
+    cuda_->closed.push_back({std::move(cuda_->stall_events), std::move(cuda_->copy_events)});
+    cuda_->stall_events.clear();
+    cuda_->copy_events.clear();
+  }
+#endif
+  closed_.push_back(stats_);
   stats_ = OffloadStats{};
+}
+
+OffloadStats ExpertOffloader::take_step_stats() {
+  if (closed_.empty()) end_step();
+  OffloadStats out = closed_.front();
+  closed_.pop_front();
+#ifdef EO_WITH_CUDA
+  if (cuda_) {
+    CudaState::Closed c = std::move(cuda_->closed.front());
+    cuda_->closed.pop_front();
+    // Each pair's second event is recorded after its first on the same stream.
+    auto time = [this](std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& pairs, double& seconds) {
+      for (auto& [first, second] : pairs) {
+        cuda_check(cudaEventSynchronize(second), "cudaEventSynchronize");
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, first, second) == cudaSuccess) seconds += ms / 1e3;
+        cuda_->free_events.push_back(first);
+        cuda_->free_events.push_back(second);
+      }
+    };
+    time(c.copy, out.copy_seconds);
+    time(c.stall, out.stall_seconds);
+  }
+#endif
   return out;
 }
 

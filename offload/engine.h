@@ -35,6 +35,7 @@
 
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -116,7 +117,12 @@ class ExpertOffloader : public model::WeightProvider {
   // new device memory; returns how many. Call between steps (it copies synchronously).
   int promote_resident(std::int64_t budget_bytes);
 
-  OffloadStats take_step_stats();  // waits for outstanding copies, returns and resets the counters
+  // Closes the step being queued: its counters and copy timings are set aside for
+  // take_step_stats(). Waits for nothing, so the host may queue the next step while this one runs.
+  void end_step();
+  // The oldest closed step's counters (closing the current one first when none is closed),
+  // waiting only for that step's copies and stalls to have happened.
+  OffloadStats take_step_stats();
   std::int64_t home_bytes() const;  // bytes of all homes' arenas (this rank; in RAM or on the drive)
   std::int64_t host_ram_bytes() const;  // host RAM the homes take on this rank (disk: the read ring)
   std::int64_t block_bytes(int layer) const;
@@ -173,7 +179,8 @@ class ExpertOffloader : public model::WeightProvider {
   at::Tensor nested_code_;  // shared 256-entry map for double-quantised statistics (device)
   int current_ = -1;        // layer in use (last staged)
   std::size_t cursor_ = 0;  // position in the schedule (policy_->schedule()) of the next stage() call
-  OffloadStats stats_;
+  OffloadStats stats_;            // the step being queued
+  std::deque<OffloadStats> closed_;  // closed by end_step(), not yet taken
   std::unique_ptr<CudaState> cuda_;
 };
 

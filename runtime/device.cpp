@@ -1,6 +1,9 @@
 #include "runtime/device.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
 
@@ -127,6 +130,31 @@ void synchronize(const at::Device& d) {
   if (d.is_cuda()) c10::cuda::device_synchronize();
 #endif
   (void)d;
+}
+
+HostCopy::HostCopy() = default;
+HostCopy::HostCopy(HostCopy&&) noexcept = default;
+HostCopy& HostCopy::operator=(HostCopy&&) noexcept = default;
+HostCopy::~HostCopy() = default;
+
+HostCopy::HostCopy(const at::Tensor& t) {
+  if (!t.is_cuda()) {
+    host_ = t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    return;
+  }
+  host_ = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  host_.copy_(t, /*non_blocking=*/true);
+  done_ = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+  done_->record(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(t.device()));
+}
+
+const at::Tensor& HostCopy::get() {
+  EO_CHECK(host_.defined(), "HostCopy::get on an empty copy");
+  if (done_) {
+    done_->synchronize();
+    done_.reset();
+  }
+  return host_;
 }
 
 }  // namespace eo

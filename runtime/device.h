@@ -4,7 +4,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+
+namespace c10 {
+struct Event;
+}
 
 namespace eo {
 
@@ -32,5 +37,23 @@ std::int64_t total_device_memory(const at::Device& d);
 // GPU behaves like a small card; allocations beyond raise out-of-memory. free_device_memory()
 // then counts against the cap. No-op on the CPU.
 void set_device_memory_limit(const at::Device& d, std::int64_t bytes);
+
+// A tensor's copy on the host, queued behind the work already queued on the device's current
+// stream (into pinned memory, non-blocking), so the host goes on queuing work meanwhile; get()
+// waits for that copy only. A CPU tensor is copied at once.
+class HostCopy {
+ public:
+  HostCopy();
+  explicit HostCopy(const at::Tensor& t);
+  HostCopy(HostCopy&&) noexcept;
+  HostCopy& operator=(HostCopy&&) noexcept;
+  ~HostCopy();
+  bool defined() const { return host_.defined(); }
+  const at::Tensor& get();  // the host tensor, once the copy is done
+
+ private:
+  at::Tensor host_;
+  std::unique_ptr<c10::Event> done_;
+};
 
 }  // namespace eo

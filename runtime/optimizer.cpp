@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <optional>
 
 #include "common/error.h"
 #include "models/lora.h"
@@ -64,8 +65,7 @@ Optimizer::Optimizer(const NamedTensors& params, const TrainConfig& cfg)
       weight_decay_(cfg.weight_decay),
       exp_avg_(params.size()),
       exp_avg_sq_(params.size()),
-      step_(params.size()),
-      steps_(params.size(), 0) {
+      step_(params.size()) {
   for (const auto& [name, p] : params) {
     EO_CHECK(p.scalar_type() == at::kFloat, "trainable parameter ", name, " must be fp32 (master weights)");
     EO_CHECK(p.device() == params.front().second.device(), "trainable parameter ", name, " is on ", p.device(),
@@ -76,8 +76,15 @@ Optimizer::Optimizer(const NamedTensors& params, const TrainConfig& cfg)
 
 Optimizer::~Optimizer() = default;
 
-void Optimizer::step(double lr) {
+void Optimizer::step(double lr, const at::Tensor& skip) {
   at::NoGradGuard ng;
+  std::optional<at::Tensor> found_inf;
+  at::Tensor advance;  // what each step count gains: 1, or 1 - skip
+  if (skip.defined()) {
+    EO_CHECK(skip.dim() == 0 && skip.scalar_type() == at::kFloat, "Optimizer::step: skip must be an fp32 scalar tensor");
+    found_inf = skip;
+    advance = 1 - skip;
+  }
   for (const bool decay : {true, false}) {
     std::vector<at::Tensor> ps, gs, ms, vs, ss;
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -93,13 +100,16 @@ void Optimizer::step(double lr) {
       ms.push_back(exp_avg_[i]);
       vs.push_back(exp_avg_sq_[i]);
       ss.push_back(step_[i]);
-      ++steps_[i];
     }
     if (ps.empty()) continue;
-    // As torch.optim.AdamW(fused=True): the counters advance first, the kernel reads them.
-    at::_foreach_add_(ss, 1.0);
+    // As torch.optim.AdamW(fused=True): the counters advance first, the kernel reads them (a
+    // skipped step's counters do not advance; its kernel returns before reading them).
+    if (advance.defined())
+      at::_foreach_add_(ss, advance);
+    else
+      at::_foreach_add_(ss, 1.0);
     at::_fused_adamw_(ps, gs, ms, vs, /*max_exp_avg_sqs=*/{}, ss, lr, beta1_, beta2_, decay ? weight_decay_ : 0.0, eps_,
-                      /*amsgrad=*/false, /*maximize=*/false);
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
   }
 }
 
@@ -115,13 +125,19 @@ void Optimizer::zero_grad(bool set_to_none) {
 }
 
 NamedTensors Optimizer::state() const {
+  std::vector<at::Tensor> counters;
+  for (const auto& s : step_)
+    if (s.defined()) counters.push_back(s);
+  if (counters.empty()) return {};
+  const at::Tensor steps = at::stack(counters).to(at::kCPU, at::kDouble);  // one read for all
   NamedTensors out;
+  std::int64_t k = 0;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (!step_[i].defined()) continue;  // never stepped
     const std::string& name = params_[i].first;
     out.emplace_back(name + ".exp_avg", exp_avg_[i]);
     out.emplace_back(name + ".exp_avg_sq", exp_avg_sq_[i]);
-    out.emplace_back(name + ".step", at::full({1}, static_cast<double>(steps_[i]), at::kDouble));
+    out.emplace_back(name + ".step", steps.narrow(0, k++, 1).clone());
   }
   return out;
 }
@@ -158,10 +174,9 @@ void Optimizer::load_state(const std::map<std::string, at::Tensor>& saved) {
     EO_CHECK(b != state.end() && s != state.end(), "optimizer state for ", name, " is incomplete");
     EO_CHECK(a->second.sizes() == p.sizes(), "optimizer state for ", name, " has shape ", a->second.sizes(),
              ", the parameter ", p.sizes());
-    steps_[i] = static_cast<std::int64_t>(s->second.item<double>());
     exp_avg_[i] = a->second.to(p.device(), at::kFloat).clone();
     exp_avg_sq_[i] = b->second.to(p.device(), at::kFloat).clone();
-    step_[i] = at::full({}, static_cast<double>(steps_[i]), p.options());
+    step_[i] = at::full({}, s->second.item<double>(), p.options());
   }
 }
 

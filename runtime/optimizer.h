@@ -39,16 +39,21 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
 // per tensor. Decay is not applied to biases and norm weights (names containing "bias" or
 // "norm"), as HF's Trainer; LoRA A/B matrices decay. A parameter without a gradient is skipped
 // (no step, no decay), as torch does.
+//
+// A step can be decided on the device: with `skip` (fp32 [] on the parameters' device, 1 or 0)
+// the kernel leaves parameters, moments and step counts untouched where it is 1 (as
+// torch.optim.AdamW(fused=True) under a GradScaler's found_inf), so the host need not read the
+// gradient norm before it queues the update.
 class Optimizer {
  public:
   Optimizer(const NamedTensors& params, const TrainConfig& cfg);
   ~Optimizer();
-  void step(double lr);
+  void step(double lr, const at::Tensor& skip = at::Tensor());
   // set_to_none: drop the gradients (an unused parameter is then skipped by step()); else zero them
   // in place (CUDA graphs accumulate into them at fixed addresses).
   void zero_grad(bool set_to_none = true);
   // Optimizer state as named tensors ("<param>.exp_avg", ".exp_avg_sq", ".step" as fp64 [1]),
-  // for checkpoints. load_state also takes the per-expert names of checkpoints written before
+  // for checkpoints (reads the step counts from the device: one synchronisation). load_state also takes the per-expert names of checkpoints written before
   // expert LoRA was stacked (models/lora.h), stacking them.
   NamedTensors state() const;
   void load_state(const std::map<std::string, at::Tensor>& state);
@@ -58,9 +63,8 @@ class Optimizer {
   std::vector<bool> decay_;
   double beta1_, beta2_, eps_, weight_decay_;
   // Per parameter, undefined until its first step. step_ is the fused kernel's fp32 counter on
-  // the parameter's device; steps_ its host copy (state() reads no device value).
+  // the parameter's device (exact up to 2^24 steps).
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_, step_;
-  std::vector<std::int64_t> steps_;
 };
 
 }  // namespace eo

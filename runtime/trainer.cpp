@@ -123,69 +123,55 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   };
 
   // ---- loop
+  // The host queues step s, then reads step s-1's losses and gradient norm, done on the device by
+  // then (it is running step s): the device does not wait for the host between steps, however
+  // busy the host's cores are. A step with a non-finite loss or gradient is skipped on the device
+  // (Optimizer::step's skip); the host learns of it, counts and warns one step later. A step
+  // whose outcome the host needs before going on (the last, a save, an evaluation, a stop, the
+  // first with an automatic budget, an after_step hook) is read before the next is queued.
+  struct Queued {
+    std::int64_t step = 0, tokens = 0;
+    double global_tokens = 1, lr = 0, epoch = 0;
+    HostCopy values;  // fp64 [ce sum, aux sum (all ranks), ranks with a non-finite loss, gradient norm]
+  };
   TrainResult result;
   const auto t_start = Clock::now();
+  auto t_last = t_start;  // when the previous step was read (or the host's own work after it ended)
   reset_peak_memory(device);
   bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
-  while (step < total_steps) {
-    if (hooks.before_step) hooks.before_step(step + 1);
-    const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
-    const auto t_step = Clock::now();
-    const std::int64_t step_start_allocated = allocated_memory_bytes(device);
-    std::vector<data::MicroBatch> micro;
-    std::int64_t tokens[1] = {0};
-    for (std::int64_t m = 0; m < accum; ++m) {
-      micro.push_back(batcher.next());
-      tokens[0] += micro.back().num_target_tokens;
-    }
-    world.allreduce_sum(tokens, 1);
-    const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
-    const StepLosses sl = runner.run(micro, global_tokens, [&](int) { return inject_nan; });
-    if (reducer) reducer->finalize();
-    const at::Tensor norm = clip_grad_norm_on_device(params, cfg.max_grad_norm);  // scales nothing when not finite
-    const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
-    // Non-finite guard. The gradients are all-reduced, but the loss is not, so each rank adds a
-    // flag and every rank takes the same decision from the summed flags. A skipped step leaves the
-    // LoRA and the optimizer state (AdamW's step count included) untouched; it still counts as a
-    // step (its batch is consumed and the LR schedule, a function of the step, moves on), as
-    // transformers' Trainer does when the AMP grad scaler skips an update.
-    // The step's one read of its losses and gradient norm (the device ran ahead until here).
-    const at::Tensor both = at::stack({sl.ce_sum, sl.aux_sum.defined() ? sl.aux_sum : at::zeros_like(sl.ce_sum),
-                                       norm.to(sl.ce_sum.device(), at::kDouble)})
-                                .to(at::kCPU, at::kDouble);
-    const double ce_sum = both[0].item<double>(), aux_sum = both[1].item<double>(), grad_norm = both[2].item<double>();
-    const bool loss_finite_here = std::isfinite(ce_sum) && std::isfinite(aux_sum);
-    double sums[4] = {ce_sum, aux_sum, loss_finite_here ? 0.0 : 1.0, std::isfinite(grad_norm) ? 0.0 : 1.0};
-    world.allreduce_sum(sums, 4);
-    const bool skip = sums[2] > 0 || sums[3] > 0;
+  std::optional<Queued> pending;
+  auto finish = [&](Queued q, bool eval_now) {
+    const at::Tensor& v = q.values.get();  // waits for this step only
+    const double ce_sum = v[0].item<double>(), aux_sum = v[1].item<double>(), bad_ranks = v[2].item<double>(),
+                 grad_norm = v[3].item<double>();
+    const auto t_read = Clock::now();
+    // The device's decision, taken from these same values (see the queueing below).
+    const bool skip = bad_ranks > 0 || !std::isfinite(grad_norm);
     if (skip) {
       ++skipped_nonfinite;
       ++nonfinite_streak;
       if (wi.rank == 0)
-        log::warn("step " + std::to_string(step + 1) + ": loss " + std::to_string(sums[0] / global_tokens) + ", gradient norm " +
-                  std::to_string(grad_norm) + " (non-finite loss on " + std::to_string(int(sums[2])) + " of " +
+        log::warn("step " + std::to_string(q.step) + ": loss " + std::to_string(ce_sum / q.global_tokens) + ", gradient norm " +
+                  std::to_string(grad_norm) + " (non-finite loss on " + std::to_string(int(bad_ranks)) + " of " +
                   std::to_string(wi.world_size) + " rank(s)); skipped without an optimizer update (" + std::to_string(nonfinite_streak) + " in a row, " +
                   std::to_string(cfg.max_nonfinite_steps) + " stop the run)");
     } else {
-      optimizer.step(lr);
       nonfinite_streak = 0;
     }
-    // Graphs accumulate into the gradients at fixed addresses: zero them in place.
-    optimizer.zero_grad(/*set_to_none=*/!runner.graphs_enabled());
-    ++step;
     StepReport r;
-    r.step = step;
+    r.step = q.step;
     r.total_steps = total_steps;
-    r.epoch = double(micro.back().epoch) + double(micro.back().position + 1) / double(std::max<std::int64_t>(1, batcher.num_sequences()));
-    r.loss = sums[0] / global_tokens;
-    r.lr = lr;
+    r.epoch = q.epoch;
+    r.loss = ce_sum / q.global_tokens;
+    r.lr = q.lr;
     r.grad_norm = grad_norm;
-    r.tokens = tokens[0];
-    r.step_time_s = seconds_since(t_step);
-    r.tokens_per_sec = double(tokens[0]) / std::max(1e-9, r.step_time_s);
+    r.tokens = q.tokens;
+    r.step_time_s = std::chrono::duration<double>(t_read - t_last).count();
+    t_last = t_read;
+    r.tokens_per_sec = double(q.tokens) / std::max(1e-9, r.step_time_s);
     r.peak_mem_bytes = peak_memory_bytes(device);
     r.elapsed_s = seconds_since(t_start);
-    if (cfg.output_router_logits) r.extra["aux_loss"] = sums[1] / double(accum * wi.world_size);
+    if (cfg.output_router_logits) r.extra["aux_loss"] = aux_sum / double(accum * wi.world_size);
     if (offloader) {
       const offload::OffloadStats os = offloader->take_step_stats();
       r.extra["staged_bytes"] = os.copied_bytes;
@@ -206,39 +192,91 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     }
     if (result.steps == 0) result.first_loss = r.loss;
     result.last_loss = r.loss;
-    result.steps = step;
+    result.steps = q.step;
     r.extra["skipped_nonfinite"] = skipped_nonfinite;
-    const bool eval_now = run.eval_rows && ((eval_every > 0 && step % eval_every == 0) || step == total_steps);
     if (eval_now) {
       const auto [eval_loss, eval_tokens] = evaluate();
       r.extra["eval_loss"] = eval_loss;
       r.extra["eval_perplexity"] = std::exp(eval_loss);
       r.extra["eval_tokens"] = eval_tokens;
       result.eval_loss = eval_loss;
+      t_last = Clock::now();  // the evaluation is not the next step's time
     }
-    if (wi.rank == 0 && (skip || eval_now || step % cfg.logging_steps == 0 || step == total_steps)) {
-      log::progress(progress_line(r), step == total_steps);
+    if (wi.rank == 0 && (skip || eval_now || q.step % cfg.logging_steps == 0 || q.step == total_steps)) {
+      log::progress(progress_line(r), q.step == total_steps);
       metrics->write(r);
     }
-    if (hooks.after_step) hooks.after_step(step);
+    if (hooks.after_step) hooks.after_step(q.step);
     if (nonfinite_streak >= cfg.max_nonfinite_steps)
-      EO_FAIL("the loss or gradients were NaN/Inf for ", nonfinite_streak, " consecutive steps (", step - nonfinite_streak + 1,
-              " to ", step, ", max_nonfinite_steps: ", cfg.max_nonfinite_steps,
+      EO_FAIL("the loss or gradients were NaN/Inf for ", nonfinite_streak, " consecutive steps (", q.step - nonfinite_streak + 1,
+              " to ", q.step, ", max_nonfinite_steps: ", cfg.max_nonfinite_steps,
               "); stopping. Those steps did not change the adapter. Lower learning_rate, check the data, or start from an "
               "earlier checkpoint (resume_from_checkpoint)");
+  };
+  while (step < total_steps) {
+    if (hooks.before_step) hooks.before_step(step + 1);
+    const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
+    const std::int64_t step_start_allocated = allocated_memory_bytes(device);
+    std::vector<data::MicroBatch> micro;
+    std::int64_t tokens[1] = {0};
+    for (std::int64_t m = 0; m < accum; ++m) {
+      micro.push_back(batcher.next());
+      tokens[0] += micro.back().num_target_tokens;
+    }
+    world.allreduce_sum(tokens, 1);
+    const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
+    const StepLosses sl = runner.run(micro, global_tokens, [&](int) { return inject_nan; });
+    if (reducer) reducer->finalize();
+    const at::Tensor norm = clip_grad_norm_on_device(params, cfg.max_grad_norm);  // scales nothing when not finite
+    const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
+    // Non-finite guard, decided on the device. The gradients are all-reduced but the loss is not,
+    // so each rank adds a flag and every rank takes the same decision from the summed flags (the
+    // norm, of all-reduced gradients, is the same everywhere). A skipped step leaves the LoRA and
+    // the optimizer state (AdamW's step count included) untouched; it still counts as a step (its
+    // batch is consumed and the LR schedule, a function of the step, moves on), as transformers'
+    // Trainer does when the AMP grad scaler skips an update.
+    const at::Tensor ce = sl.ce_sum.to(at::kDouble);
+    const at::Tensor aux = sl.aux_sum.defined() ? sl.aux_sum.to(ce.device(), at::kDouble) : at::zeros_like(ce);
+    const at::Tensor sums = at::stack({ce, aux, at::logical_not(at::isfinite(ce) & at::isfinite(aux)).to(at::kDouble)});
+    run.comm->allreduce(sums, dist::ReduceOp::kSum, "the step's losses");
+    const at::Tensor grad_norm = norm.to(sums.device(), at::kDouble);
+    optimizer.step(lr, ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat));
+    // Graphs accumulate into the gradients at fixed addresses: zero them in place.
+    optimizer.zero_grad(/*set_to_none=*/!runner.graphs_enabled());
+    if (offloader) offloader->end_step();
+    ++step;
+    Queued q;
+    q.step = step;
+    q.tokens = tokens[0];
+    q.global_tokens = global_tokens;
+    q.lr = lr;
+    q.epoch = double(micro.back().epoch) + double(micro.back().position + 1) / double(std::max<std::int64_t>(1, batcher.num_sequences()));
+    q.values = HostCopy(at::cat({sums, grad_norm.reshape({1})}));
     // A stop request on any rank stops every rank at this same step.
     double stop[1] = {stop_requested() ? 1.0 : 0.0};
     world.allreduce_max(stop, 1);
+    const bool eval_now = run.eval_rows && ((eval_every > 0 && step % eval_every == 0) || step == total_steps);
+    const bool save_now = save_every > 0 && step % save_every == 0 && step < total_steps;
+    if (pending) finish(std::move(*pending), /*eval_now=*/false);
+    pending.reset();
+    if (step == total_steps || eval_now || save_now || stop[0] > 0 || auto_budget_pending || hooks.after_step)
+      finish(std::move(q), eval_now);
+    else
+      pending = std::move(q);
     if (stop[0] > 0) {
       save("stop requested by signal " + std::to_string(stop_signal()));
       log::info("stopped at step " + std::to_string(step) + "; resume with resume_from_checkpoint: auto");
       result.exit_code = kExitPreempted;
       return result;
     }
-    if (save_every > 0 && step % save_every == 0 && step < total_steps) save(cfg.saves_per_epoch ? "saves_per_epoch" : "save_steps");
+    if (save_now) {
+      save(cfg.saves_per_epoch ? "saves_per_epoch" : "save_steps");
+      t_last = Clock::now();
+    }
     if (auto_budget_pending) {
       size_auto_budget(*offloader, device, step_start_allocated);
       auto_budget_pending = false;
+      t_last = Clock::now();
     }
   }
   save("end of training");

@@ -36,7 +36,9 @@ struct TrainResult {
 struct TrainHooks {
   // At the start of optimizer step `step` (1-based), before its batches are read.
   std::function<void(std::int64_t step)> before_step;
-  // After step `step` has been applied and reported (a benchmark stops its profiler here).
+  // After step `step` has been applied and reported (a benchmark stops its profiler here). With
+  // this hook set, each step is read before the next is queued (no step runs ahead of the host's
+  // reading of the previous one).
   std::function<void(std::int64_t step)> after_step;
 };
 

@@ -215,6 +215,36 @@ TEST_F(FaultTest, NanStepIsSkippedAndCounted) {
   EXPECT_TRUE(fs::exists(out / "adapter_model.safetensors"));
 }
 
+// The same NaN at step 3 without saves: the host then reads each step while the next one runs,
+// and the skip is decided on the device before the host has seen the loss. The run must match the
+// one above, which reads every step before queuing the next (a save each step): the same losses
+// and gradient norms, the same count, the same final adapter bytes.
+TEST_F(FaultTest, NanStepSkippedOnTheDeviceWhileTheHostRunsAheadMatchesAReadEveryStepRun) {
+  RunOptions ro;
+  ro.env = {"EO_DDP_FAULT=nan", "EO_DDP_FAULT_STEP=3"};
+  const std::vector<std::string> common{"max_steps=5", "lr_scheduler=constant", "warmup_steps=0"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> v = common;
+    v.insert(v.end(), extra.begin(), extra.end());
+    return v;
+  };
+  const fs::path ahead = dir_ / "ahead", each = dir_ / "each";
+  const Outcome a = train(ahead, with({"save_steps=0"}), ro);
+  const Outcome e = train(each, with({"save_steps=1", "save_total_limit=10"}), ro);
+  ASSERT_TRUE(a.exited && a.code == 0) << a.describe();
+  ASSERT_TRUE(e.exited && e.code == 0) << e.describe();
+  EXPECT_TRUE(contains(a.log, "skipped without an optimizer update (1 in a row, 5 stop the run)")) << a.log;
+  const auto ma = read_metrics(ahead), me = read_metrics(each);
+  ASSERT_EQ(ma.size(), 5u);
+  ASSERT_EQ(me.size(), 5u);
+  for (std::int64_t s = 1; s <= 5; ++s) {
+    for (const char* k : {"loss", "grad_norm", "skipped_nonfinite"})
+      EXPECT_EQ(ma.at(s).at(k), me.at(s).at(k)) << k << " at step " << s;
+  }
+  EXPECT_EQ(folder_bytes(ahead).at("adapter_model.safetensors"), folder_bytes(each).at("adapter_model.safetensors"))
+      << "the device-decided skip while running ahead gave another adapter";
+}
+
 // Every step NaN: the run stops at the limit, exit 1, saying why, and writes no final adapter.
 TEST_F(FaultTest, NonFiniteStepsStopAtTheLimit) {
   const fs::path out = dir_ / "run";

@@ -8,6 +8,7 @@
 #include <torch/optim/adamw.h>
 
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -124,6 +125,44 @@ TEST(Optimizer, ResumedStateContinuesBitwise) {
     ob.step(1e-2);
   }
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].second.equal(b[i].second)) << a[i].first;
+}
+
+// A step decided on the device: skip = 1 leaves parameters, moments and step counts bitwise as
+// they were (even with NaN gradients); skip = 0 is a plain step, bitwise: the optimizer that saw
+// two skipped steps ends bitwise equal to a twin that never saw them.
+TEST(Optimizer, DeviceDecidedSkipChangesNothingAndZeroIsAPlainStep) {
+  const TrainConfig cfg = adam_config();
+  NamedTensors a = make_params(4), b = clone_params(a);
+  Optimizer oa(a, cfg), ob(b, cfg);
+  auto snapshot = [](const NamedTensors& p, const Optimizer& o) {
+    std::vector<at::Tensor> out;
+    for (const auto& [n, t] : p) out.push_back(t.detach().clone());
+    for (const auto& [n, t] : o.state()) out.push_back(t.clone());
+    return out;
+  };
+  const at::Tensor skip = at::ones({}, at::kFloat), go = at::zeros({}, at::kFloat);
+  for (int step = 0; step < 5; ++step) {
+    set_grads({&a, &b}, step, -1);
+    if (step == 2 || step == 3) {
+      // b sees a non-finite step: NaN gradients, skipped on the device; a sees nothing.
+      for (auto& [n, t] : b) t.mutable_grad().fill_(std::numeric_limits<float>::quiet_NaN());
+      const auto before = snapshot(b, ob);
+      ob.step(1e-2, skip);
+      const auto after = snapshot(b, ob);
+      ASSERT_EQ(before.size(), after.size());
+      for (std::size_t i = 0; i < before.size(); ++i)
+        EXPECT_TRUE(before[i].equal(after[i])) << "a skipped step changed tensor " << i << " at step " << step;
+      continue;
+    }
+    oa.step(1e-2);
+    ob.step(1e-2, go);
+  }
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].second.equal(b[i].second)) << a[i].first;
+  const auto sa = oa.state(), sb = ob.state();
+  ASSERT_EQ(sa.size(), sb.size());
+  for (std::size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(sa[i].second.equal(sb[i].second)) << sa[i].first;
+  for (const auto& [n, t] : sb)
+    if (n.size() > 5 && n.compare(n.size() - 5, 5, ".step") == 0) EXPECT_EQ(t.item<double>(), 3.0) << n << ": 3 applied steps";
 }
 
 // A checkpoint written before expert LoRA was stacked names the optimizer state per expert; it
