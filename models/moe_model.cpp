@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
 
 #include "common/error.h"
 #include "models/fused.h"
@@ -225,18 +226,26 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
       }
       at::Tensor y = grouped_expert_linear(in, offsets, b);
       if (const auto& bias = expert_bias_[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, row_expert);
-      if (const auto& l = expert_lora_[static_cast<int>(m)]) y = y + l->grouped_delta(in, offsets, training);
       return y;
     };
+    const auto& gate_lora = expert_lora_[static_cast<int>(ExpertMatrix::Gate)];
+    const auto& up_lora = expert_lora_[static_cast<int>(ExpertMatrix::Up)];
+    const auto& down_lora = expert_lora_[static_cast<int>(ExpertMatrix::Down)];
     at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
     at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
-    if (gate_up_lora_) {  // one delta [N, 2I] for the fused [gate; up], split
-      const at::Tensor d = gate_up_lora_->grouped_delta(x_sorted, offsets, training);
-      const auto I = gate.size(-1);
-      gate = gate + d.narrow(1, 0, I);
-      up = up + d.narrow(1, I, I);
+    if (gate_lora && up_lora && gate_lora->can_pair_with(*up_lora, training)) {
+      // Gate's and up's A over the same rows as one GEMM (x read once, one dX and one dA in backward).
+      std::tie(gate, up) = ExpertLora::add_grouped_pair(*gate_lora, gate, *up_lora, up, x_sorted, offsets, training);
+    } else {
+      if (gate_lora) gate = gate_lora->add_grouped(gate, x_sorted, offsets, training);
+      if (up_lora) up = up_lora->add_grouped(up, x_sorted, offsets, training);
     }
-    return linear(ExpertMatrix::Down, c.swiglu_clamp ? clamped_swiglu(gate, up, *c.swiglu_clamp) : swiglu(gate, up));
+    if (gate_up_lora_)  // one delta [N, 2I] for the fused [gate; up], split
+      std::tie(gate, up) = gate_up_lora_->add_grouped_split(gate, up, x_sorted, offsets, training);
+    const at::Tensor act = c.swiglu_clamp ? clamped_swiglu(gate, up, *c.swiglu_clamp) : swiglu(gate, up);
+    at::Tensor down = linear(ExpertMatrix::Down, act);
+    if (down_lora) down = down_lora->add_grouped(down, act, offsets, training);
+    return down;
   }
   // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
   // the counts are read on the host. The stacked LoRA is cut into per-expert views once.

@@ -306,7 +306,7 @@ TEST(ExpertLora, GroupedDeltaEqualsPerExpertAdapters) {
   at::Tensor x = x0.clone().requires_grad_(true);
   at::Tensor y;
   try {
-    y = c.stack->grouped_delta(x, offsets, false);
+    y = c.stack->add_grouped(at::zeros({12, c.out}), x, offsets, false);
   } catch (const c10::Error& e) {
     GTEST_SKIP() << "this libtorch has no CPU _grouped_mm: " << e.what_without_backtrace();
   }
@@ -328,6 +328,66 @@ TEST(ExpertLora, GroupedDeltaEqualsPerExpertAdapters) {
     EXPECT_LT(rel(c.stack->A().grad()[e], c.ref[e]->A().grad()), 1e-6) << "expert " << e;
     EXPECT_LT(rel(c.stack->B().grad()[e], c.ref[e]->B().grad()), 1e-6) << "expert " << e;
   }
+}
+
+// Two adapters over the same rows (a block's gate and up) with their A's as one grouped GEMM:
+// each output, the input's gradient (the sum of both) and every A / B gradient as the per-expert
+// adapters give them, to fp32 rounding; with dropout in training they may not pair.
+TEST(ExpertLora, PairedGroupedAdaptersEqualPerExpertAdapters) {
+  ExpertCase g, u;  // the same init seeds: make up's B differ
+  {
+    at::NoGradGuard ng;
+    at::manual_seed(9);
+    for (int e = 0; e < u.E; ++e) {
+      const at::Tensor b = at::randn({u.out, u.spec.r});
+      u.stack->B().select(0, e).copy_(b);
+      u.ref[e]->B().copy_(b);
+    }
+  }
+  const std::vector<std::int64_t> counts = {3, 0, 4, 1, 4};
+  const at::Tensor x0 = at::randn({12, g.in}), dy1 = at::randn({12, g.out}), dy2 = at::randn({12, u.out});
+  const at::Tensor y1_0 = at::randn({12, g.out}), y2_0 = at::randn({12, u.out});  // base outputs the deltas add to
+  const at::Tensor offsets = at::tensor(counts, at::kLong).cumsum(0).to(at::kInt);
+  ASSERT_TRUE(g.stack->can_pair_with(*u.stack, /*training=*/true));
+  at::Tensor x = x0.clone().requires_grad_(true);
+  std::pair<at::Tensor, at::Tensor> y;
+  try {
+    y = ExpertLora::add_grouped_pair(*g.stack, y1_0, *u.stack, y2_0, x, offsets, true);
+  } catch (const c10::Error& e) {
+    GTEST_SKIP() << "this libtorch has no CPU _grouped_mm: " << e.what_without_backtrace();
+  }
+  torch::autograd::backward({y.first, y.second}, {dy1, dy2});
+  at::Tensor xr = x0.clone().requires_grad_(true);
+  std::vector<at::Tensor> r1, r2;
+  std::int64_t off = 0;
+  for (int e = 0; e < g.E; ++e) {
+    r1.push_back(g.ref[e]->add_to(y1_0.narrow(0, off, counts[e]), xr.narrow(0, off, counts[e]), true));
+    r2.push_back(u.ref[e]->add_to(y2_0.narrow(0, off, counts[e]), xr.narrow(0, off, counts[e]), true));
+    off += counts[e];
+  }
+  torch::autograd::backward({at::cat(r1), at::cat(r2)}, {dy1, dy2});
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+    return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
+  };
+  EXPECT_LT(rel(y.first.detach(), at::cat(r1).detach()), 1e-6);
+  EXPECT_LT(rel(y.second.detach(), at::cat(r2).detach()), 1e-6);
+  EXPECT_LT(rel(x.grad(), xr.grad()), 1e-6);
+  for (int e = 0; e < g.E; ++e) {
+    if (counts[e] == 0) {
+      EXPECT_EQ(g.stack->A().grad()[e].abs().max().item<double>(), 0.0) << "expert without rows";
+      continue;
+    }
+    EXPECT_LT(rel(g.stack->A().grad()[e], g.ref[e]->A().grad()), 1e-6) << "gate expert " << e;
+    EXPECT_LT(rel(g.stack->B().grad()[e], g.ref[e]->B().grad()), 1e-6) << "gate expert " << e;
+    EXPECT_LT(rel(u.stack->A().grad()[e], u.ref[e]->A().grad()), 1e-6) << "up expert " << e;
+    EXPECT_LT(rel(u.stack->B().grad()[e], u.ref[e]->B().grad()), 1e-6) << "up expert " << e;
+  }
+  // peft draws each module its own dropout mask: such adapters do not share one A GEMM in training.
+  LoraSpec with_dropout = g.spec;
+  with_dropout.dropout = 0.1;
+  const ExpertLora d(ExpertCase::E, ExpertCase::in, ExpertCase::out, with_dropout, at::kCPU);
+  EXPECT_FALSE(d.can_pair_with(*u.stack, /*training=*/true));
+  EXPECT_TRUE(d.can_pair_with(*u.stack, /*training=*/false));
 }
 
 // The adapter a model writes is peft's per-expert form, byte for byte what the per-expert
