@@ -13,7 +13,9 @@
 //          the row is followed by the drive's raw O_DIRECT sequential read rate of that file beside
 //          the rate the read ring reached in training), ":whole" / ":sliced" the expert bank
 //          dequantised whole / in 64 MiB slices, ":eager" / ":graphs" without / with CUDA graphs (cuda_graphs:
-//          false / true); they combine (":park:mm", "prefetch:disk")
+//          false / true), ":redequant" / ":keepdown" the backward dequantising every bank again /
+//          all but the down projection's (expert_bank_reuse: none / down); they combine (":park:mm",
+//          "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
 //                  tmpfs: pass a directory on the drive to measure :disk
@@ -220,6 +222,9 @@ int main(int argc, char** argv) {
       const bool eager = std::find(parts.begin(), parts.end(), "eager") != parts.end();
       const bool graphs = std::find(parts.begin(), parts.end(), "graphs") != parts.end();
       const bool disk = std::find(parts.begin(), parts.end(), "disk") != parts.end();
+      // :redequant / :keepdown: expert_bank_reuse none / down (the default auto keeps all when it fits).
+      const bool redequant = std::find(parts.begin(), parts.end(), "redequant") != parts.end();
+      const bool keepdown = std::find(parts.begin(), parts.end(), "keepdown") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -233,6 +238,7 @@ int main(int argc, char** argv) {
            << (disk ? "expert_offload_homes: disk\nexpert_offload_disk_path: " + disk_dir + "\n" : std::string())
            << (whole ? "expert_dequant_chunk: whole\n" : sliced ? "expert_dequant_chunk: 64MiB\n" : "")
            << (eager ? "cuda_graphs: false\n" : graphs ? "cuda_graphs: true\n" : "")
+           << (redequant ? "expert_bank_reuse: none\n" : keepdown ? "expert_bank_reuse: down\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"

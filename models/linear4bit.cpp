@@ -43,6 +43,8 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
   }
 };
 
+std::atomic<std::int64_t> g_bank_dequantisations{0};
+
 // The bank travels through saved_data like the handle above.
 struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFunction> {
   static std::vector<const nf4::QuantizedWeight*> sources(const ExpertBank& bank) {
@@ -53,6 +55,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   }
   static at::Tensor weights(const ExpertBank& bank, at::ScalarType dtype) {
     if (bank.dense.defined()) return bank.dense.to(dtype);
+    ++g_bank_dequantisations;
     return nf4::dequantize_stack(sources(bank), dtype);  // [E, out, in]
   }
   // [out, in] of the bank's matrices, and the slice length along `dim` (1 rows, 2 columns) that
@@ -74,12 +77,17 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     ctx->saved_data["offsets"] = offsets;
     if (bank.dense.defined()) ctx->saved_data["dense"] = bank.dense;
     const auto [shape, rows] = slicing(bank, 1, x.scalar_type());
-    if (rows >= shape[0]) return at::_grouped_mm(x, weights(bank, x.scalar_type()).transpose(1, 2), offsets);
+    if (rows >= shape[0]) {
+      const at::Tensor w = weights(bank, x.scalar_type());
+      if (bank.keep_for_backward && !bank.dense.defined()) ctx->saved_data["bank"] = w;
+      return at::_grouped_mm(x, w.transpose(1, 2), offsets);
+    }
     // Output columns [o0, o0 + rows) from rows [o0, o0 + rows) of every expert's matrix.
     const auto qs = sources(bank);
     at::Tensor y = at::empty({x.size(0), shape[0]}, x.options());
     for (std::int64_t o0 = 0; o0 < shape[0]; o0 += rows) {
       const std::int64_t n = std::min(rows, shape[0] - o0);
+      ++g_bank_dequantisations;
       const at::Tensor w = nf4::dequantize_stack_window(qs, x.scalar_type(), o0, n, 0, shape[1]);  // [E, n, in]
       y.narrow(1, o0, n).copy_(at::_grouped_mm(x, w.transpose(1, 2), offsets));
     }
@@ -97,6 +105,11 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     if (ctx->saved_data.count("dense")) bank.dense = ctx->saved_data["dense"].toTensor();
     const at::Tensor offsets = ctx->saved_data["offsets"].toTensor();
     const at::Tensor dy = grads[0].contiguous();
+    if (auto kept = ctx->saved_data.find("bank"); kept != ctx->saved_data.end()) {
+      const at::Tensor w = kept->second.toTensor();
+      ctx->saved_data.erase(kept);  // freed once dX is queued, not with the graph
+      return {at::_grouped_mm(dy, w, offsets), at::Tensor(), at::Tensor()};
+    }
     // The bytes current now (the recompute staged them).
     const auto [shape, cols] = slicing(bank, 2, dy.scalar_type());
     if (cols >= shape[1]) return {at::_grouped_mm(dy, weights(bank, dy.scalar_type()), offsets), at::Tensor(), at::Tensor()};
@@ -105,6 +118,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     at::Tensor dx = at::empty({dy.size(0), shape[1]}, dy.options());
     for (std::int64_t c0 = 0; c0 < shape[1]; c0 += cols) {
       const std::int64_t n = std::min(cols, shape[1] - c0);
+      ++g_bank_dequantisations;
       const at::Tensor w = nf4::dequantize_stack_window(qs, dy.scalar_type(), 0, shape[0], c0, n);  // [E, out, n]
       dx.narrow(1, c0, n).copy_(at::_grouped_mm(dy, w, offsets));
     }
@@ -150,6 +164,8 @@ std::atomic<bool> g_grouped_enabled{true};
 }  // namespace
 
 void set_grouped_gemm_enabled(bool enabled) { g_grouped_enabled = enabled; }
+
+std::int64_t grouped_bank_dequantisations() { return g_bank_dequantisations.load(); }
 
 bool grouped_gemm_available(const at::Tensor& x) {
   return g_grouped_enabled && x.is_cuda() && x.scalar_type() == at::kBFloat16;

@@ -39,13 +39,25 @@ at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle);
 //   the result. The same sums in the same order per output element, over a bank that never
 //   exists whole: the small-card setting (LoadOptions::expert_bank_bytes).
 //   Dense: `dense` [E, out, in] is used as it is (frozen, saved by reference).
+//   keep_for_backward: a whole 4-bit bank dequantised in forward is kept for this use's backward
+//   (dX needs the same bank) instead of being dequantised again. Under checkpointing the
+//   recompute's backward follows at once, so the bank lives a short while (BankReuse).
 struct ExpertBank {
   WeightProvider* provider = nullptr;
   int layer = -1, experts = 0;
   ExpertMatrix matrix = ExpertMatrix::Gate;
   at::Tensor dense;  // defined for dense (unquantised) experts
   std::int64_t max_bytes = 0;  // NF4: largest dequantised slice; 0 = the whole bank at once
+  bool keep_for_backward = false;
 };
+// Which banks a checkpointed block's recompute keeps for its backward (expert_bank_reuse):
+// None dequantises every bank again in backward; Down keeps the down projection's, the last one
+// the recompute dequantises, which the backward's first step needs anyway (no more peak memory);
+// All keeps gate's, up's and down's (two more banks at the peak; backward dequantises nothing).
+enum class BankReuse { None, Down, All };
+// Banks (or bank slices) dequantised by grouped_expert_linear in this process (instrumentation
+// for tests).
+std::int64_t grouped_bank_dequantisations();
 // The slice length (rows or columns of each expert matrix) that keeps an [E, len, other] slice of
 // `elem_bytes` values within max_bytes: a multiple of 64, at least 64, at most `full`.
 std::int64_t bank_slice(std::int64_t full, std::int64_t experts, std::int64_t other, std::int64_t elem_bytes,

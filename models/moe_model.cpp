@@ -4,6 +4,7 @@
 #include "models/moe_model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>
@@ -221,6 +222,8 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
       if (quantized_) {
         b.provider = provider_;
         b.max_bytes = bank_bytes_;
+        b.keep_for_backward = at::GradMode::is_enabled() &&
+                              (bank_reuse_ == BankReuse::All || (bank_reuse_ == BankReuse::Down && m == ExpertMatrix::Down));
       } else {
         b.dense = experts_[static_cast<int>(m)];
       }
@@ -481,6 +484,10 @@ ForwardOutput MoeModel::forward(const Batch& batch, const ForwardOptions& opts) 
   if (batch.labels.defined()) std::tie(out.loss_sum, out.tokens) = shifted_cross_entropy(out.logits, batch.labels);
   if (opts.aux_loss) out.aux_loss = load_balancing_loss(router_logits, cfg_.experts, cfg_.top_k, batch.attention_mask);
   return out;
+}
+
+void MoeModel::set_bank_reuse(BankReuse reuse) {
+  for (auto& b : blocks_) b->bank_reuse_ = reuse;
 }
 
 }  // namespace eo::model

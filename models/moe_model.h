@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "models/hf_config.h"
+#include "models/linear4bit.h"
 #include "models/lora.h"
 #include "models/nf4.h"
 #include "models/weights.h"
@@ -105,6 +106,7 @@ class DecoderBlock {
   bool moe_ = false;
   bool quantized_ = false;
   std::int64_t bank_bytes_ = 0;  // LoadOptions::expert_bank_bytes
+  BankReuse bank_reuse_ = BankReuse::None;  // MoeModel::set_bank_reuse
   WeightProvider* provider_ = nullptr;
   at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
   FrozenLinear q_, k_, v_, o_;  // q_: q_proj, or MLA's q_b_proj when q_lora_rank is set
@@ -193,6 +195,10 @@ class MoeModel {
 
   WeightProvider& weight_provider() { return *provider_; }
   void set_weight_provider(std::shared_ptr<WeightProvider> provider);
+  // Which dequantised expert banks a forward under grad mode keeps for its backward (BankReuse,
+  // models/linear4bit.h). For checkpointed recomputes only, whose backward follows at once: a
+  // forward with graphs kept for later would hold every block's banks. Default None.
+  void set_bank_reuse(BankReuse reuse);
 
  private:
   friend struct ModelLoader;

@@ -690,6 +690,11 @@ const std::vector<KeySpec>& schema() {
                    issues.push_back({"expert_dequant_chunk", "expected auto, whole, or a size of at least 1MiB such as 64MiB; got '" + v + "'"});
                  },
                  writer(&TrainConfig::expert_dequant_chunk)});
+    k.push_back(choice("expert_bank_reuse", &TrainConfig::expert_bank_reuse, {"auto", "all", "down", "none"},
+                       "Dequantised expert banks (GPU, whole banks) a checkpointed block's recompute keeps for its "
+                       "backward instead of dequantising them again: all = gate, up and down (two more banks at the "
+                       "peak), down = the down projection's only (no more peak memory), none. auto = all, or down when "
+                       "only that makes the memory plan fit."));
     // --- distributed
     k.push_back(integer("ddp_bucket_cap_mb", &TrainConfig::ddp_bucket_cap_mb, 1, 1 << 16, "Gradient bucket size for the all-reduce (MB)."));
     k.push_back(integer("ddp_timeout", &TrainConfig::ddp_timeout, 10, 1 << 24,

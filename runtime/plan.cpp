@@ -193,6 +193,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
     const auto e = std::int64_t(E), h = std::int64_t(H), i = std::int64_t(I), el = std::int64_t(d);
     bank = std::max(E * H * d * double(model::bank_slice(i, e, h, el, max)), E * I * d * double(model::bank_slice(h, e, i, el, max)));
   }
+  // Banks a recompute keeps for its backward (expert_bank_reuse; whole banks on a GPU), beside
+  // the one bank each phase holds anyway: with `all`, gate's and up's until their backward.
+  const bool whole_banks = bank > 0 && on_gpu && expert_bank_bytes(cfg) == 0 && cfg.gradient_checkpointing;
+  const bool keep_all = whole_banks && (cfg.expert_bank_reuse == "auto" || cfg.expert_bank_reuse == "all");
+  const bool keep_down = whole_banks && cfg.expert_bank_reuse == "down";
+  const double kept_gate_up = keep_all ? 2 * bank : 0;
   // Gradients in flight on the residual stream: the block's output gradient and its input's.
   const double residual = 2 * N * H * d;
   double block = 0;
@@ -206,14 +212,17 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   if (moe_layers > 0) {
     const double saved = attn_saved + moe_small + gate_up + routed_out + expert_lora + shared;
     // Recompute, at the down projection: x_sorted, gate, up, swiglu's output, the bank, y.
-    phase("recompute (down projection)", attn_saved + moe_small + shared + NK * H * d + gate_up + NK * I * d + bank + NK * H * d);
+    phase("recompute (down projection)",
+          attn_saved + moe_small + shared + NK * H * d + gate_up + NK * I * d + bank + kept_gate_up + NK * H * d);
+    // The recompute done: its saved tensors, the kept banks and the block's output.
+    if (keep_all || keep_down) phase("recompute end (banks kept)", saved + (keep_all ? 3 : 1) * bank + N * H * d);
     // Backward of the down projection: y_tok's gradient gathered to expert order, the bank, dH.
-    phase("down-projection backward", saved - routed_out + NK * H * d + bank + NK * I * d);
+    phase("down-projection backward", saved - routed_out + NK * H * d + bank + kept_gate_up + NK * I * d);
     // SwiGLU's backward: dH beside gate and up, and dGate, dUp.
-    phase("swiglu backward", saved - routed_out + NK * I * d + gate_up);
-    // Backward of gate / up: dGate and dUp in place of the freed gate and up, the bank, dX from
-    // gate and from up.
-    phase("gate/up backward", saved - routed_out + bank + 2 * NK * H * d);
+    phase("swiglu backward", saved - routed_out + NK * I * d + gate_up + kept_gate_up);
+    // Backward of gate / up: dGate and dUp in place of the freed gate and up, the bank (and the
+    // other one still kept), dX from gate and from up.
+    phase("gate/up backward", saved - routed_out + bank + kept_gate_up / 2 + 2 * NK * H * d);
     // The dispatch's backward: dX in expert order, gathered back and summed per token.
     phase("dispatch backward", attn_saved + moe_small + shared + 2 * NK * H * d + N * H * d);
   }

@@ -292,7 +292,8 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
 // planned peak cannot fit, with the plan's numbers instead of an out-of-memory error mid-step.
 // On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
 // Returns the expert bank slice to use (bytes, 0 = whole): expert_dequant_chunk, where auto is
-// the whole bank unless only 64 MiB slices make the plan fit.
+// the whole bank unless only 64 MiB slices make the plan fit; and the banks a recompute keeps
+// (expert_bank_reuse, where auto is all unless only down makes it fit; before slices are tried).
 PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
   MemoryPlan plan = plan_memory(cfg, mc, bf16, local_size, device.is_cuda());
@@ -306,20 +307,36 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
     available = double(free_device_memory(device));
     what = human_bytes(available) + " free on " + describe_device(device);
   } else {
-    return {expert_bank_bytes(cfg), 0, false, "the CPU"};
+    return {expert_bank_bytes(cfg), model::BankReuse::None, 0, false, "the CPU"};
   }
-  std::int64_t bank = expert_bank_bytes(cfg);
+  TrainConfig planned = cfg;  // with the auto choices below resolved
+  if (plan.device_peak + plan.margin > available && cfg.expert_bank_reuse == "auto" && device.is_cuda()) {
+    TrainConfig down = planned;
+    down.expert_bank_reuse = "down";
+    const MemoryPlan p2 = plan_memory(down, mc, bf16, local_size, true);
+    if (p2.device_peak < plan.device_peak) {
+      log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
+                human_bytes(plan.device_peak) + " + margin); the backward dequantises them again");
+      plan = p2;
+      planned = down;
+    }
+  }
   if (plan.device_peak + plan.margin > available && cfg.expert_dequant_chunk == "auto" && device.is_cuda()) {
-    TrainConfig sliced = cfg;
+    TrainConfig sliced = planned;
     sliced.expert_dequant_chunk = kAutoBankSlice;
     const MemoryPlan p2 = plan_memory(sliced, mc, bf16, local_size, true);
     if (p2.device_peak < plan.device_peak) {
       log::info(std::string("expert_dequant_chunk: auto -> ") + kAutoBankSlice + ": the whole bank would not fit (" +
                 human_bytes(plan.device_peak) + " + margin); slices of the experts are dequantised one at a time (slower)");
       plan = p2;
-      bank = expert_bank_bytes(sliced);
+      planned = sliced;
     }
   }
+  const std::int64_t bank = expert_bank_bytes(planned);
+  // Slices are never kept (forward and backward cut the bank differently).
+  const model::BankReuse reuse = bank > 0 || planned.expert_bank_reuse == "none" ? model::BankReuse::None
+                                 : planned.expert_bank_reuse == "down"            ? model::BankReuse::Down
+                                                                                  : model::BankReuse::All;
   log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
             (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
   if (plan.device_peak + plan.margin <= available) {
@@ -328,7 +345,7 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
     double extra = 0;
     for (const auto& part : plan.device)
       if (part.name == "block" || part.name == "head") extra = std::max(extra, part.bytes);
-    return {bank, extra, plan.device_peak + plan.margin + extra <= available, what};
+    return {bank, reuse, extra, plan.device_peak + plan.margin + extra <= available, what};
   }
   std::string fixes;
   if (!cfg.expert_offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
@@ -418,6 +435,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   const PlanFit fit = check_memory_plan(cfg, device, bf16, wi.local_size);
   const std::int64_t bank_bytes = fit.bank_bytes;
   std::tie(run.cuda_graphs, run.cuda_graphs_why) = resolve_cuda_graphs(cfg, device, fit);
+  run.bank_reuse = fit.bank_reuse;
   const auto t_load = Clock::now();
   if (cfg.expert_offload) check_host_memory_for_homes(cfg, world, device);
 

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/linear4bit.h"
 #include "runtime/config.h"
 
 namespace eo {
@@ -38,6 +39,7 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 // The memory plan checked against the device at start-up, and what is decided from it.
 struct PlanFit {
   std::int64_t bank_bytes = 0;  // the expert bank the grouped GEMMs may use (expert_dequant_chunk)
+  model::BankReuse bank_reuse = model::BankReuse::None;  // expert_bank_reuse resolved (auto: all, or down)
   double graphs_extra = 0;      // what CUDA graphs would keep besides: one more working set
   bool graphs_fit = false;      // ... and whether the plan has room for it
   std::string available;        // what was checked against, in words
@@ -67,6 +69,7 @@ struct Run {
   std::unique_ptr<dist::GradReducer> reducer;  // null in a world of one
   double aux_coef = 0;           // router_aux_loss_coef in effect
   bool cuda_graphs = false;      // step uses replay as CUDA graphs (cuda_graphs resolved at start)
+  model::BankReuse bank_reuse = model::BankReuse::None;  // expert_bank_reuse resolved at start
   std::string cuda_graphs_why;   // the reason, for the log
 
   Run();

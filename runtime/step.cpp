@@ -107,9 +107,15 @@ StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int m
   // checkpointing a block's autograd graph outlives its use. Per-use dropout seeds are set on the
   // host, which a replay would not see.
   graphs_ = std::make_unique<BlockGraphs>(device, options_.cuda_graphs && options_.checkpointing && !options_.random_blocks);
+  // Kept banks live from a recompute to its backward, which follows at once; without
+  // checkpointing a forward's graph outlives it, and every block's banks would be kept.
+  model_.set_bank_reuse(options_.checkpointing ? options_.bank_reuse : model::BankReuse::None);
 }
 
-StepRunner::~StepRunner() { model_.weight_provider().set_schedule({}); }
+StepRunner::~StepRunner() {
+  model_.weight_provider().set_schedule({});
+  model_.set_bank_reuse(model::BankReuse::None);
+}
 
 bool StepRunner::graphs_enabled() const { return graphs_->enabled(); }
 int StepRunner::graphs_captured() const { return graphs_->graphs(); }

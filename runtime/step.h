@@ -23,6 +23,7 @@
 #include <memory>
 #include <vector>
 
+#include "models/linear4bit.h"
 #include "runtime/schedule.h"
 
 namespace eo {
@@ -49,6 +50,7 @@ struct StepOptions {
   double aux_coef = 0;                 // its weight per micro-batch: coef / (g x ranks)
   bool random_blocks = false;          // blocks draw random numbers (LoRA dropout): seed per use
   bool cuda_graphs = true;             // replay checkpointed block uses as CUDA graphs (runtime/block_graphs.h)
+  model::BankReuse bank_reuse = model::BankReuse::None;  // banks a recompute keeps for its backward (with checkpointing)
 };
 
 // Device scalars: read them once, after the step (no host synchronisation inside it).

@@ -44,6 +44,7 @@ StepOptions step_options(const TrainConfig& cfg, const Run& run) {
   o.aux_coef = run.aux_coef / double(run.accum * std::max(1, run.comm->size()));
   o.random_blocks = cfg.lora_dropout > 0;
   o.cuda_graphs = run.cuda_graphs;
+  o.bank_reuse = run.bank_reuse;
   return o;
 }
 

@@ -228,6 +228,49 @@ TEST(MemoryPlan, SlicedBankIsTheLargestSlice) {
   EXPECT_LT(sliced.bytes, whole.bytes);
 }
 
+// expert_bank_reuse: with `all` the recompute keeps gate's and up's banks (256 MiB each for OLMoE,
+// 64 experts of 1024 x 2048 in bf16) beside the one every phase holds, so the block's peak grows
+// by at most two banks and its phase says so; `down` keeps the bank the backward's first phase
+// holds anyway (the same peak as none, unless its own phase is the largest); slices keep nothing.
+TEST(MemoryPlan, KeptBanksAddAtMostTwoBanks) {
+  TrainConfig cfg;
+  cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/olmoe-1b-7b";
+  cfg.load_in_4bit = true;
+  cfg.adapter = "qlora";
+  cfg.sequence_len = 2048;
+  cfg.micro_batch_size = 1;
+  cfg.gradient_checkpointing = true;  // banks are kept from a recompute only
+  const ModelConfig mc = load_config(cfg.base_model);
+  auto block_with = [&](const char* reuse, const char* chunk = "auto") {
+    TrainConfig c = cfg;
+    c.expert_bank_reuse = reuse;
+    c.expert_dequant_chunk = chunk;
+    for (const auto& part : plan_memory(c, mc, true, 1).device)
+      if (part.name == "block") return part;
+    return MemoryPart{};
+  };
+  const double bank = 64.0 * 1024 * 2048 * 2;
+  const MemoryPart none = block_with("none"), down = block_with("down"), all = block_with("all"), dflt = block_with("auto");
+  EXPECT_GT(all.bytes, none.bytes);
+  EXPECT_LE(all.bytes, none.bytes + 2 * bank);
+  EXPECT_EQ(dflt.bytes, all.bytes) << "auto plans all (setup falls back to down when that does not fit)";
+  EXPECT_GE(down.bytes, none.bytes);
+  EXPECT_LE(down.bytes, none.bytes + bank);
+  EXPECT_EQ(block_with("all", "64MiB").bytes, block_with("none", "64MiB").bytes) << "slices are never kept";
+  TrainConfig nockpt = cfg;
+  nockpt.gradient_checkpointing = false;
+  nockpt.expert_bank_reuse = "all";
+  const double no_recompute_all = plan_memory(nockpt, mc, true, 1).device_peak;
+  nockpt.expert_bank_reuse = "none";
+  EXPECT_EQ(no_recompute_all, plan_memory(nockpt, mc, true, 1).device_peak) << "without checkpointing nothing is kept";
+  // On the CPU (per-expert loop, no bank) nothing is kept either.
+  TrainConfig c = cfg;
+  c.expert_bank_reuse = "all";
+  const MemoryPlan cpu_all = plan_memory(c, mc, false, 1, /*on_gpu=*/false);
+  c.expert_bank_reuse = "none";
+  EXPECT_EQ(cpu_all.device_peak, plan_memory(c, mc, false, 1, false).device_peak);
+}
+
 // ---- Expert LoRA stacked per block and matrix, against the per-expert adapters it replaces.
 
 namespace {
