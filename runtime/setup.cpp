@@ -333,8 +333,9 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
     }
   }
   const std::int64_t bank = expert_bank_bytes(planned);
-  // Slices are never kept (forward and backward cut the bank differently).
-  const model::BankReuse reuse = bank > 0 || planned.expert_bank_reuse == "none" ? model::BankReuse::None
+  // Slices are never kept (forward and backward cut the bank differently); the CPU runs the
+  // per-expert loop, with no bank.
+  const model::BankReuse reuse = !device.is_cuda() || bank > 0 || planned.expert_bank_reuse == "none" ? model::BankReuse::None
                                  : planned.expert_bank_reuse == "down"            ? model::BankReuse::Down
                                                                                   : model::BankReuse::All;
   log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
