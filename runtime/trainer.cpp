@@ -79,6 +79,10 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     log::info("CUDA graphs: " + run.cuda_graphs_why +
               (run.cuda_graphs ? ": each block's forward, recompute + backward and the loss replay as graphs from their second use"
                                : std::string()));
+  if (device.is_cuda() && wi.rank == 0 && cfg.load_in_4bit && run.bank_reuse != model::BankReuse::None)
+    log::info(std::string("expert banks: each block's recompute keeps ") +
+              (run.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +
+              " dequantised experts for its backward (expert_bank_reuse: " + cfg.expert_bank_reuse + ")");
   const double steps_per_epoch = double(batcher.num_batches_per_epoch()) / double(accum);
   const std::int64_t save_every =
       cfg.saves_per_epoch ? interval(std::nullopt, cfg.saves_per_epoch, steps_per_epoch, total_steps) : cfg.save_steps;
