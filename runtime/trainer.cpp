@@ -218,7 +218,19 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
               "); stopping. Those steps did not change the adapter. Lower learning_rate, check the data, or start from an "
               "earlier checkpoint (resume_from_checkpoint)");
   };
-  while (step < total_steps) {
+  // A failure while the next step is queued (a fault on this rank, a device error) still leaves
+  // the step already done reported: its metrics line is not lost with the step that failed.
+  auto flush_pending = [&] {
+    std::optional<Queued> done = std::move(pending);
+    pending.reset();
+    if (!done) return;
+    try {
+      finish(std::move(*done), /*eval_now=*/false);
+    } catch (const std::exception& e) {
+      log::warn(std::string("could not report step ") + std::to_string(done->step) + " after the failure: " + e.what());
+    }
+  };
+  while (step < total_steps) try {
     if (hooks.before_step) hooks.before_step(step + 1);
     const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
     const std::int64_t step_start_allocated = allocated_memory_bytes(device);
@@ -262,8 +274,10 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     world.allreduce_max(stop, 1);
     const bool eval_now = run.eval_rows && ((eval_every > 0 && step % eval_every == 0) || step == total_steps);
     const bool save_now = save_every > 0 && step % save_every == 0 && step < total_steps;
-    if (pending) finish(std::move(*pending), /*eval_now=*/false);
-    pending.reset();
+    if (std::optional<Queued> previous = std::move(pending); previous) {
+      pending.reset();
+      finish(std::move(*previous), /*eval_now=*/false);
+    }
     if (step == total_steps || eval_now || save_now || stop[0] > 0 || auto_budget_pending || hooks.after_step)
       finish(std::move(q), eval_now);
     else
@@ -283,6 +297,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       auto_budget_pending = false;
       t_last = Clock::now();
     }
+  } catch (...) {
+    flush_pending();
+    throw;
   }
   save("end of training");
   if (wi.world_size > 1) {

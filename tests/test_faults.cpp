@@ -245,6 +245,22 @@ TEST_F(FaultTest, NanStepSkippedOnTheDeviceWhileTheHostRunsAheadMatchesAReadEver
       << "the device-decided skip while running ahead gave another adapter";
 }
 
+// A rank that fails at the start of step 3, without saves: step 2 was still to be read (the
+// host runs a step ahead of its reads), and its metrics line is written before the run ends.
+TEST_F(FaultTest, AFailureWhileQueuingAStepStillReportsTheStepBefore) {
+  const fs::path out = dir_ / "run";
+  RunOptions ro;
+  ro.env = {"EO_DDP_FAULT=throw", "EO_DDP_FAULT_STEP=3"};
+  const Outcome o = train(out, {"max_steps=5", "save_steps=0"}, ro);
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code != 0) << o.describe();
+  EXPECT_TRUE(contains(o.log, "fault injected at step 3")) << o.log;
+  const auto m = read_metrics(out);
+  ASSERT_EQ(m.size(), 2u) << "steps 1 and 2 were done and must be reported";
+  EXPECT_TRUE(m.at(2).at("loss").is_number()) << m.at(2).dump();
+  EXPECT_FALSE(fs::exists(out / "adapter_model.safetensors"));
+}
+
 // Every step NaN: the run stops at the limit, exit 1, saying why, and writes no final adapter.
 TEST_F(FaultTest, NonFiniteStepsStopAtTheLimit) {
   const fs::path out = dir_ / "run";
