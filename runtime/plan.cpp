@@ -235,7 +235,8 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   block += residual;
   p.device.push_back({"block", block, "one block's recompute + backward, peak at the " + block_phase + " (" +
                                           std::to_string(static_cast<long long>(NK)) + " token-expert pairs" +
-                                          (bank > 0 ? ", dequantised bank " + human_bytes(bank) : std::string()) + ")"});
+                                          (bank > 0 ? ", dequantised bank " + human_bytes(bank) : std::string()) +
+                                          (keep_all ? ", 2 more kept from the recompute for its backward" : std::string()) + ")"});
 
   // ---- the head: the normed hidden and per-row log-sum-exp saved, the targets; one chunk of
   // logits in flight (forward: the GEMM's output, its fp32 copy and logsumexp's fp32 temporary;

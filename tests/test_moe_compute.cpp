@@ -254,6 +254,8 @@ TEST(MemoryPlan, KeptBanksAddAtMostTwoBanks) {
   EXPECT_GT(all.bytes, none.bytes);
   EXPECT_LE(all.bytes, none.bytes + 2 * bank);
   EXPECT_EQ(dflt.bytes, all.bytes) << "auto plans all (setup falls back to down when that does not fit)";
+  EXPECT_NE(all.what.find("2 more kept from the recompute"), std::string::npos) << all.what;
+  EXPECT_EQ(none.what.find("kept"), std::string::npos) << none.what;
   EXPECT_GE(down.bytes, none.bytes);
   EXPECT_LE(down.bytes, none.bytes + bank);
   EXPECT_EQ(block_with("all", "64MiB").bytes, block_with("none", "64MiB").bytes) << "slices are never kept";
