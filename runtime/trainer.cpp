@@ -135,8 +135,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   // whose outcome the host needs before going on (the last, a save, an evaluation, a stop, the
   // first with an automatic budget, an after_step hook) is read before the next is queued.
   struct Queued {
-    std::int64_t step = 0, tokens = 0;
-    double global_tokens = 1, lr = 0, epoch = 0;
+    std::int64_t step = 0, tokens = 0;  // tokens: target tokens, all ranks
+    double lr = 0, epoch = 0;
     HostCopy values;  // fp64 [ce sum, aux sum (all ranks), ranks with a non-finite loss, gradient norm]
   };
   TrainResult result;
@@ -146,9 +146,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
   std::optional<Queued> pending;
   auto finish = [&](Queued q, bool eval_now) {
-    const at::Tensor& v = q.values.get();  // waits for this step only
-    const double ce_sum = v[0].item<double>(), aux_sum = v[1].item<double>(), bad_ranks = v[2].item<double>(),
-                 grad_norm = v[3].item<double>();
+    const double* v = q.values.get().data_ptr<double>();  // waits for this step only
+    const double ce_sum = v[0], aux_sum = v[1], bad_ranks = v[2], grad_norm = v[3];
+    const double global_tokens = double(std::max<std::int64_t>(1, q.tokens));
     const auto t_read = Clock::now();
     // The device's decision, taken from these same values (see the queueing below).
     const bool skip = bad_ranks > 0 || !std::isfinite(grad_norm);
@@ -156,7 +156,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       ++skipped_nonfinite;
       ++nonfinite_streak;
       if (wi.rank == 0)
-        log::warn("step " + std::to_string(q.step) + ": loss " + std::to_string(ce_sum / q.global_tokens) + ", gradient norm " +
+        log::warn("step " + std::to_string(q.step) + ": loss " + std::to_string(ce_sum / global_tokens) + ", gradient norm " +
                   std::to_string(grad_norm) + " (non-finite loss on " + std::to_string(int(bad_ranks)) + " of " +
                   std::to_string(wi.world_size) + " rank(s)); skipped without an optimizer update (" + std::to_string(nonfinite_streak) + " in a row, " +
                   std::to_string(cfg.max_nonfinite_steps) + " stop the run)");
@@ -167,7 +167,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     r.step = q.step;
     r.total_steps = total_steps;
     r.epoch = q.epoch;
-    r.loss = ce_sum / q.global_tokens;
+    r.loss = ce_sum / global_tokens;
     r.lr = q.lr;
     r.grad_norm = grad_norm;
     r.tokens = q.tokens;
@@ -265,7 +265,6 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     Queued q;
     q.step = step;
     q.tokens = tokens[0];
-    q.global_tokens = global_tokens;
     q.lr = lr;
     q.epoch = double(micro.back().epoch) + double(micro.back().position + 1) / double(std::max<std::int64_t>(1, batcher.num_sequences()));
     q.values = HostCopy(at::cat({sums, grad_norm.reshape({1})}));
