@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <tuple>
+
 #include "common/error.h"
 
 #ifdef EO_WITH_CUDA
@@ -30,50 +32,91 @@ void launched(cudaError_t rc, const char* what) {
 }
 #endif
 
+// fp32 of a + b (b may be undefined), the kernels' sum of a base output and its LoRA delta.
+at::Tensor f32_sum(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor af = a.to(at::kFloat);
+  return b.defined() ? af + b.to(at::kFloat) : af;
+}
+
 // CPU: the same fp32 math as the kernels, rounded once.
-at::Tensor swiglu_math(const at::Tensor& g, const at::Tensor& u) {
-  const at::Tensor gf = g.to(at::kFloat);
-  return (at::silu(gf) * u.to(at::kFloat)).to(g.scalar_type());
+at::Tensor swiglu_math(const at::Tensor& g0, const at::Tensor& g1, const at::Tensor& u0, const at::Tensor& u1) {
+  return (at::silu(f32_sum(g0, g1)) * f32_sum(u0, u1)).to(g0.scalar_type());
 }
 
-std::pair<at::Tensor, at::Tensor> swiglu_grad_math(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh) {
+std::pair<at::Tensor, at::Tensor> swiglu_grad_math(const at::Tensor& g0, const at::Tensor& g1, const at::Tensor& u0,
+                                                   const at::Tensor& u1, const at::Tensor& dh) {
   // d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g).
-  const at::Tensor gf = g.to(at::kFloat), uf = u.to(at::kFloat), df = dh.to(at::kFloat);
+  const at::Tensor gf = f32_sum(g0, g1), uf = f32_sum(u0, u1), df = dh.to(at::kFloat);
   const at::Tensor s = at::sigmoid(gf);
-  return {(df * uf * s * (1 + gf * (1 - s))).to(g.scalar_type()), (df * gf * s).to(u.scalar_type())};
+  return {(df * uf * s * (1 + gf * (1 - s))).to(g0.scalar_type()), (df * gf * s).to(u0.scalar_type())};
 }
 
+#ifdef EO_WITH_CUDA
+// A contiguous operand for a kernel, or nullptr where it is undefined (a missing delta).
+const void* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+at::Tensor contiguous_if(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t.to(like.scalar_type()).contiguous() : t;
+}
+#endif
+
+// silu(g0 + g1) * (u0 + u1), with g1 and u1 undefined for plain swiglu.
+at::Tensor swiglu_forward(const at::Tensor& g0, const at::Tensor& g1, const at::Tensor& u0, const at::Tensor& u1) {
+#ifdef EO_WITH_CUDA
+  if (g0.is_cuda()) {
+    const at::Tensor g = g0.contiguous(), u = u0.contiguous(), gd = contiguous_if(g1, g), ud = contiguous_if(u1, g);
+    at::Tensor h = at::empty_like(g);
+    c10::cuda::CUDAGuard guard(g.device());
+    launched(fused::cuda::swiglu_forward(g.data_ptr(), ptr_or_null(gd), u.data_ptr(), ptr_or_null(ud), h.data_ptr(), g.numel(),
+                                         dtype_of(g), stream_of(g)),
+             "swiglu forward");
+    return h;
+  }
+#endif
+  return swiglu_math(g0, g1, u0, u1);
+}
+
+std::pair<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& g0, const at::Tensor& g1, const at::Tensor& u0,
+                                                  const at::Tensor& u1, const at::Tensor& dh) {
+#ifdef EO_WITH_CUDA
+  if (g0.is_cuda()) {
+    const at::Tensor g = g0.contiguous(), u = u0.contiguous(), d = dh.to(g.scalar_type()).contiguous();
+    const at::Tensor gd = contiguous_if(g1, g), ud = contiguous_if(u1, g);
+    at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
+    c10::cuda::CUDAGuard guard(g.device());
+    launched(fused::cuda::swiglu_backward(g.data_ptr(), ptr_or_null(gd), u.data_ptr(), ptr_or_null(ud), d.data_ptr(),
+                                          dg.data_ptr(), du.data_ptr(), g.numel(), dtype_of(g), stream_of(g)),
+             "swiglu backward");
+    return {dg, du};
+  }
+#endif
+  return swiglu_grad_math(g0, g1, u0, u1, dh);
+}
+
+// Autograd's custom functions take defined tensors only: one node without deltas, one with both.
 struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});  // through the saved-tensor hooks: checkpointing may drop them
-#ifdef EO_WITH_CUDA
-    if (gate.is_cuda()) {
-      const at::Tensor g = gate.contiguous(), u = up.contiguous();
-      at::Tensor h = at::empty_like(g);
-      c10::cuda::CUDAGuard guard(g.device());
-      launched(fused::cuda::swiglu_forward(g.data_ptr(), u.data_ptr(), h.data_ptr(), g.numel(), dtype_of(g), stream_of(g)),
-               "swiglu forward");
-      return h;
-    }
-#endif
-    return swiglu_math(gate, up);
+    return swiglu_forward(gate, at::Tensor(), up, at::Tensor());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-#ifdef EO_WITH_CUDA
-    if (saved[0].is_cuda()) {
-      const at::Tensor g = saved[0].contiguous(), u = saved[1].contiguous(), dh = grads[0].to(g.scalar_type()).contiguous();
-      at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
-      c10::cuda::CUDAGuard guard(g.device());
-      launched(fused::cuda::swiglu_backward(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dg.data_ptr(), du.data_ptr(),
-                                            g.numel(), dtype_of(g), stream_of(g)),
-               "swiglu backward");
-      return {dg, du};
-    }
-#endif
-    auto [dg, du] = swiglu_grad_math(saved[0], saved[1], grads[0]);
+    auto [dg, du] = swiglu_backward(saved[0], at::Tensor(), saved[1], at::Tensor(), grads[0]);
     return {dg, du};
+  }
+};
+
+struct SwiGluDeltasFunction : public torch::autograd::Function<SwiGluDeltasFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            const at::Tensor& gate_delta, const at::Tensor& up_delta) {
+    ctx->save_for_backward({gate, up, gate_delta, up_delta});
+    return swiglu_forward(gate, gate_delta, up, up_delta);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto [dg, du] = swiglu_backward(saved[0], saved[2], saved[1], saved[3], grads[0]);
+    return {dg, du, dg, du};  // a delta's gradient is its base's: the same tensor, no copy
   }
 };
 
@@ -118,9 +161,36 @@ struct RopeFunction : public torch::autograd::Function<RopeFunction> {
 
 }  // namespace
 
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& gate_delta, const at::Tensor& up_delta) {
   EO_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+  EO_CHECK(!gate_delta.defined() || gate_delta.sizes() == gate.sizes(), "swiglu: gate_delta ", gate_delta.sizes(),
+           " differs from gate ", gate.sizes());
+  EO_CHECK(!up_delta.defined() || up_delta.sizes() == up.sizes(), "swiglu: up_delta ", up_delta.sizes(), " differs from up ",
+           up.sizes());
+  if (gate_delta.defined() && up_delta.defined()) return SwiGluDeltasFunction::apply(gate, up, gate_delta, up_delta);
+  // One delta alone (LoRA on gate_proj or up_proj only): its sum is formed.
+  if (gate_delta.defined()) return SwiGluFunction::apply(gate + gate_delta, up);
+  if (up_delta.defined()) return SwiGluFunction::apply(gate, up + up_delta);
   return SwiGluFunction::apply(gate, up);
+}
+
+at::Tensor gather_add_rows(const at::Tensor& x, const at::Tensor& y, const at::Tensor& index) {
+  EO_CHECK(x.dim() == 2 && x.sizes() == y.sizes() && index.dim() == 1 && x.scalar_type() == y.scalar_type(),
+           "gather_add_rows: x ", x.sizes(), " ", x.scalar_type(), ", y ", y.sizes(), " ", y.scalar_type(), ", index ",
+           index.sizes());
+#ifdef EO_WITH_CUDA
+  if (x.is_cuda()) {
+    const at::Tensor xc = x.contiguous(), yc = y.contiguous(), ic = index.to(at::kLong).contiguous();
+    at::Tensor out = at::empty({ic.size(0), xc.size(1)}, xc.options());
+    c10::cuda::CUDAGuard guard(xc.device());
+    launched(fused::cuda::gather_add_rows(xc.data_ptr(), yc.data_ptr(), ic.data_ptr<std::int64_t>(), out.data_ptr(), ic.size(0),
+                                          xc.size(1), dtype_of(xc), stream_of(xc)),
+             "gather_add_rows");
+    return out;
+  }
+#endif
+  const auto acc = at::promote_types(x.scalar_type(), at::kFloat);
+  return (x.index_select(0, index).to(acc) + y.index_select(0, index).to(acc)).to(x.scalar_type());
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

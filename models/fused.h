@@ -9,11 +9,19 @@
 namespace eo::model {
 
 // silu(gate) * up. Saves only gate and up (autograd's silu + mul would also keep silu(gate)).
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+// With deltas (the expert LoRA's, either may be undefined): silu(gate + gate_delta) * (up +
+// up_delta), the sums formed in fp32 inside the kernel, so no [rows, I] sum is written in forward
+// and the deltas get the same gradients as gate and up (no pass in backward either).
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& gate_delta = at::Tensor(),
+                  const at::Tensor& up_delta = at::Tensor());
 
 // HF's rotary embedding, x * cos + rotate_half(x) * sin, on x [B, T, heads, head_dim] (the
 // projection's own layout, so no transpose is materialised); cos and sin are [B, T, rot_dim]
 // with rot_dim <= head_dim (partial rotary: the dims past rot_dim pass through).
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// x.index_select(0, index) + y.index_select(0, index), summed in fp32 and rounded once, as one
+// pass (no autograd: gather_rows in linear4bit.h is its autograd node).
+at::Tensor gather_add_rows(const at::Tensor& x, const at::Tensor& y, const at::Tensor& index);
 
 }  // namespace eo::model

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstdint>
 
 namespace eo::fused::cuda {
 namespace {
@@ -31,22 +32,56 @@ struct Cvt<__half> {
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
 
 template <typename T>
-__global__ void swiglu_forward_kernel(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ h,
-                                      std::int64_t n) {
+__device__ __forceinline__ float sum_of(const T* __restrict__ a, const T* __restrict__ b, std::int64_t i) {
+  return b ? Cvt<T>::in(a[i]) + Cvt<T>::in(b[i]) : Cvt<T>::in(a[i]);
+}
+
+template <typename T>
+__global__ void swiglu_forward_kernel(const T* __restrict__ g0, const T* __restrict__ g1, const T* __restrict__ u0,
+                                      const T* __restrict__ u1, T* __restrict__ h, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    const float gv = Cvt<T>::in(g[i]), uv = Cvt<T>::in(u[i]);
+    const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i);
     h[i] = Cvt<T>::out(gv * sigmoid(gv) * uv);
   }
 }
 
 template <typename T>
-__global__ void swiglu_backward_kernel(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ dh,
-                                       T* __restrict__ dg, T* __restrict__ du, std::int64_t n) {
+__global__ void swiglu_backward_kernel(const T* __restrict__ g0, const T* __restrict__ g1, const T* __restrict__ u0,
+                                       const T* __restrict__ u1, const T* __restrict__ dh, T* __restrict__ dg,
+                                       T* __restrict__ du, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    const float gv = Cvt<T>::in(g[i]), uv = Cvt<T>::in(u[i]), d = Cvt<T>::in(dh[i]);
+    const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i), d = Cvt<T>::in(dh[i]);
     const float s = sigmoid(gv);
     dg[i] = Cvt<T>::out(d * uv * s * (1.0f + gv * (1.0f - s)));
     du[i] = Cvt<T>::out(d * gv * s);
+  }
+}
+
+// 16-byte chunks of a row where the row allows it (cols a multiple of 16 / sizeof(T), rows
+// aligned), else one value per thread.
+template <typename T>
+__global__ void gather_add_rows_kernel(const T* __restrict__ x, const T* __restrict__ y,
+                                       const std::int64_t* __restrict__ index, T* __restrict__ out, std::int64_t rows,
+                                       std::int64_t cols, bool vec) {
+  constexpr int kVec = 16 / sizeof(T);
+  const std::int64_t per_row = vec ? cols / kVec : cols;
+  const std::int64_t total = rows * per_row;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / per_row, c = i % per_row;
+    const std::int64_t src = index[row] * cols, dst = row * cols;
+    if (!vec) {
+      out[dst + c] = Cvt<T>::out(Cvt<T>::in(x[src + c]) + Cvt<T>::in(y[src + c]));
+      continue;
+    }
+    const uint4 a = reinterpret_cast<const uint4*>(x + src)[c], b = reinterpret_cast<const uint4*>(y + src)[c];
+    uint4 o;
+    const T* av = reinterpret_cast<const T*>(&a);
+    const T* bv = reinterpret_cast<const T*>(&b);
+    T* ov = reinterpret_cast<T*>(&o);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) ov[k] = Cvt<T>::out(Cvt<T>::in(av[k]) + Cvt<T>::in(bv[k]));
+    reinterpret_cast<uint4*>(out + dst)[c] = o;
   }
 }
 
@@ -104,17 +139,31 @@ constexpr int kBlock = 256;
 
 template <typename T>
 struct SwigluForward {
-  static void run(const void* g, const void* u, void* h, std::int64_t n, cudaStream_t s) {
-    swiglu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(g), static_cast<const T*>(u),
-                                                                     static_cast<T*>(h), n);
+  static void run(const void* g0, const void* g1, const void* u0, const void* u1, void* h, std::int64_t n, cudaStream_t s) {
+    swiglu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(
+        static_cast<const T*>(g0), static_cast<const T*>(g1), static_cast<const T*>(u0), static_cast<const T*>(u1),
+        static_cast<T*>(h), n);
   }
 };
 template <typename T>
 struct SwigluBackward {
-  static void run(const void* g, const void* u, const void* dh, void* dg, void* du, std::int64_t n, cudaStream_t s) {
+  static void run(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg, void* du,
+                  std::int64_t n, cudaStream_t s) {
     swiglu_backward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(
-        static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(dh), static_cast<T*>(dg),
-        static_cast<T*>(du), n);
+        static_cast<const T*>(g0), static_cast<const T*>(g1), static_cast<const T*>(u0), static_cast<const T*>(u1),
+        static_cast<const T*>(dh), static_cast<T*>(dg), static_cast<T*>(du), n);
+  }
+};
+template <typename T>
+struct GatherAddRows {
+  static void run(const void* x, const void* y, const std::int64_t* index, void* out, std::int64_t rows, std::int64_t cols,
+                  cudaStream_t s) {
+    constexpr int kVec = 16 / sizeof(T);
+    const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+    const bool vec = cols % kVec == 0 && aligned(x) && aligned(y) && aligned(out);
+    const std::int64_t n = rows * (vec ? cols / kVec : cols);
+    gather_add_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), static_cast<const T*>(y), index,
+                                                                      static_cast<T*>(out), rows, cols, vec);
   }
 };
 template <typename T>
@@ -130,15 +179,22 @@ struct Rope {
 
 }  // namespace
 
-cudaError_t swiglu_forward(const void* g, const void* u, void* h, std::int64_t n, DType t, cudaStream_t s) {
+cudaError_t swiglu_forward(const void* g0, const void* g1, const void* u0, const void* u1, void* h, std::int64_t n,
+                           DType t, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  return by_type<SwigluForward>(t, g, u, h, n, s);
+  return by_type<SwigluForward>(t, g0, g1, u0, u1, h, n, s);
 }
 
-cudaError_t swiglu_backward(const void* g, const void* u, const void* dh, void* dg, void* du, std::int64_t n, DType t,
-                            cudaStream_t s) {
+cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg,
+                            void* du, std::int64_t n, DType t, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  return by_type<SwigluBackward>(t, g, u, dh, dg, du, n, s);
+  return by_type<SwigluBackward>(t, g0, g1, u0, u1, dh, dg, du, n, s);
+}
+
+cudaError_t gather_add_rows(const void* x, const void* y, const std::int64_t* index, void* out, std::int64_t rows,
+                            std::int64_t cols, DType t, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  return by_type<GatherAddRows>(t, x, y, index, out, rows, cols, s);
 }
 
 cudaError_t rope(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, int heads, int head_dim,

@@ -14,11 +14,18 @@ namespace eo::fused::cuda {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
-// h = silu(g) * u over n values.
-cudaError_t swiglu_forward(const void* g, const void* u, void* h, std::int64_t n, DType t, cudaStream_t s);
-// dg = dh * u * s * (1 + g * (1 - s)), du = dh * silu(g), s = sigmoid(g).
-cudaError_t swiglu_backward(const void* g, const void* u, const void* dh, void* dg, void* du, std::int64_t n, DType t,
-                            cudaStream_t s);
+// h = silu(g) * u over n values, where g = g0 + g1 and u = u0 + u1 summed in fp32 (g1, u1 may be
+// null: the expert LoRA's deltas, added without writing the sums).
+cudaError_t swiglu_forward(const void* g0, const void* g1, const void* u0, const void* u1, void* h, std::int64_t n,
+                           DType t, cudaStream_t s);
+// dg = dh * u * s * (1 + g * (1 - s)), du = dh * silu(g), s = sigmoid(g), with g and u as above.
+cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg,
+                            void* du, std::int64_t n, DType t, cudaStream_t s);
+
+// out[i, :] = x[index[i], :] + y[index[i], :] summed in fp32 and rounded once (the MoE combine's
+// gather with the down projection's LoRA delta added on the way). All [*, cols] contiguous.
+cudaError_t gather_add_rows(const void* x, const void* y, const std::int64_t* index, void* out, std::int64_t rows,
+                            std::int64_t cols, DType t, cudaStream_t s);
 
 // Rotary embedding on x [rows = B*T, heads, head_dim] (contiguous), the first rot_dim dims of
 // each head rotated as HF's rotate_half pairs them (d with d + rot_dim/2), the rest copied.

@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "common/error.h"
+#include "models/fused.h"
 
 namespace eo::model {
 
@@ -126,21 +127,42 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   }
 };
 
+// The gather-and-sum backward of out = x.index_select(0, index) (see gather_rows).
+at::Tensor gather_rows_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
+  const at::Tensor inverse = ctx->saved_data["inverse"].toTensor();
+  const std::int64_t fanout = ctx->saved_data["fanout"].toInt(), rows = ctx->saved_data["rows"].toInt();
+  at::Tensor g = grad.index_select(0, inverse);
+  if (fanout > 1) g = g.view({rows, fanout, -1}).sum(1);  // accumulates in fp32, rounds once
+  return g;
+}
+void save_gather(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& inverse, std::int64_t fanout) {
+  ctx->saved_data["inverse"] = inverse;  // integer rows, no activation: nothing to checkpoint
+  ctx->saved_data["fanout"] = fanout;
+  ctx->saved_data["rows"] = x.size(0);
+}
+
 struct GatherRowsFunction : public torch::autograd::Function<GatherRowsFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& index,
                             const at::Tensor& inverse, std::int64_t fanout) {
-    ctx->saved_data["inverse"] = inverse;  // integer rows, no activation: nothing to checkpoint
-    ctx->saved_data["fanout"] = fanout;
-    ctx->saved_data["rows"] = x.size(0);
+    save_gather(ctx, x, inverse, fanout);
     return x.index_select(0, index);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const at::Tensor inverse = ctx->saved_data["inverse"].toTensor();
-    const std::int64_t fanout = ctx->saved_data["fanout"].toInt(), rows = ctx->saved_data["rows"].toInt();
-    at::Tensor g = grads[0].index_select(0, inverse);
-    if (fanout > 1) g = g.view({rows, fanout, -1}).sum(1);  // accumulates in fp32, rounds once
-    return {g, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gather_rows_backward(ctx, grads[0]), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GatherAddRowsFunction : public torch::autograd::Function<GatherAddRowsFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& addend,
+                            const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
+    save_gather(ctx, x, inverse, fanout);
+    return gather_add_rows(x, addend, index);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor g = gather_rows_backward(ctx, grads[0]);
+    return {g, g, at::Tensor(), at::Tensor(), at::Tensor()};  // the addend's gradient is x's: the same tensor
   }
 };
 
@@ -153,9 +175,13 @@ std::int64_t bank_slice(std::int64_t full, std::int64_t experts, std::int64_t ot
   return std::min(full, std::max<std::int64_t>(64, fit / 64 * 64));
 }
 
-at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout,
+                       const at::Tensor& addend) {
   EO_CHECK(x.dim() == 2 && index.dim() == 1 && inverse.numel() == x.size(0) * fanout && index.numel() == inverse.numel(),
            "gather_rows: x ", x.sizes(), ", index ", index.sizes(), ", inverse ", inverse.sizes(), ", fanout ", fanout);
+  EO_CHECK(!addend.defined() || addend.sizes() == x.sizes(), "gather_rows: addend ", addend.sizes(), " differs from x ",
+           x.sizes());
+  if (addend.defined()) return GatherAddRowsFunction::apply(x, addend, index, inverse, fanout);
   return GatherRowsFunction::apply(x, index, inverse, fanout);
 }
 

@@ -73,6 +73,9 @@ void set_grouped_gemm_enabled(bool enabled);
 // consecutive), so dX = grad.index_select(0, inverse).view(rows, fanout, -1).sum(1). libtorch's
 // index_select backward is an atomic index_add: slower on a GPU (measured 1.1 ms per call on
 // Qwen3-30B-A3B shapes at 8,192 tokens), rounding every add in bf16, and not deterministic.
-at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout);
+// With `addend` (x's shape: the down projection's LoRA delta) the rows of x + addend, summed in
+// the gather (fused.h's gather_add_rows), and addend's gradient is x's.
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout,
+                       const at::Tensor& addend = at::Tensor());
 
 }  // namespace eo::model

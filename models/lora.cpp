@@ -102,30 +102,22 @@ namespace {
 at::Tensor grouped_down(const at::Tensor& x, const at::Tensor& a, const at::Tensor& offsets) {
   return at::_grouped_mm(x, a.to(x.scalar_type()).transpose(1, 2), offsets);  // [N, r]
 }
-at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Tensor& offsets) {
-  return at::_grouped_mm(down.contiguous(), b.to(down.scalar_type()).transpose(1, 2), offsets);  // [N, out]
+// The scaling rides in B's cast (B is [E, out, r], small), not in a pass over the [N, out] delta:
+// the delta leaves the GEMM scaled, and its gradient reaches the GEMM as it is.
+at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Tensor& offsets, double scaling) {
+  const at::Tensor bs = scaling == 1.0 ? b.to(down.scalar_type()) : (b * scaling).to(down.scalar_type());
+  // `down` may be a column slice of the paired [N, r1 + r2] (rows 16-byte aligned): read in place.
+  return at::_grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
 }  // namespace
 
-at::Tensor ExpertLora::add_grouped(const at::Tensor& y, const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const {
+at::Tensor ExpertLora::delta_grouped(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const {
   EO_CHECK(grouped_ok(), "grouped expert LoRA needs r divisible by 8, got r=", a_.size(1));
   const at::Tensor x = x_sorted.contiguous();
   // Dropout on the whole sorted input: each row still gets its own mask, as peft's per-module
   // dropout gives it (gate and up draw independent masks, as their two peft modules do).
   const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;
-  return y.add(grouped_up(grouped_down(h, a_, offsets), b_, offsets), scaling_);
-}
-
-std::pair<at::Tensor, at::Tensor> ExpertLora::add_grouped_split(const at::Tensor& y1, const at::Tensor& y2, const at::Tensor& x_sorted,
-                                                                const at::Tensor& offsets, bool training) const {
-  EO_CHECK(grouped_ok(), "grouped expert LoRA needs r divisible by 8, got r=", a_.size(1));
-  EO_CHECK(y1.size(-1) + y2.size(-1) == b_.size(1), "add_grouped_split: outputs of ", y1.size(-1), " + ", y2.size(-1),
-           " columns for a LoRA of ", b_.size(1));
-  const at::Tensor x = x_sorted.contiguous();
-  const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;
-  const at::Tensor d = grouped_up(grouped_down(h, a_, offsets), b_, offsets);
-  const auto n1 = y1.size(-1);
-  return {y1.add(d.narrow(1, 0, n1), scaling_), y2.add(d.narrow(1, n1, y2.size(-1)), scaling_)};
+  return grouped_up(grouped_down(h, a_, offsets), b_, offsets, scaling_);
 }
 
 bool ExpertLora::can_pair_with(const ExpertLora& other, bool training) const {
@@ -134,16 +126,16 @@ bool ExpertLora::can_pair_with(const ExpertLora& other, bool training) const {
          a_.device() == other.a_.device();
 }
 
-std::pair<at::Tensor, at::Tensor> ExpertLora::add_grouped_pair(const ExpertLora& l1, const at::Tensor& y1, const ExpertLora& l2,
-                                                               const at::Tensor& y2, const at::Tensor& x_sorted,
-                                                               const at::Tensor& offsets, bool training) {
-  EO_CHECK(l1.can_pair_with(l2, training), "add_grouped_pair: these adapters cannot share one A GEMM (dropout, shapes or r)");
+std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_pair(const ExpertLora& l1, const ExpertLora& l2,
+                                                                 const at::Tensor& x_sorted, const at::Tensor& offsets,
+                                                                 bool training) {
+  EO_CHECK(l1.can_pair_with(l2, training), "delta_grouped_pair: these adapters cannot share one A GEMM (dropout, shapes or r)");
   const at::Tensor x = x_sorted.contiguous();
   const std::int64_t r1 = l1.a_.size(1), r2 = l2.a_.size(1);
   const auto dt = x.scalar_type();
   const at::Tensor down = grouped_down(x, at::cat({l1.a_.to(dt), l2.a_.to(dt)}, 1), offsets);  // [N, r1 + r2]
-  return {y1.add(grouped_up(down.narrow(1, 0, r1), l1.b_, offsets), l1.scaling_),
-          y2.add(grouped_up(down.narrow(1, r1, r2), l2.b_, offsets), l2.scaling_)};
+  return {grouped_up(down.narrow(1, 0, r1), l1.b_, offsets, l1.scaling_),
+          grouped_up(down.narrow(1, r1, r2), l2.b_, offsets, l2.scaling_)};
 }
 
 std::string stacked_lora_name(const std::string& experts_prefix, const std::string& matrix, char ab) {

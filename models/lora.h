@@ -82,20 +82,18 @@ class ExpertLora {
   Slices slices() const;
   // Expert e on its rows: LoraAdapter::add_to's math with A[e], B[e].
   at::Tensor add_to(const Slices& s, int e, const at::Tensor& y, const at::Tensor& x, bool training) const;
-  // y + every expert's delta on token-sorted rows: rows [offsets[e-1], offsets[e]) through
-  // expert e, as two grouped GEMMs over the same int32 device offsets as the base (no host sync,
-  // no loop), (dropout(x) · A^T) · B^T, scaled and added to y in one kernel. Needs grouped_ok().
-  at::Tensor add_grouped(const at::Tensor& y, const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const;
-  // The same for a LoRA over a fused [first; second] output (gate_up_proj): its delta's first
-  // y1.size(-1) columns go to y1, the rest to y2.
-  std::pair<at::Tensor, at::Tensor> add_grouped_split(const at::Tensor& y1, const at::Tensor& y2, const at::Tensor& x_sorted,
-                                                      const at::Tensor& offsets, bool training) const;
+  // Every expert's delta on token-sorted rows, scaling · (dropout(x) · A^T) · B^T: rows
+  // [offsets[e-1], offsets[e]) through expert e, as two grouped GEMMs over the same int32 device
+  // offsets as the base (no host sync, no loop), the scaling folded into B's cast. The caller
+  // adds it where the sum is read anyway (swiglu's deltas, the combine's gather_rows addend), so
+  // no [N, out] sum is written. Needs grouped_ok().
+  at::Tensor delta_grouped(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const;
   // Two adapters over the same rows (a block's gate and up): both A's as one grouped GEMM, so x
   // is read once and backward runs one dX and one dA GEMM for the two; then each B. Only where
   // no dropout applies (peft draws each module its own mask): see can_pair_with.
-  static std::pair<at::Tensor, at::Tensor> add_grouped_pair(const ExpertLora& l1, const at::Tensor& y1, const ExpertLora& l2,
-                                                            const at::Tensor& y2, const at::Tensor& x_sorted,
-                                                            const at::Tensor& offsets, bool training);
+  static std::pair<at::Tensor, at::Tensor> delta_grouped_pair(const ExpertLora& l1, const ExpertLora& l2,
+                                                              const at::Tensor& x_sorted, const at::Tensor& offsets,
+                                                              bool training);
   bool can_pair_with(const ExpertLora& other, bool training) const;
   // Whether the grouped forms can run: the grouped GEMM needs 16-byte aligned rows, so r must be a
   // multiple of 8 in bf16 (in and out are the base GEMM's, already aligned).

@@ -202,7 +202,8 @@ bool DecoderBlock::expert_lora_grouped_ok() const {
   return !gate_up_lora_ || gate_up_lora_->grouped_ok();
 }
 
-at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const {
+DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of,
+                                                          bool training) const {
   const ModelConfig& c = *cfg_;
   // Per-expert row counts, on the device: scatter_add (bincount would read its max on the host).
   const at::Tensor counts = at::zeros({c.experts}, expert_of.options()).scatter_add(0, expert_of, at::ones_like(expert_of));
@@ -234,21 +235,34 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
     const auto& gate_lora = expert_lora_[static_cast<int>(ExpertMatrix::Gate)];
     const auto& up_lora = expert_lora_[static_cast<int>(ExpertMatrix::Up)];
     const auto& down_lora = expert_lora_[static_cast<int>(ExpertMatrix::Down)];
-    at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
-    at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
+    const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
+    const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
+    // The LoRA deltas are added where the sums are read: in the SwiGLU kernel for gate and up,
+    // in the combine's gather for down (no [N, I] or [N, H] sum is written, no scaling pass).
+    at::Tensor gate_delta, up_delta;
     if (gate_lora && up_lora && gate_lora->can_pair_with(*up_lora, training)) {
       // Gate's and up's A over the same rows as one GEMM (x read once, one dX and one dA in backward).
-      std::tie(gate, up) = ExpertLora::add_grouped_pair(*gate_lora, gate, *up_lora, up, x_sorted, offsets, training);
+      std::tie(gate_delta, up_delta) = ExpertLora::delta_grouped_pair(*gate_lora, *up_lora, x_sorted, offsets, training);
     } else {
-      if (gate_lora) gate = gate_lora->add_grouped(gate, x_sorted, offsets, training);
-      if (up_lora) up = up_lora->add_grouped(up, x_sorted, offsets, training);
+      if (gate_lora) gate_delta = gate_lora->delta_grouped(x_sorted, offsets, training);
+      if (up_lora) up_delta = up_lora->delta_grouped(x_sorted, offsets, training);
     }
-    if (gate_up_lora_)  // one delta [N, 2I] for the fused [gate; up], split
-      std::tie(gate, up) = gate_up_lora_->add_grouped_split(gate, up, x_sorted, offsets, training);
-    const at::Tensor act = c.swiglu_clamp ? clamped_swiglu(gate, up, *c.swiglu_clamp) : swiglu(gate, up);
-    at::Tensor down = linear(ExpertMatrix::Down, act);
-    if (down_lora) down = down_lora->add_grouped(down, act, offsets, training);
-    return down;
+    if (gate_up_lora_) {  // one delta [N, 2I] for the fused [gate; up], split
+      const at::Tensor d = gate_up_lora_->delta_grouped(x_sorted, offsets, training);
+      const auto I = gate.size(-1);
+      gate_delta = gate_delta.defined() ? gate_delta + d.narrow(1, 0, I) : d.narrow(1, 0, I);
+      up_delta = up_delta.defined() ? up_delta + d.narrow(1, I, I) : d.narrow(1, I, I);
+    }
+    at::Tensor act;
+    if (c.swiglu_clamp) {  // gpt-oss: its clamps read the sums, so they are formed
+      act = clamped_swiglu(gate_delta.defined() ? gate + gate_delta : gate, up_delta.defined() ? up + up_delta : up,
+                           *c.swiglu_clamp);
+    } else {
+      act = swiglu(gate, up, gate_delta, up_delta);
+    }
+    ExpertsOutput out{linear(ExpertMatrix::Down, act), at::Tensor()};
+    if (down_lora) out.delta = down_lora->delta_grouped(act, offsets, training);
+    return out;
   }
   // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
   // the counts are read on the host. The stacked LoRA is cut into per-expert views once.
@@ -265,7 +279,7 @@ at::Tensor DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::T
     outs.push_back(expert(e, x_sorted.narrow(0, offset, count[e]), training, lora));
     offset += count[e];
   }
-  return at::cat(outs, 0);
+  return {at::cat(outs, 0), at::Tensor()};
 }
 
 std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, const BlockContext& ctx) const {
@@ -323,14 +337,15 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
     // Dispatch and combine are gathers both ways (gather_rows): no atomics, deterministic.
     const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
     const at::Tensor x_sorted = gather_rows(flat, token_of, position, c.top_k);
-    const at::Tensor y = experts_forward(x_sorted, flat_expert, ctx.training);
-    // Combine: the rows back in (token, slot) order, each token's routing-weighted sum as one
-    // batched GEMM (fp32 accumulation).
-    const at::Tensor y_tok = gather_rows(y, position, order, 1).view({N, c.top_k, H});
+    const ExpertsOutput y = experts_forward(x_sorted, flat_expert, ctx.training);
+    // Combine: the rows back in (token, slot) order (with the down LoRA's delta added on the
+    // way), each token's routing-weighted sum as one batched GEMM (fp32 accumulation).
+    const at::Tensor y_tok = gather_rows(y.y, position, order, 1, y.delta).view({N, c.top_k, H});
     out = at::bmm(top_w.view({N, 1, c.top_k}), y_tok).view({N, H});
   } else {
     const at::Tensor x_sorted = flat.index_select(0, token_of);
-    const at::Tensor y = experts_forward(x_sorted, flat_expert, ctx.training);
+    const ExpertsOutput ey = experts_forward(x_sorted, flat_expert, ctx.training);
+    const at::Tensor y = ey.delta.defined() ? ey.y + ey.delta : ey.y;
     const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
     out = at::zeros_like(flat).index_add(0, token_of, y * weight_sorted.unsqueeze(1));
   }

@@ -96,8 +96,12 @@ class DecoderBlock {
   using ExpertLoraSlices = std::array<ExpertLora::Slices, 4>;
   at::Tensor expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const;
   // Every expert on its slice of token-sorted rows x_sorted (expert_of: the expert of each
-  // (token, slot) pair, any order; only its counts are used).
-  at::Tensor experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const;
+  // (token, slot) pair, any order; only its counts are used). The output is y + delta, where the
+  // grouped path leaves the down LoRA's delta apart for the combine to add (undefined otherwise).
+  struct ExpertsOutput {
+    at::Tensor y, delta;
+  };
+  ExpertsOutput experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const;
   // Whether the expert LoRA (if any) can run as grouped GEMMs beside the base grouped GEMM.
   bool expert_lora_grouped_ok() const;
 

@@ -177,14 +177,20 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   attn_saved += N * r_bytes * double(int(lq) + int(lk) + int(lv) + int(lo));
   // MoE, saved: router probabilities (fp32), top-k indices and weights, the dispatch's three
   // int64 permutations, gate and up (swiglu), the routed outputs in (token, slot) order (the
-  // combine's bmm), and with expert LoRA its inputs and [pairs, r] intermediates.
+  // combine's bmm), and with expert LoRA its inputs, [pairs, r] intermediates and gate/up deltas.
   const bool le = moe_layers > 0 && (cfg.lora_target_parameters.empty()
                                          ? (targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj") ||
                                             targets(cfg, mix ? "w2" : "down_proj"))
                                          : (fused_gate_up || fused_down));
   const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8;
   const double gate_up = 2 * NK * I * d, routed_out = NK * H * d;
-  const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes : 0;
+  // With LoRA on both gate and up (or on gate_up_proj) the GPU's SwiGLU adds their deltas itself,
+  // so it keeps the two deltas beside gate and up (models/fused.h); gpt-oss's clamps sum first.
+  const bool both_gate_up = cfg.lora_target_parameters.empty()
+                                ? targets(cfg, mix ? "w1" : "gate_proj") && targets(cfg, mix ? "w3" : "up_proj")
+                                : fused_gate_up;
+  const double gate_up_deltas = on_gpu && both_gate_up && !c.swiglu_clamp ? gate_up : 0;
+  const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes + gate_up_deltas : 0;
   const double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).

@@ -317,6 +317,50 @@ double rel_max(const at::Tensor& got, const at::Tensor& want) {
 }
 }  // namespace
 
+// The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1, and the combine's
+// gather with the down delta added (vectorised rows of 64 and a row of 67 values that is not).
+TEST(Cuda, SwiGluDeltasAndGatherAddRowsMatchFloat64) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  at::manual_seed(6);
+  for (const auto dt : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
+    const double tol = dt == at::kFloat ? 1e-6 : 8e-3;
+    std::vector<at::Tensor> host, leaves, leaves64;
+    for (int i = 0; i < 4; ++i) {
+      host.push_back((at::randn({200, 40}) * (i == 0 ? 3 : 1)).to(dt));
+      leaves.push_back(host.back().to(dev).requires_grad_(true));
+      leaves64.push_back(host.back().to(at::kDouble).requires_grad_(true));
+    }
+    const at::Tensor dh = at::randn({200, 40}).to(dt);
+    const at::Tensor h = model::swiglu(leaves[0], leaves[1], leaves[2], leaves[3]);
+    h.backward(dh.to(dev));
+    const at::Tensor g64 = leaves64[0] + leaves64[2], u64 = leaves64[1] + leaves64[3];
+    const at::Tensor ref = g64 * at::sigmoid(g64) * u64;
+    ref.backward(dh.to(at::kDouble));
+    EXPECT_LT(rel_max(h.detach(), ref.detach()), tol);
+    for (int i = 0; i < 4; ++i) EXPECT_LT(rel_max(leaves[i].grad(), leaves64[i].grad()), tol) << "input " << i;
+
+    for (const std::int64_t cols : {64, 67}) {
+      SCOPED_TRACE("cols " + std::to_string(cols));
+      const std::int64_t rows = 300;
+      const at::Tensor order = at::randperm(rows, at::kLong), x0 = at::randn({rows, cols}).to(dt), d0 = at::randn({rows, cols}).to(dt);
+      const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(rows, at::kLong));
+      at::Tensor x = x0.to(dev).requires_grad_(true), d = d0.to(dev).requires_grad_(true);
+      const at::Tensor y = model::gather_rows(x, position.to(dev), order.to(dev), 1, d);
+      const at::Tensor want = (x0.to(at::kDouble) + d0.to(at::kDouble)).index_select(0, position);
+      EXPECT_LT(rel_max(y.detach(), want), tol);
+      // Exactly the sum rounded once.
+      EXPECT_TRUE(at::equal(y.detach().cpu(), want.to(dt)));
+      const at::Tensor dy = at::randn({rows, cols}).to(dt);
+      y.backward(dy.to(dev));
+      const at::Tensor dx_want = dy.index_select(0, order);  // the permutation's inverse
+      EXPECT_TRUE(at::equal(x.grad().cpu(), dx_want));
+      EXPECT_TRUE(at::equal(d.grad().cpu(), dx_want));
+    }
+  }
+}
+
 TEST(Cuda, FusedSwiGluAndRopeMatchFloat64) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
@@ -466,7 +510,7 @@ TEST(Cuda, GroupedExpertLoraMatchesCpuFp32) {
 
   at::Tensor xg = x0.to(dev, at::kBFloat16).requires_grad_(true);
   const at::Tensor offsets = at::tensor(counts, at::kLong).cumsum(0).to(at::kInt).to(dev);
-  const at::Tensor y = gpu.add_grouped(at::zeros({N, out}, xg.options()), xg, offsets, false);
+  const at::Tensor y = gpu.delta_grouped(xg, offsets, false);
   y.backward(dy.to(dev, at::kBFloat16));
   ASSERT_EQ(y.scalar_type(), at::kBFloat16);
   ASSERT_EQ(gpu.A().grad().scalar_type(), at::kFloat);  // fp32 master gradients

@@ -123,6 +123,34 @@ TEST(SwiGlu, ValueAndGradientsMatchFloat64Autograd) {
   EXPECT_LT((u.grad().to(at::kDouble) - u64.grad()).abs().max().item<double>(), 1e-5);
 }
 
+// The expert LoRA's deltas enter the kernel beside gate and up: silu(g0 + g1) * (u0 + u1), and
+// each delta's gradient is its base's (float64 autograd of the written-out formula).
+TEST(SwiGlu, DeltasAreSummedInsideWithTheirBasesGradients) {
+  at::manual_seed(10);
+  const at::Tensor g0 = at::randn({6, 10}) * 2, g1 = at::randn({6, 10}), u0 = at::randn({6, 10}), u1 = at::randn({6, 10});
+  const at::Tensor dh = at::randn({6, 10});
+  for (const bool with_up_delta : {true, false}) {
+    SCOPED_TRACE(with_up_delta ? "both deltas" : "gate delta only");
+    at::Tensor g = g0.clone().requires_grad_(true), gd = g1.clone().requires_grad_(true);
+    at::Tensor u = u0.clone().requires_grad_(true), ud = u1.clone().requires_grad_(true);
+    const at::Tensor h = swiglu(g, u, gd, with_up_delta ? ud : at::Tensor());
+    torch::autograd::backward({h}, {dh});
+    std::vector<at::Tensor> leaves;
+    for (const auto& t : {g0, g1, u0, u1}) leaves.push_back(t.to(at::kDouble).requires_grad_(true));
+    const at::Tensor gs = leaves[0] + leaves[1], us = with_up_delta ? leaves[2] + leaves[3] : leaves[2];
+    const at::Tensor ref = gs * at::sigmoid(gs) * us;
+    torch::autograd::backward({ref}, {dh.to(at::kDouble)});
+    auto err = [](const at::Tensor& a, const at::Tensor& b) { return (a.to(at::kDouble) - b).abs().max().item<double>(); };
+    EXPECT_LT(err(h, ref), 1e-5);
+    EXPECT_LT(err(g.grad(), leaves[0].grad()), 1e-5);
+    EXPECT_LT(err(gd.grad(), leaves[1].grad()), 1e-5);
+    EXPECT_LT(err(u.grad(), leaves[2].grad()), 1e-5);
+    if (with_up_delta) EXPECT_LT(err(ud.grad(), leaves[3].grad()), 1e-5);
+    else EXPECT_FALSE(ud.grad().defined());
+  }
+  EXPECT_THROW(swiglu(g0, u0, at::randn({6, 9})), std::exception);
+}
+
 TEST(SyntheticWeights, RealShapesFromConfigAloneSeededAndScaled) {
   // A folder with only config.json: the loader must not look for safetensors.
   const fs::path dir = fs::temp_directory_path() / "eo-synthetic-test";
@@ -351,7 +379,7 @@ TEST(ExpertLora, GroupedDeltaEqualsPerExpertAdapters) {
   at::Tensor x = x0.clone().requires_grad_(true);
   at::Tensor y;
   try {
-    y = c.stack->add_grouped(at::zeros({12, c.out}), x, offsets, false);
+    y = c.stack->delta_grouped(x, offsets, false);
   } catch (const c10::Error& e) {
     GTEST_SKIP() << "this libtorch has no CPU _grouped_mm: " << e.what_without_backtrace();
   }
@@ -397,7 +425,8 @@ TEST(ExpertLora, PairedGroupedAdaptersEqualPerExpertAdapters) {
   at::Tensor x = x0.clone().requires_grad_(true);
   std::pair<at::Tensor, at::Tensor> y;
   try {
-    y = ExpertLora::add_grouped_pair(*g.stack, y1_0, *u.stack, y2_0, x, offsets, true);
+    y = ExpertLora::delta_grouped_pair(*g.stack, *u.stack, x, offsets, true);
+    y = {y.first + y1_0, y.second + y2_0};
   } catch (const c10::Error& e) {
     GTEST_SKIP() << "this libtorch has no CPU _grouped_mm: " << e.what_without_backtrace();
   }
@@ -525,6 +554,16 @@ TEST(GatherRows, ForwardAndBackwardEqualIndexSelect) {
   torch::autograd::backward({zr.index_select(0, position)}, {dz});
   EXPECT_TRUE(at::equal(z.grad(), zr.grad()));
   EXPECT_THROW(gather_rows(x0, token_of, position, k + 1), std::exception);
+  // Combine with the down LoRA's delta: (z + d)[position], and d's gradient is z's.
+  at::Tensor z2 = z.detach().clone().requires_grad_(true), d = at::randn({tokens * k, h}, at::kDouble).requires_grad_(true);
+  at::Tensor sr = (z.detach() + d.detach()).requires_grad_(true);
+  const at::Tensor sum = gather_rows(z2, position, order, 1, d);
+  EXPECT_TRUE(at::allclose(sum, sr.index_select(0, position), 1e-15, 1e-15));
+  torch::autograd::backward({sum}, {dz});
+  torch::autograd::backward({sr.index_select(0, position)}, {dz});
+  EXPECT_TRUE(at::equal(z2.grad(), sr.grad()));
+  EXPECT_TRUE(at::equal(d.grad(), sr.grad()));
+  EXPECT_THROW(gather_rows(z, position, order, 1, d.narrow(0, 0, 3)), std::exception);
 }
 
 // The plan's LoRA term counts exactly the parameters the model creates, for the per-expert form
