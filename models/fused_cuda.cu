@@ -36,52 +36,113 @@ __device__ __forceinline__ float sum_of(const T* __restrict__ a, const T* __rest
   return b ? Cvt<T>::in(a[i]) + Cvt<T>::in(b[i]) : Cvt<T>::in(a[i]);
 }
 
+// 16 bytes of values per load and store (8 bf16 / fp16, 4 fp32): the elementwise kernels run
+// on these chunks where every operand is 16-byte aligned and n a multiple of kVec<T>.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+template <typename T>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ p, std::int64_t chunk, float (&out)[kVec<T>]) {
+  const uint4 raw = reinterpret_cast<const uint4*>(p)[chunk];
+  const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) out[k] = Cvt<T>::in(v[k]);
+}
+// out += p's chunk, where p is given (a LoRA delta).
+template <typename T>
+__device__ __forceinline__ void add_chunk(const T* __restrict__ p, std::int64_t chunk, float (&out)[kVec<T>]) {
+  if (!p) return;
+  float d[kVec<T>];
+  load_chunk(p, chunk, d);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) out[k] += d[k];
+}
+template <typename T>
+__device__ __forceinline__ void store_chunk(T* __restrict__ p, std::int64_t chunk, const float (&in)[kVec<T>]) {
+  uint4 raw;
+  T* v = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) v[k] = Cvt<T>::out(in[k]);
+  reinterpret_cast<uint4*>(p)[chunk] = raw;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }  // null counts as aligned
+
 template <typename T>
 __global__ void swiglu_forward_kernel(const T* __restrict__ g0, const T* __restrict__ g1, const T* __restrict__ u0,
-                                      const T* __restrict__ u1, T* __restrict__ h, std::int64_t n) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i);
-    h[i] = Cvt<T>::out(gv * sigmoid(gv) * uv);
+                                      const T* __restrict__ u1, T* __restrict__ h, std::int64_t n, bool vec) {
+  constexpr int V = kVec<T>;
+  const std::int64_t items = vec ? n / V : n;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < items;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    if (!vec) {
+      const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i);
+      h[i] = Cvt<T>::out(gv * sigmoid(gv) * uv);
+      continue;
+    }
+    float g[V], u[V], o[V];
+    load_chunk(g0, i, g);
+    add_chunk(g1, i, g);
+    load_chunk(u0, i, u);
+    add_chunk(u1, i, u);
+#pragma unroll
+    for (int k = 0; k < V; ++k) o[k] = g[k] * sigmoid(g[k]) * u[k];
+    store_chunk(h, i, o);
   }
 }
 
 template <typename T>
 __global__ void swiglu_backward_kernel(const T* __restrict__ g0, const T* __restrict__ g1, const T* __restrict__ u0,
                                        const T* __restrict__ u1, const T* __restrict__ dh, T* __restrict__ dg,
-                                       T* __restrict__ du, std::int64_t n) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i), d = Cvt<T>::in(dh[i]);
-    const float s = sigmoid(gv);
-    dg[i] = Cvt<T>::out(d * uv * s * (1.0f + gv * (1.0f - s)));
-    du[i] = Cvt<T>::out(d * gv * s);
+                                       T* __restrict__ du, std::int64_t n, bool vec) {
+  constexpr int V = kVec<T>;
+  const std::int64_t items = vec ? n / V : n;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < items;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    if (!vec) {
+      const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i), d = Cvt<T>::in(dh[i]);
+      const float s = sigmoid(gv);
+      dg[i] = Cvt<T>::out(d * uv * s * (1.0f + gv * (1.0f - s)));
+      du[i] = Cvt<T>::out(d * gv * s);
+      continue;
+    }
+    float g[V], u[V], d[V], og[V], ou[V];
+    load_chunk(g0, i, g);
+    add_chunk(g1, i, g);
+    load_chunk(u0, i, u);
+    add_chunk(u1, i, u);
+    load_chunk(dh, i, d);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float s = sigmoid(g[k]);
+      og[k] = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
+      ou[k] = d[k] * g[k] * s;
+    }
+    store_chunk(dg, i, og);
+    store_chunk(du, i, ou);
   }
 }
 
-// 16-byte chunks of a row where the row allows it (cols a multiple of 16 / sizeof(T), rows
-// aligned), else one value per thread.
+// One row chunk per thread: 16-byte chunks where the rows allow it (cols a multiple of
+// kVec<T>, every row aligned), else one value.
 template <typename T>
 __global__ void gather_add_rows_kernel(const T* __restrict__ x, const T* __restrict__ y,
                                        const std::int64_t* __restrict__ index, T* __restrict__ out, std::int64_t rows,
                                        std::int64_t cols, bool vec) {
-  constexpr int kVec = 16 / sizeof(T);
-  const std::int64_t per_row = vec ? cols / kVec : cols;
+  constexpr int V = kVec<T>;
+  const std::int64_t per_row = vec ? cols / V : cols;
   const std::int64_t total = rows * per_row;
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
        i += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int64_t row = i / per_row, c = i % per_row;
-    const std::int64_t src = index[row] * cols, dst = row * cols;
+    const std::int64_t src = index[row] * per_row + c;  // in items of this kernel's width
     if (!vec) {
-      out[dst + c] = Cvt<T>::out(Cvt<T>::in(x[src + c]) + Cvt<T>::in(y[src + c]));
+      out[i] = Cvt<T>::out(Cvt<T>::in(x[src]) + Cvt<T>::in(y[src]));
       continue;
     }
-    const uint4 a = reinterpret_cast<const uint4*>(x + src)[c], b = reinterpret_cast<const uint4*>(y + src)[c];
-    uint4 o;
-    const T* av = reinterpret_cast<const T*>(&a);
-    const T* bv = reinterpret_cast<const T*>(&b);
-    T* ov = reinterpret_cast<T*>(&o);
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) ov[k] = Cvt<T>::out(Cvt<T>::in(av[k]) + Cvt<T>::in(bv[k]));
-    reinterpret_cast<uint4*>(out + dst)[c] = o;
+    float v[V];
+    load_chunk(x, src, v);
+    add_chunk(y, src, v);
+    store_chunk(out, i, v);
   }
 }
 
@@ -140,28 +201,29 @@ constexpr int kBlock = 256;
 template <typename T>
 struct SwigluForward {
   static void run(const void* g0, const void* g1, const void* u0, const void* u1, void* h, std::int64_t n, cudaStream_t s) {
-    swiglu_forward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(
+    const bool vec = n % kVec<T> == 0 && aligned16(g0) && aligned16(g1) && aligned16(u0) && aligned16(u1) && aligned16(h);
+    swiglu_forward_kernel<T><<<grid_for(vec ? n / kVec<T> : n, kBlock), kBlock, 0, s>>>(
         static_cast<const T*>(g0), static_cast<const T*>(g1), static_cast<const T*>(u0), static_cast<const T*>(u1),
-        static_cast<T*>(h), n);
+        static_cast<T*>(h), n, vec);
   }
 };
 template <typename T>
 struct SwigluBackward {
   static void run(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg, void* du,
                   std::int64_t n, cudaStream_t s) {
-    swiglu_backward_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(
+    const bool vec = n % kVec<T> == 0 && aligned16(g0) && aligned16(g1) && aligned16(u0) && aligned16(u1) && aligned16(dh) &&
+                     aligned16(dg) && aligned16(du);
+    swiglu_backward_kernel<T><<<grid_for(vec ? n / kVec<T> : n, kBlock), kBlock, 0, s>>>(
         static_cast<const T*>(g0), static_cast<const T*>(g1), static_cast<const T*>(u0), static_cast<const T*>(u1),
-        static_cast<const T*>(dh), static_cast<T*>(dg), static_cast<T*>(du), n);
+        static_cast<const T*>(dh), static_cast<T*>(dg), static_cast<T*>(du), n, vec);
   }
 };
 template <typename T>
 struct GatherAddRows {
   static void run(const void* x, const void* y, const std::int64_t* index, void* out, std::int64_t rows, std::int64_t cols,
                   cudaStream_t s) {
-    constexpr int kVec = 16 / sizeof(T);
-    const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
-    const bool vec = cols % kVec == 0 && aligned(x) && aligned(y) && aligned(out);
-    const std::int64_t n = rows * (vec ? cols / kVec : cols);
+    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(y) && aligned16(out);
+    const std::int64_t n = rows * (vec ? cols / kVec<T> : cols);
     gather_add_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), static_cast<const T*>(y), index,
                                                                       static_cast<T*>(out), rows, cols, vec);
   }

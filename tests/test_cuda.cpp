@@ -326,20 +326,23 @@ TEST(Cuda, SwiGluDeltasAndGatherAddRowsMatchFloat64) {
   for (const auto dt : {at::kFloat, at::kBFloat16}) {
     SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
     const double tol = dt == at::kFloat ? 1e-6 : 8e-3;
-    std::vector<at::Tensor> host, leaves, leaves64;
-    for (int i = 0; i < 4; ++i) {
-      host.push_back((at::randn({200, 40}) * (i == 0 ? 3 : 1)).to(dt));
-      leaves.push_back(host.back().to(dev).requires_grad_(true));
-      leaves64.push_back(host.back().to(at::kDouble).requires_grad_(true));
+    for (const std::int64_t cols : {40, 41}) {  // 16-byte chunks, and one value per thread
+      SCOPED_TRACE("swiglu cols " + std::to_string(cols));
+      std::vector<at::Tensor> host, leaves, leaves64;
+      for (int i = 0; i < 4; ++i) {
+        host.push_back((at::randn({199, cols}) * (i == 0 ? 3 : 1)).to(dt));
+        leaves.push_back(host.back().to(dev).requires_grad_(true));
+        leaves64.push_back(host.back().to(at::kDouble).requires_grad_(true));
+      }
+      const at::Tensor dh = at::randn({199, cols}).to(dt);
+      const at::Tensor h = model::swiglu(leaves[0], leaves[1], leaves[2], leaves[3]);
+      h.backward(dh.to(dev));
+      const at::Tensor g64 = leaves64[0] + leaves64[2], u64 = leaves64[1] + leaves64[3];
+      const at::Tensor ref = g64 * at::sigmoid(g64) * u64;
+      ref.backward(dh.to(at::kDouble));
+      EXPECT_LT(rel_max(h.detach(), ref.detach()), tol);
+      for (int i = 0; i < 4; ++i) EXPECT_LT(rel_max(leaves[i].grad(), leaves64[i].grad()), tol) << "input " << i;
     }
-    const at::Tensor dh = at::randn({200, 40}).to(dt);
-    const at::Tensor h = model::swiglu(leaves[0], leaves[1], leaves[2], leaves[3]);
-    h.backward(dh.to(dev));
-    const at::Tensor g64 = leaves64[0] + leaves64[2], u64 = leaves64[1] + leaves64[3];
-    const at::Tensor ref = g64 * at::sigmoid(g64) * u64;
-    ref.backward(dh.to(at::kDouble));
-    EXPECT_LT(rel_max(h.detach(), ref.detach()), tol);
-    for (int i = 0; i < 4; ++i) EXPECT_LT(rel_max(leaves[i].grad(), leaves64[i].grad()), tol) << "input " << i;
 
     for (const std::int64_t cols : {64, 67}) {
       SCOPED_TRACE("cols " + std::to_string(cols));
