@@ -1,0 +1,148 @@
+// eo-lora-gemm: the expert LoRA's tiny-rank grouped GEMMs one by one, on one MoE block's shapes,
+// each timed from its own kernels (Kineto, as --breakdown) against the bytes it must move at
+// least. Issue #14's every-linear step spends 0.04 s (Qwen3-30B-A3B, 2048 x 1) in these 20
+// launches per block; this says which of them are far from the memory bound before any kernel
+// is written for them.
+//
+//   eo-lora-gemm [--rows 16384] [--experts 128] [--hidden 2048] [--inter 768] [--r 16]
+//                [--iters 20] [--hbm-gbs 4800]
+//   rows: routed (token, slot) pairs, seq x mb x top_k (Qwen3: 2048 x 1 x 8)
+//
+// Every operand is laid out as the training step lays it out (models/lora.cpp and autograd's
+// _grouped_mm backward of y = x · W^T with W^T a transposed view: dX = dY · W over the same
+// offsets, d(W^T) = x^T · dY as a 2-D x 2-D grouped GEMM). Rows are routed uniformly at random (a seeded multinomial). On a CPU build it runs the
+// same calls and times them by the wall clock (a functional check, not a measurement).
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench/breakdown.h"
+#include "runtime/device.h"
+
+namespace {
+
+struct Args {
+  std::int64_t rows = 16384, experts = 128, hidden = 2048, inter = 768, r = 16, iters = 20;
+  double hbm_gbs = 4800;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "eo-lora-gemm: %s needs a value\n", k.c_str());
+      std::exit(2);
+    }
+    const char* v = argv[++i];
+    if (k == "--rows") a.rows = std::atoll(v);
+    else if (k == "--experts") a.experts = std::atoll(v);
+    else if (k == "--hidden") a.hidden = std::atoll(v);
+    else if (k == "--inter") a.inter = std::atoll(v);
+    else if (k == "--r") a.r = std::atoll(v);
+    else if (k == "--iters") a.iters = std::atoll(v);
+    else if (k == "--hbm-gbs") a.hbm_gbs = std::atof(v);
+    else {
+      std::fprintf(stderr, "eo-lora-gemm: unknown option %s\n", k.c_str());
+      std::exit(2);
+    }
+  }
+  if (a.rows <= 0 || a.experts <= 0 || a.hidden <= 0 || a.inter <= 0 || a.r <= 0 || a.r % 8 || a.iters <= 0) {
+    std::fprintf(stderr, "eo-lora-gemm: sizes must be positive and r a multiple of 8\n");
+    std::exit(2);
+  }
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  const at::Device dev = eo::pick_device(0, 1);  // cuda:0 where this build and host have one
+  const bool gpu = dev.is_cuda();
+  const auto bf = at::TensorOptions().dtype(gpu ? at::kBFloat16 : at::kFloat).device(dev);
+  const std::int64_t N = a.rows, E = a.experts, H = a.hidden, I = a.inter, r = a.r;
+  at::manual_seed(1);
+  const at::Tensor expert_of = at::multinomial(at::ones({E}), N, /*replacement=*/true);
+  const at::Tensor offsets = at::bincount(expert_of, {}, E).cumsum(0).to(at::kInt).to(dev);
+
+  // The block's activations and adapters (bf16 casts of the fp32 masters), as in the step.
+  const at::Tensor x = at::randn({N, H}, bf), act = at::randn({N, I}, bf);
+  const at::Tensor a_pair = at::randn({E, 2 * r, H}, bf), b_gate = at::randn({E, I, r}, bf);
+  const at::Tensor a_down = at::randn({E, r, I}, bf), b_down = at::randn({E, H, r}, bf);
+  const at::Tensor down_pair = at::randn({N, 2 * r}, bf), down_d = at::randn({N, r}, bf);
+  const at::Tensor d_gate = at::randn({N, I}, bf), d_y = at::randn({N, H}, bf);
+  const at::Tensor w_up = at::randn({E, I, H}, bf);  // a base matrix, for scale
+  const double el = gpu ? 2 : 4;
+
+  struct Op {
+    const char* name;
+    int per_block;  // launches of this shape per block and step: forward + recompute, up's twin of gate's
+    double bytes;   // what it must read and write at least
+    std::function<at::Tensor()> run;
+  };
+  const std::vector<Op> ops = {
+      {"base: x [N,H] . W_up^T (for scale)", 0, el * (N * H + N * I + E * I * H),
+       [&] { return at::_grouped_mm(x, w_up.transpose(1, 2), offsets); }},
+      {"fwd: x . A_pair^T -> [N,2r]", 2, el * (N * H + N * 2 * r + E * 2 * r * H),
+       [&] { return at::_grouped_mm(x, a_pair.transpose(1, 2), offsets); }},
+      {"fwd: down_gate (slice) . B^T -> [N,I]", 4, el * (N * r + N * I + E * I * r),
+       [&] { return at::_grouped_mm(down_pair.narrow(1, 0, r), b_gate.transpose(1, 2), offsets); }},
+      {"fwd: act . A_down^T -> [N,r]", 2, el * (N * I + N * r + E * r * I),
+       [&] { return at::_grouped_mm(act, a_down.transpose(1, 2), offsets); }},
+      {"fwd: down_d . B_down^T -> [N,H]", 2, el * (N * r + N * H + E * H * r),
+       [&] { return at::_grouped_mm(down_d, b_down.transpose(1, 2), offsets); }},
+      {"bwd dX: dDown_pair . A_pair -> [N,H]", 1, el * (N * 2 * r + N * H + E * 2 * r * H),
+       [&] { return at::_grouped_mm(down_pair, a_pair, offsets); }},
+      {"bwd dA: x^T . dDown_pair -> [E,H,2r]", 1, el * (N * 2 * r + N * H + E * 2 * r * H),
+       [&] { return at::_grouped_mm(x.t(), down_pair, offsets); }},
+      {"bwd dDown: dGate . B -> [N,r]", 2, el * (N * I + N * r + E * I * r),
+       [&] { return at::_grouped_mm(d_gate, b_gate, offsets); }},
+      {"bwd dB: down_gate^T . dGate -> [E,r,I]", 2, el * (N * I + N * r + E * I * r),
+       [&] { return at::_grouped_mm(down_pair.narrow(1, 0, r).t(), d_gate, offsets); }},
+      {"bwd dDown: dY . B_down -> [N,r]", 1, el * (N * H + N * r + E * H * r),
+       [&] { return at::_grouped_mm(d_y, b_down, offsets); }},
+      {"bwd dB: down_d^T . dY -> [E,r,H]", 1, el * (N * H + N * r + E * H * r),
+       [&] { return at::_grouped_mm(down_d.t(), d_y, offsets); }},
+      {"bwd dX: dDown_d . A_down -> [N,I]", 1, el * (N * r + N * I + E * r * I),
+       [&] { return at::_grouped_mm(down_d, a_down, offsets); }},
+      {"bwd dA: act^T . dDown_d -> [E,I,r]", 1, el * (N * r + N * I + E * r * I),
+       [&] { return at::_grouped_mm(act.t(), down_d, offsets); }},
+  };
+
+  std::printf("# eo-lora-gemm on %s: rows %lld, experts %lld, hidden %lld, inter %lld, r %lld, %lld iterations%s\n\n",
+              gpu ? "cuda:0" : "cpu (wall clock, a functional check)", (long long)N, (long long)E, (long long)H,
+              (long long)I, (long long)r, (long long)a.iters, gpu ? ", Kineto kernel time" : "");
+  std::printf("| grouped GEMM | per block | us per call | min bytes | GB/s | of %.0f GB/s |\n|---|---|---|---|---|---|\n",
+              a.hbm_gbs);
+  double block_us = 0;
+  int block_launches = 0;
+  for (const Op& op : ops) {
+    op.run();  // warm-up: kernel selection, allocator
+    eo::synchronize(dev);
+    double seconds = 0;
+    if (gpu) {
+      eo::bench::StepProfiler prof;
+      prof.start();
+      for (std::int64_t i = 0; i < a.iters; ++i) op.run();
+      seconds = prof.stop().compute_busy_s / double(a.iters);
+    } else {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (std::int64_t i = 0; i < a.iters; ++i) op.run();
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(a.iters);
+    }
+    const double gbs = op.bytes / seconds / 1e9;
+    block_us += op.per_block * seconds * 1e6;
+    block_launches += op.per_block;
+    std::printf("| %s | %d | %.1f | %.1f MB | %.0f | %.0f%% |\n", op.name, op.per_block, seconds * 1e6, op.bytes / 1e6, gbs,
+                100 * gbs / a.hbm_gbs);
+  }
+  std::printf("\nLoRA GEMMs per block and step (gate + up paired, down; forward, recompute, backward): %d launches, %.1f us\n",
+              block_launches, block_us);
+  return 0;
+}
