@@ -187,19 +187,23 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::T
 
 namespace {
 std::atomic<bool> g_grouped_enabled{true};
+std::atomic<bool> g_grouped_on_cpu{false};
 }  // namespace
 
 void set_grouped_gemm_enabled(bool enabled) { g_grouped_enabled = enabled; }
+void set_grouped_gemm_on_cpu(bool enabled) { g_grouped_on_cpu = enabled; }
 
 std::int64_t grouped_bank_dequantisations() { return g_bank_dequantisations.load(); }
 
 bool grouped_gemm_available(const at::Tensor& x) {
-  return g_grouped_enabled && x.is_cuda() && x.scalar_type() == at::kBFloat16;
+  if (!g_grouped_enabled) return false;
+  if (x.is_cuda()) return x.scalar_type() == at::kBFloat16;
+  return g_grouped_on_cpu && x.device().is_cpu() && x.scalar_type() == at::kFloat;
 }
 
 at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets, const ExpertBank& bank) {
-  EO_CHECK(grouped_gemm_available(x), "grouped_expert_linear needs a bf16 CUDA input, got ", x.scalar_type(), " on ",
-           x.device());
+  EO_CHECK(grouped_gemm_available(x), "grouped_expert_linear needs a bf16 CUDA input (or fp32 on the CPU under ",
+           "set_grouped_gemm_on_cpu), got ", x.scalar_type(), " on ", x.device());
   EO_CHECK(bank.dense.defined() || bank.provider != nullptr, "grouped_expert_linear: no weights");
   return GroupedExpertFunction::apply(x.contiguous(), offsets, bank);
 }

@@ -332,7 +332,8 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
   const at::Tensor order = at::argsort(flat_expert, /*stable=*/true, 0, false);
   const at::Tensor token_of = at::floor_divide(order, c.top_k);
   at::Tensor out;
-  if (flat.is_cuda()) {
+  // The GPU's dispatch and combine (gathers both ways), also wherever the grouped path runs.
+  if (flat.is_cuda() || grouped_gemm_available(flat)) {
     // position[(t, k)] = where pair (token t, slot k) sits in expert order (order's inverse).
     // Dispatch and combine are gathers both ways (gather_rows): no atomics, deterministic.
     const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
