@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,6 +48,46 @@ at::Tensor peft_init_a(std::int64_t r, std::int64_t in, std::uint64_t gen_seed) 
   return at::empty({r, in}, at::kFloat).uniform_(-bound, bound, gen);
 }
 
+// The compute copy of a LoRA master (fp32 leaf), scale · master in `dtype`, as one kernel that
+// rounds once; its backward adds scale · grad into master.grad in place (one fp32 kernel,
+// allocating it on first use), so no fp32 copy of the gradient is made and AccumulateGrad has
+// nothing left to add. Under CUDA graphs the gradients sit at fixed addresses, which is where
+// the add lands. The result is the same as (master * scale).to(dtype) under autograd.
+struct MasterCastFunction : public torch::autograd::Function<MasterCastFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& master, at::ScalarType dtype,
+                            double scale) {
+    ctx->saved_data["master"] = master;  // a parameter, not an activation: no saved-tensor hooks
+    ctx->saved_data["scale"] = scale;
+    at::Tensor out = at::empty(master.sizes(), master.options().dtype(dtype));
+    if (scale == 1.0) return out.copy_(master);
+    return at::mul_out(out, master, c10::scalar_to_tensor(scale));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor master = ctx->saved_data["master"].toTensor();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    at::Tensor& g = master.mutable_grad();
+    if (!g.defined()) {
+      g = at::empty_like(master, at::MemoryFormat::Contiguous);
+      if (scale == 1.0) g.copy_(grads[0]);
+      else at::mul_out(g, grads[0], c10::scalar_to_tensor(scale));
+    } else {
+      g.add_(grads[0], scale);
+    }
+    return {at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// scale · master in dtype for a GEMM. A leaf master under autograd goes through
+// MasterCastFunction; a view (the per-expert loop's slices) or no-grad use is a plain cast.
+at::Tensor compute_copy(const at::Tensor& master, at::ScalarType dtype, double scale = 1.0) {
+  if (scale == 1.0 && master.scalar_type() == dtype) return master;
+  if (master.is_leaf() && master.requires_grad() && at::GradMode::is_enabled())
+    return MasterCastFunction::apply(master, dtype, scale);
+  return scale == 1.0 ? master.to(dtype) : (master * scale).to(dtype);
+}
+
 // y + B(A(dropout(x))) · scaling in x's dtype, the one formula of both adapter forms: the
 // scale and the sum ride in the second GEMM (addmm's alpha and beta), one rounding and no
 // elementwise pass over [tokens, out] in forward or backward.
@@ -53,9 +95,9 @@ at::Tensor lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& 
                     double dropout, bool training) {
   const at::Tensor h = (training && dropout > 0) ? at::dropout(x, dropout, true) : x;
   const auto dt = x.scalar_type();
-  const at::Tensor down = at::linear(h, a.to(dt));  // [..., r]
+  const at::Tensor down = at::linear(h, compute_copy(a, dt));  // [..., r]
   const auto out = y.size(-1), r = a.size(0);
-  return at::addmm(y.reshape({-1, out}), down.reshape({-1, r}), b.to(dt).t(), 1, scaling).view(y.sizes());
+  return at::addmm(y.reshape({-1, out}), down.reshape({-1, r}), compute_copy(b, dt).t(), 1, scaling).view(y.sizes());
 }
 
 }  // namespace
@@ -96,16 +138,16 @@ at::Tensor ExpertLora::add_to(const Slices& s, int e, const at::Tensor& y, const
 }
 
 namespace {
-// The fp32 masters are cast once per forward (autograd casts the gradients back to fp32);
+// The fp32 masters are cast once per forward (compute_copy: the gradients land in fp32);
 // libtorch's own _grouped_mm backward gives dX (2-D x 3-D) and dA, dB (2-D x 2-D over the same
 // offsets), so no count reaches the host.
 at::Tensor grouped_down(const at::Tensor& x, const at::Tensor& a, const at::Tensor& offsets) {
-  return at::_grouped_mm(x, a.to(x.scalar_type()).transpose(1, 2), offsets);  // [N, r]
+  return at::_grouped_mm(x, compute_copy(a, x.scalar_type()).transpose(1, 2), offsets);  // [N, r]
 }
 // The scaling rides in B's cast (B is [E, out, r], small), not in a pass over the [N, out] delta:
 // the delta leaves the GEMM scaled, and its gradient reaches the GEMM as it is.
 at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Tensor& offsets, double scaling) {
-  const at::Tensor bs = scaling == 1.0 ? b.to(down.scalar_type()) : (b * scaling).to(down.scalar_type());
+  const at::Tensor bs = compute_copy(b, down.scalar_type(), scaling);
   // `down` may be a column slice of the paired [N, r1 + r2] (rows 16-byte aligned): read in place.
   return at::_grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
@@ -133,7 +175,8 @@ std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_pair(const ExpertLor
   const at::Tensor x = x_sorted.contiguous();
   const std::int64_t r1 = l1.a_.size(1), r2 = l2.a_.size(1);
   const auto dt = x.scalar_type();
-  const at::Tensor down = grouped_down(x, at::cat({l1.a_.to(dt), l2.a_.to(dt)}, 1), offsets);  // [N, r1 + r2]
+  const at::Tensor a = at::cat({compute_copy(l1.a_, dt), compute_copy(l2.a_, dt)}, 1);
+  const at::Tensor down = grouped_down(x, a, offsets);  // [N, r1 + r2]
   return {grouped_up(down.narrow(1, 0, r1), l1.b_, offsets, l1.scaling_),
           grouped_up(down.narrow(1, r1, r2), l2.b_, offsets, l2.scaling_)};
 }

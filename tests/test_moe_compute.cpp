@@ -401,6 +401,16 @@ TEST(ExpertLora, GroupedDeltaEqualsPerExpertAdapters) {
     EXPECT_LT(rel(c.stack->A().grad()[e], c.ref[e]->A().grad()), 1e-6) << "expert " << e;
     EXPECT_LT(rel(c.stack->B().grad()[e], c.ref[e]->B().grad()), 1e-6) << "expert " << e;
   }
+  // A second backward accumulates into the gradients already there (B's lands in place: its
+  // scaled cast adds into B.grad), as a second micro-batch does.
+  const at::Tensor b_grad_once = c.stack->B().grad().clone();
+  torch::autograd::backward({c.stack->delta_grouped(x, offsets, false)}, {dy});
+  EXPECT_LT(rel(c.stack->B().grad(), 2 * b_grad_once), 1e-6);
+  // Zeroed in place (CUDA graphs' gradients), then one backward: the one-pass gradient again.
+  c.stack->B().grad().zero_();
+  c.stack->A().grad().zero_();
+  torch::autograd::backward({c.stack->delta_grouped(x, offsets, false)}, {dy});
+  EXPECT_TRUE(at::equal(c.stack->B().grad(), b_grad_once));
 }
 
 // Two adapters over the same rows (a block's gate and up) with their A's as one grouped GEMM:
