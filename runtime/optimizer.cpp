@@ -29,7 +29,7 @@ std::int64_t resolve_warmup_steps(const TrainConfig& cfg, std::int64_t total_ste
   return cfg.warmup_steps;
 }
 
-at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
+at::Tensor grad_norm_on_device(const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
@@ -37,11 +37,29 @@ at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, doubl
   // Per-tensor norms in one multi-tensor kernel (fp32, each reduced in a tree), combined in fp64
   // so the total does not depend on the order of ~37k tensors.
   const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
-  const at::Tensor norm = at::stack(norms).to(at::kDouble).pow(2).sum().sqrt();
+  return at::stack(norms).to(at::kDouble).pow(2).sum().sqrt();
+}
+
+namespace {
+// torch's clip coefficient max_norm / (norm + 1e-6) where it is < 1 and the norm finite, else 1.
+at::Tensor clip_coefficient(const at::Tensor& norm, double max_norm) {
+  const at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  return at::where(at::isfinite(norm), coef, at::ones_like(coef));
+}
+}  // namespace
+
+at::Tensor clip_divisor(const at::Tensor& norm, double max_norm) {
+  if (max_norm <= 0) return at::ones({}, norm.options().dtype(at::kFloat));
+  return (1.0 / clip_coefficient(norm, max_norm)).to(at::kFloat);
+}
+
+at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
+  const at::Tensor norm = grad_norm_on_device(params);
   if (max_norm > 0) {
-    // The coefficient where it is < 1 and the norm finite, else 1 (x * 1 = x: nothing changes).
-    const at::Tensor coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
-    at::_foreach_mul_(grads, at::where(at::isfinite(norm), coef, at::ones_like(coef)).to(at::kFloat));
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params)
+      if (p.grad().defined()) grads.push_back(p.grad());
+    if (!grads.empty()) at::_foreach_mul_(grads, clip_coefficient(norm, max_norm).to(at::kFloat));  // x * 1 = x
   }
   return norm;
 }
@@ -76,9 +94,14 @@ Optimizer::Optimizer(const NamedTensors& params, const TrainConfig& cfg)
 
 Optimizer::~Optimizer() = default;
 
-void Optimizer::step(double lr, const at::Tensor& skip) {
+void Optimizer::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
   at::NoGradGuard ng;
-  std::optional<at::Tensor> found_inf;
+  std::optional<at::Tensor> found_inf, grad_scale;
+  if (grad_divisor.defined()) {
+    EO_CHECK(grad_divisor.dim() == 0 && grad_divisor.scalar_type() == at::kFloat,
+             "Optimizer::step: grad_divisor must be an fp32 scalar tensor");
+    grad_scale = grad_divisor;
+  }
   at::Tensor advance;  // what each step count gains: 1, or 1 - skip
   if (skip.defined()) {
     EO_CHECK(skip.dim() == 0 && skip.scalar_type() == at::kFloat, "Optimizer::step: skip must be an fp32 scalar tensor");
@@ -109,7 +132,7 @@ void Optimizer::step(double lr, const at::Tensor& skip) {
     else
       at::_foreach_add_(ss, 1.0);
     at::_fused_adamw_(ps, gs, ms, vs, /*max_exp_avg_sqs=*/{}, ss, lr, beta1_, beta2_, decay ? weight_decay_ : 0.0, eps_,
-                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
+                      /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
   }
 }
 

@@ -32,6 +32,12 @@ std::int64_t resolve_warmup_steps(const TrainConfig& cfg, std::int64_t total_ste
 at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm);
 // The same, returning the norm read on the host.
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
+// The global L2 norm alone (fp64 [] on the device), and the divisor that clips with it: fp32 []
+// max(1, (norm + 1e-6) / max_norm), 1 where max_norm <= 0 or the norm is not finite. Passed to
+// Optimizer::step, the fused AdamW divides each gradient by it as it reads it, so clipping costs
+// no pass of its own over the gradients (clip_grad_norm_on_device scales them in one).
+at::Tensor grad_norm_on_device(const std::vector<at::Tensor>& params);
+at::Tensor clip_divisor(const at::Tensor& norm, double max_norm);
 
 // AdamW over named fp32 parameters with torch.optim.AdamW's math (decoupled decay
 // p -= lr·wd·p, bias-corrected moments), run by ATen's fused multi-tensor kernel
@@ -48,7 +54,9 @@ class Optimizer {
  public:
   Optimizer(const NamedTensors& params, const TrainConfig& cfg);
   ~Optimizer();
-  void step(double lr, const at::Tensor& skip = at::Tensor());
+  // grad_divisor (fp32 [] on the device, optional): every gradient is divided by it before use,
+  // as the fused kernel's grad_scale (clip_divisor's clipping).
+  void step(double lr, const at::Tensor& skip = at::Tensor(), const at::Tensor& grad_divisor = at::Tensor());
   // set_to_none: drop the gradients (an unused parameter is then skipped by step()); else zero them
   // in place (CUDA graphs accumulate into them at fixed addresses).
   void zero_grad(bool set_to_none = true);

@@ -244,7 +244,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
     const StepLosses sl = runner.run(micro, global_tokens, [&](int) { return inject_nan; });
     if (reducer) reducer->finalize();
-    const at::Tensor norm = clip_grad_norm_on_device(params, cfg.max_grad_norm);  // scales nothing when not finite
+    // Clipping rides in AdamW: it divides each gradient by the divisor as it reads it (1 when the
+    // norm is within max_grad_norm or not finite).
+    const at::Tensor norm = grad_norm_on_device(params);
     const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
     // Non-finite guard, decided on the device. The gradients are all-reduced but the loss is not,
     // so each rank adds a flag and every rank takes the same decision from the summed flags (the
@@ -257,7 +259,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const at::Tensor sums = at::stack({ce, aux, at::logical_not(at::isfinite(ce) & at::isfinite(aux)).to(at::kDouble)});
     run.comm->allreduce(sums, dist::ReduceOp::kSum, "the step's losses");
     const at::Tensor grad_norm = norm.to(sums.device(), at::kDouble);
-    optimizer.step(lr, ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat));
+    optimizer.step(lr, ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat),
+                   clip_divisor(norm, cfg.max_grad_norm));
     // Graphs accumulate into the gradients at fixed addresses: zero them in place.
     optimizer.zero_grad(/*set_to_none=*/!runner.graphs_enabled());
     if (offloader) offloader->end_step();

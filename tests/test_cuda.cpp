@@ -602,7 +602,8 @@ TEST(Cuda, ExpertLoraBlockRunsWithoutHostSync) {
 
 // The fused multi-tensor AdamW and the clip on CUDA tensors against the same on the CPU (the
 // CPU path is checked against torch's AdamW in test_optimizer): 4 steps, fp32 both sides, so
-// only the kernels' rounding differs (1e-5 relative); one clip norm within 1e-6.
+// only the kernels' rounding differs (1e-5 relative); one clip norm within 1e-6. The trainer's
+// form, the clip as AdamW's grad_scale, gives the same parameters and moments.
 TEST(Cuda, FusedAdamWAndClipMatchTheCpu) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
@@ -617,27 +618,40 @@ TEST(Cuda, FusedAdamWAndClipMatchTheCpu) {
     cpu.emplace_back(name, t.clone().requires_grad_(true));
     gpu.emplace_back(name, t.to(dev).requires_grad_(true));
   }
-  Optimizer oc(cpu, cfg), og(gpu, cfg);
+  NamedTensors gpu_in_step;  // the trainer's form: the clip as the fused kernel's grad_scale
+  for (const auto& [n, t] : gpu) gpu_in_step.emplace_back(n, t.detach().clone().requires_grad_(true));
+  Optimizer oc(cpu, cfg), og(gpu, cfg), os(gpu_in_step, cfg);
   for (int step = 0; step < 4; ++step) {
     for (std::size_t i = 0; i < cpu.size(); ++i) {
       const at::Tensor g = at::randn_like(cpu[i].second) * (1 + step);
       cpu[i].second.mutable_grad() = g;
       gpu[i].second.mutable_grad() = g.to(dev);
+      gpu_in_step[i].second.mutable_grad() = g.to(dev);
     }
-    std::vector<at::Tensor> pc, pg;
+    std::vector<at::Tensor> pc, pg, ps;
     for (std::size_t i = 0; i < cpu.size(); ++i) {
       pc.push_back(cpu[i].second);
       pg.push_back(gpu[i].second);
+      ps.push_back(gpu_in_step[i].second);
     }
     const double nc = clip_grad_norm(pc, 5.0), ng = clip_grad_norm(pg, 5.0);
     EXPECT_NEAR(ng, nc, 1e-6 * nc) << "step " << step;
     oc.step(1e-2);
     og.step(1e-2);
+    os.step(1e-2, at::Tensor(), clip_divisor(grad_norm_on_device(ps), 5.0));
   }
   for (std::size_t i = 0; i < cpu.size(); ++i) {
+    const double scale = cpu[i].second.detach().abs().max().item<double>();
     const at::Tensor d = (gpu[i].second.detach().cpu() - cpu[i].second.detach()).abs().max();
-    EXPECT_LT(d.item<double>(), 1e-5 * cpu[i].second.detach().abs().max().item<double>()) << cpu[i].first;
+    EXPECT_LT(d.item<double>(), 1e-5 * scale) << cpu[i].first;
+    const at::Tensor ds = (gpu_in_step[i].second.detach().cpu() - cpu[i].second.detach()).abs().max();
+    EXPECT_LT(ds.item<double>(), 1e-5 * scale) << cpu[i].first << " (clipped inside the step)";
   }
+  const auto sc = oc.state(), ss = os.state();
+  ASSERT_EQ(sc.size(), ss.size());
+  for (std::size_t i = 0; i < sc.size(); ++i)  // the moments saw the clipped gradients
+    EXPECT_LT((ss[i].second.cpu() - sc[i].second).abs().max().item<double>(), 1e-5 * sc[i].second.abs().max().item<double>() + 1e-12)
+        << sc[i].first;
 }
 
 

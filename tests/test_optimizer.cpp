@@ -165,6 +165,48 @@ TEST(Optimizer, DeviceDecidedSkipChangesNothingAndZeroIsAPlainStep) {
     if (n.size() > 5 && n.compare(n.size() - 5, 5, ".step") == 0) EXPECT_EQ(t.item<double>(), 3.0) << n << ": 3 applied steps";
 }
 
+// Clipping inside AdamW's read (clip_divisor as the fused kernel's grad_scale) against clipping
+// the gradients first (clip_grad_norm_on_device, torch's clip_grad_norm_): the same parameters
+// and moments to fp32 rounding (g / (1/c) against g · c, one ulp of the gradient), bitwise where
+// no clipping applies (divisor 1), and a non-finite norm clips nothing.
+TEST(Optimizer, ClippingInsideTheStepEqualsClippingTheGradientsFirst) {
+  const TrainConfig cfg = adam_config();
+  for (const double max_norm : {0.5, 1e9}) {
+    SCOPED_TRACE("max_norm " + std::to_string(max_norm));
+    NamedTensors a = make_params(5), b = clone_params(a);
+    Optimizer oa(a, cfg), ob(b, cfg);
+    std::vector<at::Tensor> pa, pb;
+    for (auto& [n, t] : a) pa.push_back(t);
+    for (auto& [n, t] : b) pb.push_back(t);
+    for (int step = 0; step < 4; ++step) {
+      set_grads({&a, &b}, step, step == 2 ? 1 : -1);
+      const at::Tensor norm_a = clip_grad_norm_on_device(pa, max_norm);
+      oa.step(1e-2);
+      const at::Tensor norm_b = grad_norm_on_device(pb);
+      EXPECT_TRUE(norm_a.equal(norm_b));
+      const at::Tensor divisor = clip_divisor(norm_b, max_norm);
+      EXPECT_EQ(divisor.scalar_type(), at::kFloat);
+      if (max_norm > 1e8) EXPECT_EQ(divisor.item<double>(), 1.0);
+      else EXPECT_GT(divisor.item<double>(), 1.0) << "these gradients exceed 0.5";
+      ob.step(1e-2, at::Tensor(), divisor);
+    }
+    const auto sa = oa.state(), sb = ob.state();
+    ASSERT_EQ(sa.size(), sb.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      if (max_norm > 1e8) EXPECT_TRUE(a[i].second.equal(b[i].second)) << a[i].first;
+      else EXPECT_LT(max_rel(b[i].second.detach(), a[i].second.detach()), 2e-6) << a[i].first;
+    }
+    for (std::size_t i = 0; i < sa.size(); ++i) {
+      if (max_norm > 1e8) EXPECT_TRUE(sa[i].second.equal(sb[i].second)) << sa[i].first;
+      else EXPECT_LT(max_rel(sb[i].second, sa[i].second), 2e-6) << sa[i].first;
+    }
+  }
+  const at::Tensor inf = at::full({}, std::numeric_limits<double>::infinity(), at::kDouble);
+  EXPECT_EQ(clip_divisor(inf, 1.0).item<double>(), 1.0);
+  EXPECT_EQ(clip_divisor(at::full({}, 3.0, at::kDouble), 0.0).item<double>(), 1.0) << "max_grad_norm 0: no clipping";
+  EXPECT_NEAR(clip_divisor(at::full({}, 4.0, at::kDouble), 2.0).item<double>(), (4.0 + 1e-6) / 2.0, 1e-6);
+}
+
 // A checkpoint written before expert LoRA was stacked names the optimizer state per expert; it
 // is stacked on load (the same values, the step of the experts).
 TEST(Optimizer, LoadsPerExpertStateOfOlderCheckpoints) {
