@@ -3,8 +3,6 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <tuple>
-
 #include "common/error.h"
 
 #ifdef EO_WITH_CUDA

@@ -260,6 +260,30 @@ TEST(MemoryPlan, SlicedBankIsTheLargestSlice) {
 // 64 experts of 1024 x 2048 in bf16) beside the one every phase holds, so the block's peak grows
 // by at most two banks and its phase says so; `down` keeps the bank the backward's first phase
 // holds anyway (the same peak as none, unless its own phase is the largest); slices keep nothing.
+// On the GPU, LoRA on both gate and up makes SwiGLU keep their two deltas for its backward:
+// the block's term grows by 2 x [tokens x top_k, intermediate] in bf16 over LoRA on gate alone
+// (whose sum is formed, as before), and not on the CPU's per-expert loop.
+TEST(MemoryPlan, GateAndUpDeltasKeptBySwiGluOnTheGpu) {
+  TrainConfig cfg;
+  cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/olmoe-1b-7b";
+  cfg.load_in_4bit = true;
+  cfg.adapter = "qlora";
+  cfg.sequence_len = 2048;
+  cfg.micro_batch_size = 1;
+  cfg.gradient_checkpointing = true;
+  const ModelConfig mc = load_config(cfg.base_model);
+  auto block_with = [&](std::vector<std::string> targets, bool on_gpu) {
+    TrainConfig c = cfg;
+    c.lora_target_modules = std::move(targets);
+    for (const auto& part : plan_memory(c, mc, true, 1, on_gpu).device)
+      if (part.name == "block") return part.bytes;
+    return 0.0;
+  };
+  const double deltas = 2.0 * 2048 * double(mc.top_k) * double(mc.expert_width) * 2;  // bf16
+  EXPECT_DOUBLE_EQ(block_with({"gate_proj", "up_proj"}, true) - block_with({"gate_proj"}, true), deltas);
+  EXPECT_DOUBLE_EQ(block_with({"gate_proj", "up_proj"}, false), block_with({"gate_proj"}, false));
+}
+
 TEST(MemoryPlan, KeptBanksAddAtMostTwoBanks) {
   TrainConfig cfg;
   cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/olmoe-1b-7b";
