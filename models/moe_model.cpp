@@ -329,7 +329,10 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
   // Token-sorted dispatch: order the (token, slot) pairs by expert, run each expert on its
   // contiguous slice, scale by the routing weight, scatter-add back to the tokens.
   const at::Tensor flat_expert = top_idx.reshape({-1});
-  const at::Tensor order = at::argsort(flat_expert, /*stable=*/true, 0, false);
+  // Sorted on the narrowest integer that holds an expert index: a radix sort makes one pass per
+  // key byte (8 for int64), and a stable sort of the same keys gives the same order.
+  const at::Tensor sort_key = flat_expert.to(c.experts <= 256 ? at::kByte : c.experts <= 32767 ? at::kShort : at::kLong);
+  const at::Tensor order = at::argsort(sort_key, /*stable=*/true, 0, false);
   const at::Tensor token_of = at::floor_divide(order, c.top_k);
   at::Tensor out;
   // The GPU's dispatch and combine (gathers both ways), also wherever the grouped path runs.
