@@ -201,4 +201,22 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return rope_math(x, cos, sin);
 }
 
+at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout) {
+  EO_CHECK(x.dim() == 2 && index.dim() == 1 && fanout > 0 && index.numel() % fanout == 0, "gather_sum_rows: x ", x.sizes(),
+           ", index ", index.sizes(), ", fanout ", fanout);
+  const std::int64_t rows = index.numel() / fanout;
+#ifdef EO_WITH_CUDA
+  if (x.is_cuda()) {
+    const at::Tensor xc = x.contiguous(), ic = index.to(at::kLong).contiguous();
+    at::Tensor out = at::empty({rows, xc.size(1)}, xc.options());
+    c10::cuda::CUDAGuard guard(xc.device());
+    launched(fused::cuda::gather_sum_rows(xc.data_ptr(), ic.data_ptr<std::int64_t>(), out.data_ptr(), rows,
+                                          static_cast<int>(fanout), xc.size(1), dtype_of(xc), stream_of(xc)),
+             "gather_sum_rows");
+    return out;
+  }
+#endif
+  return x.index_select(0, index).view({rows, fanout, x.size(1)}).sum(1);
+}
+
 }  // namespace eo::model

@@ -23,5 +23,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // x.index_select(0, index) + y.index_select(0, index), summed in fp32 and rounded once, as one
 // pass (no autograd: gather_rows in linear4bit.h is its autograd node).
 at::Tensor gather_add_rows(const at::Tensor& x, const at::Tensor& y, const at::Tensor& index);
+// x.index_select(0, index).view(rows, fanout, -1).sum(1) as one pass on a GPU (fp32 sums in
+// order, rounded once; no [rows * fanout, cols] gather written), the formula itself on the CPU.
+at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout);
 
 }  // namespace eo::model

@@ -146,6 +146,30 @@ __global__ void gather_add_rows_kernel(const T* __restrict__ x, const T* __restr
   }
 }
 
+// One output chunk per thread, its `fanout` source rows summed in order in fp32.
+template <typename T>
+__global__ void gather_sum_rows_kernel(const T* __restrict__ x, const std::int64_t* __restrict__ index, T* __restrict__ out,
+                                       std::int64_t rows, int fanout, std::int64_t cols, bool vec) {
+  constexpr int V = kVec<T>;
+  const std::int64_t per_row = vec ? cols / V : cols;
+  const std::int64_t total = rows * per_row;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / per_row, c = i % per_row;
+    const std::int64_t* src = index + row * fanout;
+    if (!vec) {
+      float acc = 0;
+      for (int j = 0; j < fanout; ++j) acc += Cvt<T>::in(x[src[j] * per_row + c]);
+      out[i] = Cvt<T>::out(acc);
+      continue;
+    }
+    float acc[V];
+    load_chunk(x, src[0] * per_row + c, acc);
+    for (int j = 1; j < fanout; ++j) add_chunk(x, src[j] * per_row + c, acc);
+    store_chunk(out, i, acc);
+  }
+}
+
 // One thread per (row, head, pair j < rot_dim/2): reads x[j], x[j + half] and writes both; the
 // pass-through dims (rot_dim < head_dim) are copied by the threads with j in [half, D - half).
 template <typename T>
@@ -229,6 +253,16 @@ struct GatherAddRows {
   }
 };
 template <typename T>
+struct GatherSumRows {
+  static void run(const void* x, const std::int64_t* index, void* out, std::int64_t rows, int fanout, std::int64_t cols,
+                  cudaStream_t s) {
+    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(out);
+    const std::int64_t n = rows * (vec ? cols / kVec<T> : cols);
+    gather_sum_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), index, static_cast<T*>(out), rows,
+                                                                      fanout, cols, vec);
+  }
+};
+template <typename T>
 struct Rope {
   static void run(const void* x, const void* c, const void* sn, void* out, std::int64_t rows, int heads, int D, int rot,
                   bool backward, cudaStream_t s) {
@@ -257,6 +291,12 @@ cudaError_t gather_add_rows(const void* x, const void* y, const std::int64_t* in
                             std::int64_t cols, DType t, cudaStream_t s) {
   if (rows == 0 || cols == 0) return cudaSuccess;
   return by_type<GatherAddRows>(t, x, y, index, out, rows, cols, s);
+}
+
+cudaError_t gather_sum_rows(const void* x, const std::int64_t* index, void* out, std::int64_t rows, int fanout,
+                            std::int64_t cols, DType t, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  return by_type<GatherSumRows>(t, x, index, out, rows, fanout, cols, s);
 }
 
 cudaError_t rope(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, int heads, int head_dim,

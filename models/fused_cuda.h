@@ -26,6 +26,10 @@ cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, cons
 // gather with the down projection's LoRA delta added on the way). All [*, cols] contiguous.
 cudaError_t gather_add_rows(const void* x, const void* y, const std::int64_t* index, void* out, std::int64_t rows,
                             std::int64_t cols, DType t, cudaStream_t s);
+// out[r, :] = the sum over j < fanout of x[index[r * fanout + j], :], in fp32, rounded once (the
+// MoE dispatch's backward: each token's k routed gradients gathered and summed in one pass).
+cudaError_t gather_sum_rows(const void* x, const std::int64_t* index, void* out, std::int64_t rows, int fanout,
+                            std::int64_t cols, DType t, cudaStream_t s);
 
 // Rotary embedding on x [rows = B*T, heads, head_dim] (contiguous), the first rot_dim dims of
 // each head rotated as HF's rotate_half pairs them (d with d + rot_dim/2), the rest copied.

@@ -131,8 +131,9 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
 at::Tensor gather_rows_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
   const at::Tensor inverse = ctx->saved_data["inverse"].toTensor();
   const std::int64_t fanout = ctx->saved_data["fanout"].toInt(), rows = ctx->saved_data["rows"].toInt();
-  at::Tensor g = grad.index_select(0, inverse);
-  if (fanout > 1) g = g.view({rows, fanout, -1}).sum(1);  // accumulates in fp32, rounds once
+  if (fanout == 1) return grad.index_select(0, inverse);
+  const at::Tensor g = gather_sum_rows(grad, inverse, fanout);  // accumulates in fp32, rounds once
+  EO_CHECK(g.size(0) == rows, "gather_rows backward: ", g.size(0), " rows for an input of ", rows);
   return g;
 }
 void save_gather(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& inverse, std::int64_t fanout) {

@@ -318,8 +318,9 @@ double rel_max(const at::Tensor& got, const at::Tensor& want) {
 }  // namespace
 
 // The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1, and the combine's
-// gather with the down delta added (vectorised rows of 64 and a row of 67 values that is not).
-TEST(Cuda, SwiGluDeltasAndGatherAddRowsMatchFloat64) {
+// gather with the down delta added; the dispatch's gather-and-sum backward (vectorised rows of 64
+// and a row of 67 values that is not).
+TEST(Cuda, SwiGluDeltasAndMoeGathersMatchFloat64) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
   at::manual_seed(6);
@@ -360,6 +361,22 @@ TEST(Cuda, SwiGluDeltasAndGatherAddRowsMatchFloat64) {
       const at::Tensor dx_want = dy.index_select(0, order);  // the permutation's inverse
       EXPECT_TRUE(at::equal(x.grad().cpu(), dx_want));
       EXPECT_TRUE(at::equal(d.grad().cpu(), dx_want));
+
+      // The dispatch: every token copied k = 3 times in expert order; its backward gathers and
+      // sums each token's 3 gradients in one kernel.
+      const std::int64_t tokens = 100, k = 3;
+      const at::Tensor experts = at::randint(0, 7, {tokens * k}, at::kLong);
+      const at::Tensor ord = at::argsort(experts, /*stable=*/true, 0, false);
+      const at::Tensor pos = at::empty_like(ord).scatter_(0, ord, at::arange(tokens * k, at::kLong));
+      const at::Tensor token_of = at::floor_divide(ord, k);
+      const at::Tensor t0 = at::randn({tokens, cols}).to(dt), dz = at::randn({tokens * k, cols}).to(dt);
+      at::Tensor t = t0.to(dev).requires_grad_(true);
+      const at::Tensor z = model::gather_rows(t, token_of.to(dev), pos.to(dev), k);
+      EXPECT_TRUE(at::equal(z.detach().cpu(), t0.index_select(0, token_of)));
+      z.backward(dz.to(dev));
+      at::Tensor t64 = t0.to(at::kDouble).requires_grad_(true);
+      t64.index_select(0, token_of).backward(dz.to(at::kDouble));
+      EXPECT_LT(rel_max(t.grad(), t64.grad()), tol);
     }
   }
 }
