@@ -151,6 +151,26 @@ at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Ten
   // `down` may be a column slice of the paired [N, r1 + r2] (rows 16-byte aligned): read in place.
   return at::_grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
+// The paired A's output [N, r1 + r2] as its two column blocks (views), one per B GEMM. Autograd's
+// narrow would hand each block's gradient back as a zero-filled [N, r1 + r2] and add the two;
+// this backward writes both blocks into one tensor (one cat).
+struct SplitColumnsFunction : public torch::autograd::Function<SplitColumnsFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& t,
+                                                std::int64_t first) {
+    ctx->saved_data["first"] = first;
+    ctx->saved_data["rest"] = t.size(1) - first;
+    return {t.narrow(1, 0, first), t.narrow(1, first, t.size(1) - first)};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const std::int64_t widths[2] = {ctx->saved_data["first"].toInt(), ctx->saved_data["rest"].toInt()};
+    const at::Tensor& like = grads[0].defined() ? grads[0] : grads[1];
+    std::vector<at::Tensor> parts;
+    for (int i = 0; i < 2; ++i)
+      parts.push_back(grads[i].defined() ? grads[i] : at::zeros({like.size(0), widths[i]}, like.options()));
+    return {at::cat(parts, 1), at::Tensor()};
+  }
+};
 }  // namespace
 
 at::Tensor ExpertLora::delta_grouped(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const {
@@ -177,8 +197,9 @@ std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_pair(const ExpertLor
   const auto dt = x.scalar_type();
   const at::Tensor a = at::cat({compute_copy(l1.a_, dt), compute_copy(l2.a_, dt)}, 1);
   const at::Tensor down = grouped_down(x, a, offsets);  // [N, r1 + r2]
-  return {grouped_up(down.narrow(1, 0, r1), l1.b_, offsets, l1.scaling_),
-          grouped_up(down.narrow(1, r1, r2), l2.b_, offsets, l2.scaling_)};
+  EO_CHECK(down.size(1) == r1 + r2, "delta_grouped_pair: A GEMM gave ", down.size(1), " columns for r ", r1, " + ", r2);
+  const torch::autograd::variable_list halves = SplitColumnsFunction::apply(down, r1);
+  return {grouped_up(halves[0], l1.b_, offsets, l1.scaling_), grouped_up(halves[1], l2.b_, offsets, l2.scaling_)};
 }
 
 std::string stacked_lora_name(const std::string& experts_prefix, const std::string& matrix, char ab) {
