@@ -122,52 +122,55 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ g0, const T* __rest
   }
 }
 
-// One row chunk per thread: 16-byte chunks where the rows allow it (cols a multiple of
-// kVec<T>, every row aligned), else one value.
+// Calls f(row, chunk, item) for every item of a [rows, per_row] grid, grid-stride: a chunk is 16
+// bytes of a row where the rows allow it (cols a multiple of kVec<T>, every row aligned), else one
+// value, and an output row's item is row * per_row + chunk.
+template <typename F>
+__device__ __forceinline__ void for_each_row_item(std::int64_t rows, std::int64_t per_row, F&& f) {
+  const std::int64_t total = rows * per_row;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x)
+    f(i / per_row, i % per_row, i);
+}
+
 template <typename T>
 __global__ void gather_add_rows_kernel(const T* __restrict__ x, const T* __restrict__ y,
                                        const std::int64_t* __restrict__ index, T* __restrict__ out, std::int64_t rows,
                                        std::int64_t cols, bool vec) {
   constexpr int V = kVec<T>;
   const std::int64_t per_row = vec ? cols / V : cols;
-  const std::int64_t total = rows * per_row;
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t row = i / per_row, c = i % per_row;
-    const std::int64_t src = index[row] * per_row + c;  // in items of this kernel's width
+  for_each_row_item(rows, per_row, [&](std::int64_t row, std::int64_t c, std::int64_t i) {
+    const std::int64_t src = index[row] * per_row + c;
     if (!vec) {
       out[i] = Cvt<T>::out(Cvt<T>::in(x[src]) + Cvt<T>::in(y[src]));
-      continue;
+      return;
     }
     float v[V];
     load_chunk(x, src, v);
     add_chunk(y, src, v);
     store_chunk(out, i, v);
-  }
+  });
 }
 
-// One output chunk per thread, its `fanout` source rows summed in order in fp32.
+// Each output item is the sum of its `fanout` source rows' items, in order, in fp32.
 template <typename T>
 __global__ void gather_sum_rows_kernel(const T* __restrict__ x, const std::int64_t* __restrict__ index, T* __restrict__ out,
                                        std::int64_t rows, int fanout, std::int64_t cols, bool vec) {
   constexpr int V = kVec<T>;
   const std::int64_t per_row = vec ? cols / V : cols;
-  const std::int64_t total = rows * per_row;
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t row = i / per_row, c = i % per_row;
+  for_each_row_item(rows, per_row, [&](std::int64_t row, std::int64_t c, std::int64_t i) {
     const std::int64_t* src = index + row * fanout;
     if (!vec) {
       float acc = 0;
       for (int j = 0; j < fanout; ++j) acc += Cvt<T>::in(x[src[j] * per_row + c]);
       out[i] = Cvt<T>::out(acc);
-      continue;
+      return;
     }
     float acc[V];
     load_chunk(x, src[0] * per_row + c, acc);
     for (int j = 1; j < fanout; ++j) add_chunk(x, src[j] * per_row + c, acc);
     store_chunk(out, i, acc);
-  }
+  });
 }
 
 // One thread per (row, head, pair j < rot_dim/2): reads x[j], x[j + half] and writes both; the

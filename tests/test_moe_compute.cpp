@@ -260,10 +260,9 @@ TEST(MemoryPlan, SlicedBankIsTheLargestSlice) {
 // 64 experts of 1024 x 2048 in bf16) beside the one every phase holds, so the block's peak grows
 // by at most two banks and its phase says so; `down` keeps the bank the backward's first phase
 // holds anyway (the same peak as none, unless its own phase is the largest); slices keep nothing.
-// On the GPU, LoRA on both gate and up makes SwiGLU keep their two deltas for its backward:
-// the block's term grows by 2 x [tokens x top_k, intermediate] in bf16 over LoRA on gate alone
-// (whose sum is formed, as before), and not on the CPU's per-expert loop.
-TEST(MemoryPlan, GateAndUpDeltasKeptBySwiGluOnTheGpu) {
+namespace {
+// OLMoE-1B-7B's shapes, QLoRA, seq 2048 x 1, checkpointed: the plan tests' common config.
+TrainConfig olmoe_qlora_config() {
   TrainConfig cfg;
   cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/olmoe-1b-7b";
   cfg.load_in_4bit = true;
@@ -271,6 +270,15 @@ TEST(MemoryPlan, GateAndUpDeltasKeptBySwiGluOnTheGpu) {
   cfg.sequence_len = 2048;
   cfg.micro_batch_size = 1;
   cfg.gradient_checkpointing = true;
+  return cfg;
+}
+}  // namespace
+
+// On the GPU, LoRA on both gate and up makes SwiGLU keep their two deltas for its backward:
+// the block's term grows by 2 x [tokens x top_k, intermediate] in bf16 over LoRA on gate alone
+// (whose sum is formed, as before), and not on the CPU's per-expert loop.
+TEST(MemoryPlan, GateAndUpDeltasKeptBySwiGluOnTheGpu) {
+  const TrainConfig cfg = olmoe_qlora_config();
   const ModelConfig mc = load_config(cfg.base_model);
   auto block_with = [&](std::vector<std::string> targets, bool on_gpu) {
     TrainConfig c = cfg;
@@ -285,13 +293,7 @@ TEST(MemoryPlan, GateAndUpDeltasKeptBySwiGluOnTheGpu) {
 }
 
 TEST(MemoryPlan, KeptBanksAddAtMostTwoBanks) {
-  TrainConfig cfg;
-  cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/olmoe-1b-7b";
-  cfg.load_in_4bit = true;
-  cfg.adapter = "qlora";
-  cfg.sequence_len = 2048;
-  cfg.micro_batch_size = 1;
-  cfg.gradient_checkpointing = true;  // banks are kept from a recompute only
+  const TrainConfig cfg = olmoe_qlora_config();  // checkpointed: banks are kept from a recompute only
   const ModelConfig mc = load_config(cfg.base_model);
   auto block_with = [&](const char* reuse, const char* chunk = "auto") {
     TrainConfig c = cfg;
