@@ -348,8 +348,10 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
     out = at::bmm(top_w.view({N, 1, c.top_k}), y_tok).view({N, H});
   } else {
     const at::Tensor x_sorted = flat.index_select(0, token_of);
+    // The per-expert loop runs here (no grouped path), and it adds its LoRA deltas itself.
     const ExpertsOutput ey = experts_forward(x_sorted, flat_expert, ctx.training);
-    const at::Tensor y = ey.delta.defined() ? ey.y + ey.delta : ey.y;
+    EO_CHECK(!ey.delta.defined(), "moe: the per-expert path left a LoRA delta for the combine");
+    const at::Tensor& y = ey.y;
     const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
     out = at::zeros_like(flat).index_add(0, token_of, y * weight_sorted.unsqueeze(1));
   }

@@ -29,10 +29,18 @@ std::int64_t resolve_warmup_steps(const TrainConfig& cfg, std::int64_t total_ste
   return cfg.warmup_steps;
 }
 
-at::Tensor grad_norm_on_device(const std::vector<at::Tensor>& params) {
+namespace {
+// The gradients that exist (a parameter without one counts as zero everywhere below).
+std::vector<at::Tensor> defined_grads(const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
+  return grads;
+}
+}  // namespace
+
+at::Tensor grad_norm_on_device(const std::vector<at::Tensor>& params) {
+  const std::vector<at::Tensor> grads = defined_grads(params);
   if (grads.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble));
   // Per-tensor norms in one multi-tensor kernel (fp32, each reduced in a tree), combined in fp64
   // so the total does not depend on the order of ~37k tensors.
@@ -55,12 +63,8 @@ at::Tensor clip_divisor(const at::Tensor& norm, double max_norm) {
 
 at::Tensor clip_grad_norm_on_device(const std::vector<at::Tensor>& params, double max_norm) {
   const at::Tensor norm = grad_norm_on_device(params);
-  if (max_norm > 0) {
-    std::vector<at::Tensor> grads;
-    for (const auto& p : params)
-      if (p.grad().defined()) grads.push_back(p.grad());
-    if (!grads.empty()) at::_foreach_mul_(grads, clip_coefficient(norm, max_norm).to(at::kFloat));  // x * 1 = x
-  }
+  if (const std::vector<at::Tensor> grads = defined_grads(params); max_norm > 0 && !grads.empty())
+    at::_foreach_mul_(grads, clip_coefficient(norm, max_norm).to(at::kFloat));  // x * 1 = x
   return norm;
 }
 
