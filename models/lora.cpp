@@ -148,18 +148,19 @@ at::Tensor grouped_down(const at::Tensor& x, const at::Tensor& a, const at::Tens
 // the delta leaves the GEMM scaled, and its gradient reaches the GEMM as it is.
 at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Tensor& offsets, double scaling) {
   const at::Tensor bs = compute_copy(b, down.scalar_type(), scaling);
-  // `down` may be a column slice of the paired [N, r1 + r2] (rows 16-byte aligned): read in place.
   return at::_grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
-// The paired A's output [N, r1 + r2] as its two column blocks (views), one per B GEMM. Autograd's
-// narrow would hand each block's gradient back as a zero-filled [N, r1 + r2] and add the two;
-// this backward writes both blocks into one tensor (one cat).
+// The paired A's output [N, r1 + r2] as its two column blocks, one per B GEMM, each copied
+// contiguous ([N, r]: small). Read in place (a row stride of r1 + r2), the B GEMMs gave wrong
+// gradients on the H200 (Cuda.GroupedExpertLoraModelMatchesThePerExpertLoop, session 6), where
+// the copies had passed. Autograd's narrow would hand each block's gradient back as a
+// zero-filled [N, r1 + r2] and add the two; this backward writes both into one tensor (one cat).
 struct SplitColumnsFunction : public torch::autograd::Function<SplitColumnsFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& t,
                                                 std::int64_t first) {
     ctx->saved_data["first"] = first;
     ctx->saved_data["rest"] = t.size(1) - first;
-    return {t.narrow(1, 0, first), t.narrow(1, first, t.size(1) - first)};
+    return {t.narrow(1, 0, first).contiguous(), t.narrow(1, first, t.size(1) - first).contiguous()};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
