@@ -7,6 +7,7 @@
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
