@@ -1,6 +1,7 @@
 // The compute pieces behind the fast GPU path, checked on the CPU against independent math:
 // the chunked language-model loss (float64 reference), synthetic real-shaped models, and the
 // memory plan's weight term against the bytes a loaded model really holds.
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -20,6 +21,7 @@
 #include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/plan.h"
+#include "tests/bf16_yardstick.h"
 
 namespace fs = std::filesystem;
 using namespace eo;
@@ -699,4 +701,42 @@ TEST(MemoryPlan, LoraTermEqualsTheModelsLoraParametersPerExpertAndFused) {
   for (const TrainConfig* c : {&per_expert, &fused, &gate_up_only}) EXPECT_EQ(planned(*c), count(*c));
   EXPECT_LT(count(fused), count(per_expert));  // gate and up share A
   EXPECT_LT(count(gate_up_only), count(fused));
+}
+
+// The GPU suites' judge of a bf16 path (tests/bf16_yardstick.h) passes rounding-sized errors and
+// fails a wrong term. fp32 "gradients"; a trusted path and a good one each off by independent 1%
+// noise (4% on one tensor, as rounding leaves a small gradient); a bad one with 15% on one
+// tensor (what the paired LoRA slices gave), and one with 15% spread over all.
+TEST(Bf16Yardstick, PassesRoundingAndFailsAWrongTerm) {
+  at::manual_seed(21);
+  std::vector<std::string> names;
+  std::vector<at::Tensor> ref, trusted, good, one_bad, all_bad;
+  for (int i = 0; i < 12; ++i) {
+    names.push_back("t" + std::to_string(i));
+    ref.push_back(at::randn({64, 32}, at::kDouble));
+    const at::Tensor& r = ref.back();
+    auto off = [&](double rel) { return r + at::randn_like(r) * (rel * r.norm() / std::sqrt(double(r.numel()))); };
+    const double noise = i == 5 ? 0.04 : 0.01;
+    trusted.push_back(off(noise));
+    good.push_back(off(noise));
+    one_bad.push_back(i == 3 ? off(0.15) : off(noise));
+    all_bad.push_back(off(0.15));
+  }
+  auto failures = [&](const std::vector<at::Tensor>& got) {
+    ::testing::TestPartResultArray results;
+    {
+      ::testing::ScopedFakeTestPartResultReporter capture(::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD,
+                                                          &results);
+      eo::testing::expect_bf16_no_worse(names, got, trusted, ref);
+    }
+    std::vector<std::string> messages;
+    for (int i = 0; i < results.size(); ++i) messages.push_back(results.GetTestPartResult(i).message());
+    return messages;
+  };
+  EXPECT_TRUE(failures(good).empty());
+  const auto one = failures(one_bad);
+  ASSERT_EQ(one.size(), 2u);  // the tensor, and the total
+  EXPECT_NE(one[0].find("t3:"), std::string::npos) << one[0];
+  EXPECT_NE(one[1].find("all tensors"), std::string::npos) << one[1];
+  EXPECT_EQ(failures(all_bad).size(), 13u);  // each of the 12, and the total
 }
