@@ -502,6 +502,26 @@ TEST(Cuda, GroupedExpertsMatchThePerExpertLoop) {
   expect_grouped_matches_loop(*m, dev);
 }
 
+namespace {
+// One expert LoRA's factors drawn once and copied into its CPU and GPU twins.
+void draw_same_lora(model::ExpertLora& cpu, model::ExpertLora& gpu) {
+  at::NoGradGuard ng;
+  const auto E = cpu.A().size(0), r = cpu.A().size(1), in = cpu.A().size(2), out = cpu.B().size(1);
+  const at::Tensor a = at::rand({E, r, in}) * 0.1 - 0.05, b = at::randn({E, out, r}) * 0.05;
+  cpu.A().copy_(a);
+  cpu.B().copy_(b);
+  gpu.A().copy_(a.to(gpu.A().device()));
+  gpu.B().copy_(b.to(gpu.B().device()));
+}
+// Rows per expert for the grouped LoRA tests: uneven, one expert without a row.
+const std::vector<std::int64_t> kLoraRows = {40, 0, 17, 64, 3, 1, 30, 101};
+// |got - want| / |want| (Frobenius), in float64 on the CPU.
+double norm_rel(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor w = want.detach().to(at::kCPU, at::kDouble);
+  return (got.detach().to(at::kCPU, at::kDouble) - w).norm().item<double>() / w.norm().item<double>();
+}
+}  // namespace
+
 // Expert LoRA as grouped GEMMs (GPU, bf16) against the CPU fp32 per-expert path on the same
 // block-sized problem, forward and backward, with an expert that gets no row. Tolerance: bf16
 // rounds x, A, B, dy, the [N, r] intermediate and the output once each (unit roundoff 2^-9 ≈
@@ -516,15 +536,8 @@ TEST(Cuda, GroupedExpertLoraMatchesCpuFp32) {
   spec.alpha = 32;
   model::ExpertLora cpu(E, in, out, spec, at::kCPU), gpu(E, in, out, spec, dev);
   at::manual_seed(11);
-  {
-    at::NoGradGuard ng;
-    const at::Tensor a = at::rand({E, spec.r, in}) * 0.1 - 0.05, b = at::randn({E, out, spec.r}) * 0.05;
-    cpu.A().copy_(a);
-    cpu.B().copy_(b);
-    gpu.A().copy_(a.to(dev));
-    gpu.B().copy_(b.to(dev));
-  }
-  const std::vector<std::int64_t> counts = {40, 0, 17, 64, 3, 1, 30, 101};
+  draw_same_lora(cpu, gpu);
+  const std::vector<std::int64_t>& counts = kLoraRows;
   std::int64_t N = 0;
   for (auto c : counts) N += c;
   const at::Tensor x0 = at::randn({N, in}), dy = at::randn({N, out});
@@ -547,13 +560,10 @@ TEST(Cuda, GroupedExpertLoraMatchesCpuFp32) {
   ASSERT_EQ(y.scalar_type(), at::kBFloat16);
   ASSERT_EQ(gpu.A().grad().scalar_type(), at::kFloat);  // fp32 master gradients
 
-  auto rel = [](const at::Tensor& got, const at::Tensor& want) {
-    return (got.cpu().to(at::kDouble) - want.to(at::kDouble)).norm().item<double>() / want.to(at::kDouble).norm().item<double>();
-  };
-  EXPECT_LT(rel(y.detach(), y_ref.detach()), 2e-2);
-  EXPECT_LT(rel(xg.grad(), xc.grad()), 2e-2);
-  EXPECT_LT(rel(gpu.A().grad(), cpu.A().grad()), 2e-2);
-  EXPECT_LT(rel(gpu.B().grad(), cpu.B().grad()), 2e-2);
+  EXPECT_LT(norm_rel(y, y_ref), 2e-2);
+  EXPECT_LT(norm_rel(xg.grad(), xc.grad()), 2e-2);
+  EXPECT_LT(norm_rel(gpu.A().grad(), cpu.A().grad()), 2e-2);
+  EXPECT_LT(norm_rel(gpu.B().grad(), cpu.B().grad()), 2e-2);
   // The expert without rows: exactly zero gradients (no stale memory from the grouped kernel).
   EXPECT_EQ(gpu.A().grad()[1].abs().max().item<double>(), 0.0);
   EXPECT_EQ(gpu.B().grad()[1].abs().max().item<double>(), 0.0);
@@ -572,17 +582,9 @@ TEST(Cuda, GroupedExpertLoraPairMatchesCpuFp32) {
   model::ExpertLora c1(E, in, out, spec, at::kCPU), c2(E, in, out, spec, at::kCPU);
   model::ExpertLora g1(E, in, out, spec, dev), g2(E, in, out, spec, dev);
   at::manual_seed(12);
-  {
-    at::NoGradGuard ng;
-    for (auto [c, g] : {std::pair{&c1, &g1}, std::pair{&c2, &g2}}) {
-      const at::Tensor a = at::rand({E, spec.r, in}) * 0.1 - 0.05, b = at::randn({E, out, spec.r}) * 0.05;
-      c->A().copy_(a);
-      c->B().copy_(b);
-      g->A().copy_(a.to(dev));
-      g->B().copy_(b.to(dev));
-    }
-  }
-  const std::vector<std::int64_t> counts = {40, 0, 17, 64, 3, 1, 30, 101};
+  draw_same_lora(c1, g1);
+  draw_same_lora(c2, g2);
+  const std::vector<std::int64_t>& counts = kLoraRows;
   std::int64_t N = 0;
   for (auto c : counts) N += c;
   const at::Tensor x0 = at::randn({N, in}), dy1 = at::randn({N, out}), dy2 = at::randn({N, out});
@@ -608,16 +610,13 @@ TEST(Cuda, GroupedExpertLoraPairMatchesCpuFp32) {
   const auto [y1, y2] = model::ExpertLora::delta_grouped_pair(g1, g2, xg, offsets, true);
   ((y1.to(at::kFloat) * dy1.to(dev)).sum() + (y2.to(at::kFloat) * dy2.to(dev)).sum()).backward();
 
-  auto rel = [](const at::Tensor& got, const at::Tensor& want) {
-    return (got.cpu().to(at::kDouble) - want.to(at::kDouble)).norm().item<double>() / want.to(at::kDouble).norm().item<double>();
-  };
-  EXPECT_LT(rel(y1.detach(), y1_ref.detach()), 2e-2);
-  EXPECT_LT(rel(y2.detach(), y2_ref.detach()), 2e-2);
-  EXPECT_LT(rel(xg.grad(), xc.grad()), 2e-2);
-  EXPECT_LT(rel(g1.A().grad(), c1.A().grad()), 2e-2);
-  EXPECT_LT(rel(g1.B().grad(), c1.B().grad()), 2e-2);
-  EXPECT_LT(rel(g2.A().grad(), c2.A().grad()), 2e-2);
-  EXPECT_LT(rel(g2.B().grad(), c2.B().grad()), 2e-2);
+  EXPECT_LT(norm_rel(y1, y1_ref), 2e-2);
+  EXPECT_LT(norm_rel(y2, y2_ref), 2e-2);
+  EXPECT_LT(norm_rel(xg.grad(), xc.grad()), 2e-2);
+  EXPECT_LT(norm_rel(g1.A().grad(), c1.A().grad()), 2e-2);
+  EXPECT_LT(norm_rel(g1.B().grad(), c1.B().grad()), 2e-2);
+  EXPECT_LT(norm_rel(g2.A().grad(), c2.A().grad()), 2e-2);
+  EXPECT_LT(norm_rel(g2.B().grad(), c2.B().grad()), 2e-2);
 }
 
 namespace {
