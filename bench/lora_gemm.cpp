@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
   const at::Tensor a_pair = at::randn({E, 2 * r, H}, bf), b_gate = at::randn({E, I, r}, bf);
   const at::Tensor a_down = at::randn({E, r, I}, bf), b_down = at::randn({E, H, r}, bf);
   const at::Tensor down_pair = at::randn({N, 2 * r}, bf), down_d = at::randn({N, r}, bf);
+  // The paired A's output as the step splits it: each column block copied contiguous.
+  const at::Tensor down_gate = down_pair.narrow(1, 0, r).contiguous();
   const at::Tensor d_gate = at::randn({N, I}, bf), d_y = at::randn({N, H}, bf);
   const at::Tensor w_up = at::randn({E, I, H}, bf);  // a base matrix, for scale
   const double el = gpu ? 2 : 4;
@@ -91,8 +93,8 @@ int main(int argc, char** argv) {
        [&] { return at::_grouped_mm(x, w_up.transpose(1, 2), offsets); }},
       {"fwd: x . A_pair^T -> [N,2r]", 2, el * (N * H + N * 2 * r + E * 2 * r * H),
        [&] { return at::_grouped_mm(x, a_pair.transpose(1, 2), offsets); }},
-      {"fwd: down_gate (slice) . B^T -> [N,I]", 4, el * (N * r + N * I + E * I * r),
-       [&] { return at::_grouped_mm(down_pair.narrow(1, 0, r), b_gate.transpose(1, 2), offsets); }},
+      {"fwd: down_gate . B^T -> [N,I]", 4, el * (N * r + N * I + E * I * r),
+       [&] { return at::_grouped_mm(down_gate, b_gate.transpose(1, 2), offsets); }},
       {"fwd: act . A_down^T -> [N,r]", 2, el * (N * I + N * r + E * r * I),
        [&] { return at::_grouped_mm(act, a_down.transpose(1, 2), offsets); }},
       {"fwd: down_d . B_down^T -> [N,H]", 2, el * (N * r + N * H + E * H * r),
@@ -104,7 +106,7 @@ int main(int argc, char** argv) {
       {"bwd dDown: dGate . B -> [N,r]", 2, el * (N * I + N * r + E * I * r),
        [&] { return at::_grouped_mm(d_gate, b_gate, offsets); }},
       {"bwd dB: down_gate^T . dGate -> [E,r,I]", 2, el * (N * I + N * r + E * I * r),
-       [&] { return at::_grouped_mm(down_pair.narrow(1, 0, r).t(), d_gate, offsets); }},
+       [&] { return at::_grouped_mm(down_gate.t(), d_gate, offsets); }},
       {"bwd dDown: dY . B_down -> [N,r]", 1, el * (N * H + N * r + E * H * r),
        [&] { return at::_grouped_mm(d_y, b_down, offsets); }},
       {"bwd dB: down_d^T . dY -> [E,r,H]", 1, el * (N * H + N * r + E * H * r),
@@ -144,5 +146,15 @@ int main(int argc, char** argv) {
   }
   std::printf("\nLoRA GEMMs per block and step (gate + up paired, down; forward, recompute, backward): %d launches, %.1f us\n",
               block_launches, block_us);
+  // The layout the step no longer uses: the column block read in place (row stride 2r). On the
+  // H200 the paired LoRA's gradients went wrong that way (docs/benchmarks.md, session 6); this
+  // says whether libtorch's grouped GEMM itself differs on such a slice, forward and dB form.
+  const at::Tensor slice = down_pair.narrow(1, 0, r);
+  auto max_diff = [](const at::Tensor& got, const at::Tensor& want) {
+    return (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<double>() / want.to(at::kFloat).abs().max().item<double>();
+  };
+  std::printf("in-place column slice vs its contiguous copy (max |diff| / max): forward %.3g, dB form %.3g\n",
+              max_diff(at::_grouped_mm(slice, b_gate.transpose(1, 2), offsets), at::_grouped_mm(down_gate, b_gate.transpose(1, 2), offsets)),
+              max_diff(at::_grouped_mm(slice.t(), d_gate, offsets), at::_grouped_mm(down_gate.t(), d_gate, offsets)));
   return 0;
 }
