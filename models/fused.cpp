@@ -172,25 +172,6 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor
   return SwiGluFunction::apply(gate, up);
 }
 
-at::Tensor gather_add_rows(const at::Tensor& x, const at::Tensor& y, const at::Tensor& index) {
-  EO_CHECK(x.dim() == 2 && x.sizes() == y.sizes() && index.dim() == 1 && x.scalar_type() == y.scalar_type(),
-           "gather_add_rows: x ", x.sizes(), " ", x.scalar_type(), ", y ", y.sizes(), " ", y.scalar_type(), ", index ",
-           index.sizes());
-#ifdef EO_WITH_CUDA
-  if (x.is_cuda()) {
-    const at::Tensor xc = x.contiguous(), yc = y.contiguous(), ic = index.to(at::kLong).contiguous();
-    at::Tensor out = at::empty({ic.size(0), xc.size(1)}, xc.options());
-    c10::cuda::CUDAGuard guard(xc.device());
-    launched(fused::cuda::gather_add_rows(xc.data_ptr(), yc.data_ptr(), ic.data_ptr<std::int64_t>(), out.data_ptr(), ic.size(0),
-                                          xc.size(1), dtype_of(xc), stream_of(xc)),
-             "gather_add_rows");
-    return out;
-  }
-#endif
-  const auto acc = at::promote_types(x.scalar_type(), at::kFloat);
-  return (x.index_select(0, index).to(acc) + y.index_select(0, index).to(acc)).to(x.scalar_type());
-}
-
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   EO_CHECK(x.dim() == 4 && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
                cos.size(1) == x.size(1) && cos.size(2) <= x.size(3) && cos.size(2) % 2 == 0,
@@ -201,22 +182,92 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return rope_math(x, cos, sin);
 }
 
-at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout) {
-  EO_CHECK(x.dim() == 2 && index.dim() == 1 && fanout > 0 && index.numel() % fanout == 0, "gather_sum_rows: x ", x.sizes(),
-           ", index ", index.sizes(), ", fanout ", fanout);
+namespace {
+void check_rows(const char* what, const at::Tensor& x, const at::Tensor& addend, const at::Tensor& index) {
+  EO_CHECK(x.dim() == 2 && index.dim() == 1, what, ": x ", x.sizes(), " [rows, cols] and index ", index.sizes(), " [n]");
+  EO_CHECK(!addend.defined() || (addend.sizes() == x.sizes() && addend.scalar_type() == x.scalar_type()), what, ": addend ",
+           addend.sizes(), " ", addend.scalar_type(), " differs from x ", x.sizes(), " ", x.scalar_type());
+}
+#ifdef EO_WITH_CUDA
+// A flat fp32 copy of a per-row factor (scale, weight), or undefined.
+at::Tensor f32_contiguous_if(const at::Tensor& t) { return t.defined() ? t.reshape({-1}).to(at::kFloat).contiguous() : t; }
+const float* f32_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+#endif
+// (x + addend) in fp32, or x's type where it is wider (the CPU formulas' operand).
+at::ScalarType wide(const at::Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
+at::Tensor wide_sum(const at::Tensor& x, const at::Tensor& addend) {
+  const at::Tensor xw = x.to(wide(x));
+  return addend.defined() ? xw + addend.to(wide(x)) : xw;
+}
+}  // namespace
+
+at::Tensor gather_scale_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& scale) {
+  check_rows("gather_scale_rows", x, at::Tensor(), index);
+  EO_CHECK(!scale.defined() || scale.numel() == index.numel(), "gather_scale_rows: scale ", scale.sizes(), " for index ",
+           index.sizes());
+#ifdef EO_WITH_CUDA
+  if (x.is_cuda()) {
+    const at::Tensor xc = x.contiguous(), ic = index.to(at::kLong).contiguous(), sc = f32_contiguous_if(scale);
+    at::Tensor out = at::empty({ic.size(0), xc.size(1)}, xc.options());
+    c10::cuda::CUDAGuard guard(xc.device());
+    launched(fused::cuda::gather_scale_rows(xc.data_ptr(), ic.data_ptr<std::int64_t>(), f32_or_null(sc), out.data_ptr(), ic.size(0),
+                                            xc.size(1), dtype_of(xc), stream_of(xc)),
+             "gather_scale_rows");
+    return out;
+  }
+#endif
+  if (!scale.defined()) return x.index_select(0, index);
+  return (x.index_select(0, index).to(wide(x)) * scale.reshape({-1, 1}).to(wide(x))).to(x.scalar_type());
+}
+
+at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout, const at::Tensor& addend,
+                           const at::Tensor& weight) {
+  check_rows("gather_sum_rows", x, addend, index);
+  EO_CHECK(fanout > 0 && index.numel() % fanout == 0, "gather_sum_rows: index ", index.sizes(), " for fanout ", fanout);
+  EO_CHECK(!weight.defined() || weight.numel() == index.numel(), "gather_sum_rows: weight ", weight.sizes(), " for index ",
+           index.sizes());
   const std::int64_t rows = index.numel() / fanout;
 #ifdef EO_WITH_CUDA
   if (x.is_cuda()) {
-    const at::Tensor xc = x.contiguous(), ic = index.to(at::kLong).contiguous();
+    const at::Tensor xc = x.contiguous(), ic = index.to(at::kLong).contiguous(), ac = contiguous_if(addend, xc);
+    const at::Tensor wc = f32_contiguous_if(weight);
     at::Tensor out = at::empty({rows, xc.size(1)}, xc.options());
     c10::cuda::CUDAGuard guard(xc.device());
-    launched(fused::cuda::gather_sum_rows(xc.data_ptr(), ic.data_ptr<std::int64_t>(), out.data_ptr(), rows,
-                                          static_cast<int>(fanout), xc.size(1), dtype_of(xc), stream_of(xc)),
+    launched(fused::cuda::gather_sum_rows(xc.data_ptr(), ptr_or_null(ac), ic.data_ptr<std::int64_t>(), f32_or_null(wc),
+                                          out.data_ptr(), rows, static_cast<int>(fanout), xc.size(1), dtype_of(xc),
+                                          stream_of(xc)),
              "gather_sum_rows");
     return out;
   }
 #endif
-  return x.index_select(0, index).view({rows, fanout, x.size(1)}).sum(1);
+  if (!addend.defined() && !weight.defined()) return x.index_select(0, index).view({rows, fanout, x.size(1)}).sum(1);
+  at::Tensor v = wide_sum(x, addend).index_select(0, index);
+  if (weight.defined()) v = v * weight.reshape({-1, 1}).to(wide(x));
+  return v.view({rows, fanout, x.size(1)}).sum(1).to(x.scalar_type());
+}
+
+at::Tensor gather_dot_rows(const at::Tensor& x, const at::Tensor& addend, const at::Tensor& index, const at::Tensor& g,
+                           std::int64_t fanout) {
+  check_rows("gather_dot_rows", x, addend, index);
+  EO_CHECK(fanout > 0 && index.numel() % fanout == 0 && g.dim() == 2 && g.size(0) * fanout == index.numel() &&
+               g.size(1) == x.size(1) && g.scalar_type() == x.scalar_type(),
+           "gather_dot_rows: g ", g.sizes(), " ", g.scalar_type(), " for x ", x.sizes(), " ", x.scalar_type(), ", index ",
+           index.sizes(), ", fanout ", fanout);
+  const std::int64_t rows = g.size(0);
+#ifdef EO_WITH_CUDA
+  if (x.is_cuda()) {
+    const at::Tensor xc = x.contiguous(), ic = index.to(at::kLong).contiguous(), ac = contiguous_if(addend, xc), gc = g.contiguous();
+    at::Tensor out = at::empty({index.numel()}, xc.options().dtype(at::kFloat));
+    c10::cuda::CUDAGuard guard(xc.device());
+    launched(fused::cuda::gather_dot_rows(xc.data_ptr(), ptr_or_null(ac), ic.data_ptr<std::int64_t>(), gc.data_ptr(),
+                                          out.data_ptr<float>(), rows, static_cast<int>(fanout), xc.size(1), dtype_of(xc),
+                                          stream_of(xc)),
+             "gather_dot_rows");
+    return out;
+  }
+#endif
+  const at::Tensor v = wide_sum(x, addend).index_select(0, index).view({rows, fanout, x.size(1)});
+  return (v * g.to(wide(x)).unsqueeze(1)).sum(-1).reshape({-1});
 }
 
 }  // namespace eo::model

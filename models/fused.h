@@ -20,11 +20,21 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor
 // with rot_dim <= head_dim (partial rotary: the dims past rot_dim pass through).
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// x.index_select(0, index) + y.index_select(0, index), summed in fp32 and rounded once, as one
-// pass (no autograd: gather_rows in linear4bit.h is its autograd node).
-at::Tensor gather_add_rows(const at::Tensor& x, const at::Tensor& y, const at::Tensor& index);
-// x.index_select(0, index).view(rows, fanout, -1).sum(1) as one pass on a GPU (fp32 sums in
-// order, rounded once; no [rows * fanout, cols] gather written), the formula itself on the CPU.
-at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout);
+// The MoE dispatch's and combine's gathers as single passes (no autograd: gather_rows and
+// combine_rows in linear4bit.h are their autograd nodes). On a GPU one kernel each (fp32 sums in
+// order, rounded once; no [rows * fanout, cols] gather written), on the CPU the formula in fp32
+// (or in x's type where it is wider).
+//   gather_scale_rows: x.index_select(0, index) * scale[:, None] (scale [index.numel()], fp32, or
+//     undefined for a plain gather).
+at::Tensor gather_scale_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& scale);
+//   gather_sum_rows: (weight[:, None] * (x + addend).index_select(0, index)).view(rows, fanout,
+//     -1).sum(1), rows = index.numel() / fanout; addend (x's shape) and weight
+//     ([index.numel()], any float type) may be undefined.
+at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout,
+                           const at::Tensor& addend = at::Tensor(), const at::Tensor& weight = at::Tensor());
+//   gather_dot_rows: out[o] = dot(g[o / fanout], (x + addend)[index[o]]), fp32 (or wider) [index.numel()];
+//     g is [index.numel() / fanout, cols].
+at::Tensor gather_dot_rows(const at::Tensor& x, const at::Tensor& addend, const at::Tensor& index, const at::Tensor& g,
+                           std::int64_t fanout);
 
 }  // namespace eo::model

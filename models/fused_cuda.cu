@@ -133,44 +133,89 @@ __device__ __forceinline__ void for_each_row_item(std::int64_t rows, std::int64_
     f(i / per_row, i % per_row, i);
 }
 
+// out[i, :] = scale[i] * x[index[i], :] (scale null: 1), in fp32, rounded once.
 template <typename T>
-__global__ void gather_add_rows_kernel(const T* __restrict__ x, const T* __restrict__ y,
-                                       const std::int64_t* __restrict__ index, T* __restrict__ out, std::int64_t rows,
-                                       std::int64_t cols, bool vec) {
+__global__ void gather_scale_rows_kernel(const T* __restrict__ x, const std::int64_t* __restrict__ index,
+                                         const float* __restrict__ scale, T* __restrict__ out, std::int64_t rows,
+                                         std::int64_t cols, bool vec) {
   constexpr int V = kVec<T>;
   const std::int64_t per_row = vec ? cols / V : cols;
   for_each_row_item(rows, per_row, [&](std::int64_t row, std::int64_t c, std::int64_t i) {
     const std::int64_t src = index[row] * per_row + c;
+    const float w = scale ? scale[row] : 1.0f;
     if (!vec) {
-      out[i] = Cvt<T>::out(Cvt<T>::in(x[src]) + Cvt<T>::in(y[src]));
+      out[i] = Cvt<T>::out(w * Cvt<T>::in(x[src]));
       return;
     }
     float v[V];
     load_chunk(x, src, v);
-    add_chunk(y, src, v);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] *= w;
     store_chunk(out, i, v);
   });
 }
 
-// Each output item is the sum of its `fanout` source rows' items, in order, in fp32.
+// Each output item: the sum over j < fanout of weight[row * fanout + j] * (x + y)[index[row *
+// fanout + j]] (y, weight null: none, 1), in order, in fp32, rounded once.
 template <typename T>
-__global__ void gather_sum_rows_kernel(const T* __restrict__ x, const std::int64_t* __restrict__ index, T* __restrict__ out,
-                                       std::int64_t rows, int fanout, std::int64_t cols, bool vec) {
+__global__ void gather_sum_rows_kernel(const T* __restrict__ x, const T* __restrict__ y, const std::int64_t* __restrict__ index,
+                                       const float* __restrict__ weight, T* __restrict__ out, std::int64_t rows, int fanout,
+                                       std::int64_t cols, bool vec) {
   constexpr int V = kVec<T>;
   const std::int64_t per_row = vec ? cols / V : cols;
   for_each_row_item(rows, per_row, [&](std::int64_t row, std::int64_t c, std::int64_t i) {
     const std::int64_t* src = index + row * fanout;
+    const float* w = weight ? weight + row * fanout : nullptr;
     if (!vec) {
       float acc = 0;
-      for (int j = 0; j < fanout; ++j) acc += Cvt<T>::in(x[src[j] * per_row + c]);
+      for (int j = 0; j < fanout; ++j) {
+        const float v = sum_of(x, y, src[j] * per_row + c);
+        acc += w ? w[j] * v : v;
+      }
       out[i] = Cvt<T>::out(acc);
       return;
     }
-    float acc[V];
-    load_chunk(x, src[0] * per_row + c, acc);
-    for (int j = 1; j < fanout; ++j) add_chunk(x, src[j] * per_row + c, acc);
+    float acc[V] = {};
+    for (int j = 0; j < fanout; ++j) {
+      float v[V];
+      load_chunk(x, src[j] * per_row + c, v);
+      add_chunk(y, src[j] * per_row + c, v);
+      const float wj = w ? w[j] : 1.0f;
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] += wj * v[k];
+    }
     store_chunk(out, i, acc);
   });
+}
+
+// out[o] = dot(g[o / fanout, :], (x + y)[index[o], :]) in fp32 for o < rows * fanout: one warp per
+// output, its lanes over the columns (16-byte chunks where the rows allow), a shuffle reduction.
+template <typename T>
+__global__ void gather_dot_rows_kernel(const T* __restrict__ x, const T* __restrict__ y, const std::int64_t* __restrict__ index,
+                                       const T* __restrict__ g, float* __restrict__ out, std::int64_t rows, int fanout,
+                                       std::int64_t cols, bool vec) {
+  constexpr int V = kVec<T>;
+  const std::int64_t per_row = vec ? cols / V : cols;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = std::int64_t(gridDim.x) * blockDim.x / 32;
+  for (std::int64_t o = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / 32; o < rows * fanout; o += warps) {
+    const std::int64_t src = index[o] * per_row, dst = (o / fanout) * per_row;
+    float acc = 0;
+    for (std::int64_t c = lane; c < per_row; c += 32) {
+      if (!vec) {
+        acc += sum_of(x, y, src + c) * Cvt<T>::in(g[dst + c]);
+        continue;
+      }
+      float a[V], b[V];
+      load_chunk(x, src + c, a);
+      add_chunk(y, src + c, a);
+      load_chunk(g, dst + c, b);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc += a[k] * b[k];
+    }
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);
+    if (lane == 0) out[o] = acc;
+  }
 }
 
 // One thread per (row, head, pair j < rot_dim/2): reads x[j], x[j + half] and writes both; the
@@ -246,23 +291,32 @@ struct SwigluBackward {
   }
 };
 template <typename T>
-struct GatherAddRows {
-  static void run(const void* x, const void* y, const std::int64_t* index, void* out, std::int64_t rows, std::int64_t cols,
+struct GatherScaleRows {
+  static void run(const void* x, const std::int64_t* index, const float* scale, void* out, std::int64_t rows, std::int64_t cols,
                   cudaStream_t s) {
-    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(y) && aligned16(out);
+    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(out);
     const std::int64_t n = rows * (vec ? cols / kVec<T> : cols);
-    gather_add_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), static_cast<const T*>(y), index,
-                                                                      static_cast<T*>(out), rows, cols, vec);
+    gather_scale_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), index, scale,
+                                                                        static_cast<T*>(out), rows, cols, vec);
   }
 };
 template <typename T>
 struct GatherSumRows {
-  static void run(const void* x, const std::int64_t* index, void* out, std::int64_t rows, int fanout, std::int64_t cols,
-                  cudaStream_t s) {
-    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(out);
+  static void run(const void* x, const void* y, const std::int64_t* index, const float* weight, void* out, std::int64_t rows,
+                  int fanout, std::int64_t cols, cudaStream_t s) {
+    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(y) && aligned16(out);
     const std::int64_t n = rows * (vec ? cols / kVec<T> : cols);
-    gather_sum_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), index, static_cast<T*>(out), rows,
-                                                                      fanout, cols, vec);
+    gather_sum_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), static_cast<const T*>(y), index,
+                                                                      weight, static_cast<T*>(out), rows, fanout, cols, vec);
+  }
+};
+template <typename T>
+struct GatherDotRows {
+  static void run(const void* x, const void* y, const std::int64_t* index, const void* g, float* out, std::int64_t rows,
+                  int fanout, std::int64_t cols, cudaStream_t s) {
+    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(y) && aligned16(g);
+    gather_dot_rows_kernel<T><<<grid_for(rows * fanout * 32, kBlock), kBlock, 0, s>>>(
+        static_cast<const T*>(x), static_cast<const T*>(y), index, static_cast<const T*>(g), out, rows, fanout, cols, vec);
   }
 };
 template <typename T>
@@ -290,16 +344,23 @@ cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, cons
   return by_type<SwigluBackward>(t, g0, g1, u0, u1, dh, dg, du, n, s);
 }
 
-cudaError_t gather_add_rows(const void* x, const void* y, const std::int64_t* index, void* out, std::int64_t rows,
-                            std::int64_t cols, DType t, cudaStream_t s) {
+cudaError_t gather_scale_rows(const void* x, const std::int64_t* index, const float* scale, void* out, std::int64_t rows,
+                              std::int64_t cols, DType t, cudaStream_t s) {
   if (rows == 0 || cols == 0) return cudaSuccess;
-  return by_type<GatherAddRows>(t, x, y, index, out, rows, cols, s);
+  return by_type<GatherScaleRows>(t, x, index, scale, out, rows, cols, s);
 }
 
-cudaError_t gather_sum_rows(const void* x, const std::int64_t* index, void* out, std::int64_t rows, int fanout,
-                            std::int64_t cols, DType t, cudaStream_t s) {
+cudaError_t gather_sum_rows(const void* x, const void* y, const std::int64_t* index, const float* weight, void* out,
+                            std::int64_t rows, int fanout, std::int64_t cols, DType t, cudaStream_t s) {
   if (rows == 0 || cols == 0) return cudaSuccess;
-  return by_type<GatherSumRows>(t, x, index, out, rows, fanout, cols, s);
+  return by_type<GatherSumRows>(t, x, y, index, weight, out, rows, fanout, cols, s);
+}
+
+cudaError_t gather_dot_rows(const void* x, const void* y, const std::int64_t* index, const void* g, float* out,
+                            std::int64_t rows, int fanout, std::int64_t cols, DType t, cudaStream_t s) {
+  if (rows == 0) return cudaSuccess;
+  if (cols == 0) return cudaMemsetAsync(out, 0, sizeof(float) * rows * fanout, s);
+  return by_type<GatherDotRows>(t, x, y, index, g, out, rows, fanout, cols, s);
 }
 
 cudaError_t rope(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, int heads, int head_dim,

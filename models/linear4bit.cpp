@@ -154,16 +154,55 @@ struct GatherRowsFunction : public torch::autograd::Function<GatherRowsFunction>
   }
 };
 
-struct GatherAddRowsFunction : public torch::autograd::Function<GatherAddRowsFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& addend,
-                            const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
-    save_gather(ctx, x, inverse, fanout);
-    return gather_add_rows(x, addend, index);
+// out[t] = sum_j weights[t, j] * (y + addend)[position[t * k + j]]; see combine_rows. Custom
+// functions take defined tensors only, so the form with the delta is a second node.
+at::Tensor combine_forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, const at::Tensor& addend,
+                           const at::Tensor& weights, const at::Tensor& position, const at::Tensor& token_of,
+                           const at::Tensor& order) {
+  // Activations through the saved-tensor hooks; the integer rows need no checkpointing.
+  ctx->save_for_backward(addend.defined() ? torch::autograd::variable_list{y, weights, addend} : torch::autograd::variable_list{y, weights});
+  ctx->saved_data["position"] = position;
+  ctx->saved_data["token_of"] = token_of;
+  ctx->saved_data["order"] = order;
+  return gather_sum_rows(y, position, weights.size(1), addend, weights);
+}
+// {d_y, d_weights}; the delta's gradient is d_y.
+std::pair<at::Tensor, at::Tensor> combine_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor &y = saved[0], &weights = saved[1];
+  const at::Tensor addend = saved.size() > 2 ? saved[2] : at::Tensor();
+  const at::Tensor g = grad.contiguous();
+  const at::Tensor order = ctx->saved_data["order"].toTensor();
+  // Sorted row s came from pair order[s] = (token, slot): its gradient is that pair's weight
+  // times the token's gradient, a scaled gather (no [tokens, k, hidden] tensor).
+  const at::Tensor d_y = gather_scale_rows(g, ctx->saved_data["token_of"].toTensor(), weights.reshape({-1}).index_select(0, order));
+  const at::Tensor d_w = gather_dot_rows(y, addend, ctx->saved_data["position"].toTensor(), g, weights.size(1))
+                             .view(weights.sizes())
+                             .to(weights.scalar_type());
+  return {d_y, d_w};
+}
+
+struct CombineRowsFunction : public torch::autograd::Function<CombineRowsFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, const at::Tensor& weights,
+                            const at::Tensor& position, const at::Tensor& token_of, const at::Tensor& order) {
+    return combine_forward(ctx, y, at::Tensor(), weights, position, token_of, order);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const at::Tensor g = gather_rows_backward(ctx, grads[0]);
-    return {g, g, at::Tensor(), at::Tensor(), at::Tensor()};  // the addend's gradient is x's: the same tensor
+    const auto [d_y, d_w] = combine_backward(ctx, grads[0]);
+    return {d_y, d_w, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+struct CombineRowsDeltaFunction : public torch::autograd::Function<CombineRowsDeltaFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y, const at::Tensor& addend,
+                            const at::Tensor& weights, const at::Tensor& position, const at::Tensor& token_of,
+                            const at::Tensor& order) {
+    return combine_forward(ctx, y, addend, weights, position, token_of, order);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto [d_y, d_w] = combine_backward(ctx, grads[0]);
+    return {d_y, d_y, d_w, at::Tensor(), at::Tensor(), at::Tensor()};  // the delta's gradient is y's: the same tensor
   }
 };
 
@@ -176,14 +215,22 @@ std::int64_t bank_slice(std::int64_t full, std::int64_t experts, std::int64_t ot
   return std::min(full, std::max<std::int64_t>(64, fit / 64 * 64));
 }
 
-at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout,
-                       const at::Tensor& addend) {
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
   EO_CHECK(x.dim() == 2 && index.dim() == 1 && inverse.numel() == x.size(0) * fanout && index.numel() == inverse.numel(),
            "gather_rows: x ", x.sizes(), ", index ", index.sizes(), ", inverse ", inverse.sizes(), ", fanout ", fanout);
-  EO_CHECK(!addend.defined() || addend.sizes() == x.sizes(), "gather_rows: addend ", addend.sizes(), " differs from x ",
-           x.sizes());
-  if (addend.defined()) return GatherAddRowsFunction::apply(x, addend, index, inverse, fanout);
   return GatherRowsFunction::apply(x, index, inverse, fanout);
+}
+
+at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& addend, const at::Tensor& weights, const at::Tensor& position,
+                        const at::Tensor& token_of, const at::Tensor& order) {
+  EO_CHECK(y.dim() == 2 && weights.dim() == 2 && position.numel() == weights.numel() && token_of.numel() == weights.numel() &&
+               order.numel() == weights.numel() && y.size(0) == weights.numel(),
+           "combine_rows: y ", y.sizes(), ", weights ", weights.sizes(), ", position ", position.sizes(), ", token_of ",
+           token_of.sizes(), ", order ", order.sizes());
+  EO_CHECK(!addend.defined() || addend.sizes() == y.sizes(), "combine_rows: addend ", addend.sizes(), " differs from y ",
+           y.sizes());
+  if (addend.defined()) return CombineRowsDeltaFunction::apply(y, addend, weights, position, token_of, order);
+  return CombineRowsFunction::apply(y, weights, position, token_of, order);
 }
 
 namespace {

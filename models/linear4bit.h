@@ -76,9 +76,16 @@ void set_grouped_gemm_on_cpu(bool enabled);
 // consecutive), so dX = grad.index_select(0, inverse).view(rows, fanout, -1).sum(1). libtorch's
 // index_select backward is an atomic index_add: slower on a GPU (measured 1.1 ms per call on
 // Qwen3-30B-A3B shapes at 8,192 tokens), rounding every add in bf16, and not deterministic.
-// With `addend` (x's shape: the down projection's LoRA delta) the rows of x + addend, summed in
-// the gather (fused.h's gather_add_rows), and addend's gradient is x's.
-at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout,
-                       const at::Tensor& addend = at::Tensor());
+at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout);
+
+// The MoE combine: out[t] = sum over j < k of weights[t, j] * (y + addend)[position[t * k + j]],
+// y [tokens * k, hidden] in expert order, weights [tokens, k] (the routing weights), addend
+// (y's shape, may be undefined: the down projection's LoRA delta). position is order's inverse
+// and token_of = order / k. One pass each way (fused.h), fp32 sums rounded once; no [tokens, k,
+// hidden] gather is written in forward or backward. Gradients: y's (and addend's, the same
+// tensor) the weight times its token's gradient; weights' the dot of the token's gradient with
+// the row.
+at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& addend, const at::Tensor& weights, const at::Tensor& position,
+                        const at::Tensor& token_of, const at::Tensor& order);
 
 }  // namespace eo::model

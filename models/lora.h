@@ -85,7 +85,7 @@ class ExpertLora {
   // Every expert's delta on token-sorted rows, scaling · (dropout(x) · A^T) · B^T: rows
   // [offsets[e-1], offsets[e]) through expert e, as two grouped GEMMs over the same int32 device
   // offsets as the base (no host sync, no loop), the scaling folded into B's cast. The caller
-  // adds it where the sum is read anyway (swiglu's deltas, the combine's gather_rows addend), so
+  // adds it where the sum is read anyway (swiglu's deltas, combine_rows' addend), so
   // no [N, out] sum is written. Needs grouped_ok().
   at::Tensor delta_grouped(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const;
   // Two adapters over the same rows (a block's gate and up): both A's as one grouped GEMM, so x

@@ -238,7 +238,7 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
     const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
     // The LoRA deltas are added where the sums are read: in the SwiGLU kernel for gate and up,
-    // in the combine's gather for down (no [N, I] or [N, H] sum is written, no scaling pass).
+    // in the combine for down (no [N, I] or [N, H] sum is written, no scaling pass).
     at::Tensor gate_delta, up_delta;
     if (gate_lora && up_lora && gate_lora->can_pair_with(*up_lora, training)) {
       // Gate's and up's A over the same rows as one GEMM (x read once, one dX and one dA in backward).
@@ -342,10 +342,9 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
     const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
     const at::Tensor x_sorted = gather_rows(flat, token_of, position, c.top_k);
     const ExpertsOutput y = experts_forward(x_sorted, flat_expert, ctx.training);
-    // Combine: the rows back in (token, slot) order (with the down LoRA's delta added on the
-    // way), each token's routing-weighted sum as one batched GEMM (fp32 accumulation).
-    const at::Tensor y_tok = gather_rows(y.y, position, order, 1, y.delta).view({N, c.top_k, H});
-    out = at::bmm(top_w.view({N, 1, c.top_k}), y_tok).view({N, H});
+    // Combine: each token's routing-weighted sum of its k rows (with the down LoRA's delta
+    // added on the way), read where they sit in expert order.
+    out = combine_rows(y.y, y.delta, top_w, position, token_of, order);
   } else {
     const at::Tensor x_sorted = flat.index_select(0, token_of);
     // The per-expert loop runs here (no grouped path), and it adds its LoRA deltas itself.

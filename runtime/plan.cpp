@@ -176,8 +176,9 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   attn_saved += N * (qd + 2 * kvd) * d + N * qd * d + N * heads * 4;
   attn_saved += N * r_bytes * double(int(lq) + int(lk) + int(lv) + int(lo));
   // MoE, saved: router probabilities (fp32), top-k indices and weights, the dispatch's three
-  // int64 permutations, gate and up (swiglu), the routed outputs in (token, slot) order (the
-  // combine's bmm), and with expert LoRA its inputs, [pairs, r] intermediates and gate/up deltas.
+  // int64 permutations, gate and up (swiglu), the routed outputs in expert order (the combine's,
+  // for the weights' gradient), and with expert LoRA its inputs, [pairs, r] intermediates, the
+  // gate/up deltas and down's delta (the combine's too).
   const bool le = moe_layers > 0 && (cfg.lora_target_parameters.empty()
                                          ? (targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj") ||
                                             targets(cfg, mix ? "w2" : "down_proj"))
@@ -190,7 +191,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
                                 ? targets(cfg, mix ? "w1" : "gate_proj") && targets(cfg, mix ? "w3" : "up_proj")
                                 : fused_gate_up;
   const double gate_up_deltas = on_gpu && both_gate_up && !c.swiglu_clamp ? gate_up : 0;
-  const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes + gate_up_deltas : 0;
+  // With LoRA on down (down_proj or the fused down parameter) the GPU's combine adds its delta and
+  // keeps it for the weights' gradient, beside the routed outputs.
+  const bool lora_down = cfg.lora_target_parameters.empty() ? targets(cfg, mix ? "w2" : "down_proj") : fused_down;
+  const double down_delta = on_gpu && moe_layers > 0 && lora_down ? NK * H * d : 0;
+  const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes + gate_up_deltas + down_delta : 0;
+  const double combine_saved = routed_out + down_delta;  // freed by the combine's backward
   const double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
@@ -222,13 +228,13 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
           attn_saved + moe_small + shared + NK * H * d + gate_up + NK * I * d + bank + kept_gate_up + NK * H * d);
     // The recompute done: its saved tensors, the kept banks and the block's output.
     if (keep_all || keep_down) phase("recompute end (banks kept)", saved + (keep_all ? 3 : 1) * bank + N * H * d);
-    // Backward of the down projection: y_tok's gradient gathered to expert order, the bank, dH.
-    phase("down-projection backward", saved - routed_out + NK * H * d + bank + kept_gate_up + NK * I * d);
+    // Backward of the down projection: the combine's gradient in expert order, the bank, dH.
+    phase("down-projection backward", saved - combine_saved + NK * H * d + bank + kept_gate_up + NK * I * d);
     // SwiGLU's backward: dH beside gate and up, and dGate, dUp.
-    phase("swiglu backward", saved - routed_out + NK * I * d + gate_up + kept_gate_up);
+    phase("swiglu backward", saved - combine_saved + NK * I * d + gate_up + kept_gate_up);
     // Backward of gate / up: dGate and dUp in place of the freed gate and up, the bank (and the
     // other one still kept), dX from gate and from up.
-    phase("gate/up backward", saved - routed_out + bank + kept_gate_up / 2 + 2 * NK * H * d);
+    phase("gate/up backward", saved - combine_saved + bank + kept_gate_up / 2 + 2 * NK * H * d);
     // The dispatch's backward: dX in expert order, gathered back and summed per token.
     phase("dispatch backward", attn_saved + moe_small + shared + 2 * NK * H * d + N * H * d);
   }

@@ -329,9 +329,10 @@ double rel_max(const at::Tensor& got, const at::Tensor& want) {
 }
 }  // namespace
 
-// The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1, and the combine's
-// gather with the down delta added; the dispatch's gather-and-sum backward (vectorised rows of 64
-// and a row of 67 values that is not).
+// The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1; the combine
+// (routing-weighted gather-sum, with and without the down delta; its scaled-gather and gather-dot
+// backward); the dispatch's gather-and-sum backward (vectorised rows of 64 and a row of 67 values
+// that is not).
 TEST(Cuda, SwiGluDeltasAndMoeGathersMatchFloat64) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
@@ -359,28 +360,38 @@ TEST(Cuda, SwiGluDeltasAndMoeGathersMatchFloat64) {
 
     for (const std::int64_t cols : {64, 67}) {
       SCOPED_TRACE("cols " + std::to_string(cols));
-      const std::int64_t rows = 300;
-      const at::Tensor order = at::randperm(rows, at::kLong), x0 = at::randn({rows, cols}).to(dt), d0 = at::randn({rows, cols}).to(dt);
-      const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(rows, at::kLong));
-      at::Tensor x = x0.to(dev).requires_grad_(true), d = d0.to(dev).requires_grad_(true);
-      const at::Tensor y = model::gather_rows(x, position.to(dev), order.to(dev), 1, d);
-      const at::Tensor want = (x0.to(at::kDouble) + d0.to(at::kDouble)).index_select(0, position);
-      EXPECT_LT(rel_max(y.detach(), want), tol);
-      // Exactly the sum rounded once.
-      EXPECT_TRUE(at::equal(y.detach().cpu(), want.to(dt)));
-      const at::Tensor dy = at::randn({rows, cols}).to(dt);
-      y.backward(dy.to(dev));
-      const at::Tensor dx_want = dy.index_select(0, order);  // the permutation's inverse
-      EXPECT_TRUE(at::equal(x.grad().cpu(), dx_want));
-      EXPECT_TRUE(at::equal(d.grad().cpu(), dx_want));
-
-      // The dispatch: every token copied k = 3 times in expert order; its backward gathers and
-      // sums each token's 3 gradients in one kernel.
+      // 100 tokens routed to k = 3 of 7 experts, their (token, slot) pairs in expert order.
       const std::int64_t tokens = 100, k = 3;
       const at::Tensor experts = at::randint(0, 7, {tokens * k}, at::kLong);
       const at::Tensor ord = at::argsort(experts, /*stable=*/true, 0, false);
       const at::Tensor pos = at::empty_like(ord).scatter_(0, ord, at::arange(tokens * k, at::kLong));
       const at::Tensor token_of = at::floor_divide(ord, k);
+      // The combine: each token's k rows in expert order, routing-weighted and summed, with and
+      // without the down LoRA's delta; the rows', delta's and weights' gradients.
+      {
+        const at::Tensor dout = at::randn({tokens, cols}).to(dt);
+        for (const bool with_delta : {false, true}) {
+          SCOPED_TRACE(with_delta ? "combine with the delta" : "combine");
+          const at::Tensor y0 = at::randn({tokens * k, cols}).to(dt), d0 = at::randn({tokens * k, cols}).to(dt);
+          const at::Tensor w0 = at::rand({tokens, k}).to(dt);
+          at::Tensor y = y0.to(dev).requires_grad_(true), w = w0.to(dev).requires_grad_(true);
+          at::Tensor d = with_delta ? d0.to(dev).requires_grad_(true) : at::Tensor();
+          const at::Tensor out = model::combine_rows(y, d, w, pos.to(dev), token_of.to(dev), ord.to(dev));
+          out.backward(dout.to(dev));
+          at::Tensor y64 = y0.to(at::kDouble).requires_grad_(true), w64 = w0.to(at::kDouble).requires_grad_(true);
+          at::Tensor d64 = d0.to(at::kDouble).requires_grad_(true);
+          const at::Tensor rows64 = (with_delta ? y64 + d64 : y64).index_select(0, pos).view({tokens, k, cols});
+          const at::Tensor ref = at::bmm(w64.view({tokens, 1, k}), rows64).view({tokens, cols});
+          ref.backward(dout.to(at::kDouble));
+          EXPECT_LT(rel_max(out.detach(), ref.detach()), tol);
+          EXPECT_LT(rel_max(y.grad(), y64.grad()), tol);
+          EXPECT_LT(rel_max(w.grad(), w64.grad()), tol);
+          if (with_delta) EXPECT_TRUE(at::equal(d.grad().cpu(), y.grad().cpu()));  // the same gradient
+        }
+      }
+
+      // The dispatch: every token copied k times in expert order; its backward gathers and sums
+      // each token's k gradients in one kernel.
       const at::Tensor t0 = at::randn({tokens, cols}).to(dt), dz = at::randn({tokens * k, cols}).to(dt);
       at::Tensor t = t0.to(dev).requires_grad_(true);
       const at::Tensor z = model::gather_rows(t, token_of.to(dev), pos.to(dev), k);

@@ -650,24 +650,41 @@ TEST(GatherRows, ForwardAndBackwardEqualIndexSelect) {
   torch::autograd::backward({y}, {dy});
   torch::autograd::backward({yr}, {dy});
   EXPECT_TRUE(at::allclose(x.grad(), xr.grad(), 1e-12, 1e-12));
-  // Combine: a permutation back to (token, slot) order.
-  at::Tensor z = at::randn({tokens * k, h}, at::kDouble).requires_grad_(true);
-  at::Tensor zr = z.detach().clone().requires_grad_(true);
-  const at::Tensor dz = at::randn({tokens * k, h}, at::kDouble);
-  torch::autograd::backward({gather_rows(z, position, order, 1)}, {dz});
-  torch::autograd::backward({zr.index_select(0, position)}, {dz});
-  EXPECT_TRUE(at::equal(z.grad(), zr.grad()));
   EXPECT_THROW(gather_rows(x0, token_of, position, k + 1), std::exception);
-  // Combine with the down LoRA's delta: (z + d)[position], and d's gradient is z's.
-  at::Tensor z2 = z.detach().clone().requires_grad_(true), d = at::randn({tokens * k, h}, at::kDouble).requires_grad_(true);
-  at::Tensor sr = (z.detach() + d.detach()).requires_grad_(true);
-  const at::Tensor sum = gather_rows(z2, position, order, 1, d);
-  EXPECT_TRUE(at::allclose(sum, sr.index_select(0, position), 1e-15, 1e-15));
-  torch::autograd::backward({sum}, {dz});
-  torch::autograd::backward({sr.index_select(0, position)}, {dz});
-  EXPECT_TRUE(at::equal(z2.grad(), sr.grad()));
-  EXPECT_TRUE(at::equal(d.grad(), sr.grad()));
-  EXPECT_THROW(gather_rows(z, position, order, 1, d.narrow(0, 0, 3)), std::exception);
+}
+
+// The MoE combine (combine_rows): each token's routing-weighted sum of its k rows in expert
+// order, with and without the down LoRA's delta, against the formula it replaces (the rows
+// permuted back to (token, slot) order, then a batched weighted sum) under float64 autograd:
+// the output and the gradients of the rows, the delta and the weights.
+TEST(CombineRows, EqualsPermuteThenWeightedSum) {
+  at::manual_seed(12);
+  const std::int64_t tokens = 7, k = 3, h = 5;
+  const at::Tensor experts = at::randint(0, 4, {tokens * k}, at::kLong);
+  const at::Tensor order = at::argsort(experts, /*stable=*/true, 0, false);
+  const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
+  const at::Tensor token_of = at::floor_divide(order, k);
+  const at::Tensor dout = at::randn({tokens, h}, at::kDouble);
+  for (const bool with_delta : {false, true}) {
+    SCOPED_TRACE(with_delta ? "with the delta" : "without");
+    const at::Tensor y0 = at::randn({tokens * k, h}, at::kDouble), d0 = at::randn({tokens * k, h}, at::kDouble);
+    const at::Tensor w0 = at::rand({tokens, k}, at::kDouble);
+    at::Tensor y = y0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    at::Tensor d = with_delta ? d0.clone().requires_grad_(true) : at::Tensor();
+    const at::Tensor out = combine_rows(y, d, w, position, token_of, order);
+    torch::autograd::backward({out}, {dout});
+    at::Tensor yr = y0.clone().requires_grad_(true), wr = w0.clone().requires_grad_(true), dr = d0.clone().requires_grad_(true);
+    const at::Tensor rows = (with_delta ? yr + dr : yr).index_select(0, position).view({tokens, k, h});
+    const at::Tensor ref = at::bmm(wr.view({tokens, 1, k}), rows).view({tokens, h});
+    torch::autograd::backward({ref}, {dout});
+    EXPECT_TRUE(at::allclose(out, ref, 1e-12, 1e-12));
+    EXPECT_TRUE(at::allclose(y.grad(), yr.grad(), 1e-12, 1e-12));
+    EXPECT_TRUE(at::allclose(w.grad(), wr.grad(), 1e-12, 1e-12));
+    if (with_delta) EXPECT_TRUE(at::allclose(d.grad(), dr.grad(), 1e-12, 1e-12));
+  }
+  const at::Tensor y = at::randn({tokens * k, h}, at::kDouble), w = at::rand({tokens, k}, at::kDouble);
+  EXPECT_THROW(combine_rows(y, y.narrow(0, 0, 3), w, position, token_of, order), std::exception);
+  EXPECT_THROW(combine_rows(y.narrow(0, 0, 3), at::Tensor(), w, position, token_of, order), std::exception);
 }
 
 // The plan's LoRA term counts exactly the parameters the model creates, for the per-expert form
