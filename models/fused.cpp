@@ -189,7 +189,7 @@ void check_rows(const char* what, const at::Tensor& x, const at::Tensor& addend,
            addend.sizes(), " ", addend.scalar_type(), " differs from x ", x.sizes(), " ", x.scalar_type());
 }
 #ifdef EO_WITH_CUDA
-// A flat fp32 copy of a per-row factor (scale, weight), or undefined.
+// A flat fp32 copy of the per-row weights, or undefined.
 at::Tensor f32_contiguous_if(const at::Tensor& t) { return t.defined() ? t.reshape({-1}).to(at::kFloat).contiguous() : t; }
 const float* f32_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 #endif
@@ -200,25 +200,6 @@ at::Tensor wide_sum(const at::Tensor& x, const at::Tensor& addend) {
   return addend.defined() ? xw + addend.to(wide(x)) : xw;
 }
 }  // namespace
-
-at::Tensor gather_scale_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& scale) {
-  check_rows("gather_scale_rows", x, at::Tensor(), index);
-  EO_CHECK(!scale.defined() || scale.numel() == index.numel(), "gather_scale_rows: scale ", scale.sizes(), " for index ",
-           index.sizes());
-#ifdef EO_WITH_CUDA
-  if (x.is_cuda()) {
-    const at::Tensor xc = x.contiguous(), ic = index.to(at::kLong).contiguous(), sc = f32_contiguous_if(scale);
-    at::Tensor out = at::empty({ic.size(0), xc.size(1)}, xc.options());
-    c10::cuda::CUDAGuard guard(xc.device());
-    launched(fused::cuda::gather_scale_rows(xc.data_ptr(), ic.data_ptr<std::int64_t>(), f32_or_null(sc), out.data_ptr(), ic.size(0),
-                                            xc.size(1), dtype_of(xc), stream_of(xc)),
-             "gather_scale_rows");
-    return out;
-  }
-#endif
-  if (!scale.defined()) return x.index_select(0, index);
-  return (x.index_select(0, index).to(wide(x)) * scale.reshape({-1, 1}).to(wide(x))).to(x.scalar_type());
-}
 
 at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout, const at::Tensor& addend,
                            const at::Tensor& weight) {

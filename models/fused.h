@@ -24,12 +24,9 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // combine_rows in linear4bit.h are their autograd nodes). On a GPU one kernel each (fp32 sums in
 // order, rounded once; no [rows * fanout, cols] gather written), on the CPU the formula in fp32
 // (or in x's type where it is wider).
-//   gather_scale_rows: x.index_select(0, index) * scale[:, None] (scale [index.numel()], fp32, or
-//     undefined for a plain gather).
-at::Tensor gather_scale_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& scale);
 //   gather_sum_rows: (weight[:, None] * (x + addend).index_select(0, index)).view(rows, fanout,
 //     -1).sum(1), rows = index.numel() / fanout; addend (x's shape) and weight
-//     ([index.numel()], any float type) may be undefined.
+//     ([index.numel()], any float type) may be undefined. At fanout 1 with a weight: a scaled gather.
 at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::int64_t fanout,
                            const at::Tensor& addend = at::Tensor(), const at::Tensor& weight = at::Tensor());
 //   gather_dot_rows: out[o] = dot(g[o / fanout], (x + addend)[index[o]]), fp32 (or wider) [index.numel()];

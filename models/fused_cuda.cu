@@ -133,28 +133,6 @@ __device__ __forceinline__ void for_each_row_item(std::int64_t rows, std::int64_
     f(i / per_row, i % per_row, i);
 }
 
-// out[i, :] = scale[i] * x[index[i], :] (scale null: 1), in fp32, rounded once.
-template <typename T>
-__global__ void gather_scale_rows_kernel(const T* __restrict__ x, const std::int64_t* __restrict__ index,
-                                         const float* __restrict__ scale, T* __restrict__ out, std::int64_t rows,
-                                         std::int64_t cols, bool vec) {
-  constexpr int V = kVec<T>;
-  const std::int64_t per_row = vec ? cols / V : cols;
-  for_each_row_item(rows, per_row, [&](std::int64_t row, std::int64_t c, std::int64_t i) {
-    const std::int64_t src = index[row] * per_row + c;
-    const float w = scale ? scale[row] : 1.0f;
-    if (!vec) {
-      out[i] = Cvt<T>::out(w * Cvt<T>::in(x[src]));
-      return;
-    }
-    float v[V];
-    load_chunk(x, src, v);
-#pragma unroll
-    for (int k = 0; k < V; ++k) v[k] *= w;
-    store_chunk(out, i, v);
-  });
-}
-
 // Each output item: the sum over j < fanout of weight[row * fanout + j] * (x + y)[index[row *
 // fanout + j]] (y, weight null: none, 1), in order, in fp32, rounded once.
 template <typename T>
@@ -291,16 +269,6 @@ struct SwigluBackward {
   }
 };
 template <typename T>
-struct GatherScaleRows {
-  static void run(const void* x, const std::int64_t* index, const float* scale, void* out, std::int64_t rows, std::int64_t cols,
-                  cudaStream_t s) {
-    const bool vec = cols % kVec<T> == 0 && aligned16(x) && aligned16(out);
-    const std::int64_t n = rows * (vec ? cols / kVec<T> : cols);
-    gather_scale_rows_kernel<T><<<grid_for(n, kBlock), kBlock, 0, s>>>(static_cast<const T*>(x), index, scale,
-                                                                        static_cast<T*>(out), rows, cols, vec);
-  }
-};
-template <typename T>
 struct GatherSumRows {
   static void run(const void* x, const void* y, const std::int64_t* index, const float* weight, void* out, std::int64_t rows,
                   int fanout, std::int64_t cols, cudaStream_t s) {
@@ -342,12 +310,6 @@ cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, cons
                             void* du, std::int64_t n, DType t, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
   return by_type<SwigluBackward>(t, g0, g1, u0, u1, dh, dg, du, n, s);
-}
-
-cudaError_t gather_scale_rows(const void* x, const std::int64_t* index, const float* scale, void* out, std::int64_t rows,
-                              std::int64_t cols, DType t, cudaStream_t s) {
-  if (rows == 0 || cols == 0) return cudaSuccess;
-  return by_type<GatherScaleRows>(t, x, index, scale, out, rows, cols, s);
 }
 
 cudaError_t gather_sum_rows(const void* x, const void* y, const std::int64_t* index, const float* weight, void* out,

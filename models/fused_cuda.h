@@ -22,14 +22,12 @@ cudaError_t swiglu_forward(const void* g0, const void* g1, const void* u0, const
 cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg,
                             void* du, std::int64_t n, DType t, cudaStream_t s);
 
-// The MoE dispatch and combine as gathers (all [*, cols] contiguous, index int64, scale and
-// weight fp32; fp32 sums, rounded once):
-// out[i, :] = scale[i] * x[index[i], :] (scale may be null: a plain gather; the combine's backward).
-cudaError_t gather_scale_rows(const void* x, const std::int64_t* index, const float* scale, void* out, std::int64_t rows,
-                              std::int64_t cols, DType t, cudaStream_t s);
+// The MoE dispatch and combine as gathers (all [*, cols] contiguous, index int64, weight fp32;
+// fp32 sums, rounded once):
 // out[r, :] = the sum over j < fanout of weight[r * fanout + j] * (x + y)[index[r * fanout + j], :],
 // y and weight may be null (none, 1): the dispatch's backward (each token's k routed gradients
-// summed in one pass) and the combine (routing-weighted, with the down LoRA's delta as y).
+// summed in one pass), the combine (routing-weighted, with the down LoRA's delta as y) and, at
+// fanout 1, the combine's backward (each row its token's gradient times its weight).
 cudaError_t gather_sum_rows(const void* x, const void* y, const std::int64_t* index, const float* weight, void* out,
                             std::int64_t rows, int fanout, std::int64_t cols, DType t, cudaStream_t s);
 // out[o] = dot(g[o / fanout, :], (x + y)[index[o], :]) for o < rows * fanout, fp32 out, y may be

@@ -174,8 +174,10 @@ std::pair<at::Tensor, at::Tensor> combine_backward(torch::autograd::AutogradCont
   const at::Tensor g = grad.contiguous();
   const at::Tensor order = ctx->saved_data["order"].toTensor();
   // Sorted row s came from pair order[s] = (token, slot): its gradient is that pair's weight
-  // times the token's gradient, a scaled gather (no [tokens, k, hidden] tensor).
-  const at::Tensor d_y = gather_scale_rows(g, ctx->saved_data["token_of"].toTensor(), weights.reshape({-1}).index_select(0, order));
+  // times the token's gradient, a scaled gather (gather_sum_rows at fanout 1; no [tokens, k,
+  // hidden] tensor).
+  const at::Tensor d_y =
+      gather_sum_rows(g, ctx->saved_data["token_of"].toTensor(), 1, at::Tensor(), weights.reshape({-1}).index_select(0, order));
   const at::Tensor d_w = gather_dot_rows(y, addend, ctx->saved_data["position"].toTensor(), g, weights.size(1))
                              .view(weights.sizes())
                              .to(weights.scalar_type());
