@@ -202,6 +202,12 @@ bool DecoderBlock::expert_lora_grouped_ok() const {
   return !gate_up_lora_ || gate_up_lora_->grouped_ok();
 }
 
+bool MoeModel::expert_lora_grouped_ok() const {
+  for (const auto& b : blocks_)
+    if (!b->expert_lora_grouped_ok()) return false;
+  return true;
+}
+
 DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of,
                                                           bool training) const {
   const ModelConfig& c = *cfg_;

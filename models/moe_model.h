@@ -191,6 +191,9 @@ class MoeModel {
   void load_adapter(const std::string& adapter_dir);
   void save_adapter(const std::string& adapter_dir, const std::string& base_model) const;
   const LoraSpec& lora_spec() const { return lora_spec_; }
+  // Whether every block's expert LoRA (if any) can run as grouped GEMMs beside the base ones
+  // (r a multiple of 8); false sends those blocks through the per-expert loop on a GPU too.
+  bool expert_lora_grouped_ok() const;
   // The trainable leaves, in order of use in forward. peft names (base_model.model.<module>.
   // lora_{A,B}.weight), except each MoE block's expert LoRA: one stacked tensor per matrix and
   // factor, base_model.model.model.layers.{i}.<moe>.experts.<matrix>.lora_{A,B}.stacked [E, ...]

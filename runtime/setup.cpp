@@ -525,11 +525,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   // The experts' LoRA runs as grouped GEMMs only when r is a multiple of 8 (their [rows, r]
   // operands must be 16-byte aligned); otherwise the GPU runs each MoE block expert by expert,
   // reading the routing counts on the host, which no CUDA graph can capture. Said once, with the fix.
-  const bool expert_lora = std::any_of(lora.begin(), lora.end(), [](const auto& np) {
-    const std::string& n = np.first;
-    return n.size() > 8 && (n.compare(n.size() - 8, 8, ".stacked") == 0 || n.compare(n.size() - 6, 6, ".fused") == 0);
-  });
-  if (device.is_cuda() && bf16 && expert_lora && cfg.lora_r % 8 != 0) {
+  if (device.is_cuda() && bf16 && !model->expert_lora_grouped_ok()) {
     const std::string r = std::to_string(cfg.lora_r);
     log::warn("lora_r " + r + " is not a multiple of 8, so the experts' LoRA cannot run as grouped GEMMs: each MoE block "
               "runs expert by expert with a host read of its routing counts, several times slower; lora_r 8, 16, 32 or 64 avoids it");

@@ -757,3 +757,26 @@ TEST(Bf16Yardstick, PassesRoundingAndFailsAWrongTerm) {
   EXPECT_NE(one[1].find("all tensors"), std::string::npos) << one[1];
   EXPECT_EQ(failures(all_bad).size(), 13u);  // each of the 12, and the total
 }
+
+// Setup warns (on a GPU) exactly when the model says its expert LoRA cannot run as grouped
+// GEMMs: expert LoRA of a rank that is not a multiple of 8, per-expert or fused form; attention
+// LoRA of any rank does not count.
+TEST(ExpertLora, GroupedOnlyForRanksThatAreMultiplesOf8) {
+  struct Case {
+    int r;
+    std::vector<std::string> targets;
+    bool fused, grouped;
+  };
+  for (const Case& c : {Case{8, {"q_proj", "gate_proj", "down_proj"}, false, true}, Case{12, {"up_proj"}, false, false},
+                        Case{4, {"q_proj"}, true, false}, Case{4, {"q_proj", "v_proj"}, false, true}}) {
+    SCOPED_TRACE("r " + std::to_string(c.r) + (c.fused ? " fused" : ""));
+    auto m = MoeModel::load(kTiny, LoadOptions{});
+    LoraSpec spec;
+    spec.r = c.r;
+    spec.alpha = 2 * c.r;
+    spec.targets = c.targets;
+    if (c.fused) spec.target_parameters = {kGateUpParam};
+    m->add_lora(spec);
+    EXPECT_EQ(m->expert_lora_grouped_ok(), c.grouped);
+  }
+}
