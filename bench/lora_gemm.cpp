@@ -1,6 +1,6 @@
 // eo-lora-gemm: the expert LoRA's tiny-rank grouped GEMMs one by one, on one MoE block's shapes,
 // each timed from its own kernels (Kineto, as --breakdown) against the bytes it must move at
-// least. Issue #14's every-linear step spends 0.04 s (Qwen3-30B-A3B, 2048 x 1) in these 20
+// least, libtorch's grouped GEMM beside what the step runs (eo's small-K kernel where K <= 64). Issue #14's every-linear step spends 0.04 s (Qwen3-30B-A3B, 2048 x 1) in these 20
 // launches per block; this says which of them are far from the memory bound before any kernel
 // is written for them.
 //
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "bench/breakdown.h"
+#include "models/grouped_mm.h"
 #include "runtime/device.h"
 
 namespace {
@@ -86,66 +87,71 @@ int main(int argc, char** argv) {
     const char* name;
     int per_block;  // launches of this shape per block and step: forward + recompute, up's twin of gate's
     double bytes;   // what it must read and write at least
-    std::function<at::Tensor()> run;
+    at::Tensor a, b;  // at::_grouped_mm(a, b, offsets); the step runs grouped_mm_product(a, b, offsets)
   };
   const std::vector<Op> ops = {
-      {"base: x [N,H] . W_up^T (for scale)", 0, el * (N * H + N * I + E * I * H),
-       [&] { return at::_grouped_mm(x, w_up.transpose(1, 2), offsets); }},
-      {"fwd: x . A_pair^T -> [N,2r]", 2, el * (N * H + N * 2 * r + E * 2 * r * H),
-       [&] { return at::_grouped_mm(x, a_pair.transpose(1, 2), offsets); }},
-      {"fwd: down_gate . B^T -> [N,I]", 4, el * (N * r + N * I + E * I * r),
-       [&] { return at::_grouped_mm(down_gate, b_gate.transpose(1, 2), offsets); }},
-      {"fwd: act . A_down^T -> [N,r]", 2, el * (N * I + N * r + E * r * I),
-       [&] { return at::_grouped_mm(act, a_down.transpose(1, 2), offsets); }},
-      {"fwd: down_d . B_down^T -> [N,H]", 2, el * (N * r + N * H + E * H * r),
-       [&] { return at::_grouped_mm(down_d, b_down.transpose(1, 2), offsets); }},
-      {"bwd dX: dDown_pair . A_pair -> [N,H]", 1, el * (N * 2 * r + N * H + E * 2 * r * H),
-       [&] { return at::_grouped_mm(down_pair, a_pair, offsets); }},
-      {"bwd dA: x^T . dDown_pair -> [E,H,2r]", 1, el * (N * 2 * r + N * H + E * 2 * r * H),
-       [&] { return at::_grouped_mm(x.t(), down_pair, offsets); }},
-      {"bwd dDown: dGate . B -> [N,r]", 2, el * (N * I + N * r + E * I * r),
-       [&] { return at::_grouped_mm(d_gate, b_gate, offsets); }},
-      {"bwd dB: down_gate^T . dGate -> [E,r,I]", 2, el * (N * I + N * r + E * I * r),
-       [&] { return at::_grouped_mm(down_gate.t(), d_gate, offsets); }},
-      {"bwd dDown: dY . B_down -> [N,r]", 1, el * (N * H + N * r + E * H * r),
-       [&] { return at::_grouped_mm(d_y, b_down, offsets); }},
-      {"bwd dB: down_d^T . dY -> [E,r,H]", 1, el * (N * H + N * r + E * H * r),
-       [&] { return at::_grouped_mm(down_d.t(), d_y, offsets); }},
-      {"bwd dX: dDown_d . A_down -> [N,I]", 1, el * (N * r + N * I + E * r * I),
-       [&] { return at::_grouped_mm(down_d, a_down, offsets); }},
-      {"bwd dA: act^T . dDown_d -> [E,I,r]", 1, el * (N * r + N * I + E * r * I),
-       [&] { return at::_grouped_mm(act.t(), down_d, offsets); }},
+      {"base: x [N,H] . W_up^T (for scale)", 0, el * (N * H + N * I + E * I * H), x, w_up.transpose(1, 2)},
+      {"fwd: x . A_pair^T -> [N,2r]", 2, el * (N * H + N * 2 * r + E * 2 * r * H), x, a_pair.transpose(1, 2)},
+      {"fwd: down_gate . B^T -> [N,I]", 4, el * (N * r + N * I + E * I * r), down_gate, b_gate.transpose(1, 2)},
+      {"fwd: act . A_down^T -> [N,r]", 2, el * (N * I + N * r + E * r * I), act, a_down.transpose(1, 2)},
+      {"fwd: down_d . B_down^T -> [N,H]", 2, el * (N * r + N * H + E * H * r), down_d, b_down.transpose(1, 2)},
+      {"bwd dX: dDown_pair . A_pair -> [N,H]", 1, el * (N * 2 * r + N * H + E * 2 * r * H), down_pair, a_pair},
+      {"bwd dA: x^T . dDown_pair -> [E,H,2r]", 1, el * (N * 2 * r + N * H + E * 2 * r * H), x.t(), down_pair},
+      {"bwd dDown: dGate . B -> [N,r]", 2, el * (N * I + N * r + E * I * r), d_gate, b_gate},
+      {"bwd dB: down_gate^T . dGate -> [E,r,I]", 2, el * (N * I + N * r + E * I * r), down_gate.t(), d_gate},
+      {"bwd dDown: dY . B_down -> [N,r]", 1, el * (N * H + N * r + E * H * r), d_y, b_down},
+      {"bwd dB: down_d^T . dY -> [E,r,H]", 1, el * (N * H + N * r + E * H * r), down_d.t(), d_y},
+      {"bwd dX: dDown_d . A_down -> [N,I]", 1, el * (N * r + N * I + E * r * I), down_d, a_down},
+      {"bwd dA: act^T . dDown_d -> [E,I,r]", 1, el * (N * r + N * I + E * r * I), act.t(), down_d},
   };
 
   std::printf("# eo-lora-gemm on %s: rows %lld, experts %lld, hidden %lld, inter %lld, r %lld, %lld iterations%s\n\n",
               gpu ? "cuda:0" : "cpu (wall clock, a functional check)", (long long)N, (long long)E, (long long)H,
               (long long)I, (long long)r, (long long)a.iters, gpu ? ", Kineto kernel time" : "");
-  std::printf("| grouped GEMM | per block | us per call | min bytes | GB/s | of %.0f GB/s |\n|---|---|---|---|---|---|\n",
+  std::printf("eo: where K <= 64, eo's small-K kernel (models/grouped_mm.h), else the same libtorch call.\n\n");
+  std::printf("| grouped GEMM | per block | libtorch us | eo us | min bytes | eo GB/s | of %.0f GB/s | eo vs libtorch max |diff| / max |\n"
+              "|---|---|---|---|---|---|---|---|\n",
               a.hbm_gbs);
-  double block_us = 0;
-  int block_launches = 0;
-  for (const Op& op : ops) {
-    op.run();  // warm-up: kernel selection, allocator
+  auto time_of = [&](const std::function<at::Tensor()>& run) {
+    run();  // warm-up: kernel selection, allocator
     eo::synchronize(dev);
-    double seconds = 0;
     if (gpu) {
       eo::bench::StepProfiler prof;
       prof.start();
-      for (std::int64_t i = 0; i < a.iters; ++i) op.run();
-      seconds = prof.stop().compute_busy_s / double(a.iters);
-    } else {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (std::int64_t i = 0; i < a.iters; ++i) op.run();
-      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(a.iters);
+      for (std::int64_t i = 0; i < a.iters; ++i) run();
+      return prof.stop().compute_busy_s / double(a.iters);
     }
-    const double gbs = op.bytes / seconds / 1e9;
-    block_us += op.per_block * seconds * 1e6;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::int64_t i = 0; i < a.iters; ++i) run();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / double(a.iters);
+  };
+  double torch_us = 0, eo_us = 0;
+  int block_launches = 0;
+  for (const Op& op : ops) {
+    const bool small = eo::model::small_k_kernel_applies(op.a, op.b);
+    const double t_torch = time_of([&] { return at::_grouped_mm(op.a, op.b, offsets); });
+    const double t_eo = small ? time_of([&] { return eo::model::grouped_mm_product(op.a, op.b, offsets); }) : t_torch;
+    double diff = 0;
+    if (small) {
+      const at::Tensor want = at::_grouped_mm(op.a, op.b, offsets).to(at::kFloat);
+      diff = (eo::model::grouped_mm_product(op.a, op.b, offsets).to(at::kFloat) - want).abs().max().item<double>() /
+             want.abs().max().item<double>();
+    }
+    const double gbs = op.bytes / t_eo / 1e9;
+    torch_us += op.per_block * t_torch * 1e6;
+    eo_us += op.per_block * t_eo * 1e6;
     block_launches += op.per_block;
-    std::printf("| %s | %d | %.1f | %.1f MB | %.0f | %.0f%% |\n", op.name, op.per_block, seconds * 1e6, op.bytes / 1e6, gbs,
-                100 * gbs / a.hbm_gbs);
+    char eo_cell[32] = "(same)", diff_cell[32] = "";
+    if (small) {
+      std::snprintf(eo_cell, sizeof eo_cell, "%.1f", t_eo * 1e6);
+      std::snprintf(diff_cell, sizeof diff_cell, "%.2g", diff);
+    }
+    std::printf("| %s | %d | %.1f | %s | %.1f MB | %.0f | %.0f%% | %s |\n", op.name, op.per_block, t_torch * 1e6, eo_cell,
+                op.bytes / 1e6, gbs, 100 * gbs / a.hbm_gbs, diff_cell);
   }
-  std::printf("\nLoRA GEMMs per block and step (gate + up paired, down; forward, recompute, backward): %d launches, %.1f us\n",
-              block_launches, block_us);
+  std::printf("\nLoRA GEMMs per block and step (gate + up paired, down; forward, recompute, backward): %d launches, "
+              "libtorch %.1f us, eo %.1f us (%.2fx)\n",
+              block_launches, torch_us, eo_us, torch_us / eo_us);
   // The layout the step no longer uses: the column block read in place (row stride 2r). On the
   // H200 the paired LoRA's gradients went wrong that way (docs/benchmarks.md, session 6); this
   // says whether libtorch's grouped GEMM itself differs on such a slice, forward and dB form.

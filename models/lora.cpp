@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "models/grouped_mm.h"
 
 namespace eo::model {
 
@@ -139,16 +140,16 @@ at::Tensor ExpertLora::add_to(const Slices& s, int e, const at::Tensor& y, const
 
 namespace {
 // The fp32 masters are cast once per forward (compute_copy: the gradients land in fp32);
-// libtorch's own _grouped_mm backward gives dX (2-D x 3-D) and dA, dB (2-D x 2-D over the same
-// offsets), so no count reaches the host.
+// grouped_mm's backward gives dX (2-D x 3-D) and dA, dB (2-D x 2-D over the same offsets), so no
+// count reaches the host. Its small-K kernel runs the B GEMM forward and the A GEMM's dX.
 at::Tensor grouped_down(const at::Tensor& x, const at::Tensor& a, const at::Tensor& offsets) {
-  return at::_grouped_mm(x, compute_copy(a, x.scalar_type()).transpose(1, 2), offsets);  // [N, r]
+  return grouped_mm(x, compute_copy(a, x.scalar_type()).transpose(1, 2), offsets);  // [N, r]
 }
 // The scaling rides in B's cast (B is [E, out, r], small), not in a pass over the [N, out] delta:
 // the delta leaves the GEMM scaled, and its gradient reaches the GEMM as it is.
 at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Tensor& offsets, double scaling) {
   const at::Tensor bs = compute_copy(b, down.scalar_type(), scaling);
-  return at::_grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
+  return grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
 // The paired A's output [N, r1 + r2] as its two column blocks, one per B GEMM, each copied
 // contiguous ([N, r]: small). Read in place (a row stride of r1 + r2), the B GEMMs gave wrong

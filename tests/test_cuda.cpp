@@ -12,8 +12,10 @@
 #include <fstream>
 
 #include "tests/bf16_yardstick.h"
+#include "tests/grouped_mm_ref.h"
 #include "common/files.h"
 #include "models/fused.h"
+#include "models/grouped_mm.h"
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/lora.h"
@@ -106,7 +108,10 @@ void expect_grouped_matches_loop(model::MoeModel& m, const at::Device& dev, mode
     return;
   }
   const auto [ref_loss, ref_grads] = run(*ref, false);
-  EXPECT_NEAR(grouped_loss, ref_loss, 5e-3 * std::abs(ref_loss));
+  // The loss as the gradients are judged: no further from fp32 than 3x the bf16 loop's distance,
+  // or 0.5% of it. (A 128-token sum of bf16 logits' losses differs from fp32 by about that much.)
+  std::printf("loss: grouped bf16 %.6g, loop bf16 %.6g, fp32 loop %.6g\n", grouped_loss, loop_loss, ref_loss);
+  EXPECT_LE(std::abs(grouped_loss - ref_loss), std::max(3 * std::abs(loop_loss - ref_loss), 5e-3 * std::abs(ref_loss)));
   std::vector<std::string> labels;
   for (const auto& [n, p] : names) labels.push_back(n);
   eo::testing::expect_bf16_no_worse(labels, grouped_grads, loop_grads, ref_grads);
@@ -328,6 +333,53 @@ double rel_max(const at::Tensor& got, const at::Tensor& want) {
   return (got.cpu().to(at::kDouble) - want).abs().max().item<double>() / want.abs().max().item<double>();
 }
 }  // namespace
+
+// The small-K grouped GEMM kernel (the expert LoRA's B forward and A's dX) against float64:
+// every K it takes (8 and 24 padded to the WMMA step), N of one 8-column chunk, one tile and a
+// ragged second, both B layouts; experts without rows, tiles that straddle experts, rows past
+// the last expert (written zero). Each value within bf16 rounding of the float64 product.
+TEST(Cuda, SmallKGroupedMmMatchesFloat64) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  at::manual_seed(13);
+  const std::vector<std::int64_t> counts = {0, 70, 1, 0, 129, 60, 0, 64};  // 324 of 350 rows
+  const std::int64_t M = 350, E = static_cast<std::int64_t>(counts.size());
+  const at::Tensor offsets = eo::testing::offsets_of(counts, dev);
+  const auto bf = at::TensorOptions().dtype(at::kBFloat16).device(dev);
+  for (const std::int64_t K : {8, 16, 24, 32, 64})
+    for (const std::int64_t N : {8, 136, 768})
+      for (const bool transposed : {false, true}) {
+        SCOPED_TRACE("K " + std::to_string(K) + " N " + std::to_string(N) + (transposed ? " B^T stored" : " B stored"));
+        const at::Tensor a = at::randn({M, K}, bf);
+        const at::Tensor b = transposed ? at::randn({E, N, K}, bf).transpose(1, 2) : at::randn({E, K, N}, bf);
+        ASSERT_TRUE(model::small_k_kernel_applies(a, b));
+        const at::Tensor y = model::grouped_mm_product(a, b, offsets).cpu().to(at::kDouble);
+        const at::Tensor ref = eo::testing::grouped_mm_f64(a, b, counts);
+        // fp32 accumulation, one rounding to bf16 (half an ulp: 2^-9 of the value, 2^-8 here).
+        const at::Tensor err = (y - ref).abs() - (ref.abs() * (1.0 / 256) + 1e-6 * ref.abs().max());
+        EXPECT_LE(err.max().item<double>(), 0.0);
+        EXPECT_TRUE(at::equal(y.narrow(0, 324, M - 324), at::zeros({M - 324, N}, y.options())));
+      }
+  // Through autograd as the expert LoRA uses it: B forward (down [M, 16] · B^T) and the A GEMM
+  // (x · A^T, whose dX is the small-K product d_down · A), on rows every expert covers.
+  const std::vector<std::int64_t> full = {40, 0, 100, 70, 1, 0, 93, 16};
+  const at::Tensor offs = eo::testing::offsets_of(full, dev);
+  for (const auto& [K, N] : {std::pair<std::int64_t, std::int64_t>{16, 768}, {2048, 32}}) {
+    SCOPED_TRACE("a [M, " + std::to_string(K) + "] . [E, " + std::to_string(K) + ", " + std::to_string(N) + "]");
+    const at::Tensor a0 = at::randn({320, K}, bf), w0 = at::randn({E, N, K}, bf), dy = at::randn({320, N}, bf);
+    const at::Tensor a = a0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    const at::Tensor y = model::grouped_mm(a, w.transpose(1, 2), offs);
+    y.backward(dy);
+    const double y_err = rel_max(y.detach(), eo::testing::grouped_mm_f64(a0, w0.transpose(1, 2), full));
+    const double da_err = rel_max(a.grad(), eo::testing::grouped_mm_f64(dy, w0, full));
+    at::Tensor dw = at::zeros({E, N, K}, at::kDouble);
+    for (std::int64_t e = 0, row = 0; e < E; row += full[e], ++e)
+      dw[e] = at::mm(dy.narrow(0, row, full[e]).t().cpu().to(at::kDouble), a0.narrow(0, row, full[e]).cpu().to(at::kDouble));
+    EXPECT_LT(y_err, 8e-3);
+    EXPECT_LT(da_err, 8e-3);
+    EXPECT_LT(rel_max(w.grad(), dw), 8e-3);
+  }
+}
 
 // The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1; the combine
 // (routing-weighted gather-sum, with and without the down delta; its scaled-gather and gather-dot

@@ -13,6 +13,7 @@
 #include <memory>
 
 #include "models/fused.h"
+#include "models/grouped_mm.h"
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
@@ -22,6 +23,7 @@
 #include "runtime/config.h"
 #include "runtime/plan.h"
 #include "tests/bf16_yardstick.h"
+#include "tests/grouped_mm_ref.h"
 
 namespace fs = std::filesystem;
 using namespace eo;
@@ -394,6 +396,41 @@ TEST(ExpertLora, SlicesEqualPerExpertAdaptersInInitForwardAndGradients) {
     }
     EXPECT_TRUE(at::equal(c.stack->A().grad()[e], c.ref[e]->A().grad()));
     EXPECT_TRUE(at::equal(c.stack->B().grad()[e], c.ref[e]->B().grad()));
+  }
+}
+
+// grouped_mm's forward and its own backward (da = dy · B_e^T, dB_e = a_e^T · dy) against float64,
+// for B as a contiguous [E, K, N] and as the transposed view of [E, N, K] (how B^T reaches it),
+// with an expert that gets no rows. On the CPU this is libtorch's _grouped_mm under eo's
+// autograd; the GPU's small-K kernel is held to the same reference in Cuda.SmallKGroupedMm*.
+TEST(GroupedMm, ForwardAndGradientsMatchFloat64) {
+  at::manual_seed(12);
+  const std::vector<std::int64_t> counts = {3, 0, 5, 4};
+  const std::int64_t M = 12, K = 16, N = 24, E = 4;
+  const at::Tensor offsets = eo::testing::offsets_of(counts, at::kCPU);
+  const at::Tensor a0 = at::randn({M, K}), dy = at::randn({M, N});
+  for (const bool transposed : {false, true}) {
+    SCOPED_TRACE(transposed ? "B as [E, N, K] transposed" : "B as [E, K, N]");
+    const at::Tensor b0 = transposed ? at::randn({E, N, K}).transpose(1, 2) : at::randn({E, K, N});
+    at::Tensor a = a0.clone().requires_grad_(true);
+    at::Tensor b = b0.clone().requires_grad_(true);  // clone keeps the strides (a leaf of b0's layout)
+    at::Tensor y;
+    try {
+      y = grouped_mm(a, b, offsets);
+    } catch (const c10::Error& e) {
+      GTEST_SKIP() << "this libtorch has no CPU _grouped_mm: " << e.what_without_backtrace();
+    }
+    torch::autograd::backward({y}, {dy});
+    auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+      return (got.to(at::kDouble) - want).abs().max().item<double>() / want.abs().max().item<double>();
+    };
+    EXPECT_LT(rel(y.detach(), eo::testing::grouped_mm_f64(a0, b0, counts)), 1e-5);
+    EXPECT_LT(rel(a.grad(), eo::testing::grouped_mm_f64(dy, b0.transpose(1, 2), counts)), 1e-5);
+    at::Tensor db = at::zeros({E, K, N}, at::kDouble);
+    for (std::int64_t e = 0, row = 0; e < E; row += counts[e], ++e)
+      db[e] = at::mm(a0.narrow(0, row, counts[e]).t().to(at::kDouble), dy.narrow(0, row, counts[e]).to(at::kDouble));
+    EXPECT_LT(rel(b.grad(), db), 1e-5);
+    EXPECT_TRUE(at::equal(b.grad()[1], at::zeros({K, N})));  // the expert without rows
   }
 }
 

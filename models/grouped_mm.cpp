@@ -1,0 +1,97 @@
+#include "models/grouped_mm.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+
+#include "common/error.h"
+
+#ifdef EO_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/grouped_mm_cuda.h"
+#endif
+
+namespace eo::model {
+namespace {
+
+std::atomic<bool> small_k_enabled{true};
+
+// b's two layouts the kernel reads: [E, K, N] contiguous, or the transposed view of a
+// contiguous [E, N, K] (how B^T and A^T reach the GEMM).
+bool contiguous_kn(const at::Tensor& b) {
+  return b.stride(2) == 1 && b.stride(1) == b.size(2) && b.stride(0) == b.size(1) * b.size(2);
+}
+bool transposed_nk(const at::Tensor& b) {
+  return b.stride(1) == 1 && b.stride(2) == b.size(1) && b.stride(0) == b.size(1) * b.size(2);
+}
+
+// libtorch's own backward of y = a · B_e: da = g · B_e^T over the same rows (small-K where K' = N
+// is small), dB_e = a_e^T · g as the 2-D x 2-D grouped form.
+struct GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
+                            const at::Tensor& offsets) {
+    ctx->save_for_backward({a, b, offsets});
+    return grouped_mm_product(a, b, offsets);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &a = saved[0], &b = saved[1], &offsets = saved[2];
+    const at::Tensor g = grads[0].contiguous();
+    at::Tensor da, db;
+    if (ctx->needs_input_grad(0)) da = grouped_mm_product(g, b.transpose(1, 2), offsets);
+    if (ctx->needs_input_grad(1)) db = at::_grouped_mm(a.t(), g, offsets);
+    return {da, db, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+void set_small_k_kernel_enabled(bool on) { small_k_enabled = on; }
+
+bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b) {
+#ifdef EO_WITH_CUDA
+  if (!small_k_enabled || !a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
+  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
+  const std::int64_t K = a.size(1), N = b.size(2);
+  if (b.size(1) != K || K > grouped_mm::cuda::kMaxK || K % 8 || N % 8 || K == 0) return false;
+  if (!contiguous_kn(b) && !transposed_nk(b)) return false;
+  if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
+  return at::cuda::getDeviceProperties(a.device().index())->major >= 8;
+#else
+  (void)a;
+  (void)b;
+  return false;
+#endif
+}
+
+at::Tensor grouped_mm_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+#ifdef EO_WITH_CUDA
+  if (small_k_kernel_applies(a, b)) {
+    EO_CHECK(offsets.dim() == 1 && offsets.size(0) == b.size(0) && offsets.scalar_type() == at::kInt &&
+                 offsets.device() == a.device(),
+             "grouped_mm: offsets must be int32 [", b.size(0), "] on ", a.device(), ", got ", offsets.sizes(), " ",
+             offsets.scalar_type());
+    at::Tensor ac = a.contiguous();
+    if (reinterpret_cast<std::uintptr_t>(ac.data_ptr()) % 16) ac = ac.clone();  // a view at an odd offset
+    const at::Tensor oc = offsets.contiguous();
+    at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
+    c10::cuda::CUDAGuard guard(a.device());
+    const cudaError_t rc = grouped_mm::cuda::small_k_grouped_mm(
+        ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(), static_cast<int>(b.size(0)), out.data_ptr(),
+        a.size(0), b.size(2), static_cast<int>(a.size(1)), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
+    EO_CHECK(rc == cudaSuccess, "small-K grouped GEMM: ", cudaGetErrorString(rc));
+    return out;
+  }
+#endif
+  return at::_grouped_mm(a, b, offsets);
+}
+
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+  return GroupedMmFunction::apply(a, b, offsets);
+}
+
+}  // namespace eo::model
