@@ -58,6 +58,7 @@ bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
   const std::int64_t K = a.size(1), N = b.size(2);
   if (b.size(1) != K || K > grouped_mm::cuda::kMaxK || K % 8 || N % 8 || K == 0) return false;
+  if (b.size(0) > grouped_mm::cuda::kMaxExperts) return false;
   if (!contiguous_kn(b) && !transposed_nk(b)) return false;
   if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
   return at::cuda::getDeviceProperties(a.device().index())->major >= 8;

@@ -17,7 +17,7 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
 // at::_grouped_mm otherwise.
 at::Tensor grouped_mm_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
 // Whether a · b runs on the small-K kernel: CUDA (sm_80+), bf16, K <= 64 and K, N multiples of
-// 8, b contiguous as [E, K, N] or as the transposed view of a contiguous [E, N, K].
+// 8, at most 1024 experts, b contiguous as [E, K, N] or as the transposed view of a contiguous [E, N, K].
 bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b);
 // Turns the small-K kernel off (tests and eo-lora-gemm compare it with libtorch's GEMM).
 void set_small_k_kernel_enabled(bool on);

@@ -360,6 +360,29 @@ TEST(Cuda, SmallKGroupedMmMatchesFloat64) {
         EXPECT_LE(err.max().item<double>(), 0.0);
         EXPECT_TRUE(at::equal(y.narrow(0, 324, M - 324), at::zeros({M - 324, N}, y.options())));
       }
+  // Enough tiles that each block runs several (row changes inside a block's run): 128 experts,
+  // a quarter of them without rows, 39,000 routed rows of 40,000.
+  {
+    std::vector<std::int64_t> many(128);
+    const at::Tensor draw = at::randint(0, 600, {128}, at::kLong);
+    std::int64_t sum = 0;
+    for (int e = 0; e < 128; ++e) sum += many[e] = e % 4 == 1 ? 0 : draw[e].item<std::int64_t>();
+    many.back() += 39000 - sum;
+    ASSERT_GE(many.back(), 0);
+    const at::Tensor offs = eo::testing::offsets_of(many, dev);
+    for (const std::int64_t K : {16, 32})
+      for (const bool transposed : {false, true}) {
+        SCOPED_TRACE("128 experts, K " + std::to_string(K) + (transposed ? " B^T stored" : " B stored"));
+        const at::Tensor a = at::randn({40000, K}, bf);
+        const at::Tensor b = transposed ? at::randn({128, 768, K}, bf).transpose(1, 2) : at::randn({128, K, 768}, bf);
+        ASSERT_TRUE(model::small_k_kernel_applies(a, b));
+        const at::Tensor y = model::grouped_mm_product(a, b, offs).cpu().to(at::kDouble);
+        const at::Tensor ref = eo::testing::grouped_mm_f64(a, b, many);
+        const at::Tensor err = (y - ref).abs() - (ref.abs() * (1.0 / 256) + 1e-6 * ref.abs().max());
+        EXPECT_LE(err.max().item<double>(), 0.0);
+        EXPECT_TRUE(at::equal(y.narrow(0, 39000, 1000), at::zeros({1000, 768}, y.options())));
+      }
+  }
   // Through autograd as the expert LoRA uses it: B forward (down [M, 16] · B^T) and the A GEMM
   // (x · A^T, whose dX is the small-K product d_down · A), on rows every expert covers.
   const std::vector<std::int64_t> full = {40, 0, 100, 70, 1, 0, 93, 16};
