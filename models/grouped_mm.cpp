@@ -7,7 +7,6 @@
 #include "common/error.h"
 
 #ifdef EO_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -18,6 +17,14 @@ namespace eo::model {
 namespace {
 
 std::atomic<bool> small_k_enabled{true};
+
+#ifdef EO_WITH_CUDA
+// The WMMA bf16 kernel needs sm_80 or newer.
+bool device_has_bf16_mma(int device) {
+  int major = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+}
+#endif
 
 // b's two layouts the kernel reads: [E, K, N] contiguous, or the transposed view of a
 // contiguous [E, N, K] (how B^T and A^T reach the GEMM).
@@ -61,7 +68,7 @@ bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b) {
   if (b.size(0) > grouped_mm::cuda::kMaxExperts) return false;
   if (!contiguous_kn(b) && !transposed_nk(b)) return false;
   if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
-  return at::cuda::getDeviceProperties(a.device().index())->major >= 8;
+  return device_has_bf16_mma(a.device().index());
 #else
   (void)a;
   (void)b;
