@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
   std::printf("# eo-lora-gemm on %s: rows %lld, experts %lld, hidden %lld, inter %lld, r %lld, %lld iterations%s\n\n",
               gpu ? "cuda:0" : "cpu (wall clock, a functional check)", (long long)N, (long long)E, (long long)H,
               (long long)I, (long long)r, (long long)a.iters, gpu ? ", Kineto kernel time" : "");
-  std::printf("eo: where K <= 64, eo's small-K kernel (models/grouped_mm.h), else the same libtorch call.\n\n");
+  std::printf("eo: where K <= 64, eo's small-K kernel (models/grouped_mm.h; off in the step by default), else the same libtorch call.\n\n");
   std::printf("| grouped GEMM | per block | libtorch us | eo us | min bytes | eo GB/s | of %.0f GB/s | eo vs libtorch max |diff| / max |\n"
               "|---|---|---|---|---|---|---|---|\n",
               a.hbm_gbs);
@@ -130,11 +130,11 @@ int main(int argc, char** argv) {
   for (const Op& op : ops) {
     const bool small = eo::model::small_k_kernel_applies(op.a, op.b);
     const double t_torch = time_of([&] { return at::_grouped_mm(op.a, op.b, offsets); });
-    const double t_eo = small ? time_of([&] { return eo::model::grouped_mm_product(op.a, op.b, offsets); }) : t_torch;
+    const double t_eo = small ? time_of([&] { return eo::model::small_k_grouped_mm(op.a, op.b, offsets); }) : t_torch;
     double diff = 0;
     if (small) {
       const at::Tensor want = at::_grouped_mm(op.a, op.b, offsets).to(at::kFloat);
-      diff = (eo::model::grouped_mm_product(op.a, op.b, offsets).to(at::kFloat) - want).abs().max().item<double>() /
+      diff = (eo::model::small_k_grouped_mm(op.a, op.b, offsets).to(at::kFloat) - want).abs().max().item<double>() /
              want.abs().max().item<double>();
     }
     const double gbs = op.bytes / t_eo / 1e9;
@@ -152,6 +152,15 @@ int main(int argc, char** argv) {
   std::printf("\nLoRA GEMMs per block and step (gate + up paired, down; forward, recompute, backward): %d launches, "
               "libtorch %.1f us, eo %.1f us (%.2fx)\n",
               block_launches, torch_us, eo_us, torch_us / eo_us);
+  // The write rate these outputs could have: a plain fill of [N, I] and [N, H], and a copy.
+  for (const std::int64_t cols : {I, H}) {
+    at::Tensor t = at::empty({N, cols}, bf);
+    const double fill = time_of([&] { return t.zero_(); });
+    const at::Tensor src = at::randn({N, cols}, bf);
+    const double copy = time_of([&] { return t.copy_(src); });
+    std::printf("write bound [N,%lld]: zero_ %.1f us (%.0f GB/s), copy_ %.1f us (%.0f GB/s read + write)\n", (long long)cols,
+                fill * 1e6, el * N * cols / fill / 1e9, copy * 1e6, 2 * el * N * cols / copy / 1e9);
+  }
   // The layout the step no longer uses: the column block read in place (row stride 2r). On the
   // H200 the paired LoRA's gradients went wrong that way (docs/benchmarks.md, session 6); this
   // says whether libtorch's grouped GEMM itself differs on such a slice, forward and dB form.

@@ -16,7 +16,8 @@
 namespace eo::model {
 namespace {
 
-std::atomic<bool> small_k_enabled{true};
+// Off by default: on the H200 it ran no faster than libtorch's GEMM (docs/benchmarks.md).
+std::atomic<bool> small_k_enabled{false};
 
 #ifdef EO_WITH_CUDA
 // The WMMA bf16 kernel needs sm_80 or newer.
@@ -58,10 +59,11 @@ struct GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
 }  // namespace
 
 void set_small_k_kernel_enabled(bool on) { small_k_enabled = on; }
+bool small_k_kernel_enabled() { return small_k_enabled; }
 
 bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b) {
 #ifdef EO_WITH_CUDA
-  if (!small_k_enabled || !a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
+  if (!a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
   if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
   const std::int64_t K = a.size(1), N = b.size(2);
   if (b.size(1) != K || K > grouped_mm::cuda::kMaxK || K % 8 || N % 8 || K == 0) return false;
@@ -76,29 +78,38 @@ bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b) {
 #endif
 }
 
-at::Tensor grouped_mm_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+at::Tensor small_k_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+  EO_CHECK(small_k_kernel_applies(a, b), "small_k_grouped_mm: a ", a.sizes(), " ", a.scalar_type(), " on ", a.device(),
+           ", b ", b.sizes(), " strides ", b.strides(), ": not a shape, layout or device the small-K kernel takes");
 #ifdef EO_WITH_CUDA
-  if (small_k_kernel_applies(a, b)) {
-    EO_CHECK(offsets.dim() == 1 && offsets.size(0) == b.size(0) && offsets.scalar_type() == at::kInt &&
-                 offsets.device() == a.device(),
-             "grouped_mm: offsets must be int32 [", b.size(0), "] on ", a.device(), ", got ", offsets.sizes(), " ",
-             offsets.scalar_type());
-    at::Tensor ac = a.contiguous();
-    if (reinterpret_cast<std::uintptr_t>(ac.data_ptr()) % 16) ac = ac.clone();  // a view at an odd offset
-    const at::Tensor oc = offsets.contiguous();
-    at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
-    c10::cuda::CUDAGuard guard(a.device());
-    const cudaError_t rc = grouped_mm::cuda::small_k_grouped_mm(
-        ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(), static_cast<int>(b.size(0)), out.data_ptr(),
-        a.size(0), b.size(2), static_cast<int>(a.size(1)), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
-    EO_CHECK(rc == cudaSuccess, "small-K grouped GEMM: ", cudaGetErrorString(rc));
-    return out;
-  }
+  EO_CHECK(offsets.dim() == 1 && offsets.size(0) == b.size(0) && offsets.scalar_type() == at::kInt &&
+               offsets.device() == a.device(),
+           "small_k_grouped_mm: offsets must be int32 [", b.size(0), "] on ", a.device(), ", got ", offsets.sizes(), " ",
+           offsets.scalar_type());
+  at::Tensor ac = a.contiguous();
+  if (reinterpret_cast<std::uintptr_t>(ac.data_ptr()) % 16) ac = ac.clone();  // a view at an odd offset
+  const at::Tensor oc = offsets.contiguous();
+  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
+  c10::cuda::CUDAGuard guard(a.device());
+  const cudaError_t rc = grouped_mm::cuda::small_k_grouped_mm(
+      ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(), static_cast<int>(b.size(0)), out.data_ptr(),
+      a.size(0), b.size(2), static_cast<int>(a.size(1)), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
+  EO_CHECK(rc == cudaSuccess, "small-K grouped GEMM: ", cudaGetErrorString(rc));
+  return out;
+#else
+  (void)offsets;
+  return {};
 #endif
+}
+
+at::Tensor grouped_mm_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+  if (small_k_enabled && small_k_kernel_applies(a, b)) return small_k_grouped_mm(a, b, offsets);
   return at::_grouped_mm(a, b, offsets);
 }
 
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+  // Off, libtorch's own op and backward: the path the step was measured on.
+  if (!small_k_enabled) return at::_grouped_mm(a, b, offsets);
   return GroupedMmFunction::apply(a, b, offsets);
 }
 

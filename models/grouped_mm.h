@@ -1,8 +1,12 @@
 // y = a · B_e on row groups (rows [offsets[e-1], offsets[e]) through expert e), with autograd:
-// at::_grouped_mm's 2-D x 3-D form and its backward, except that every product whose
-// contraction is small (the LoRA rank: K <= 64) runs on eo's small-K kernel on a GPU
-// (grouped_mm_cuda.h). That is the expert LoRA's B GEMM forward (down [N, r] · B^T) and its A
-// GEMM's dX (d_down [N, r] · A), the GEMMs whose outputs are [N, in] or [N, out] wide.
+// at::_grouped_mm's 2-D x 3-D form and its backward. With the small-K kernel turned on, every
+// product whose contraction is small (the LoRA rank: K <= 64) runs on eo's own kernel on a GPU
+// (grouped_mm_cuda.h): the expert LoRA's B GEMM forward (down [N, r] · B^T) and its A GEMM's dX
+// (d_down [N, r] · A), the GEMMs whose outputs are [N, in] or [N, out] wide.
+//
+// The kernel is off by default: on the H200 it matched libtorch's CUTLASS GEMM bit for bit but
+// ran no faster (both write these outputs at about 700 GB/s; docs/benchmarks.md, session 7), so
+// the step keeps libtorch's op. It stays, tested against float64, for the next attempt at why.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,13 +17,16 @@ namespace eo::model {
 // device: [M, N] in a's dtype.
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
 
-// The forward product alone, no autograd: the small-K kernel where small_k_kernel_applies,
+// The forward product alone, no autograd: the small-K kernel where it is on and applies,
 // at::_grouped_mm otherwise.
 at::Tensor grouped_mm_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
+// The small-K kernel itself (tests, eo-lora-gemm); throws where small_k_kernel_applies is false.
+at::Tensor small_k_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
 // Whether a · b runs on the small-K kernel: CUDA (sm_80+), bf16, K <= 64 and K, N multiples of
 // 8, at most 1024 experts, b contiguous as [E, K, N] or as the transposed view of a contiguous [E, N, K].
 bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b);
-// Turns the small-K kernel off (tests and eo-lora-gemm compare it with libtorch's GEMM).
+// Whether grouped_mm and grouped_mm_product use the small-K kernel (default off).
 void set_small_k_kernel_enabled(bool on);
+bool small_k_kernel_enabled();
 
 }  // namespace eo::model

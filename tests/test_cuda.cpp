@@ -353,7 +353,7 @@ TEST(Cuda, SmallKGroupedMmMatchesFloat64) {
         const at::Tensor a = at::randn({M, K}, bf);
         const at::Tensor b = transposed ? at::randn({E, N, K}, bf).transpose(1, 2) : at::randn({E, K, N}, bf);
         ASSERT_TRUE(model::small_k_kernel_applies(a, b));
-        const at::Tensor y = model::grouped_mm_product(a, b, offsets).cpu().to(at::kDouble);
+        const at::Tensor y = model::small_k_grouped_mm(a, b, offsets).cpu().to(at::kDouble);
         const at::Tensor ref = eo::testing::grouped_mm_f64(a, b, counts);
         // fp32 accumulation, one rounding to bf16 (half an ulp: 2^-9 of the value, 2^-8 here).
         const at::Tensor err = (y - ref).abs() - (ref.abs() * (1.0 / 256) + 1e-6 * ref.abs().max());
@@ -376,7 +376,7 @@ TEST(Cuda, SmallKGroupedMmMatchesFloat64) {
         const at::Tensor a = at::randn({40000, K}, bf);
         const at::Tensor b = transposed ? at::randn({128, 768, K}, bf).transpose(1, 2) : at::randn({128, K, 768}, bf);
         ASSERT_TRUE(model::small_k_kernel_applies(a, b));
-        const at::Tensor y = model::grouped_mm_product(a, b, offs).cpu().to(at::kDouble);
+        const at::Tensor y = model::small_k_grouped_mm(a, b, offs).cpu().to(at::kDouble);
         const at::Tensor ref = eo::testing::grouped_mm_f64(a, b, many);
         const at::Tensor err = (y - ref).abs() - (ref.abs() * (1.0 / 256) + 1e-6 * ref.abs().max());
         EXPECT_LE(err.max().item<double>(), 0.0);
@@ -385,6 +385,7 @@ TEST(Cuda, SmallKGroupedMmMatchesFloat64) {
   }
   // Through autograd as the expert LoRA uses it: B forward (down [M, 16] · B^T) and the A GEMM
   // (x · A^T, whose dX is the small-K product d_down · A), on rows every expert covers.
+  model::set_small_k_kernel_enabled(true);
   const std::vector<std::int64_t> full = {40, 0, 100, 70, 1, 0, 93, 16};
   const at::Tensor offs = eo::testing::offsets_of(full, dev);
   for (const auto& [K, N] : {std::pair<std::int64_t, std::int64_t>{16, 768}, {2048, 32}}) {
@@ -402,6 +403,7 @@ TEST(Cuda, SmallKGroupedMmMatchesFloat64) {
     EXPECT_LT(da_err, 8e-3);
     EXPECT_LT(rel_max(w.grad(), dw), 8e-3);
   }
+  model::set_small_k_kernel_enabled(false);
 }
 
 // The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1; the combine

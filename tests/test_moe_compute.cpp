@@ -402,13 +402,14 @@ TEST(ExpertLora, SlicesEqualPerExpertAdaptersInInitForwardAndGradients) {
 // grouped_mm's forward and its own backward (da = dy · B_e^T, dB_e = a_e^T · dy) against float64,
 // for B as a contiguous [E, K, N] and as the transposed view of [E, N, K] (how B^T reaches it),
 // with an expert that gets no rows. On the CPU this is libtorch's _grouped_mm under eo's
-// autograd; the GPU's small-K kernel is held to the same reference in Cuda.SmallKGroupedMm*.
+// autograd (the small-K switch on); the GPU's small-K kernel is held to the same reference in Cuda.SmallKGroupedMm*.
 TEST(GroupedMm, ForwardAndGradientsMatchFloat64) {
   at::manual_seed(12);
   const std::vector<std::int64_t> counts = {3, 0, 5, 4};
   const std::int64_t M = 12, K = 16, N = 24, E = 4;
   const at::Tensor offsets = eo::testing::offsets_of(counts, at::kCPU);
   const at::Tensor a0 = at::randn({M, K}), dy = at::randn({M, N});
+  set_small_k_kernel_enabled(true);  // eo's autograd (the CPU has no small-K kernel: libtorch's products)
   for (const bool transposed : {false, true}) {
     SCOPED_TRACE(transposed ? "B as [E, N, K] transposed" : "B as [E, K, N]");
     const at::Tensor b0 = transposed ? at::randn({E, N, K}).transpose(1, 2) : at::randn({E, K, N});
@@ -432,6 +433,7 @@ TEST(GroupedMm, ForwardAndGradientsMatchFloat64) {
     EXPECT_LT(rel(b.grad(), db), 1e-5);
     EXPECT_TRUE(at::equal(b.grad()[1], at::zeros({K, N})));  // the expert without rows
   }
+  set_small_k_kernel_enabled(false);
 }
 
 // The grouped form (what the GPU runs in bf16) on fp32 CPU tensors, where this libtorch's CPU
