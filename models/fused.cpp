@@ -42,9 +42,9 @@ at::Tensor swiglu_math(const at::Tensor& g0, const at::Tensor& g1, const at::Ten
 }
 
 std::pair<at::Tensor, at::Tensor> swiglu_grad_math(const at::Tensor& g0, const at::Tensor& g1, const at::Tensor& u0,
-                                                   const at::Tensor& u1, const at::Tensor& dh) {
+                                                   const at::Tensor& u1, const at::Tensor& dh0, const at::Tensor& dh1) {
   // d silu(g)/dg = s (1 + g (1 - s)) with s = sigmoid(g).
-  const at::Tensor gf = f32_sum(g0, g1), uf = f32_sum(u0, u1), df = dh.to(at::kFloat);
+  const at::Tensor gf = f32_sum(g0, g1), uf = f32_sum(u0, u1), df = f32_sum(dh0, dh1);
   const at::Tensor s = at::sigmoid(gf);
   return {(df * uf * s * (1 + gf * (1 - s))).to(g0.scalar_type()), (df * gf * s).to(u0.scalar_type())};
 }
@@ -73,47 +73,60 @@ at::Tensor swiglu_forward(const at::Tensor& g0, const at::Tensor& g1, const at::
   return swiglu_math(g0, g1, u0, u1);
 }
 
+// The gradients of gate and up for h's gradient dh0 + dh1 (the two outputs' consumers; either
+// may be undefined, not both).
 std::pair<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& g0, const at::Tensor& g1, const at::Tensor& u0,
-                                                  const at::Tensor& u1, const at::Tensor& dh) {
+                                                  const at::Tensor& u1, const at::Tensor& dh0, const at::Tensor& dh1) {
+  const at::Tensor& da = dh0.defined() ? dh0 : dh1;
+  const at::Tensor db = dh0.defined() ? dh1 : at::Tensor();
 #ifdef EO_WITH_CUDA
   if (g0.is_cuda()) {
-    const at::Tensor g = g0.contiguous(), u = u0.contiguous(), d = dh.to(g.scalar_type()).contiguous();
-    const at::Tensor gd = contiguous_if(g1, g), ud = contiguous_if(u1, g);
+    const at::Tensor g = g0.contiguous(), u = u0.contiguous(), d = da.to(g.scalar_type()).contiguous();
+    const at::Tensor gd = contiguous_if(g1, g), ud = contiguous_if(u1, g), d1 = contiguous_if(db, g);
     at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
     c10::cuda::CUDAGuard guard(g.device());
     launched(fused::cuda::swiglu_backward(g.data_ptr(), ptr_or_null(gd), u.data_ptr(), ptr_or_null(ud), d.data_ptr(),
-                                          dg.data_ptr(), du.data_ptr(), g.numel(), dtype_of(g), stream_of(g)),
+                                          ptr_or_null(d1), dg.data_ptr(), du.data_ptr(), g.numel(), dtype_of(g), stream_of(g)),
              "swiglu backward");
     return {dg, du};
   }
 #endif
-  return swiglu_grad_math(g0, g1, u0, u1, dh);
+  return swiglu_grad_math(g0, g1, u0, u1, da, db);
 }
 
 // Autograd's custom functions take defined tensors only: one node without deltas, one with both.
+// Each gives h twice, over one buffer (the second an alias): the down projection's GEMM reads
+// the first, its LoRA the second, and the backward sums their gradients in the kernel (no add
+// of its own, which autograd would run for one tensor with two consumers).
 struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
+                                                const at::Tensor& up) {
     ctx->save_for_backward({gate, up});  // through the saved-tensor hooks: checkpointing may drop them
-    return swiglu_forward(gate, at::Tensor(), up, at::Tensor());
+    const at::Tensor h = swiglu_forward(gate, at::Tensor(), up, at::Tensor());
+    return {h, h.alias()};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto [dg, du] = swiglu_backward(saved[0], at::Tensor(), saved[1], at::Tensor(), grads[0]);
+    if (!grads[0].defined() && !grads[1].defined()) return {at::Tensor(), at::Tensor()};
+    auto [dg, du] = swiglu_backward(saved[0], at::Tensor(), saved[1], at::Tensor(), grads[0], grads[1]);
     return {dg, du};
   }
 };
 
 struct SwiGluDeltasFunction : public torch::autograd::Function<SwiGluDeltasFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
-                            const at::Tensor& gate_delta, const at::Tensor& up_delta) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate,
+                                                const at::Tensor& up, const at::Tensor& gate_delta,
+                                                const at::Tensor& up_delta) {
     ctx->save_for_backward({gate, up, gate_delta, up_delta});
-    return swiglu_forward(gate, gate_delta, up, up_delta);
+    const at::Tensor h = swiglu_forward(gate, gate_delta, up, up_delta);
+    return {h, h.alias()};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto [dg, du] = swiglu_backward(saved[0], saved[2], saved[1], saved[3], grads[0]);
+    if (!grads[0].defined() && !grads[1].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [dg, du] = swiglu_backward(saved[0], saved[2], saved[1], saved[3], grads[0], grads[1]);
     return {dg, du, dg, du};  // a delta's gradient is its base's: the same tensor, no copy
   }
 };
@@ -159,17 +172,24 @@ struct RopeFunction : public torch::autograd::Function<RopeFunction> {
 
 }  // namespace
 
-at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& gate_delta, const at::Tensor& up_delta) {
+std::pair<at::Tensor, at::Tensor> swiglu_twice(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& gate_delta,
+                                               const at::Tensor& up_delta) {
   EO_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
   EO_CHECK(!gate_delta.defined() || gate_delta.sizes() == gate.sizes(), "swiglu: gate_delta ", gate_delta.sizes(),
            " differs from gate ", gate.sizes());
   EO_CHECK(!up_delta.defined() || up_delta.sizes() == up.sizes(), "swiglu: up_delta ", up_delta.sizes(), " differs from up ",
            up.sizes());
-  if (gate_delta.defined() && up_delta.defined()) return SwiGluDeltasFunction::apply(gate, up, gate_delta, up_delta);
+  torch::autograd::variable_list h;
+  if (gate_delta.defined() && up_delta.defined()) h = SwiGluDeltasFunction::apply(gate, up, gate_delta, up_delta);
   // One delta alone (LoRA on gate_proj or up_proj only): its sum is formed.
-  if (gate_delta.defined()) return SwiGluFunction::apply(gate + gate_delta, up);
-  if (up_delta.defined()) return SwiGluFunction::apply(gate, up + up_delta);
-  return SwiGluFunction::apply(gate, up);
+  else if (gate_delta.defined()) h = SwiGluFunction::apply(gate + gate_delta, up);
+  else if (up_delta.defined()) h = SwiGluFunction::apply(gate, up + up_delta);
+  else h = SwiGluFunction::apply(gate, up);
+  return {h[0], h[1]};
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& gate_delta, const at::Tensor& up_delta) {
+  return swiglu_twice(gate, up, gate_delta, up_delta).first;
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

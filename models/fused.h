@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
+
 namespace eo::model {
 
 // silu(gate) * up. Saves only gate and up (autograd's silu + mul would also keep silu(gate)).
@@ -14,6 +16,12 @@ namespace eo::model {
 // and the deltas get the same gradients as gate and up (no pass in backward either).
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& gate_delta = at::Tensor(),
                   const at::Tensor& up_delta = at::Tensor());
+// The same h as two outputs over one buffer (the second an alias), for two consumers (the down
+// projection's GEMM and its LoRA): the backward sums their gradients inside its kernel, where
+// autograd would add them in a pass of its own.
+std::pair<at::Tensor, at::Tensor> swiglu_twice(const at::Tensor& gate, const at::Tensor& up,
+                                               const at::Tensor& gate_delta = at::Tensor(),
+                                               const at::Tensor& up_delta = at::Tensor());
 
 // HF's rotary embedding, x * cos + rotate_half(x) * sin, on x [B, T, heads, head_dim] (the
 // projection's own layout, so no transpose is materialised); cos and sin are [B, T, rot_dim]

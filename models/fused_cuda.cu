@@ -92,14 +92,14 @@ __global__ void swiglu_forward_kernel(const T* __restrict__ g0, const T* __restr
 
 template <typename T>
 __global__ void swiglu_backward_kernel(const T* __restrict__ g0, const T* __restrict__ g1, const T* __restrict__ u0,
-                                       const T* __restrict__ u1, const T* __restrict__ dh, T* __restrict__ dg,
-                                       T* __restrict__ du, std::int64_t n, bool vec) {
+                                       const T* __restrict__ u1, const T* __restrict__ dh, const T* __restrict__ dh1,
+                                       T* __restrict__ dg, T* __restrict__ du, std::int64_t n, bool vec) {
   constexpr int V = kVec<T>;
   const std::int64_t items = vec ? n / V : n;
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < items;
        i += std::int64_t(gridDim.x) * blockDim.x) {
     if (!vec) {
-      const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i), d = Cvt<T>::in(dh[i]);
+      const float gv = sum_of(g0, g1, i), uv = sum_of(u0, u1, i), d = sum_of(dh, dh1, i);
       const float s = sigmoid(gv);
       dg[i] = Cvt<T>::out(d * uv * s * (1.0f + gv * (1.0f - s)));
       du[i] = Cvt<T>::out(d * gv * s);
@@ -111,6 +111,7 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ g0, const T* __rest
     load_chunk(u0, i, u);
     add_chunk(u1, i, u);
     load_chunk(dh, i, d);
+    add_chunk(dh1, i, d);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const float s = sigmoid(g[k]);
@@ -259,13 +260,13 @@ struct SwigluForward {
 };
 template <typename T>
 struct SwigluBackward {
-  static void run(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg, void* du,
-                  std::int64_t n, cudaStream_t s) {
+  static void run(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, const void* dh1, void* dg,
+                  void* du, std::int64_t n, cudaStream_t s) {
     const bool vec = n % kVec<T> == 0 && aligned16(g0) && aligned16(g1) && aligned16(u0) && aligned16(u1) && aligned16(dh) &&
-                     aligned16(dg) && aligned16(du);
+                     aligned16(dh1) && aligned16(dg) && aligned16(du);
     swiglu_backward_kernel<T><<<grid_for(vec ? n / kVec<T> : n, kBlock), kBlock, 0, s>>>(
         static_cast<const T*>(g0), static_cast<const T*>(g1), static_cast<const T*>(u0), static_cast<const T*>(u1),
-        static_cast<const T*>(dh), static_cast<T*>(dg), static_cast<T*>(du), n, vec);
+        static_cast<const T*>(dh), static_cast<const T*>(dh1), static_cast<T*>(dg), static_cast<T*>(du), n, vec);
   }
 };
 template <typename T>
@@ -306,10 +307,10 @@ cudaError_t swiglu_forward(const void* g0, const void* g1, const void* u0, const
   return by_type<SwigluForward>(t, g0, g1, u0, u1, h, n, s);
 }
 
-cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg,
-                            void* du, std::int64_t n, DType t, cudaStream_t s) {
+cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, const void* dh1,
+                            void* dg, void* du, std::int64_t n, DType t, cudaStream_t s) {
   if (n == 0) return cudaSuccess;
-  return by_type<SwigluBackward>(t, g0, g1, u0, u1, dh, dg, du, n, s);
+  return by_type<SwigluBackward>(t, g0, g1, u0, u1, dh, dh1, dg, du, n, s);
 }
 
 cudaError_t gather_sum_rows(const void* x, const void* y, const std::int64_t* index, const float* weight, void* out,

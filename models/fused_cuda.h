@@ -18,9 +18,10 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 // null: the expert LoRA's deltas, added without writing the sums).
 cudaError_t swiglu_forward(const void* g0, const void* g1, const void* u0, const void* u1, void* h, std::int64_t n,
                            DType t, cudaStream_t s);
-// dg = dh * u * s * (1 + g * (1 - s)), du = dh * silu(g), s = sigmoid(g), with g and u as above.
-cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh, void* dg,
-                            void* du, std::int64_t n, DType t, cudaStream_t s);
+// dg = dh * u * s * (1 + g * (1 - s)), du = dh * silu(g), s = sigmoid(g), with g and u as above
+// and dh = dh0 + dh1 summed in fp32 (dh1 may be null: the gradient of h's second consumer).
+cudaError_t swiglu_backward(const void* g0, const void* g1, const void* u0, const void* u1, const void* dh0,
+                            const void* dh1, void* dg, void* du, std::int64_t n, DType t, cudaStream_t s);
 
 // The MoE dispatch and combine as gathers (all [*, cols] contiguous, index int64, weight fp32;
 // fp32 sums, rounded once):

@@ -127,12 +127,16 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   }
 };
 
-// The gather-and-sum backward of out = x.index_select(0, index) (see gather_rows).
-at::Tensor gather_rows_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
+// The gather-and-sum backward of out = x.index_select(0, index) (see gather_rows), of the
+// gradient grad + second (second may be undefined: the twin output's, summed in the same pass).
+at::Tensor gather_rows_backward(torch::autograd::AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& second) {
+  if (!grad.defined() && !second.defined()) return at::Tensor();
+  const at::Tensor& g0 = grad.defined() ? grad : second;
+  const at::Tensor g1 = grad.defined() && second.defined() ? second.to(grad.scalar_type()) : at::Tensor();
   const at::Tensor inverse = ctx->saved_data["inverse"].toTensor();
   const std::int64_t fanout = ctx->saved_data["fanout"].toInt(), rows = ctx->saved_data["rows"].toInt();
-  if (fanout == 1) return grad.index_select(0, inverse);
-  const at::Tensor g = gather_sum_rows(grad, inverse, fanout);  // accumulates in fp32, rounds once
+  if (fanout == 1) return (g1.defined() ? g0 + g1 : g0).index_select(0, inverse);
+  const at::Tensor g = gather_sum_rows(g0, inverse, fanout, g1);  // accumulates in fp32, rounds once
   EO_CHECK(g.size(0) == rows, "gather_rows backward: ", g.size(0), " rows for an input of ", rows);
   return g;
 }
@@ -150,7 +154,22 @@ struct GatherRowsFunction : public torch::autograd::Function<GatherRowsFunction>
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {gather_rows_backward(ctx, grads[0]), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {gather_rows_backward(ctx, grads[0], at::Tensor()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The same gather as two outputs over one buffer (the second an alias): each collects its own
+// consumers' gradient, and the backward sums the two inside the gather.
+struct GatherRowsTwiceFunction : public torch::autograd::Function<GatherRowsTwiceFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout) {
+    save_gather(ctx, x, inverse, fanout);
+    const at::Tensor out = x.index_select(0, index);
+    return {out, out.alias()};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {gather_rows_backward(ctx, grads[0], grads[1]), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -221,6 +240,14 @@ at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::T
   EO_CHECK(x.dim() == 2 && index.dim() == 1 && inverse.numel() == x.size(0) * fanout && index.numel() == inverse.numel(),
            "gather_rows: x ", x.sizes(), ", index ", index.sizes(), ", inverse ", inverse.sizes(), ", fanout ", fanout);
   return GatherRowsFunction::apply(x, index, inverse, fanout);
+}
+
+std::pair<at::Tensor, at::Tensor> gather_rows_twice(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse,
+                                                    std::int64_t fanout) {
+  EO_CHECK(x.dim() == 2 && index.dim() == 1 && inverse.numel() == x.size(0) * fanout && index.numel() == inverse.numel(),
+           "gather_rows_twice: x ", x.sizes(), ", index ", index.sizes(), ", inverse ", inverse.sizes(), ", fanout ", fanout);
+  const torch::autograd::variable_list outs = GatherRowsTwiceFunction::apply(x, index, inverse, fanout);
+  return {outs[0], outs[1]};
 }
 
 at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& addend, const at::Tensor& weights, const at::Tensor& position,

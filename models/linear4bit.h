@@ -77,6 +77,12 @@ void set_grouped_gemm_on_cpu(bool enabled);
 // index_select backward is an atomic index_add: slower on a GPU (measured 1.1 ms per call on
 // Qwen3-30B-A3B shapes at 8,192 tokens), rounding every add in bf16, and not deterministic.
 at::Tensor gather_rows(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse, std::int64_t fanout);
+// gather_rows as two outputs over one buffer (the second an alias of the first) for two sets of
+// consumers: the expert GEMMs read the first, the expert LoRA the second. Autograd would add the
+// two sets' gradients in a pass of its own ([N, hidden] read twice, written once); here the
+// dispatch's backward sums them inside its gather, in fp32.
+std::pair<at::Tensor, at::Tensor> gather_rows_twice(const at::Tensor& x, const at::Tensor& index, const at::Tensor& inverse,
+                                                    std::int64_t fanout);
 
 // The MoE combine: out[t] = sum over j < k of weights[t, j] * (y + addend)[position[t * k + j]],
 // y [tokens * k, hidden] in expert order, weights [tokens, k] (the routing weights), addend

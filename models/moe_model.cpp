@@ -208,8 +208,8 @@ bool MoeModel::expert_lora_grouped_ok() const {
   return true;
 }
 
-DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of,
-                                                          bool training) const {
+DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_sorted, const at::Tensor& x_lora,
+                                                          const at::Tensor& expert_of, bool training) const {
   const ModelConfig& c = *cfg_;
   // Per-expert row counts, on the device: scatter_add (bincount would read its max on the host).
   const at::Tensor counts = at::zeros({c.experts}, expert_of.options()).scatter_add(0, expert_of, at::ones_like(expert_of));
@@ -248,26 +248,27 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     at::Tensor gate_delta, up_delta;
     if (gate_lora && up_lora && gate_lora->can_pair_with(*up_lora, training)) {
       // Gate's and up's A over the same rows as one GEMM (x read once, one dX and one dA in backward).
-      std::tie(gate_delta, up_delta) = ExpertLora::delta_grouped_pair(*gate_lora, *up_lora, x_sorted, offsets, training);
+      std::tie(gate_delta, up_delta) = ExpertLora::delta_grouped_pair(*gate_lora, *up_lora, x_lora, offsets, training);
     } else {
-      if (gate_lora) gate_delta = gate_lora->delta_grouped(x_sorted, offsets, training);
-      if (up_lora) up_delta = up_lora->delta_grouped(x_sorted, offsets, training);
+      if (gate_lora) gate_delta = gate_lora->delta_grouped(x_lora, offsets, training);
+      if (up_lora) up_delta = up_lora->delta_grouped(x_lora, offsets, training);
     }
     if (gate_up_lora_) {  // one delta [N, 2I] for the fused [gate; up], split
-      const at::Tensor d = gate_up_lora_->delta_grouped(x_sorted, offsets, training);
+      const at::Tensor d = gate_up_lora_->delta_grouped(x_lora, offsets, training);
       const auto I = gate.size(-1);
       gate_delta = gate_delta.defined() ? gate_delta + d.narrow(1, 0, I) : d.narrow(1, 0, I);
       up_delta = up_delta.defined() ? up_delta + d.narrow(1, I, I) : d.narrow(1, I, I);
     }
-    at::Tensor act;
+    // act_lora: act again for the down LoRA, whose gradient the SwiGLU backward sums in its kernel.
+    at::Tensor act, act_lora;
     if (c.swiglu_clamp) {  // gpt-oss: its clamps read the sums, so they are formed
-      act = clamped_swiglu(gate_delta.defined() ? gate + gate_delta : gate, up_delta.defined() ? up + up_delta : up,
-                           *c.swiglu_clamp);
+      act = act_lora = clamped_swiglu(gate_delta.defined() ? gate + gate_delta : gate,
+                                      up_delta.defined() ? up + up_delta : up, *c.swiglu_clamp);
     } else {
-      act = swiglu(gate, up, gate_delta, up_delta);
+      std::tie(act, act_lora) = swiglu_twice(gate, up, gate_delta, up_delta);
     }
     ExpertsOutput out{linear(ExpertMatrix::Down, act), at::Tensor()};
-    if (down_lora) out.delta = down_lora->delta_grouped(act, offsets, training);
+    if (down_lora) out.delta = down_lora->delta_grouped(act_lora, offsets, training);
     return out;
   }
   // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
@@ -346,15 +347,17 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
     // position[(t, k)] = where pair (token t, slot k) sits in expert order (order's inverse).
     // Dispatch and combine are gathers both ways (gather_rows): no atomics, deterministic.
     const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-    const at::Tensor x_sorted = gather_rows(flat, token_of, position, c.top_k);
-    const ExpertsOutput y = experts_forward(x_sorted, flat_expert, ctx.training);
+    // Two outputs over one buffer: the expert GEMMs' and the expert LoRA's gradients meet in
+    // the dispatch's backward gather instead of an add of their own.
+    const auto [x_sorted, x_lora] = gather_rows_twice(flat, token_of, position, c.top_k);
+    const ExpertsOutput y = experts_forward(x_sorted, x_lora, flat_expert, ctx.training);
     // Combine: each token's routing-weighted sum of its k rows (with the down LoRA's delta
     // added on the way), read where they sit in expert order.
     out = combine_rows(y.y, y.delta, top_w, position, token_of, order);
   } else {
     const at::Tensor x_sorted = flat.index_select(0, token_of);
     // The per-expert loop runs here (no grouped path), and it adds its LoRA deltas itself.
-    const ExpertsOutput ey = experts_forward(x_sorted, flat_expert, ctx.training);
+    const ExpertsOutput ey = experts_forward(x_sorted, x_sorted, flat_expert, ctx.training);
     EO_CHECK(!ey.delta.defined(), "moe: the per-expert path left a LoRA delta for the combine");
     const at::Tensor& y = ey.y;
     const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);

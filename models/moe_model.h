@@ -98,10 +98,13 @@ class DecoderBlock {
   // Every expert on its slice of token-sorted rows x_sorted (expert_of: the expert of each
   // (token, slot) pair, any order; only its counts are used). The output is y + delta, where the
   // grouped path leaves the down LoRA's delta apart for the combine to add (undefined otherwise).
+  // The grouped path's expert LoRA reads x_lora, the same rows as x_sorted (gather_rows_twice:
+  // its gradient is summed in the dispatch's backward); the loop reads x_sorted only.
   struct ExpertsOutput {
     at::Tensor y, delta;
   };
-  ExpertsOutput experts_forward(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const;
+  ExpertsOutput experts_forward(const at::Tensor& x_sorted, const at::Tensor& x_lora, const at::Tensor& expert_of,
+                                bool training) const;
   // Whether the expert LoRA (if any) can run as grouped GEMMs beside the base grouped GEMM.
   bool expert_lora_grouped_ok() const;
 

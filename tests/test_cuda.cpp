@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -406,7 +407,8 @@ TEST(Cuda, SmallKGroupedMmMatchesFloat64) {
   model::set_small_k_kernel_enabled(false);
 }
 
-// The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1; the combine
+// The expert LoRA's deltas in the kernels: SwiGLU over g0 + g1 and u0 + u1 (its two outputs'
+// gradients summed in the backward kernel); the combine
 // (routing-weighted gather-sum, with and without the down delta; its scaled-gather and gather-dot
 // backward); the dispatch's gather-and-sum backward (vectorised rows of 64 and a row of 67 values
 // that is not).
@@ -425,12 +427,14 @@ TEST(Cuda, SwiGluDeltasAndMoeGathersMatchFloat64) {
         leaves.push_back(host.back().to(dev).requires_grad_(true));
         leaves64.push_back(host.back().to(at::kDouble).requires_grad_(true));
       }
-      const at::Tensor dh = at::randn({199, cols}).to(dt);
-      const at::Tensor h = model::swiglu(leaves[0], leaves[1], leaves[2], leaves[3]);
-      h.backward(dh.to(dev));
+      // h's two outputs, each with its own gradient (the down GEMM's and the down LoRA's): the
+      // kernel sums them.
+      const at::Tensor dh = at::randn({199, cols}).to(dt), dh2 = at::randn({199, cols}).to(dt);
+      const auto [h, h2] = model::swiglu_twice(leaves[0], leaves[1], leaves[2], leaves[3]);
+      torch::autograd::backward({h, h2}, {dh.to(dev), dh2.to(dev)});
       const at::Tensor g64 = leaves64[0] + leaves64[2], u64 = leaves64[1] + leaves64[3];
       const at::Tensor ref = g64 * at::sigmoid(g64) * u64;
-      ref.backward(dh.to(at::kDouble));
+      ref.backward(dh.to(at::kDouble) + dh2.to(at::kDouble));
       EXPECT_LT(rel_max(h.detach(), ref.detach()), tol);
       for (int i = 0; i < 4; ++i) EXPECT_LT(rel_max(leaves[i].grad(), leaves64[i].grad()), tol) << "input " << i;
     }

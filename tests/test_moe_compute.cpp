@@ -155,6 +155,37 @@ TEST(SwiGlu, DeltasAreSummedInsideWithTheirBasesGradients) {
   EXPECT_THROW(swiglu(g0, u0, at::randn({6, 9})), std::exception);
 }
 
+// swiglu_twice: h as two outputs over one buffer, each with its own consumer; the backward sums
+// their gradients (float64 autograd of the formula used twice), also with one output unused.
+TEST(SwiGlu, TwiceSumsBothOutputsGradients) {
+  at::manual_seed(14);
+  const at::Tensor g0 = at::randn({6, 10}) * 2, g1 = at::randn({6, 10}), u0 = at::randn({6, 10}), u1 = at::randn({6, 10});
+  const at::Tensor dh = at::randn({6, 10}), dh2 = at::randn({6, 10});
+  for (const int used : {3, 1, 2}) {  // bit 0: the first output's consumer, bit 1: the second's
+    SCOPED_TRACE("outputs used " + std::to_string(used));
+    at::Tensor g = g0.clone().requires_grad_(true), gd = g1.clone().requires_grad_(true);
+    at::Tensor u = u0.clone().requires_grad_(true), ud = u1.clone().requires_grad_(true);
+    const auto [h, h2] = swiglu_twice(g, u, gd, ud);
+    EXPECT_EQ(h.data_ptr(), h2.data_ptr());  // one buffer
+    std::vector<at::Tensor> outs, grads;
+    if (used & 1) outs.push_back(h), grads.push_back(dh);
+    if (used & 2) outs.push_back(h2), grads.push_back(dh2);
+    torch::autograd::backward(outs, grads);
+    std::vector<at::Tensor> leaves;
+    for (const auto& t : {g0, g1, u0, u1}) leaves.push_back(t.to(at::kDouble).requires_grad_(true));
+    const at::Tensor gs = leaves[0] + leaves[1], us = leaves[2] + leaves[3];
+    const at::Tensor ref = gs * at::sigmoid(gs) * us;
+    const at::Tensor d = ((used & 1) ? dh : at::zeros_like(dh)) + ((used & 2) ? dh2 : at::zeros_like(dh2));
+    torch::autograd::backward({ref}, {d.to(at::kDouble)});
+    auto err = [](const at::Tensor& a, const at::Tensor& b) { return (a.to(at::kDouble) - b).abs().max().item<double>(); };
+    EXPECT_LT(err(h, ref), 1e-5);
+    EXPECT_LT(err(g.grad(), leaves[0].grad()), 1e-5);
+    EXPECT_LT(err(gd.grad(), leaves[1].grad()), 1e-5);
+    EXPECT_LT(err(u.grad(), leaves[2].grad()), 1e-5);
+    EXPECT_LT(err(ud.grad(), leaves[3].grad()), 1e-5);
+  }
+}
+
 TEST(SyntheticWeights, RealShapesFromConfigAloneSeededAndScaled) {
   // A folder with only config.json: the loader must not look for safetensors.
   const fs::path dir = fs::temp_directory_path() / "eo-synthetic-test";
@@ -690,6 +721,42 @@ TEST(GatherRows, ForwardAndBackwardEqualIndexSelect) {
   torch::autograd::backward({yr}, {dy});
   EXPECT_TRUE(at::allclose(x.grad(), xr.grad(), 1e-12, 1e-12));
   EXPECT_THROW(gather_rows(x0, token_of, position, k + 1), std::exception);
+}
+
+// gather_rows_twice: two outputs over one buffer whose gradients the backward sums in its
+// gather, equal to index_select used twice under float64 autograd (consumers of each output,
+// either alone, and fanout 1, whose backward is a plain gather).
+TEST(GatherRows, TwiceSumsBothOutputsGradients) {
+  at::manual_seed(13);
+  for (const std::int64_t k : {3, 1}) {
+    SCOPED_TRACE("fanout " + std::to_string(k));
+    const std::int64_t tokens = 7, h = 5;
+    const at::Tensor experts = at::randint(0, 4, {tokens * k}, at::kLong);
+    const at::Tensor order = at::argsort(experts, /*stable=*/true, 0, false);
+    const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
+    const at::Tensor token_of = at::floor_divide(order, k);
+    const at::Tensor x0 = at::randn({tokens, h}, at::kDouble);
+    const at::Tensor w1 = at::randn({tokens * k, h}, at::kDouble), w2 = at::randn({tokens * k, h}, at::kDouble);
+    for (const int used : {3, 1, 2}) {  // bit 0: the first output's consumer, bit 1: the second's
+      SCOPED_TRACE("outputs used " + std::to_string(used));
+      at::Tensor x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
+      const auto [y1, y2] = gather_rows_twice(x, token_of, position, k);
+      EXPECT_TRUE(at::equal(y1, xr.index_select(0, token_of)));
+      EXPECT_EQ(y1.data_ptr(), y2.data_ptr());  // one buffer
+      at::Tensor loss = at::zeros({}, at::kDouble), loss_r = at::zeros({}, at::kDouble);
+      if (used & 1) {
+        loss = loss + (y1 * w1).sum();
+        loss_r = loss_r + (xr.index_select(0, token_of) * w1).sum();
+      }
+      if (used & 2) {
+        loss = loss + (y2 * w2).square().sum();  // a different consumer: its gradient depends on y2
+        loss_r = loss_r + (xr.index_select(0, token_of) * w2).square().sum();
+      }
+      loss.backward();
+      loss_r.backward();
+      EXPECT_TRUE(at::allclose(x.grad(), xr.grad(), 1e-12, 1e-12));
+    }
+  }
 }
 
 // The MoE combine (combine_rows): each token's routing-weighted sum of its k rows in expert
