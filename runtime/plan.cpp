@@ -197,6 +197,15 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   const double down_delta = on_gpu && moe_layers > 0 && lora_down ? NK * H * d : 0;
   const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes + gate_up_deltas + down_delta : 0;
   const double combine_saved = routed_out + down_delta;  // freed by the combine's backward
+  // The expert LoRA reads the dispatch's and SwiGLU's second outputs (gather_rows_twice,
+  // swiglu_twice), so its input gradients stay apart from the base GEMMs' until those backward
+  // kernels sum them: one more [pairs, hidden] through gate/up's backward and one more
+  // [pairs, I] from down's backward to SwiGLU's.
+  const bool lora_gate_up = cfg.lora_target_parameters.empty()
+                                ? targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj")
+                                : fused_gate_up;
+  const double lora_dx = on_gpu && moe_layers > 0 && lora_gate_up ? NK * H * d : 0;
+  const double lora_dact = on_gpu && moe_layers > 0 && lora_down && !c.swiglu_clamp ? NK * I * d : 0;
   const double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
@@ -229,12 +238,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
     // The recompute done: its saved tensors, the kept banks and the block's output.
     if (keep_all || keep_down) phase("recompute end (banks kept)", saved + (keep_all ? 3 : 1) * bank + N * H * d);
     // Backward of the down projection: the combine's gradient in expert order, the bank, dH.
-    phase("down-projection backward", saved - combine_saved + NK * H * d + bank + kept_gate_up + NK * I * d);
-    // SwiGLU's backward: dH beside gate and up, and dGate, dUp.
-    phase("swiglu backward", saved - combine_saved + NK * I * d + gate_up + kept_gate_up);
+    phase("down-projection backward", saved - combine_saved + NK * H * d + bank + kept_gate_up + NK * I * d + lora_dact);
+    // SwiGLU's backward: dH (and the down LoRA's) beside gate and up, and dGate, dUp.
+    phase("swiglu backward", saved - combine_saved + NK * I * d + lora_dact + gate_up + kept_gate_up);
     // Backward of gate / up: dGate and dUp in place of the freed gate and up, the bank (and the
-    // other one still kept), dX from gate and from up.
-    phase("gate/up backward", saved - combine_saved + bank + kept_gate_up / 2 + 2 * NK * H * d);
+    // other one still kept), dX from gate and from up (and the expert LoRA's).
+    phase("gate/up backward", saved - combine_saved + bank + kept_gate_up / 2 + 2 * NK * H * d + lora_dx);
     // The dispatch's backward: dX in expert order, gathered back and summed per token.
     phase("dispatch backward", attn_saved + moe_small + shared + 2 * NK * H * d + N * H * d);
   }
