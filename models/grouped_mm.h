@@ -5,8 +5,9 @@
 // (d_down [N, r] · A), the GEMMs whose outputs are [N, in] or [N, out] wide.
 //
 // The kernel is off by default: on the H200 it matched libtorch's CUTLASS GEMM bit for bit but
-// ran no faster (both write these outputs at about 700 GB/s; docs/benchmarks.md, session 7), so
-// the step keeps libtorch's op. It stays, tested against float64, for the next attempt at why.
+// ran no faster, writing at about 650 GB/s (docs/benchmarks.md, session 7). Its 16-byte output
+// stores had compiled to four 4-byte ones; that is fixed (PTX now st.global.v4) but not yet
+// timed, so the step keeps libtorch's op until eo-lora-gemm shows the kernel ahead.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -22,9 +22,13 @@ constexpr int kLdBnk = kMaxK + kPad;                     // Bs as [kBN][kLdBnk] 
 constexpr int kLdBkn = kBN + kPad;                       // Bs as [kMaxK][kLdBkn] (row-major B)
 constexpr int kBsElems = std::max(kBN * kLdBnk, kMaxK * kLdBkn);
 
-struct alignas(16) Bf16x8 {
-  __nv_bfloat162 v[4];
-};
+// Two fp32 values as one 32-bit word of bf16 (round to nearest), for the 16-byte output stores.
+// Session 7's kernel stored each 8 values as four 4-byte writes (PTX st.global.u32), pieces of
+// sectors, and wrote at 650 GB/s (docs/benchmarks.md).
+__device__ __forceinline__ unsigned bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
 
 // Persistent: each block takes a run of consecutive (row tile, column tile) items, so its A
 // rows and the expert search carry over between the column tiles of a row tile. Every global
@@ -46,6 +50,9 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int kp = (K + 15) / 16 * 16;  // K padded with zero columns to the WMMA step
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  // The output as 16-byte words, indexed (N % 8 == 0): written through a cast of `out + offset`,
+  // nvcc split each 16-byte store into 4-byte ones (PTX st.global.u32).
+  uint4* const out16 = reinterpret_cast<uint4*>(out);
   const std::int64_t col_tiles = (N + kBN - 1) / kBN, items = (M + kBM - 1) / kBM * col_tiles;
   const std::int64_t first = std::int64_t(blockIdx.x) * items_per_block;
   const std::int64_t last = first + items_per_block < items ? first + items_per_block : items;
@@ -125,10 +132,10 @@ __global__ void __launch_bounds__(kThreads, 3)
           __syncwarp();
           const std::int64_t m = wrow + 16 * i + rr, n = wcol + 16 * j + cc;
           if (m >= rlo && m < rhi && n < N) {
-            const float* v = &Cs[warp][rr * 16 + cc];
-            Bf16x8 o;
-            for (int q = 0; q < 4; ++q) o.v[q] = __floats2bfloat162_rn(v[2 * q], v[2 * q + 1]);
-            *reinterpret_cast<Bf16x8*>(out + m * N + n) = o;
+            const float4 lo = *reinterpret_cast<const float4*>(&Cs[warp][rr * 16 + cc]);
+            const float4 hi = *reinterpret_cast<const float4*>(&Cs[warp][rr * 16 + cc + 4]);
+            out16[(m * N + n) / 8] =
+                make_uint4(bf16x2_bits(lo.x, lo.y), bf16x2_bits(lo.z, lo.w), bf16x2_bits(hi.x, hi.y), bf16x2_bits(hi.z, hi.w));
           }
           __syncwarp();
         }
@@ -136,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     const std::int64_t zlo = covered > row0 ? covered : row0;
     for (std::int64_t c = tid; zlo < tile_end && c < (tile_end - zlo) * (kBN / 8); c += kThreads) {
       const std::int64_t m = zlo + c / (kBN / 8), n = col0 + (c % (kBN / 8)) * 8;
-      if (n < N) *reinterpret_cast<uint4*>(out + m * N + n) = zero;
+      if (n < N) out16[(m * N + n) / 8] = zero;
     }
   }
 #endif
