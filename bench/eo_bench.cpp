@@ -14,8 +14,9 @@
 //          the rate the read ring reached in training), ":whole" / ":sliced" the expert bank
 //          dequantised whole / in 64 MiB slices, ":eager" / ":graphs" without / with CUDA graphs (cuda_graphs:
 //          false / true), ":redequant" / ":keepdown" the backward dequantising every bank again /
-//          all but the down projection's (expert_bank_reuse: none / down); they combine (":park:mm",
-//          "prefetch:disk")
+//          all but the down projection's (expert_bank_reuse: none / down), ":smallk" the expert
+//          LoRA's rank-wide GEMMs on eo's small-K kernel (off by default, models/grouped_mm.h);
+//          they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
 //                  tmpfs: pass a directory on the drive to measure :disk
@@ -48,6 +49,7 @@
 #include "common/files.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "models/grouped_mm.h"
 #include "models/hf_config.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
@@ -225,6 +227,8 @@ int main(int argc, char** argv) {
       // :redequant / :keepdown: expert_bank_reuse none / down (the default auto keeps all when it fits).
       const bool redequant = std::find(parts.begin(), parts.end(), "redequant") != parts.end();
       const bool keepdown = std::find(parts.begin(), parts.end(), "keepdown") != parts.end();
+      // :smallk: the expert LoRA's rank-wide GEMMs on eo's small-K kernel (models/grouped_mm.h).
+      const bool smallk = std::find(parts.begin(), parts.end(), "smallk") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -276,7 +280,9 @@ int main(int argc, char** argv) {
         }
         const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
         release_cached_memory(dev);  // the previous mode's cached blocks would count as reserved
+        model::set_small_k_kernel_enabled(smallk);
         train(cfg, world, hooks);
+        model::set_small_k_kernel_enabled(false);
         row.reserved_vram = double(peak_reserved_bytes(dev));
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");
