@@ -31,10 +31,10 @@ __device__ __forceinline__ unsigned bf16x2_bits(float lo, float hi) {
 }
 
 // Persistent: each block takes a run of consecutive (row tile, column tile) items, so its A
-// rows and the expert search carry over between the column tiles of a row tile. Every global
-// read on a tile's path is one round trip (the offsets sit in shared memory): before this, a
-// block per tile walked the offsets in global memory and ran at the latency of those reads
-// (42 us for a 25 MB output on the H200, libtorch's GEMM as slow).
+// rows and the expert search carry over between the column tiles of a row tile, and the
+// offsets sit in shared memory. (Against a block per tile walking the offsets in global memory
+// this measured the same on the H200: the limit was elsewhere, most likely the output stores
+// then split into 4-byte pieces, fixed since and not yet timed.)
 template <bool kNK>
 __global__ void __launch_bounds__(kThreads, 3)
     small_k_grouped_mm_kernel(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
