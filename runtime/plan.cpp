@@ -179,21 +179,20 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   // int64 permutations, gate and up (swiglu), the routed outputs in expert order (the combine's,
   // for the weights' gradient), and with expert LoRA its inputs, [pairs, r] intermediates, the
   // gate/up deltas and down's delta (the combine's too).
-  const bool le = moe_layers > 0 && (cfg.lora_target_parameters.empty()
-                                         ? (targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj") ||
-                                            targets(cfg, mix ? "w2" : "down_proj"))
-                                         : (fused_gate_up || fused_down));
+  // Which expert matrices get LoRA: by module name, or as peft's fused parameters (gate and up
+  // share gate_up_proj's).
+  const bool per_module = cfg.lora_target_parameters.empty();
+  const bool lora_gate = per_module ? targets(cfg, mix ? "w1" : "gate_proj") : fused_gate_up;
+  const bool lora_up = per_module ? targets(cfg, mix ? "w3" : "up_proj") : fused_gate_up;
+  const bool lora_down = per_module ? targets(cfg, mix ? "w2" : "down_proj") : fused_down;
+  const bool le = moe_layers > 0 && (lora_gate || lora_up || lora_down);
   const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8;
   const double gate_up = 2 * NK * I * d, routed_out = NK * H * d;
   // With LoRA on both gate and up (or on gate_up_proj) the GPU's SwiGLU adds their deltas itself,
   // so it keeps the two deltas beside gate and up (models/fused.h); gpt-oss's clamps sum first.
-  const bool both_gate_up = cfg.lora_target_parameters.empty()
-                                ? targets(cfg, mix ? "w1" : "gate_proj") && targets(cfg, mix ? "w3" : "up_proj")
-                                : fused_gate_up;
-  const double gate_up_deltas = on_gpu && both_gate_up && !c.swiglu_clamp ? gate_up : 0;
+  const double gate_up_deltas = on_gpu && lora_gate && lora_up && !c.swiglu_clamp ? gate_up : 0;
   // With LoRA on down (down_proj or the fused down parameter) the GPU's combine adds its delta and
   // keeps it for the weights' gradient, beside the routed outputs.
-  const bool lora_down = cfg.lora_target_parameters.empty() ? targets(cfg, mix ? "w2" : "down_proj") : fused_down;
   const double down_delta = on_gpu && moe_layers > 0 && lora_down ? NK * H * d : 0;
   const double expert_lora = le ? NK * H * d + NK * I * d + 3 * NK * r_bytes + gate_up_deltas + down_delta : 0;
   const double combine_saved = routed_out + down_delta;  // freed by the combine's backward
@@ -201,10 +200,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   // swiglu_twice), so its input gradients stay apart from the base GEMMs' until those backward
   // kernels sum them: one more [pairs, hidden] through gate/up's backward and one more
   // [pairs, I] from down's backward to SwiGLU's.
-  const bool lora_gate_up = cfg.lora_target_parameters.empty()
-                                ? targets(cfg, mix ? "w1" : "gate_proj") || targets(cfg, mix ? "w3" : "up_proj")
-                                : fused_gate_up;
-  const double lora_dx = on_gpu && moe_layers > 0 && lora_gate_up ? NK * H * d : 0;
+  const double lora_dx = on_gpu && moe_layers > 0 && (lora_gate || lora_up) ? NK * H * d : 0;
   const double lora_dact = on_gpu && moe_layers > 0 && lora_down && !c.swiglu_clamp ? NK * I * d : 0;
   const double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
