@@ -703,15 +703,26 @@ TEST(GroupedExperts, TheGpuPathOnTheCpuMatchesThePerExpertLoop) {
   }
 }
 
+namespace {
+// A dispatch of tokens x k (token, slot) pairs to 4 experts drawn at random, as the MoE block
+// builds it: the pairs in expert order, each pair's place in it, each sorted row's token.
+struct Dispatch {
+  at::Tensor order, position, token_of;
+};
+Dispatch random_dispatch(std::int64_t tokens, std::int64_t k) {
+  const at::Tensor experts = at::randint(0, 4, {tokens * k}, at::kLong);
+  const at::Tensor order = at::argsort(experts, /*stable=*/true, 0, false);
+  return {order, at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options())),
+          at::floor_divide(order, k)};
+}
+}  // namespace
+
 // The MoE dispatch gather (gather_rows): forward is index_select; its gather-and-sum backward
 // equals index_select's own (scatter-add) backward, computed in float64.
 TEST(GatherRows, ForwardAndBackwardEqualIndexSelect) {
   at::manual_seed(11);
   const std::int64_t tokens = 7, k = 3, h = 5;
-  const at::Tensor experts = at::randint(0, 4, {tokens * k}, at::kLong);
-  const at::Tensor order = at::argsort(experts, /*stable=*/true, 0, false);
-  const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-  const at::Tensor token_of = at::floor_divide(order, k);
+  const auto [order, position, token_of] = random_dispatch(tokens, k);
   const at::Tensor x0 = at::randn({tokens, h}, at::kDouble), dy = at::randn({tokens * k, h}, at::kDouble);
   // Dispatch: every token copied k times in expert order.
   at::Tensor x = x0.clone().requires_grad_(true), xr = x0.clone().requires_grad_(true);
@@ -731,10 +742,7 @@ TEST(GatherRows, TwiceSumsBothOutputsGradients) {
   for (const std::int64_t k : {3, 1}) {
     SCOPED_TRACE("fanout " + std::to_string(k));
     const std::int64_t tokens = 7, h = 5;
-    const at::Tensor experts = at::randint(0, 4, {tokens * k}, at::kLong);
-    const at::Tensor order = at::argsort(experts, /*stable=*/true, 0, false);
-    const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-    const at::Tensor token_of = at::floor_divide(order, k);
+    const auto [order, position, token_of] = random_dispatch(tokens, k);
     const at::Tensor x0 = at::randn({tokens, h}, at::kDouble);
     const at::Tensor w1 = at::randn({tokens * k, h}, at::kDouble), w2 = at::randn({tokens * k, h}, at::kDouble);
     for (const int used : {3, 1, 2}) {  // bit 0: the first output's consumer, bit 1: the second's
@@ -766,10 +774,7 @@ TEST(GatherRows, TwiceSumsBothOutputsGradients) {
 TEST(CombineRows, EqualsPermuteThenWeightedSum) {
   at::manual_seed(12);
   const std::int64_t tokens = 7, k = 3, h = 5;
-  const at::Tensor experts = at::randint(0, 4, {tokens * k}, at::kLong);
-  const at::Tensor order = at::argsort(experts, /*stable=*/true, 0, false);
-  const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
-  const at::Tensor token_of = at::floor_divide(order, k);
+  const auto [order, position, token_of] = random_dispatch(tokens, k);
   const at::Tensor dout = at::randn({tokens, h}, at::kDouble);
   for (const bool with_delta : {false, true}) {
     SCOPED_TRACE(with_delta ? "with the delta" : "without");
