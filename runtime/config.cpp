@@ -653,9 +653,9 @@ const std::vector<KeySpec>& schema() {
                        "On CUDA with gradient_checkpointing, replay each block's forward, its recompute + backward and "
                        "the loss as CUDA graphs (captured on their second use), so the step no longer waits on one host "
                        "thread launching kernels. Graphs keep a second working set of device memory (their own pool): "
-                       "auto = on when the experts are resident and the memory plan has room for it (offloaded runs "
-                       "are transfer-bound and short of memory: off). Off with lora_dropout > 0 (per-use dropout seeds "
-                       "are host state)."));
+                       "auto = on when the memory plan has room for it, offloaded or not (an offloaded step waits on "
+                       "late launches too: each copy waits for its slot's last reader); false keeps the memory. Off "
+                       "with lora_dropout > 0 (per-use dropout seeds are host state)."));
     k.push_back(boolean("activation_offloading", &TrainConfig::activation_offloading,
                         "Keep the checkpointed block inputs (every block x micro-batch of a step) in pinned host RAM "
                         "until backward, copied on a copy stream ahead of use (needs gradient_checkpointing)."));

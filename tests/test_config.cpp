@@ -546,7 +546,7 @@ TEST(Config, ExpertQuantIsCheckedAgainstTheCheckpoint) {
 }
 
 // cuda_graphs: the decision table of runtime/setup.h (no GPU needed: a CUDA device is a value here).
-TEST(Config, CudaGraphsAutoIsOnForResidentExpertsWithRoomForThePool) {
+TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   TrainConfig cfg;
   cfg.gradient_checkpointing = true;
   cfg.lora_dropout = 0;
@@ -566,11 +566,13 @@ TEST(Config, CudaGraphsAutoIsOnForResidentExpertsWithRoomForThePool) {
   EXPECT_NE(tight_why.find("does not fit"), std::string::npos) << tight_why;
   EXPECT_FALSE(on(cfg, room, at::Device(at::kCPU)).first);
 
+  EXPECT_NE(tight_why.find("cuda_graphs: true"), std::string::npos) << "says how to force them: " << tight_why;
+
+  // Offloaded runs decide the same way: on where the plan has room for the pool, off where not.
   TrainConfig offload = cfg;
   offload.expert_offload = true;
-  const auto [off_on, off_why] = on(offload, room, cuda);
-  EXPECT_FALSE(off_on) << "auto: offloaded runs keep the memory";
-  EXPECT_NE(off_why.find("cuda_graphs: true"), std::string::npos) << "says how to force them: " << off_why;
+  EXPECT_TRUE(on(offload, room, cuda).first) << "auto: an offloaded run with room for the pool replays graphs";
+  EXPECT_FALSE(on(offload, tight, cuda).first) << "auto: an offloaded run short of memory keeps it";
   offload.cuda_graphs = "true";
   EXPECT_TRUE(on(offload, tight, cuda).first) << "true is the user's choice, even when the plan is tight";
 
