@@ -265,6 +265,16 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
                       rows * H * d;
   p.device.push_back({"head", head, "chunked cross entropy, " + std::to_string(static_cast<long long>(chunk)) + " rows per chunk"});
 
+  // ---- CUDA graphs (runtime/block_graphs.h) replay on static buffers that are copies beside the
+  // eager tensors they stand for: the block input (shared by forward, recompute and the loss),
+  // the incoming gradient and the output (shared by every use), each [tokens, hidden], and the two
+  // RoPE tables. Planned wherever graphs may run (runtime/setup.cpp: cuda_graphs not false,
+  // checkpointing, no LoRA dropout); where auto turns them off for want of room, the plan is over
+  // by these bytes. Their temporaries live in the graphs' own pool, which the fit check adds.
+  if (on_gpu && cfg.gradient_checkpointing && cfg.cuda_graphs != "false" && cfg.lora_dropout <= 0)
+    p.device.push_back({"graphs", 3 * N * H * d + 2 * N * D * d,
+                        "CUDA graphs' static buffers: block input, gradient, output, RoPE tables (cuda_graphs: false drops them)"});
+
   p.device_peak = 0;
   for (const auto& part : p.device)
     if (part.name != "block" && part.name != "head") p.device_peak += part.bytes;

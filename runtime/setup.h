@@ -45,8 +45,8 @@ struct PlanFit {
   std::string available;        // what was checked against, in words
 };
 
-// cuda_graphs: auto | true | false resolved for this run, and why (for the log). auto: on for
-// resident experts when the plan has room for the graphs' pool; off when offloading.
+// cuda_graphs: auto | true | false resolved for this run, and why (for the log). auto: on when
+// the plan has room for the graphs' pool, experts resident or offloaded.
 std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit);
 
 struct Run {

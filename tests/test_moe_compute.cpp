@@ -22,6 +22,7 @@
 #include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/plan.h"
+#include "runtime/setup.h"
 #include "tests/bf16_yardstick.h"
 #include "tests/grouped_mm_ref.h"
 
@@ -308,6 +309,38 @@ TrainConfig olmoe_qlora_config() {
   return cfg;
 }
 }  // namespace
+
+// CUDA graphs replay on static copies of the block input, the incoming gradient and the output
+// ([tokens, hidden] each) and of the two RoPE tables ([tokens, head_dim]); the plan counts them
+// wherever setup's cuda_graphs decision can turn graphs on, and nowhere else.
+TEST(MemoryPlan, GraphsStaticBuffersWhereverGraphsMayRun) {
+  const TrainConfig base = olmoe_qlora_config();
+  const ModelConfig mc = load_config(base.base_model);
+  auto graphs_part = [&](const TrainConfig& c, bool on_gpu) {
+    for (const auto& part : plan_memory(c, mc, true, 1, on_gpu).device)
+      if (part.name == "graphs") return part.bytes;
+    return 0.0;
+  };
+  PlanFit room;
+  room.graphs_fit = true;
+  auto may_run = [&](const TrainConfig& c) { return resolve_cuda_graphs(c, at::Device(at::kCUDA, 0), room).first; };
+  // OLMoE-1B-7B, 2048 x 1, bf16: 3 x 2048 x 2048 x 2 + 2 x 2048 x 128 x 2 bytes.
+  EXPECT_EQ(graphs_part(base, true), 3.0 * 2048 * 2048 * 2 + 2.0 * 2048 * 128 * 2);
+  EXPECT_EQ(graphs_part(base, false), 0) << "a CPU run has no graphs";
+  TrainConfig off = base, dropout = base, eager = base, forced = base, offload = base;
+  off.cuda_graphs = "false";
+  dropout.lora_dropout = 0.05;
+  eager.gradient_checkpointing = false;
+  forced.cuda_graphs = "true";
+  offload.expert_offload = true;
+  for (const TrainConfig* c : std::vector<const TrainConfig*>{&base, &off, &dropout, &eager, &forced, &offload})
+    EXPECT_EQ(graphs_part(*c, true) > 0, may_run(*c))
+        << "cuda_graphs " << c->cuda_graphs << ", dropout " << c->lora_dropout << ", checkpointing "
+        << c->gradient_checkpointing << ", offload " << c->expert_offload;
+  TrainConfig mb4 = base;
+  mb4.micro_batch_size = 4;
+  EXPECT_EQ(graphs_part(mb4, true), 4 * graphs_part(base, true)) << "one set of buffers per use shape: tokens per micro-batch";
+}
 
 // On the GPU, LoRA on both gate and up makes SwiGLU keep their two deltas for its backward:
 // the block's term grows by 2 x [tokens x top_k, intermediate] in bf16 over LoRA on gate alone
