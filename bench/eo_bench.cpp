@@ -22,12 +22,18 @@
 //                  tmpfs: pass a directory on the drive to measure :disk
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
 //   attn (default): the attention linears, as the architecture names them
+//   --h2d-gbps R: take R GB/s as the pinned host-to-device rate of the floors instead of measuring it
 //   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
 //                its GPU time by phase (bench/breakdown.h)
 //
 // Each (point, mode) is a real eo::train() run (the CLI's code path) whose metrics.jsonl is read
-// back: median step time over the steps after warm-up, allocator peak VRAM, staged bytes, H2D
-// rate and stall. The memory plan's prediction is printed beside the measured peak.
+// back. A row's s/step is the steady rate over the timed window, one interval on the device's
+// clock: (end of the last timed step - end of the last warm-up step) / timed steps; the per-step
+// device times' min / median / max stand beside it. Warm-up (at least 2 steps: the CUDA graphs
+// are captured at a block's second use) is not timed. Also: allocator peak VRAM, staged bytes,
+// H2D rate and stall; the memory plan's prediction beside the measured peak. A row faster than
+// its own transfer floor (the staged bytes at the pinned rate measured in this run) is refused:
+// such a number comes from a wrong timer or a wrong floor, not from the hardware.
 #include <ATen/Context.h>
 
 #include <nlohmann/json.hpp>
@@ -42,6 +48,7 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -77,7 +84,7 @@ struct Point {
 struct Row {
   std::string model, mode;
   Point point;
-  double s_per_step = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0, reserved_vram = 0;
+  double s_per_step = 0, step_min = 0, step_median = 0, step_max = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0, reserved_vram = 0;
   double staged_per_step = 0, h2d_gbps = 0, stall_s = 0, floor_s = 0;
   double disk_read_per_step = 0, disk_gbps = 0, disk_raw_gbps = 0, disk_wait_s = 0;  // :disk
   std::string error;
@@ -97,6 +104,9 @@ std::string arg(int argc, char** argv, const std::string& name, const std::strin
     if (argv[i] == name) return argv[i + 1];
   return fallback;
 }
+
+// Below the floor by more than the device timer's resolution (CUDA events: about 0.5 us).
+bool below_floor(double seconds, double floor_s) { return floor_s > 0 && seconds < floor_s - 1e-6; }
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -184,6 +194,10 @@ int main(int argc, char** argv) {
   }
   const int steps = std::stoi(arg(argc, argv, "--steps", "6"));
   const int warmup = std::stoi(arg(argc, argv, "--warmup", "2"));
+  if (warmup < 2 || steps < 1) {
+    std::fprintf(stderr, "eo-bench: --warmup must be at least 2 (CUDA graphs are captured in step 2) and --steps at least 1\n");
+    return kExitUsage;
+  }
   const double budget_fraction = std::stod(arg(argc, argv, "--budget-fraction", "0.5"));
   const auto modes = split(arg(argc, argv, "--modes", "resident,sync,prefetch,budget"), ',');
   const std::string json_out = arg(argc, argv, "--json", "");
@@ -207,8 +221,12 @@ int main(int argc, char** argv) {
   const std::string name = fs::path(model_dir).filename().string();
   fs::create_directories(work);
 
-  const double bw = pinned_h2d_gbps();
-  std::printf("# %s: pinned host->device %.1f GB/s (1 GiB copies, best of 5)\n", name.c_str(), bw);
+  const std::string given_bw = arg(argc, argv, "--h2d-gbps", "");
+  const double bw = given_bw.empty() ? pinned_h2d_gbps() : std::stod(given_bw);
+  if (given_bw.empty())
+    std::printf("# %s: pinned host->device %.1f GB/s (1 GiB copies, best of 5)\n", name.c_str(), bw);
+  else
+    std::printf("# %s: pinned host->device taken as %g GB/s (--h2d-gbps), not measured\n", name.c_str(), bw);
   std::vector<Row> rows;
   for (const Point& pt : points) {
     const std::int64_t need = std::int64_t(pt.seq) * pt.mb * accum * (steps + warmup + 2) + pt.seq;
@@ -245,7 +263,7 @@ int main(int argc, char** argv) {
            << (redequant ? "expert_bank_reuse: none\n" : keepdown ? "expert_bank_reuse: down\n" : "")
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
-           << "learning_rate: 1e-4\nlr_scheduler: constant\ngradient_checkpointing: true\n"
+           << "learning_rate: 1e-4\nlr_scheduler: constant\nlogging_steps: 1\ngradient_checkpointing: true\n"
            << "gradient_checkpointing_kwargs: {use_reentrant: false}\nbf16: auto\nsave_steps: 0\nsave_total_limit: 1\n"
            << "output_dir: " << work << "/run\n";
       if (mode != "resident") {
@@ -287,11 +305,15 @@ int main(int argc, char** argv) {
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");
         std::vector<double> times, staged, h2d, stall, disk_read, disk_rate, disk_wait;
+        double window_begin = -1, window_end = -1;  // device clock at the last warm-up / timed step's end
         std::string line;
         while (std::getline(in, line)) {
           const auto j = nlohmann::json::parse(line);
           row.peak_vram = std::max(row.peak_vram, j.value("peak_mem_bytes", 0.0));
-          if (j.value("step", 0) <= warmup) continue;
+          const int s = j.value("step", 0);
+          if (s == warmup) window_begin = j.value("device_clock_s", -1.0);
+          if (s <= warmup) continue;
+          if (s == warmup + steps) window_end = j.value("device_clock_s", -1.0);
           times.push_back(j.value("step_time_s", 0.0));
           staged.push_back(j.value("staged_bytes", 0.0));
           h2d.push_back(j.value("h2d_gbps", 0.0));
@@ -300,12 +322,26 @@ int main(int argc, char** argv) {
           disk_rate.push_back(j.value("disk_gbps", 0.0));
           disk_wait.push_back(j.value("disk_wait_s", 0.0));
         }
-        row.s_per_step = median(times);
+        if (window_begin < 0 || window_end <= window_begin || int(times.size()) != steps)
+          throw std::runtime_error("metrics.jsonl lacks the timed window's steps " + std::to_string(warmup) + ".." +
+                                   std::to_string(warmup + steps));
+        row.s_per_step = (window_end - window_begin) / steps;
+        row.step_min = *std::min_element(times.begin(), times.end());
+        row.step_median = median(times);
+        row.step_max = *std::max_element(times.begin(), times.end());
         row.tokens_per_s = row.s_per_step > 0 ? double(pt.seq) * pt.mb * accum / row.s_per_step : 0;
         row.staged_per_step = median(staged);
         row.h2d_gbps = median(h2d);
         row.stall_s = median(stall);
         row.floor_s = bw > 0 ? row.staged_per_step / (bw * 1e9) : 0;
+        if (below_floor(row.s_per_step, row.floor_s) || below_floor(row.step_min, row.floor_s)) {
+          char why[256];
+          std::snprintf(why, sizeof why,
+                        "refused: %.4f s/step (fastest step %.4f s) is below this row's transfer floor %.4f s "
+                        "(%s staged at %.1f GB/s): the timer or the floor is wrong",
+                        row.s_per_step, row.step_min, row.floor_s, human_bytes(row.staged_per_step).c_str(), bw);
+          row.error = why;
+        }
         if (disk) {
           // The drive's own rate on the homes file just used: one sequential O_DIRECT pass in 64 MiB
           // reads, against what the read ring reached during the timed steps.
@@ -340,8 +376,9 @@ int main(int argc, char** argv) {
 
   // The table: offload rows against the same point's resident row and against their floor.
   std::printf("\naccumulation %d, LoRA on %s\n", accum, targets.c_str());
-  std::printf("\n| model | seq x mb | mode | s/step | tokens/s | peak VRAM | plan VRAM | plan vs peak | reserved | pinned host | staged/step | H2D GB/s | stall s | floor s | vs resident | vs floor |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\ns/step: the timed window's steady rate (device clock); step min / median / max: the per-step device times\n");
+  std::printf("\n| model | seq x mb | mode | s/step | step min / median / max | tokens/s | peak VRAM | plan VRAM | plan vs peak | reserved | pinned host | staged/step | H2D GB/s | stall s | floor s | vs resident | vs floor |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   nlohmann::json all = nlohmann::json::array();
   for (const Row& r : rows) {
     double resident = 0;
@@ -354,13 +391,15 @@ int main(int argc, char** argv) {
       if (resident > 0) std::snprintf(vs_res, sizeof vs_res, "%.2fx", r.s_per_step / resident);
       if (r.floor_s > 0) std::snprintf(vs_floor, sizeof vs_floor, "%.2fx", r.s_per_step / r.floor_s);
       const double err = r.peak_vram > 0 ? 100 * (r.plan_vram / r.peak_vram - 1) : 0;
-      std::printf("| %s | %dx%d | %s | %.3f | %.0f | %s | %s | %+.1f%% | %s | %s | %s | %.1f | %.3f | %.3f | %s | %s |\n",
-                  r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(), r.s_per_step, r.tokens_per_s,
+      std::printf("| %s | %dx%d | %s | %.3f | %.3f / %.3f / %.3f | %.0f | %s | %s | %+.1f%% | %s | %s | %s | %.1f | %.3f | %.3f | %s | %s |\n",
+                  r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(), r.s_per_step, r.step_min, r.step_median,
+                  r.step_max, r.tokens_per_s,
                   human_bytes(r.peak_vram).c_str(), human_bytes(r.plan_vram).c_str(), err, human_bytes(r.reserved_vram).c_str(),
                   human_bytes(r.pinned).c_str(), human_bytes(r.staged_per_step).c_str(),
                   r.h2d_gbps, r.stall_s, r.floor_s, vs_res, vs_floor);
     }
     all.push_back({{"model", r.model}, {"mode", r.mode}, {"seq", r.point.seq}, {"mb", r.point.mb}, {"accum", accum}, {"s_per_step", r.s_per_step},
+                   {"step_min_s", r.step_min}, {"step_median_s", r.step_median}, {"step_max_s", r.step_max},
                    {"tokens_per_s", r.tokens_per_s}, {"peak_vram", r.peak_vram}, {"plan_vram", r.plan_vram}, {"reserved_vram", r.reserved_vram},
                    {"pinned", r.pinned}, {"staged_per_step", r.staged_per_step}, {"h2d_gbps", r.h2d_gbps},
                    {"stall_s", r.stall_s}, {"floor_s", r.floor_s}, {"pinned_bw_gbps", bw}, {"error", r.error},
@@ -369,5 +408,8 @@ int main(int argc, char** argv) {
   }
   if (!json_out.empty()) std::ofstream(json_out) << all.dump(1) << "\n";
   world.finalize();
+  // A row refused for its floor fails the run: a script must not take its table as a result.
+  for (const Row& r : rows)
+    if (r.error.rfind("refused:", 0) == 0) return 1;
   return 0;
 }

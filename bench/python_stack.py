@@ -222,23 +222,45 @@ def run_point(model, opt, cfg, seq, mb, args, device):
         opt.step()
         return out
 
+    # Timed as eo-bench times eo-ddp: one window on the device's clock from the end of the last
+    # warm-up step to the end of the last timed step (CUDA events; a window closed by a sync on
+    # the CPU), divided by the timed steps; per-step event times give min / median / max.
     for _ in range(args.warmup):
         step()
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses, aux = [], [], None
+    cuda = device.type == "cuda"
+    marks, outs = [], []
+    def mark():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+    marks.append(mark())
     for _ in range(args.steps):
-        sync(device)
-        t0 = time.perf_counter()
         out = step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(out.loss.detach().float().cpu()))
+        outs.append(out.loss.detach())
+        marks.append(mark())
         if getattr(out, "aux_loss", None) is not None:
-            aux = float(out.aux_loss.detach().float().cpu())
-    s = statistics.median(times)
-    r = {"s_per_step": s, "s_per_step_min": min(times), "s_per_step_max": max(times),
+            outs[-1] = (outs[-1], out.aux_loss.detach())
+    sync(device)
+    if cuda:
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+        window = marks[0].elapsed_time(marks[-1]) / 1e3
+    else:
+        times = [b - a for a, b in zip(marks, marks[1:])]
+        window = marks[-1] - marks[0]
+    losses, aux = [], None
+    for o in outs:
+        if isinstance(o, tuple):
+            o, a_ = o
+            aux = float(a_.float().cpu())
+        losses.append(float(o.float().cpu()))
+    s = window / args.steps
+    r = {"s_per_step": s, "s_per_step_min": min(times), "s_per_step_median": statistics.median(times),
+         "s_per_step_max": max(times),
          "tokens_per_s": seq * mb / s, "loss_first": losses[0], "loss_last": losses[-1],
          "aux_loss_last": aux, "loss_finite": all(math.isfinite(x) for x in losses)}
     if device.type == "cuda":

@@ -19,7 +19,12 @@ struct Plan {
   std::int64_t kill_in_replace = -1;      // SIGKILL between the two renames replacing checkpoint-<step>
   std::int64_t host_mem_available = -1;   // bytes of host RAM to report as available (-1: measure)
   std::int64_t disk_homes_full_after = -1;  // writes of the disk homes file fail with ENOSPC past this many bytes
-  bool refuse_o_direct = false;           // opening the disk homes file with O_DIRECT fails as on tmpfs (EINVAL)
+  bool refuse_o_direct = false;
+  // Step timing: called while optimizer step `step`'s device work is being queued (after its
+  // micro-batches, before the optimizer), where a test adds device work of a known length; and
+  // after step `step` is queued, before the step before it is read, where a test makes the host late.
+  std::function<void(std::int64_t step)> in_step_work;
+  std::function<void(std::int64_t step)> after_queue;           // opening the disk homes file with O_DIRECT fails as on tmpfs (EINVAL)
 };
 
 void install(Plan plan);  // test binaries only, before anything runs

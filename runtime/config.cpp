@@ -682,7 +682,7 @@ const std::vector<KeySpec>& schema() {
                  },
                  writer(&TrainConfig::expert_offload_vram_budget)});
     k.push_back({"expert_dequant_chunk", "bytes, auto or whole", "auto",
-                 "Largest slice of a MoE block's experts dequantised at once for the grouped GEMMs (GPU); slices save memory and cost time (measured +18-37%); auto = whole, or 64MiB when only that makes the plan fit the device.",
+                 "Largest slice of a MoE block's experts dequantised at once for the grouped GEMMs (GPU); slices save memory and cost time (docs/benchmarks.md); auto = whole, or 64MiB when only that makes the plan fit the device.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
                    if (v == "auto" || v == "whole") { c.expert_dequant_chunk = v; return; }

@@ -6,6 +6,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "common/error.h"
 #include "runtime/metrics.h"
@@ -14,6 +16,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #endif
 
@@ -155,6 +158,67 @@ const at::Tensor& HostCopy::get() {
     done_.reset();
   }
   return host_;
+}
+
+double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+DeviceMark DeviceMark::record(const at::Device& d) {
+  DeviceMark m;
+  m.defined_ = true;
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) {
+    c10::cuda::CUDAGuard guard(d.index());
+    cudaEvent_t e = nullptr;
+    C10_CUDA_CHECK(cudaEventCreate(&e));  // default flags: with timing
+    m.event_ = std::shared_ptr<void>(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
+    C10_CUDA_CHECK(cudaEventRecord(e, c10::cuda::getCurrentCUDAStream(d.index()).stream()));
+    return m;
+  }
+#endif
+  (void)d;
+  m.wall_s_ = steady_seconds();
+  return m;
+}
+
+double DeviceMark::seconds_since(const DeviceMark& earlier) const {
+  EO_CHECK(defined_ && earlier.defined_, "DeviceMark::seconds_since on an unset mark");
+  EO_CHECK(bool(event_) == bool(earlier.event_), "DeviceMark::seconds_since between a GPU and a CPU mark");
+#ifdef EO_WITH_CUDA
+  if (event_) {
+    auto* e = static_cast<cudaEvent_t>(event_.get());
+    C10_CUDA_CHECK(cudaEventSynchronize(e));
+    float ms = 0;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(earlier.event_.get()), e));
+    return double(ms) / 1e3;
+  }
+#endif
+  return wall_s_ - earlier.wall_s_;
+}
+
+namespace {
+struct StreamHold {
+  double seconds;
+  std::function<void(double)> on_run;
+};
+void run_stream_hold(void* p) {
+  std::unique_ptr<StreamHold> h(static_cast<StreamHold*>(p));
+  if (h->on_run) h->on_run(steady_seconds());
+  std::this_thread::sleep_for(std::chrono::duration<double>(h->seconds));
+}
+}  // namespace
+
+void hold_device_stream(const at::Device& d, double seconds, std::function<void(double)> on_run) {
+  auto* h = new StreamHold{seconds, std::move(on_run)};
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda()) {
+    C10_CUDA_CHECK(cudaLaunchHostFunc(c10::cuda::getCurrentCUDAStream(d.index()).stream(), run_stream_hold, h));
+    return;
+  }
+#endif
+  (void)d;
+  run_stream_hold(h);
 }
 
 }  // namespace eo

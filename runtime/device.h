@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -55,5 +56,30 @@ class HostCopy {
   at::Tensor host_;
   std::unique_ptr<c10::Event> done_;
 };
+
+// A point in the device's stream of work, for timing it on the device's own clock. On a GPU it
+// is a timing CUDA event recorded on the current stream: it completes once the work queued
+// before it has run, so the time between two marks is what the device took, however late the
+// host reads it. On the CPU the work is done when it is queued, and a mark is the wall clock.
+class DeviceMark {
+ public:
+  DeviceMark() = default;
+  static DeviceMark record(const at::Device& d);
+  bool defined() const { return defined_; }
+  // Seconds from `earlier` to this mark, on the device's clock; waits for this mark only.
+  double seconds_since(const DeviceMark& earlier) const;
+
+ private:
+  bool defined_ = false;
+  std::shared_ptr<void> event_;  // cudaEvent_t on a GPU
+  double wall_s_ = 0;            // steady clock, CPU marks
+};
+
+// Holds the device's current stream for `seconds` at this point of its work (a host function the
+// stream waits on; a sleep on the CPU), as if the kernels queued here took that long. `on_run`,
+// if set, is called with the steady-clock second at which the stream reached this point. For
+// the timing tests (through the test seam); nothing in training calls it.
+void hold_device_stream(const at::Device& d, double seconds, std::function<void(double)> on_run = {});
+double steady_seconds();  // std::chrono::steady_clock, in seconds
 
 }  // namespace eo

@@ -51,6 +51,8 @@ nlohmann::json to_json(const StepReport& r) {
                       {"tokens", r.tokens},
                       {"tokens_per_sec", r.tokens_per_sec},
                       {"step_time_s", r.step_time_s},
+                      {"host_s", r.host_s},
+                      {"device_clock_s", r.device_clock_s},
                       {"peak_mem_bytes", r.peak_mem_bytes},
                       {"elapsed_s", r.elapsed_s}};
   for (auto it = r.extra.begin(); it != r.extra.end(); ++it) j[it.key()] = it.value();

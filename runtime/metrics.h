@@ -16,7 +16,9 @@ struct StepReport {
   double lr = 0;
   double grad_norm = 0;
   std::int64_t tokens = 0;  // target tokens in this step, all ranks
-  double step_time_s = 0;
+  double step_time_s = 0;     // on the device's clock: this step's end minus the previous step's end
+  double host_s = 0;          // the host's interval between reading the previous step and this one
+  double device_clock_s = 0;  // this step's end on the device's clock, from the start of training
   double tokens_per_sec = 0;
   std::int64_t peak_mem_bytes = 0;  // device allocator peak (CUDA) or max RSS (CPU)
   double elapsed_s = 0;

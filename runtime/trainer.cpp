@@ -134,14 +134,24 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   // (Optimizer::step's skip); the host learns of it, counts and warns one step later. A step
   // whose outcome the host needs before going on (the last, a save, an evaluation, a stop, the
   // first with an automatic budget, an after_step hook) is read before the next is queued.
+  //
+  // Step times come from the device: a mark where the step's device work begins and one where it
+  // ends (DeviceMark: CUDA events on the compute stream, the wall clock on the CPU). A step's time
+  // is its end minus the previous step's end, so the device's idle time while it waited for the
+  // host counts, as it does in the run's length. The first step, and a step after an evaluation,
+  // a save or the automatic budget (work that is not a step's), run from their own begin mark.
+  // host_s is the host's interval between reading two steps, kept to show a host-bound loop.
   struct Queued {
     std::int64_t step = 0, tokens = 0;  // tokens: target tokens, all ranks
     double lr = 0, epoch = 0;
+    DeviceMark since, end;  // the step's time is end - since
     HostCopy values;  // fp64 [ce sum, aux sum (all ranks), ranks with a non-finite loss, gradient norm]
   };
   TrainResult result;
   const auto t_start = Clock::now();
   auto t_last = t_start;  // when the previous step was read (or the host's own work after it ended)
+  const DeviceMark run_start = DeviceMark::record(device);  // device_clock_s counts from here
+  DeviceMark last_end;  // the previous step's end, unset after work between steps
   reset_peak_memory(device);
   bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
   std::optional<Queued> pending;
@@ -171,7 +181,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     r.lr = q.lr;
     r.grad_norm = grad_norm;
     r.tokens = q.tokens;
-    r.step_time_s = std::chrono::duration<double>(t_read - t_last).count();
+    r.step_time_s = q.end.seconds_since(q.since);
+    r.device_clock_s = q.end.seconds_since(run_start);
+    r.host_s = std::chrono::duration<double>(t_read - t_last).count();
     t_last = t_read;
     r.tokens_per_sec = double(q.tokens) / std::max(1e-9, r.step_time_s);
     r.peak_mem_bytes = peak_memory_bytes(device);
@@ -206,6 +218,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       r.extra["eval_tokens"] = eval_tokens;
       result.eval_loss = eval_loss;
       t_last = Clock::now();  // the evaluation is not the next step's time
+      last_end = DeviceMark();
     }
     if (wi.rank == 0 && (skip || eval_now || q.step % cfg.logging_steps == 0 || q.step == total_steps)) {
       log::progress(progress_line(r), q.step == total_steps);
@@ -234,6 +247,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     if (hooks.before_step) hooks.before_step(step + 1);
     const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
     const std::int64_t step_start_allocated = allocated_memory_bytes(device);
+    const DeviceMark begin = DeviceMark::record(device);
     std::vector<data::MicroBatch> micro;
     std::int64_t tokens[1] = {0};
     for (std::int64_t m = 0; m < accum; ++m) {
@@ -243,6 +257,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     world.allreduce_sum(tokens, 1);
     const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
     const StepLosses sl = runner.run(micro, global_tokens, [&](int) { return inject_nan; });
+    if (faults::plan().in_step_work) faults::plan().in_step_work(step + 1);  // test seam
     if (reducer) reducer->finalize();
     // Clipping rides in AdamW: it divides each gradient by the divisor as it reads it (1 when the
     // norm is within max_grad_norm or not finite).
@@ -269,13 +284,17 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     q.step = step;
     q.tokens = tokens[0];
     q.lr = lr;
-    q.epoch = double(micro.back().epoch) + double(micro.back().position + 1) / double(std::max<std::int64_t>(1, batcher.num_sequences()));
+    q.epoch = batcher.epochs_after(micro.back());
+    q.end = DeviceMark::record(device);
+    q.since = last_end.defined() ? last_end : begin;
+    last_end = q.end;
     q.values = HostCopy(at::cat({sums, grad_norm.reshape({1})}));
     // A stop request on any rank stops every rank at this same step.
     double stop[1] = {stop_requested() ? 1.0 : 0.0};
     world.allreduce_max(stop, 1);
     const bool eval_now = run.eval_rows && ((eval_every > 0 && step % eval_every == 0) || step == total_steps);
     const bool save_now = save_every > 0 && step % save_every == 0 && step < total_steps;
+    if (faults::plan().after_queue) faults::plan().after_queue(step);  // test seam
     if (std::optional<Queued> previous = std::move(pending); previous) {
       pending.reset();
       finish(std::move(*previous), /*eval_now=*/false);
@@ -293,11 +312,13 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     if (save_now) {
       save(cfg.saves_per_epoch ? "saves_per_epoch" : "save_steps");
       t_last = Clock::now();
+      last_end = DeviceMark();
     }
     if (auto_budget_pending) {
       size_auto_budget(*offloader, device, step_start_allocated);
       auto_budget_pending = false;
       t_last = Clock::now();
+      last_end = DeviceMark();
     }
   } catch (...) {
     flush_pending();

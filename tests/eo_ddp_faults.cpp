@@ -7,20 +7,51 @@
 //   EO_DDP_FAULT_KILL_IN_REPLACE=<step>: SIGKILL between the renames replacing checkpoint-<step>;
 //   EO_DDP_FAULT_HOST_MEM_AVAILABLE=<size>: the host RAM the pre-load check sees;
 //   EO_DDP_FAULT_DISK_FULL_AFTER=<size>: writing the disk homes file fails with ENOSPC past <size> bytes;
-//   EO_DDP_FAULT_NO_O_DIRECT=1: the disk homes file cannot be opened with O_DIRECT (as on old tmpfs).
+//   EO_DDP_FAULT_NO_O_DIRECT=1: the disk homes file cannot be opened with O_DIRECT (as on old tmpfs);
+//   EO_DDP_FAULT_DEVICE_DELAY=<step>:<seconds>[,...] (step may be `all`): that step's device work
+//   takes <seconds> longer (the stream held inside the step: runtime/device.h hold_device_stream);
+//   EO_DDP_FAULT_HOST_DELAY=<step>:<seconds>[,...]: the host sleeps after queueing that step,
+//   before reading the one before it.
+#include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <map>
+#include <sstream>
 #include <string>
+#include <thread>
 
 #include "common/error.h"
 #include "common/fault_seam.h"
 #include "common/text.h"
 #include "launch/commands.h"
+#include "runtime/device.h"
 
 namespace {
 std::string env(const char* name) {
   const char* v = std::getenv(name);
   return v ? v : "";
+}
+
+// "<step>:<seconds>,..." -> seconds by step (0 = every step, for `all`).
+std::map<std::int64_t, double> delays(const std::string& spec) {
+  std::map<std::int64_t, double> out;
+  std::stringstream ss(spec);
+  for (std::string item; std::getline(ss, item, ',');) {
+    const auto colon = item.find(':');
+    EO_CHECK(colon != std::string::npos, "expected <step>:<seconds>, got '", item, "'");
+    const std::string step = item.substr(0, colon);
+    out[step == "all" ? 0 : std::stoll(step)] = std::stod(item.substr(colon + 1));
+  }
+  return out;
+}
+
+double delay_at(const std::map<std::int64_t, double>& d, std::int64_t step) {
+  if (auto it = d.find(step); it != d.end()) return it->second;
+  if (auto it = d.find(0); it != d.end()) return it->second;
+  return 0;
 }
 }  // namespace
 
@@ -43,6 +74,17 @@ int main(int argc, char** argv) {
   if (const std::string s = env("EO_DDP_FAULT_DISK_FULL_AFTER"); !s.empty())
     plan.disk_homes_full_after = static_cast<std::int64_t>(eo::parse_bytes(s).value_or(0));
   plan.refuse_o_direct = env("EO_DDP_FAULT_NO_O_DIRECT") == "1";
+  if (const std::string s = env("EO_DDP_FAULT_DEVICE_DELAY"); !s.empty())
+    plan.in_step_work = [d = delays(s)](std::int64_t step) {
+      const double seconds = delay_at(d, step);
+      if (seconds <= 0) return;
+      const at::Device dev = at::hasCUDA() ? c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice() : at::Device(at::kCPU);
+      eo::hold_device_stream(dev, seconds);
+    };
+  if (const std::string s = env("EO_DDP_FAULT_HOST_DELAY"); !s.empty())
+    plan.after_queue = [d = delays(s)](std::int64_t step) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(delay_at(d, step)));
+    };
   eo::faults::install(std::move(plan));
   return eo::launch::run_main(argc, argv);
 }

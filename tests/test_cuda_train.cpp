@@ -15,7 +15,10 @@
 //    LoRA on every linear, experts included), and trained adapters and losses equal to eager
 //    training, resident and offloaded, with and without the router aux loss;
 //  - kept expert banks (expert_bank_reuse all / down) train bitwise like none, and dequantise 6/9
-//    and 8/9 as often.
+//    and 8/9 as often;
+//  - logged step times are the device's: with a late host (device-bound and host-bound), each
+//    step's step_time_s equals the period at which the stream itself reached the same point of
+//    consecutive steps, within 2%.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -40,6 +43,11 @@
 #include "runtime/dist/world.h"
 #include "runtime/step.h"
 #include "runtime/trainer.h"
+#include "runtime/device.h"
+#include "common/fault_seam.h"
+
+#include <mutex>
+#include <thread>
 
 using namespace eo;
 namespace fs = std::filesystem;
@@ -298,6 +306,54 @@ TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
     for (const auto& [k, v] : ref) differing += at::equal(v, got.at(k)) ? 0 : 1;
     EXPECT_EQ(differing, 0) << label << ": " << differing << " of " << ref.size() << " LoRA tensors differ from eager";
     EXPECT_EQ(read_losses(a), read_losses(b)) << label;
+  }
+  remove_tree(root.string());
+}
+
+// The stream is held 0.5 s inside every step (hold_device_stream, through the test seam); the
+// host sleeps after queueing each step, before reading the one before: 0.2 s (the device is the
+// bound) and 0.9 s (the host is). The reference is independent of the trainer's timer: the
+// steady-clock second at which the stream reached the hold in each step, taken by the host
+// function the stream runs there.
+TEST(CudaTrain, LoggedStepTimesAreTheDevicesWithALateHost) {
+  REQUIRE_CUDA();
+  const fs::path root = fs::temp_directory_path() / "eo_cuda_step_times";
+  remove_tree(root.string());
+  const fs::path model = make_model_dir(root / "model");
+  const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 10);
+  const at::Device dev(at::kCUDA, 0);
+  constexpr int kSteps = 8;
+  constexpr double kHold = 0.5;
+  for (const double host_sleep : {0.2, 0.9}) {
+    std::mutex mu;
+    std::map<std::int64_t, double> reached;
+    faults::Plan plan;
+    plan.in_step_work = [&](std::int64_t step) {
+      hold_device_stream(dev, kHold, [&, step](double t) {
+        std::lock_guard<std::mutex> lock(mu);
+        reached[step] = t;
+      });
+    };
+    plan.after_queue = [host_sleep](std::int64_t) { std::this_thread::sleep_for(std::chrono::duration<double>(host_sleep)); };
+    faults::install(plan);
+    const std::string name = "host" + std::to_string(int(host_sleep * 10));
+    const fs::path out = train_run(root, model, tokens, name, "0.0", {"max_steps=" + std::to_string(kSteps), "logging_steps=1"});
+    faults::install({});
+    std::map<std::int64_t, double> logged;
+    std::ifstream in(out / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) {
+        const auto j = nlohmann::json::parse(line);
+        logged[j.at("step").get<std::int64_t>()] = j.at("step_time_s").get<double>();
+      }
+    ASSERT_EQ(logged.size(), std::size_t(kSteps)) << name;
+    ASSERT_EQ(reached.size(), std::size_t(kSteps)) << name;
+    for (std::int64_t s = 3; s <= kSteps; ++s) {
+      const double period = reached.at(s) - reached.at(s - 1);
+      EXPECT_GE(logged.at(s), kHold) << name << " step " << s;
+      EXPECT_NEAR(logged.at(s), period, 0.02 * period) << name << " step " << s << ": logged " << logged.at(s)
+                                                       << " s, the stream's own period " << period << " s";
+    }
   }
   remove_tree(root.string());
 }

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -42,6 +43,7 @@ using eo::faults::eo_ddp_command;
 using eo::faults::Outcome;
 using eo::faults::read_text;
 using eo::faults::RunOptions;
+using eo::faults::run;
 using eo::faults::spawn;
 using eo::faults::train;
 using eo::faults::train_args;
@@ -347,4 +349,63 @@ TEST_F(Train, ConfigErrorsComeBeforeWeights) {
   const Outcome control = wait_for(spawn(eo_ddp_command(train_args(dir_ / "out2", {"base_model=" + model.string()})), dir_ / "control.log"), 60);
   EXPECT_TRUE(control.exited && control.code == 1) << control.describe();
   EXPECT_NE(control.log.find("model.safetensors"), std::string::npos) << control.log;
+}
+
+// Step times are the step's own device time (on the CPU: the wall clock after its work), not the
+// host's interval between reading two steps. The host reads step s after queueing step s + 1, so
+// the old host interval put step 3's injected 0.6 s on step 2 (host_s keeps that interval, and
+// shows it). And no progress line claims a rate far from the run's own.
+TEST_F(Train, StepTimesAreTheStepsOwnTimeNotTheHostsReadInterval) {
+  const fs::path out = dir_ / "run";
+  RunOptions o;
+  o.env = {"EO_DDP_FAULT_DEVICE_DELAY=3:0.6"};
+  const Outcome r = run(eo_ddp_command(train_args(out, {"max_steps=20", "save_steps=0", "logging_steps=1"})), dir_ / "run.log", o);
+  ASSERT_TRUE(r.exited && r.code == 0) << r.describe();
+  const auto m = read_metrics(out);
+  ASSERT_EQ(m.size(), 20u);
+  EXPECT_GE(m.at(3)["step_time_s"].get<double>(), 0.6) << m.at(3).dump();
+  EXPECT_LT(m.at(2)["step_time_s"].get<double>(), 0.6) << m.at(2).dump();
+  EXPECT_LT(m.at(4)["step_time_s"].get<double>(), 0.6) << m.at(4).dump();
+  EXPECT_GE(m.at(2)["host_s"].get<double>(), 0.6) << "host_s is the read interval, which holds step 3's work: " << m.at(2).dump();
+  // The device clock runs through every step: each step's end minus the one before is its time.
+  for (std::int64_t s = 2; s <= 20; ++s)
+    EXPECT_NEAR(m.at(s)["device_clock_s"].get<double>() - m.at(s - 1)["device_clock_s"].get<double>(),
+                m.at(s)["step_time_s"].get<double>(), 1e-9)
+        << "step " << s;
+  std::vector<double> rates;
+  for (std::int64_t s = 1; s <= 20; ++s) rates.push_back(m.at(s)["tokens_per_sec"].get<double>());
+  std::vector<double> sorted = rates;
+  std::sort(sorted.begin(), sorted.end());
+  const double med = 0.5 * (sorted[9] + sorted[10]);
+  for (std::size_t i = 0; i < rates.size(); ++i) EXPECT_LE(rates[i], 1.5 * med) << "step " << i + 1 << " of a run with median " << med;
+}
+
+// epoch = rows consumed / rows an epoch uses, at every step. 10 one-document rows, micro-batches
+// of 3 rows: an epoch uses 9 (the tenth is dropped for that epoch), so after s steps of g micro-
+// batches the run has consumed 3 g s rows and is at epoch 3 g s / 9.
+TEST_F(Train, EpochIsRowsConsumedOverRowsPerEpoch) {
+  {
+    std::ofstream data(dir_ / "rows.jsonl");
+    for (int i = 0; i < 10; ++i) data << "{\"input_ids\": [1, " << 10 + i << ", 20, 30, 40, 2]}\n";
+  }
+  for (int accum : {1, 2}) {
+    const fs::path out = dir_ / ("run-g" + std::to_string(accum));
+    std::ifstream in(fs::path(EO_SOURCE_DIR) / "configs/tiny-qwen3-moe.yaml");
+    std::stringstream yaml;
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("fixtures/tiny-data/train.jsonl") != std::string::npos) line = "  - path: " + (dir_ / "rows.jsonl").string();
+      if (line.rfind("base_model:", 0) == 0) line = "base_model: " + (fs::path(EO_SOURCE_DIR) / "fixtures/tiny-qwen3-moe").string();
+      yaml << line << "\n";
+    }
+    std::ofstream(dir_ / "rows.yaml") << yaml.str();
+    const Outcome r = run(eo_ddp_command(train_args(out,
+                                                    {"max_steps=7", "save_steps=0", "logging_steps=1", "sample_packing=false",
+                                                     "micro_batch_size=3", "gradient_accumulation_steps=" + std::to_string(accum)},
+                                                    (dir_ / "rows.yaml").string())),
+                          dir_ / "rows.log");
+    ASSERT_TRUE(r.exited && r.code == 0) << r.describe();
+    const auto m = read_metrics(out);
+    ASSERT_EQ(m.size(), 7u);
+    for (const auto& [s, j] : m) EXPECT_NEAR(j["epoch"].get<double>(), 3.0 * accum * double(s) / 9.0, 1e-12) << "g " << accum << ", step " << s;
+  }
 }

@@ -169,6 +169,11 @@ std::int64_t Batcher::num_batches_per_epoch() const {
   return num_sequences() / (opt_.micro_batch_size * opt_.world_size);
 }
 
+double Batcher::epochs_after(const MicroBatch& b) const {
+  const std::int64_t global = opt_.micro_batch_size * opt_.world_size;
+  return double(b.epoch) + double(b.position + global) / double(std::max<std::int64_t>(1, num_batches_per_epoch() * global));
+}
+
 void Batcher::fill_row(std::size_t row, std::int64_t* ids, std::int64_t* labels, std::int64_t* positions,
                        std::int32_t* segments) const {
   const std::int64_t L = opt_.sequence_len;

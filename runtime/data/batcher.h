@@ -164,6 +164,10 @@ class Batcher {
   std::int64_t num_sequences() const { return static_cast<std::int64_t>(row_starts_.size()) - 1; }
   // Global micro-batches per epoch (each rank gets one micro-batch of each).
   std::int64_t num_batches_per_epoch() const;
+  // Epochs done once `b`'s global micro-batch is consumed: its epoch + rows consumed in that
+  // epoch (all ranks) / rows an epoch uses (num_batches_per_epoch x G; the dropped remainder is
+  // not counted), so an epoch ends at exactly 1.0, 2.0, ...
+  double epochs_after(const MicroBatch& b) const;
 
   // This rank's next micro-batch; moves to the next epoch when the current one is exhausted.
   MicroBatch next();
