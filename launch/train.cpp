@@ -11,6 +11,7 @@
 #include "models/hf_config.h"
 #include "launch/commands.h"
 #include "runtime/config.h"
+#include "runtime/rank_agreement.h"
 #include "runtime/data/prepare.h"
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
@@ -77,6 +78,7 @@ int run_train(const Args& args) {
   dist::World& w = dist::World::get();
   const auto& world = w.info();
   w.set_timeout(cfg.ddp_timeout);  // every host collective from here on is bounded
+  check_ranks_agree(cfg, w);  // before anything is loaded or written
   if (world.rank == 0) check_output_dir_writable(cfg.output_dir);  // rank 0 writes output_dir
   if (check) {
     if (world.rank == 0) {

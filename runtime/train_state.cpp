@@ -419,6 +419,8 @@ std::string show(const json& v) { return v.is_string() ? v.get<std::string>() : 
 
 }  // namespace
 
+std::string base_model_identity(const TrainConfig& cfg) { return base_model_fingerprint(cfg); }
+
 json recorded_config(const TrainConfig& cfg) {
   json datasets = json::array();
   for (const auto& d : cfg.datasets) datasets.push_back(d.path);

@@ -79,6 +79,9 @@ TrainingState load_checkpoint(const std::string& folder, bool with_tensors = tru
 // with the same contents, ...) return warnings. A checkpoint that recorded nothing (older
 // eo-ddp) gives one warning.
 nlohmann::json recorded_config(const TrainConfig& cfg);
+// The base model's identity as checkpoints record it (config.json, and every safetensors file's
+// name, size and sampled windows; the seed of synthetic weights): equal for a copy in another folder.
+std::string base_model_identity(const TrainConfig& cfg);
 std::vector<std::string> check_resume_compatible(const TrainingState& checkpoint, const TrainConfig& cfg);
 
 // Probes that output_dir can be created and written (a file created and removed in it), without

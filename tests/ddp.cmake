@@ -23,3 +23,8 @@ eo_ddp_fault_test(hang 3 "rank [01]: all-reduce of gradient bucket 0 .* did not 
 add_test(NAME mpi_train COMMAND ${PROJECT_SOURCE_DIR}/tests/mpi_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(mpi_train PROPERTIES LABELS mpi TIMEOUT 900 ENVIRONMENT "${EO_MPI_ENV}"
                      PASS_REGULAR_EXPRESSION "mpi_train: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+
+# Ranks given different configs stop before loading, naming the key (tests/rank_agreement.sh).
+add_test(NAME rank_agreement COMMAND ${PROJECT_SOURCE_DIR}/tests/rank_agreement.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(rank_agreement PROPERTIES LABELS mpi TIMEOUT 600 ENVIRONMENT "${EO_MPI_ENV}"
+                     PASS_REGULAR_EXPRESSION "rank_agreement: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

@@ -11,6 +11,7 @@
 #include "models/hf_config.h"
 #include "runtime/config.h"
 #include "runtime/setup.h"
+#include "runtime/rank_agreement.h"
 
 using namespace eo;
 
@@ -585,4 +586,21 @@ TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   TrainConfig no_ckpt = offload;
   no_ckpt.gradient_checkpointing = false;
   EXPECT_FALSE(on(no_ckpt, room, cuda).first);
+}
+
+// Ranks compare their resolved configs key by key: equal configs agree; one --set on one rank is
+// named with both values; base_model's path is not compared (its contents are, by identity).
+TEST(RankAgreement, NamesEveryKeyThatDiffersWithEachRanksValue) {
+  const auto a = run_identity(load(kValid));
+  EXPECT_TRUE(rank_disagreements({a, a, a}).empty());
+  EXPECT_EQ(a.count("base_model"), 0u);
+  EXPECT_EQ(a.count("base model contents"), 1u);
+  ASSERT_EQ(a.count("lora_r"), 1u);
+  const auto b = run_identity(load(kValid, {"lora_r=4", "seed=9"}));
+  const auto c = run_identity(load(kValid, {"datasets.0.path=other.jsonl"}));
+  const auto d = rank_disagreements({a, b, a, c});
+  ASSERT_EQ(d.size(), 3u);
+  EXPECT_EQ(d[0], "datasets.0.path: rank 0 has train.jsonl, rank 3 has other.jsonl");
+  EXPECT_EQ(d[1], "lora_r: rank 0 has 16, rank 1 has 4");
+  EXPECT_EQ(d[2], "seed: rank 0 has 42, rank 1 has 9");
 }

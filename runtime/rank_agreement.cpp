@@ -1,0 +1,92 @@
+#include "runtime/rank_agreement.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <set>
+#include <sstream>
+
+#include "common/error.h"
+#include "runtime/dist/world.h"
+#include "runtime/train_state.h"
+
+namespace eo {
+namespace {
+
+void flatten(const YAML::Node& n, const std::string& key, std::map<std::string, std::string>& out) {
+  if (n.IsMap()) {
+    for (const auto& kv : n) flatten(kv.second, (key.empty() ? "" : key + ".") + kv.first.as<std::string>(), out);
+  } else if (n.IsSequence()) {
+    for (std::size_t i = 0; i < n.size(); ++i) flatten(n[i], key + "." + std::to_string(i), out);
+    if (n.size() == 0) out[key] = "[]";
+  } else {
+    YAML::Emitter e;
+    e << YAML::Flow << n;
+    out[key] = e.c_str();
+  }
+}
+
+std::string shown(const std::string& v) { return v.size() > 80 ? v.substr(0, 77) + "..." : v; }
+
+// One line per key, tab-separated; keys and emitted YAML scalars hold no tab or newline once escaped.
+std::string encode(const std::map<std::string, std::string>& m) {
+  std::string s;
+  for (const auto& [k, v] : m) {
+    std::string val;
+    for (char c : v) val += c == '\n' ? std::string("\\n") : c == '\t' ? std::string("\\t") : std::string(1, c);
+    s += k + "\t" + val + "\n";
+  }
+  return s;
+}
+
+std::map<std::string, std::string> decode(const std::string& s) {
+  std::map<std::string, std::string> m;
+  std::istringstream in(s);
+  for (std::string line; std::getline(in, line);) {
+    const auto tab = line.find('\t');
+    if (tab != std::string::npos) m[line.substr(0, tab)] = line.substr(tab + 1);
+  }
+  return m;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> run_identity(const TrainConfig& cfg) {
+  std::map<std::string, std::string> out;
+  flatten(YAML::Load(config_to_yaml(cfg)), "", out);
+  out.erase("base_model");
+  out["base model contents"] = base_model_identity(cfg);
+  return out;
+}
+
+std::vector<std::string> rank_disagreements(const std::vector<std::map<std::string, std::string>>& per_rank) {
+  std::set<std::string> keys;
+  for (const auto& m : per_rank)
+    for (const auto& kv : m) keys.insert(kv.first);
+  std::vector<std::string> out;
+  for (const auto& k : keys) {
+    auto value = [&](std::size_t r) {
+      auto it = per_rank[r].find(k);
+      return it == per_rank[r].end() ? std::string("(not set)") : it->second;
+    };
+    std::string line;
+    for (std::size_t r = 1; r < per_rank.size(); ++r)
+      if (value(r) != value(0)) line += ", rank " + std::to_string(r) + " has " + shown(value(r));
+    if (!line.empty()) out.push_back(k + ": rank 0 has " + shown(value(0)) + line);
+  }
+  return out;
+}
+
+void check_ranks_agree(const TrainConfig& cfg, const dist::World& world) {
+  if (world.size() <= 1) return;
+  std::vector<std::map<std::string, std::string>> per_rank;
+  for (const auto& s : world.allgather(encode(run_identity(cfg)))) per_rank.push_back(decode(s));
+  const auto diff = rank_disagreements(per_rank);
+  if (diff.empty()) return;
+  std::string msg = "the ranks of this job were given different runs (" + std::to_string(diff.size()) +
+                    " key(s) differ); every rank must get the same config and base model:";
+  for (const auto& d : diff) msg += "\n  " + d;
+  msg += "\nGive every rank the same --config and --set arguments (and the same base_model contents).";
+  throw UsageError(msg);
+}
+
+}  // namespace eo
