@@ -352,21 +352,24 @@ TEST_F(Train, ConfigErrorsComeBeforeWeights) {
 }
 
 // Step times are the step's own device time (on the CPU: the wall clock after its work), not the
-// host's interval between reading two steps. The host reads step s after queueing step s + 1, so
-// the old host interval put step 3's injected 0.6 s on step 2 (host_s keeps that interval, and
-// shows it). And no progress line claims a rate far from the run's own.
+// host's interval between reading two steps. Every step's work is lengthened by 0.3 s and step 3's
+// by 0.9 s (through the test seam). The host reads step s after queueing step s + 1, so the old
+// host interval put step 3's time on step 2 (host_s keeps that interval, and shows it), and gave
+// the last step, read right after the one before, about 0 s. No progress line may claim a rate
+// far from the run's own: the fixed 0.3 s keeps the machine's own speed changes (other processes
+// on the cores) from moving a step's true rate by 1.5x.
 TEST_F(Train, StepTimesAreTheStepsOwnTimeNotTheHostsReadInterval) {
   const fs::path out = dir_ / "run";
   RunOptions o;
-  o.env = {"EO_DDP_FAULT_DEVICE_DELAY=3:0.6"};
+  o.env = {"EO_DDP_FAULT_DEVICE_DELAY=all:0.3,3:0.9"};
   const Outcome r = run(eo_ddp_command(train_args(out, {"max_steps=20", "save_steps=0", "logging_steps=1"})), dir_ / "run.log", o);
   ASSERT_TRUE(r.exited && r.code == 0) << r.describe();
   const auto m = read_metrics(out);
   ASSERT_EQ(m.size(), 20u);
-  EXPECT_GE(m.at(3)["step_time_s"].get<double>(), 0.6) << m.at(3).dump();
-  EXPECT_LT(m.at(2)["step_time_s"].get<double>(), 0.6) << m.at(2).dump();
-  EXPECT_LT(m.at(4)["step_time_s"].get<double>(), 0.6) << m.at(4).dump();
-  EXPECT_GE(m.at(2)["host_s"].get<double>(), 0.6) << "host_s is the read interval, which holds step 3's work: " << m.at(2).dump();
+  for (std::int64_t s = 1; s <= 20; ++s) EXPECT_GE(m.at(s)["step_time_s"].get<double>(), s == 3 ? 0.9 : 0.3) << m.at(s).dump();
+  EXPECT_LT(m.at(2)["step_time_s"].get<double>(), 0.9) << m.at(2).dump();
+  EXPECT_LT(m.at(4)["step_time_s"].get<double>(), 0.9) << m.at(4).dump();
+  EXPECT_GE(m.at(2)["host_s"].get<double>(), 0.9) << "host_s is the read interval, which holds step 3's work: " << m.at(2).dump();
   // The device clock runs through every step: each step's end minus the one before is its time.
   for (std::int64_t s = 2; s <= 20; ++s)
     EXPECT_NEAR(m.at(s)["device_clock_s"].get<double>() - m.at(s - 1)["device_clock_s"].get<double>(),
