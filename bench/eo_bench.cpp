@@ -23,6 +23,12 @@
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
 //   attn (default): the attention linears, as the architecture names them
 //   --h2d-gbps R: take R GB/s as the pinned host-to-device rate of the floors instead of measuring it
+//   --card a2000|3090|4090|5090: run as that card (simulated on this GPU, and every row says so): its
+//                memory as device_memory_limit (12 / 24 / 24 / 32 GiB), its pinned host-to-device rate
+//                as the expert copies' pace (24 / 24 / 24 / 56 GB/s, expert_offload_copy_pace_gbps; the
+//                floors use it too) and the portable expert GEMM (it has no device-scheduled
+//                at::_grouped_mm); a row also says whether the memory plan said it fits and whether it ran
+//   a mode suffix ":portable" / ":torch" picks the expert GEMM kernel (expert_gemm; default auto)
 //   --breakdown: profile the first timed step of every mode (PyTorch's Kineto profiler) and print
 //                its GPU time by phase (bench/breakdown.h)
 //
@@ -86,6 +92,7 @@ struct Row {
   Point point;
   double s_per_step = 0, step_min = 0, step_median = 0, step_max = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0, reserved_vram = 0;
   double staged_per_step = 0, h2d_gbps = 0, stall_s = 0, floor_s = 0;
+  std::string plan_fit, ran;  // with --card: whether the memory plan said it fits, and what the run did
   double disk_read_per_step = 0, disk_gbps = 0, disk_raw_gbps = 0, disk_wait_s = 0;  // :disk
   std::string error;
 };
@@ -183,6 +190,20 @@ std::map<std::string, double> useful_flops(const model::ModelConfig& c, const Tr
   return {{"grouped GEMM (experts)", experts}, {"", experts + dense + proj + attn + head}};
 }
 
+// The cards of --card: memory, pinned host-to-device rate over their link (PCIe 4.0 x16 for the
+// A2000 / 3090 / 4090, PCIe 5.0 x16 for the 5090).
+struct Card {
+  const char* name;
+  const char* memory;
+  double gbps;
+};
+const Card* find_card(const std::string& name) {
+  static const Card cards[] = {{"a2000", "12GiB", 24}, {"3090", "24GiB", 24}, {"4090", "24GiB", 24}, {"5090", "32GiB", 56}};
+  for (const Card& c : cards)
+    if (name == c.name) return &c;
+  return nullptr;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -221,9 +242,24 @@ int main(int argc, char** argv) {
   const std::string name = fs::path(model_dir).filename().string();
   fs::create_directories(work);
 
+  const std::string card_name = arg(argc, argv, "--card", "");
+  const Card* card = card_name.empty() ? nullptr : find_card(card_name);
+  if (!card_name.empty() && !card) {
+    std::fprintf(stderr, "eo-bench: --card must be one of a2000, 3090, 4090, 5090; got '%s'\n", card_name.c_str());
+    return kExitUsage;
+  }
+  std::string simulated_on;
+  if (card) {
+    const GpuCard here = gpu_card(at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+    simulated_on = "simulated on " + (here.name.empty() ? std::string("the CPU") : here.name);
+    std::printf("# --card %s, %s: device_memory_limit %s, expert copies paced to %g GB/s, expert_gemm portable\n",
+                card->name, simulated_on.c_str(), card->memory, card->gbps);
+  }
   const std::string given_bw = arg(argc, argv, "--h2d-gbps", "");
-  const double bw = given_bw.empty() ? pinned_h2d_gbps() : std::stod(given_bw);
-  if (given_bw.empty())
+  const double bw = card ? card->gbps : given_bw.empty() ? pinned_h2d_gbps() : std::stod(given_bw);
+  if (card)
+    std::printf("# %s: floors at the card's %g GB/s\n", name.c_str(), bw);
+  else if (given_bw.empty())
     std::printf("# %s: pinned host->device %.1f GB/s (1 GiB copies, best of 5)\n", name.c_str(), bw);
   else
     std::printf("# %s: pinned host->device taken as %g GB/s (--h2d-gbps), not measured\n", name.c_str(), bw);
@@ -247,6 +283,8 @@ int main(int argc, char** argv) {
       const bool keepdown = std::find(parts.begin(), parts.end(), "keepdown") != parts.end();
       // :smallk: the expert LoRA's rank-wide GEMMs on eo's small-K kernel (models/grouped_mm.h).
       const bool smallk = std::find(parts.begin(), parts.end(), "smallk") != parts.end();
+      const bool portable = card || std::find(parts.begin(), parts.end(), "portable") != parts.end();
+      const bool torch_gemm = std::find(parts.begin(), parts.end(), "torch") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -261,6 +299,10 @@ int main(int argc, char** argv) {
            << (whole ? "expert_dequant_chunk: whole\n" : sliced ? "expert_dequant_chunk: 64MiB\n" : "")
            << (eager ? "cuda_graphs: false\n" : graphs ? "cuda_graphs: true\n" : "")
            << (redequant ? "expert_bank_reuse: none\n" : keepdown ? "expert_bank_reuse: down\n" : "")
+           << (portable ? "expert_gemm: portable\n" : torch_gemm ? "expert_gemm: torch\n" : "")
+           << (card ? std::string("device_memory_limit: ") + card->memory + "\nexpert_offload_copy_pace_gbps: " +
+                          std::to_string(card->gbps) + "\n"
+                    : std::string())
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\nlogging_steps: 1\ngradient_checkpointing: true\n"
@@ -364,10 +406,16 @@ int main(int argc, char** argv) {
                       tmpfs ? " -- NOTE: the homes are on tmpfs (RAM), not a drive: pass --workdir or --disk-dir on the drive"
                             : "");
         }
+        row.plan_fit = "yes";
+        row.ran = "yes";
       } catch (const std::exception& e) {
         row.error = e.what();
         const auto nl = row.error.find('\n');
         if (nl != std::string::npos) row.error = row.error.substr(0, nl);
+        // The start-up plan refuses before loading; anything later is the run failing.
+        const bool refused = row.error.find("this run does not fit") != std::string::npos;
+        row.plan_fit = refused ? "no" : row.plan_fit.empty() ? "yes" : row.plan_fit;
+        row.ran = refused ? "not started" : row.error.find("out of memory") != std::string::npos ? "out of memory" : "failed";
       }
       rows.push_back(row);
       std::fflush(stdout);
@@ -404,7 +452,26 @@ int main(int argc, char** argv) {
                    {"pinned", r.pinned}, {"staged_per_step", r.staged_per_step}, {"h2d_gbps", r.h2d_gbps},
                    {"stall_s", r.stall_s}, {"floor_s", r.floor_s}, {"pinned_bw_gbps", bw}, {"error", r.error},
                    {"disk_read_per_step", r.disk_read_per_step}, {"disk_gbps", r.disk_gbps},
-                   {"disk_raw_gbps", r.disk_raw_gbps}, {"disk_wait_s", r.disk_wait_s}});
+                   {"disk_raw_gbps", r.disk_raw_gbps}, {"disk_wait_s", r.disk_wait_s},
+                   {"card", card ? card->name : ""}, {"simulated_on", simulated_on}, {"plan_fit", r.plan_fit}, {"ran", r.ran}});
+  }
+  if (card) {
+    std::printf("\n--card %s (%s memory, %g GB/s pinned host-to-device, portable expert GEMM), %s\n", card->name,
+                card->memory, card->gbps, simulated_on.c_str());
+    std::printf("\n| card | model | seq x mb x g | mode | plan says fits | ran | peak VRAM | s/step | floor s at %g GB/s | vs floor |\n",
+                card->gbps);
+    std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+    for (const Row& r : rows) {
+      char vs_floor[32] = "-", sps[32] = "-", fl[32] = "-";
+      if (r.error.empty()) {
+        std::snprintf(sps, sizeof sps, "%.3f", r.s_per_step);
+        std::snprintf(fl, sizeof fl, "%.3f", r.floor_s);
+        if (r.floor_s > 0) std::snprintf(vs_floor, sizeof vs_floor, "%.2fx", r.s_per_step / r.floor_s);
+      }
+      std::printf("| %s (%s) | %s | %dx%dx%d | %s | %s | %s | %s | %s | %s | %s |\n", card->name, simulated_on.c_str(),
+                  r.model.c_str(), r.point.seq, r.point.mb, accum, r.mode.c_str(), r.plan_fit.c_str(), r.ran.c_str(),
+                  r.error.empty() ? human_bytes(r.peak_vram).c_str() : "-", sps, fl, vs_floor);
+    }
   }
   if (!json_out.empty()) std::ofstream(json_out) << all.dump(1) << "\n";
   world.finalize();

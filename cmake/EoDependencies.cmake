@@ -38,14 +38,49 @@ if(EO_WITH_CUDA STREQUAL "AUTO")
   message(STATUS "eo-ddp: CUDA from libtorch: ${EO_WITH_CUDA} (force with -DEO_WITH_CUDA=ON|OFF)")
 endif()
 if(EO_WITH_CUDA)
-  if(NOT CMAKE_CUDA_ARCHITECTURES)
-    set(CMAKE_CUDA_ARCHITECTURES 90)
-  endif()
+  # Machine code for every card the project serves: SASS for each of EO_CUDA_ARCHS that this nvcc
+  # knows (A100 80, RTX 30xx / A-series 86, RTX 40xx 89, H100/H200 90, B200 100, RTX 50xx 120) and
+  # PTX of the newest, so a card newer than all of them still JIT-compiles. -DCMAKE_CUDA_ARCHITECTURES
+  # (e.g. 86, or native) overrides it: a build for one card is several times faster.
+  set(EO_CUDA_ARCHS "80;86;89;90;100;120" CACHE STRING "CUDA architectures of the default build (SASS each, PTX of the last)")
+  set(_eo_user_archs "${CMAKE_CUDA_ARCHITECTURES}")
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
+  if(NOT _eo_user_archs)
+    execute_process(COMMAND ${CMAKE_CUDA_COMPILER} --list-gpu-arch OUTPUT_VARIABLE _eo_nvcc_archs ERROR_QUIET)
+    set(_eo_archs "")
+    foreach(_a ${EO_CUDA_ARCHS})
+      if(_eo_nvcc_archs MATCHES "compute_${_a}[^0-9a-z]")
+        list(APPEND _eo_archs ${_a}-real)
+        set(_eo_newest ${_a})
+      else()
+        message(STATUS "eo-ddp: nvcc ${CMAKE_CUDA_COMPILER_VERSION} has no sm_${_a}: left out")
+      endif()
+    endforeach()
+    list(APPEND _eo_archs ${_eo_newest}-virtual)
+    set(CMAKE_CUDA_ARCHITECTURES "${_eo_archs}" CACHE STRING "CUDA architectures" FORCE)
+    set(CMAKE_CUDA_ARCHITECTURES "${_eo_archs}")  # enable_language set a normal variable too (CMP0126)
+  endif()
+  set(_eo_cuda_archs "${CMAKE_CUDA_ARCHITECTURES}")
+  message(STATUS "eo-ddp: CUDA architectures: ${CMAKE_CUDA_ARCHITECTURES}")
 endif()
 
 find_package(Torch REQUIRED CONFIG)
+if(EO_WITH_CUDA)
+  # libtorch's CMake appends -gencode flags for TORCH_CUDA_ARCH_LIST, by default only the build
+  # machine's GPU; CMAKE_CUDA_ARCHITECTURES alone decides what eo-ddp's kernels are built for.
+  string(REGEX REPLACE "-gencode[ =]+arch=compute_[0-9a-z]+,code=[^ ]+" "" CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS}")
+  set(CMAKE_CUDA_ARCHITECTURES "${_eo_cuda_archs}")  # whatever libtorch's CMake set it to
+  # CUTLASS (header-only) for the portable grouped GEMM of the experts: scripts/bootstrap unpacks
+  # the nvidia-cutlass wheel's headers into third_party/cutlass/include.
+  find_path(EO_CUTLASS_INCLUDE cutlass/gemm/device/gemm_grouped.h
+            HINTS ${PROJECT_SOURCE_DIR}/third_party/cutlass/include $ENV{CUTLASS_HOME}/include)
+  if(NOT EO_CUTLASS_INCLUDE)
+    message(FATAL_ERROR "EO_WITH_CUDA is on but CUTLASS's headers were not found: run scripts/bootstrap "
+                        "(it unpacks them into third_party/cutlass/include) or set CUTLASS_HOME")
+  endif()
+  message(STATUS "eo-ddp: CUTLASS headers: ${EO_CUTLASS_INCLUDE}")
+endif()
 # TORCH_LIBRARIES carries the flags for its ABI; keep its CXX flags too.
 set(CMAKE_CXX_FLAGS "${CMAKE_CXX_FLAGS} ${TORCH_CXX_FLAGS}")
 

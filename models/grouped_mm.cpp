@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "models/expert_gemm_cuda.h"
 #include "models/grouped_mm_cuda.h"
 #endif
 
@@ -18,6 +19,7 @@ namespace {
 
 // Off by default: on the H200 it ran no faster than libtorch's GEMM (docs/benchmarks.md).
 std::atomic<bool> small_k_enabled{false};
+std::atomic<ExpertGemm> expert_gemm_kernel{ExpertGemm::kTorch};
 
 #ifdef EO_WITH_CUDA
 // The WMMA bf16 kernel needs sm_80 or newer.
@@ -36,7 +38,7 @@ bool transposed_nk(const at::Tensor& b) {
   return b.stride(1) == 1 && b.stride(2) == b.size(1) && b.stride(0) == b.size(1) * b.size(2);
 }
 
-// libtorch's own backward of y = a · B_e: da = g · B_e^T over the same rows (small-K where K' = N
+// The backward of y = a · B_e, as libtorch's: da = g · B_e^T over the same rows (small-K where K' = N
 // is small), dB_e = a_e^T · g as the 2-D x 2-D grouped form.
 struct GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b,
@@ -51,7 +53,7 @@ struct GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
     const at::Tensor g = grads[0].contiguous();
     at::Tensor da, db;
     if (ctx->needs_input_grad(0)) da = grouped_mm_product(g, b.transpose(1, 2), offsets);
-    if (ctx->needs_input_grad(1)) db = at::_grouped_mm(a.t(), g, offsets);
+    if (ctx->needs_input_grad(1)) db = grouped_mm_contract(a, g, offsets);
     return {da, db, at::Tensor()};
   }
 };
@@ -102,14 +104,111 @@ at::Tensor small_k_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at
 #endif
 }
 
+void set_expert_gemm(ExpertGemm kernel) { expert_gemm_kernel = kernel; }
+ExpertGemm expert_gemm() { return expert_gemm_kernel; }
+ExpertGemm auto_expert_gemm(int compute_capability_major) {
+  return compute_capability_major == 9 || compute_capability_major == 10 ? ExpertGemm::kTorch : ExpertGemm::kPortable;
+}
+
+bool portable_expert_gemm_built() {
+#ifdef EO_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool portable_grouped_mm_applies(const at::Tensor& a, const at::Tensor& b) {
+#ifdef EO_WITH_CUDA
+  if (!a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
+  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
+  const std::int64_t K = a.size(1), N = b.size(2);
+  if (b.size(1) != K || K % 8 || N % 8) return false;
+  if (!contiguous_kn(b) && !transposed_nk(b)) return false;
+  if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
+  return device_has_bf16_mma(a.device().index());
+#else
+  (void)a;
+  (void)b;
+  return false;
+#endif
+}
+
+#ifdef EO_WITH_CUDA
+namespace {
+// a contiguous and 16-byte aligned (a view at an odd offset is copied).
+at::Tensor aligned_rows(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<std::uintptr_t>(c.data_ptr()) % 16 ? c.clone() : c;
+}
+at::Tensor workspace_for(const at::Tensor& like, std::int64_t experts) {
+  const auto bytes = static_cast<std::int64_t>(expert_gemm::cuda::workspace_bytes(static_cast<int>(experts)));
+  return at::empty({std::max<std::int64_t>(bytes, 16)}, like.options().dtype(at::kByte));
+}
+void check_offsets(const at::Tensor& offsets, std::int64_t experts, const at::Tensor& a, const char* what) {
+  EO_CHECK(offsets.dim() == 1 && offsets.size(0) == experts && offsets.scalar_type() == at::kInt &&
+               offsets.device() == a.device(),
+           what, ": offsets must be int32 [", experts, "] on ", a.device(), ", got ", offsets.sizes(), " ",
+           offsets.scalar_type(), " on ", offsets.device());
+}
+}  // namespace
+#endif
+
+at::Tensor portable_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+  EO_CHECK(portable_grouped_mm_applies(a, b), "portable grouped GEMM: a ", a.sizes(), " ", a.scalar_type(), " on ",
+           a.device(), ", b ", b.sizes(), " strides ", b.strides(),
+           ": not a shape, layout or device it takes (CUDA bf16 on sm_80+, K and N multiples of 8)");
+#ifdef EO_WITH_CUDA
+  check_offsets(offsets, b.size(0), a, "portable grouped GEMM");
+  const at::Tensor ac = aligned_rows(a), oc = offsets.contiguous();
+  at::Tensor out = at::empty({a.size(0), b.size(2)}, a.options());
+  c10::cuda::CUDAGuard guard(a.device());
+  const at::Tensor ws = workspace_for(a, b.size(0));
+  const cudaError_t rc = expert_gemm::cuda::grouped_rows(
+      ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(), static_cast<int>(b.size(0)), out.data_ptr(),
+      a.size(0), b.size(2), a.size(1), ws.data_ptr(), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
+  EO_CHECK(rc == cudaSuccess, "portable grouped GEMM: ", cudaGetErrorString(rc));
+  return out;
+#else
+  (void)offsets;
+  return {};
+#endif
+}
+
+at::Tensor grouped_mm_contract(const at::Tensor& a, const at::Tensor& g, const at::Tensor& offsets) {
+#ifdef EO_WITH_CUDA
+  const bool portable = expert_gemm_kernel == ExpertGemm::kPortable && a.is_cuda() && a.dim() == 2 && g.dim() == 2 &&
+                        a.device() == g.device() && a.size(0) == g.size(0) && a.scalar_type() == at::kBFloat16 &&
+                        g.scalar_type() == at::kBFloat16 && a.size(1) % 8 == 0 && g.size(1) % 8 == 0 &&
+                        device_has_bf16_mma(a.device().index());
+  if (portable) {
+    const std::int64_t E = offsets.size(0);
+    check_offsets(offsets, E, a, "portable grouped GEMM (a^T g)");
+    const at::Tensor ac = aligned_rows(a), gc = aligned_rows(g), oc = offsets.contiguous();
+    at::Tensor out = at::empty({E, a.size(1), g.size(1)}, a.options());
+    c10::cuda::CUDAGuard guard(a.device());
+    const at::Tensor ws = workspace_for(a, E);
+    const cudaError_t rc = expert_gemm::cuda::grouped_contract(
+        ac.data_ptr(), gc.data_ptr(), oc.data_ptr<int>(), static_cast<int>(E), out.data_ptr(), a.size(0), a.size(1),
+        g.size(1), ws.data_ptr(), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
+    EO_CHECK(rc == cudaSuccess, "portable grouped GEMM (a^T g): ", cudaGetErrorString(rc));
+    return out;
+  }
+#endif
+  return at::_grouped_mm(a.t(), g, offsets);
+}
+
 at::Tensor grouped_mm_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
+  if (expert_gemm_kernel == ExpertGemm::kPortable && portable_grouped_mm_applies(a, b))
+    return portable_grouped_mm(a, b, offsets);
   if (small_k_enabled && small_k_kernel_applies(a, b)) return small_k_grouped_mm(a, b, offsets);
   return at::_grouped_mm(a, b, offsets);
 }
 
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
-  // Off, libtorch's own op and backward: the path the step was measured on.
-  if (!small_k_enabled) return at::_grouped_mm(a, b, offsets);
+  // libtorch's own op and backward where neither of eo's kernels is selected: the path the step
+  // was measured on.
+  if (!small_k_enabled && (expert_gemm_kernel == ExpertGemm::kTorch || !a.is_cuda())) return at::_grouped_mm(a, b, offsets);
   return GroupedMmFunction::apply(a, b, offsets);
 }
 

@@ -18,8 +18,8 @@ namespace eo::model {
 // device: [M, N] in a's dtype.
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
 
-// The forward product alone, no autograd: the small-K kernel where it is on and applies,
-// at::_grouped_mm otherwise.
+// The forward product alone, no autograd: the portable kernel where it is selected and applies,
+// else the small-K kernel where it is on and applies, else at::_grouped_mm.
 at::Tensor grouped_mm_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
 // The small-K kernel itself (tests, eo-lora-gemm); throws where small_k_kernel_applies is false.
 at::Tensor small_k_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
@@ -29,5 +29,27 @@ bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b);
 // Whether grouped_mm and grouped_mm_product use the small-K kernel (default off).
 void set_small_k_kernel_enabled(bool on);
 bool small_k_kernel_enabled();
+
+// Which kernel runs the expert GEMMs on a GPU (the `expert_gemm` key). kTorch: at::_grouped_mm,
+// which has a device-scheduled kernel only on compute capability 9.x / 10.x and elsewhere reads
+// the offsets on the host and loops over experts (no CUDA graph can hold that). kPortable:
+// CUTLASS's sm80 grouped kernel (expert_gemm_cuda.h), sizes read on the device, sm_80 to sm_120.
+// Process-wide, set once at start (default kTorch); CPU tensors always take libtorch's op.
+enum class ExpertGemm { kTorch, kPortable };
+void set_expert_gemm(ExpertGemm kernel);
+ExpertGemm expert_gemm();
+// The rule for `expert_gemm: auto`: torch where its kernel is device-scheduled, portable elsewhere.
+ExpertGemm auto_expert_gemm(int compute_capability_major);
+// Whether this build holds the portable kernel (a CUDA build: CUTLASS is then required).
+bool portable_expert_gemm_built();
+// Whether the portable kernel takes a · b: CUDA bf16 on sm_80+, K and N multiples of 8 (16-byte
+// rows), b [E, K, N] contiguous or the transposed view of a contiguous [E, N, K].
+bool portable_grouped_mm_applies(const at::Tensor& a, const at::Tensor& b);
+// The portable kernel itself (tests, benchmarks); throws where it does not apply.
+at::Tensor portable_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);
+// a^T · g per row group: a [M, K], g [M, N] -> [E, K, N] (at::_grouped_mm(a.t(), g, offsets)); the
+// weight gradient of grouped_mm. Portable where it applies (K, N multiples of 8), libtorch's op
+// otherwise.
+at::Tensor grouped_mm_contract(const at::Tensor& a, const at::Tensor& g, const at::Tensor& offsets);
 
 }  // namespace eo::model

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "models/fused.h"
+#include "models/grouped_mm.h"
 
 namespace eo::model {
 
@@ -81,7 +82,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     if (rows >= shape[0]) {
       const at::Tensor w = weights(bank, x.scalar_type());
       if (bank.keep_for_backward && !bank.dense.defined()) ctx->saved_data["bank"] = w;
-      return at::_grouped_mm(x, w.transpose(1, 2), offsets);
+      return grouped_mm_product(x, w.transpose(1, 2), offsets);
     }
     // Output columns [o0, o0 + rows) from rows [o0, o0 + rows) of every expert's matrix.
     const auto qs = sources(bank);
@@ -90,7 +91,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
       const std::int64_t n = std::min(rows, shape[0] - o0);
       ++g_bank_dequantisations;
       const at::Tensor w = nf4::dequantize_stack_window(qs, x.scalar_type(), o0, n, 0, shape[1]);  // [E, n, in]
-      y.narrow(1, o0, n).copy_(at::_grouped_mm(x, w.transpose(1, 2), offsets));
+      y.narrow(1, o0, n).copy_(grouped_mm_product(x, w.transpose(1, 2), offsets));
     }
     return y;
   }
@@ -109,11 +110,11 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     if (auto kept = ctx->saved_data.find("bank"); kept != ctx->saved_data.end()) {
       const at::Tensor w = kept->second.toTensor();
       ctx->saved_data.erase(kept);  // freed once dX is queued, not with the graph
-      return {at::_grouped_mm(dy, w, offsets), at::Tensor(), at::Tensor()};
+      return {grouped_mm_product(dy, w, offsets), at::Tensor(), at::Tensor()};
     }
     // The bytes current now (the recompute staged them).
     const auto [shape, cols] = slicing(bank, 2, dy.scalar_type());
-    if (cols >= shape[1]) return {at::_grouped_mm(dy, weights(bank, dy.scalar_type()), offsets), at::Tensor(), at::Tensor()};
+    if (cols >= shape[1]) return {grouped_mm_product(dy, weights(bank, dy.scalar_type()), offsets), at::Tensor(), at::Tensor()};
     // dX columns [c0, c0 + cols) from columns [c0, c0 + cols) of every expert's matrix.
     const auto qs = sources(bank);
     at::Tensor dx = at::empty({dy.size(0), shape[1]}, dy.options());
@@ -121,7 +122,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
       const std::int64_t n = std::min(cols, shape[1] - c0);
       ++g_bank_dequantisations;
       const at::Tensor w = nf4::dequantize_stack_window(qs, dy.scalar_type(), 0, shape[0], c0, n);  // [E, out, n]
-      dx.narrow(1, c0, n).copy_(at::_grouped_mm(dy, w, offsets));
+      dx.narrow(1, c0, n).copy_(grouped_mm_product(dy, w, offsets));
     }
     return {dx, at::Tensor(), at::Tensor()};
   }

@@ -23,6 +23,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include "offload/copy_pace_cuda.h"
 #endif
 
 namespace eo::offload {
@@ -76,6 +78,7 @@ struct ExpertOffloader::CudaState {
   };
   std::deque<Closed> closed;
   std::vector<cudaEvent_t> free_events;
+  at::Tensor pace_stamp;  // one int64 on the device: where the copy being paced began
   cudaEvent_t take() {
     if (!free_events.empty()) {
       cudaEvent_t e = free_events.back();
@@ -100,6 +103,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     c10::cuda::CUDAGuard guard(opt_.device.index());
     cuda_ = std::make_unique<CudaState>();
     cuda_->copy_stream = c10::cuda::getStreamFromPool(false, opt_.device.index());
+    if (opt_.copy_pace_gbps > 0) cuda_->pace_stamp = at::zeros({1}, at::dtype(at::kLong).device(opt_.device));
   }
 #endif
   const bool pin = opt_.pin_memory && opt_.device.is_cuda();
@@ -444,8 +448,14 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
     cuda_check(cudaStreamWaitEvent(cs, slot.released, 0), "cudaStreamWaitEvent");
     cudaEvent_t start = cuda_->take(), end = cuda_->take();
     cuda_check(cudaEventRecord(start, cs), "cudaEventRecord");
+    const bool paced = cuda_->pace_stamp.defined();
+    if (paced) cuda_check(offload::cuda::pace_begin(cuda_->pace_stamp.data_ptr<std::int64_t>(), cs), "copy pace");
     cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes), cudaMemcpyHostToDevice, cs),
                "cudaMemcpyAsync (expert staging)");
+    if (paced)
+      cuda_check(offload::cuda::pace_end(cuda_->pace_stamp.data_ptr<std::int64_t>(),
+                                         static_cast<std::int64_t>(double(b.bytes) / opt_.copy_pace_gbps), cs),
+                 "copy pace");
     cuda_check(cudaEventRecord(end, cs), "cudaEventRecord");
     cuda_check(cudaEventRecord(slot.ready, cs), "cudaEventRecord");
     cuda_->copy_events.emplace_back(start, end);

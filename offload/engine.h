@@ -80,6 +80,9 @@ struct OffloadOptions {
   bool prefetch = true;
   int prefetch_depth = 1;  // with prefetch: blocks staged ahead of the one computing (slots = 1 + depth)
   std::int64_t vram_budget_bytes = 0;  // device bytes for permanently resident blocks
+  // > 0: each copy into a slot takes at least its bytes at this rate (GB/s) on the device's clock
+  // (offload/copy_pace_cuda.h): a slower card's host link, simulated. 0: the link's own pace.
+  double copy_pace_gbps = 0;
 };
 
 // Counters since the last take_step_stats().

@@ -649,6 +649,17 @@ const std::vector<KeySpec>& schema() {
                         "Blocks staged ahead of the one computing (device slots = 1 + depth). Each extra block also "
                         "stays across the forward/backward turns (2 copies fewer per step) and lets copies run further "
                         "ahead, at the cost of one block of device memory."));
+    k.push_back(real("expert_offload_copy_pace_gbps", &TrainConfig::expert_offload_copy_pace_gbps, 0, false, 1e4,
+                     "For measurements: each expert copy into a device slot takes at least its bytes at this rate "
+                     "(GB/s) on the device's clock, so a fast machine runs a slower card's host link (PCIe 4.0 x16: "
+                     "about 24; eo-bench --card sets it). 0 (default): the link's own pace."));
+    k.push_back(choice("expert_gemm", &TrainConfig::expert_gemm, {"auto", "torch", "portable"},
+                       "The kernel of the experts' grouped GEMMs on a GPU. torch: PyTorch's at::_grouped_mm, "
+                       "device-scheduled only on compute capability 9.x / 10.x (H100, H200, B200); on other cards it "
+                       "reads the routing counts on the host and runs one GEMM per expert, and CUDA graphs cannot "
+                       "capture it. portable: eo-ddp's CUTLASS grouped GEMM (sm_80 and newer: A100, RTX 30xx / 40xx "
+                       "/ 50xx, A-series), sizes read on the device. auto = torch where it is device-scheduled, "
+                       "portable elsewhere."));
     k.push_back(choice("cuda_graphs", &TrainConfig::cuda_graphs, {"auto", "true", "false"},
                        "On CUDA with gradient_checkpointing, replay each block's forward, its recompute + backward and "
                        "the loss as CUDA graphs (captured on their second use), so the step no longer waits on one host "

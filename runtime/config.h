@@ -113,12 +113,14 @@ struct TrainConfig {
   std::string expert_offload_homes = "per_rank";  // "per_rank" | "per_numa_node" | "disk"
   std::string expert_offload_disk_path;           // with disk: the directory of the homes file
   bool expert_offload_prefetch = true;
+  double expert_offload_copy_pace_gbps = 0;  // > 0: expert copies paced to this rate (a slower card's link, simulated)
   int expert_offload_prefetch_depth = 1;  // blocks staged ahead (slots = 1 + depth); with prefetch only
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
   std::string expert_dequant_chunk = "auto";  // auto | whole | bytes: expert_bank_bytes()
   std::string expert_bank_reuse = "auto";     // auto | all | down | none (models/linear4bit.h BankReuse)
   std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
   bool activation_offloading = false;  // checkpointed block inputs in pinned host RAM
+  std::string expert_gemm = "auto";  // auto | torch | portable: the experts' grouped GEMM kernel (models/grouped_mm.h)
   std::string cuda_graphs = "auto";  // auto | true | false: step uses replayed as CUDA graphs (runtime/block_graphs.h)
   std::string step_order = "layer_major";  // "layer_major" | "micro_batch_major" (with checkpointing)
 

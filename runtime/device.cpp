@@ -36,6 +36,20 @@ at::Device pick_device(int local_rank, int local_size) {
 
 std::string describe_device(const at::Device& d) { return d.str(); }
 
+GpuCard gpu_card(const at::Device& d) {
+  GpuCard card;
+#ifdef EO_WITH_CUDA
+  cudaDeviceProp prop{};
+  if (d.is_cuda() && cudaGetDeviceProperties(&prop, d.index()) == cudaSuccess) {
+    card.name = prop.name;
+    card.major = prop.major;
+    card.minor = prop.minor;
+  }
+#endif
+  (void)d;
+  return card;
+}
+
 std::int64_t peak_memory_bytes(const at::Device& d) {
 #ifdef EO_WITH_CUDA
   if (d.is_cuda()) {

@@ -18,6 +18,12 @@ namespace eo {
 // visible GPUs is a UsageError.
 at::Device pick_device(int local_rank, int local_size);
 std::string describe_device(const at::Device& d);
+// A GPU's name and compute capability (empty and 0.0 for the CPU).
+struct GpuCard {
+  std::string name;
+  int major = 0, minor = 0;
+};
+GpuCard gpu_card(const at::Device& d);
 
 // Peak bytes allocated since the last reset: the CUDA caching allocator's peak on a GPU, the
 // process' max RSS on the CPU.

@@ -275,6 +275,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
     p.device.push_back({"graphs", 3 * N * H * d + 2 * N * D * d,
                         "CUDA graphs' static buffers: block input, gradient, output, RoPE tables (cuda_graphs: false drops them)"});
 
+  // The portable grouped GEMM's problem table (models/expert_gemm_cuda.h): 60 bytes per expert for
+  // each GEMM in flight; a few of a block's GEMMs may be queued at once.
+  if (on_gpu && cfg.expert_gemm != "torch")
+    p.device.push_back({"expert gemm", 8.0 * 64 * double(c.experts),
+                        "portable grouped GEMM problem tables (expert_gemm: torch has none)"});
+
   p.device_peak = 0;
   for (const auto& part : p.device)
     if (part.name != "block" && part.name != "head") p.device_peak += part.bytes;

@@ -22,6 +22,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "models/grouped_mm.h"
 #include "models/moe_model.h"
 #include "offload/disk_homes.h"
 #include "offload/engine.h"
@@ -37,6 +38,12 @@
 #include "runtime/optimizer.h"
 #include "runtime/plan.h"
 #include "runtime/train_state.h"
+
+#ifdef EO_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+
+#include "models/expert_gemm_cuda.h"
+#endif
 
 namespace eo {
 namespace {
@@ -198,6 +205,7 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   oo.pin_memory = cfg.expert_offload_pin_memory;
   oo.prefetch = cfg.expert_offload_prefetch;
   oo.prefetch_depth = cfg.expert_offload_prefetch_depth;
+  oo.copy_pace_gbps = cfg.expert_offload_copy_pace_gbps;
   const std::string& budget = cfg.expert_offload_vram_budget;
   if (budget == "auto") {
     // Sized after the first step, once the activation peak is known (see size_auto_budget).
@@ -389,6 +397,46 @@ std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const a
   return {true, "on (auto; " + extra + ")"};
 }
 
+void check_gpu_served(const at::Device& device) {
+  if (!device.is_cuda()) return;
+  const GpuCard card = gpu_card(device);
+  const std::string which = device.str() + " (" + card.name + ", sm_" + std::to_string(card.major) +
+                            std::to_string(card.minor) + ")";
+  if (card.major < 8)
+    throw UsageError(which + " has no bf16 tensor cores: eo-ddp computes in bf16 and needs sm_80 or newer (A100, "
+                     "RTX 30xx / 40xx / 50xx, RTX A-series, H100 / H200, B200)");
+#ifdef EO_WITH_CUDA
+  c10::cuda::CUDAGuard guard(device);
+  if (expert_gemm::cuda::probe_kernel_image() != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw UsageError("this eo-ddp was built without machine code for " + which +
+                     ": rebuild with the default architecture list (drop -DCMAKE_CUDA_ARCHITECTURES) or with "
+                     "-DCMAKE_CUDA_ARCHITECTURES=" + std::to_string(card.major) + std::to_string(card.minor));
+  }
+#endif
+}
+
+std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device) {
+  if (!device.is_cuda()) {
+    if (cfg.expert_gemm == "portable")
+      throw UsageError("expert_gemm: portable runs on a CUDA GPU (sm_80 or newer); this run is on the CPU (use auto)");
+    model::set_expert_gemm(model::ExpertGemm::kTorch);
+    return "libtorch's (a CPU run)";
+  }
+  const GpuCard card = gpu_card(device);
+  const std::string sm = "sm_" + std::to_string(card.major) + std::to_string(card.minor);
+  model::ExpertGemm kernel = model::auto_expert_gemm(card.major);
+  std::string why = "auto on " + sm;
+  if (cfg.expert_gemm == "torch") kernel = model::ExpertGemm::kTorch, why = "expert_gemm: torch";
+  if (cfg.expert_gemm == "portable") kernel = model::ExpertGemm::kPortable, why = "expert_gemm: portable";
+  model::set_expert_gemm(kernel);
+  if (kernel == model::ExpertGemm::kPortable) return "portable CUTLASS grouped GEMM, sizes read on the device (" + why + ")";
+  if (model::auto_expert_gemm(card.major) == model::ExpertGemm::kTorch)
+    return "PyTorch's at::_grouped_mm, device-scheduled on " + sm + " (" + why + ")";
+  return "PyTorch's at::_grouped_mm, which on " + sm + " reads the routing counts on the host and loops over experts (" +
+         why + "; auto picks the portable kernel)";
+}
+
 Run::Run() = default;
 Run::~Run() = default;
 Run::Run(Run&&) noexcept = default;
@@ -431,6 +479,8 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   Run run;
   const auto& wi = world.info();
   run.device = pick_device(wi.local_rank, wi.local_size);
+  check_gpu_served(run.device);
+  run.expert_gemm_why = resolve_expert_gemm(cfg, run.device);
   size_thread_pool(wi.local_size);
   const at::Device device = run.device;
   run.bf16 = config_use_bf16(cfg, device.is_cuda());

@@ -49,6 +49,13 @@ struct PlanFit {
 // the plan has room for the graphs' pool, experts resident or offloaded.
 std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit);
 
+// A GPU eo-ddp cannot run on (no bf16 tensor cores; no machine code for it in this build) is a
+// UsageError naming the card and the fix.
+void check_gpu_served(const at::Device& device);
+// expert_gemm: auto | torch | portable resolved for this device and set process-wide
+// (models/grouped_mm.h); what it chose and why, for the log.
+std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device);
+
 struct Run {
   at::Device device = at::kCPU;
   bool bf16 = false;
@@ -71,6 +78,7 @@ struct Run {
   bool cuda_graphs = false;      // step uses replay as CUDA graphs (cuda_graphs resolved at start)
   model::BankReuse bank_reuse = model::BankReuse::None;  // expert_bank_reuse resolved at start
   std::string cuda_graphs_why;   // the reason, for the log
+  std::string expert_gemm_why;   // the experts' grouped GEMM kernel and why, for the log
 
   Run();
   ~Run();

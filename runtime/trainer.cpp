@@ -79,6 +79,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     log::info("CUDA graphs: " + run.cuda_graphs_why +
               (run.cuda_graphs ? ": each block's forward, recompute + backward and the loss replay as graphs from their second use"
                                : std::string()));
+  if (device.is_cuda() && wi.rank == 0) log::info("expert GEMMs: " + run.expert_gemm_why);
   if (device.is_cuda() && wi.rank == 0 && cfg.load_in_4bit && run.bank_reuse != model::BankReuse::None)
     log::info(std::string("expert banks: each block's recompute keeps ") +
               (run.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +
@@ -248,6 +249,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
     const std::int64_t step_start_allocated = allocated_memory_bytes(device);
     const DeviceMark begin = DeviceMark::record(device);
+    if (hooks.step_work) hooks.step_work(step + 1, true);
     std::vector<data::MicroBatch> micro;
     std::int64_t tokens[1] = {0};
     for (std::int64_t m = 0; m < accum; ++m) {
@@ -286,6 +288,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     q.lr = lr;
     q.epoch = batcher.epochs_after(micro.back());
     q.end = DeviceMark::record(device);
+    if (hooks.step_work) hooks.step_work(step, false);
     q.since = last_end.defined() ? last_end : begin;
     last_end = q.end;
     q.values = HostCopy(at::cat({sums, grad_norm.reshape({1})}));

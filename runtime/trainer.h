@@ -40,6 +40,11 @@ struct TrainHooks {
   // this hook set, each step is read before the next is queued (no step runs ahead of the host's
   // reading of the previous one).
   std::function<void(std::int64_t step)> after_step;
+  // Around the part of step `step` that queues device work and must not wait on the device
+  // (batches, forward/backward, reduction, optimizer): called with true where it begins and false
+  // where its end is marked, before the host reads any earlier step (a test turns CUDA's sync
+  // debug mode on inside it).
+  std::function<void(std::int64_t step, bool entering)> step_work;
 };
 
 TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks = {});

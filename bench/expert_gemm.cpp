@@ -1,0 +1,125 @@
+// eo-expert-gemm: one MoE layer's expert GEMMs, forward + backward, on each expert GEMM kernel side
+// by side (models/grouped_mm.h: torch = at::_grouped_mm, portable = eo's CUTLASS grouped GEMM), on a
+// model's shapes, and torch's kernel with a host read of the group sizes before each GEMM (what
+// at::_grouped_mm's per-expert fallback does on cards without its device-scheduled kernel, minus
+// the loop itself: a lower bound on that path's cost).
+//
+//   eo-expert-gemm [--model configs/models/qwen3-30b-a3b] [--tokens 2048,8192] [--iters 20]
+//
+// The layer as the step runs it with frozen experts and LoRA on the attention (models/linear4bit.cpp):
+// gate_up = x · W1_e^T, h = silu(gate) * up, y = h · W2_e^T; backward dH = dY · W2_e, the SwiGLU's
+// gradient, dX = dGateUp · W1_e. Rows routed top-k at random (skewed, seeded). Each timing is one
+// device-clock window (CUDA events) over --iters layers after 3 warm-up layers.
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "models/grouped_mm.h"
+#include "models/hf_config.h"
+#include "runtime/device.h"
+#include "runtime/dist/world.h"
+
+using namespace eo;
+
+namespace {
+
+std::string arg(int argc, char** argv, const std::string& key, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == key) return argv[i + 1];
+  return fallback;
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s) {
+    if (c == sep) out.push_back(cur), cur.clear();
+    else cur += c;
+  }
+  out.push_back(cur);
+  return out;
+}
+
+// Skewed top-k routing: expert e drawn with weight 1 + (e * 7919 % 13), k distinct per token.
+at::Tensor route_counts(std::int64_t tokens, std::int64_t experts, std::int64_t k) {
+  std::mt19937_64 rng(42);
+  std::vector<double> w(static_cast<std::size_t>(experts));
+  for (std::int64_t e = 0; e < experts; ++e) w[static_cast<std::size_t>(e)] = 1.0 + double(e * 7919 % 13);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> left = w;
+    for (std::int64_t j = 0; j < k; ++j) {
+      std::discrete_distribution<std::int64_t> pick(left.begin(), left.end());
+      const std::int64_t e = pick(rng);
+      ++counts[static_cast<std::size_t>(e)];
+      left[static_cast<std::size_t>(e)] = 0;
+    }
+  }
+  return at::tensor(counts, at::kLong);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  dist::World& world = dist::World::init(&argc, &argv);
+  const std::string model_dir = arg(argc, argv, "--model", "configs/models/qwen3-30b-a3b");
+  const int iters = std::atoi(arg(argc, argv, "--iters", "20").c_str());
+  const model::ModelConfig mc = model::load_config(model_dir);
+  const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const auto dt = dev.is_cuda() ? at::kBFloat16 : at::kFloat;
+  const std::int64_t H = mc.hidden, I = mc.expert_width, E = mc.experts, k = mc.top_k;
+  std::printf("# %s layer: %lld experts, top %lld, hidden %lld, expert intermediate %lld; %s\n", model_dir.c_str(),
+              (long long)E, (long long)k, (long long)H, (long long)I, describe_device(dev).c_str());
+  at::manual_seed(1);
+  // HF layout [E, out, in], read as its transpose (the step's views).
+  const at::Tensor w1 = (at::randn({E, 2 * I, H}, at::dtype(at::kFloat).device(dev)) * 0.02).to(dt);
+  const at::Tensor w2 = (at::randn({E, H, I}, at::dtype(at::kFloat).device(dev)) * 0.02).to(dt);
+  std::printf("\n| tokens | kernel | fwd + bwd ms per layer | vs torch |\n|---|---|---|---|\n");
+  for (const auto& tok : split(arg(argc, argv, "--tokens", "2048,8192"), ',')) {
+    const std::int64_t T = std::stoll(tok), M = T * k;
+    const at::Tensor counts = route_counts(T, E, k);
+    const at::Tensor offsets = counts.cumsum(0).to(at::kInt).to(dev);
+    const at::Tensor x = at::randn({M, H}, at::dtype(at::kFloat).device(dev)).to(dt);
+    const at::Tensor dy = at::randn({M, H}, at::dtype(at::kFloat).device(dev)).to(dt);
+    auto layer = [&](bool host_read) {
+      auto gemm = [&](const at::Tensor& a, const at::Tensor& b) {
+        if (host_read) (void)offsets.to(at::kCPU);  // the fallback's copy of the sizes to the host
+        return model::grouped_mm_product(a, b, offsets);
+      };
+      const at::Tensor gu = gemm(x, w1.transpose(1, 2));  // [M, 2I]
+      const at::Tensor gate = gu.narrow(1, 0, I), up = gu.narrow(1, I, I);
+      const at::Tensor h = at::silu(gate) * up;
+      const at::Tensor y = gemm(h.contiguous(), w2.transpose(1, 2));  // [M, H]
+      const at::Tensor dh = gemm(dy, w2);                              // [M, I]
+      const at::Tensor sg = at::sigmoid(gate);
+      const at::Tensor dgate = dh * up * sg * (1 + gate * (1 - sg)), dup = dh * at::silu(gate);
+      const at::Tensor dx = gemm(at::cat({dgate, dup}, 1), w1);  // [M, H]
+      (void)y;
+      (void)dx;
+    };
+    double torch_ms = 0;
+    for (const auto& [label, kernel, host_read] :
+         std::vector<std::tuple<std::string, model::ExpertGemm, bool>>{
+             {"torch", model::ExpertGemm::kTorch, false},
+             {"portable", model::ExpertGemm::kPortable, false},
+             {"torch + host read of sizes", model::ExpertGemm::kTorch, true}}) {
+      if (kernel == model::ExpertGemm::kPortable && !model::portable_expert_gemm_built()) continue;
+      model::set_expert_gemm(kernel);
+      for (int i = 0; i < 3; ++i) layer(host_read);
+      const DeviceMark begin = DeviceMark::record(dev);
+      for (int i = 0; i < iters; ++i) layer(host_read);
+      const double ms = DeviceMark::record(dev).seconds_since(begin) * 1e3 / iters;
+      if (label == "torch") torch_ms = ms;
+      std::printf("| %lld | %s | %.3f | %.2fx |\n", (long long)T, label.c_str(), ms, torch_ms > 0 ? ms / torch_ms : 0.0);
+      std::fflush(stdout);
+    }
+    model::set_expert_gemm(model::ExpertGemm::kTorch);
+  }
+  world.finalize();
+  return 0;
+}
