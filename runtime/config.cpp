@@ -1063,6 +1063,11 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (!c.resume_from_checkpoint.empty() && c.resume_from_checkpoint != "auto" &&
       !fs::is_directory(c.resume_from_checkpoint))
     issues.push_back({"resume_from_checkpoint", "'" + c.resume_from_checkpoint + "' is not a folder (use a checkpoint folder or auto)"});
+  // The run's adapter would become part of the base model's identity (and its weights folder).
+  if (std::error_code ec1, ec2; !c.output_dir.empty() && fs::exists(c.base_model, ec1) && fs::exists(c.output_dir, ec2) &&
+                                fs::equivalent(c.output_dir, c.base_model, ec1))
+    issues.push_back({"output_dir", "'" + c.output_dir + "' is the base_model folder; the run's adapter and checkpoints "
+                                    "would be written among the model's weights: choose another output_dir"});
 }
 
 // Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).

@@ -344,8 +344,10 @@ TEST(Config, FilesAreCheckedBeforeAnythingLoads) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / "eo_cfg_test";
   fs::create_directories(dir / "model");
+  // output_dir spelled otherwise but the base_model folder (issue #32 item 12).
+  const std::string same = (dir / "model" / ".").string();
   const std::string yaml = "base_model: " + (dir / "model").string() + "\nadapter: lora\ndatasets: [{path: " +
-                           (dir / "missing.jsonl").string() + "}]\n";
+                           (dir / "missing.jsonl").string() + "}]\noutput_dir: " + same + "\n";
   try {
     load_config_text(yaml, "t.yaml", {});
     FAIL() << "accepted";
@@ -353,6 +355,7 @@ TEST(Config, FilesAreCheckedBeforeAnythingLoads) {
     const std::string m = e.what();
     EXPECT_NE(m.find("base_model: '" + (dir / "model").string() + "' has no config.json"), std::string::npos) << m;
     EXPECT_NE(m.find("datasets.0.path: file '"), std::string::npos) << m;
+    EXPECT_NE(m.find("output_dir: '" + same + "' is the base_model folder"), std::string::npos) << m;
   }
   fs::remove_all(dir);
 }

@@ -234,7 +234,8 @@ check(abs(json.loads(s.stdout)["loss"] - metrics[-1]["eval_loss"]) <= 1e-5 * met
 alpaca_rows = sum(1 for r in read_jsonl(os.path.join(out, "eval.jsonl")))
 check(alpaca_rows == len(alpaca), f"eval.jsonl holds the {len(alpaca)} test_datasets rows ({alpaca_rows})")
 
-# ---- the cache: reused when nothing changed, rebuilt when the data or the tokenizer change -----
+# ---- the cache: reused when nothing changed, rebuilt when the data or the tokenizer change, or
+# when the cache file itself changed -------------------------------------------------------------
 cfg = write_config("cache", datasets=[{"path": os.path.join(WORK, "chat-copy.jsonl"), "type": "chat_template"}],
                    dataset_prepared_path=os.path.join(WORK, "cache"))
 shutil.copy(chat_file, os.path.join(WORK, "chat-copy.jsonl"))
@@ -247,6 +248,29 @@ changed = eo("preprocess", "--config", cfg)
 check("1 dataset(s) tokenised" in changed.stdout and changed.stdout.split(" -> ")[1] != first.stdout.split(" -> ")[1],
       "a changed data file is tokenised again, into a new cache folder")
 check(len(read_jsonl(changed.stdout.split(" -> ")[1].split("\n")[0])) == len(chats) + 1, "the new cache has the new row")
+# The cache is checked at every use against the hash, size and rows its manifest recorded: a
+# rewritten, truncated or symlinked data.jsonl is rebuilt, with a warning saying why.
+cached = changed.stdout.split(" -> ")[1].split("\n")[0]
+good = open(cached).read()
+other = os.path.join(WORK, "other.jsonl")
+shutil.copy(os.path.join(SRC, "fixtures/tiny-data/train.jsonl"), other)
+for how, damage in [
+        ("rewritten", lambda: open(cached, "w").write("".join(
+            json.dumps(dict(r, input_ids=[7] * len(r["input_ids"]))) + "\n" for r in map(json.loads, good.splitlines())))),
+        ("truncated", lambda: open(cached, "w").write("".join(good.splitlines(keepends=True)[:-2]))),
+        ("symlinked", lambda: (os.remove(cached), os.symlink(other, cached)))]:
+    damage()
+    p = eo("preprocess", "--config", cfg)
+    check("1 dataset(s) tokenised" in p.stdout and "cannot be used" in p.stderr and "it is rebuilt" in p.stderr,
+          f"a {how} cache file is noticed and rebuilt")
+    check(not os.path.islink(cached) and open(cached).read() == good, f"the rebuilt cache ({how}) is the original again")
+# A dataset that trains nothing (roles_to_train matching no role) inside a mix is refused, naming it.
+mix = write_config("mix-untrainable", datasets=[{"path": chat_file, "type": "chat_template"},
+                                                {"path": os.path.join(WORK, "chat-copy.jsonl"), "type": "chat_template",
+                                                 "roles_to_train": ["nobody"]}])
+p = eo("--config", mix, ok=False)
+check(p.returncode == 2 and "chat-copy.jsonl (type chat_template, one of 2 in datasets) has no trainable token" in p.stderr,
+      "a dataset with no trainable label in a mix is a usage error naming it")
 model2 = os.path.join(WORK, "model-chatml")
 shutil.copytree(MODEL, model2)
 tc = json.load(open(os.path.join(model2, "tokenizer_config.json")))
