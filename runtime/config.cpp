@@ -642,7 +642,9 @@ const std::vector<KeySpec>& schema() {
     k.push_back(text("expert_offload_disk_path", &TrainConfig::expert_offload_disk_path,
                      "With expert_offload_homes: disk, the directory (on a local drive, ideally NVMe; created if missing) "
                      "of the homes file eo-ddp-expert-homes.bin. A file written for another model or quantisation "
-                     "setting, or damaged, is rebuilt; one directory per model avoids rebuilding."));
+                     "setting, or with a damaged header, is rebuilt; a block whose bytes changed on the drive stops "
+                     "the run at its next read (exit 1), saying to delete the file, which the next run rebuilds; one "
+                     "directory per model avoids rebuilding."));
     k.push_back(boolean("expert_offload_prefetch", &TrainConfig::expert_offload_prefetch,
                         "Stage the next blocks on a copy stream while the current one computes (1 + expert_offload_prefetch_depth slots)."));
     k.push_back(integer("expert_offload_prefetch_depth", &TrainConfig::expert_offload_prefetch_depth, 1, 8,
