@@ -813,7 +813,18 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
     const std::string id = f.state.value("run_id", std::string());
     if (id.empty() ? resume.empty() : id != claim.run_id) foreign.push_back(f.dir.filename().string());
   }
-  if (!foreign.empty() && !cfg.overwrite_output_dir) {
+  // Resuming the run that run.json names: the folder is already this run's (another run's
+  // checkpoints in it were accepted by overwrite_output_dir when it started).
+  const std::optional<json> owner = read_run_file(dir);
+  const bool owns = !resume.empty() && owner && (*owner)["run_id"].get<std::string>() == claim.run_id;
+  if (!foreign.empty() && !cfg.overwrite_output_dir && !owns && cfg.resume_from_checkpoint == "auto")
+    throw UsageError("output_dir " + dir + " holds checkpoints of another run (" + join(foreign, ", ") + ") and "
+                     "resume_from_checkpoint: auto found no checkpoint of the run that " + dir + "/run.json names" +
+                     (owner ? " (run id " + (*owner)["run_id"].get<std::string>() + ")" : std::string()) +
+                     (owner ? ", which may have been edited or replaced" : std::string()) +
+                     ". Name the checkpoint to continue (resume_from_checkpoint: " + dir + "/checkpoint-<step>), "
+                     "choose another output_dir, or set overwrite_output_dir: true to start a fresh run here.");
+  if (!foreign.empty() && !cfg.overwrite_output_dir && !owns) {
     const std::string what = "checkpoints of another run (" + join(foreign, ", ") + ")";
     throw UsageError("output_dir " + dir + " holds " + what + (resume.empty() ? std::string() : ", not of the run of " + resume) +
                      ". A run here would mix its checkpoints with them (and `auto` could later resume the wrong one). "
@@ -822,7 +833,7 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
                      "left in place, never pruned and never resumed).");
   }
   if (!foreign.empty())
-    claim.warnings.push_back("overwrite_output_dir: true: " + dir + " holds checkpoints of another run (" + join(foreign, ", ") +
+    claim.warnings.push_back((owns && !cfg.overwrite_output_dir ? std::string("resuming the run of run.json: ") : "overwrite_output_dir: true: ") + dir + " holds checkpoints of another run (" + join(foreign, ", ") +
                           "); they are left in place and not part of this run");
   json run = {{"format", "eo-ddp-run-1"}, {"run_id", claim.run_id}, {"lineage", lineage}};
   write_file_atomic((fs::path(dir) / kRunFile).string(), run.dump(2) + "\n");

@@ -464,3 +464,29 @@ TEST_F(TrainStateTest, DeletingTheLockFileLetsNoSecondRunIn) {
   a.lock.reset();
   EXPECT_NO_THROW(eo::claim_output_dir(config("auto")));
 }
+
+// Issue #32 item 11: a run started with overwrite_output_dir beside another run's checkpoints
+// resumes with `auto` (the folder is its own by run.json); a run.json that names no checkpoint's
+// run is refused with advice other than the `auto` that was given.
+TEST_F(TrainStateTest, AutoResumesARunStartedWithOverwriteAndATamperedRunFileGetsOtherAdvice) {
+  {
+    RunClaim a = eo::claim_output_dir(config());
+    save(config(), 2);
+  }
+  TrainConfig over = config();
+  over.overwrite_output_dir = true;
+  {
+    RunClaim b = eo::claim_output_dir(over);
+    save(over, 6);  // then the run crashes
+  }
+  RunClaim again = eo::claim_output_dir(config("auto"));
+  EXPECT_EQ(again.resume, ckpt(6).string());
+  again.lock.reset();
+  auto run = nlohmann::json::parse(read_text(dir_ / "out" / "run.json"));
+  run["run_id"] = "0000000000000000";
+  std::ofstream(dir_ / "out" / "run.json", std::ios::trunc) << run.dump(2);
+  const std::string msg = usage_error([&] { eo::claim_output_dir(config("auto")); });
+  EXPECT_TRUE(contains(msg, "found no checkpoint of the run that") && contains(msg, "resume_from_checkpoint: " + (dir_ / "out").string() + "/checkpoint-<step>"))
+      << msg;
+  EXPECT_FALSE(contains(msg, "(resume_from_checkpoint: auto)")) << msg;
+}
