@@ -98,6 +98,7 @@ int run_train(const Args& args) {
                   describe_run(cfg, world).c_str());
       // The axolotl-format datasets: cached already, or to be tokenised by rank 0 at start.
       const data::PreparePlan prep = data::plan_preparation(cfg);
+      if (prep.missing() > 0) check_output_dir_writable(cfg.dataset_prepared_path, "dataset_prepared_path");
       for (const auto& p : prep.datasets)
         std::printf("  dataset %s (%s): %s %s\n", (p.test ? cfg.test_datasets : cfg.datasets)[p.index].path.c_str(),
                     (p.test ? cfg.test_datasets : cfg.datasets)[p.index].type.c_str(),

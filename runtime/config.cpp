@@ -1027,7 +1027,13 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     for (std::size_t i = 0; i < list->size(); ++i) {
       const auto& d = (*list)[i];
       formatted |= d.formatted();
-      if (!d.path.empty() && !fs::is_regular_file(d.path))
+      std::error_code ec;
+      const auto kind = fs::status(d.path, ec).type();
+      if (!d.path.empty() && kind != fs::file_type::regular && kind != fs::file_type::not_found)
+        issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
+                          "'" + d.path + "' is " + (kind == fs::file_type::directory ? "a folder" : "not a regular file (a FIFO, socket or device)") +
+                              "; give the data file itself"});
+      else if (!d.path.empty() && !fs::is_regular_file(d.path))
         issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
                           "file '" + d.path + "' not found" +
                               (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
@@ -1118,11 +1124,33 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
                                                    " (or set lora_target_linear: true)"});
 }
 
+// A message that echoes a huge value is cut in its middle (its start names the value, its end the fix).
+std::string shorten(const std::string& m) {
+  if (m.size() <= 1200) return m;
+  return m.substr(0, 500) + " [... " + std::to_string(m.size() - 900) + " bytes cut ...] " + m.substr(m.size() - 400);
+}
+
 std::string format_issues(const std::string& source, const Issues& issues) {
   std::ostringstream os;
   os << "config " << source << " has " << issues.size() << (issues.size() == 1 ? " problem:" : " problems:");
-  for (const auto& i : issues) os << "\n  - " << i.key << ": " << i.message;
+  for (const auto& i : issues) os << "\n  - " << shorten(i.key) << ": " << shorten(i.message);
   return os.str();
+}
+
+// yaml-cpp keeps one of two equal keys of a mapping silently: each repeat is a config error.
+void find_duplicate_keys(const YAML::Node& node, const std::string& where, Issues& issues) {
+  if (node.IsMap()) {
+    std::set<std::string> seen;
+    for (const auto& kv : node) {
+      const std::string k = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      const std::string path = where.empty() ? k : where + "." + k;
+      if (kv.first.IsScalar() && !seen.insert(k).second)
+        issues.push_back({path, "appears more than once; keep one (YAML would silently use one of them)"});
+      find_duplicate_keys(kv.second, path, issues);
+    }
+  } else if (node.IsSequence()) {
+    for (std::size_t i = 0; i < node.size(); ++i) find_duplicate_keys(node[i], where + "." + std::to_string(i), issues);
+  }
 }
 
 }  // namespace
@@ -1132,10 +1160,15 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   Issues issues;
   YAML::Node root;
   try {
-    root = YAML::Load(yaml_text_in);
+    const std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text_in);
+    if (docs.size() > 1)
+      throw UsageError("config " + source + " holds " + std::to_string(docs.size()) + " YAML documents (separated by ---); "
+                       "eo-ddp reads one config: keep one document");
+    if (!docs.empty()) root = docs.front();
   } catch (const YAML::Exception& e) {
     throw UsageError("config " + source + " is not valid YAML: " + e.what());
   }
+  find_duplicate_keys(root, "", issues);
   if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   if (!root.IsMap()) throw UsageError("config " + source + " must be a YAML mapping of key: value");
   for (const auto& o : overrides) apply_override(root, o, issues);
@@ -1216,6 +1249,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
 
 TrainConfig load_config_file(const std::string& path, const std::vector<std::string>& overrides,
                              const ConfigLoadOptions& options) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw UsageError("--config " + path + " is a folder; give the YAML config file in it");
   std::ifstream in(path);
   if (!in) throw UsageError("cannot read config file '" + path + "'");
   std::stringstream ss;

@@ -69,8 +69,9 @@ std::optional<std::int64_t> parse_step(const std::string& name, const std::strin
   const char* end = name.data() + name.size();
   std::int64_t v = -1;
   const auto r = std::from_chars(begin, end, v);
+  // Only the name eo-ddp writes: no leading zero (checkpoint-00041 is not checkpoint-41).
   const bool ok = r.ec == std::errc() && r.ptr != begin && v >= 0 && v <= kMaxStep && std::isdigit(*begin) &&
-                  (r.ptr == end || (suffix_allowed && *r.ptr == '-'));
+                  (*begin != '0' || r.ptr == begin + 1) && (r.ptr == end || (suffix_allowed && *r.ptr == '-'));
   if (ok) return v;
   static std::mutex mu;
   static std::set<std::string> warned;
@@ -230,6 +231,11 @@ std::vector<Found> complete_checkpoints(const std::string& output_dir, bool veri
       state = read_json_file(e.path() / kStateFile, "checkpoint " + e.path().string());
     } catch (const std::exception& ex) {
       log::warn(std::string("ignoring ") + ex.what());
+      continue;
+    }
+    if (!state.is_object() || state.value("step", json()) != json(*step)) {
+      warn_once("ignoring " + e.path().string() + ": its " + kStateFile + " is of step " +
+                (state.is_object() ? state.value("step", json()).dump() : std::string("?")) + ", not " + std::to_string(*step));
       continue;
     }
     out.push_back({*step, e.path(), std::move(state)});
@@ -643,7 +649,7 @@ std::vector<std::string> check_resume_compatible(const TrainingState& s, const T
 
 // ---- output_dir ownership ---------------------------------------------------------------------
 
-void check_output_dir_writable(const std::string& output_dir) {
+void check_output_dir_writable(const std::string& output_dir, const std::string& key) {
   std::error_code ec;
   fs::path p = fs::absolute(output_dir, ec);
   if (ec) p = output_dir;
@@ -651,28 +657,28 @@ void check_output_dir_writable(const std::string& output_dir) {
   fs::path probe = p;
   while (!fs::exists(fs::symlink_status(probe, ec)) && probe.has_parent_path() && probe != probe.parent_path())
     probe = probe.parent_path();
-  const std::string fix = "; choose another output_dir or make it writable";
+  const std::string fix = "; choose another " + key + " or make it writable";
   if (!fs::is_directory(probe, ec))
-    throw UsageError("output_dir " + output_dir + ": " + probe.string() + " exists and is not a folder" + fix);
+    throw UsageError(key + " " + output_dir + ": " + probe.string() + " exists and is not a folder" + fix);
   if (::access(probe.c_str(), W_OK | X_OK) != 0)
-    throw UsageError("output_dir " + output_dir + " is not writable: " + probe.string() + ": " + std::strerror(errno) + fix);
+    throw UsageError(key + " " + output_dir + " is not writable: " + probe.string() + ": " + std::strerror(errno) + fix);
   // access() is not enough (root ignores modes; some file systems refuse only at write): create
   // something. In a folder that does not exist yet, a probe folder in its nearest ancestor.
   if (probe != p) {
     const std::string d = (probe / (".eo-ddp-write-probe." + std::to_string(::getpid()))).string();
     if (::mkdir(d.c_str(), 0700) != 0)
-      throw UsageError("output_dir " + output_dir + " cannot be created in " + probe.string() + ": " + std::strerror(errno) + fix);
+      throw UsageError(key + " " + output_dir + " cannot be created in " + probe.string() + ": " + std::strerror(errno) + fix);
     ::rmdir(d.c_str());
     return;
   }
   const std::string file = (p / (".eo-ddp-write-probe." + std::to_string(::getpid()))).string();
   const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) throw UsageError("output_dir " + output_dir + " is not writable: " + std::strerror(errno) + fix);
+  if (fd < 0) throw UsageError(key + " " + output_dir + " is not writable: " + std::strerror(errno) + fix);
   const ssize_t w = ::write(fd, "x", 1);
   const int err = errno;
   ::close(fd);
   ::unlink(file.c_str());
-  if (w != 1) throw UsageError("output_dir " + output_dir + " is not writable: " + std::strerror(err) + fix);
+  if (w != 1) throw UsageError(key + " " + output_dir + " is not writable: " + std::strerror(err) + fix);
 }
 
 namespace {

@@ -97,10 +97,10 @@ TrainingState load_checkpoint(const std::string& folder, bool with_tensors = tru
 nlohmann::json recorded_config(const TrainConfig& cfg);
 std::vector<std::string> check_resume_compatible(const TrainingState& checkpoint, const TrainConfig& cfg);
 
-// Probes that output_dir can be created and written (a file created and removed in it), without
+// Probes that output_dir (or another folder the run writes, named `key` in messages) can be created and written (a file created and removed in it), without
 // loading anything. Throws UsageError naming the folder and the reason (read-only file system,
 // permission, not a folder).
-void check_output_dir_writable(const std::string& output_dir);
+void check_output_dir_writable(const std::string& output_dir, const std::string& key = "output_dir");
 
 // What claim_output_dir decided.
 struct RunClaim {

@@ -447,6 +447,21 @@ TEST_F(FaultTest, StopWhileTokenisingEndsTheTokeniser) {
   }
 }
 
+// Issue #32 item 14: --check probes dataset_prepared_path when a dataset is to be tokenised.
+TEST_F(FaultTest, CheckProbesDatasetPreparedPath) {
+  std::ofstream(dir_ / "a-file") << "x";
+  std::vector<std::string> argv{eo_ddp()};
+  for (const auto& a : train_args(dir_ / "out", {"dataset_prepared_path=" + (dir_ / "a-file" / "prep").string()},
+                                  "configs/tiny-qwen3-moe-chat.yaml"))
+    argv.push_back(a);
+  argv.push_back("--check");
+  const Outcome o = run(argv, dir_ / "check.log", {{}, -1, 60});
+  EXPECT_TRUE(o.exited && o.code == 2) << o.describe();
+  EXPECT_TRUE(contains(o.log, "dataset_prepared_path " + (dir_ / "a-file" / "prep").string() + ": " + (dir_ / "a-file").string() +
+                                  " exists and is not a folder"))
+      << o.log;
+}
+
 // ---- host RAM for the expert homes ------------------------------------------------------------------
 
 TEST_F(FaultTest, TooLittleHostMemoryFailsBeforeLoading) {

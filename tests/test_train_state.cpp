@@ -490,3 +490,14 @@ TEST_F(TrainStateTest, AutoResumesARunStartedWithOverwriteAndATamperedRunFileGet
       << msg;
   EXPECT_FALSE(contains(msg, "(resume_from_checkpoint: auto)")) << msg;
 }
+
+// Issue #32 item 14: a folder named checkpoint-00041 (holding step 40) is not taken as the
+// newest; nor is a checkpoint-<n> folder whose state is of another step.
+TEST_F(TrainStateTest, AFolderWhoseNameIsNotItsStepIsIgnored) {
+  RunClaim a = eo::claim_output_dir(config());
+  save(config(), 40);
+  save(config(), 30);
+  fs::copy(ckpt(40), dir_ / "out" / "checkpoint-00041", fs::copy_options::recursive);
+  fs::copy(ckpt(40), dir_ / "out" / "checkpoint-50", fs::copy_options::recursive);
+  EXPECT_EQ(eo::latest_checkpoint(config().output_dir), ckpt(40).string());
+}
