@@ -295,5 +295,28 @@ with open(bad, "w") as f:
 p = eo("preprocess", "--config", write_config("bad", datasets=[{"path": bad, "type": "chat_template"}]), ok=False)
 check(p.returncode == 2 and "bad.jsonl:1" in p.stderr, "a malformed row is a usage error naming file:line")
 
+# Issue #32 item 10: bytes that are not UTF-8, a lone surrogate, a template that raises or uses an
+# undefined name: exit 2 naming file:line (and the template's message), never a traceback.
+good_row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+cases = {
+    "utf8": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', None, "not valid UTF-8"),
+    "surrogate": (b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}\n', None,
+                  "not valid Unicode"),
+    "raises": (json.dumps(good_row).encode() + b"\n", "{{ raise_exception('no system message') }}", "no system message"),
+    "undefined": (json.dumps(good_row).encode() + b"\n", "{% for m in messages %}{{ m.missing.deeper }}{% endfor %}",
+                  "the chat template failed on this row"),
+}
+for name, (data, template, says) in cases.items():
+    path = os.path.join(WORK, f"bad-{name}.jsonl")
+    with open(path, "wb") as f:
+        f.write(json.dumps(good_row).encode() + b"\n" + data)
+    entry = {"path": path, "type": "chat_template"}
+    if template:
+        entry.update(chat_template="jinja", chat_template_jinja=template)
+    p = eo("preprocess", "--config", write_config("bad-" + name, datasets=[entry]), ok=False)
+    where = f"bad-{name}.jsonl:{1 if template else 2}"
+    check(p.returncode == 2 and where in p.stderr and says in p.stderr and "Traceback" not in p.stderr,
+          f"{name}: exit 2 naming {where} ({p.returncode}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''})")
+
 print("data_formats_ref: all checks passed" if not failures else f"data_formats_ref: FAILED ({len(failures)})")
 sys.exit(1 if failures else 0)
