@@ -1229,10 +1229,9 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (cfg.lora_target_linear)
     cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   check_rules(cfg, present, issues);
-  if (options.check_files) {
-    check_files(cfg, present, issues);
-    check_targets(cfg, present, issues);
-  }
+  if (options.check_files) check_files(cfg, present, issues);
+  // Needs base_model's config.json only (skipped when it cannot be read): `plan` checks it too.
+  check_targets(cfg, present, issues);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))

@@ -640,3 +640,16 @@ TEST(Config, DuplicateKeysSecondDocumentsHugeValuesAndFoldersAreErrors) {
   }
   fs::remove_all(dir);
 }
+
+// Issue #32 item 14: targets are checked against base_model's config.json also without the file
+// checks (`eo-ddp plan`): gate_proj on Mixtral (w1/w2/w3) is refused as training refuses it.
+TEST(Config, TargetsAreCheckedWhenOnlyConfigJsonIsRead) {
+  const std::string yaml = "base_model: " + std::string(EO_SOURCE_DIR) + "/configs/models/mixtral-8x7b\nadapter: lora\n"
+                           "lora_target_modules: [q_proj, gate_proj]\ndatasets: [{path: missing.jsonl}]\n";
+  try {
+    load_config_text(yaml, "t.yaml", {}, no_files());
+    ADD_FAILURE() << "gate_proj on Mixtral was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("'gate_proj' matches no linear of mixtral"), std::string::npos) << e.what();
+  }
+}
