@@ -1,6 +1,11 @@
 #include "common/checksum.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstring>
+#include <vector>
 
 namespace eo {
 namespace {
@@ -30,6 +35,36 @@ std::uint64_t hash_bytes(const void* data, std::size_t n, std::uint64_t seed) {
   std::uint64_t h = mix64(n) ^ lane[0] ^ rotl(lane[1], 17) ^ rotl(lane[2], 29) ^ rotl(lane[3], 43);
   for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001B3ULL;
   return mix64(h);
+}
+
+bool hash_file(const std::string& path, std::uint64_t& hash, std::uint64_t& bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  std::vector<unsigned char> buf(std::size_t(16) << 20);
+  std::uint64_t h = 0x6A09E667F3BCC908ULL, total = 0, piece = 0;
+  for (;;) {
+    std::size_t got = 0;
+    while (got < buf.size()) {  // whole pieces, so the hash does not depend on how read() splits them
+      const ssize_t n = ::read(fd, buf.data() + got, buf.size() - got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int err = errno;
+        ::close(fd);
+        errno = err;
+        return false;
+      }
+      if (n == 0) break;
+      got += static_cast<std::size_t>(n);
+    }
+    if (got == 0) break;
+    h = mix64(h ^ hash_bytes(buf.data(), got, piece++));
+    total += got;
+    if (got < buf.size()) break;
+  }
+  ::close(fd);
+  hash = mix64(h ^ total);
+  bytes = total;
+  return true;
 }
 
 }  // namespace eo

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace eo {
 
@@ -13,5 +14,11 @@ namespace eo {
 std::uint64_t hash_bytes(const void* data, std::size_t bytes, std::uint64_t seed = 0);
 // splitmix64's finaliser: combines hashes.
 std::uint64_t mix64(std::uint64_t x);
+
+// A file's contents, streamed in 16 MiB pieces (hash_bytes of each, seeded by its index, chained by
+// mix64): the checkpoint checksums and the base model's content hash. Returns false (errno set)
+// if the file cannot be opened or read; `bytes` gets the number of bytes hashed. A link at `path`
+// is followed (the base model's files may be links into a cache).
+bool hash_file(const std::string& path, std::uint64_t& hash, std::uint64_t& bytes);
 
 }  // namespace eo

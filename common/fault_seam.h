@@ -17,6 +17,7 @@ struct Plan {
   std::function<bool(std::int64_t step, int rank)> at_step;
   std::int64_t kill_in_save = -1;         // SIGKILL in the middle of writing checkpoint-<step>
   std::int64_t kill_in_replace = -1;      // SIGKILL between the two renames replacing checkpoint-<step>
+  std::int64_t nan_state_at = -1;         // after optimizer step <step>, one LoRA parameter element becomes NaN
   std::int64_t host_mem_available = -1;   // bytes of host RAM to report as available (-1: measure)
   std::int64_t disk_homes_full_after = -1;  // writes of the disk homes file fail with ENOSPC past this many bytes
   bool refuse_o_direct = false;

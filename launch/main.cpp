@@ -9,6 +9,7 @@
 #include "launch/commands.h"
 #include "runtime/config.h"
 #include "runtime/dist/world.h"
+#include "runtime/signals.h"
 
 namespace {
 
@@ -32,8 +33,8 @@ const char* kUsage = R"(usage:
   eo-ddp --help | --help-config | --version
 
 Multi-GPU / multi-node: mpirun -np N eo-ddp --config FILE (one rank per GPU).
-Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 stopped by SIGTERM/SIGINT
-after saving a checkpoint.
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 stopped by SIGTERM, SIGINT,
+SIGUSR1 or SIGHUP with nothing lost (a checkpoint saved, or stopped before training began).
 )";
 
 // An error on any rank ends every rank now, with the exit code a single process would give:
@@ -51,6 +52,8 @@ int fail(const std::string& message, int code) {
 
 int eo::launch::run_main(int argc, char** argv) {
   using namespace eo;
+  // First: a signal from here on asks for a stop (runtime/signals.h) instead of killing the process.
+  install_stop_signals();
   launch::Args args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
@@ -81,6 +84,8 @@ int eo::launch::run_main(int argc, char** argv) {
     if (cmd == "plan") return launch::run_plan(args);
     if (cmd == "preprocess") return launch::run_preprocess(args);  // single process, no MPI
     throw UsageError("unknown command '" + cmd + "' (commands: train, preprocess, score, plan; see eo-ddp --help)");
+  } catch (const Stopped& e) {
+    return fail(e.what(), kExitPreempted);
   } catch (const UsageError& e) {
     return fail(e.what(), kExitUsage);
   } catch (const std::exception& e) {

@@ -12,6 +12,7 @@
 #include "runtime/config.h"
 #include "runtime/data/prepare.h"
 #include "runtime/dist/world.h"
+#include "runtime/signals.h"
 
 namespace eo::launch {
 
@@ -28,6 +29,9 @@ void prepare_datasets(TrainConfig& cfg, dist::World& world) {
         log::info("datasets: " + std::to_string(plan.missing()) + " of " + std::to_string(plan.datasets.size()) +
                   " need tokenising (no cache in " + cfg.dataset_prepared_path + " for their data, tokenizer and keys)");
       data::run_preparation(cfg, plan);
+    } catch (const Stopped& e) {
+      if (world.size() > 1) world.broadcast_string(std::string("stopped: ") + e.what(), 0);
+      throw;
     } catch (const std::exception& e) {
       if (world.size() > 1) world.broadcast_string(std::string("error: ") + e.what(), 0);
       throw;
@@ -46,6 +50,7 @@ void prepare_datasets(TrainConfig& cfg, dist::World& world) {
   const std::string outcome = world.broadcast_string("", 0);
   world.set_timeout(ddp_timeout);
   if (outcome.rfind("error: ", 0) == 0) throw UsageError("rank 0 could not prepare the datasets: " + outcome.substr(7));
+  if (outcome.rfind("stopped: ", 0) == 0) throw Stopped("rank 0 " + outcome.substr(9));
   for (const auto& f : nlohmann::json::parse(outcome)) {
     const bool test = f[0].get<bool>();
     const auto index = f[1].get<std::size_t>();

@@ -12,6 +12,7 @@
 #include "launch/commands.h"
 #include "runtime/config.h"
 #include "runtime/rank_agreement.h"
+#include "runtime/signals.h"
 #include "runtime/data/prepare.h"
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
@@ -63,6 +64,16 @@ std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
   return os.str();
 }
 
+// A stop requested on any rank before training stops every rank here, together (Stopped: exit 3).
+void stop_point(dist::World& w, const std::string& during) {
+  double stop[1] = {stop_requested() ? double(stop_signal()) : 0.0};
+  if (w.size() > 1) w.allreduce_max(stop, 1);
+  if (stop[0] > 0 && !stop_requested())
+    throw Stopped("stopped before training began (signal " + std::to_string(int(stop[0])) + " on another rank, " + during +
+                  "): nothing was trained, so nothing is lost and nothing was saved (exit 3)");
+  throw_if_stopped(during);
+}
+
 }  // namespace
 
 int run_train(const Args& args) {
@@ -79,6 +90,7 @@ int run_train(const Args& args) {
   const auto& world = w.info();
   w.set_timeout(cfg.ddp_timeout);  // every host collective from here on is bounded
   check_ranks_agree(cfg, w);  // before anything is loaded or written
+  stop_point(w, "while reading the config");
   if (world.rank == 0) check_output_dir_writable(cfg.output_dir);  // rank 0 writes output_dir
   if (check) {
     if (world.rank == 0) {
@@ -86,6 +98,7 @@ int run_train(const Args& args) {
                   describe_run(cfg, world).c_str());
       // The axolotl-format datasets: cached already, or to be tokenised by rank 0 at start.
       const data::PreparePlan prep = data::plan_preparation(cfg);
+      if (prep.missing() > 0) check_output_dir_writable(cfg.dataset_prepared_path, "dataset_prepared_path");
       for (const auto& p : prep.datasets)
         std::printf("  dataset %s (%s): %s %s\n", (p.test ? cfg.test_datasets : cfg.datasets)[p.index].path.c_str(),
                     (p.test ? cfg.test_datasets : cfg.datasets)[p.index].type.c_str(),
@@ -104,7 +117,9 @@ int run_train(const Args& args) {
     for (const auto& warning : claim.warnings) log::warn(warning);
   }
   cfg.resume_from_checkpoint = w.broadcast_string(claim.resume, 0);
+  stop_point(w, "while taking output_dir");
   prepare_datasets(cfg, w);  // before any weight: a data problem costs no loading time
+  stop_point(w, "after tokenising the datasets");
   return train(cfg, w).exit_code;
 }
 

@@ -434,6 +434,12 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   require_positive(c.top_k, "num_experts_per_tok", source);
   require_positive(c.expert_width, "expert intermediate size", source);
   require_positive(c.decoder_sparse_step, "decoder_sparse_step", source);
+  // Bounds on what planning and building loop over (a few hundred experts and layers exist; these
+  // are far above): a damaged or hostile config.json is refused at once, not planned for minutes.
+  if (c.experts > (1 << 16))
+    throw UsageError(source + ": " + std::to_string(c.experts) + " experts is over eo-ddp's limit of 65536; the file is damaged");
+  if (c.layers > (1 << 14))
+    throw UsageError(source + ": num_hidden_layers " + std::to_string(c.layers) + " is over eo-ddp's limit of 16384; the file is damaged");
   if (c.shared_expert_width < 0) throw UsageError(source + ": the shared expert width must not be negative");
   if (c.top_k > c.experts)
     throw UsageError(source + ": num_experts_per_tok (" + std::to_string(c.top_k) + ") exceeds the number of experts (" +

@@ -15,7 +15,8 @@
 // fdatasync, then the header, fsync, rename into place. An error or a full drive leaves nothing
 // under the name later runs open. A run reuses the file only when its header, size and every
 // block's checksum equal what this run would write; anything else is rebuilt, the reason logged.
-// A block's bytes are checked against its checksum again the first time they are read back.
+// A block's bytes are checked against its checksum every time they are read back (a change on the
+// drive stops the run at its next read: exit 1, saying to delete the file, which the next run rebuilds).
 #pragma once
 
 #include <cstddef>
@@ -170,7 +171,6 @@ class DiskReader {
   std::vector<DiskBlock> blocks_;
   std::vector<std::unique_ptr<Buffer>> buffers_;
   std::int64_t buffer_bytes_ = 0;
-  std::vector<char> verified_;  // by layer: its bytes were checked against the header's checksum
 
   mutable std::mutex mu_;
   std::condition_variable work_, done_;

@@ -642,7 +642,9 @@ const std::vector<KeySpec>& schema() {
     k.push_back(text("expert_offload_disk_path", &TrainConfig::expert_offload_disk_path,
                      "With expert_offload_homes: disk, the directory (on a local drive, ideally NVMe; created if missing) "
                      "of the homes file eo-ddp-expert-homes.bin. A file written for another model or quantisation "
-                     "setting, or damaged, is rebuilt; one directory per model avoids rebuilding."));
+                     "setting, or with a damaged header, is rebuilt; a block whose bytes changed on the drive stops "
+                     "the run at its next read (exit 1), saying to delete the file, which the next run rebuilds; one "
+                     "directory per model avoids rebuilding."));
     k.push_back(boolean("expert_offload_prefetch", &TrainConfig::expert_offload_prefetch,
                         "Stage the next blocks on a copy stream while the current one computes (1 + expert_offload_prefetch_depth slots)."));
     k.push_back(integer("expert_offload_prefetch_depth", &TrainConfig::expert_offload_prefetch_depth, 1, 8,
@@ -1036,7 +1038,13 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     for (std::size_t i = 0; i < list->size(); ++i) {
       const auto& d = (*list)[i];
       formatted |= d.formatted();
-      if (!d.path.empty() && !fs::is_regular_file(d.path))
+      std::error_code ec;
+      const auto kind = fs::status(d.path, ec).type();
+      if (!d.path.empty() && kind != fs::file_type::regular && kind != fs::file_type::not_found)
+        issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
+                          "'" + d.path + "' is " + (kind == fs::file_type::directory ? "a folder" : "not a regular file (a FIFO, socket or device)") +
+                              "; give the data file itself"});
+      else if (!d.path.empty() && !fs::is_regular_file(d.path))
         issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
                           "file '" + d.path + "' not found" +
                               (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
@@ -1074,6 +1082,11 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (!c.resume_from_checkpoint.empty() && c.resume_from_checkpoint != "auto" &&
       !fs::is_directory(c.resume_from_checkpoint))
     issues.push_back({"resume_from_checkpoint", "'" + c.resume_from_checkpoint + "' is not a folder (use a checkpoint folder or auto)"});
+  // The run's adapter would become part of the base model's identity (and its weights folder).
+  if (std::error_code ec1, ec2; !c.output_dir.empty() && fs::exists(c.base_model, ec1) && fs::exists(c.output_dir, ec2) &&
+                                fs::equivalent(c.output_dir, c.base_model, ec1))
+    issues.push_back({"output_dir", "'" + c.output_dir + "' is the base_model folder; the run's adapter and checkpoints "
+                                    "would be written among the model's weights: choose another output_dir"});
 }
 
 // Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).
@@ -1122,11 +1135,33 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
                                                    " (or set lora_target_linear: true)"});
 }
 
+// A message that echoes a huge value is cut in its middle (its start names the value, its end the fix).
+std::string shorten(const std::string& m) {
+  if (m.size() <= 1200) return m;
+  return m.substr(0, 500) + " [... " + std::to_string(m.size() - 900) + " bytes cut ...] " + m.substr(m.size() - 400);
+}
+
 std::string format_issues(const std::string& source, const Issues& issues) {
   std::ostringstream os;
   os << "config " << source << " has " << issues.size() << (issues.size() == 1 ? " problem:" : " problems:");
-  for (const auto& i : issues) os << "\n  - " << i.key << ": " << i.message;
+  for (const auto& i : issues) os << "\n  - " << shorten(i.key) << ": " << shorten(i.message);
   return os.str();
+}
+
+// yaml-cpp keeps one of two equal keys of a mapping silently: each repeat is a config error.
+void find_duplicate_keys(const YAML::Node& node, const std::string& where, Issues& issues) {
+  if (node.IsMap()) {
+    std::set<std::string> seen;
+    for (const auto& kv : node) {
+      const std::string k = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+      const std::string path = where.empty() ? k : where + "." + k;
+      if (kv.first.IsScalar() && !seen.insert(k).second)
+        issues.push_back({path, "appears more than once; keep one (YAML would silently use one of them)"});
+      find_duplicate_keys(kv.second, path, issues);
+    }
+  } else if (node.IsSequence()) {
+    for (std::size_t i = 0; i < node.size(); ++i) find_duplicate_keys(node[i], where + "." + std::to_string(i), issues);
+  }
 }
 
 }  // namespace
@@ -1136,10 +1171,15 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   Issues issues;
   YAML::Node root;
   try {
-    root = YAML::Load(yaml_text_in);
+    const std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text_in);
+    if (docs.size() > 1)
+      throw UsageError("config " + source + " holds " + std::to_string(docs.size()) + " YAML documents (separated by ---); "
+                       "eo-ddp reads one config: keep one document");
+    if (!docs.empty()) root = docs.front();
   } catch (const YAML::Exception& e) {
     throw UsageError("config " + source + " is not valid YAML: " + e.what());
   }
+  find_duplicate_keys(root, "", issues);
   if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   if (!root.IsMap()) throw UsageError("config " + source + " must be a YAML mapping of key: value");
   for (const auto& o : overrides) apply_override(root, o, issues);
@@ -1200,10 +1240,9 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (cfg.lora_target_linear)
     cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   check_rules(cfg, present, issues);
-  if (options.check_files) {
-    check_files(cfg, present, issues);
-    check_targets(cfg, present, issues);
-  }
+  if (options.check_files) check_files(cfg, present, issues);
+  // Needs base_model's config.json only (skipped when it cannot be read): `plan` checks it too.
+  check_targets(cfg, present, issues);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))
@@ -1220,6 +1259,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
 
 TrainConfig load_config_file(const std::string& path, const std::vector<std::string>& overrides,
                              const ConfigLoadOptions& options) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw UsageError("--config " + path + " is a folder; give the YAML config file in it");
   std::ifstream in(path);
   if (!in) throw UsageError("cannot read config file '" + path + "'");
   std::stringstream ss;

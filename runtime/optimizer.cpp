@@ -169,6 +169,19 @@ NamedTensors Optimizer::state() const {
   return out;
 }
 
+at::Tensor Optimizer::state_nonfinite() const {
+  std::vector<at::Tensor> all;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    all.push_back(params_[i].second);
+    if (exp_avg_[i].defined()) all.push_back(exp_avg_[i]);
+    if (exp_avg_sq_[i].defined()) all.push_back(exp_avg_sq_[i]);
+  }
+  if (all.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble));
+  // The max-norm is NaN or Inf exactly when some element is (it cannot overflow).
+  const at::Tensor amax = at::stack(at::_foreach_norm(all, INFINITY)).to(at::kDouble).sum();
+  return at::logical_not(at::isfinite(amax)).to(at::kDouble);
+}
+
 namespace {
 
 // Checkpoints written before expert LoRA was stacked name its state per expert

@@ -65,6 +65,9 @@ class Optimizer {
   // expert LoRA was stacked (models/lora.h), stacking them.
   NamedTensors state() const;
   void load_state(const std::map<std::string, at::Tensor>& state);
+  // fp64 [] on the device: 1 when a parameter or moment holds NaN/Inf, else 0 (one multi-tensor
+  // max-norm pass, no host read). A skipped step cannot repair such a state, so the trainer stops.
+  at::Tensor state_nonfinite() const;
 
  private:
   NamedTensors params_;

@@ -7,7 +7,7 @@
 
 #include "common/error.h"
 #include "runtime/dist/world.h"
-#include "runtime/train_state.h"
+#include "runtime/model_identity.h"
 
 namespace eo {
 namespace {

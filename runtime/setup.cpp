@@ -98,6 +98,18 @@ std::shared_ptr<const data::DocumentSource> load_documents(const TrainConfig& cf
     if (examples.empty())
       throw UsageError("dataset " + d.path + ": every row is longer than sequence_len " + std::to_string(L) +
                        " tokens; raise sequence_len");
+    // In a mix, a dataset that trains nothing would hide behind the others (the Batcher checks
+    // the mix as a whole): each must have a target token (a label past its sequence's first).
+    if (list.size() > 1 &&
+        std::none_of(examples.begin(), examples.end(), [&](const data::Example& ex) {
+          for (std::size_t t = 1; t < ex.labels.size() && t < L; ++t)
+            if (ex.labels[t] != data::kIgnoreIndex) return true;
+          return false;
+        }))
+      throw UsageError("dataset " + d.path + " (type " + d.type + ", one of " + std::to_string(list.size()) +
+                       " in datasets) has no trainable token: every label is " + std::to_string(data::kIgnoreIndex) +
+                       (d.formatted() ? " (roles_to_train / train_on_inputs / train_on_eos mark no token of it for training)"
+                                      : "") + ". Fix its labels or remove it from the mix.");
     parts.push_back(std::make_shared<data::InMemoryDocuments>(std::move(examples), d.path));
   }
   if (parts.size() == 1) return parts[0];

@@ -21,6 +21,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/checksum.h"
 #include "common/error.h"
 #include "common/fault_seam.h"
 #include "common/files.h"
@@ -29,6 +30,7 @@
 #include "models/lora.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
+#include "runtime/model_identity.h"
 
 namespace eo {
 namespace fs = std::filesystem;
@@ -37,6 +39,10 @@ using json = nlohmann::json;
 namespace {
 
 const char* kStateFile = "trainer_state.json";
+// Written last into a checkpoint: every other file's size and hash, then a hash of those lines.
+const char* kChecksumFile = "checksums.txt";
+const char* kFormat = "eo-ddp-checkpoint-2";     // with kChecksumFile
+const char* kOldFormat = "eo-ddp-checkpoint-1";  // without: its files cannot be verified
 const char* kRunFile = "run.json";
 const char* kLockFile = ".eo-ddp.lock";
 const char* kCheckpointPrefix = "checkpoint-";
@@ -63,8 +69,9 @@ std::optional<std::int64_t> parse_step(const std::string& name, const std::strin
   const char* end = name.data() + name.size();
   std::int64_t v = -1;
   const auto r = std::from_chars(begin, end, v);
+  // Only the name eo-ddp writes: no leading zero (checkpoint-00041 is not checkpoint-41).
   const bool ok = r.ec == std::errc() && r.ptr != begin && v >= 0 && v <= kMaxStep && std::isdigit(*begin) &&
-                  (r.ptr == end || (suffix_allowed && *r.ptr == '-'));
+                  (*begin != '0' || r.ptr == begin + 1) && (r.ptr == end || (suffix_allowed && *r.ptr == '-'));
   if (ok) return v;
   static std::mutex mu;
   static std::set<std::string> warned;
@@ -126,19 +133,109 @@ struct Found {
   json state;  // trainer_state.json
 };
 
-// Every complete checkpoint-<step> folder of output_dir, oldest first.
-std::vector<Found> complete_checkpoints(const std::string& output_dir) {
+void warn_once(const std::string& text) {
+  static std::mutex mu;
+  static std::set<std::string> warned;
+  std::lock_guard<std::mutex> lk(mu);
+  if (warned.insert(text).second) log::warn(text);
+}
+
+std::string hex64(std::uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+// kChecksumFile of `dir`: every regular file in it (sorted), "hash bytes name" per line, then
+// "self <hash of the lines above>". Written atomically, after every file it covers.
+void write_checksums(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && !e.is_symlink() && e.path().filename() != kChecksumFile) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  std::string body =
+      "# eo-ddp checkpoint checksums: hash (common/checksum.h hash_file), bytes, file; the last line hashes the lines "
+      "above. A resume checks every file and falls back to the previous intact checkpoint.\n";
+  for (const auto& n : names) {
+    std::uint64_t h = 0, bytes = 0;
+    EO_CHECK(hash_file((dir / n).string(), h, bytes), "cannot read back ", (dir / n).string(), ": ", std::strerror(errno));
+    body += hex64(h) + " " + std::to_string(bytes) + " " + n + "\n";
+  }
+  body += "self " + hex64(hash_bytes(body.data(), body.size())) + "\n";
+  write_file_atomic((dir / kChecksumFile).string(), body);
+}
+
+// Why checkpoint `dir` is not what was saved ("" when it is): checks kChecksumFile against
+// itself, then every file it lists (or only trainer_state.json with state_only: cheap, for listing).
+std::string damage(const fs::path& dir, bool state_only) {
+  std::string text;
+  if (!read_file_nofollow((dir / kChecksumFile).string(), text)) {
+    // Written by an eo-ddp without checksums (its format says so), or a checksum file lost.
+    std::string state;
+    if (!read_file_nofollow((dir / kStateFile).string(), state)) return std::string(kStateFile) + " is missing";
+    json j;
+    try {
+      j = json::parse(state);
+    } catch (const std::exception&) {
+      return std::string(kStateFile) + " is not valid JSON and there is no " + kChecksumFile;
+    }
+    if (j.is_object() && j.value("format", std::string(kOldFormat)) == kOldFormat) return "";
+    return std::string(kChecksumFile) + " is missing";
+  }
+  const std::size_t last = text.size() >= 2 ? text.rfind('\n', text.size() - 2) : std::string::npos;
+  const std::string body = last == std::string::npos ? std::string() : text.substr(0, last + 1);
+  if (last == std::string::npos || text.compare(last + 1, std::string::npos, "self " + hex64(hash_bytes(body.data(), body.size())) + "\n") != 0)
+    return std::string(kChecksumFile) + " does not match its own checksum";
+  std::istringstream lines(body);
+  bool state_listed = false;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    std::string hash, name;
+    std::uint64_t bytes = 0;
+    if (!(ls >> hash >> bytes >> name) || name.find('/') != std::string::npos || name == "..")
+      return std::string(kChecksumFile) + ": unreadable line '" + line + "'";
+    if (name == kStateFile) state_listed = true;
+    if (state_only && name != kStateFile) continue;
+    const fs::path file = dir / name;
+    struct stat st {};
+    if (::lstat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return name + " is missing (or not a plain file)";
+    std::uint64_t h = 0, got = 0;
+    if (!hash_file(file.string(), h, got)) return name + " cannot be read: " + std::strerror(errno);
+    if (got != bytes || hex64(h) != hash)
+      return name + " changed after it was saved (" + std::to_string(got) + " bytes, checksum " + hex64(h) + "; saved: " +
+             std::to_string(bytes) + " bytes, checksum " + hash + ")";
+  }
+  if (!state_listed) return std::string(kChecksumFile) + " does not list " + kStateFile;
+  return "";
+}
+
+// Every complete checkpoint-<step> folder of output_dir, oldest first. With `verify`, one whose
+// trainer_state.json does not match its checksum is left out with a warning (its run id, step
+// and lineage cannot be trusted).
+std::vector<Found> complete_checkpoints(const std::string& output_dir, bool verify = false) {
   std::vector<Found> out;
   std::error_code ec;
   if (!fs::is_directory(output_dir, ec)) return out;
   for (const auto& e : fs::directory_iterator(output_dir)) {
     const auto step = step_of(e.path());
     if (!step || !e.is_directory() || e.is_symlink() || !complete(e.path())) continue;
+    if (verify) {
+      if (const std::string why = damage(e.path(), /*state_only=*/true); !why.empty()) {
+        warn_once("ignoring damaged checkpoint " + e.path().string() + ": " + why);
+        continue;
+      }
+    }
     json state;
     try {
       state = read_json_file(e.path() / kStateFile, "checkpoint " + e.path().string());
     } catch (const std::exception& ex) {
       log::warn(std::string("ignoring ") + ex.what());
+      continue;
+    }
+    if (!state.is_object() || state.value("step", json()) != json(*step)) {
+      warn_once("ignoring " + e.path().string() + ": its " + kStateFile + " is of step " +
+                (state.is_object() ? state.value("step", json()).dump() : std::string("?")) + ", not " + std::to_string(*step));
       continue;
     }
     out.push_back({*step, e.path(), std::move(state)});
@@ -171,7 +268,7 @@ void recover_interrupted_saves(const std::string& output_dir) {
   };
   for (const auto& t : tmps) {
     const auto fin = final_of(t, kTmpPrefix);
-    if (fin && complete(t) && !fs::exists(fs::symlink_status(*fin))) {
+    if (fin && complete(t) && damage(t, false).empty() && !fs::exists(fs::symlink_status(*fin))) {
       fs::rename(t, *fin);
       fsync_path(output_dir);
       log::warn("completed the interrupted save of " + fin->string() + " from " + t.filename().string());
@@ -190,6 +287,10 @@ void recover_interrupted_saves(const std::string& output_dir) {
     }
   }
 }
+
+// Where output_dir's folder could not be locked, the lock file must still be the one this process
+// holds: deleted or replaced, another run may have taken the folder, and a save would mix with it.
+void check_lock_still_held(const std::string& output_dir);
 
 std::string random_id() {
   std::random_device rd;
@@ -215,7 +316,18 @@ std::string now_text() {
 
 }  // namespace
 
+std::string first_nonfinite(const NamedTensors& tensors) {
+  for (const auto& [n, t] : tensors)
+    if (t.defined() && t.is_floating_point() && !at::isfinite(t).all().item<bool>()) return n;
+  return "";
+}
+
+std::string checkpoint_damage(const std::string& folder) { return damage(folder, /*state_only=*/false); }
+
 void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg) {
+  // An adapter with NaN/Inf would load and generate garbage: never written.
+  if (const std::string bad = first_nonfinite(lora); !bad.empty())
+    EO_FAIL("not writing the adapter to ", dir, ": ", bad, " holds NaN/Inf values");
   fs::create_directories(dir);
   // peft's adapter_config.json; only peft_type is required to load, the rest documents the run.
   nlohmann::json c;
@@ -268,8 +380,14 @@ std::vector<std::string> copy_tokenizer_files(const std::string& base_model, con
   return copied;
 }
 
-std::string save_checkpoint(const std::string& output_dir, const TrainingState& s, const TrainConfig& cfg, int keep) {
+std::string save_checkpoint(const std::string& output_dir, const TrainingState& s, const TrainConfig& cfg, int keep,
+                            std::int64_t keep_newest_before) {
+  // A checkpoint with NaN/Inf could only be resumed into more of them.
+  for (const NamedTensors* part : {&s.lora, &s.optimizer})
+    if (const std::string bad = first_nonfinite(*part); !bad.empty())
+      EO_FAIL("not saving checkpoint-", s.step, " in ", output_dir, ": ", bad, " holds NaN/Inf values");
   fs::create_directories(output_dir);
+  check_lock_still_held(output_dir);
   const fs::path final_dir = fs::path(output_dir) / (kCheckpointPrefix + std::to_string(s.step));
   const std::string suffix = std::to_string(s.step) + "-" + std::to_string(::getpid());
   const fs::path tmp_dir = fs::path(output_dir) / (kTmpPrefix + suffix);
@@ -290,7 +408,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     j["data_cursor"] = s.data_cursor;
     j["extra"] = s.extra;
     j["world_size"] = s.world_size;
-    j["format"] = "eo-ddp-checkpoint-1";
+    j["format"] = kFormat;
     if (run) {
       j["run_id"] = (*run)["run_id"];
       j["lineage"] = (*run)["lineage"];
@@ -298,6 +416,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     j["config"] = recorded_config(cfg);
     // Written last: a folder with trainer_state.json has every other file complete.
     write_file_atomic((tmp_dir / kStateFile).string(), j.dump(2) + "\n");
+    write_checksums(tmp_dir);  // after every file it covers
     fsync_path(tmp_dir.string());
     // Replacing checkpoint-N (a requeued run re-saving its last step): move the old one aside,
     // rename the new one in, then delete the old. A crash in between leaves a complete temporary
@@ -322,25 +441,49 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
             " are intact (resume_from_checkpoint: auto takes the newest); free space on that disk or choose another output_dir");
   }
   // Keep the newest `keep` checkpoints of this run's lineage; another run's are never touched.
+  // The newest one before keep_newest_before is kept as well: the state from before the run's
+  // first non-finite step, which a user may need to go back to.
   std::vector<Found> mine;
   for (auto& f : complete_checkpoints(output_dir))
     if (!run || belongs(f, *run)) mine.push_back(std::move(f));
-  for (std::size_t i = 0; i + keep < mine.size(); ++i) remove_tree(mine[i].dir);
+  std::optional<std::size_t> kept;
+  for (std::size_t i = 0; i < mine.size(); ++i)
+    if (mine[i].step < keep_newest_before) kept = i;
+  for (std::size_t i = 0; i + keep < mine.size(); ++i)
+    if (i != kept) remove_tree(mine[i].dir);
   return final_dir.string();
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
   const std::optional<json> run = read_run_file(output_dir);
-  std::optional<std::string> found;
-  for (const auto& f : complete_checkpoints(output_dir))
-    if (!run || belongs(f, *run)) found = f.dir.string();
-  return found;
+  std::vector<Found> mine;
+  for (auto& f : complete_checkpoints(output_dir, /*verify=*/true))
+    if (!run || belongs(f, *run)) mine.push_back(std::move(f));
+  // Newest first; a damaged one is passed over with a warning, for the previous intact one.
+  std::vector<std::string> damaged;
+  for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
+    const std::string why = damage(it->dir, /*state_only=*/false);
+    if (why.empty()) {
+      if (!damaged.empty())
+        warn_once("resuming from " + it->dir.string() + ", the newest intact checkpoint (damaged: " + join(damaged, ", ") + ")");
+      return it->dir.string();
+    }
+    warn_once("checkpoint " + it->dir.string() + " is damaged: " + why + "; falling back to the previous checkpoint");
+    damaged.push_back(it->dir.filename().string());
+  }
+  return std::nullopt;
 }
 
 TrainingState load_checkpoint(const std::string& folder, bool with_tensors) {
   const fs::path dir(folder);
   EO_CHECK(fs::exists(dir / kStateFile), "checkpoint ", folder, " is incomplete: no ", kStateFile,
            " (it was not finished; use an older checkpoint or resume_from_checkpoint: auto)");
+  // What is loaded is what was saved: every file against the checksums written with it.
+  if (const std::string why = damage(dir, /*state_only=*/false); !why.empty())
+    throw UsageError("checkpoint " + folder + " is damaged: " + why + ". Resume from another checkpoint "
+                     "(resume_from_checkpoint: auto takes the newest intact one of the run).");
+  if (!fs::exists(dir / kChecksumFile))
+    warn_once("checkpoint " + folder + " has no checksums (written by an older eo-ddp): its files cannot be verified");
   const json j = read_json_file(dir / kStateFile, "checkpoint " + folder);
   TrainingState s;
   try {
@@ -361,6 +504,10 @@ TrainingState load_checkpoint(const std::string& folder, bool with_tensors) {
   s.lora = model::stack_expert_lora(as_list(load_all((dir / "adapter_model.safetensors").string())), &spec);
   s.optimizer = as_list(load_all((dir / "optimizer.safetensors").string()));
   s.rng = as_list(load_all((dir / "rng.safetensors").string()));
+  for (const NamedTensors* part : {&s.lora, &s.optimizer})
+    if (const std::string bad = first_nonfinite(*part); !bad.empty())
+      EO_FAIL("checkpoint ", folder, ": ", bad, " holds NaN/Inf values; training from it cannot recover. Resume from an "
+              "earlier checkpoint (resume_from_checkpoint: <folder>)");
   return s;
 }
 
@@ -378,11 +525,10 @@ struct Fnv {
   void add(const std::string& s) { add(s.data(), s.size()); }
 };
 
-// Identity of the base model's contents without reading all of it: config.json, then for every
-// *.safetensors file its name, size and 16 windows of 4 KiB spread over the file (the header and
-// samples of every region of the weights). A copy in another folder fingerprints the same; another
-// checkpoint of the same shapes (a fine-tune) differs.
-std::string base_model_fingerprint(const TrainConfig& cfg) {
+// The sampled fingerprint that checkpoints of earlier eo-ddp recorded (base_model_fingerprint):
+// config.json, then for every *.safetensors file its name, size and 16 windows of 4 KiB. Only
+// computed to resume such a checkpoint; base_model_identity replaced it.
+std::string legacy_sampled_fingerprint(const TrainConfig& cfg) {
   Fnv f;
   std::string text;
   if (read_file_nofollow((fs::path(cfg.base_model) / "config.json").string(), text)) f.add(text);
@@ -419,13 +565,15 @@ std::string show(const json& v) { return v.is_string() ? v.get<std::string>() : 
 
 }  // namespace
 
-std::string base_model_identity(const TrainConfig& cfg) { return base_model_fingerprint(cfg); }
-
 json recorded_config(const TrainConfig& cfg) {
-  json datasets = json::array();
-  for (const auto& d : cfg.datasets) datasets.push_back(d.path);
+  json datasets = json::array(), contents = json::array();
+  for (const auto& d : cfg.datasets) {
+    datasets.push_back(d.path);
+    struct stat st {};
+    contents.push_back(::stat(d.path.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? json(file_content_hash(d.path)) : json());
+  }
   return {{"base_model", cfg.base_model},
-          {"base_model_fingerprint", base_model_fingerprint(cfg)},
+          {"base_model_identity", base_model_identity(cfg)},
           {"adapter", cfg.adapter},
           {"lora_r", cfg.lora_r},
           {"lora_alpha", cfg.lora_alpha},
@@ -440,6 +588,7 @@ json recorded_config(const TrainConfig& cfg) {
           {"sequence_len", cfg.sequence_len},
           {"sample_packing", cfg.sample_packing},
           {"datasets", datasets},
+          {"dataset_contents", contents},
           {"micro_batch_size", cfg.micro_batch_size},
           {"gradient_accumulation_steps", cfg.gradient_accumulation_steps},
           {"learning_rate", cfg.learning_rate},
@@ -460,10 +609,14 @@ std::vector<std::string> check_resume_compatible(const TrainingState& s, const T
                                   "bnb_4bit_use_double_quant", "expert_quant", "sequence_len",   "sample_packing"};
   std::vector<std::string> problems;
   auto differs = [&](const char* key) { return s.recorded.contains(key) && s.recorded[key] != now[key]; };
-  if (differs("base_model_fingerprint")) {
+  // Checkpoints of earlier eo-ddp recorded a sampled fingerprint instead of the full identity.
+  const bool legacy = !s.recorded.contains("base_model_identity") && s.recorded.contains("base_model_fingerprint");
+  const std::string id_key = legacy ? "base_model_fingerprint" : "base_model_identity";
+  const json id_now = legacy ? json(legacy_sampled_fingerprint(cfg)) : now["base_model_identity"];
+  if (s.recorded.contains(id_key) && s.recorded[id_key] != id_now) {
     problems.push_back("base_model: the checkpoint was trained on " + show(s.recorded.value("base_model", json("?"))) +
-                       " (fingerprint " + show(s.recorded["base_model_fingerprint"]) + "), this config's " + cfg.base_model +
-                       " has other contents (fingerprint " + show(now["base_model_fingerprint"]) + ")");
+                       " (contents " + show(s.recorded[id_key]) + "), this config's " + cfg.base_model +
+                       " has other contents (" + show(id_now) + ")");
   } else if (differs("base_model")) {
     warnings.push_back("base_model moved from " + show(s.recorded["base_model"]) + " to " + cfg.base_model +
                        " (same contents); resuming");
@@ -479,9 +632,13 @@ std::vector<std::string> check_resume_compatible(const TrainingState& s, const T
            "resume_from_checkpoint).";
     throw UsageError(msg);
   }
+  if (differs("dataset_contents") && !differs("datasets"))
+    warnings.push_back("a dataset was edited since the checkpoint (its contents differ; datasets: " + show(now["datasets"]) +
+                       "): the data cursor continues at the same rows of the new data, so this is not the run the "
+                       "checkpoint continued exactly");
   for (auto it = now.begin(); it != now.end(); ++it) {
     const std::string& key = it.key();
-    if (key == "base_model" || key == "base_model_fingerprint" || !s.recorded.contains(key)) continue;
+    if (key == "base_model" || key == "base_model_identity" || key == "dataset_contents" || !s.recorded.contains(key)) continue;
     if (std::find(std::begin(kRefuse), std::end(kRefuse), key) != std::end(kRefuse)) continue;
     if (s.recorded[key] != it.value())
       warnings.push_back(key + " changed since the checkpoint (" + show(s.recorded[key]) + " -> " + show(it.value()) +
@@ -492,7 +649,7 @@ std::vector<std::string> check_resume_compatible(const TrainingState& s, const T
 
 // ---- output_dir ownership ---------------------------------------------------------------------
 
-void check_output_dir_writable(const std::string& output_dir) {
+void check_output_dir_writable(const std::string& output_dir, const std::string& key) {
   std::error_code ec;
   fs::path p = fs::absolute(output_dir, ec);
   if (ec) p = output_dir;
@@ -500,63 +657,125 @@ void check_output_dir_writable(const std::string& output_dir) {
   fs::path probe = p;
   while (!fs::exists(fs::symlink_status(probe, ec)) && probe.has_parent_path() && probe != probe.parent_path())
     probe = probe.parent_path();
-  const std::string fix = "; choose another output_dir or make it writable";
+  const std::string fix = "; choose another " + key + " or make it writable";
   if (!fs::is_directory(probe, ec))
-    throw UsageError("output_dir " + output_dir + ": " + probe.string() + " exists and is not a folder" + fix);
+    throw UsageError(key + " " + output_dir + ": " + probe.string() + " exists and is not a folder" + fix);
   if (::access(probe.c_str(), W_OK | X_OK) != 0)
-    throw UsageError("output_dir " + output_dir + " is not writable: " + probe.string() + ": " + std::strerror(errno) + fix);
+    throw UsageError(key + " " + output_dir + " is not writable: " + probe.string() + ": " + std::strerror(errno) + fix);
   // access() is not enough (root ignores modes; some file systems refuse only at write): create
   // something. In a folder that does not exist yet, a probe folder in its nearest ancestor.
   if (probe != p) {
     const std::string d = (probe / (".eo-ddp-write-probe." + std::to_string(::getpid()))).string();
     if (::mkdir(d.c_str(), 0700) != 0)
-      throw UsageError("output_dir " + output_dir + " cannot be created in " + probe.string() + ": " + std::strerror(errno) + fix);
+      throw UsageError(key + " " + output_dir + " cannot be created in " + probe.string() + ": " + std::strerror(errno) + fix);
     ::rmdir(d.c_str());
     return;
   }
   const std::string file = (p / (".eo-ddp-write-probe." + std::to_string(::getpid()))).string();
   const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) throw UsageError("output_dir " + output_dir + " is not writable: " + std::strerror(errno) + fix);
+  if (fd < 0) throw UsageError(key + " " + output_dir + " is not writable: " + std::strerror(errno) + fix);
   const ssize_t w = ::write(fd, "x", 1);
   const int err = errno;
   ::close(fd);
   ::unlink(file.c_str());
-  if (w != 1) throw UsageError("output_dir " + output_dir + " is not writable: " + std::strerror(err) + fix);
+  if (w != 1) throw UsageError(key + " " + output_dir + " is not writable: " + std::strerror(err) + fix);
 }
 
 namespace {
 
-// Exclusive flock on output_dir/.eo-ddp.lock for the life of the returned handle (the kernel drops
-// it when the process dies, so a crashed run never leaves a stale lock). The file holds the
-// holder's pid, host and start time, for the message of the run that is refused.
+// Exclusive flocks for the life of the returned handle (the kernel drops them when the process
+// dies, so a crashed run never leaves a stale lock): on output_dir itself (an fd of the folder,
+// so deleting the lock file cannot let a second run in) and on output_dir/.eo-ddp.lock, which
+// holds the holder's pid, host and start time for the message of the run that is refused. Where
+// the file system cannot lock a folder, save_checkpoint checks instead that the lock file is
+// still the one held (held_locks).
+struct HeldLock {
+  int file_fd = -1, dir_fd = -1;
+};
+std::mutex g_locks_mu;
+std::map<std::string, HeldLock> g_locks;  // by output_dir as given to claim_output_dir
+
+std::string read_holder(int fd) {
+  std::string holder;
+  char buf[512];
+  const ssize_t n = fd < 0 ? 0 : ::pread(fd, buf, sizeof buf - 1, 0);
+  if (n > 0) holder.assign(buf, static_cast<std::size_t>(n));
+  if (const auto at = holder.find("held by "); at != std::string::npos) holder = holder.substr(at + 8);
+  if (const auto nl = holder.find('\n'); nl != std::string::npos) holder.resize(nl);
+  return holder;
+}
+
+[[noreturn]] void refuse_in_use(const std::string& output_dir, const std::string& path, const std::string& holder) {
+  throw UsageError("output_dir " + output_dir + " is in use by another eo-ddp run (" +
+                   (holder.empty() ? std::string("holder unknown") : holder) + "; lock " + path +
+                   "). Two runs in one folder would overwrite each other's checkpoints. Wait for that run to end, "
+                   "stop it, or choose another output_dir.");
+}
+
 std::shared_ptr<void> lock_output_dir(const std::string& output_dir) {
   const std::string path = (fs::path(output_dir) / kLockFile).string();
+  const int dir_fd = ::open(output_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  EO_CHECK(dir_fd >= 0, "cannot open ", output_dir, ": ", std::strerror(errno));
+  bool dir_locked = true;
+  if (::flock(dir_fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK) {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+      const std::string holder = read_holder(fd);
+      if (fd >= 0) ::close(fd);
+      ::close(dir_fd);
+      refuse_in_use(output_dir, output_dir + " itself", holder);
+    }
+    dir_locked = false;  // e.g. NFS: the lock file alone, checked at every save
+  }
   const int fd = open_nofollow(path, O_RDWR | O_CREAT, 0644);
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
-    std::string holder;
-    char buf[512];
-    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
-    if (n > 0) holder.assign(buf, static_cast<std::size_t>(n));
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    const std::string holder = read_holder(fd);
     ::close(fd);
-    if (err == EWOULDBLOCK)
-      throw UsageError("output_dir " + output_dir + " is in use by another eo-ddp run (" +
-                       (holder.empty() ? std::string("holder unknown") : holder) + "; lock " + path +
-                       "). Two runs in one folder would overwrite each other's checkpoints. Wait for that run to end, "
-                       "stop it, or choose another output_dir.");
+    ::close(dir_fd);
+    if (err == EWOULDBLOCK) refuse_in_use(output_dir, path, holder);
     EO_FAIL("cannot lock ", path, ": ", std::strerror(err));
   }
-  const std::string me = "pid " + std::to_string(::getpid()) + " on host " + host_name() + ", started " + now_text() + "\n";
+  const std::string me = "eo-ddp run lock: held by pid " + std::to_string(::getpid()) + " on host " + host_name() +
+                         ", started " + now_text() +
+                         "\nWhile that process runs, no other eo-ddp run may use this folder. The lock ends with the "
+                         "process; this file is left behind and is harmless then (deleting it is too).\n";
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
     const int err = errno;
     ::close(fd);
+    ::close(dir_fd);
     EO_FAIL("cannot write ", path, ": ", std::strerror(err));
   }
-  return std::shared_ptr<void>(new int(fd), [](void* p) {
-    ::close(*static_cast<int*>(p));  // releases the flock
-    delete static_cast<int*>(p);
+  {
+    std::lock_guard<std::mutex> lk(g_locks_mu);
+    g_locks[output_dir] = {fd, dir_locked ? dir_fd : -1};
+  }
+  if (!dir_locked) ::close(dir_fd);
+  return std::shared_ptr<void>(new HeldLock{fd, dir_locked ? dir_fd : -1}, [output_dir](void* p) {
+    auto* h = static_cast<HeldLock*>(p);
+    {
+      std::lock_guard<std::mutex> lk(g_locks_mu);
+      g_locks.erase(output_dir);
+    }
+    ::close(h->file_fd);  // releases the flocks
+    if (h->dir_fd >= 0) ::close(h->dir_fd);
+    delete h;
   });
+}
+
+void check_lock_still_held(const std::string& output_dir) {
+  std::lock_guard<std::mutex> lk(g_locks_mu);
+  const auto it = g_locks.find(output_dir);
+  if (it == g_locks.end() || it->second.dir_fd >= 0) return;
+  const std::string path = (fs::path(output_dir) / kLockFile).string();
+  struct stat held {}, now {};
+  if (::fstat(it->second.file_fd, &held) == 0 && ::lstat(path.c_str(), &now) == 0 && held.st_dev == now.st_dev &&
+      held.st_ino == now.st_ino)
+    return;
+  EO_FAIL("the lock file ", path, " was deleted or replaced during this run, and this file system cannot lock the folder "
+          "itself: another run may be using ", output_dir, " now. Not saving into it; check for another run there, then "
+          "resume (resume_from_checkpoint: auto)");
 }
 
 }  // namespace
@@ -596,11 +815,22 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
   std::vector<std::string> foreign;
   // Checkpoints without a run id (older eo-ddp) are foreign to a fresh run only: resuming one of
   // them adopts the folder.
-  for (const auto& f : complete_checkpoints(dir)) {
+  for (const auto& f : complete_checkpoints(dir, /*verify=*/true)) {
     const std::string id = f.state.value("run_id", std::string());
     if (id.empty() ? resume.empty() : id != claim.run_id) foreign.push_back(f.dir.filename().string());
   }
-  if (!foreign.empty() && !cfg.overwrite_output_dir) {
+  // Resuming the run that run.json names: the folder is already this run's (another run's
+  // checkpoints in it were accepted by overwrite_output_dir when it started).
+  const std::optional<json> owner = read_run_file(dir);
+  const bool owns = !resume.empty() && owner && (*owner)["run_id"].get<std::string>() == claim.run_id;
+  if (!foreign.empty() && !cfg.overwrite_output_dir && !owns && cfg.resume_from_checkpoint == "auto")
+    throw UsageError("output_dir " + dir + " holds checkpoints of another run (" + join(foreign, ", ") + ") and "
+                     "resume_from_checkpoint: auto found no checkpoint of the run that " + dir + "/run.json names" +
+                     (owner ? " (run id " + (*owner)["run_id"].get<std::string>() + ")" : std::string()) +
+                     (owner ? ", which may have been edited or replaced" : std::string()) +
+                     ". Name the checkpoint to continue (resume_from_checkpoint: " + dir + "/checkpoint-<step>), "
+                     "choose another output_dir, or set overwrite_output_dir: true to start a fresh run here.");
+  if (!foreign.empty() && !cfg.overwrite_output_dir && !owns) {
     const std::string what = "checkpoints of another run (" + join(foreign, ", ") + ")";
     throw UsageError("output_dir " + dir + " holds " + what + (resume.empty() ? std::string() : ", not of the run of " + resume) +
                      ". A run here would mix its checkpoints with them (and `auto` could later resume the wrong one). "
@@ -609,7 +839,7 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
                      "left in place, never pruned and never resumed).");
   }
   if (!foreign.empty())
-    claim.warnings.push_back("overwrite_output_dir: true: " + dir + " holds checkpoints of another run (" + join(foreign, ", ") +
+    claim.warnings.push_back((owns && !cfg.overwrite_output_dir ? std::string("resuming the run of run.json: ") : "overwrite_output_dir: true: ") + dir + " holds checkpoints of another run (" + join(foreign, ", ") +
                           "); they are left in place and not part of this run");
   json run = {{"format", "eo-ddp-run-1"}, {"run_id", claim.run_id}, {"lineage", lineage}};
   write_file_atomic((fs::path(dir) / kRunFile).string(), run.dump(2) + "\n");

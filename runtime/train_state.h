@@ -4,10 +4,13 @@
 // A checkpoint is a folder output_dir/checkpoint-<step>/ holding the adapter (peft format, so
 // any checkpoint can be loaded in Python), optimizer.safetensors, rng.safetensors and
 // trainer_state.json (step, data cursor, world size, the run's identity and the config keys a
-// resume must agree with). It is written into a temporary sibling folder, every file fsynced,
-// trainer_state.json last; then renamed into place and the parent fsynced: a crash at any moment
+// resume must agree with), then checksums.txt: every other file's size and hash, and a hash of
+// itself. It is written into a temporary sibling folder, every file fsynced, trainer_state.json
+// and checksums.txt last; then renamed into place and the parent fsynced: a crash at any moment
 // leaves either the previous complete checkpoint or the new one, never a torn one. Replacing a
-// checkpoint of the same step moves the old one aside first (see save_checkpoint).
+// checkpoint of the same step moves the old one aside first (see save_checkpoint). A checkpoint
+// whose bytes changed after the save (a flipped bit, an edit) is never loaded: `auto` falls back
+// to the previous intact one with a warning. No checkpoint or adapter holds NaN/Inf values.
 //
 // Ownership. output_dir/run.json names the run that owns the folder (run_id, kept across resumes)
 // and its lineage: one segment per start of the program, each with the step it started from. A
@@ -60,34 +63,44 @@ struct TrainingState {
 };
 
 // Writes output_dir/checkpoint-<step>/ atomically and keeps the newest `keep` checkpoints of this
-// run's lineage (never another run's). Returns the folder written.
-std::string save_checkpoint(const std::string& output_dir, const TrainingState& state, const TrainConfig& cfg, int keep);
+// run's lineage (never another run's), and also the newest one with a step below
+// keep_newest_before (the trainer passes its first step skipped for NaN/Inf). Returns the folder
+// written. Refuses (eo::Error) a state whose LoRA or optimizer tensors hold NaN/Inf.
+std::string save_checkpoint(const std::string& output_dir, const TrainingState& state, const TrainConfig& cfg, int keep,
+                            std::int64_t keep_newest_before = -1);
 
-// The newest complete checkpoint folder in output_dir (for resume_from_checkpoint: auto): of the
-// lineage in output_dir/run.json when there is one, else of any run. Folder names that are not
-// checkpoint-<step> with a step eo-ddp can write are ignored with a warning.
+// The newest complete, intact checkpoint folder in output_dir (for resume_from_checkpoint: auto):
+// of the lineage in output_dir/run.json when there is one, else of any run. A damaged one
+// (checkpoint_damage) is passed over with a warning naming it and the one taken instead. Folder
+// names that are not checkpoint-<step> with a step eo-ddp can write are ignored with a warning.
 std::optional<std::string> latest_checkpoint(const std::string& output_dir);
 
-// with_tensors = false reads trainer_state.json only (cheap: for checks before loading).
+// Why the files of checkpoint `folder` are not those saved (a file changed, missing, or the
+// checksum file itself damaged), or "" when they all match (or the checkpoint predates checksums).
+std::string checkpoint_damage(const std::string& folder);
+
+// The name of the first tensor holding NaN/Inf, or "".
+std::string first_nonfinite(const NamedTensors& tensors);
+
+// Checks every file against its checksum first (UsageError naming the file if damaged);
+// with_tensors = false then reads trainer_state.json only (for checks before loading). Tensors
+// with NaN/Inf are refused (eo::Error).
 TrainingState load_checkpoint(const std::string& folder, bool with_tensors = true);
 
 // The config keys a checkpoint records, and the comparison on resume: a changed base model
-// (its config.json and the first bytes of its weights), lora_r, lora_alpha, peft_use_rslora,
+// (base_model_identity, runtime/model_identity.h: every byte of its weights), lora_r, lora_alpha, peft_use_rslora,
 // target modules, sequence_len, sample_packing, NF4 settings or datasets are refused (one
 // UsageError listing every key, what the checkpoint has and what the config has); changes that
 // only alter the rest of the run (learning rate, schedule, dropout, a moved base_model folder
 // with the same contents, ...) return warnings. A checkpoint that recorded nothing (older
 // eo-ddp) gives one warning.
 nlohmann::json recorded_config(const TrainConfig& cfg);
-// The base model's identity as checkpoints record it (config.json, and every safetensors file's
-// name, size and sampled windows; the seed of synthetic weights): equal for a copy in another folder.
-std::string base_model_identity(const TrainConfig& cfg);
 std::vector<std::string> check_resume_compatible(const TrainingState& checkpoint, const TrainConfig& cfg);
 
-// Probes that output_dir can be created and written (a file created and removed in it), without
+// Probes that output_dir (or another folder the run writes, named `key` in messages) can be created and written (a file created and removed in it), without
 // loading anything. Throws UsageError naming the folder and the reason (read-only file system,
 // permission, not a folder).
-void check_output_dir_writable(const std::string& output_dir);
+void check_output_dir_writable(const std::string& output_dir, const std::string& key = "output_dir");
 
 // What claim_output_dir decided.
 struct RunClaim {
@@ -99,9 +112,10 @@ struct RunClaim {
 };
 
 // Takes output_dir for this run, before any weight is loaded (rank 0 only; the folder is written
-// by rank 0): creates it, probes that it is writable, takes an exclusive flock on
-// output_dir/.eo-ddp.lock held until the process exits (a second run refuses naming the holder's
-// pid and host), finishes or rolls back a checkpoint replacement that a crash interrupted,
+// by rank 0): creates it, probes that it is writable, takes exclusive flocks on the folder itself
+// and on output_dir/.eo-ddp.lock, held until the process exits (a second run refuses naming the
+// holder's pid and host, also when the lock file was deleted; where a folder cannot be locked,
+// every save checks that the lock file is still the one held), finishes or rolls back a checkpoint replacement that a crash interrupted,
 // resolves resume_from_checkpoint (auto = newest checkpoint of the lineage in run.json), checks the
 // resume with check_resume_compatible (its warnings go to notes), refuses a
 // fresh run in a folder holding another run's checkpoints (unless overwrite_output_dir: true),

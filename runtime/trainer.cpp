@@ -1,6 +1,7 @@
 #include "runtime/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <chrono>
 #include <csignal>
@@ -65,6 +66,17 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   std::signal(SIGXFSZ, SIG_IGN);
   const auto& wi = world.info();
   Run run = setup_run(cfg, world);
+  {  // A stop requested while loading: nothing trained yet, so nothing to save.
+    double stop[1] = {stop_requested() ? 1.0 : 0.0};
+    world.allreduce_max(stop, 1);
+    if (stop[0] > 0) {
+      log::info("stopped before the first step (the request came while loading): nothing was trained, so nothing is "
+                "lost and nothing was saved");
+      TrainResult stopped;
+      stopped.exit_code = kExitPreempted;
+      return stopped;
+    }
+  }
   const at::Device device = run.device;
   data::Batcher& batcher = *run.batcher;
   Optimizer& optimizer = *run.optimizer;
@@ -113,6 +125,17 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   // Non-finite steps skipped in all (metrics' skipped_nonfinite) and in a row; kept in checkpoints.
   std::int64_t skipped_nonfinite = run.resumed_extra.value("skipped_nonfinite", std::int64_t(0));
   std::int64_t nonfinite_streak = run.resumed_extra.value("nonfinite_streak", std::int64_t(0));
+  // The run's first step skipped for NaN/Inf (-1: none): the newest checkpoint before it is never
+  // pruned, and is what the messages below point to.
+  std::int64_t first_nonfinite = run.resumed_extra.value("first_nonfinite_step", std::int64_t(-1));
+  // The newest checkpoint of a step before first_nonfinite (-1: none), kept in checkpoints.
+  std::int64_t last_clean_save = first_nonfinite >= 0 ? run.resumed_extra.value("last_clean_checkpoint", std::int64_t(-1))
+                                 : run.resumed_from.empty() ? -1 : step;
+  auto earlier_checkpoint = [&] {
+    return last_clean_save >= 0 ? "resume_from_checkpoint: " + cfg.output_dir + "/checkpoint-" + std::to_string(last_clean_save) +
+                                      " (the newest checkpoint before that; kept)"
+                                : std::string("start again (there is no checkpoint from before that)");
+  };
   auto save = [&](const std::string& why) {
     TrainingState s;
     s.step = step;
@@ -121,11 +144,14 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     s.lora = run.model->lora_parameters();
     s.optimizer = optimizer.state();
     s.rng = rng_state(device);
-    s.extra = {{"skipped_nonfinite", skipped_nonfinite}, {"nonfinite_streak", nonfinite_streak}};
+    const std::int64_t clean = first_nonfinite < 0 ? step : last_clean_save;
+    s.extra = {{"skipped_nonfinite", skipped_nonfinite}, {"nonfinite_streak", nonfinite_streak},
+               {"first_nonfinite_step", first_nonfinite}, {"last_clean_checkpoint", clean}};
     if (wi.rank == 0) {
-      const std::string dir = save_checkpoint(cfg.output_dir, s, cfg, cfg.save_total_limit);
+      const std::string dir = save_checkpoint(cfg.output_dir, s, cfg, cfg.save_total_limit, first_nonfinite);
       log::info("saved " + dir + " (" + why + ")");
     }
+    last_clean_save = clean;
   };
 
   // ---- loop
@@ -146,7 +172,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     std::int64_t step = 0, tokens = 0;  // tokens: target tokens, all ranks
     double lr = 0, epoch = 0;
     DeviceMark since, end;  // the step's time is end - since
-    HostCopy values;  // fp64 [ce sum, aux sum (all ranks), ranks with a non-finite loss, gradient norm]
+    HostCopy values;  // fp64 [ce sum, aux sum (all ranks), ranks with a non-finite loss, gradient norm,
+                      //       1 if the LoRA or optimizer state holds NaN/Inf after the step]
   };
   TrainResult result;
   const auto t_start = Clock::now();
@@ -158,12 +185,16 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   std::optional<Queued> pending;
   auto finish = [&](Queued q, bool eval_now) {
     const double* v = q.values.get().data_ptr<double>();  // waits for this step only
-    const double ce_sum = v[0], aux_sum = v[1], bad_ranks = v[2], grad_norm = v[3];
+    const double ce_sum = v[0], aux_sum = v[1], bad_ranks = v[2], grad_norm = v[3], bad_state = v[4];
     const double global_tokens = double(std::max<std::int64_t>(1, q.tokens));
     const auto t_read = Clock::now();
     // The device's decision, taken from these same values (see the queueing below).
     const bool skip = bad_ranks > 0 || !std::isfinite(grad_norm);
+    if (bad_state > 0)
+      EO_FAIL("after step ", q.step, " the LoRA parameters or the optimizer state hold NaN/Inf values; skipping steps cannot "
+              "undo that, so the run stops here and saves nothing more. ", earlier_checkpoint());
     if (skip) {
+      if (first_nonfinite < 0) first_nonfinite = q.step;
       ++skipped_nonfinite;
       ++nonfinite_streak;
       if (wi.rank == 0)
@@ -229,8 +260,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     if (nonfinite_streak >= cfg.max_nonfinite_steps)
       EO_FAIL("the loss or gradients were NaN/Inf for ", nonfinite_streak, " consecutive steps (", q.step - nonfinite_streak + 1,
               " to ", q.step, ", max_nonfinite_steps: ", cfg.max_nonfinite_steps,
-              "); stopping. Those steps did not change the adapter. Lower learning_rate, check the data, or start from an "
-              "earlier checkpoint (resume_from_checkpoint)");
+              "); stopping. Those steps did not change the adapter. Lower learning_rate, check the data, or ",
+              earlier_checkpoint());
   };
   // A failure while the next step is queued (a fault on this rank, a device error) still leaves
   // the step already done reported: its metrics line is not lost with the step that failed.
@@ -280,6 +311,11 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
                    clip_divisor(norm, cfg.max_grad_norm));
     // Graphs accumulate into the gradients at fixed addresses: zero them in place.
     optimizer.zero_grad(/*set_to_none=*/!runner.graphs_enabled());
+    if (faults::plan().nan_state_at == step + 1) {  // test seam: a NaN in the LoRA as a bad update would leave
+      at::NoGradGuard ng;
+      params.front().view(-1).narrow(0, 0, 1).fill_(std::numeric_limits<float>::quiet_NaN());
+    }
+    const at::Tensor bad_state = optimizer.state_nonfinite().to(sums.device());
     if (offloader) offloader->end_step();
     ++step;
     Queued q;
@@ -291,7 +327,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     if (hooks.step_work) hooks.step_work(step, false);
     q.since = last_end.defined() ? last_end : begin;
     last_end = q.end;
-    q.values = HostCopy(at::cat({sums, grad_norm.reshape({1})}));
+    q.values = HostCopy(at::cat({sums, grad_norm.reshape({1}), bad_state.reshape({1})}));
     // A stop request on any rank stops every rank at this same step.
     double stop[1] = {stop_requested() ? 1.0 : 0.0};
     world.allreduce_max(stop, 1);

@@ -5,6 +5,7 @@
 //   fails with a message naming it), SIGKILL itself, or turn its loss into NaN;
 //   EO_DDP_FAULT_KILL_IN_SAVE=<step>: SIGKILL in the middle of writing checkpoint-<step>;
 //   EO_DDP_FAULT_KILL_IN_REPLACE=<step>: SIGKILL between the renames replacing checkpoint-<step>;
+//   EO_DDP_FAULT_NAN_STATE=<step>: after optimizer step <step>, a LoRA parameter element becomes NaN;
 //   EO_DDP_FAULT_HOST_MEM_AVAILABLE=<size>: the host RAM the pre-load check sees;
 //   EO_DDP_FAULT_DISK_FULL_AFTER=<size>: writing the disk homes file fails with ENOSPC past <size> bytes;
 //   EO_DDP_FAULT_NO_O_DIRECT=1: the disk homes file cannot be opened with O_DIRECT (as on old tmpfs);
@@ -69,6 +70,7 @@ int main(int argc, char** argv) {
   }
   if (const std::string s = env("EO_DDP_FAULT_KILL_IN_SAVE"); !s.empty()) plan.kill_in_save = std::stoll(s);
   if (const std::string s = env("EO_DDP_FAULT_KILL_IN_REPLACE"); !s.empty()) plan.kill_in_replace = std::stoll(s);
+  if (const std::string s = env("EO_DDP_FAULT_NAN_STATE"); !s.empty()) plan.nan_state_at = std::stoll(s);
   if (const std::string s = env("EO_DDP_FAULT_HOST_MEM_AVAILABLE"); !s.empty())
     plan.host_mem_available = static_cast<std::int64_t>(eo::parse_bytes(s).value_or(0));
   if (const std::string s = env("EO_DDP_FAULT_DISK_FULL_AFTER"); !s.empty())

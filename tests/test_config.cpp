@@ -344,8 +344,10 @@ TEST(Config, FilesAreCheckedBeforeAnythingLoads) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / "eo_cfg_test";
   fs::create_directories(dir / "model");
+  // output_dir spelled otherwise but the base_model folder (issue #32 item 12).
+  const std::string same = (dir / "model" / ".").string();
   const std::string yaml = "base_model: " + (dir / "model").string() + "\nadapter: lora\ndatasets: [{path: " +
-                           (dir / "missing.jsonl").string() + "}]\n";
+                           (dir / "missing.jsonl").string() + "}]\noutput_dir: " + same + "\n";
   try {
     load_config_text(yaml, "t.yaml", {});
     FAIL() << "accepted";
@@ -353,6 +355,7 @@ TEST(Config, FilesAreCheckedBeforeAnythingLoads) {
     const std::string m = e.what();
     EXPECT_NE(m.find("base_model: '" + (dir / "model").string() + "' has no config.json"), std::string::npos) << m;
     EXPECT_NE(m.find("datasets.0.path: file '"), std::string::npos) << m;
+    EXPECT_NE(m.find("output_dir: '" + same + "' is the base_model folder"), std::string::npos) << m;
   }
   fs::remove_all(dir);
 }
@@ -603,4 +606,50 @@ TEST(RankAgreement, NamesEveryKeyThatDiffersWithEachRanksValue) {
   EXPECT_EQ(d[0], "datasets.0.path: rank 0 has train.jsonl, rank 3 has other.jsonl");
   EXPECT_EQ(d[1], "lora_r: rank 0 has 16, rank 1 has 4");
   EXPECT_EQ(d[2], "seed: rank 0 has 42, rank 1 has 9");
+}
+
+// Issue #32 item 14: a repeated key, a second YAML document, a huge bad value, a folder given as
+// --config or as a dataset path: each a clear error.
+TEST(Config, DuplicateKeysSecondDocumentsHugeValuesAndFoldersAreErrors) {
+  std::string m = error_of(std::string(kValid) + "lora_r: 8\n");
+  EXPECT_NE(m.find("lora_r: appears more than once"), std::string::npos) << m;
+  m = error_of(std::string(kValid) + "gradient_checkpointing_kwargs:\n  use_reentrant: false\n  use_reentrant: true\n");
+  EXPECT_NE(m.find("gradient_checkpointing_kwargs.use_reentrant: appears more than once"), std::string::npos) << m;
+  m = error_of(std::string(kValid) + "---\nlora_r: 4\n");
+  EXPECT_NE(m.find("holds 2 YAML documents"), std::string::npos) << m;
+  m = error_of(std::string(kValid) + "learning_rate: \"" + std::string(10 << 20, 'x') + "\"\n");
+  EXPECT_NE(m.find("learning_rate"), std::string::npos) << m.substr(0, 300);
+  EXPECT_LT(m.size(), 4000u) << "a 10 MB value was echoed whole";
+
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_cfg_dirs_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "data.jsonl");
+  try {
+    load_config_file(dir.string(), {});
+    ADD_FAILURE() << "a folder was read as a config";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("is a folder"), std::string::npos) << e.what();
+  }
+  const std::string yaml = "base_model: " + dir.string() + "\nadapter: lora\ndatasets: [{path: " + (dir / "data.jsonl").string() + "}]\n";
+  try {
+    load_config_text(yaml, "t.yaml", {});
+    ADD_FAILURE() << "accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("datasets.0.path: '" + (dir / "data.jsonl").string() + "' is a folder"), std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+// Issue #32 item 14: targets are checked against base_model's config.json also without the file
+// checks (`eo-ddp plan`): gate_proj on Mixtral (w1/w2/w3) is refused as training refuses it.
+TEST(Config, TargetsAreCheckedWhenOnlyConfigJsonIsRead) {
+  const std::string yaml = "base_model: " + std::string(EO_SOURCE_DIR) + "/configs/models/mixtral-8x7b\nadapter: lora\n"
+                           "lora_target_modules: [q_proj, gate_proj]\ndatasets: [{path: missing.jsonl}]\n";
+  try {
+    load_config_text(yaml, "t.yaml", {}, no_files());
+    ADD_FAILURE() << "gate_proj on Mixtral was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("'gate_proj' matches no linear of mixtral"), std::string::npos) << e.what();
+  }
 }

@@ -1,7 +1,7 @@
 // Disk homes (expert_offload_homes: disk), below the engine: the file (layout, header, atomic
 // write), every way a file can fail to match and the reason given, a full drive while writing,
 // and the read ring (reads ahead along the plan, never holds more than its buffers, the bytes
-// equal the file's, buffered reads where O_DIRECT is refused, corruption caught on first read).
+// equal the file's, buffered reads where O_DIRECT is refused, corruption caught at every read).
 // The file's bytes are read back here with plain stdio, not with the code under test.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -349,6 +349,33 @@ TEST_F(DiskHomesTest, ABlockCorruptedOnTheDriveIsCaughtOnItsFirstRead) {
   }
   EXPECT_TRUE(contains(error, "the block of layer 3 reads back with checksum")) << error;
   EXPECT_TRUE(contains(error, "Delete it; the next run rebuilds it")) << error;
+}
+
+// Issue #32 item 3: a block changed on the drive after it was read once (and verified) is caught
+// at its next read from the drive, not trained on: every read is checked.
+TEST_F(DiskHomesTest, ABlockChangedAfterItsFirstReadIsCaughtAtTheNextRead) {
+  make_blocks();
+  write(header_);
+  ASSERT_GE(header_.blocks.size(), 3u);
+  const DiskBlock& b = header_.blocks[0];
+  offload::DiskReader r(path(), header_.blocks, 2, false, offload::HomeNode{});
+  r.acquire(b.layer);
+  r.release(b.layer);
+  overwrite(b.offset + 64, std::string(64, '\x5a'));
+  for (int round = 0; round < 2; ++round)  // the ring (2 buffers) moves on: block 0 leaves it
+    for (std::size_t i = 1; i < header_.blocks.size(); ++i) {
+      r.acquire(header_.blocks[i].layer);
+      r.release(header_.blocks[i].layer);
+    }
+  const auto held = r.held_layers();
+  ASSERT_EQ(std::count(held.begin(), held.end(), b.layer), 0) << "block 0 is still in the ring: no read would happen";
+  std::string error;
+  try {
+    r.acquire(b.layer);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_TRUE(contains(error, "the block of layer " + std::to_string(b.layer) + " reads back with checksum")) << error;
 }
 
 // The read-ahead's list is the staging policy's dry run: it equals the copies the policy then

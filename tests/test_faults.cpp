@@ -22,6 +22,11 @@
 #include <cerrno>
 #include <cstring>
 #include <iostream>
+#include <sstream>
+#include <chrono>
+#include <thread>
+#include <fstream>
+#include <functional>
 
 #include "fault_support.h"
 #include "models/hf_config.h"
@@ -101,6 +106,7 @@ std::map<std::string, std::string> checkpoint_contents(const fs::path& dir) {
   state.erase("run_id");
   state.erase("lineage");
   files["trainer_state.json"] = state.dump();
+  files.erase("checksums.txt");  // covers trainer_state.json as written, run id included
   return files;
 }
 
@@ -283,6 +289,177 @@ TEST_F(FaultTest, NonFiniteStepsStopAtTheLimit) {
   const Outcome bad = run(argv, dir_ / "bad.log", {{}, -1, 60});
   EXPECT_TRUE(bad.exited && bad.code == 2) << bad.describe();
   EXPECT_TRUE(contains(bad.log, "max_nonfinite_steps")) << bad.log;
+}
+
+// Issue #32 item 6: checkpoints 6 and 4 damaged (a byte of the optimizer state, a byte of the
+// adapter): `auto` warns about each, resumes checkpoint-2, and ends with the adapter an
+// undisturbed run wrote, byte for byte.
+TEST_F(FaultTest, DamagedCheckpointsFallBackToThePreviousIntactOne) {
+  const fs::path out = dir_ / "run";
+  const std::vector<std::string> sets{"max_steps=6", "save_steps=2", "save_total_limit=10"};
+  const Outcome first = train(out, sets);
+  ASSERT_TRUE(first.exited && first.code == 0) << first.describe();
+  const std::string adapter = read_text(out / "adapter_model.safetensors");
+  auto flip = [](const fs::path& f, std::size_t from_end) {
+    std::string b = read_text(f);
+    b[b.size() - from_end] ^= 0x40;
+    std::ofstream(f, std::ios::binary | std::ios::trunc) << b;
+  };
+  flip(out / "checkpoint-6" / "optimizer.safetensors", 3);
+  flip(out / "checkpoint-4" / "adapter_model.safetensors", 100);
+  std::vector<std::string> resume = sets;
+  resume.push_back("resume_from_checkpoint=auto");
+  const Outcome again = train(out, resume);
+  ASSERT_TRUE(again.exited && again.code == 0) << again.describe();
+  EXPECT_TRUE(contains(again.log, (out / "checkpoint-6").string() + " is damaged: optimizer.safetensors changed after it was saved"))
+      << again.log;
+  EXPECT_TRUE(contains(again.log, (out / "checkpoint-4").string() + " is damaged: adapter_model.safetensors changed")) << again.log;
+  EXPECT_TRUE(contains(again.log, "resumed from " + (out / "checkpoint-2").string() + " at step 2")) << again.log;
+  EXPECT_EQ(read_text(out / "adapter_model.safetensors"), adapter) << "the resume from checkpoint-2 is not exact";
+  EXPECT_EQ(eo::checkpoint_damage((out / "checkpoint-6").string()), "") << "checkpoint-6 was not saved again";
+}
+
+// Item 6: a NaN in the LoRA after step 3's update (EO_DDP_FAULT_NAN_STATE) stops the run at
+// once with exit 1: nothing with NaN is saved, no final adapter is written, and the message
+// names checkpoint-2, which save_total_limit 1 has kept.
+TEST_F(FaultTest, NonFiniteParametersStopTheRunAndKeepTheLastGoodCheckpoint) {
+  const fs::path out = dir_ / "run";
+  const Outcome o = train(out, {"max_steps=6", "save_steps=1", "save_total_limit=1"}, RunOptions{{"EO_DDP_FAULT_NAN_STATE=3"}});
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 1) << o.describe();
+  EXPECT_TRUE(contains(o.log, "after step 3 the LoRA parameters or the optimizer state hold NaN/Inf values")) << o.log;
+  EXPECT_TRUE(contains(o.log, "resume_from_checkpoint: " + (out / "checkpoint-2").string())) << o.log;
+  EXPECT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json"));
+  EXPECT_FALSE(fs::exists(out / "checkpoint-3"));
+  EXPECT_FALSE(fs::exists(out / "adapter_model.safetensors"));
+}
+
+// Item 6: a step skipped for a NaN loss (step 3) with save_total_limit 1: checkpoint-2, the last
+// one before it, survives the pruning of every later save.
+TEST_F(FaultTest, SkippedNonFiniteStepsNeverPruneTheCheckpointBeforeThem) {
+  const fs::path out = dir_ / "run";
+  RunOptions ro;
+  ro.env = {"EO_DDP_FAULT=nan", "EO_DDP_FAULT_STEP=3"};
+  const Outcome o = train(out, {"max_steps=5", "save_steps=1", "save_total_limit=1"}, ro);
+  ASSERT_TRUE(o.exited && o.code == 0) << o.describe();
+  EXPECT_TRUE(fs::exists(out / "checkpoint-2" / "trainer_state.json")) << "the checkpoint from before the NaN was pruned";
+  EXPECT_TRUE(fs::exists(out / "checkpoint-5"));
+  EXPECT_FALSE(fs::exists(out / "checkpoint-3") || fs::exists(out / "checkpoint-4"));
+}
+
+// ---- signals before training (issue #32 items 7, 8) -------------------------------------------------
+
+namespace {
+
+// /proc/<pid>/status's SigCgt has `sig`: the process has a handler for it.
+bool catches(pid_t pid, int sig) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1;
+  return false;
+}
+
+// The pid of a process whose command line contains `part`, started by `parent`; -1 if none.
+pid_t child_running(pid_t parent, const std::string& part) {
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream st(e.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(st)), {});
+    const auto close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 2));
+    char state = 0;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid != parent) continue;
+    const std::string cmd = read_text(e.path() / "cmdline");
+    if (cmd.find(part) != std::string::npos) return std::stoi(name);
+  }
+  return -1;
+}
+
+// No such process any more (or only its zombie, which a container's init may never reap).
+bool gone(pid_t pid) {
+  std::ifstream st("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(st)), {});
+  const auto close = stat.rfind(')');
+  return stat.empty() || close == std::string::npos || stat.substr(close + 2, 1) == "Z";
+}
+
+bool wait_until(const std::function<bool()>& cond, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+}  // namespace
+
+// A stop as soon as the process can take one (its handler is in place: SigCgt), for SIGTERM and
+// SIGHUP: exit 3, saying nothing was trained, and nothing written but the claim of output_dir.
+TEST_F(FaultTest, StopBeforeTrainingExits3) {
+  for (const int sig : {SIGTERM, SIGHUP}) {
+    const fs::path out = dir_ / ("run" + std::to_string(sig));
+    const Child c = spawn(eo_ddp_command(train_args(out, {"max_steps=2"})), out.string() + ".log");
+    const bool ready = wait_until([&] { return catches(c.pid, sig); }, 30);
+    if (ready) ::kill(c.pid, sig);
+    const Outcome o = wait_for(c, 120);
+    ASSERT_TRUE(ready) << "no handler for signal " << sig << " within 30 s: " << o.describe();
+    EXPECT_TRUE(o.exited && o.code == 3) << "signal " << sig << ": " << o.describe();
+    EXPECT_TRUE(contains(o.log, "nothing was trained, so nothing is lost")) << o.log;
+    EXPECT_FALSE(fs::exists(out / "adapter_model.safetensors"));
+    EXPECT_FALSE(eo::latest_checkpoint(out.string()).has_value());
+  }
+}
+
+// SIGTERM while tools/prepare_data.py tokenises (in `train` and in `eo-ddp preprocess`): the tool
+// is ended with eo-ddp, which exits 3 leaving no half-written cache; kill -9 of eo-ddp ends the
+// tool too (it runs in its own process group, with a parent-death signal).
+TEST_F(FaultTest, StopWhileTokenisingEndsTheTokeniser) {
+  const std::string chat = "configs/tiny-qwen3-moe-chat.yaml";
+  for (const std::string how : {"train", "preprocess", "kill"}) {
+    const fs::path out = dir_ / how, prep = dir_ / (how + "-prepared");
+    std::vector<std::string> argv{eo_ddp()};
+    if (how == "preprocess") argv.push_back("preprocess");
+    for (const auto& a : train_args(out, {"dataset_prepared_path=" + prep.string()}, chat)) argv.push_back(a);
+    const Child c = spawn(argv, out.string() + ".log");
+    pid_t tool = -1;
+    const bool started = wait_until([&] { return (tool = child_running(c.pid, "prepare_data.py")) > 0; }, 60);
+    if (started) ::kill(c.pid, how == "kill" ? SIGKILL : SIGTERM);
+    const Outcome o = wait_for(c, 60);
+    const bool ended = started && wait_until([&] { return gone(tool); }, 15);
+    if (started && !ended) ::kill(tool, SIGKILL);  // never left behind, even when the test fails
+    ASSERT_TRUE(started) << how << ": the tokeniser never started: " << o.describe();
+    EXPECT_TRUE(ended) << how << ": tools/prepare_data.py (pid " << tool << ") outlived eo-ddp";
+    if (how == "kill") {
+      EXPECT_EQ(o.signal, SIGKILL) << o.describe();
+      continue;
+    }
+    EXPECT_TRUE(o.exited && o.code == 3) << how << ": " << o.describe();
+    EXPECT_TRUE(contains(o.log, "while tokenising the datasets")) << o.log;
+    std::vector<std::string> partial;
+    if (fs::exists(prep))
+      for (const auto& e : fs::directory_iterator(prep)) partial.push_back(e.path().filename().string());
+    EXPECT_EQ(partial, std::vector<std::string>{}) << how << ": a stopped tokenisation left files in the cache";
+  }
+}
+
+// Issue #32 item 14: --check probes dataset_prepared_path when a dataset is to be tokenised.
+TEST_F(FaultTest, CheckProbesDatasetPreparedPath) {
+  std::ofstream(dir_ / "a-file") << "x";
+  std::vector<std::string> argv{eo_ddp()};
+  for (const auto& a : train_args(dir_ / "out", {"dataset_prepared_path=" + (dir_ / "a-file" / "prep").string()},
+                                  "configs/tiny-qwen3-moe-chat.yaml"))
+    argv.push_back(a);
+  argv.push_back("--check");
+  const Outcome o = run(argv, dir_ / "check.log", {{}, -1, 60});
+  EXPECT_TRUE(o.exited && o.code == 2) << o.describe();
+  EXPECT_TRUE(contains(o.log, "dataset_prepared_path " + (dir_ / "a-file" / "prep").string() + ": " + (dir_ / "a-file").string() +
+                                  " exists and is not a folder"))
+      << o.log;
 }
 
 // ---- host RAM for the expert homes ------------------------------------------------------------------

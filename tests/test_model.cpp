@@ -237,6 +237,11 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
   EXPECT_NE(missing.find("dir/config.json"), std::string::npos) << missing;
   const std::string typed = msg(R"({"model_type": "mixtral", "hidden_size": "64"})");
   EXPECT_NE(typed.find("'hidden_size' must be an integer"), std::string::npos) << typed;
+  // Issue #32 item 13: shapes that would make planning spin are refused at once.
+  const std::string huge = msg(R"({"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, "num_local_experts": 2147483647,
+    "num_experts_per_tok": 2, "intermediate_size": 32, "rope_theta": 10000})");
+  EXPECT_NE(huge.find("2147483647 experts is over eo-ddp's limit of 65536"), std::string::npos) << huge;
 }
 
 // The real shapes in configs/models (Hub spelling: rope_scaling, top-level partial_rotary_factor):

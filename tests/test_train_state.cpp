@@ -1,7 +1,7 @@
 // output_dir ownership and checkpoint files (runtime/train_state.h, runtime/metrics.h,
 // common/files.h), in process: run lineage and `auto`, foreign checkpoints, the output_dir lock,
 // stray folder names, atomic replacement of a checkpoint, links under output_dir, writability,
-// and the resume compatibility check. Expectations come from the issue's scenarios (which
+// the resume compatibility check, checkpoint checksums and NaN/Inf refusal. Expectations come from the issue's scenarios (which
 // checkpoint a run may resume or delete), never from values the code under test prints.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -12,13 +12,18 @@
 #include <csignal>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <chrono>
 
 #include "common/error.h"
 #include "common/files.h"
+#include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/metrics.h"
+#include "runtime/model_identity.h"
 #include "runtime/train_state.h"
 #include "tests/temp_dir_test.h"
 
@@ -264,4 +269,235 @@ TEST_F(TrainStateTest, ResumeCompatibilityIsCheckedByKey) {
 
   TrainingState old;  // a checkpoint of an eo-ddp that recorded nothing
   EXPECT_EQ(eo::check_resume_compatible(old, config()).size(), 1u);
+}
+
+// Issue #32 item 6: a checkpoint carries checksums of every file in it. Each byte of each file,
+// changed in turn, is detected; `auto` then takes the previous intact checkpoint, and an explicit
+// resume of the damaged one is refused naming the file.
+TEST_F(TrainStateTest, AChangedByteAnywhereInACheckpointIsDetectedAndAutoFallsBack) {
+  {
+    RunClaim a = eo::claim_output_dir(config());
+    save(config(), 2);
+    save(config(), 4);
+  }
+  ASSERT_EQ(eo::checkpoint_damage(ckpt(4).string()), "");
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(ckpt(4))) files.push_back(e.path());
+  ASSERT_GE(files.size(), 7u) << "adapter (3 files), optimizer, rng, trainer_state.json, checksums.txt";
+  std::size_t flips = 0;
+  for (const auto& f : files) {
+    const std::string good = read_text(f);
+    for (std::size_t i = 0; i < good.size(); ++i) {
+      std::string bad = good;
+      bad[i] = static_cast<char>(bad[i] ^ 0x01);
+      std::ofstream(f, std::ios::binary | std::ios::trunc) << bad;
+      ASSERT_NE(eo::checkpoint_damage(ckpt(4).string()), "") << "byte " << i << " of " << f << " changed unnoticed";
+      ++flips;
+      if (i == good.size() / 2) {
+        EXPECT_EQ(eo::latest_checkpoint(config().output_dir), ckpt(2).string()) << "auto took the damaged " << f;
+        const std::string msg = usage_error([&] { eo::load_checkpoint(ckpt(4).string(), false); });
+        EXPECT_TRUE(contains(msg, "is damaged") && contains(msg, f.filename().string()) && contains(msg, "resume_from_checkpoint: auto"))
+            << msg;
+      }
+    }
+    std::ofstream(f, std::ios::binary | std::ios::trunc) << good;
+  }
+  EXPECT_GT(flips, 1000u);
+  EXPECT_EQ(eo::checkpoint_damage(ckpt(4).string()), "");
+  // A missing file, or a file appended to, is damage too.
+  const fs::path opt = ckpt(4) / "optimizer.safetensors";
+  const std::string opt_bytes = read_text(opt);
+  std::ofstream(opt, std::ios::app) << "x";
+  EXPECT_TRUE(contains(eo::checkpoint_damage(ckpt(4).string()), "optimizer.safetensors changed after it was saved"));
+  fs::remove(opt);
+  EXPECT_TRUE(contains(eo::checkpoint_damage(ckpt(4).string()), "optimizer.safetensors is missing"));
+  // End to end through the claim: auto resumes checkpoint-2.
+  RunClaim b = eo::claim_output_dir(config("auto"));
+  EXPECT_EQ(b.resume, ckpt(2).string());
+  b.lock.reset();
+  std::ofstream(opt, std::ios::binary) << opt_bytes;
+}
+
+// Item 6: a checkpoint of an older eo-ddp (no checksums.txt, format 1) still loads; one whose
+// tensors hold NaN is refused on load, and no checkpoint or adapter is ever saved with NaN/Inf.
+TEST_F(TrainStateTest, NonFiniteValuesAreNeverSavedAndRefusedOnLoad) {
+  RunClaim a = eo::claim_output_dir(config());
+  TrainingState s;
+  s.step = 3;
+  s.data_cursor = {{"tag", ""}};
+  s.lora = {{"base_model.model.x.lora_A.weight", at::ones({2, 2})}};
+  s.optimizer = {{"exp_avg", at::zeros({2})}};
+  s.rng = {{"cpu", at::zeros({4}, at::kByte)}};
+  TrainingState bad = s;
+  bad.optimizer = {{"exp_avg", at::tensor({0.0f, std::numeric_limits<float>::quiet_NaN()})}};
+  EXPECT_THROW(eo::save_checkpoint(config().output_dir, bad, config(), 10), eo::Error);
+  EXPECT_FALSE(fs::exists(ckpt(3)));
+  TrainingState inf = s;
+  inf.lora = {{"base_model.model.x.lora_A.weight", at::full({2, 2}, std::numeric_limits<float>::infinity())}};
+  EXPECT_THROW(eo::write_adapter((dir_ / "final").string(), inf.lora, config()), eo::Error);
+  EXPECT_FALSE(fs::exists(dir_ / "final" / "adapter_model.safetensors"));
+
+  // An older checkpoint: no checksums, format 1; then NaN in its optimizer state.
+  eo::save_checkpoint(config().output_dir, s, config(), 10);
+  fs::remove(ckpt(3) / "checksums.txt");
+  auto state = nlohmann::json::parse(read_text(ckpt(3) / "trainer_state.json"));
+  state["format"] = "eo-ddp-checkpoint-1";
+  std::ofstream(ckpt(3) / "trainer_state.json", std::ios::trunc) << state.dump(2);
+  EXPECT_EQ(eo::checkpoint_damage(ckpt(3).string()), "");
+  EXPECT_EQ(eo::load_checkpoint(ckpt(3).string()).step, 3);
+  eo::st::save((ckpt(3) / "optimizer.safetensors").string(), bad.optimizer);
+  try {
+    eo::load_checkpoint(ckpt(3).string());
+    ADD_FAILURE() << "a checkpoint with NaN in its optimizer state was loaded";
+  } catch (const eo::Error& e) {
+    EXPECT_TRUE(contains(e.what(), "exp_avg holds NaN/Inf")) << e.what();
+  }
+  // Format 2 without its checksum file is damaged, not an older checkpoint.
+  state["format"] = "eo-ddp-checkpoint-2";
+  std::ofstream(ckpt(3) / "trainer_state.json", std::ios::trunc) << state.dump(2);
+  EXPECT_TRUE(contains(eo::checkpoint_damage(ckpt(3).string()), "checksums.txt is missing"));
+}
+
+// Item 6: with save_total_limit 1, the newest checkpoint from before the run's first non-finite
+// step is kept (keep_newest_before), the others pruned as usual.
+TEST_F(TrainStateTest, TheLastCheckpointBeforeANonFiniteStepIsNeverPruned) {
+  RunClaim a = eo::claim_output_dir(config());
+  save(config(), 1, 1);
+  save(config(), 2, 1);
+  EXPECT_FALSE(fs::exists(ckpt(1)));
+  TrainingState s;
+  s.data_cursor = {{"tag", ""}};
+  s.lora = {{"base_model.model.x.lora_A.weight", at::zeros({2, 2})}};
+  s.rng = {{"cpu", at::zeros({4}, at::kByte)}};
+  for (int step : {3, 4, 5}) {
+    s.step = step;
+    eo::save_checkpoint(config().output_dir, s, config(), 1, /*keep_newest_before=*/3);
+  }
+  EXPECT_TRUE(fs::exists(ckpt(2))) << "the last checkpoint before step 3 was pruned";
+  EXPECT_FALSE(fs::exists(ckpt(3)) || fs::exists(ckpt(4)));
+  EXPECT_TRUE(fs::exists(ckpt(5)));
+}
+
+// Issue #32 item 4: the base model's identity covers every byte of its weights. One byte changed
+// where the sampled fingerprint of earlier versions never looked (16 windows of 4 KiB, computed
+// here as that code did) gives another identity, and a resume is refused; so does a change
+// whose modification time is set back (the cache is keyed by ctime too). A copy elsewhere is equal.
+TEST_F(TrainStateTest, BaseModelIdentityCoversEveryByteOfTheWeights) {
+  ::setenv("XDG_CACHE_HOME", (dir_ / "cache").c_str(), 1);
+  const std::size_t size = 200000;
+  std::string weights(size, '\0');
+  for (std::size_t i = 0; i < size; ++i) weights[i] = static_cast<char>(i * 7 % 251);
+  std::ofstream(dir_ / "model" / "model.safetensors", std::ios::binary) << weights;
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // past the window in which a hash is not cached
+  const TrainConfig c = config();
+  const std::string before = eo::base_model_identity(c);
+  EXPECT_EQ(eo::base_model_identity(c), before);
+  EXPECT_TRUE(fs::exists(dir_ / "cache" / "eo-ddp" / "file-hashes.json")) << "the content hash was not cached";
+
+  fs::create_directories(dir_ / "copy");
+  fs::copy_file(dir_ / "model" / "config.json", dir_ / "copy" / "config.json");
+  fs::copy_file(dir_ / "model" / "model.safetensors", dir_ / "copy" / "model.safetensors");
+  TrainConfig copy = config();
+  copy.base_model = (dir_ / "copy").string();
+  EXPECT_EQ(eo::base_model_identity(copy), before) << "a copy in another folder must be the same base model";
+
+  // A byte outside every old sampling window.
+  std::size_t pos = size;
+  for (std::size_t p = 4096; p < size && pos == size; ++p) {
+    bool sampled = false;
+    for (int w = 0; w < 16; ++w) {
+      const std::size_t off = (size - 4096) / 15 * w;
+      sampled = sampled || (p >= off && p < off + 4096);
+    }
+    if (!sampled) pos = p;
+  }
+  ASSERT_LT(pos, size);
+  TrainingState s;
+  s.step = 7;
+  s.recorded = eo::recorded_config(config());
+  const auto old_mtime = fs::last_write_time(dir_ / "model" / "model.safetensors");
+  std::string changed = weights;
+  changed[pos] = static_cast<char>(changed[pos] ^ 0x80);
+  {
+    std::fstream f(dir_ / "model" / "model.safetensors", std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(static_cast<std::streamoff>(pos));
+    f.put(changed[pos]);
+  }
+  fs::last_write_time(dir_ / "model" / "model.safetensors", old_mtime);  // same size, same mtime
+  EXPECT_NE(eo::base_model_identity(c), before) << "byte " << pos << " changed unnoticed";
+  const std::string msg = usage_error([&] { eo::check_resume_compatible(s, c); });
+  EXPECT_TRUE(contains(msg, "base_model") && contains(msg, "other contents")) << msg;
+}
+
+// Issue #32 item 5: a dataset edited in place since the checkpoint (same path) is noticed on
+// resume with a warning; an unchanged one gives none.
+TEST_F(TrainStateTest, ADatasetEditedInPlaceIsNoticedOnResume) {
+  ::setenv("XDG_CACHE_HOME", (dir_ / "cache").c_str(), 1);
+  const fs::path data = dir_ / "train.jsonl";
+  std::ofstream(data) << "{\"input_ids\": [1, 2, 3]}\n";
+  TrainConfig c = config();
+  eo::DatasetSpec d;
+  d.path = data.string();
+  d.type = "tokenized";
+  c.datasets = {d};
+  TrainingState s;
+  s.step = 3;
+  s.recorded = eo::recorded_config(c);
+  EXPECT_TRUE(eo::check_resume_compatible(s, c).empty());
+  std::ofstream(data, std::ios::trunc) << "{\"input_ids\": [1, 2, 4]}\n";  // same size
+  const auto warnings = eo::check_resume_compatible(s, c);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(contains(warnings[0], "a dataset was edited since the checkpoint")) << warnings[0];
+}
+
+// Issue #32 item 9: the lock is held on output_dir itself, so deleting .eo-ddp.lock during a run
+// lets no second run in; the lock file says what it is.
+TEST_F(TrainStateTest, DeletingTheLockFileLetsNoSecondRunIn) {
+  RunClaim a = eo::claim_output_dir(config());
+  const std::string text = read_text(dir_ / "out" / ".eo-ddp.lock");
+  EXPECT_TRUE(contains(text, "eo-ddp run lock: held by pid " + std::to_string(::getpid()))) << text;
+  EXPECT_TRUE(contains(text, "no other eo-ddp run may use this folder")) << text;
+  fs::remove(dir_ / "out" / ".eo-ddp.lock");
+  const std::string msg = usage_error([&] { eo::claim_output_dir(config()); });
+  EXPECT_TRUE(contains(msg, "is in use by another eo-ddp run")) << "a second run started after the lock file was deleted";
+  EXPECT_NO_THROW(save(config(), 2)) << "the first run can still save";
+  a.lock.reset();
+  EXPECT_NO_THROW(eo::claim_output_dir(config("auto")));
+}
+
+// Issue #32 item 11: a run started with overwrite_output_dir beside another run's checkpoints
+// resumes with `auto` (the folder is its own by run.json); a run.json that names no checkpoint's
+// run is refused with advice other than the `auto` that was given.
+TEST_F(TrainStateTest, AutoResumesARunStartedWithOverwriteAndATamperedRunFileGetsOtherAdvice) {
+  {
+    RunClaim a = eo::claim_output_dir(config());
+    save(config(), 2);
+  }
+  TrainConfig over = config();
+  over.overwrite_output_dir = true;
+  {
+    RunClaim b = eo::claim_output_dir(over);
+    save(over, 6);  // then the run crashes
+  }
+  RunClaim again = eo::claim_output_dir(config("auto"));
+  EXPECT_EQ(again.resume, ckpt(6).string());
+  again.lock.reset();
+  auto run = nlohmann::json::parse(read_text(dir_ / "out" / "run.json"));
+  run["run_id"] = "0000000000000000";
+  std::ofstream(dir_ / "out" / "run.json", std::ios::trunc) << run.dump(2);
+  const std::string msg = usage_error([&] { eo::claim_output_dir(config("auto")); });
+  EXPECT_TRUE(contains(msg, "found no checkpoint of the run that") && contains(msg, "resume_from_checkpoint: " + (dir_ / "out").string() + "/checkpoint-<step>"))
+      << msg;
+  EXPECT_FALSE(contains(msg, "(resume_from_checkpoint: auto)")) << msg;
+}
+
+// Issue #32 item 14: a folder named checkpoint-00041 (holding step 40) is not taken as the
+// newest; nor is a checkpoint-<n> folder whose state is of another step.
+TEST_F(TrainStateTest, AFolderWhoseNameIsNotItsStepIsIgnored) {
+  RunClaim a = eo::claim_output_dir(config());
+  save(config(), 40);
+  save(config(), 30);
+  fs::copy(ckpt(40), dir_ / "out" / "checkpoint-00041", fs::copy_options::recursive);
+  fs::copy(ckpt(40), dir_ / "out" / "checkpoint-50", fs::copy_options::recursive);
+  EXPECT_EQ(eo::latest_checkpoint(config().output_dir), ckpt(40).string());
 }

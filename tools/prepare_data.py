@@ -43,6 +43,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 import json  # noqa: E402
 import time  # noqa: E402
 
+import jinja2  # noqa: E402  (transformers renders chat templates with it)
+
 IGNORE = -100
 DUMMY = "[[dummy_message]]"
 # axolotl's ChatML template (chat_template: chatml).
@@ -237,14 +239,16 @@ def rows_of(path):
     if path.endswith((".parquet", ".arrow", ".csv")):
         raise DataError(f"{path}: eo-ddp reads JSON lines (or a JSON array); convert it, e.g. "
                         "datasets.load_dataset(...).to_json('data.jsonl')")
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         is_array = f.read(4096).lstrip().startswith("[")
-        if is_array:
-            f.seek(0)
+    if is_array:
+        with open(path, encoding="utf-8") as f:
             try:
                 rows = json.load(f)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: not valid JSON ({e})")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not valid UTF-8 (byte {e.start}: {e.reason})")
             if not isinstance(rows, list):
                 raise DataError(f"{path}: expected JSON lines or a JSON array of rows")
             return len(rows), ((i + 1, json.dumps(r)) for i, r in enumerate(rows))
@@ -252,8 +256,12 @@ def rows_of(path):
         total = sum(1 for line in f if line.strip())
 
     def lines():
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{n}: not valid UTF-8 (byte {e.start} of the line: {e.reason})")
                 if line.strip():
                     yield n, line
     return total, lines()
@@ -274,10 +282,16 @@ def prepare(tok, spec, ds):
                 raise DataError(f"{where}: not valid JSON ({e})")
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object per line")
+            try:  # a \ud800 escape decodes to a lone surrogate, which no tokenizer can take
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise DataError(f"{where}: text that is not valid Unicode ({e.reason}: a lone surrogate escape?)")
             try:
                 ids, labels = fmt(row)
             except DataError as e:
                 raise DataError(f"{where}: {e} (dataset type {ds['type']})")
+            except jinja2.TemplateError as e:  # the chat template raised, or used an undefined name
+                raise DataError(f"{where}: the chat template failed on this row: {type(e).__name__}: {e}")
             done += 1
             if ids:
                 out.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")

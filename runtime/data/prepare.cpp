@@ -2,9 +2,13 @@
 #include "runtime/data/prepare.h"
 
 #include <fcntl.h>
-#include <spawn.h>
+#include <sys/stat.h>
+#include <poll.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <algorithm>
 #include <cerrno>
@@ -15,12 +19,13 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
+#include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/log.h"
-
-extern char** environ;
+#include "runtime/signals.h"
 
 namespace eo::data {
 namespace {
@@ -122,50 +127,145 @@ std::string exe_dir() {
 
 bool executable(const std::string& path) { return !path.empty() && ::access(path.c_str(), X_OK) == 0; }
 
+// `name` as execv needs it: itself if it has a slash, else the first executable on PATH.
+std::string resolve_program(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  for (std::size_t b = 0; b <= dirs.size();) {
+    std::size_t e = dirs.find(':', b);
+    if (e == std::string::npos) e = dirs.size();
+    const std::string cand = (e > b ? dirs.substr(b, e - b) : std::string(".")) + "/" + name;
+    if (executable(cand) && fs::is_regular_file(cand)) return cand;
+    b = e + 1;
+  }
+  return name;
+}
+
 // Runs argv, stdout to `stdout_path`, stderr line by line to our log; returns the exit status
-// and the tool's last error line.
+// and the tool's last error line. The tool runs in its own process group, so a terminal's
+// Ctrl-C reaches eo-ddp alone, which ends the whole group on a stop request (Stopped) and on
+// any failure; it also gets SIGTERM if eo-ddp dies without that chance (PR_SET_PDEATHSIG).
 int run_tool(const std::vector<std::string>& argv, const std::string& stdout_path, std::string& error_line) {
-  int pipe_fd[2];
-  if (::pipe2(pipe_fd, O_CLOEXEC) != 0) EO_FAIL("pipe: ", std::strerror(errno));
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, pipe_fd[1], 2);
+  const std::string program = resolve_program(argv[0]);
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = ::posix_spawnp(&pid, args[0], &fa, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  ::close(pipe_fd[1]);
-  if (rc != 0) {
+  int pipe_fd[2];
+  if (::pipe2(pipe_fd, O_CLOEXEC) != 0) EO_FAIL("pipe: ", std::strerror(errno));
+  const int out_fd = ::open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out_fd < 0) {
     ::close(pipe_fd[0]);
-    EO_FAIL("cannot start ", argv[0], ": ", std::strerror(rc), " (set EO_DDP_PYTHON to a Python with transformers)");
+    ::close(pipe_fd[1]);
+    EO_FAIL("cannot create ", stdout_path, ": ", std::strerror(errno));
   }
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) _exit(127);  // the parent is already gone
+    ::dup2(out_fd, 1);
+    ::dup2(pipe_fd[1], 2);
+    ::execv(program.c_str(), args.data());
+    const char msg[] = "error: cannot start the tokeniser's Python\n";
+    ssize_t ignored = ::write(2, msg, sizeof msg - 1);
+    (void)ignored;
+    _exit(127);
+  }
+  const int fork_errno = errno;
+  ::close(out_fd);
+  ::close(pipe_fd[1]);
+  if (pid < 0) {
+    ::close(pipe_fd[0]);
+    EO_FAIL("cannot start ", argv[0], ": ", std::strerror(fork_errno));
+  }
+  ::setpgid(pid, pid);  // also here: the group exists before any kill below, whoever runs first
+  // The tool's exit status, after SIGKILL to anything left in its group. The group is signalled
+  // while the tool is a zombie not yet reaped, so its id cannot have been reused.
+  auto reap = [&](bool block) -> std::optional<int> {
+    siginfo_t info {};
+    while (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT | (block ? 0 : WNOHANG)) != 0)
+      if (errno != EINTR) return std::nullopt;
+    if (info.si_pid != pid) return std::nullopt;  // still running
+    ::kill(-pid, SIGKILL);
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    return status;
+  };
+  auto end_group = [&] {
+    ::kill(-pid, SIGTERM);
+    for (int i = 0; i < 50; ++i, ::usleep(100000))  // 5 s to exit, then SIGKILL
+      if (reap(false)) return;
+    ::kill(-pid, SIGKILL);
+    reap(true);
+  };
   std::string pending;
   char buf[4096];
-  for (;;) {
-    const ssize_t n = ::read(pipe_fd[0], buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    pending.append(buf, static_cast<std::size_t>(n));
-    for (std::size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
-      const std::string line = pending.substr(0, nl);
-      pending.erase(0, nl + 1);
-      if (line.find("error:") != std::string::npos) error_line = line;
-      log::info(line);
+  try {
+    for (;;) {
+      // Polled, so a stop request is seen within 0.2 s whichever thread took the signal.
+      struct pollfd pfd {pipe_fd[0], POLLIN, 0};
+      const int ready = ::poll(&pfd, 1, 200);
+      throw_if_stopped("while tokenising the datasets");
+      if (ready <= 0) continue;
+      const ssize_t n = ::read(pipe_fd[0], buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      pending.append(buf, static_cast<std::size_t>(n));
+      for (std::size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
+        const std::string line = pending.substr(0, nl);
+        pending.erase(0, nl + 1);
+        if (line.find("error:") != std::string::npos) error_line = line;
+        log::info(line);
+      }
     }
+  } catch (...) {
+    ::close(pipe_fd[0]);
+    end_group();
+    throw;
   }
   if (!pending.empty()) {
     if (pending.find("error:") != std::string::npos) error_line = pending;
     log::info(pending);
   }
   ::close(pipe_fd[0]);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  const int status = reap(true).value_or(0);  // nothing of the tool's group outlives it
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+// What the manifest records of data.jsonl: its hash, bytes and rows (and the tool's token count).
+nlohmann::json describe_cache_file(const std::string& file) {
+  std::uint64_t h = 0, bytes = 0;
+  if (!eo::hash_file(file, h, bytes)) EO_FAIL("cannot read ", file, ": ", std::strerror(errno));
+  std::ifstream in(file, std::ios::binary);
+  std::int64_t rows = 0;
+  for (std::string line; std::getline(in, line);) rows += line.empty() ? 0 : 1;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return {{"hash", hex}, {"bytes", bytes}, {"rows", rows}};
+}
+
+// Why the cache folder `dir` cannot be used as it is ("" when it can): data.jsonl must be a plain
+// file (not a link to something else) with the hash and size its manifest recorded when it was
+// built. A cache of an older eo-ddp (no record) is rebuilt too.
+std::string cache_problem(const std::string& dir) {
+  const std::string file = dir + "/data.jsonl";
+  struct stat st {};
+  if (::lstat(file.c_str(), &st) != 0) return "no data.jsonl";
+  if (!S_ISREG(st.st_mode)) return "data.jsonl is not a plain file (a link?)";
+  std::string text;
+  if (!read_file_nofollow(dir + "/manifest.json", text)) return "no manifest.json";
+  const nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
+  if (!m.is_object() || !m.contains("data") || !m["data"].is_object()) return "its manifest records no hash of data.jsonl (an older eo-ddp)";
+  const nlohmann::json now = describe_cache_file(file);
+  for (const char* k : {"bytes", "hash", "rows"})
+    if (m["data"].value(k, nlohmann::json()) != now[k])
+      return "data.jsonl changed after it was built (" + std::string(k) + " " + now[k].dump() + ", the manifest has " +
+             m["data"].value(k, nlohmann::json()).dump() + ")";
+  return "";
 }
 
 }  // namespace
@@ -222,7 +322,13 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
     f.add(material.dump());
     p.key = f.hex();
     p.dir = (fs::path(cfg.dataset_prepared_path) / p.key).string();
-    p.ready = fs::is_regular_file(p.file()) && fs::is_regular_file(p.dir + "/manifest.json");
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(p.dir, ec))) {
+      const std::string why = cache_problem(p.dir);
+      p.ready = why.empty();
+      if (!p.ready)
+        log::warn("dataset " + d.path + ": the cache in " + p.dir + " cannot be used (" + why + "); it is rebuilt");
+    }
   }
   plan.datasets = std::move(items);
   return plan;
@@ -252,7 +358,13 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   const std::vector<std::string> argv = {find_python(), find_tool("prepare_data.py"), tmp + "/spec.json"};
   log::info("running " + argv[0] + " " + argv[1]);
   std::string error_line;
-  const int rc = run_tool(argv, tmp + "/stats.json", error_line);
+  int rc = 0;
+  try {
+    rc = run_tool(argv, tmp + "/stats.json", error_line);
+  } catch (...) {  // a stop request: no half-written cache left behind
+    remove_tree(tmp);
+    throw;
+  }
   if (rc != 0) {
     remove_tree(tmp);
     if (rc == 2 && !error_line.empty()) throw UsageError("datasets: " + error_line);
@@ -270,10 +382,14 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
     const DatasetSpec& d = spec_of(cfg, p);
     nlohmann::json manifest = {{"source", d.path}, {"dataset", dataset_shape(d)}, {"keys", global_shape(cfg, plan.tokenizer)}};
     if (stats.is_object() && stats.contains("datasets") && i < stats["datasets"].size()) manifest["stats"] = stats["datasets"][i];
+    manifest["data"] = describe_cache_file(tmp + "/" + p.key + "/data.jsonl");  // checked at every use
+    if (manifest.contains("stats") && manifest["stats"].is_object() && manifest["stats"].contains("tokens"))
+      manifest["data"]["tokens"] = manifest["stats"]["tokens"];
     write_file_atomic(tmp + "/" + p.key + "/manifest.json", manifest.dump(2) + "\n");
     std::error_code ec;
+    if (fs::exists(fs::symlink_status(p.dir, ec)) && !cache_problem(p.dir).empty()) remove_tree(p.dir);  // the damaged one
     fs::rename(tmp + "/" + p.key, p.dir, ec);  // another run may have finished it meanwhile: keep theirs
-    if (ec && !(fs::is_regular_file(p.file()) && fs::is_regular_file(p.dir + "/manifest.json")))
+    if (ec && !cache_problem(p.dir).empty())
       EO_FAIL("cannot move the prepared dataset into ", p.dir, ": ", ec.message());
     p.ready = true;
   }

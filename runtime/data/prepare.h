@@ -8,7 +8,9 @@
 // top-level keys that apply (train_on_inputs, chat_template, chat_template_jinja, tokenizer_type,
 // trust_remote_code, special_tokens) and tools/prepare_data.py itself. Change any of them and the
 // key changes: the stale folder is not reused, a new one is built. A folder appears only complete
-// (written under a temporary name, renamed last). Pre-tokenized datasets (tokenized, tokens)
+// (written under a temporary name, renamed last). Its manifest records data.jsonl's hash, size and
+// rows, checked at every use: a cache file changed since (rewritten, truncated, replaced by a link)
+// is rebuilt with a warning. Pre-tokenized datasets (tokenized, tokens)
 // never come here: they need no Python.
 #pragma once
 
@@ -40,7 +42,8 @@ struct PreparePlan {
 PreparePlan plan_preparation(const TrainConfig& cfg);
 
 // Builds the missing caches with one run of tools/prepare_data.py (its progress and messages
-// pass through to stderr). A data problem it reports is a UsageError; no Python, or no tool, is
+// pass through to stderr; it runs in its own process group, ended on a stop request, which
+// throws Stopped, and when eo-ddp dies). A data problem it reports is a UsageError; no Python, or no tool, is
 // an Error saying where eo-ddp looked.
 void run_preparation(const TrainConfig& cfg, PreparePlan& plan);
 

@@ -234,7 +234,8 @@ check(abs(json.loads(s.stdout)["loss"] - metrics[-1]["eval_loss"]) <= 1e-5 * met
 alpaca_rows = sum(1 for r in read_jsonl(os.path.join(out, "eval.jsonl")))
 check(alpaca_rows == len(alpaca), f"eval.jsonl holds the {len(alpaca)} test_datasets rows ({alpaca_rows})")
 
-# ---- the cache: reused when nothing changed, rebuilt when the data or the tokenizer change -----
+# ---- the cache: reused when nothing changed, rebuilt when the data or the tokenizer change, or
+# when the cache file itself changed -------------------------------------------------------------
 cfg = write_config("cache", datasets=[{"path": os.path.join(WORK, "chat-copy.jsonl"), "type": "chat_template"}],
                    dataset_prepared_path=os.path.join(WORK, "cache"))
 shutil.copy(chat_file, os.path.join(WORK, "chat-copy.jsonl"))
@@ -247,6 +248,29 @@ changed = eo("preprocess", "--config", cfg)
 check("1 dataset(s) tokenised" in changed.stdout and changed.stdout.split(" -> ")[1] != first.stdout.split(" -> ")[1],
       "a changed data file is tokenised again, into a new cache folder")
 check(len(read_jsonl(changed.stdout.split(" -> ")[1].split("\n")[0])) == len(chats) + 1, "the new cache has the new row")
+# The cache is checked at every use against the hash, size and rows its manifest recorded: a
+# rewritten, truncated or symlinked data.jsonl is rebuilt, with a warning saying why.
+cached = changed.stdout.split(" -> ")[1].split("\n")[0]
+good = open(cached).read()
+other = os.path.join(WORK, "other.jsonl")
+shutil.copy(os.path.join(SRC, "fixtures/tiny-data/train.jsonl"), other)
+for how, damage in [
+        ("rewritten", lambda: open(cached, "w").write("".join(
+            json.dumps(dict(r, input_ids=[7] * len(r["input_ids"]))) + "\n" for r in map(json.loads, good.splitlines())))),
+        ("truncated", lambda: open(cached, "w").write("".join(good.splitlines(keepends=True)[:-2]))),
+        ("symlinked", lambda: (os.remove(cached), os.symlink(other, cached)))]:
+    damage()
+    p = eo("preprocess", "--config", cfg)
+    check("1 dataset(s) tokenised" in p.stdout and "cannot be used" in p.stderr and "it is rebuilt" in p.stderr,
+          f"a {how} cache file is noticed and rebuilt")
+    check(not os.path.islink(cached) and open(cached).read() == good, f"the rebuilt cache ({how}) is the original again")
+# A dataset that trains nothing (roles_to_train matching no role) inside a mix is refused, naming it.
+mix = write_config("mix-untrainable", datasets=[{"path": chat_file, "type": "chat_template"},
+                                                {"path": os.path.join(WORK, "chat-copy.jsonl"), "type": "chat_template",
+                                                 "roles_to_train": ["nobody"]}])
+p = eo("--config", mix, ok=False)
+check(p.returncode == 2 and "chat-copy.jsonl (type chat_template, one of 2 in datasets) has no trainable token" in p.stderr,
+      "a dataset with no trainable label in a mix is a usage error naming it")
 model2 = os.path.join(WORK, "model-chatml")
 shutil.copytree(MODEL, model2)
 tc = json.load(open(os.path.join(model2, "tokenizer_config.json")))
@@ -270,6 +294,29 @@ with open(bad, "w") as f:
     f.write(json.dumps({"messages": [{"role": "user"}]}) + "\n")
 p = eo("preprocess", "--config", write_config("bad", datasets=[{"path": bad, "type": "chat_template"}]), ok=False)
 check(p.returncode == 2 and "bad.jsonl:1" in p.stderr, "a malformed row is a usage error naming file:line")
+
+# Issue #32 item 10: bytes that are not UTF-8, a lone surrogate, a template that raises or uses an
+# undefined name: exit 2 naming file:line (and the template's message), never a traceback.
+good_row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+cases = {
+    "utf8": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', None, "not valid UTF-8"),
+    "surrogate": (b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "x"}]}\n', None,
+                  "not valid Unicode"),
+    "raises": (json.dumps(good_row).encode() + b"\n", "{{ raise_exception('no system message') }}", "no system message"),
+    "undefined": (json.dumps(good_row).encode() + b"\n", "{% for m in messages %}{{ m.missing.deeper }}{% endfor %}",
+                  "the chat template failed on this row"),
+}
+for name, (data, template, says) in cases.items():
+    path = os.path.join(WORK, f"bad-{name}.jsonl")
+    with open(path, "wb") as f:
+        f.write(json.dumps(good_row).encode() + b"\n" + data)
+    entry = {"path": path, "type": "chat_template"}
+    if template:
+        entry.update(chat_template="jinja", chat_template_jinja=template)
+    p = eo("preprocess", "--config", write_config("bad-" + name, datasets=[entry]), ok=False)
+    where = f"bad-{name}.jsonl:{1 if template else 2}"
+    check(p.returncode == 2 and where in p.stderr and says in p.stderr and "Traceback" not in p.stderr,
+          f"{name}: exit 2 naming {where} ({p.returncode}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''})")
 
 print("data_formats_ref: all checks passed" if not failures else f"data_formats_ref: FAILED ({len(failures)})")
 sys.exit(1 if failures else 0)
