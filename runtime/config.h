@@ -37,6 +37,7 @@ struct DatasetSpec {
   std::vector<std::pair<std::string, std::vector<std::string>>> roles;  // role -> source names
   bool drop_system_message = false;
   std::string field;  // completion: the text field (default text)
+  std::string split;  // Hugging Face split of the file: train
 
   std::string prepared;  // set before training: the tokenized JSONL made from `path`
   bool formatted() const { return type != "tokenized" && type != "tokens"; }
@@ -52,6 +53,7 @@ struct TrainConfig {
   double lora_alpha = 16;
   double lora_dropout = 0.0;
   std::vector<std::string> lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  bool lora_target_regex = false;  // lora_target_modules holds one regular expression (resolved by the loader)
   bool lora_target_linear = false;
   // peft's target_parameters: the fused expert parameters (canonical: mlp.experts.gate_up_proj,
   // mlp.experts.down_proj); empty = experts adapted per expert through lora_target_modules.
@@ -165,6 +167,14 @@ std::string config_to_yaml(const TrainConfig& cfg);
 std::string config_reference_markdown();
 // Every key the schema accepts (dotted names).
 std::vector<std::string> config_known_keys();
+// axolotl's config keys and what eo-ddp does with each: class "implemented", "noted" (accepted,
+// text logged) or "rejected" (text is the reason). One table: runtime/axolotl_keys.inc.
+struct AxolotlKeyInfo {
+  std::string key, cls, text;
+};
+std::vector<AxolotlKeyInfo> axolotl_keys();
+// docs/axolotl-keys.md: that table. Printed by --help-axolotl-keys.
+std::string axolotl_keys_markdown();
 
 // True when `bf16` resolves to bf16 compute on this device kind.
 bool config_use_bf16(const TrainConfig& cfg, bool on_cuda);
