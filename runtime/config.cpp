@@ -4,6 +4,7 @@
 
 #include <charconv>
 
+#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -529,8 +530,8 @@ const std::vector<KeySpec>& schema() {
                         "Adapt every linear layer of the decoder blocks, as base_model's architecture names them (attention q/k/v/o_proj; experts w1/w2/w3 in Mixtral, gate/up/down_proj elsewhere; dense MLPs); overrides lora_target_modules."));
     k.push_back({"lora_target_parameters", "list of strings", "[]",
                  "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
-                 "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; the bare "
-                 "names gate_up_proj, down_proj are accepted). The adapter loads in peft on transformers 5, whose "
+                 "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; their dotted "
+                 "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them). The adapter loads in peft on transformers 5, whose "
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
                  "lora_target_linear: peft would load those as the fused parameters at rank 2r); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
@@ -542,10 +543,14 @@ const std::vector<KeySpec>& schema() {
                    static const std::vector<std::string> accepted = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
                                                                      "gate_up_proj", "down_proj"};
                    std::vector<std::string> canonical;
+                   // peft matches a parameter name by its dotted suffix: experts.gate_up_proj too.
+                   auto suffix_of = [](const std::string& full, const std::string& m) {
+                     return full == m || (full.size() > m.size() && ends_with(full, m) && full[full.size() - m.size() - 1] == '.');
+                   };
                    for (const auto& m : v) {
                      std::string cm;
-                     if (m == "gate_up_proj" || m == accepted[0]) cm = accepted[0];
-                     else if (m == "down_proj" || m == accepted[1]) cm = accepted[1];
+                     if (suffix_of(accepted[0], m)) cm = accepted[0];
+                     else if (suffix_of(accepted[1], m)) cm = accepted[1];
                      if (cm.empty()) {
                        std::string msg = "unknown parameter '" + m + "'; eo-ddp can adapt the fused expert parameters " +
                                          join(accepted, ", ");
@@ -867,6 +872,11 @@ const std::vector<KeySpec>& schema() {
     k.push_back(boolean("eval_sample_packing", &TrainConfig::eval_sample_packing, "Pack the evaluation sequences (default: sample_packing)."));
     k.push_back(integer("eval_batch_size", &TrainConfig::eval_batch_size, 1, 1 << 16,
                         "Sequences per rank per evaluation forward (default: micro_batch_size)."));
+    k.push_back(text("lora_model_dir", &TrainConfig::lora_model_dir,
+                     "A peft adapter folder (adapter_config.json + adapter_model.safetensors) to continue training "
+                     "from, as axolotl: its weights replace the fresh LoRA init (a fresh optimizer state). Its r, "
+                     "lora_alpha, rsLoRA and targets must equal the config's; resume_from_checkpoint, when it resumes, "
+                     "takes precedence."));
     k.push_back(text("resume_from_checkpoint", &TrainConfig::resume_from_checkpoint,
                      "A checkpoint folder to continue from, or auto for the newest complete one of this run's lineage in output_dir."));
     return k;
@@ -1209,6 +1219,57 @@ void resolve_target_forms(TrainConfig& c, const model::ModelConfig& mc, const st
   c.lora_target_regex = false;
 }
 
+// lora_model_dir's adapter must be the adapter this config trains: the same r, alpha, rsLoRA and
+// targets (peft's adapter_config.json, read here without the model code).
+void check_lora_model_dir(const TrainConfig& c, Issues& issues) {
+  if (c.lora_model_dir.empty()) return;
+  const fs::path dir(c.lora_model_dir);
+  const fs::path json_path = dir / "adapter_config.json";
+  if (!fs::is_regular_file(json_path) || !fs::is_regular_file(dir / "adapter_model.safetensors"))
+    return issues.push_back({"lora_model_dir", "'" + c.lora_model_dir + "' is not a peft adapter folder (adapter_config.json and "
+                                               "adapter_model.safetensors)"});
+  nlohmann::json j;
+  try {
+    std::ifstream in(json_path);
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    return issues.push_back({"lora_model_dir", json_path.string() + ": not valid JSON (" + e.what() + ")"});
+  }
+  if (!j.is_object()) return issues.push_back({"lora_model_dir", json_path.string() + ": expected a JSON object"});
+  const std::string from = " (" + json_path.string() + ")";
+  auto number = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
+  if (number("r") != c.lora_r)
+    issues.push_back({"lora_r", std::to_string(c.lora_r) + ", but lora_model_dir's adapter has r " + j.value("r", nlohmann::json()).dump() + from});
+  if (number("lora_alpha") != c.lora_alpha)
+    issues.push_back({"lora_alpha", value_node(c.lora_alpha).Scalar() + ", but lora_model_dir's adapter has lora_alpha " +
+                                        j.value("lora_alpha", nlohmann::json()).dump() + from});
+  if (j.value("use_rslora", false) != c.peft_use_rslora)
+    issues.push_back({"peft_use_rslora", std::string(c.peft_use_rslora ? "true" : "false") + ", but lora_model_dir's adapter has use_rslora " +
+                                             (j.value("use_rslora", false) ? "true" : "false") + from});
+  std::set<std::string> theirs, ours(c.lora_target_modules.begin(), c.lora_target_modules.end());
+  const auto t = j.value("target_modules", nlohmann::json());
+  if (t.is_array())
+    for (const auto& x : t)
+      if (x.is_string()) theirs.insert(x.get<std::string>());
+  if (t.is_string()) theirs.insert("(regular expression) " + t.get<std::string>());
+  if (theirs != ours)
+    issues.push_back({"lora_target_modules", "[" + join(c.lora_target_modules, ", ") + "], but lora_model_dir's adapter targets [" +
+                                                 join(std::vector<std::string>(theirs.begin(), theirs.end()), ", ") + "]" + from});
+  std::set<std::string> their_params, our_params(c.lora_target_parameters.begin(), c.lora_target_parameters.end());
+  const auto tp = j.value("target_parameters", nlohmann::json());
+  if (tp.is_array())
+    for (const auto& x : tp)
+      if (x.is_string()) {
+        const std::string n = x.get<std::string>();
+        their_params.insert(ends_with("mlp.experts.gate_up_proj", n) ? "mlp.experts.gate_up_proj"
+                            : ends_with("mlp.experts.down_proj", n)  ? "mlp.experts.down_proj"
+                                                                     : n);
+      }
+  if (their_params != our_params)
+    issues.push_back({"lora_target_parameters", "[" + join(c.lora_target_parameters, ", ") + "], but lora_model_dir's adapter has [" +
+                                                    join(std::vector<std::string>(their_params.begin(), their_params.end()), ", ") + "]" + from});
+}
+
 // Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).
 // lora_target_linear resolves to the architecture's linears (ModelConfig::linear_modules); any
 // target that matches none of them is a config error here, before a weight is read. So is asking
@@ -1248,13 +1309,13 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   const std::vector<std::string> linears = mc.linear_modules();
   if (c.lora_target_linear) {
     c.lora_target_modules = linears;
-    return;
+    return check_lora_model_dir(c, issues);
   }
   // Unset, the targets are the architecture's attention linears (DeepSeek's latent attention has
   // no k_proj or v_proj), as peft's per-model defaults are attention projections.
   if (!present.count("lora_target_modules")) {
     c.lora_target_modules = mc.attention_linears();
-    return;
+    return check_lora_model_dir(c, issues);
   }
   resolve_target_forms(c, mc, linears, issues);
   const std::vector<std::string>& known = model::all_linear_modules();  // other names: reported by the key's own check
@@ -1263,6 +1324,7 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
       issues.push_back({"lora_target_modules", "'" + t + "' matches no linear of " + mc.model_type + " (" + c.base_model +
                                                    "/config.json); its linears are " + join(linears, ", ") +
                                                    " (or set lora_target_linear: true)"});
+  check_lora_model_dir(c, issues);
 }
 
 // axolotl keys whose values eo-ddp reads itself (the table's Implemented entries with a text).

@@ -135,6 +135,7 @@ struct TrainConfig {
   int save_total_limit = 3;
   int logging_steps = 1;
   std::string resume_from_checkpoint;  // path or "auto"; empty = start fresh
+  std::string lora_model_dir;          // a peft adapter to start from (axolotl's); empty = fresh LoRA
   bool overwrite_output_dir = false;   // a fresh run may start beside another run's checkpoints
 
   // Where the file came from, and what the loader wants the user to know (ignored keys, ...).

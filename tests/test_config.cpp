@@ -585,6 +585,11 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [down_proj, gate_up_proj]\n").lora_target_parameters,
             (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}))
       << "one order, as resume compares it";
+  // Issue #31: any dotted suffix, as peft matches parameter names (axolotl's experts.gate_up_proj).
+  EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n").lora_target_parameters,
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  EXPECT_NE(error_of(std::string(kValid) + "lora_target_parameters: [s.gate_up_proj]\n").find("unknown parameter 's.gate_up_proj'"),
+            std::string::npos);
   const std::string bad = error_of(std::string(kValid) + "lora_target_parameters: [mlp.experts.gate_proj]\n");
   EXPECT_NE(bad.find("lora_target_parameters: unknown parameter 'mlp.experts.gate_proj'"), std::string::npos) << bad;
   EXPECT_NE(bad.find("mlp.experts.gate_up_proj, mlp.experts.down_proj, gate_up_proj, down_proj"), std::string::npos) << bad;
