@@ -338,9 +338,24 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       issues.push_back({where + ".type", msg});
     }
     if (d["split"].IsDefined() && !is_null(d["split"])) {
+      // Hugging Face's split syntax on the one split a local file has (tools/prepare_data.py slices).
+      static const std::regex slice(R"(^train(\[((-?\d+)(%)?)?:((-?\d+)(%)?)?\])?$)");
       s.split = scalar_or_empty(d["split"]);
-      if (s.split != "train")
-        issues.push_back({where + ".split", "a local JSON lines file is one split, train; got '" + yaml_text(d["split"]) + "'"});
+      std::smatch m;
+      const bool ok = std::regex_match(s.split, m, slice);
+      const bool pct = ok && (m[4].matched || m[7].matched);
+      auto over_100 = [&](int g) {
+        const std::string v = m[g].str();
+        return m[g].matched && (v.size() > 4 || std::abs(std::stoi(v)) > 100);
+      };
+      if (!ok)
+        issues.push_back({where + ".split", "'" + yaml_text(d["split"]) + "': a local JSON lines file is the split train; "
+                                            "eo-ddp takes train or one slice of it, e.g. train[:20%], train[10:50], train[-10%:]"});
+      else if (pct && (over_100(3) || over_100(6)))
+        issues.push_back({where + ".split", "'" + s.split + "': percentages must be between -100% and 100%"});
+      else if (s.split != "train" && !s.formatted())
+        issues.push_back({where + ".split", "a slice applies to the axolotl formats (chat_template, alpaca, completion, "
+                                            "input_output); cut a pre-tokenized file itself"});
     }
     if (d["ds_type"].IsDefined() && scalar_or_empty(d["ds_type"]) != "json")
       issues.push_back({where + ".ds_type", "eo-ddp reads local JSON lines files: ds_type json (or leave it out)"});

@@ -543,6 +543,14 @@ gradient_checkpointing: sometimes
   EXPECT_NE(e.find("excess_length_strategy: 'truncate'"), std::string::npos) << e;
   EXPECT_NE(e.find("gradient_checkpointing: expected true, false, offload or offload_disk"), std::string::npos) << e;
   EXPECT_NE(e.find("has 6 problems"), std::string::npos) << e;
+  // datasets[].split: train and one slice of it (tests/ref/split_ref.py checks the rows kept).
+  EXPECT_EQ(load("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: completion, split: 'train[:20%]'}]\n")
+                .datasets[0].split, "train[:20%]");
+  const std::string sp = error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: completion, split: 'train[:200%]'}, "
+                                  "{path: b, split: 'train[:10]'}, {path: c, type: alpaca, split: 'train+test'}]\n");
+  EXPECT_NE(sp.find("datasets.0.split: 'train[:200%]': percentages must be between"), std::string::npos) << sp;
+  EXPECT_NE(sp.find("datasets.1.split: a slice applies to the axolotl formats"), std::string::npos) << sp;
+  EXPECT_NE(sp.find("datasets.2.split: 'train+test': a local JSON lines file is the split train"), std::string::npos) << sp;
 }
 
 // Issue #31 item 4: the architecture is checked with the keys, so one run lists an unsupported

@@ -41,6 +41,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import json  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 IGNORE = -100
@@ -259,10 +260,42 @@ def rows_of(path):
     return total, lines()
 
 
+# Hugging Face datasets' split syntax, one split (a local file is all "train"): train, train[10:50],
+# train[:20%], train[-10%:]. As datasets' ReadInstruction: a % on either side makes both
+# percentages, rounded to the closest row (Python's round), negatives count from the end.
+SPLIT_RE = re.compile(r"^train(\[((?P<from>-?\d+)(?P<from_pct>%)?)?:((?P<to>-?\d+)(?P<to_pct>%)?)?\])?$")
+
+
+def split_bounds(split, n):
+    if not split:
+        return 0, n
+    m = SPLIT_RE.match(split)
+    if not m:
+        raise DataError(f"split '{split}' is not train or a slice of it such as train[:20%] or train[10:50]")
+    pct = bool(m.group("from_pct") or m.group("to_pct"))
+    lo = int(m.group("from")) if m.group("from") is not None else None
+    hi = int(m.group("to")) if m.group("to") is not None else None
+    if pct:
+        lo = 0 if lo is None else int(round(lo * n / 100.0))
+        hi = n if hi is None else int(round(hi * n / 100.0))
+    else:
+        lo = 0 if lo is None else lo
+        hi = n if hi is None else hi
+    if lo < 0:
+        lo = max(n + lo, 0)
+    if hi < 0:
+        hi = max(n + hi, 0)
+    return min(lo, n), min(hi, n)
+
+
 def prepare(tok, spec, ds):
     fmt = FORMATS[ds["type"]](tok, spec, ds)
     path = ds["path"]
     total, rows = rows_of(path)
+    lo, hi = split_bounds(ds.get("split"), total)
+    if (lo, hi) != (0, total):
+        rows = (r for i, r in enumerate(rows) if lo <= i < hi)
+        total = max(hi - lo, 0)
     done = kept = tokens = trained = 0
     t0 = last = time.monotonic()
     with open(ds["output"], "w", encoding="utf-8") as out:

@@ -87,6 +87,7 @@ nlohmann::json dataset_shape(const DatasetSpec& d) {
   put("chat_template", d.chat_template);
   put("chat_template_jinja", d.chat_template_jinja);
   put("field", d.field);
+  if (!d.split.empty() && d.split != "train") j["split"] = d.split;
   if (d.roles_to_train) j["roles_to_train"] = *d.roles_to_train;
   if (!d.roles.empty()) {
     nlohmann::json r = nlohmann::json::object();
