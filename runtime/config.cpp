@@ -295,6 +295,34 @@ void apply_axolotl_key(const AxolotlKey& a, const std::string& where, const YAML
   else warnings.push_back("config key '" + where + "' is ignored by eo-ddp: " + a.text);
 }
 
+// chat_template values: eo-ddp's own, and axolotl's named templates, each taken as the tokenizer's
+// own template on a model of the family it belongs to (resolve_named_template) and refused elsewhere.
+const std::vector<std::string>& chat_templates() {
+  static const std::vector<std::string> t = {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"};
+  return t;
+}
+const std::map<std::string, std::vector<std::string>>& named_templates() {  // name -> model_types it is the own template of
+  static const std::map<std::string, std::vector<std::string>> m = {
+      {"qwen3", {"qwen3_moe"}}, {"deepseek_v2", {"deepseek_v2"}}, {"deepseek_v3", {"deepseek_v3"}},
+      {"alpaca", {}}, {"mistral_v1", {}}, {"mistral_v2v3", {}}, {"mistral_v3_tekken", {}}, {"mistral_v7_tekken", {}},
+      {"gemma", {}}, {"cohere", {}}, {"llama3", {}}, {"llama3_2_vision", {}}, {"llama4", {}}, {"phi_3", {}}, {"phi_35", {}},
+      {"phi_4", {}}, {"jamba", {}}, {"qwen_25", {}}, {"qwen3_5", {}}, {"falcon_h1", {}}, {"nemotron_h", {}}, {"exaone", {}},
+      {"exaone4", {}}, {"metharme", {}}, {"pixtral", {}}, {"llava", {}}, {"qwen2_vl", {}}, {"gemma3", {}}, {"gemma3n", {}},
+      {"gemma4", {}}, {"gemma4_unified", {}}, {"command_a", {}}, {"command_a_tool_use", {}}, {"command_a_rag", {}}, {"aya", {}}};
+  return m;
+}
+bool known_template(const std::string& v) {
+  return std::find(chat_templates().begin(), chat_templates().end(), v) != chat_templates().end() || named_templates().count(v);
+}
+std::string unknown_template_message(const std::string& v) {
+  std::vector<std::string> all = chat_templates();
+  for (const auto& [k, fams] : named_templates()) all.push_back(k);
+  std::string msg = "unknown value '" + v + "'; eo-ddp knows " + join(chat_templates(), ", ") +
+                    " and axolotl's named templates (another template: chat_template: jinja with chat_template_jinja)";
+  if (auto m = closest_match(v, all)) msg += " (did you mean '" + *m + "'?)";
+  return msg;
+}
+
 // One `datasets:` / `test_datasets:` list. Each entry's keys are checked against its type: a key
 // that shapes tokens but does not apply to the type is an error, never silently dropped.
 const std::vector<std::string> kPreTokenized = {"tokenized", "tokens"};
@@ -416,10 +444,8 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       str("chat_template", s.chat_template);
       str("chat_template_jinja", s.chat_template_jinja);
       str("train_on_eos", s.train_on_eos);
-      static const std::vector<std::string> templates = {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"};
-      if (!s.chat_template.empty() && std::find(templates.begin(), templates.end(), s.chat_template) == templates.end())
-        issues.push_back({where + ".chat_template", "unknown value '" + s.chat_template + "'; eo-ddp knows " + join(templates, ", ") +
-                                                        " (another template: chat_template: jinja with chat_template_jinja)"});
+      if (!s.chat_template.empty() && !known_template(s.chat_template))
+        issues.push_back({where + ".chat_template", unknown_template_message(s.chat_template)});
       static const std::vector<std::string> eos = {"all", "turn", "last", "none"};
       if (!s.train_on_eos.empty() && std::find(eos.begin(), eos.end(), s.train_on_eos) == eos.end())
         issues.push_back({where + ".train_on_eos", "expected one of all, turn, last, none; got '" + s.train_on_eos + "'"});
@@ -630,10 +656,17 @@ const std::vector<KeySpec>& schema() {
     k.push_back(boolean("train_on_inputs", &TrainConfig::train_on_inputs,
                         "Train on the prompt too (system/user turns, alpaca's prompt, input_output's unlabelled "
                         "segments). false: those tokens get label -100, as in axolotl. Pre-tokenized data keeps its labels."));
-    k.push_back(choice("chat_template", &TrainConfig::chat_template,
-                       {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"},
-                       "Template for type: chat_template: the tokenizer's own, ChatML, the tokenizer's else ChatML, or "
-                       "chat_template_jinja."));
+    k.push_back({"chat_template", "string", "tokenizer_default",
+                 "Template for type: chat_template: tokenizer_default (the tokenizer's own), chatml, "
+                 "tokenizer_default_fallback_chatml (the tokenizer's, else ChatML) or jinja (chat_template_jinja). "
+                 "axolotl's named templates are the tokenizer's own on a model of their family (qwen3 on qwen3_moe, "
+                 "deepseek_v2 / deepseek_v3 on theirs) and refused elsewhere (use tokenizer_default).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+                   if (known_template(v)) c.chat_template = v;
+                   else issues.push_back({"chat_template", unknown_template_message(v)});
+                 },
+                 writer(&TrainConfig::chat_template)});
     k.push_back(text("chat_template_jinja", &TrainConfig::chat_template_jinja, "The template text for chat_template: jinja."));
     k.push_back(text("tokenizer_config", &TrainConfig::tokenizer_config,
                      "Tokenizer folder for the axolotl formats (default: base_model)."));
@@ -1285,6 +1318,25 @@ void check_lora_model_dir(const TrainConfig& c, Issues& issues) {
                                                     join(std::vector<std::string>(their_params.begin(), their_params.end()), ", ") + "]" + from});
 }
 
+// axolotl's named chat templates: on a model of the template's family its tokenizer's own
+// template is that template, so the name is tokenizer_default; on any other model the name
+// would render another family's template, which eo-ddp does not ship: refused, naming the fix.
+void resolve_named_template(std::string& value, const std::string& key, const model::ModelConfig& mc,
+                            std::vector<std::string>& warnings, Issues& issues) {
+  const auto it = named_templates().find(value);
+  if (it == named_templates().end()) return;
+  const auto& fams = it->second;
+  if (std::find(fams.begin(), fams.end(), mc.model_type) != fams.end()) {
+    warnings.push_back(key + ": " + value + " is " + mc.model_type + "'s own template: rendered with the tokenizer's "
+                       "chat template (tokenizer_default)");
+    value = "tokenizer_default";
+    return;
+  }
+  issues.push_back({key, value + " is axolotl's template for " + (fams.empty() ? "a family eo-ddp does not train" : join(fams, ", ")) +
+                             ", not " + mc.model_type + "'s; use chat_template: tokenizer_default (the tokenizer's own "
+                             "template), or chat_template: jinja with chat_template_jinja for another one"});
+}
+
 // Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).
 // lora_target_linear resolves to the architecture's linears (ModelConfig::linear_modules); any
 // target that matches none of them is a config error here, before a weight is read. So is asking
@@ -1301,6 +1353,12 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     if (fs::is_regular_file(fs::path(c.base_model) / "config.json")) issues.push_back({"base_model", e.what()});
     return;
   }
+  resolve_named_template(c.chat_template, "chat_template", mc, c.warnings, issues);
+  for (auto* list : {&c.datasets, &c.test_datasets})
+    for (std::size_t i = 0; i < list->size(); ++i)
+      resolve_named_template((*list)[i].chat_template,
+                             std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".chat_template",
+                             mc, c.warnings, issues);
   if (c.expert_quant == "mxfp4" && !mc.mxfp4_experts)
     issues.push_back({"expert_quant", "mxfp4 keeps experts in the MXFP4 a checkpoint stores them in, but " + c.base_model +
                                       "/config.json (" + mc.model_type + ") has no quantization_config with quant_method "

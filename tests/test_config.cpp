@@ -580,6 +580,32 @@ TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
   }
   const std::vector<std::string> mla{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"};
   EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", ""), "t.yaml", {}).lora_target_modules, mla);
+  // axolotl's named chat templates: a family's own is its tokenizer's template; another family's is refused.
+  for (const char* m : {"qwen3-30b-a3b", "mixtral-8x7b"}) {
+    fs::create_directories(dir / m);
+    fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/" + m + "/config.json", dir / m / "config.json",
+                  fs::copy_options::overwrite_existing);
+  }
+  const TrainConfig q = load_config_text(yaml("qwen3-30b-a3b", "chat_template: qwen3\n"), "t.yaml", {});
+  EXPECT_EQ(q.chat_template, "tokenizer_default");
+  ASSERT_FALSE(q.warnings.empty());
+  EXPECT_NE(q.warnings.back().find("qwen3 is qwen3_moe's own template"), std::string::npos) << q.warnings.back();
+  EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", "chat_template: deepseek_v2\n"), "t.yaml", {}).chat_template,
+            "tokenizer_default");
+  EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "chat_template: chatml\n"), "t.yaml", {}).chat_template, "chatml");
+  try {
+    load_config_text(yaml("mixtral-8x7b", "chat_template: qwen3\n") + "test_datasets: [{path: " + (dir / "train.jsonl").string() +
+                         ", type: chat_template, chat_template: gemma4}]\n",
+                     "t.yaml", {});
+    ADD_FAILURE() << "qwen3's template on Mixtral was accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("chat_template: qwen3 is axolotl's template for qwen3_moe, not mixtral's; use chat_template: "
+                     "tokenizer_default"), std::string::npos) << m;
+    EXPECT_NE(m.find("test_datasets.0.chat_template: gemma4 is axolotl's template for a family eo-ddp does not train"),
+              std::string::npos) << m;
+  }
+  EXPECT_NE(error_of(std::string(kValid) + "chat_template: qwen_3\n").find("did you mean 'qwen3'?"), std::string::npos);
   fs::remove_all(dir);
 }
 
