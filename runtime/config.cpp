@@ -339,7 +339,8 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
   static const std::vector<std::string> chat_keys = {"field_messages", "message_field_role", "message_field_content",
                                                      "message_property_mappings",
                                                      "message_field_training", "roles_to_train", "train_on_eos", "roles",
-                                                     "drop_system_message", "chat_template", "chat_template_jinja"};
+                                                     "drop_system_message", "chat_template", "chat_template_jinja",
+                                                     "train_on_eot", "field_thinking", "template_thinking_key"};
   std::vector<std::string> all = common;
   all.insert(all.end(), tokens_keys.begin(), tokens_keys.end());
   all.insert(all.end(), chat_keys.begin(), chat_keys.end());
@@ -444,11 +445,18 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       str("chat_template", s.chat_template);
       str("chat_template_jinja", s.chat_template_jinja);
       str("train_on_eos", s.train_on_eos);
+      str("train_on_eot", s.train_on_eot);
+      str("field_thinking", s.field_thinking);
+      str("template_thinking_key", s.template_thinking_key);
+      s.fields_mapped = d["message_property_mappings"].IsDefined() || d["message_field_role"].IsDefined() ||
+                        d["message_field_content"].IsDefined();
       if (!s.chat_template.empty() && !known_template(s.chat_template))
         issues.push_back({where + ".chat_template", unknown_template_message(s.chat_template)});
       static const std::vector<std::string> eos = {"all", "turn", "last", "none"};
       if (!s.train_on_eos.empty() && std::find(eos.begin(), eos.end(), s.train_on_eos) == eos.end())
         issues.push_back({where + ".train_on_eos", "expected one of all, turn, last, none; got '" + s.train_on_eos + "'"});
+      if (!s.train_on_eot.empty() && std::find(eos.begin(), eos.end(), s.train_on_eot) == eos.end())
+        issues.push_back({where + ".train_on_eot", "expected one of all, turn, last, none; got '" + s.train_on_eot + "'"});
       if (d["roles_to_train"].IsDefined()) {
         std::vector<std::string> roles;
         bool ok = d["roles_to_train"].IsSequence();
@@ -498,7 +506,9 @@ YAML::Node write_datasets(const std::vector<DatasetSpec>& list_in) {
              {"field_messages", d.field_messages}, {"message_field_role", d.message_field_role},
              {"message_field_content", d.message_field_content}, {"message_field_training", d.message_field_training},
              {"train_on_eos", d.train_on_eos}, {"chat_template", d.chat_template},
-             {"chat_template_jinja", d.chat_template_jinja}, {"field", d.field}, {"split", d.split}})
+             {"chat_template_jinja", d.chat_template_jinja}, {"field", d.field}, {"split", d.split},
+             {"train_on_eot", d.train_on_eot}, {"field_thinking", d.field_thinking},
+             {"template_thinking_key", d.template_thinking_key}})
       if (!v.empty()) e[k] = v;
     if (d.roles_to_train) {
       YAML::Node r(YAML::NodeType::Sequence);
@@ -697,6 +707,14 @@ const std::vector<KeySpec>& schema() {
                    for (const auto& [k2, v] : c.special_tokens) m[k2] = v;
                    return m;
                  }});
+    k.push_back({"eot_tokens", "list of strings", "[eos_token]",
+                 "Tokens that end a turn in the chat template (e.g. gpt-oss <|end|>), labelled after a turn as "
+                 "datasets[].train_on_eot says (default: its train_on_eos), as axolotl; each must be one token of the "
+                 "tokenizer, and one the template never writes is dropped with a warning.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (const auto v = string_list("eot_tokens", n, "token strings", issues)) c.eot_tokens = *v;
+                 },
+                 [](const TrainConfig& c) { return c.eot_tokens.empty() ? YAML::Node() : YAML::Node(c.eot_tokens); }});
     k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence. A longer pre-tokenized document is truncated (cut into pieces with sample_packing); as "
                         "axolotl, a longer chat_template / alpaca / input_output row is dropped (counted in the log) and a "
                         "completion text is cut into pieces."));

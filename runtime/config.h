@@ -38,6 +38,11 @@ struct DatasetSpec {
   bool drop_system_message = false;
   std::string field;  // completion: the text field (default text)
   std::string split;  // Hugging Face split of the file: train
+  std::string train_on_eot;  // all | turn | last | none (default: train_on_eos)
+  // axolotl maps the data's field_thinking (default reasoning_content) into each message as
+  // template_thinking_key (default reasoning_content), unless the message fields are mapped.
+  std::string field_thinking, template_thinking_key;
+  bool fields_mapped = false;  // message_property_mappings / message_field_role / _content given
 
   std::string prepared;  // set before training: the tokenized JSONL made from `path`
   bool formatted() const { return type != "tokenized" && type != "tokens"; }
@@ -83,6 +88,7 @@ struct TrainConfig {
   std::string tokenizer_type;    // a transformers class; empty = AutoTokenizer
   bool trust_remote_code = false;
   std::vector<std::pair<std::string, std::string>> special_tokens;
+  std::vector<std::string> eot_tokens;  // turn-ending tokens for chat_template (default: eos)
 
   // Evaluation.
   std::optional<double> val_set_size;  // < 1: fraction of the training documents; >= 1: a count

@@ -543,6 +543,15 @@ gradient_checkpointing: sometimes
   EXPECT_NE(e.find("excess_length_strategy: 'truncate'"), std::string::npos) << e;
   EXPECT_NE(e.find("gradient_checkpointing: expected true, false, offload or offload_disk"), std::string::npos) << e;
   EXPECT_NE(e.find("has 6 problems"), std::string::npos) << e;
+  // eot_tokens and the thinking fields (tests/ref/eot_thinking_ref.py checks the labels).
+  const TrainConfig eot = load("base_model: /m\nadapter: lora\neot_tokens: ['<|end|>']\ndatasets: [{path: a, type: chat_template, "
+                               "train_on_eot: last, field_thinking: thinking, template_thinking_key: thinking}]\n");
+  EXPECT_EQ(eot.eot_tokens, std::vector<std::string>{"<|end|>"});
+  EXPECT_EQ(eot.datasets[0].train_on_eot, "last");
+  EXPECT_EQ(eot.datasets[0].field_thinking, "thinking");
+  EXPECT_NE(error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: chat_template, train_on_eot: sometimes}]\n")
+                .find("datasets.0.train_on_eot: expected one of all, turn, last, none"),
+            std::string::npos);
   // datasets[].split: train and one slice of it (tests/ref/split_ref.py checks the rows kept).
   EXPECT_EQ(load("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: completion, split: 'train[:20%]'}]\n")
                 .datasets[0].split, "train[:20%]");
