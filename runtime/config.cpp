@@ -1562,10 +1562,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
       if (present.count(k))
         cfg.warnings.push_back(std::string("config key '") + k + "' has no effect: there is no evaluation data "
                                "(val_set_size is 0 and there are no test_datasets), so no evaluation runs, as in axolotl");
-  if (options.check_files) {
-    check_files(cfg, present, issues);
-    check_targets(cfg, present, issues);
-  }
+  if (options.check_files) check_files(cfg, present, issues);
+  if (options.check_files || options.check_architecture) check_targets(cfg, present, issues);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))

@@ -158,6 +158,9 @@ struct ConfigIssue {
 struct ConfigLoadOptions {
   // Check that files named by the config exist (base_model/config.json, datasets).
   bool check_files = true;
+  // Resolve the targets and templates against base_model/config.json even when files are not
+  // checked (eo-ddp plan: config.json is all it reads).
+  bool check_architecture = false;
 };
 
 // Reads YAML text (a file's contents) plus `--set key=value` overrides, validates and
