@@ -589,6 +589,12 @@ TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
   }
   const std::vector<std::string> mla{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"};
   EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", ""), "t.yaml", {}).lora_target_modules, mla);
+  ConfigLoadOptions plan_options;  // eo-ddp plan: no file checks, the architecture still resolves the targets
+  plan_options.check_files = false;
+  plan_options.check_architecture = true;
+  EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", ""), "t.yaml", {}, plan_options)
+                .lora_target_modules,
+            mla);
   // axolotl's named chat templates: a family's own is its tokenizer's template; another family's is refused.
   for (const char* m : {"qwen3-30b-a3b", "mixtral-8x7b"}) {
     fs::create_directories(dir / m);
