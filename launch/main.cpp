@@ -30,7 +30,7 @@ const char* kUsage = R"(usage:
       the drive reads per step, from config.json and the config alone (nothing is loaded); with
       --vram / --host-ram, say whether it fits such a card / node (exit 1 if not); without
       --host-ram the pinned RAM is set against this machine's available RAM.
-  eo-ddp --help | --help-config | --version
+  eo-ddp --help | --help-config | --help-axolotl-keys | --version
 
 Multi-GPU / multi-node: mpirun -np N eo-ddp --config FILE (one rank per GPU).
 Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 stopped by SIGTERM, SIGINT,
@@ -65,6 +65,10 @@ int eo::launch::run_main(int argc, char** argv) {
   }
   if (args[0] == "--help-config") {
     std::fputs(config_reference_markdown().c_str(), stdout);
+    return kExitOk;
+  }
+  if (args[0] == "--help-axolotl-keys") {
+    std::fputs(axolotl_keys_markdown().c_str(), stdout);
     return kExitOk;
   }
   try {

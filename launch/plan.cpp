@@ -44,6 +44,7 @@ int run_plan(const Args& args) {
 
   ConfigLoadOptions lo;
   lo.check_files = false;  // planning needs config.json only
+  lo.check_architecture = true;  // targets as training resolves them (DeepSeek's defaults, peft's forms)
   const TrainConfig cfg = load_config_file(config_path, overrides, lo);
   const model::ModelConfig mc = model::load_config(cfg.base_model);
   // A plan is for the GPU: bf16 unless the config says bf16: false.

@@ -612,8 +612,12 @@ std::vector<std::pair<std::string, at::Tensor>> MoeModel::lora_parameters() cons
 }
 
 void MoeModel::load_adapter(const std::string& adapter_dir) {
-  const LoraSpec spec = read_adapter_config(adapter_dir);
-  add_lora(spec);
+  add_lora(read_adapter_config(adapter_dir));
+  load_adapter_weights(adapter_dir);
+}
+
+void MoeModel::load_adapter_weights(const std::string& adapter_dir) {
+  const LoraSpec& spec = lora_spec_;
   const std::string path = adapter_dir + "/adapter_model.safetensors";
   if (!std::filesystem::exists(path)) throw UsageError(path + ": missing (only safetensors adapters are supported)");
   const auto file = st::File::open(path);

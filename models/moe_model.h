@@ -192,6 +192,9 @@ class MoeModel {
   // LoRA: fresh adapters (peft init), an existing peft adapter folder, and saving one.
   void add_lora(const LoraSpec& spec);
   void load_adapter(const std::string& adapter_dir);
+  // A peft adapter's tensors into the LoRA already added (add_lora), whose spec must be the
+  // adapter's; every tensor must belong to a targeted module and every module have its tensors.
+  void load_adapter_weights(const std::string& adapter_dir);
   void save_adapter(const std::string& adapter_dir, const std::string& base_model) const;
   const LoraSpec& lora_spec() const { return lora_spec_; }
   // Whether every block's expert LoRA (if any) can run as grouped GEMMs beside the base ones

@@ -4,6 +4,7 @@
 
 #include <charconv>
 
+#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <regex>
 #include <sstream>
 
 #include "common/error.h"
@@ -241,6 +243,86 @@ KeySpec text(std::string key, std::string TrainConfig::*field, std::string doc) 
           [field](const TrainConfig& c) { return (c.*field).empty() ? YAML::Node() : YAML::Node(c.*field); }};
 }
 
+// axolotl's keys that eo-ddp's schema does not read, and what it does with each: one table
+// (runtime/axolotl_keys.inc, from axolotl's schema), so a config written for axolotl runs or is
+// refused for a stated reason, and a key in neither is a typo.
+struct AxolotlKey {
+  enum Class { Implemented, Noted, Rejected };
+  const char* key;
+  Class cls;
+  const char* text;
+};
+const std::vector<AxolotlKey>& axolotl_table() {
+  static const std::vector<AxolotlKey> t = {
+#include "runtime/axolotl_keys.inc"
+  };
+  return t;
+}
+const AxolotlKey* axolotl_key(const std::string& key) {
+  static const std::map<std::string, const AxolotlKey*> index = [] {
+    std::map<std::string, const AxolotlKey*> m;
+    for (const auto& k : axolotl_table()) m[k.key] = &k;
+    return m;
+  }();
+  const auto it = index.find(key);
+  return it == index.end() ? nullptr : it->second;
+}
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+// A parallel size: 1 means off.
+bool is_size_key(const std::string& key) {
+  return ends_with(key, "parallel_size") || ends_with(key, "_degree") || key == "dp_shard_size" || key == "dp_replicate_size";
+}
+// A value that asks for nothing: null, false, empty, 0 (a size: 1).
+bool is_off(const YAML::Node& n, bool size) {
+  if (is_null(n) || as_bool(n) == false) return true;
+  if ((n.IsSequence() || n.IsMap()) && n.size() == 0) return true;
+  if (n.IsScalar() && n.Scalar().empty()) return true;
+  if (const auto v = as_double(n)) return *v == 0 || (size && *v == 1);
+  return false;
+}
+
+// A Noted or Rejected key (or datasets entry key): a log line, an issue, or nothing when off.
+void apply_axolotl_key(const AxolotlKey& a, const std::string& where, const YAML::Node& node, std::vector<std::string>& warnings,
+                       Issues& issues) {
+  const bool size = is_size_key(a.key);
+  if (size && !is_null(node) && (!as_int(node) || *as_int(node) < 1))
+    return issues.push_back({where, "expected an integer >= 1"});
+  if (is_off(node, size)) return;
+  if (a.cls == AxolotlKey::Rejected)
+    issues.push_back({where, std::string("not supported") + (size ? " (" + node.Scalar() + ")" : "") + ": " + a.text});
+  else warnings.push_back("config key '" + where + "' is ignored by eo-ddp: " + a.text);
+}
+
+// chat_template values: eo-ddp's own, and axolotl's named templates, each taken as the tokenizer's
+// own template on a model of the family it belongs to (resolve_named_template) and refused elsewhere.
+const std::vector<std::string>& chat_templates() {
+  static const std::vector<std::string> t = {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"};
+  return t;
+}
+const std::map<std::string, std::vector<std::string>>& named_templates() {  // name -> model_types it is the own template of
+  static const std::map<std::string, std::vector<std::string>> m = {
+      {"qwen3", {"qwen3_moe"}}, {"deepseek_v2", {"deepseek_v2"}}, {"deepseek_v3", {"deepseek_v3"}},
+      {"alpaca", {}}, {"mistral_v1", {}}, {"mistral_v2v3", {}}, {"mistral_v3_tekken", {}}, {"mistral_v7_tekken", {}},
+      {"gemma", {}}, {"cohere", {}}, {"llama3", {}}, {"llama3_2_vision", {}}, {"llama4", {}}, {"phi_3", {}}, {"phi_35", {}},
+      {"phi_4", {}}, {"jamba", {}}, {"qwen_25", {}}, {"qwen3_5", {}}, {"falcon_h1", {}}, {"nemotron_h", {}}, {"exaone", {}},
+      {"exaone4", {}}, {"metharme", {}}, {"pixtral", {}}, {"llava", {}}, {"qwen2_vl", {}}, {"gemma3", {}}, {"gemma3n", {}},
+      {"gemma4", {}}, {"gemma4_unified", {}}, {"command_a", {}}, {"command_a_tool_use", {}}, {"command_a_rag", {}}, {"aya", {}}};
+  return m;
+}
+bool known_template(const std::string& v) {
+  return std::find(chat_templates().begin(), chat_templates().end(), v) != chat_templates().end() || named_templates().count(v);
+}
+std::string unknown_template_message(const std::string& v) {
+  std::vector<std::string> all = chat_templates();
+  for (const auto& [k, fams] : named_templates()) all.push_back(k);
+  std::string msg = "unknown value '" + v + "'; eo-ddp knows " + join(chat_templates(), ", ") +
+                    " and axolotl's named templates (another template: chat_template: jinja with chat_template_jinja)";
+  if (auto m = closest_match(v, all)) msg += " (did you mean '" + *m + "'?)";
+  return msg;
+}
+
 // One `datasets:` / `test_datasets:` list. Each entry's keys are checked against its type: a key
 // that shapes tokens but does not apply to the type is an error, never silently dropped.
 const std::vector<std::string> kPreTokenized = {"tokenized", "tokens"};
@@ -248,15 +330,17 @@ const std::vector<std::string> kFormatted = {"chat_template", "alpaca", "complet
 
 std::string scalar_or_empty(const YAML::Node& n) { return n.IsDefined() && n.IsScalar() ? n.Scalar() : ""; }
 
-void read_datasets(const YAML::Node& n, const std::string& key, std::vector<DatasetSpec>& out, Issues& issues) {
+void read_datasets(const YAML::Node& n, const std::string& key, std::vector<DatasetSpec>& out, std::vector<std::string>& warnings,
+                   Issues& issues) {
   if (!n.IsSequence() || n.size() == 0)
     return issues.push_back({key, "expected a non-empty list, e.g. " + key + ": [{path: data.jsonl, type: chat_template}]"});
-  static const std::vector<std::string> common = {"path", "type", "ds_type"};
+  static const std::vector<std::string> common = {"path", "type", "ds_type", "split"};
   static const std::vector<std::string> tokens_keys = {"dtype", "eos_token_id"};
   static const std::vector<std::string> chat_keys = {"field_messages", "message_field_role", "message_field_content",
                                                      "message_property_mappings",
                                                      "message_field_training", "roles_to_train", "train_on_eos", "roles",
-                                                     "drop_system_message", "chat_template", "chat_template_jinja"};
+                                                     "drop_system_message", "chat_template", "chat_template_jinja",
+                                                     "train_on_eot", "field_thinking", "template_thinking_key"};
   std::vector<std::string> all = common;
   all.insert(all.end(), tokens_keys.begin(), tokens_keys.end());
   all.insert(all.end(), chat_keys.begin(), chat_keys.end());
@@ -282,6 +366,26 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       if (auto m = closest_match(s.type, types)) msg += " (did you mean '" + *m + "'?)";
       issues.push_back({where + ".type", msg});
     }
+    if (d["split"].IsDefined() && !is_null(d["split"])) {
+      // Hugging Face's split syntax on the one split a local file has (tools/prepare_data.py slices).
+      static const std::regex slice(R"(^train(\[((-?\d+)(%)?)?:((-?\d+)(%)?)?\])?$)");
+      s.split = scalar_or_empty(d["split"]);
+      std::smatch m;
+      const bool ok = std::regex_match(s.split, m, slice);
+      const bool pct = ok && (m[4].matched || m[7].matched);
+      auto over_100 = [&](int g) {
+        const std::string v = m[g].str();
+        return m[g].matched && (v.size() > 4 || std::abs(std::stoi(v)) > 100);
+      };
+      if (!ok)
+        issues.push_back({where + ".split", "'" + yaml_text(d["split"]) + "': a local JSON lines file is the split train; "
+                                            "eo-ddp takes train or one slice of it, e.g. train[:20%], train[10:50], train[-10%:]"});
+      else if (pct && (over_100(3) || over_100(6)))
+        issues.push_back({where + ".split", "'" + s.split + "': percentages must be between -100% and 100%"});
+      else if (s.split != "train" && !s.formatted())
+        issues.push_back({where + ".split", "a slice applies to the axolotl formats (chat_template, alpaca, completion, "
+                                            "input_output); cut a pre-tokenized file itself"});
+    }
     if (d["ds_type"].IsDefined() && scalar_or_empty(d["ds_type"]) != "json")
       issues.push_back({where + ".ds_type", "eo-ddp reads local JSON lines files: ds_type json (or leave it out)"});
     // Which keys this type takes.
@@ -294,6 +398,10 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       if (std::find(allowed.begin(), allowed.end(), kk) != allowed.end()) continue;
       if (std::find(all.begin(), all.end(), kk) != all.end()) {
         issues.push_back({where + "." + kk, "does not apply to type: " + s.type + " (remove it, or change the type)"});
+        continue;
+      }
+      if (const AxolotlKey* a = axolotl_key("datasets[]." + kk); a && a->cls != AxolotlKey::Implemented) {
+        apply_axolotl_key(*a, where + "." + kk, kv.second, warnings, issues);
         continue;
       }
       std::string msg = "unknown key; type " + s.type + " takes " + join(allowed, ", ");
@@ -337,13 +445,18 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       str("chat_template", s.chat_template);
       str("chat_template_jinja", s.chat_template_jinja);
       str("train_on_eos", s.train_on_eos);
-      static const std::vector<std::string> templates = {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"};
-      if (!s.chat_template.empty() && std::find(templates.begin(), templates.end(), s.chat_template) == templates.end())
-        issues.push_back({where + ".chat_template", "unknown value '" + s.chat_template + "'; eo-ddp knows " + join(templates, ", ") +
-                                                        " (another template: chat_template: jinja with chat_template_jinja)"});
+      str("train_on_eot", s.train_on_eot);
+      str("field_thinking", s.field_thinking);
+      str("template_thinking_key", s.template_thinking_key);
+      s.fields_mapped = d["message_property_mappings"].IsDefined() || d["message_field_role"].IsDefined() ||
+                        d["message_field_content"].IsDefined();
+      if (!s.chat_template.empty() && !known_template(s.chat_template))
+        issues.push_back({where + ".chat_template", unknown_template_message(s.chat_template)});
       static const std::vector<std::string> eos = {"all", "turn", "last", "none"};
       if (!s.train_on_eos.empty() && std::find(eos.begin(), eos.end(), s.train_on_eos) == eos.end())
         issues.push_back({where + ".train_on_eos", "expected one of all, turn, last, none; got '" + s.train_on_eos + "'"});
+      if (!s.train_on_eot.empty() && std::find(eos.begin(), eos.end(), s.train_on_eot) == eos.end())
+        issues.push_back({where + ".train_on_eot", "expected one of all, turn, last, none; got '" + s.train_on_eot + "'"});
       if (d["roles_to_train"].IsDefined()) {
         std::vector<std::string> roles;
         bool ok = d["roles_to_train"].IsSequence();
@@ -393,7 +506,9 @@ YAML::Node write_datasets(const std::vector<DatasetSpec>& list_in) {
              {"field_messages", d.field_messages}, {"message_field_role", d.message_field_role},
              {"message_field_content", d.message_field_content}, {"message_field_training", d.message_field_training},
              {"train_on_eos", d.train_on_eos}, {"chat_template", d.chat_template},
-             {"chat_template_jinja", d.chat_template_jinja}, {"field", d.field}})
+             {"chat_template_jinja", d.chat_template_jinja}, {"field", d.field}, {"split", d.split},
+             {"train_on_eot", d.train_on_eot}, {"field_thinking", d.field_thinking},
+             {"template_thinking_key", d.template_thinking_key}})
       if (!v.empty()) e[k] = v;
     if (d.roles_to_train) {
       YAML::Node r(YAML::NodeType::Sequence);
@@ -428,14 +543,30 @@ const std::vector<KeySpec>& schema() {
     k.push_back({"lora_target_modules", "list of strings", "[q_proj, k_proj, v_proj, o_proj]",
                  "Module names to adapt: attention q_proj/k_proj/v_proj/o_proj (DeepSeek latent attention: q_proj or "
                  "q_a_proj/q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj); experts gate_proj/up_proj/down_proj "
-                 "(Mixtral: w1/w3/w2); dense MLP and shared experts use the same names.",
+                 "(Mixtral: w1/w3/w2); dense MLP and shared experts use the same names. As in peft, a list may name "
+                 "dotted suffixes (self_attn.q_proj) and one string is a regular expression matched against whole "
+                 "module names (model.layers.N.self_attn.q_proj, model.layers.N.mlp.experts.E.gate_proj); either must "
+                 "select a name in every layer and expert or in none. Unset: the architecture's attention linears.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   // peft's forms: one string is a regular expression matched against whole module
+                   // names; a list names modules or dotted suffixes of their names (check_targets).
+                   if (n.IsScalar()) {
+                     try {
+                       std::regex re(n.Scalar());
+                     } catch (const std::regex_error& e) {
+                       return issues.push_back({"lora_target_modules", "'" + n.Scalar() + "' is not a regular expression "
+                                                                       "eo-ddp reads (ECMAScript syntax): " + e.what()});
+                     }
+                     c.lora_target_modules = {n.Scalar()};
+                     c.lora_target_regex = true;
+                     return;
+                   }
                    const auto parsed = string_list("lora_target_modules", n, "module names", issues);
                    if (!parsed) return;
                    const std::vector<std::string>& v = *parsed;
                    const std::vector<std::string>& known = model::all_linear_modules();
                    for (const auto& m : v) {
-                     bool ok = false;
+                     bool ok = m.find('.') != std::string::npos;  // a suffix: resolved against the architecture
                      for (const auto& kn : known) ok |= kn == m;
                      if (!ok) {
                        std::string msg = "unknown module '" + m + "'; eo-ddp can adapt " + join(known, ", ");
@@ -450,8 +581,8 @@ const std::vector<KeySpec>& schema() {
                         "Adapt every linear layer of the decoder blocks, as base_model's architecture names them (attention q/k/v/o_proj; experts w1/w2/w3 in Mixtral, gate/up/down_proj elsewhere; dense MLPs); overrides lora_target_modules."));
     k.push_back({"lora_target_parameters", "list of strings", "[]",
                  "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
-                 "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; the bare "
-                 "names gate_up_proj, down_proj are accepted). The adapter loads in peft on transformers 5, whose "
+                 "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; their dotted "
+                 "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them). The adapter loads in peft on transformers 5, whose "
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
                  "lora_target_linear: peft would load those as the fused parameters at rank 2r); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
@@ -463,10 +594,14 @@ const std::vector<KeySpec>& schema() {
                    static const std::vector<std::string> accepted = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
                                                                      "gate_up_proj", "down_proj"};
                    std::vector<std::string> canonical;
+                   // peft matches a parameter name by its dotted suffix: experts.gate_up_proj too.
+                   auto suffix_of = [](const std::string& full, const std::string& m) {
+                     return full == m || (full.size() > m.size() && ends_with(full, m) && full[full.size() - m.size() - 1] == '.');
+                   };
                    for (const auto& m : v) {
                      std::string cm;
-                     if (m == "gate_up_proj" || m == accepted[0]) cm = accepted[0];
-                     else if (m == "down_proj" || m == accepted[1]) cm = accepted[1];
+                     if (suffix_of(accepted[0], m)) cm = accepted[0];
+                     else if (suffix_of(accepted[1], m)) cm = accepted[1];
                      if (cm.empty()) {
                        std::string msg = "unknown parameter '" + m + "'; eo-ddp can adapt the fused expert parameters " +
                                          join(accepted, ", ");
@@ -514,12 +649,12 @@ const std::vector<KeySpec>& schema() {
                  "transformers into dataset_prepared_path -- or pre-tokenized: tokenized (JSONL with input_ids, "
                  "optional labels and attention_mask) or tokens (flat binary token file; dtype uint16 or uint32; "
                  "eos_token_id marks document ends), read with no Python.",
-                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) { read_datasets(n, "datasets", c.datasets, issues); },
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) { read_datasets(n, "datasets", c.datasets, c.warnings, issues); },
                  [](const TrainConfig& c) { return write_datasets(c.datasets); }});
     k.push_back({"test_datasets", "list of datasets", "(none)",
                  "Evaluation data, entries as in datasets (exclusive with val_set_size).",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-                   read_datasets(n, "test_datasets", c.test_datasets, issues);
+                   read_datasets(n, "test_datasets", c.test_datasets, c.warnings, issues);
                  },
                  [](const TrainConfig& c) { return c.test_datasets.empty() ? YAML::Node() : write_datasets(c.test_datasets); }});
     k.push_back(text("dataset_prepared_path", &TrainConfig::dataset_prepared_path,
@@ -531,10 +666,17 @@ const std::vector<KeySpec>& schema() {
     k.push_back(boolean("train_on_inputs", &TrainConfig::train_on_inputs,
                         "Train on the prompt too (system/user turns, alpaca's prompt, input_output's unlabelled "
                         "segments). false: those tokens get label -100, as in axolotl. Pre-tokenized data keeps its labels."));
-    k.push_back(choice("chat_template", &TrainConfig::chat_template,
-                       {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"},
-                       "Template for type: chat_template: the tokenizer's own, ChatML, the tokenizer's else ChatML, or "
-                       "chat_template_jinja."));
+    k.push_back({"chat_template", "string", "tokenizer_default",
+                 "Template for type: chat_template: tokenizer_default (the tokenizer's own), chatml, "
+                 "tokenizer_default_fallback_chatml (the tokenizer's, else ChatML) or jinja (chat_template_jinja). "
+                 "axolotl's named templates are the tokenizer's own on a model of their family (qwen3 on qwen3_moe, "
+                 "deepseek_v2 / deepseek_v3 on theirs) and refused elsewhere (use tokenizer_default).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+                   if (known_template(v)) c.chat_template = v;
+                   else issues.push_back({"chat_template", unknown_template_message(v)});
+                 },
+                 writer(&TrainConfig::chat_template)});
     k.push_back(text("chat_template_jinja", &TrainConfig::chat_template_jinja, "The template text for chat_template: jinja."));
     k.push_back(text("tokenizer_config", &TrainConfig::tokenizer_config,
                      "Tokenizer folder for the axolotl formats (default: base_model)."));
@@ -565,6 +707,14 @@ const std::vector<KeySpec>& schema() {
                    for (const auto& [k2, v] : c.special_tokens) m[k2] = v;
                    return m;
                  }});
+    k.push_back({"eot_tokens", "list of strings", "[eos_token]",
+                 "Tokens that end a turn in the chat template (e.g. gpt-oss <|end|>), labelled after a turn as "
+                 "datasets[].train_on_eot says (default: its train_on_eos), as axolotl; each must be one token of the "
+                 "tokenizer, and one the template never writes is dropped with a warning.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (const auto v = string_list("eot_tokens", n, "token strings", issues)) c.eot_tokens = *v;
+                 },
+                 [](const TrainConfig& c) { return c.eot_tokens.empty() ? YAML::Node() : YAML::Node(c.eot_tokens); }});
     k.push_back(integer("sequence_len", &TrainConfig::sequence_len, 2, 1 << 20, "Tokens per sequence. A longer pre-tokenized document is truncated (cut into pieces with sample_packing); as "
                         "axolotl, a longer chat_template / alpaca / input_output row is dropped (counted in the log) and a "
                         "completion text is cut into pieces."));
@@ -599,8 +749,33 @@ const std::vector<KeySpec>& schema() {
     k.push_back(integer("max_nonfinite_steps", &TrainConfig::max_nonfinite_steps, 1, 1 << 30,
                         "A step whose loss or gradients are NaN/Inf (on any rank) is skipped: no optimizer update, counted as "
                         "skipped_nonfinite in metrics.jsonl. This many consecutive skipped steps stop the run with an error."));
-    k.push_back(choice("optimizer", &TrainConfig::optimizer, {"adamw_torch", "adamw_torch_fused"},
-                       "AdamW (libtorch's) with fp32 state; adamw_torch_fused is accepted as the same optimizer."));
+    k.push_back({"optimizer", "string", "adamw_torch",
+                 "AdamW (libtorch's) with fp32 state; adamw_torch_fused, adamw_hf and optimi_adamw are the same "
+                 "optimizer. The 8-bit, 4-bit and paged AdamW names (adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, "
+                 "paged_adamw_32bit, adamw_torch_8bit, adamw_torch_4bit, ao_adamw_8bit, ao_adamw_4bit) run it too, "
+                 "with a note: the LoRA state is small (r 16 attention LoRA on Qwen3-30B-A3B: 13.4 M parameters, "
+                 "107 MB of fp32 moments), so quantising it would save under 0.1 GB and change the update.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   static const std::vector<std::string> same = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "optimi_adamw"};
+                   static const std::vector<std::string> lowbit = {"adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
+                                                                   "paged_adamw_32bit", "paged_adamw", "adamw_torch_8bit",
+                                                                   "adamw_torch_4bit", "ao_adamw_8bit", "ao_adamw_4bit"};
+                   const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+                   auto in = [&](const std::vector<std::string>& l) { return std::find(l.begin(), l.end(), v) != l.end(); };
+                   if (in(same)) { c.optimizer = v; return; }
+                   if (in(lowbit)) {
+                     c.optimizer = v;
+                     c.warnings.push_back("optimizer " + v + " runs as AdamW with fp32 state: the LoRA optimizer state is "
+                                          "small (about 100 MB for r 16 attention LoRA on Qwen3-30B-A3B), so eo-ddp keeps it exact");
+                     return;
+                   }
+                   std::vector<std::string> all = same;
+                   all.insert(all.end(), lowbit.begin(), lowbit.end());
+                   std::string msg = "unknown value '" + v + "'; eo-ddp's optimizer is AdamW: " + join(all, ", ");
+                   if (auto m = closest_match(v, all)) msg += " (did you mean '" + *m + "'?)";
+                   issues.push_back({"optimizer", msg});
+                 },
+                 writer(&TrainConfig::optimizer)});
     k.push_back(real("adam_beta1", &TrainConfig::adam_beta1, 0, false, 0.9999999, "AdamW beta1."));
     k.push_back(real("adam_beta2", &TrainConfig::adam_beta2, 0, false, 0.9999999, "AdamW beta2."));
     k.push_back(real("adam_epsilon", &TrainConfig::adam_epsilon, 0, true, 1, "AdamW epsilon."));
@@ -619,8 +794,21 @@ const std::vector<KeySpec>& schema() {
                    issues.push_back({"bf16", "expected true, false or auto, got '" + yaml_text(n) + "'"});
                  },
                  writer(&TrainConfig::bf16)});
-    k.push_back(boolean("gradient_checkpointing", &TrainConfig::gradient_checkpointing,
-                        "Recompute each decoder block in backward instead of keeping its activations."));
+    k.push_back({"gradient_checkpointing", "bool or offload", "false",
+                 "Recompute each decoder block in backward instead of keeping its activations. axolotl's offload "
+                 "(and offload_disk, kept in host RAM) is gradient_checkpointing with activation_offloading.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (auto v = as_bool(n)) { c.gradient_checkpointing = *v; return; }
+                   if (n.IsScalar() && (n.Scalar() == "offload" || n.Scalar() == "offload_disk")) {
+                     c.gradient_checkpointing = c.activation_offloading = true;
+                     if (n.Scalar() == "offload_disk")
+                       c.warnings.push_back("gradient_checkpointing: offload_disk keeps the checkpointed block inputs in "
+                                            "pinned host RAM, not on a disk (activation_offloading)");
+                     return;
+                   }
+                   issues.push_back({"gradient_checkpointing", "expected true, false, offload or offload_disk, got '" + yaml_text(n) + "'"});
+                 },
+                 writer(&TrainConfig::gradient_checkpointing)});
     k.push_back({"gradient_checkpointing_kwargs.use_reentrant", "bool", "(unset)",
                  "Must be false: eo-ddp implements non-reentrant checkpointing only (and expert_offload requires it explicitly).",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
@@ -669,9 +857,21 @@ const std::vector<KeySpec>& schema() {
                        "auto = on when the memory plan has room for it, offloaded or not (an offloaded step waits on "
                        "late launches too: each copy waits for its slot's last reader); false keeps the memory. Off "
                        "with lora_dropout > 0 (per-use dropout seeds are host state)."));
-    k.push_back(boolean("activation_offloading", &TrainConfig::activation_offloading,
-                        "Keep the checkpointed block inputs (every block x micro-batch of a step) in pinned host RAM "
-                        "until backward, copied on a copy stream ahead of use (needs gradient_checkpointing)."));
+    k.push_back({"activation_offloading", "bool", "false",
+                 "Keep the checkpointed block inputs (every block x micro-batch of a step) in pinned host RAM "
+                 "until backward, copied on a copy stream ahead of use (needs gradient_checkpointing). axolotl's "
+                 "legacy, hidden_states and disk are taken as true (disk: host RAM).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   if (auto v = as_bool(n)) { c.activation_offloading = *v; return; }
+                   if (n.IsScalar() && (n.Scalar() == "legacy" || n.Scalar() == "hidden_states" || n.Scalar() == "disk")) {
+                     c.activation_offloading = true;
+                     if (n.Scalar() == "disk")
+                       c.warnings.push_back("activation_offloading: disk keeps the checkpointed block inputs in pinned host RAM, not on a disk");
+                     return;
+                   }
+                   issues.push_back({"activation_offloading", "expected true, false, legacy, hidden_states or disk, got '" + yaml_text(n) + "'"});
+                 },
+                 writer(&TrainConfig::activation_offloading)});
     k.push_back(choice("step_order", &TrainConfig::step_order, {"layer_major", "micro_batch_major"},
                        "Order of one optimizer step's block uses with gradient checkpointing: layer_major runs every "
                        "micro-batch through a block before the next (each block's experts are staged once in forward "
@@ -751,73 +951,16 @@ const std::vector<KeySpec>& schema() {
     k.push_back(boolean("eval_sample_packing", &TrainConfig::eval_sample_packing, "Pack the evaluation sequences (default: sample_packing)."));
     k.push_back(integer("eval_batch_size", &TrainConfig::eval_batch_size, 1, 1 << 16,
                         "Sequences per rank per evaluation forward (default: micro_batch_size)."));
+    k.push_back(text("lora_model_dir", &TrainConfig::lora_model_dir,
+                     "A peft adapter folder (adapter_config.json + adapter_model.safetensors) to continue training "
+                     "from, as axolotl: its weights replace the fresh LoRA init (a fresh optimizer state). Its r, "
+                     "lora_alpha, rsLoRA and targets must equal the config's; resume_from_checkpoint, when it resumes, "
+                     "takes precedence."));
     k.push_back(text("resume_from_checkpoint", &TrainConfig::resume_from_checkpoint,
                      "A checkpoint folder to continue from, or auto for the newest complete one of this run's lineage in output_dir."));
     return k;
   }();
   return keys;
-}
-
-// Keys of other trainers that shard or move the weights eo-ddp offloads: always errors.
-struct Rejected {
-  std::string key;
-  std::string reason;
-};
-const std::vector<Rejected>& rejected_keys() {
-  static const std::vector<Rejected> r = {
-      {"fsdp", "FSDP shards every weight across ranks, including the expert weights eo-ddp keeps in each rank's host RAM; "
-               "eo-ddp is data-parallel (each rank streams its own copy of the experts). Remove 'fsdp'."},
-      {"fsdp_config", "FSDP is not supported (see fsdp); remove 'fsdp_config'."},
-      {"deepspeed", "DeepSpeed/ZeRO partitions and offloads the same weights eo-ddp streams; the two cannot both own them. "
-                    "Remove 'deepspeed' and use expert_offload."},
-  };
-  return r;
-}
-
-// Parallelism sizes: > 1 is rejected, 1 (or absent) is fine.
-const std::vector<Rejected>& rejected_sizes() {
-  static const std::vector<Rejected> r = {
-      {"expert_parallel_size", "expert parallelism places different experts on different ranks, but every eo-ddp rank "
-                               "streams all experts itself; set it to 1 or remove it."},
-      {"tensor_parallel_size", "tensor parallelism splits the weights eo-ddp keeps whole on every rank; set it to 1 or remove it."},
-  };
-  return r;
-}
-
-// axolotl keys with no effect in eo-ddp: accepted with a warning so an axolotl config runs.
-const std::map<std::string, std::string>& ignored_keys() {
-  static const std::map<std::string, std::string> m = {
-      {"strict", "no effect"},
-      {"model_type", "the architecture comes from config.json"},
-      {"base_model_config", "config.json is read from base_model"},
-      {"dataset_processes", "tokenisation runs in one process"},
-      {"flash_attention", "eo-ddp uses libtorch's fused attention where available"},
-      {"sdp_attention", "eo-ddp uses libtorch's fused attention where available"},
-      {"xformers_attention", "eo-ddp uses libtorch's fused attention where available"},
-      {"pad_to_sequence_len", "padding follows sample_packing (padding is never attended or trained on)"},
-      {"tf32", "no effect"},
-      {"wandb_project", "metrics go to output_dir/metrics.jsonl"},
-      {"wandb_entity", "metrics go to output_dir/metrics.jsonl"},
-      {"wandb_watch", "metrics go to output_dir/metrics.jsonl"},
-      {"wandb_name", "metrics go to output_dir/metrics.jsonl"},
-      {"wandb_log_model", "metrics go to output_dir/metrics.jsonl"},
-      {"local_rank", "ranks come from MPI"},
-      {"debug", "no effect"},
-      {"logging_dir", "metrics go to output_dir/metrics.jsonl"},
-  };
-  return m;
-}
-
-// axolotl keys that would change what is trained and that eo-ddp does not implement: accepted
-// only as false (or absent), an error otherwise.
-const std::map<std::string, std::string>& false_only_keys() {
-  static const std::map<std::string, std::string> m = {
-      {"fp16", "fp16 training is not supported; use bf16: true (or auto)"},
-      {"load_in_8bit", "8-bit loading is not supported; use load_in_4bit: true with adapter: qlora"},
-      {"group_by_length", "batches by length are not implemented (eo-ddp shuffles rows per epoch); set it to false"},
-      {"lora_fan_in_fan_out", "eo-ddp's weights are [out, in], peft's default; set it to false"},
-  };
-  return m;
 }
 
 // Flatten the document into dotted keys. Maps nest (gradient_checkpointing_kwargs.use_reentrant);
@@ -840,8 +983,8 @@ void flatten(const YAML::Node& node, const std::string& prefix, std::vector<std:
                        " keys (counting nested maps; YAML aliases repeat what they point to); it is not a training config");
     const std::string k = key_text(kv.first);
     const std::string full = prefix.empty() ? k : prefix + "." + k;
-    if (kv.second.IsMap() && !leaf_keys.count(full) && !ignored_keys().count(full) && full != "fsdp_config" &&
-        full != "deepspeed")
+    const AxolotlKey* a = axolotl_key(full);
+    if (kv.second.IsMap() && !leaf_keys.count(full) && !(a && a->cls != AxolotlKey::Implemented))
       flatten(kv.second, full, out, leaf_keys, source, depth + 1);
     else
       out.emplace_back(full, kv.second);
@@ -983,10 +1126,6 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
     issues.push_back({"val_set_size", "set either val_set_size (held out from datasets) or test_datasets, not both"});
   if (c.eval_steps && c.evals_per_epoch)
     issues.push_back({"evals_per_epoch", "set either eval_steps or evals_per_epoch, not both"});
-  for (const char* k : {"eval_steps", "evals_per_epoch", "eval_sample_packing", "eval_batch_size"})
-    if (present.count(k) && !has_eval)
-      issues.push_back({k, "there is no evaluation data: add val_set_size (e.g. 0.05) or test_datasets, or remove " +
-                               std::string(k)});
   if (c.saves_per_epoch && present.count("save_steps") && c.save_steps > 0)
     issues.push_back({"saves_per_epoch", "set either save_steps or saves_per_epoch, not both"});
   if (c.chat_template == "jinja" && c.chat_template_jinja.empty())
@@ -1089,6 +1228,157 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
                                     "would be written among the model's weights: choose another output_dir"});
 }
 
+// The linear modules of the architecture by their full names, as the checkpoint's tensors name
+// them (routed experts one module per expert), and the linears eo-ddp cannot adapt (routers,
+// lm_head, embeddings) that a pattern might also reach.
+std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig& mc) {
+  std::vector<std::pair<std::string, bool>> out;  // name, adaptable
+  const std::vector<std::string> linears = mc.linear_modules();
+  auto adaptable = [&](const std::string& s) { return std::find(linears.begin(), linears.end(), s) != linears.end(); };
+  const bool mixtral = mc.arch == model::Arch::Mixtral;
+  const bool deepseek_like = mc.arch == model::Arch::DeepseekV2 || mc.arch == model::Arch::DeepseekV3 ||
+                             mc.arch == model::Arch::Glm4Moe;
+  const std::vector<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
+  for (int i = 0; i < mc.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    for (const auto& a : mc.attention_linears()) out.emplace_back(p + "self_attn." + a, true);
+    if (!mc.is_moe_layer(i)) {
+      for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
+      continue;
+    }
+    const std::string moe = p + (mixtral ? "block_sparse_moe." : "mlp.");
+    out.emplace_back(moe + (mc.arch == model::Arch::GptOss ? "router" : "gate"), false);
+    for (std::int64_t e = 0; e < mc.experts; ++e)
+      for (const auto& m : mixtral ? std::vector<std::string>{"w1", "w2", "w3"} : mlp)
+        out.emplace_back(moe + "experts." + std::to_string(e) + "." + m, adaptable(m));
+    if (mc.shared_expert_width > 0)
+      for (const auto& m : mlp) out.emplace_back(moe + (deepseek_like ? "shared_experts." : "shared_expert.") + m, adaptable(m));
+    if (mc.shared_expert_gated) out.emplace_back(moe + "shared_expert_gate", false);
+  }
+  out.emplace_back("lm_head", false);
+  return out;
+}
+
+// peft's lora_target_modules forms against the architecture's module names: a regular expression
+// (one string) must match a whole name, a list entry equal the name or a dotted suffix of it.
+// eo-ddp adapts a linear by its short name in every layer and expert, so the selection must take
+// all the modules of a short name or none; it resolves to those short names.
+void resolve_target_forms(TrainConfig& c, const model::ModelConfig& mc, const std::vector<std::string>& linears, Issues& issues) {
+  bool forms = c.lora_target_regex;
+  for (const auto& t : c.lora_target_modules) forms |= t.find('.') != std::string::npos;
+  if (!forms) return;
+  std::regex re;
+  if (c.lora_target_regex) re = std::regex(c.lora_target_modules.at(0));
+  auto selected = [&](const std::string& name) {
+    if (c.lora_target_regex) return std::regex_match(name, re);
+    for (const auto& t : c.lora_target_modules)
+      if (name == t || ends_with(name, "." + t)) return true;
+    return false;
+  };
+  const std::string what = c.lora_target_regex ? "'" + c.lora_target_modules[0] + "'" : "[" + join(c.lora_target_modules, ", ") + "]";
+  std::map<std::string, std::pair<std::vector<std::string>, std::vector<std::string>>> by_short;  // selected, not
+  std::vector<std::string> refused;
+  for (const auto& [name, ok] : module_names(mc)) {
+    const std::string short_name = name.substr(name.rfind('.') + 1);
+    const bool sel = selected(name);
+    if (sel && !ok) refused.push_back(name);
+    if (ok) (sel ? by_short[short_name].first : by_short[short_name].second).push_back(name);
+  }
+  if (!refused.empty())
+    issues.push_back({"lora_target_modules", what + " selects " + refused[0] + (refused.size() > 1 ? " and others" : "") +
+                                                 ", which eo-ddp does not adapt (its linears are " + join(linears, ", ") + ")"});
+  std::vector<std::string> resolved;
+  for (const auto& s : linears) {
+    const auto it = by_short.find(s);
+    if (it == by_short.end() || it->second.first.empty()) continue;
+    if (!it->second.second.empty()) {
+      issues.push_back({"lora_target_modules", what + " selects " + std::to_string(it->second.first.size()) + " of the " +
+                                                   std::to_string(it->second.first.size() + it->second.second.size()) + " " +
+                                                   s + " modules (" + it->second.first[0] + " but not " +
+                                                   it->second.second[0] + "); eo-ddp adapts a module name in every layer "
+                                                   "and expert or in none"});
+      continue;
+    }
+    resolved.push_back(s);
+  }
+  if (resolved.empty() && refused.empty())
+    issues.push_back({"lora_target_modules", what + " matches no linear of " + mc.model_type + " (" + c.base_model +
+                                                 "/config.json); its module names are like model.layers.0.self_attn." +
+                                                 linears[0] + " and its linears are " + join(linears, ", ")});
+  c.lora_target_modules = resolved;
+  c.lora_target_regex = false;
+}
+
+// lora_model_dir's adapter must be the adapter this config trains: the same r, alpha, rsLoRA and
+// targets (peft's adapter_config.json, read here without the model code).
+void check_lora_model_dir(const TrainConfig& c, Issues& issues) {
+  if (c.lora_model_dir.empty()) return;
+  const fs::path dir(c.lora_model_dir);
+  const fs::path json_path = dir / "adapter_config.json";
+  if (!fs::is_regular_file(json_path) || !fs::is_regular_file(dir / "adapter_model.safetensors"))
+    return issues.push_back({"lora_model_dir", "'" + c.lora_model_dir + "' is not a peft adapter folder (adapter_config.json and "
+                                               "adapter_model.safetensors)"});
+  nlohmann::json j;
+  try {
+    std::ifstream in(json_path);
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    return issues.push_back({"lora_model_dir", json_path.string() + ": not valid JSON (" + e.what() + ")"});
+  }
+  if (!j.is_object()) return issues.push_back({"lora_model_dir", json_path.string() + ": expected a JSON object"});
+  const std::string from = " (" + json_path.string() + ")";
+  auto number = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
+  if (number("r") != c.lora_r)
+    issues.push_back({"lora_r", std::to_string(c.lora_r) + ", but lora_model_dir's adapter has r " + j.value("r", nlohmann::json()).dump() + from});
+  if (number("lora_alpha") != c.lora_alpha)
+    issues.push_back({"lora_alpha", value_node(c.lora_alpha).Scalar() + ", but lora_model_dir's adapter has lora_alpha " +
+                                        j.value("lora_alpha", nlohmann::json()).dump() + from});
+  if (j.value("use_rslora", false) != c.peft_use_rslora)
+    issues.push_back({"peft_use_rslora", std::string(c.peft_use_rslora ? "true" : "false") + ", but lora_model_dir's adapter has use_rslora " +
+                                             (j.value("use_rslora", false) ? "true" : "false") + from});
+  std::set<std::string> theirs, ours(c.lora_target_modules.begin(), c.lora_target_modules.end());
+  const auto t = j.value("target_modules", nlohmann::json());
+  if (t.is_array())
+    for (const auto& x : t)
+      if (x.is_string()) theirs.insert(x.get<std::string>());
+  if (t.is_string()) theirs.insert("(regular expression) " + t.get<std::string>());
+  if (theirs != ours)
+    issues.push_back({"lora_target_modules", "[" + join(c.lora_target_modules, ", ") + "], but lora_model_dir's adapter targets [" +
+                                                 join(std::vector<std::string>(theirs.begin(), theirs.end()), ", ") + "]" + from});
+  std::set<std::string> their_params, our_params(c.lora_target_parameters.begin(), c.lora_target_parameters.end());
+  const auto tp = j.value("target_parameters", nlohmann::json());
+  if (tp.is_array())
+    for (const auto& x : tp)
+      if (x.is_string()) {
+        const std::string n = x.get<std::string>();
+        their_params.insert(ends_with("mlp.experts.gate_up_proj", n) ? "mlp.experts.gate_up_proj"
+                            : ends_with("mlp.experts.down_proj", n)  ? "mlp.experts.down_proj"
+                                                                     : n);
+      }
+  if (their_params != our_params)
+    issues.push_back({"lora_target_parameters", "[" + join(c.lora_target_parameters, ", ") + "], but lora_model_dir's adapter has [" +
+                                                    join(std::vector<std::string>(their_params.begin(), their_params.end()), ", ") + "]" + from});
+}
+
+// axolotl's named chat templates: on a model of the template's family its tokenizer's own
+// template is that template, so the name is tokenizer_default; on any other model the name
+// would render another family's template, which eo-ddp does not ship: refused, naming the fix.
+void resolve_named_template(std::string& value, const std::string& key, const model::ModelConfig& mc,
+                            std::vector<std::string>& warnings, Issues& issues) {
+  const auto it = named_templates().find(value);
+  if (it == named_templates().end()) return;
+  const auto& fams = it->second;
+  if (std::find(fams.begin(), fams.end(), mc.model_type) != fams.end()) {
+    warnings.push_back(key + ": " + value + " is " + mc.model_type + "'s own template: rendered with the tokenizer's "
+                       "chat template (tokenizer_default)");
+    value = "tokenizer_default";
+    return;
+  }
+  issues.push_back({key, value + " is axolotl's template for " + (fams.empty() ? "a family eo-ddp does not train" : join(fams, ", ")) +
+                             ", not " + mc.model_type + "'s; use chat_template: tokenizer_default (the tokenizer's own "
+                             "template), or chat_template: jinja with chat_template_jinja for another one"});
+}
+
 // Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).
 // lora_target_linear resolves to the architecture's linears (ModelConfig::linear_modules); any
 // target that matches none of them is a config error here, before a weight is read. So is asking
@@ -1099,9 +1389,18 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   model::ModelConfig mc;
   try {
     mc = model::load_config(c.base_model);
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    // An unsupported or malformed config.json is listed with the key problems, so one --check
+    // names them all; a missing folder or config.json is check_files' to report.
+    if (fs::is_regular_file(fs::path(c.base_model) / "config.json")) issues.push_back({"base_model", e.what()});
     return;
   }
+  resolve_named_template(c.chat_template, "chat_template", mc, c.warnings, issues);
+  for (auto* list : {&c.datasets, &c.test_datasets})
+    for (std::size_t i = 0; i < list->size(); ++i)
+      resolve_named_template((*list)[i].chat_template,
+                             std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".chat_template",
+                             mc, c.warnings, issues);
   if (c.expert_quant == "mxfp4" && !mc.mxfp4_experts)
     issues.push_back({"expert_quant", "mxfp4 keeps experts in the MXFP4 a checkpoint stores them in, but " + c.base_model +
                                       "/config.json (" + mc.model_type + ") has no quantization_config with quant_method "
@@ -1125,14 +1424,86 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   const std::vector<std::string> linears = mc.linear_modules();
   if (c.lora_target_linear) {
     c.lora_target_modules = linears;
-    return;
+    return check_lora_model_dir(c, issues);
   }
+  // Unset, the targets are the architecture's attention linears (DeepSeek's latent attention has
+  // no k_proj or v_proj), as peft's per-model defaults are attention projections.
+  if (!present.count("lora_target_modules")) {
+    c.lora_target_modules = mc.attention_linears();
+    return check_lora_model_dir(c, issues);
+  }
+  resolve_target_forms(c, mc, linears, issues);
   const std::vector<std::string>& known = model::all_linear_modules();  // other names: reported by the key's own check
   for (const auto& t : c.lora_target_modules)
     if (std::find(known.begin(), known.end(), t) != known.end() && std::find(linears.begin(), linears.end(), t) == linears.end())
       issues.push_back({"lora_target_modules", "'" + t + "' matches no linear of " + mc.model_type + " (" + c.base_model +
                                                    "/config.json); its linears are " + join(linears, ", ") +
                                                    " (or set lora_target_linear: true)"});
+  check_lora_model_dir(c, issues);
+}
+
+// axolotl keys whose values eo-ddp reads itself (the table's Implemented entries with a text).
+bool read_axolotl_special(const std::string& key, const YAML::Node& n, TrainConfig& c, Issues& issues) {
+  auto one_of = [&](std::initializer_list<const char*> allowed, const std::string& what) {
+    if (is_null(n)) return std::string();
+    const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+    for (const char* a : allowed)
+      if (v == a) return v;
+    issues.push_back({key, "'" + v + "': " + what});
+    return std::string();
+  };
+  if (key == "plugins") {
+    const auto list = string_list("plugins", n, "plugin class names", issues);
+    if (!list) return true;
+    // axolotl's bundled plugins, by their module under axolotl.integrations.
+    static const std::map<std::string, std::pair<bool, std::string>> kinds = {
+        {"liger", {true, "eo-ddp's own fused kernels and chunked loss do what Liger's kernels do"}},
+        {"cut_cross_entropy", {true, "eo-ddp computes the loss in chunks without materialising the full logits"}},
+        {"kernels", {true, "eo-ddp's own NF4/MXFP4 grouped expert GEMMs replace the hub kernels"}},
+        {"swanlab", {true, "metrics go to output_dir/metrics.jsonl and the log"}},
+        {"lm_eval", {true, "eo-ddp runs no benchmark; eo-ddp score computes an adapter's loss on a data file"}},
+        {"expert_parallel", {false, "expert parallelism places different experts on different ranks, but every eo-ddp "
+                                    "rank streams all experts itself"}},
+        {"spectrum", {false, "it trains selected base weights; eo-ddp trains LoRA adapters only"}},
+        {"kd", {false, "eo-ddp trains supervised LoRA/QLoRA only (no distillation)"}},
+        {"diffusion", {false, "eo-ddp trains causal language models (no diffusion objective)"}},
+        {"grokfast", {false, "gradient filtering is not implemented"}},
+        {"densemixer", {false, "a dense router gradient is not implemented"}},
+        {"mora", {false, "eo-ddp trains plain LoRA"}},
+        {"llm_compressor", {false, "quantisation-aware training and compression are not implemented"}},
+        {"hatchery", {false, "remote training backends are not eo-ddp"}},
+        {"nemo_gym", {false, "eo-ddp trains supervised LoRA/QLoRA only (no RL environments)"}},
+    };
+    for (const auto& p : *list) {
+      const std::string prefix = "axolotl.integrations.";
+      const std::string module = p.rfind(prefix, 0) == 0 ? p.substr(prefix.size(), p.find('.', prefix.size()) - prefix.size()) : "";
+      const auto it = kinds.find(module);
+      if (it == kinds.end())
+        issues.push_back({"plugins", "unknown plugin '" + p + "'; eo-ddp runs no Python plugins (axolotl's bundled ones "
+                                     "are noted or refused by name, e.g. axolotl.integrations.liger.LigerPlugin)"});
+      else if (!it->second.first) issues.push_back({"plugins", "'" + p + "' not supported: " + it->second.second});
+      else c.warnings.push_back("config plugin '" + p + "' is ignored by eo-ddp: " + it->second.second);
+    }
+    return true;
+  }
+  if (key == "excess_length_strategy") {
+    one_of({"drop"}, "eo-ddp drops a row longer than sequence_len, as axolotl's default drop (a completion text is cut "
+                     "into pieces); truncate and raise are not implemented");
+    return true;
+  }
+  if (key == "eval_strategy" || key == "evaluation_strategy") {
+    if (one_of({"no", "steps", "epoch"}, "expected no, steps or epoch") == "no")
+      c.warnings.push_back("config key '" + key + "': no is ignored by eo-ddp: it evaluates whenever there is evaluation "
+                           "data (remove val_set_size / test_datasets to skip it)");
+    return true;
+  }
+  if (key == "save_strategy") {
+    if (one_of({"no", "steps", "epoch", "best"}, "expected no, steps, epoch or best") != "")
+      c.warnings.push_back("config key 'save_strategy' is ignored by eo-ddp: checkpoints follow save_steps / "
+                           "saves_per_epoch, and the adapter is always written at the end");
+    return true;
+  }
+  return false;
 }
 
 // A message that echoes a huge value is cut in its middle (its start names the value, its end the fix).
@@ -1196,38 +1567,34 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   TrainConfig cfg;
   cfg.source = source;
   std::set<std::string> present;
-  for (const auto& [key, node] : entries) {
-    bool handled = false;
-    for (const auto& r : rejected_keys())
-      if (r.key == key || key.rfind(r.key + ".", 0) == 0) {
-        // An explicit "fsdp: false"/null is harmless; anything else is rejected.
-        if (!(is_null(node) || as_bool(node) == false || (node.IsSequence() && node.size() == 0)))
-          issues.push_back({r.key, "not supported: " + r.reason});
-        handled = true;
+  for (const auto& [key_in, node] : entries) {
+    std::string key = key_in;
+    // axolotl's overrides of transformers' config: eo-ddp reads the one that changes the loss.
+    for (const std::string prefix : {"model_config.", "overrides_of_model_config."})
+      if (key.rfind(prefix, 0) == 0) {
+        if (key.substr(prefix.size()) == "output_router_logits") {
+          key = "output_router_logits";
+        } else {
+          issues.push_back({key, "overriding config.json is not implemented (eo-ddp reads " + prefix +
+                                     "output_router_logits only); edit base_model/config.json instead"});
+          key.clear();
+        }
       }
-    for (const auto& r : rejected_sizes())
-      if (r.key == key) {
-        auto v = as_int(node);
-        if (!v || *v < 1) issues.push_back({key, "expected an integer >= 1"});
-        else if (*v > 1) issues.push_back({key, "not supported (" + std::to_string(*v) + "): " + r.reason});
-        handled = true;
-      }
-    if (handled) continue;
-    if (auto it = ignored_keys().find(key); it != ignored_keys().end()) {
-      cfg.warnings.push_back("config key '" + key + "' is ignored by eo-ddp: " + it->second);
-      continue;
-    }
-    if (auto it = false_only_keys().find(key); it != false_only_keys().end()) {
-      if (as_bool(node).value_or(true) && !is_null(node)) issues.push_back({key, it->second});
+    if (key.empty() || read_axolotl_special(key, node, cfg, issues)) continue;
+    const AxolotlKey* axo = axolotl_key(key);
+    if (axo && axo->cls != AxolotlKey::Implemented) {
+      apply_axolotl_key(*axo, key, node, cfg.warnings, issues);
       continue;
     }
     const KeySpec* spec = nullptr;
     for (const auto& s : schema())
       if (s.key == key) spec = &s;
+    if (!spec && axo && is_off(node, false)) continue;  // model_config: or gradient_checkpointing_kwargs: left empty
     if (!spec) {
       std::string msg = "unknown key";
       std::vector<std::string> candidates = known;
-      for (const auto& r : rejected_keys()) candidates.push_back(r.key);
+      for (const auto& a : axolotl_table())
+        if (std::string(a.key).rfind("datasets[].", 0) != 0) candidates.push_back(a.key);
       if (auto m = closest_match(key, candidates)) msg += "; did you mean '" + *m + "'?";
       else msg += "; `eo-ddp --help-config` lists every key";
       issues.push_back({key, msg});
@@ -1240,9 +1607,15 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (cfg.lora_target_linear)
     cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   check_rules(cfg, present, issues);
+  // As axolotl: evaluation settings without evaluation data (val_set_size 0) mean no evaluation.
+  if (!cfg.val_set_size && cfg.test_datasets.empty())
+    for (const char* k : {"eval_steps", "evals_per_epoch", "eval_sample_packing", "eval_batch_size"})
+      if (present.count(k))
+        cfg.warnings.push_back(std::string("config key '") + k + "' has no effect: there is no evaluation data "
+                               "(val_set_size is 0 and there are no test_datasets), so no evaluation runs, as in axolotl");
   if (options.check_files) check_files(cfg, present, issues);
-  // Needs base_model's config.json only (skipped when it cannot be read): `plan` checks it too.
-  check_targets(cfg, present, issues);
+  // Needs base_model's config.json only: training and `eo-ddp plan` (check_architecture) check it.
+  if (options.check_files || options.check_architecture) check_targets(cfg, present, issues);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))
@@ -1279,16 +1652,30 @@ std::string config_reference_markdown() {
   os << "| key | type | default | meaning |\n|---|---|---|---|\n";
   for (const auto& s : schema())
     os << "| `" << s.key << "` | " << s.type << " | " << s.default_text << " | " << s.doc << " |\n";
-  os << "\nRejected with a reason: ";
-  std::vector<std::string> r;
-  for (const auto& x : rejected_keys()) r.push_back("`" + x.key + "`");
-  for (const auto& x : rejected_sizes()) r.push_back("`" + x.key + "` > 1");
-  for (const auto& [k, v] : false_only_keys()) r.push_back("`" + k + ": true`");
-  os << join(r, ", ") << ".\n";
-  os << "Accepted and ignored with a warning (axolotl keys with no meaning here): ";
-  std::vector<std::string> ig;
-  for (const auto& [k, v] : ignored_keys()) ig.push_back("`" + k + "`");
-  os << join(ig, ", ") << ".\n";
+  os << "\nEvery other key of axolotl's schema is accepted with a note in the log or refused with a reason: "
+        "docs/axolotl-keys.md (`eo-ddp --help-axolotl-keys`). Any other key is an error.\n";
+  return os.str();
+}
+
+std::vector<AxolotlKeyInfo> axolotl_keys() {
+  std::vector<AxolotlKeyInfo> out;
+  for (const auto& a : axolotl_table())
+    out.push_back({a.key, a.cls == AxolotlKey::Implemented ? "implemented" : a.cls == AxolotlKey::Noted ? "noted" : "rejected",
+                   a.text});
+  return out;
+}
+
+std::string axolotl_keys_markdown() {
+  std::ostringstream os;
+  os << "# axolotl's config keys in eo-ddp\n\n"
+        "Every key of axolotl 0.19.0's config schema (with its bundled plugins' keys, and a `datasets` entry's keys "
+        "as `datasets[].KEY`), as eo-ddp takes it: **implemented** (read; see the README's config reference), "
+        "**noted** (accepted; when set, the log says what eo-ddp does instead) or **rejected** (an error naming the "
+        "reason unless the value is off: null, false, empty, 0, or 1 for a parallel size). A key in neither this "
+        "table nor the config reference is an error with a \"did you mean\". Printed by `eo-ddp --help-axolotl-keys` "
+        "from `runtime/axolotl_keys.inc`.\n\n| key | class | what eo-ddp does |\n|---|---|---|\n";
+  for (const auto& a : axolotl_keys())
+    os << "| `" << a.key << "` | " << a.cls << " | " << (a.text.empty() ? "read as axolotl does" : a.text) << " |\n";
   return os.str();
 }
 

@@ -37,6 +37,12 @@ struct DatasetSpec {
   std::vector<std::pair<std::string, std::vector<std::string>>> roles;  // role -> source names
   bool drop_system_message = false;
   std::string field;  // completion: the text field (default text)
+  std::string split;  // Hugging Face split of the file: train
+  std::string train_on_eot;  // all | turn | last | none (default: train_on_eos)
+  // axolotl maps the data's field_thinking (default reasoning_content) into each message as
+  // template_thinking_key (default reasoning_content), unless the message fields are mapped.
+  std::string field_thinking, template_thinking_key;
+  bool fields_mapped = false;  // message_property_mappings / message_field_role / _content given
 
   std::string prepared;  // set before training: the tokenized JSONL made from `path`
   bool formatted() const { return type != "tokenized" && type != "tokens"; }
@@ -52,6 +58,7 @@ struct TrainConfig {
   double lora_alpha = 16;
   double lora_dropout = 0.0;
   std::vector<std::string> lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  bool lora_target_regex = false;  // lora_target_modules holds one regular expression (resolved by the loader)
   bool lora_target_linear = false;
   // peft's target_parameters: the fused expert parameters (canonical: mlp.experts.gate_up_proj,
   // mlp.experts.down_proj); empty = experts adapted per expert through lora_target_modules.
@@ -81,6 +88,7 @@ struct TrainConfig {
   std::string tokenizer_type;    // a transformers class; empty = AutoTokenizer
   bool trust_remote_code = false;
   std::vector<std::pair<std::string, std::string>> special_tokens;
+  std::vector<std::string> eot_tokens;  // turn-ending tokens for chat_template (default: eos)
 
   // Evaluation.
   std::optional<double> val_set_size;  // < 1: fraction of the training documents; >= 1: a count
@@ -135,6 +143,7 @@ struct TrainConfig {
   int save_total_limit = 3;
   int logging_steps = 1;
   std::string resume_from_checkpoint;  // path or "auto"; empty = start fresh
+  std::string lora_model_dir;          // a peft adapter to start from (axolotl's); empty = fresh LoRA
   bool overwrite_output_dir = false;   // a fresh run may start beside another run's checkpoints
 
   // Where the file came from, and what the loader wants the user to know (ignored keys, ...).
@@ -151,6 +160,9 @@ struct ConfigIssue {
 struct ConfigLoadOptions {
   // Check that files named by the config exist (base_model/config.json, datasets).
   bool check_files = true;
+  // Resolve the targets and templates against base_model/config.json even when files are not
+  // checked (eo-ddp plan: config.json is all it reads).
+  bool check_architecture = false;
 };
 
 // Reads YAML text (a file's contents) plus `--set key=value` overrides, validates and
@@ -167,6 +179,14 @@ std::string config_to_yaml(const TrainConfig& cfg);
 std::string config_reference_markdown();
 // Every key the schema accepts (dotted names).
 std::vector<std::string> config_known_keys();
+// axolotl's config keys and what eo-ddp does with each: class "implemented", "noted" (accepted,
+// text logged) or "rejected" (text is the reason). One table: runtime/axolotl_keys.inc.
+struct AxolotlKeyInfo {
+  std::string key, cls, text;
+};
+std::vector<AxolotlKeyInfo> axolotl_keys();
+// docs/axolotl-keys.md: that table. Printed by --help-axolotl-keys.
+std::string axolotl_keys_markdown();
 
 // True when `bf16` resolves to bf16 compute on this device kind.
 bool config_use_bf16(const TrainConfig& cfg, bool on_cuda);

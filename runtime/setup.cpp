@@ -608,6 +608,10 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
     resume = latest.value_or("");
     if (!latest) log::info("resume_from_checkpoint: auto found no checkpoint in " + cfg.output_dir + "; starting fresh");
   }
+  if (resume.empty() && !cfg.lora_model_dir.empty()) {
+    model->load_adapter_weights(cfg.lora_model_dir);  // its config was checked against this one's
+    log::info("LoRA weights from " + cfg.lora_model_dir + " (lora_model_dir); fresh optimizer state");
+  }
   if (!resume.empty()) {
     TrainingState s = load_checkpoint(resume);
     std::map<std::string, at::Tensor> saved(s.lora.begin(), s.lora.end());

@@ -2,9 +2,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <set>
 
 #include "common/error.h"
 #include "common/text.h"
@@ -304,11 +306,14 @@ special_tokens: {sep_token: x}
   EXPECT_NE(e.find("val_set_size: set either val_set_size"), std::string::npos) << e;
   EXPECT_NE(e.find("evals_per_epoch: set either eval_steps or evals_per_epoch"), std::string::npos) << e;
   EXPECT_NE(e.find("saves_per_epoch: set either save_steps or saves_per_epoch"), std::string::npos) << e;
-  EXPECT_NE(e.find("group_by_length: batches by length are not implemented"), std::string::npos) << e;
+  EXPECT_NE(e.find("group_by_length: not supported: batches by length are not implemented"), std::string::npos) << e;
   EXPECT_NE(e.find("lora_fan_in_fan_out:"), std::string::npos) << e;
   EXPECT_NE(e.find("special_tokens.sep_token: unknown"), std::string::npos) << e;
-  const std::string no_eval = error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a}]\neval_steps: 5\n");
-  EXPECT_NE(no_eval.find("eval_steps: there is no evaluation data"), std::string::npos) << no_eval;
+  // As axolotl: evaluation keys without evaluation data (val_set_size 0) run no evaluation.
+  const TrainConfig no_eval = load("base_model: /m\nadapter: lora\ndatasets: [{path: a}]\neval_steps: 5\nval_set_size: 0\n");
+  ASSERT_EQ(no_eval.warnings.size(), 1u);
+  EXPECT_NE(no_eval.warnings[0].find("'eval_steps' has no effect: there is no evaluation data"), std::string::npos)
+      << no_eval.warnings[0];
   EXPECT_NE(error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a}]\nchat_template: jinja\n")
                 .find("chat_template_jinja: chat_template: jinja needs the template text"),
             std::string::npos);
@@ -333,10 +338,12 @@ TEST(Config, SetOverridesFileAndIsValidated) {
 }
 
 TEST(Config, IgnoredAxolotlKeysWarn) {
+  // A noted key set to nothing (strict: false) says nothing.
   const TrainConfig c = load(std::string(kValid) + "strict: false\nwandb_project: x\nflash_attention: true\n");
-  ASSERT_EQ(c.warnings.size(), 3u);
+  ASSERT_EQ(c.warnings.size(), 2u);
   EXPECT_NE(c.warnings[0].find("is ignored by eo-ddp"), std::string::npos);
-  EXPECT_NE(error_of(std::string(kValid) + "fp16: true\n").find("fp16: fp16 training is not supported"), std::string::npos);
+  EXPECT_NE(error_of(std::string(kValid) + "fp16: true\n").find("fp16: not supported: fp16 training is not supported"),
+            std::string::npos);
   EXPECT_NO_THROW(load(std::string(kValid) + "fp16: false\n"));
 }
 
@@ -458,6 +465,168 @@ TEST(Config, TargetModulesComeFromTheArchitecture) {
   fs::remove_all(dir);
 }
 
+// Issue #31 item 1: every key of axolotl's schema is classified once; noted keys are accepted with
+// their note, rejected ones refused with their reason unless off, and a typo still gets a suggestion.
+TEST(Config, AxolotlKeysAreEachClassifiedOnce) {
+  const auto table = axolotl_keys();
+  ASSERT_GT(table.size(), 450u);
+  std::set<std::string> seen;
+  const auto known = config_known_keys();
+  for (const auto& k : table) {
+    EXPECT_TRUE(seen.insert(k.key).second) << k.key << " is listed twice";
+    EXPECT_TRUE(k.cls == "implemented" || k.cls == "noted" || k.cls == "rejected") << k.key;
+    if (k.cls != "implemented") EXPECT_FALSE(k.text.empty()) << k.key << " needs its note or reason";
+    // An implemented key with no text is read by the schema itself.
+    if (k.cls == "implemented" && k.text.empty() && k.key.rfind("datasets[].", 0) != 0)
+      EXPECT_NE(std::find(known.begin(), known.end(), k.key), known.end()) << k.key << " is not in the schema";
+    if (k.key.rfind("datasets[].", 0) == 0 || k.cls == "implemented") continue;
+    const bool size = k.key.find("parallel_size") != std::string::npos || k.key.find("_degree") != std::string::npos ||
+                      k.key.rfind("dp_", 0) == 0;
+    const std::string on = std::string(kValid) + k.key + (size ? ": 2\n" : ": true\n");
+    if (k.cls == "noted") {
+      const TrainConfig c = load(on);
+      ASSERT_EQ(c.warnings.size(), 1u) << k.key;
+      EXPECT_NE(c.warnings[0].find("'" + k.key + "' is ignored by eo-ddp: " + k.text), std::string::npos) << c.warnings[0];
+    } else {
+      EXPECT_NE(error_of(on).find(k.key + ": not supported" + (size ? " (2)" : "") + ": " + k.text), std::string::npos) << k.key;
+    }
+    EXPECT_TRUE(load(std::string(kValid) + k.key + ":\n").warnings.empty()) << k.key;  // off: nothing to say
+  }
+  EXPECT_NE(error_of(std::string(kValid) + "attn_implementaton: sdpa\n").find("attn_implementaton: unknown key; did you mean "
+                                                                             "'attn_implementation'?"),
+            std::string::npos);
+  const std::string ds = error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: chat_template, "
+                                  "data_files: [x.json], shard: 1}]\n");
+  EXPECT_NE(ds.find("datasets.0.data_files: not supported: give the local JSON lines file in path"), std::string::npos) << ds;
+  EXPECT_NE(ds.find("datasets.0.shard: unknown key"), std::string::npos) << ds;
+  // docs/axolotl-keys.md is the table as printed.
+  std::ifstream in(std::string(EO_SOURCE_DIR) + "/docs/axolotl-keys.md");
+  const std::string doc((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(doc, axolotl_keys_markdown()) << "regenerate docs/axolotl-keys.md with eo-ddp --help-axolotl-keys";
+}
+
+// The axolotl keys whose values eo-ddp reads itself, as the issue's table lists them.
+TEST(Config, AxolotlValuesEoDdpTakesAsTheirEquivalent) {
+  const TrainConfig c = load(std::string(kValid) + R"(
+plugins:
+  - axolotl.integrations.liger.LigerPlugin
+  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin
+model_config:
+  output_router_logits: true
+gradient_checkpointing: offload
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+optimizer: adamw_bnb_8bit
+attn_implementation: flash_attention_2
+evals_per_epoch: 4
+val_set_size: 0
+excess_length_strategy: drop
+)");
+  EXPECT_TRUE(c.output_router_logits);
+  EXPECT_TRUE(c.gradient_checkpointing);
+  EXPECT_TRUE(c.activation_offloading);
+  std::string all;
+  for (const auto& w : c.warnings) all += w + "\n";
+  EXPECT_NE(all.find("plugin 'axolotl.integrations.liger.LigerPlugin' is ignored by eo-ddp"), std::string::npos) << all;
+  EXPECT_NE(all.find("optimizer adamw_bnb_8bit runs as AdamW with fp32 state"), std::string::npos) << all;
+  EXPECT_NE(all.find("'attn_implementation' is ignored by eo-ddp"), std::string::npos) << all;
+  EXPECT_NE(all.find("'evals_per_epoch' has no effect"), std::string::npos) << all;
+  const std::string e = error_of(std::string(kValid) + R"(
+plugins: [axolotl.integrations.expert_parallel.ExpertParallelPlugin, my.Plugin]
+model_config: {rope_theta: 10000}
+optimizer: lion_8bit
+excess_length_strategy: truncate
+gradient_checkpointing: sometimes
+)");
+  EXPECT_NE(e.find("plugins: 'axolotl.integrations.expert_parallel.ExpertParallelPlugin' not supported: expert parallelism"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("plugins: unknown plugin 'my.Plugin'"), std::string::npos) << e;
+  EXPECT_NE(e.find("model_config.rope_theta: overriding config.json is not implemented"), std::string::npos) << e;
+  EXPECT_NE(e.find("optimizer: unknown value 'lion_8bit'; eo-ddp's optimizer is AdamW"), std::string::npos) << e;
+  EXPECT_NE(e.find("excess_length_strategy: 'truncate'"), std::string::npos) << e;
+  EXPECT_NE(e.find("gradient_checkpointing: expected true, false, offload or offload_disk"), std::string::npos) << e;
+  EXPECT_NE(e.find("has 6 problems"), std::string::npos) << e;
+  // eot_tokens and the thinking fields (tests/ref/eot_thinking_ref.py checks the labels).
+  const TrainConfig eot = load("base_model: /m\nadapter: lora\neot_tokens: ['<|end|>']\ndatasets: [{path: a, type: chat_template, "
+                               "train_on_eot: last, field_thinking: thinking, template_thinking_key: thinking}]\n");
+  EXPECT_EQ(eot.eot_tokens, std::vector<std::string>{"<|end|>"});
+  EXPECT_EQ(eot.datasets[0].train_on_eot, "last");
+  EXPECT_EQ(eot.datasets[0].field_thinking, "thinking");
+  EXPECT_NE(error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: chat_template, train_on_eot: sometimes}]\n")
+                .find("datasets.0.train_on_eot: expected one of all, turn, last, none"),
+            std::string::npos);
+  // datasets[].split: train and one slice of it (tests/ref/split_ref.py checks the rows kept).
+  EXPECT_EQ(load("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: completion, split: 'train[:20%]'}]\n")
+                .datasets[0].split, "train[:20%]");
+  const std::string sp = error_of("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: completion, split: 'train[:200%]'}, "
+                                  "{path: b, split: 'train[:10]'}, {path: c, type: alpaca, split: 'train+test'}]\n");
+  EXPECT_NE(sp.find("datasets.0.split: 'train[:200%]': percentages must be between"), std::string::npos) << sp;
+  EXPECT_NE(sp.find("datasets.1.split: a slice applies to the axolotl formats"), std::string::npos) << sp;
+  EXPECT_NE(sp.find("datasets.2.split: 'train+test': a local JSON lines file is the split train"), std::string::npos) << sp;
+}
+
+// Issue #31 item 4: the architecture is checked with the keys, so one run lists an unsupported
+// model_type beside an unknown key; unset targets follow the architecture (DeepSeek has no k_proj).
+TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_cfg_arch_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "llama");
+  std::ofstream(dir / "llama" / "config.json") << R"({"model_type": "llama", "hidden_size": 64})";
+  fs::create_directories(dir / "deepseek-v2-lite");
+  fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/deepseek-v2-lite/config.json",
+                dir / "deepseek-v2-lite" / "config.json", fs::copy_options::overwrite_existing);
+  std::ofstream(dir / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  auto yaml = [&](const std::string& model, const std::string& extra) {
+    return "base_model: " + (dir / model).string() + "\nadapter: lora\ndatasets: [{path: " + (dir / "train.jsonl").string() +
+           "}]\n" + extra;
+  };
+  try {
+    load_config_text(yaml("llama", "lora_rr: 8\n"), "t.yaml", {});
+    ADD_FAILURE() << "llama was accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("has 2 problems"), std::string::npos) << m;
+    EXPECT_NE(m.find("lora_rr: unknown key; did you mean 'lora_r'?"), std::string::npos) << m;
+    EXPECT_NE(m.find("base_model: " + (dir / "llama").string() + "/config.json: model_type 'llama' is not supported"),
+              std::string::npos) << m;
+  }
+  const std::vector<std::string> mla{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"};
+  EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", ""), "t.yaml", {}).lora_target_modules, mla);
+  ConfigLoadOptions plan_options;  // eo-ddp plan: no file checks, the architecture still resolves the targets
+  plan_options.check_files = false;
+  plan_options.check_architecture = true;
+  EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", ""), "t.yaml", {}, plan_options)
+                .lora_target_modules,
+            mla);
+  // axolotl's named chat templates: a family's own is its tokenizer's template; another family's is refused.
+  for (const char* m : {"qwen3-30b-a3b", "mixtral-8x7b"}) {
+    fs::create_directories(dir / m);
+    fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/" + m + "/config.json", dir / m / "config.json",
+                  fs::copy_options::overwrite_existing);
+  }
+  const TrainConfig q = load_config_text(yaml("qwen3-30b-a3b", "chat_template: qwen3\n"), "t.yaml", {});
+  EXPECT_EQ(q.chat_template, "tokenizer_default");
+  ASSERT_FALSE(q.warnings.empty());
+  EXPECT_NE(q.warnings.back().find("qwen3 is qwen3_moe's own template"), std::string::npos) << q.warnings.back();
+  EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", "chat_template: deepseek_v2\n"), "t.yaml", {}).chat_template,
+            "tokenizer_default");
+  EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "chat_template: chatml\n"), "t.yaml", {}).chat_template, "chatml");
+  try {
+    load_config_text(yaml("mixtral-8x7b", "chat_template: qwen3\n") + "test_datasets: [{path: " + (dir / "train.jsonl").string() +
+                         ", type: chat_template, chat_template: gemma4}]\n",
+                     "t.yaml", {});
+    ADD_FAILURE() << "qwen3's template on Mixtral was accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("chat_template: qwen3 is axolotl's template for qwen3_moe, not mixtral's; use chat_template: "
+                     "tokenizer_default"), std::string::npos) << m;
+    EXPECT_NE(m.find("test_datasets.0.chat_template: gemma4 is axolotl's template for a family eo-ddp does not train"),
+              std::string::npos) << m;
+  }
+  EXPECT_NE(error_of(std::string(kValid) + "chat_template: qwen_3\n").find("did you mean 'qwen3'?"), std::string::npos);
+  fs::remove_all(dir);
+}
+
 // Issue #16 item 5: lora_target_parameters takes peft's fused expert parameter names (full or
 // bare, written canonical), names the accepted values for anything else, and refuses dropout as
 // peft's ParamWrapper does; all before a weight is read.
@@ -468,6 +637,11 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [down_proj, gate_up_proj]\n").lora_target_parameters,
             (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}))
       << "one order, as resume compares it";
+  // Issue #31: any dotted suffix, as peft matches parameter names (axolotl's experts.gate_up_proj).
+  EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n").lora_target_parameters,
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  EXPECT_NE(error_of(std::string(kValid) + "lora_target_parameters: [s.gate_up_proj]\n").find("unknown parameter 's.gate_up_proj'"),
+            std::string::npos);
   const std::string bad = error_of(std::string(kValid) + "lora_target_parameters: [mlp.experts.gate_proj]\n");
   EXPECT_NE(bad.find("lora_target_parameters: unknown parameter 'mlp.experts.gate_proj'"), std::string::npos) << bad;
   EXPECT_NE(bad.find("mlp.experts.gate_up_proj, mlp.experts.down_proj, gate_up_proj, down_proj"), std::string::npos) << bad;
@@ -641,13 +815,15 @@ TEST(Config, DuplicateKeysSecondDocumentsHugeValuesAndFoldersAreErrors) {
   fs::remove_all(dir);
 }
 
-// Issue #32 item 14: targets are checked against base_model's config.json also without the file
-// checks (`eo-ddp plan`): gate_proj on Mixtral (w1/w2/w3) is refused as training refuses it.
+// Targets are checked against base_model's config.json also without the file checks, as
+// `eo-ddp plan` loads a config: gate_proj on Mixtral (w1/w2/w3) is refused as training refuses it.
 TEST(Config, TargetsAreCheckedWhenOnlyConfigJsonIsRead) {
   const std::string yaml = "base_model: " + std::string(EO_SOURCE_DIR) + "/configs/models/mixtral-8x7b\nadapter: lora\n"
                            "lora_target_modules: [q_proj, gate_proj]\ndatasets: [{path: missing.jsonl}]\n";
   try {
-    load_config_text(yaml, "t.yaml", {}, no_files());
+    ConfigLoadOptions plan_options = no_files();
+    plan_options.check_architecture = true;  // as `eo-ddp plan` loads it
+    load_config_text(yaml, "t.yaml", {}, plan_options);
     ADD_FAILURE() << "gate_proj on Mixtral was accepted";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("'gate_proj' matches no linear of mixtral"), std::string::npos) << e.what();

@@ -28,3 +28,9 @@ set_tests_properties(readme_commands PROPERTIES LABELS unit TIMEOUT 900
 add_test(NAME install_mission COMMAND ${PROJECT_SOURCE_DIR}/tests/install_mission.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(install_mission PROPERTIES LABELS mpi TIMEOUT 900 ENVIRONMENT "${EO_MPI_ENV}"
                      PASS_REGULAR_EXPRESSION "install_mission: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# axolotl-style configs of every architecture, only base_model and data replaced: each passes
+# --check and trains 3 steps, or is refused for its in-scope rejection (tests/axolotl_examples.sh).
+add_test(NAME axolotl_examples COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_examples.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(axolotl_examples PROPERTIES LABELS ref TIMEOUT 600
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"
+                     PASS_REGULAR_EXPRESSION "axolotl_examples: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

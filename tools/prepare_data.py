@@ -41,6 +41,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 import json  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import jinja2  # noqa: E402  (transformers renders chat templates with it)
@@ -116,6 +117,30 @@ class ChatTemplate:
         self.roles_to_train = [self.roles.get(r, r) for r in ds.get("roles_to_train", ["assistant"])]
         self.train_on_eos = ds.get("train_on_eos") or "turn"
         self.train_on_inputs = bool(spec.get("train_on_inputs"))
+        # axolotl: the data's field_thinking goes into each message as template_thinking_key (set
+        # by eo-ddp only when the message fields are not mapped, as axolotl maps it only then).
+        self.field_thinking = ds.get("field_thinking")
+        self.thinking_key = ds.get("template_thinking_key")
+        # axolotl's end-of-turn tokens: eot_tokens (default the eos token), each one token, kept
+        # only where the template writes it; labelled as train_on_eot says (default train_on_eos).
+        self.train_on_eot = ds.get("train_on_eot") or self.train_on_eos
+        eot = spec.get("eot_tokens")
+        self.eot_ids = {tok.eos_token_id}
+        if eot:
+            kept = []
+            for t in eot:
+                if t not in self.template:
+                    print(f"prepare: eot_tokens: {t!r} is not in the chat template; dropped (as axolotl)", file=sys.stderr)
+                    continue
+                ids = tok.encode(t, add_special_tokens=False)
+                if len(ids) != 1:
+                    raise DataError(f"eot_tokens: {t!r} is {len(ids)} tokens of this tokenizer, not one; eo-ddp adds no "
+                                    "tokens, so name a token the tokenizer has")
+                kept.append(t)
+            self.eot_ids = {tok.encode(t, add_special_tokens=False)[0] for t in kept}
+            if tok.eos_token in kept and self.train_on_eos != self.train_on_eot:
+                raise DataError(f"eot_tokens holds the eos token {tok.eos_token!r}, but train_on_eos ({self.train_on_eos}) "
+                                f"and train_on_eot ({self.train_on_eot}) differ; make them equal (axolotl refuses this too)")
 
     def turns(self, row):
         messages = row.get(self.field_messages)
@@ -128,14 +153,20 @@ class ChatTemplate:
                 raise DataError(f"each message needs a string '{self.field_role}' and '{self.field_content}' "
                                 "(message_field_role / message_field_content)")
             role = self.roles.get(m[self.field_role], m[self.field_role])
-            out.append({"role": role, "content": m[self.field_content],
+            thinking = m.get(self.field_thinking) if self.field_thinking else None
+            out.append({"role": role, "content": m[self.field_content], "thinking": thinking,
                         "training": m.get(self.field_training) if self.field_training else None})
         if self.drop_system and out[0]["role"] == "system":
             out = out[1:]
         return out
 
     def render(self, turns):
-        return chat_ids(self.tok, self.template, [{"role": t["role"], "content": t["content"]} for t in turns])
+        def message(t):
+            m = {"role": t["role"], "content": t["content"]}
+            if t.get("thinking") is not None:
+                m[self.thinking_key] = t["thinking"]
+            return m
+        return chat_ids(self.tok, self.template, [message(t) for t in turns])
 
     def find_turn(self, turns, i):
         """Token span [start, end) of turn i's content, or (-1, -1) (axolotl's find_turn)."""
@@ -157,23 +188,29 @@ class ChatTemplate:
         turns = self.turns(row)
         ids = self.render(turns)
         labels = [IGNORE] * len(ids)
-        eos = self.tok.eos_token_id
-        last_eos = -1
+        # The turn's span (with its thinking: the dummy turn has none) is trained; then the first
+        # end-of-turn token and the first eos within 3 tokens after it, as train_on_eot / _eos say.
+        ends = [(self.eot_ids, self.train_on_eot), ({self.tok.eos_token_id}, self.train_on_eos)]
+        last = [-1, -1]
         for i, turn in enumerate(turns):
             train = turn["training"] if turn["training"] is not None else (
                 self.train_on_inputs or turn["role"] in self.roles_to_train)
+            if not train and self.train_on_eos != "all" and self.train_on_eot != "all":
+                continue  # axolotl does not locate untrained turns (nor their eos for "last")
             start, end = self.find_turn(turns, i)
             if start == -1:
                 continue
             if train:
                 labels[start:end] = ids[start:end]
-            eos_at = next((k for k in range(end, len(ids)) if ids[k] == eos), -1)
-            if eos_at != -1 and eos_at - end <= 3:  # the template may put a few tokens before the eos
-                last_eos = eos_at
-                if self.train_on_eos == "all" or (self.train_on_eos == "turn" and train):
-                    labels[eos_at] = ids[eos_at]
-        if self.train_on_eos == "last" and last_eos != -1:
-            labels[last_eos] = ids[last_eos]
+            for j, (which, option) in enumerate(ends):
+                at = next((k for k in range(end, len(ids)) if ids[k] in which), -1)
+                if at != -1 and at - end <= 3:  # the template may put a few tokens before it
+                    last[j] = at
+                    if option == "all" or (option == "turn" and train):
+                        labels[at] = ids[at]
+        for j, (_, option) in enumerate(ends):
+            if option == "last" and last[j] != -1:
+                labels[last[j]] = ids[last[j]]
         return ids, labels
 
 
@@ -267,10 +304,42 @@ def rows_of(path):
     return total, lines()
 
 
+# Hugging Face datasets' split syntax, one split (a local file is all "train"): train, train[10:50],
+# train[:20%], train[-10%:]. As datasets' ReadInstruction: a % on either side makes both
+# percentages, rounded to the closest row (Python's round), negatives count from the end.
+SPLIT_RE = re.compile(r"^train(\[((?P<from>-?\d+)(?P<from_pct>%)?)?:((?P<to>-?\d+)(?P<to_pct>%)?)?\])?$")
+
+
+def split_bounds(split, n):
+    if not split:
+        return 0, n
+    m = SPLIT_RE.match(split)
+    if not m:
+        raise DataError(f"split '{split}' is not train or a slice of it such as train[:20%] or train[10:50]")
+    pct = bool(m.group("from_pct") or m.group("to_pct"))
+    lo = int(m.group("from")) if m.group("from") is not None else None
+    hi = int(m.group("to")) if m.group("to") is not None else None
+    if pct:
+        lo = 0 if lo is None else int(round(lo * n / 100.0))
+        hi = n if hi is None else int(round(hi * n / 100.0))
+    else:
+        lo = 0 if lo is None else lo
+        hi = n if hi is None else hi
+    if lo < 0:
+        lo = max(n + lo, 0)
+    if hi < 0:
+        hi = max(n + hi, 0)
+    return min(lo, n), min(hi, n)
+
+
 def prepare(tok, spec, ds):
     fmt = FORMATS[ds["type"]](tok, spec, ds)
     path = ds["path"]
     total, rows = rows_of(path)
+    lo, hi = split_bounds(ds.get("split"), total)
+    if (lo, hi) != (0, total):
+        rows = (r for i, r in enumerate(rows) if lo <= i < hi)
+        total = max(hi - lo, 0)
     done = kept = tokens = trained = 0
     t0 = last = time.monotonic()
     with open(ds["output"], "w", encoding="utf-8") as out:

@@ -92,6 +92,12 @@ nlohmann::json dataset_shape(const DatasetSpec& d) {
   put("chat_template", d.chat_template);
   put("chat_template_jinja", d.chat_template_jinja);
   put("field", d.field);
+  if (!d.split.empty() && d.split != "train") j["split"] = d.split;
+  put("train_on_eot", d.train_on_eot);
+  if (d.type == "chat_template" && !d.fields_mapped) {  // axolotl's default reasoning_content mapping
+    j["field_thinking"] = d.field_thinking.empty() ? "reasoning_content" : d.field_thinking;
+    j["template_thinking_key"] = d.template_thinking_key.empty() ? "reasoning_content" : d.template_thinking_key;
+  }
   if (d.roles_to_train) j["roles_to_train"] = *d.roles_to_train;
   if (!d.roles.empty()) {
     nlohmann::json r = nlohmann::json::object();
@@ -111,6 +117,7 @@ nlohmann::json global_shape(const TrainConfig& cfg, const std::string& tokenizer
           {"trust_remote_code", cfg.trust_remote_code},
           {"special_tokens", special},
           {"train_on_inputs", cfg.train_on_inputs},
+          {"eot_tokens", cfg.eot_tokens.empty() ? nlohmann::json() : nlohmann::json(cfg.eot_tokens)},
           {"chat_template", cfg.chat_template},
           {"chat_template_jinja", cfg.chat_template_jinja.empty() ? nlohmann::json() : nlohmann::json(cfg.chat_template_jinja)}};
 }
