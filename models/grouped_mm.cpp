@@ -38,6 +38,26 @@ bool transposed_nk(const at::Tensor& b) {
   return b.stride(1) == 1 && b.stride(2) == b.size(1) && b.stride(0) == b.size(1) * b.size(2);
 }
 
+#ifdef EO_WITH_CUDA
+// What both of eo's grouped kernels take: a [M, K] · b [E, K, N] on one sm_80+ GPU in bf16, K and
+// N multiples of 8 (16-byte rows), b in one of the two layouts above, 16-byte aligned.
+bool bf16_grouped_operands(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
+  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
+  if (b.size(1) != a.size(1) || a.size(1) % 8 || b.size(2) % 8) return false;
+  if (!contiguous_kn(b) && !transposed_nk(b)) return false;
+  if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
+  return device_has_bf16_mma(a.device().index());
+}
+
+void check_offsets(const at::Tensor& offsets, std::int64_t experts, const at::Tensor& a, const char* what) {
+  EO_CHECK(offsets.dim() == 1 && offsets.size(0) == experts && offsets.scalar_type() == at::kInt &&
+               offsets.device() == a.device(),
+           what, ": offsets must be int32 [", experts, "] on ", a.device(), ", got ", offsets.sizes(), " ",
+           offsets.scalar_type(), " on ", offsets.device());
+}
+#endif
+
 // The backward of y = a · B_e, as libtorch's: da = g · B_e^T over the same rows (small-K where K' = N
 // is small), dB_e = a_e^T · g as the 2-D x 2-D grouped form.
 struct GroupedMmFunction : public torch::autograd::Function<GroupedMmFunction> {
@@ -65,14 +85,8 @@ bool small_k_kernel_enabled() { return small_k_enabled; }
 
 bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b) {
 #ifdef EO_WITH_CUDA
-  if (!a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
-  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
-  const std::int64_t K = a.size(1), N = b.size(2);
-  if (b.size(1) != K || K > grouped_mm::cuda::kMaxK || K % 8 || N % 8 || K == 0) return false;
-  if (b.size(0) > grouped_mm::cuda::kMaxExperts) return false;
-  if (!contiguous_kn(b) && !transposed_nk(b)) return false;
-  if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
-  return device_has_bf16_mma(a.device().index());
+  return bf16_grouped_operands(a, b) && a.size(1) > 0 && a.size(1) <= grouped_mm::cuda::kMaxK &&
+         b.size(0) <= grouped_mm::cuda::kMaxExperts;
 #else
   (void)a;
   (void)b;
@@ -84,10 +98,7 @@ at::Tensor small_k_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at
   EO_CHECK(small_k_kernel_applies(a, b), "small_k_grouped_mm: a ", a.sizes(), " ", a.scalar_type(), " on ", a.device(),
            ", b ", b.sizes(), " strides ", b.strides(), ": not a shape, layout or device the small-K kernel takes");
 #ifdef EO_WITH_CUDA
-  EO_CHECK(offsets.dim() == 1 && offsets.size(0) == b.size(0) && offsets.scalar_type() == at::kInt &&
-               offsets.device() == a.device(),
-           "small_k_grouped_mm: offsets must be int32 [", b.size(0), "] on ", a.device(), ", got ", offsets.sizes(), " ",
-           offsets.scalar_type());
+  check_offsets(offsets, b.size(0), a, "small_k_grouped_mm");
   at::Tensor ac = a.contiguous();
   if (reinterpret_cast<std::uintptr_t>(ac.data_ptr()) % 16) ac = ac.clone();  // a view at an odd offset
   const at::Tensor oc = offsets.contiguous();
@@ -120,13 +131,7 @@ bool portable_expert_gemm_built() {
 
 bool portable_grouped_mm_applies(const at::Tensor& a, const at::Tensor& b) {
 #ifdef EO_WITH_CUDA
-  if (!a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
-  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
-  const std::int64_t K = a.size(1), N = b.size(2);
-  if (b.size(1) != K || K % 8 || N % 8) return false;
-  if (!contiguous_kn(b) && !transposed_nk(b)) return false;
-  if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
-  return device_has_bf16_mma(a.device().index());
+  return bf16_grouped_operands(a, b);
 #else
   (void)a;
   (void)b;
@@ -144,12 +149,6 @@ at::Tensor aligned_rows(const at::Tensor& t) {
 at::Tensor workspace_for(const at::Tensor& like, std::int64_t experts) {
   const auto bytes = static_cast<std::int64_t>(expert_gemm::cuda::workspace_bytes(static_cast<int>(experts)));
   return at::empty({std::max<std::int64_t>(bytes, 16)}, like.options().dtype(at::kByte));
-}
-void check_offsets(const at::Tensor& offsets, std::int64_t experts, const at::Tensor& a, const char* what) {
-  EO_CHECK(offsets.dim() == 1 && offsets.size(0) == experts && offsets.scalar_type() == at::kInt &&
-               offsets.device() == a.device(),
-           what, ": offsets must be int32 [", experts, "] on ", a.device(), ", got ", offsets.sizes(), " ",
-           offsets.scalar_type(), " on ", offsets.device());
 }
 }  // namespace
 #endif
