@@ -152,10 +152,13 @@ at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Ten
   return grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
 // The paired A's output [N, r1 + r2] as its two column blocks, one per B GEMM, each copied
-// contiguous ([N, r]: small). Read in place (a row stride of r1 + r2), the B GEMMs gave wrong
-// gradients on the H200 (Cuda.GroupedExpertLoraModelMatchesThePerExpertLoop, session 6), where
-// the copies had passed. Autograd's narrow would hand each block's gradient back as a
-// zero-filled [N, r1 + r2] and add the two; this backward writes both into one tensor (one cat).
+// contiguous ([N, r]: small). With the blocks read in place (a row stride of r1 + r2) the model
+// gave wrong gradients on the H200 and with the copies it matches the per-expert loop
+// (Cuda.GroupedExpertLoraModelMatchesThePerExpertLoop), although torch's grouped GEMM alone reads
+// such a slice exactly (docs/benchmarks-history.md, "timings, and a wrong gradient found" and
+// "a small-K grouped GEMM that was no faster"): the copies stay until the cause is known.
+// Autograd's narrow would hand each block's gradient back as a zero-filled [N, r1 + r2] and add
+// the two; this backward writes both into one tensor (one cat).
 struct SplitColumnsFunction : public torch::autograd::Function<SplitColumnsFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& t,
                                                 std::int64_t first) {
