@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "models/grouped_mm.h"
 
 namespace eo::model {
@@ -433,16 +434,23 @@ LoraSpec read_adapter_config(const std::string& adapter_dir) {
 }
 
 void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model) {
-  nlohmann::json j = {{"peft_type", "LORA"},        {"task_type", "CAUSAL_LM"},  {"r", spec.r},
-                      {"lora_alpha", spec.alpha},   {"lora_dropout", spec.dropout}, {"target_modules", spec.targets},
-                      {"bias", "none"},             {"use_rslora", spec.use_rslora}, {"fan_in_fan_out", false},
-                      {"base_model_name_or_path", base_model}, {"inference_mode", true}};
+  // Only peft_type is required to load; the rest documents the run as peft's LoraConfig does.
+  nlohmann::json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["r"] = spec.r;
+  j["lora_alpha"] = spec.alpha;
+  j["lora_dropout"] = spec.dropout;
+  j["target_modules"] = spec.targets;
   if (!spec.target_parameters.empty()) j["target_parameters"] = spec.target_parameters;
-  const std::string path = adapter_dir + "/adapter_config.json";
-  std::ofstream out(path);
-  EO_CHECK(out, path, ": cannot write");
-  out << j.dump(2) << "\n";
-  EO_CHECK(out.good(), path, ": write failed");
+  j["bias"] = "none";
+  j["use_rslora"] = spec.use_rslora;
+  j["fan_in_fan_out"] = false;
+  j["base_model_name_or_path"] = base_model;
+  j["inference_mode"] = true;
+  j["init_lora_weights"] = true;
+  j["modules_to_save"] = nullptr;
+  write_file_atomic(adapter_dir + "/adapter_config.json", j.dump(2) + "\n");
 }
 
 }  // namespace eo::model
