@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace eo {
 
@@ -35,14 +36,26 @@ std::string concat(Args&&... args) {
   (os << ... << args);
   return os.str();
 }
+
+// `file` (a __FILE__) relative to the source tree: "models/nf4.cpp" rather than the build's
+// absolute or ccache-relative path, so messages are the same on every machine.
+const char* source_path(const char* file);
+
+// The message, then where it was raised: "... (at models/nf4.cpp:214)". Every check of this code
+// base (EO_CHECK, EO_FAIL, EO_CUDA_CHECK, EO_NCCL_CHECK, EO_MPI_CHECK) ends here, so a report from
+// a user names the line that failed whatever the library.
+template <typename... Args>
+[[noreturn]] void fail_at(const char* file, int line, Args&&... args) {
+  throw Error(concat(std::forward<Args>(args)..., " (at ", source_path(file), ":", line, ")"));
+}
 }  // namespace detail
 
 }  // namespace eo
 
-// EO_CHECK(cond, "message ", value, ...): throw eo::Error with the streamed message.
-#define EO_CHECK(cond, ...)                                    \
-  do {                                                         \
-    if (!(cond)) throw ::eo::Error(::eo::detail::concat(__VA_ARGS__)); \
+// EO_CHECK(cond, "message ", value, ...): throw eo::Error with the streamed message and file:line.
+#define EO_CHECK(cond, ...)                                                   \
+  do {                                                                        \
+    if (!(cond)) ::eo::detail::fail_at(__FILE__, __LINE__, __VA_ARGS__);      \
   } while (0)
 
-#define EO_FAIL(...) throw ::eo::Error(::eo::detail::concat(__VA_ARGS__))
+#define EO_FAIL(...) ::eo::detail::fail_at(__FILE__, __LINE__, __VA_ARGS__)

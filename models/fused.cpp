@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "common/cuda_check.h"
 #include "models/fused_cuda.h"
 #endif
 
@@ -25,9 +26,6 @@ fused::cuda::DType dtype_of(const at::Tensor& t) {
   }
 }
 cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
-void launched(cudaError_t rc, const char* what) {
-  EO_CHECK(rc == cudaSuccess, what, ": ", cudaGetErrorString(rc));
-}
 #endif
 
 // fp32 of a + b (b may be undefined), the kernels' sum of a base output and its LoRA delta.
@@ -64,9 +62,9 @@ at::Tensor swiglu_forward(const at::Tensor& g0, const at::Tensor& g1, const at::
     const at::Tensor g = g0.contiguous(), u = u0.contiguous(), gd = contiguous_if(g1, g), ud = contiguous_if(u1, g);
     at::Tensor h = at::empty_like(g);
     c10::cuda::CUDAGuard guard(g.device());
-    launched(fused::cuda::swiglu_forward(g.data_ptr(), ptr_or_null(gd), u.data_ptr(), ptr_or_null(ud), h.data_ptr(), g.numel(),
-                                         dtype_of(g), stream_of(g)),
-             "swiglu forward");
+    EO_CUDA_CHECK(fused::cuda::swiglu_forward(g.data_ptr(), ptr_or_null(gd), u.data_ptr(), ptr_or_null(ud), h.data_ptr(), g.numel(),
+                                              dtype_of(g), stream_of(g)),
+                  "fused swiglu forward kernel");
     return h;
   }
 #endif
@@ -85,9 +83,9 @@ std::pair<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& g0, const at
     const at::Tensor gd = contiguous_if(g1, g), ud = contiguous_if(u1, g), d1 = contiguous_if(db, g);
     at::Tensor dg = at::empty_like(g), du = at::empty_like(u);
     c10::cuda::CUDAGuard guard(g.device());
-    launched(fused::cuda::swiglu_backward(g.data_ptr(), ptr_or_null(gd), u.data_ptr(), ptr_or_null(ud), d.data_ptr(),
-                                          ptr_or_null(d1), dg.data_ptr(), du.data_ptr(), g.numel(), dtype_of(g), stream_of(g)),
-             "swiglu backward");
+    EO_CUDA_CHECK(fused::cuda::swiglu_backward(g.data_ptr(), ptr_or_null(gd), u.data_ptr(), ptr_or_null(ud), d.data_ptr(),
+                                               ptr_or_null(d1), dg.data_ptr(), du.data_ptr(), g.numel(), dtype_of(g), stream_of(g)),
+                  "fused swiglu backward kernel");
     return {dg, du};
   }
 #endif
@@ -148,10 +146,10 @@ at::Tensor rope_kernel(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   const at::Tensor xc = x.contiguous(), c = cos.to(x.scalar_type()).contiguous(), s = sin.to(x.scalar_type()).contiguous();
   at::Tensor out = at::empty_like(xc);
   c10::cuda::CUDAGuard guard(xc.device());
-  launched(fused::cuda::rope(xc.data_ptr(), c.data_ptr(), s.data_ptr(), out.data_ptr(), xc.size(0) * xc.size(1),
-                             static_cast<int>(xc.size(2)), static_cast<int>(xc.size(3)), static_cast<int>(c.size(-1)), backward,
-                             dtype_of(xc), stream_of(xc)),
-           "rope");
+  EO_CUDA_CHECK(fused::cuda::rope(xc.data_ptr(), c.data_ptr(), s.data_ptr(), out.data_ptr(), xc.size(0) * xc.size(1),
+                                  static_cast<int>(xc.size(2)), static_cast<int>(xc.size(3)), static_cast<int>(c.size(-1)), backward,
+                                  dtype_of(xc), stream_of(xc)),
+                "fused rope kernel");
   return out;
 }
 
@@ -234,10 +232,10 @@ at::Tensor gather_sum_rows(const at::Tensor& x, const at::Tensor& index, std::in
     const at::Tensor wc = f32_contiguous_if(weight);
     at::Tensor out = at::empty({rows, xc.size(1)}, xc.options());
     c10::cuda::CUDAGuard guard(xc.device());
-    launched(fused::cuda::gather_sum_rows(xc.data_ptr(), ptr_or_null(ac), ic.data_ptr<std::int64_t>(), f32_or_null(wc),
-                                          out.data_ptr(), rows, static_cast<int>(fanout), xc.size(1), dtype_of(xc),
-                                          stream_of(xc)),
-             "gather_sum_rows");
+    EO_CUDA_CHECK(fused::cuda::gather_sum_rows(xc.data_ptr(), ptr_or_null(ac), ic.data_ptr<std::int64_t>(), f32_or_null(wc),
+                                               out.data_ptr(), rows, static_cast<int>(fanout), xc.size(1), dtype_of(xc),
+                                               stream_of(xc)),
+                  "fused gather_sum_rows kernel");
     return out;
   }
 #endif
@@ -260,10 +258,10 @@ at::Tensor gather_dot_rows(const at::Tensor& x, const at::Tensor& addend, const 
     const at::Tensor xc = x.contiguous(), ic = index.to(at::kLong).contiguous(), ac = contiguous_if(addend, xc), gc = g.contiguous();
     at::Tensor out = at::empty({index.numel()}, xc.options().dtype(at::kFloat));
     c10::cuda::CUDAGuard guard(xc.device());
-    launched(fused::cuda::gather_dot_rows(xc.data_ptr(), ptr_or_null(ac), ic.data_ptr<std::int64_t>(), gc.data_ptr(),
-                                          out.data_ptr<float>(), rows, static_cast<int>(fanout), xc.size(1), dtype_of(xc),
-                                          stream_of(xc)),
-             "gather_dot_rows");
+    EO_CUDA_CHECK(fused::cuda::gather_dot_rows(xc.data_ptr(), ptr_or_null(ac), ic.data_ptr<std::int64_t>(), gc.data_ptr(),
+                                               out.data_ptr<float>(), rows, static_cast<int>(fanout), xc.size(1), dtype_of(xc),
+                                               stream_of(xc)),
+                  "fused gather_dot_rows kernel");
     return out;
   }
 #endif

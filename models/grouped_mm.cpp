@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "common/cuda_check.h"
 #include "models/expert_gemm_cuda.h"
 #include "models/grouped_mm_cuda.h"
 #endif
@@ -107,7 +108,7 @@ at::Tensor small_k_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at
   const cudaError_t rc = grouped_mm::cuda::small_k_grouped_mm(
       ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(), static_cast<int>(b.size(0)), out.data_ptr(),
       a.size(0), b.size(2), static_cast<int>(a.size(1)), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
-  EO_CHECK(rc == cudaSuccess, "small-K grouped GEMM: ", cudaGetErrorString(rc));
+  EO_CUDA_CHECK(rc, "small-K grouped GEMM");
   return out;
 #else
   (void)offsets;
@@ -166,7 +167,7 @@ at::Tensor portable_grouped_mm(const at::Tensor& a, const at::Tensor& b, const a
   const cudaError_t rc = expert_gemm::cuda::grouped_rows(
       ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(), static_cast<int>(b.size(0)), out.data_ptr(),
       a.size(0), b.size(2), a.size(1), ws.data_ptr(), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
-  EO_CHECK(rc == cudaSuccess, "portable grouped GEMM: ", cudaGetErrorString(rc));
+  EO_CUDA_CHECK(rc, "portable grouped GEMM");
   return out;
 #else
   (void)offsets;
@@ -190,7 +191,7 @@ at::Tensor grouped_mm_contract(const at::Tensor& a, const at::Tensor& g, const a
     const cudaError_t rc = expert_gemm::cuda::grouped_contract(
         ac.data_ptr(), gc.data_ptr(), oc.data_ptr<int>(), static_cast<int>(E), out.data_ptr(), a.size(0), a.size(1),
         g.size(1), ws.data_ptr(), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
-    EO_CHECK(rc == cudaSuccess, "portable grouped GEMM (a^T g): ", cudaGetErrorString(rc));
+    EO_CUDA_CHECK(rc, "portable grouped GEMM (a^T g)");
     return out;
   }
 #endif

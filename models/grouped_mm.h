@@ -4,10 +4,10 @@
 // (grouped_mm_cuda.h): the expert LoRA's B GEMM forward (down [N, r] · B^T) and its A GEMM's dX
 // (d_down [N, r] · A), the GEMMs whose outputs are [N, in] or [N, out] wide.
 //
-// The kernel is off by default: on the H200 it matched libtorch's CUTLASS GEMM bit for bit but
-// ran no faster, writing at about 650 GB/s (docs/benchmarks.md, session 7). Its 16-byte output
-// stores had compiled to four 4-byte ones; that is fixed (PTX now st.global.v4) but not yet
-// timed, so the step keeps libtorch's op until eo-lora-gemm shows the kernel ahead.
+// The kernel is off by default because the step is slower with it: on the H200 it matches
+// libtorch's CUTLASS GEMM bit for bit and is faster per call (1.16x over a block's 20 LoRA GEMMs),
+// but the every-linear resident step went from 0.285 to 0.290 s at micro-batch 1
+// (docs/benchmarks-history.md, "Issue #14's rows at e456ade").
 #pragma once
 
 #include <ATen/ATen.h>

@@ -22,9 +22,10 @@ constexpr int kLdBnk = kMaxK + kPad;                     // Bs as [kBN][kLdBnk] 
 constexpr int kLdBkn = kBN + kPad;                       // Bs as [kMaxK][kLdBkn] (row-major B)
 constexpr int kBsElems = std::max(kBN * kLdBnk, kMaxK * kLdBkn);
 
-// Two fp32 values as one 32-bit word of bf16 (round to nearest), for the 16-byte output stores.
-// Session 7's kernel stored each 8 values as four 4-byte writes (PTX st.global.u32), pieces of
-// sectors, and wrote at 650 GB/s (docs/benchmarks.md).
+// Two fp32 values as one 32-bit word of bf16 (round to nearest), for the 16-byte output stores:
+// storing each 8 values as four 4-byte writes (PTX st.global.u32) writes pieces of sectors, which
+// capped the outputs at about 650 GB/s on the H200 (docs/benchmarks-history.md, "a small-K grouped
+// GEMM that was no faster").
 __device__ __forceinline__ unsigned bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const unsigned*>(&h);

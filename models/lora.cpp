@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "models/grouped_mm.h"
 
 namespace eo::model {
@@ -152,10 +153,13 @@ at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Ten
   return grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
 // The paired A's output [N, r1 + r2] as its two column blocks, one per B GEMM, each copied
-// contiguous ([N, r]: small). Read in place (a row stride of r1 + r2), the B GEMMs gave wrong
-// gradients on the H200 (Cuda.GroupedExpertLoraModelMatchesThePerExpertLoop, session 6), where
-// the copies had passed. Autograd's narrow would hand each block's gradient back as a
-// zero-filled [N, r1 + r2] and add the two; this backward writes both into one tensor (one cat).
+// contiguous ([N, r]: small). With the blocks read in place (a row stride of r1 + r2) the model
+// gave wrong gradients on the H200 and with the copies it matches the per-expert loop
+// (Cuda.GroupedExpertLoraModelMatchesThePerExpertLoop), although torch's grouped GEMM alone reads
+// such a slice exactly (docs/benchmarks-history.md, "timings, and a wrong gradient found" and
+// "a small-K grouped GEMM that was no faster"): the copies stay until the cause is known.
+// Autograd's narrow would hand each block's gradient back as a zero-filled [N, r1 + r2] and add
+// the two; this backward writes both into one tensor (one cat).
 struct SplitColumnsFunction : public torch::autograd::Function<SplitColumnsFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& t,
                                                 std::int64_t first) {
@@ -430,16 +434,23 @@ LoraSpec read_adapter_config(const std::string& adapter_dir) {
 }
 
 void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model) {
-  nlohmann::json j = {{"peft_type", "LORA"},        {"task_type", "CAUSAL_LM"},  {"r", spec.r},
-                      {"lora_alpha", spec.alpha},   {"lora_dropout", spec.dropout}, {"target_modules", spec.targets},
-                      {"bias", "none"},             {"use_rslora", spec.use_rslora}, {"fan_in_fan_out", false},
-                      {"base_model_name_or_path", base_model}, {"inference_mode", true}};
+  // Only peft_type is required to load; the rest documents the run as peft's LoraConfig does.
+  nlohmann::json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["r"] = spec.r;
+  j["lora_alpha"] = spec.alpha;
+  j["lora_dropout"] = spec.dropout;
+  j["target_modules"] = spec.targets;
   if (!spec.target_parameters.empty()) j["target_parameters"] = spec.target_parameters;
-  const std::string path = adapter_dir + "/adapter_config.json";
-  std::ofstream out(path);
-  EO_CHECK(out, path, ": cannot write");
-  out << j.dump(2) << "\n";
-  EO_CHECK(out.good(), path, ": write failed");
+  j["bias"] = "none";
+  j["use_rslora"] = spec.use_rslora;
+  j["fan_in_fan_out"] = false;
+  j["base_model_name_or_path"] = base_model;
+  j["inference_mode"] = true;
+  j["init_lora_weights"] = true;
+  j["modules_to_save"] = nullptr;
+  write_file_atomic(adapter_dir + "/adapter_config.json", j.dump(2) + "\n");
 }
 
 }  // namespace eo::model

@@ -133,7 +133,10 @@ NamedLora peft_lora_tensors(const NamedLora& params);
 // other entries pass through. Throws if an expert index is missing.
 NamedLora stack_expert_lora(const NamedLora& peft, const LoraSpec* spec = nullptr);
 
-// peft's adapter_config.json, the subset we read and write.
+// peft's adapter_config.json, the subset we read and write. write_adapter_config is its one
+// writer (final adapters, checkpoints, MoeModel::save_adapter), atomic (common/files.h): a crash
+// or a full drive leaves the previous file or the new one, never half of one, and a link in its
+// place is replaced, not written through.
 LoraSpec read_adapter_config(const std::string& adapter_dir);
 void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model);
 

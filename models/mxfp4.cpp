@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "common/cuda_check.h"
 #include "models/mxfp4_cuda.h"
 #endif
 
@@ -84,9 +85,7 @@ at::Tensor dequantize_cuda(const std::vector<const nf4::QuantizedWeight*>& qs, a
   at::Tensor out = at::empty({static_cast<std::int64_t>(qs.size()), w.rows, w.cols}, at::TensorOptions().dtype(dtype).device(dev));
   const cudaError_t rc = cuda::dequantize(sources.data(), static_cast<int>(qs.size()), w, out.data_ptr(), type,
                                           c10::cuda::getCurrentCUDAStream(dev.index()).stream());
-  if (rc != cudaSuccess)
-    EO_FAIL("mxfp4: CUDA dequantize kernel launch failed: ", cudaGetErrorString(rc),
-            " (codes must be 4-byte aligned, window columns multiples of 8)");
+  EO_CUDA_CHECK(rc, "mxfp4: CUDA dequantize kernel launch (codes must be 4-byte aligned, window columns multiples of 8)");
   return out;
 }
 #endif

@@ -43,6 +43,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "common/cuda_check.h"
 #include "models/nf4_cuda.h"
 #endif
 
@@ -211,10 +212,6 @@ std::int64_t QuantizedWeight::bytes() const {
 #ifdef EO_WITH_CUDA
 namespace {
 
-void cuda_ok(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess) EO_FAIL("nf4: CUDA ", what, " failed: ", cudaGetErrorString(rc));
-}
-
 cuda::OutType out_type(at::ScalarType dtype) {
   return dtype == at::kFloat ? cuda::OutType::F32 : dtype == at::kBFloat16 ? cuda::OutType::BF16 : cuda::OutType::F16;
 }
@@ -260,14 +257,14 @@ at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::Sc
   const auto opts = at::TensorOptions().dtype(dtype).device(dev);
   if (window) {
     at::Tensor out = at::empty({count, window->rows, window->cols}, opts);
-    cuda_ok(cuda::dequantize_window(sources.data(), static_cast<int>(count), layout, *window, out.data_ptr(), out_type(dtype),
-                                    stream),
-            "dequantize window kernel launch");
+    EO_CUDA_CHECK(cuda::dequantize_window(sources.data(), static_cast<int>(count), layout, *window, out.data_ptr(), out_type(dtype),
+                                          stream),
+                  "nf4: CUDA dequantize window kernel launch");
     return out;
   }
   at::Tensor out = at::empty({count, first.shape[0], first.shape[1]}, opts);
-  cuda_ok(cuda::dequantize(sources.data(), static_cast<int>(count), layout, out.data_ptr(), out_type(dtype), stream),
-          "dequantize kernel launch");
+  EO_CUDA_CHECK(cuda::dequantize(sources.data(), static_cast<int>(count), layout, out.data_ptr(), out_type(dtype), stream),
+                "nf4: CUDA dequantize kernel launch");
   return out;
 }
 
@@ -298,9 +295,9 @@ QuantizedWeight quantize(const at::Tensor& weight, int blocksize, bool double_qu
     q.dtype = dtype;
     q.packed = at::empty({(n + 1) / 2, 1}, x.options().dtype(at::kByte));
     q.absmax = at::empty({(n + blocksize - 1) / blocksize}, x.options());
-    cuda_ok(cuda::quantize(x.data_ptr<float>(), n, blocksize, q.packed.data_ptr<std::uint8_t>(), q.absmax.data_ptr<float>(),
-                           c10::cuda::getCurrentCUDAStream(weight.device().index()).stream()),
-            "quantize kernel launch");
+    EO_CUDA_CHECK(cuda::quantize(x.data_ptr<float>(), n, blocksize, q.packed.data_ptr<std::uint8_t>(), q.absmax.data_ptr<float>(),
+                                 c10::cuda::getCurrentCUDAStream(weight.device().index()).stream()),
+                  "nf4: CUDA quantize kernel launch");
     if (double_quant) {
       const at::Tensor absmax = q.absmax.to(at::kCPU);
       DoubleQuant dq;

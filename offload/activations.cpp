@@ -11,17 +11,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include "common/cuda_check.h"
 #endif
 
 namespace eo::offload {
 namespace {
 std::int64_t nbytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<std::int64_t>(t.element_size()) : 0; }
-
-#ifdef EO_WITH_CUDA
-void cuda_check(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess) EO_FAIL("activation offloading: ", what, " failed: ", cudaGetErrorString(rc));
-}
-#endif
 }  // namespace
 
 struct ActivationStore::Entry {
@@ -39,10 +35,10 @@ struct ActivationStore::Cuda {
   // The copy stream waits until everything enqueued on the compute stream so far is done.
   void copy_waits_for_compute(int index) {
     cudaEvent_t e;
-    cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-    cuda_check(cudaEventRecord(e, c10::cuda::getCurrentCUDAStream(index).stream()), "cudaEventRecord");
-    cuda_check(cudaStreamWaitEvent(copy.stream(), e, 0), "cudaStreamWaitEvent");
-    cuda_check(cudaEventDestroy(e), "cudaEventDestroy");  // released once it has completed
+    EO_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "activation offloading: cudaEventCreate");
+    EO_CUDA_CHECK(cudaEventRecord(e, c10::cuda::getCurrentCUDAStream(index).stream()), "activation offloading: cudaEventRecord");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(copy.stream(), e, 0), "activation offloading: cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaEventDestroy(e), "activation offloading: cudaEventDestroy");  // released once it has completed
   }
 #endif
 };
@@ -76,9 +72,9 @@ void ActivationStore::put(int block, int micro, const at::Tensor& x) {
     if (cuda_) {
       c10::cuda::CUDAGuard guard(device_.index());
       cuda_->copy_waits_for_compute(device_.index());
-      cuda_check(cudaMemcpyAsync(e->host.data_ptr(), src.data_ptr(), static_cast<std::size_t>(nbytes(src)),
-                                 cudaMemcpyDeviceToHost, cuda_->copy.stream()),
-                 "cudaMemcpyAsync (block input to host)");
+      EO_CUDA_CHECK(cudaMemcpyAsync(e->host.data_ptr(), src.data_ptr(), static_cast<std::size_t>(nbytes(src)),
+                                    cudaMemcpyDeviceToHost, cuda_->copy.stream()),
+                    "activation offloading: cudaMemcpyAsync (block input to host)");
       // The caller may drop `x` at once: its memory is not reused before the copy stream is done.
       c10::cuda::CUDACachingAllocator::recordStream(src.storage().data_ptr(), cuda_->copy);
     } else
@@ -102,11 +98,11 @@ void ActivationStore::prefetch(int block) {
     if (cuda_) {
       c10::cuda::CUDAGuard guard(device_.index());
       cuda_->copy_waits_for_compute(device_.index());
-      cuda_check(cudaMemcpyAsync(e.device.data_ptr(), e.host.data_ptr(), static_cast<std::size_t>(nbytes(e.host)),
-                                 cudaMemcpyHostToDevice, cuda_->copy.stream()),
-                 "cudaMemcpyAsync (block input to device)");
-      cuda_check(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming), "cudaEventCreate");
-      cuda_check(cudaEventRecord(e.ready, cuda_->copy.stream()), "cudaEventRecord");
+      EO_CUDA_CHECK(cudaMemcpyAsync(e.device.data_ptr(), e.host.data_ptr(), static_cast<std::size_t>(nbytes(e.host)),
+                                    cudaMemcpyHostToDevice, cuda_->copy.stream()),
+                    "activation offloading: cudaMemcpyAsync (block input to device)");
+      EO_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming), "activation offloading: cudaEventCreate");
+      EO_CUDA_CHECK(cudaEventRecord(e.ready, cuda_->copy.stream()), "activation offloading: cudaEventRecord");
       continue;
     }
 #endif
@@ -124,9 +120,9 @@ at::Tensor ActivationStore::take(int block, int micro) {
   entries_.erase(it);
 #ifdef EO_WITH_CUDA
   if (e->ready) {
-    cuda_check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), e->ready, 0),
-               "cudaStreamWaitEvent");
-    cuda_check(cudaEventDestroy(e->ready), "cudaEventDestroy");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), e->ready, 0),
+                  "activation offloading: cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaEventDestroy(e->ready), "activation offloading: cudaEventDestroy");
   }
 #endif
   // The host buffer is free for the next put: the copy stream is one stream, so a later copy into

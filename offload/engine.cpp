@@ -24,18 +24,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include "common/cuda_check.h"
 #include "offload/copy_pace_cuda.h"
 #endif
 
 namespace eo::offload {
 namespace {
-
-
-#ifdef EO_WITH_CUDA
-void cuda_check(cudaError_t rc, const char* what) {
-  if (rc != cudaSuccess) EO_FAIL("offload: ", what, " failed: ", cudaGetErrorString(rc));
-}
-#endif
 
 }  // namespace
 
@@ -86,7 +80,7 @@ struct ExpertOffloader::CudaState {
       return e;
     }
     cudaEvent_t e;
-    cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+    EO_CUDA_CHECK(cudaEventCreate(&e), "offload: cudaEventCreate");
     return e;
   }
 #endif
@@ -197,8 +191,8 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     s->arena = at::empty({max_block}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
 #ifdef EO_WITH_CUDA
     if (cuda_) {
-      cuda_check(cudaEventCreate(&s->ready), "cudaEventCreate");
-      cuda_check(cudaEventCreate(&s->released), "cudaEventCreate");
+      EO_CUDA_CHECK(cudaEventCreate(&s->ready), "offload: cudaEventCreate");
+      EO_CUDA_CHECK(cudaEventCreate(&s->released), "offload: cudaEventCreate");
     }
 #endif
     slots_.push_back(std::move(s));
@@ -445,31 +439,31 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
   if (cuda_) {
     cudaStream_t cs = cuda_->copy_stream.stream();
     // The slot's previous block may still be read by kernels enqueued on the compute stream.
-    cuda_check(cudaStreamWaitEvent(cs, slot.released, 0), "cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(cs, slot.released, 0), "offload: cudaStreamWaitEvent");
     cudaEvent_t start = cuda_->take(), end = cuda_->take();
-    cuda_check(cudaEventRecord(start, cs), "cudaEventRecord");
+    EO_CUDA_CHECK(cudaEventRecord(start, cs), "offload: cudaEventRecord");
     const bool paced = cuda_->pace_stamp.defined();
-    if (paced) cuda_check(offload::cuda::pace_begin(cuda_->pace_stamp.data_ptr<std::int64_t>(), cs), "copy pace");
-    cuda_check(cudaMemcpyAsync(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes), cudaMemcpyHostToDevice, cs),
-               "cudaMemcpyAsync (expert staging)");
+    if (paced) EO_CUDA_CHECK(offload::cuda::pace_begin(cuda_->pace_stamp.data_ptr<std::int64_t>(), cs), "offload: copy pace");
+    EO_CUDA_CHECK(cudaMemcpyAsync(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes), cudaMemcpyHostToDevice, cs),
+                  "offload: cudaMemcpyAsync (expert staging)");
     if (paced)
-      cuda_check(offload::cuda::pace_end(cuda_->pace_stamp.data_ptr<std::int64_t>(),
-                                         static_cast<std::int64_t>(double(b.bytes) / opt_.copy_pace_gbps), cs),
-                 "copy pace");
-    cuda_check(cudaEventRecord(end, cs), "cudaEventRecord");
-    cuda_check(cudaEventRecord(slot.ready, cs), "cudaEventRecord");
+      EO_CUDA_CHECK(offload::cuda::pace_end(cuda_->pace_stamp.data_ptr<std::int64_t>(),
+                                            static_cast<std::int64_t>(double(b.bytes) / opt_.copy_pace_gbps), cs),
+                    "offload: copy pace");
+    EO_CUDA_CHECK(cudaEventRecord(end, cs), "offload: cudaEventRecord");
+    EO_CUDA_CHECK(cudaEventRecord(slot.ready, cs), "offload: cudaEventRecord");
     cuda_->copy_events.emplace_back(start, end);
     if (disk_) {
       // The ring buffer is free again once this copy has read it: the reader waits on an event
       // of its own (the pooled ones are this thread's) before it reads another block into it.
       cudaEvent_t copied;
-      cuda_check(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming), "cudaEventCreate");
-      cuda_check(cudaEventRecord(copied, cs), "cudaEventRecord");
+      EO_CUDA_CHECK(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming), "offload: cudaEventCreate");
+      EO_CUDA_CHECK(cudaEventRecord(copied, cs), "offload: cudaEventRecord");
       release_home(b, [copied, device = opt_.device.index()] {
         cudaSetDevice(device);  // the reader thread's calls go to this rank's device
         const cudaError_t rc = cudaEventSynchronize(copied);
         cudaEventDestroy(copied);
-        if (rc != cudaSuccess) EO_FAIL("offload: waiting for a copy out of the disk homes' ring: ", cudaGetErrorString(rc));
+        EO_CUDA_CHECK(rc, "offload: waiting for a copy out of the disk homes' ring");
       });
     }
     slot.copy_pending = true;
@@ -493,9 +487,9 @@ void ExpertOffloader::wait_ready(Slot& slot) {
   if (cuda_) {
     cudaStream_t compute = c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream();
     cudaEvent_t before = cuda_->take(), after = cuda_->take();
-    cuda_check(cudaEventRecord(before, compute), "cudaEventRecord");
-    cuda_check(cudaStreamWaitEvent(compute, slot.ready, 0), "cudaStreamWaitEvent");
-    cuda_check(cudaEventRecord(after, compute), "cudaEventRecord");
+    EO_CUDA_CHECK(cudaEventRecord(before, compute), "offload: cudaEventRecord");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(compute, slot.ready, 0), "offload: cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaEventRecord(after, compute), "offload: cudaEventRecord");
     cuda_->stall_events.emplace_back(before, after);
   }
 #endif
@@ -517,8 +511,8 @@ void ExpertOffloader::stage_block(int layer) {
 #ifdef EO_WITH_CUDA
   // Everything enqueued so far may read the block in use: mark the point after which its slot is free.
   if (cuda_ && in_use)
-    cuda_check(cudaEventRecord(in_use->released, c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()),
-               "cudaEventRecord");
+    EO_CUDA_CHECK(cudaEventRecord(in_use->released, c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()),
+                  "offload: cudaEventRecord");
 #else
   (void)in_use;
 #endif
@@ -598,7 +592,7 @@ OffloadStats ExpertOffloader::take_step_stats() {
     // Each pair's second event is recorded after its first on the same stream.
     auto time = [this](std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& pairs, double& seconds) {
       for (auto& [first, second] : pairs) {
-        cuda_check(cudaEventSynchronize(second), "cudaEventSynchronize");
+        EO_CUDA_CHECK(cudaEventSynchronize(second), "offload: cudaEventSynchronize");
         float ms = 0;
         if (cudaEventElapsedTime(&ms, first, second) == cudaSuccess) seconds += ms / 1e3;
         cuda_->free_events.push_back(first);

@@ -566,15 +566,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   const auto& mc = model->config();
   if (cfg.expert_offload) run.offloader = start_offload(*model, cfg, device, world);
   const auto& offloader = run.offloader;
-  model::LoraSpec spec;
-  spec.r = cfg.lora_r;
-  spec.alpha = cfg.lora_alpha;
-  spec.dropout = cfg.lora_dropout;
-  spec.use_rslora = cfg.peft_use_rslora;
-  spec.targets = cfg.lora_target_modules;
-  spec.target_parameters = cfg.lora_target_parameters;
-  spec.seed = static_cast<std::uint64_t>(cfg.seed);
-  model->add_lora(spec);
+  model->add_lora(lora_spec(cfg));
   run.lora = model->lora_parameters();
   const NamedTensors& lora = run.lora;
   EO_CHECK(!lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",

@@ -324,34 +324,30 @@ std::string first_nonfinite(const NamedTensors& tensors) {
 
 std::string checkpoint_damage(const std::string& folder) { return damage(folder, /*state_only=*/false); }
 
+model::LoraSpec lora_spec(const TrainConfig& cfg) {
+  model::LoraSpec spec;
+  spec.r = cfg.lora_r;
+  spec.alpha = cfg.lora_alpha;
+  spec.dropout = cfg.lora_dropout;
+  spec.use_rslora = cfg.peft_use_rslora;
+  spec.targets = cfg.lora_target_modules;
+  spec.target_parameters = cfg.lora_target_parameters;
+  spec.seed = static_cast<std::uint64_t>(cfg.seed);
+  return spec;
+}
+
 void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg) {
   // An adapter with NaN/Inf would load and generate garbage: never written.
   if (const std::string bad = first_nonfinite(lora); !bad.empty())
     EO_FAIL("not writing the adapter to ", dir, ": ", bad, " holds NaN/Inf values");
   fs::create_directories(dir);
-  // peft's adapter_config.json; only peft_type is required to load, the rest documents the run.
-  nlohmann::json c;
-  c["peft_type"] = "LORA";
-  c["task_type"] = "CAUSAL_LM";
-  c["r"] = cfg.lora_r;
-  c["lora_alpha"] = cfg.lora_alpha;
-  c["lora_dropout"] = cfg.lora_dropout;
-  c["target_modules"] = cfg.lora_target_modules;
-  if (!cfg.lora_target_parameters.empty()) c["target_parameters"] = cfg.lora_target_parameters;
-  c["bias"] = "none";
-  c["use_rslora"] = cfg.peft_use_rslora;
-  c["fan_in_fan_out"] = false;
-  c["base_model_name_or_path"] = cfg.base_model;
-  c["inference_mode"] = true;
-  c["init_lora_weights"] = true;
-  c["modules_to_save"] = nullptr;
   // peft's names and shapes: a stacked expert LoRA is written as its per-expert slices (cut on
   // the host, after one device copy per stacked tensor).
   NamedTensors stacked, cpu;
   for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
   for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
-  write_file_atomic((fs::path(dir) / "adapter_config.json").string(), c.dump(2) + "\n");
+  model::write_adapter_config(dir, lora_spec(cfg), cfg.base_model);
   // What the adapter was trained on top of (peft's config has no place for it): `eo-ddp score
   // --adapter` evaluates on the same base unless told otherwise.
   nlohmann::json base;

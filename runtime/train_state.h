@@ -35,6 +35,9 @@
 namespace eo {
 
 struct TrainConfig;
+namespace model {
+struct LoraSpec;
+}
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // adapter_model.safetensors + adapter_config.json in `dir` (created), as peft writes them.
@@ -42,6 +45,8 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 // Writes a peft adapter folder (adapter_model.safetensors, adapter_config.json) and kAdapterBaseFile,
 // which records the base the adapter was trained on (NF4 or not, blocksize, double quantisation).
 void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg);
+// The LoRA `cfg` trains: what setup adds to the model and what the adapter's config records.
+model::LoraSpec lora_spec(const TrainConfig& cfg);
 inline constexpr const char* kAdapterBaseFile = "eo_ddp_base.json";
 // Copies the base model's tokenizer files (tokenizer.json, tokenizer_config.json with its chat
 // template, chat_template.jinja, special_tokens_map.json, vocabularies ...) beside the adapter, as

@@ -20,6 +20,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "models/lora.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/metrics.h"
@@ -217,6 +218,52 @@ TEST_F(TrainStateTest, AtomicWriteReplacesALinkInsteadOfFollowingIt) {
   EXPECT_EQ(read_text(dir_ / "victim"), "precious\n");
   EXPECT_FALSE(fs::is_symlink(dir_ / "file.json"));
   EXPECT_EQ(read_text(dir_ / "file.json"), "new\n");
+}
+
+// adapter_config.json has one writer, atomic whichever path writes it: the final adapter and
+// checkpoints (write_adapter) and MoeModel::save_adapter (model::write_adapter_config) write the
+// same keys, peft's LoraConfig fields, and replace a link in the file's place instead of writing
+// through it.
+TEST_F(TrainStateTest, AdapterConfigHasOneAtomicWriter) {
+  TrainConfig c = config();
+  c.lora_r = 4;
+  c.lora_alpha = 8;
+  c.lora_target_modules = {"q_proj", "v_proj"};
+  const fs::path a = dir_ / "final", b = dir_ / "saved";
+  for (const fs::path& d : {a, b}) {
+    fs::create_directories(d);
+    std::ofstream(dir_ / (d.filename().string() + ".victim")) << "precious\n";
+    fs::create_symlink(dir_ / (d.filename().string() + ".victim"), d / "adapter_config.json");
+  }
+  eo::write_adapter(a.string(), {{"base_model.model.x.q_proj.lora_A.weight", at::ones({4, 2})}}, c);
+  eo::model::write_adapter_config(b.string(), eo::lora_spec(c), c.base_model);
+  for (const fs::path& d : {a, b}) {
+    EXPECT_EQ(read_text(dir_ / (d.filename().string() + ".victim")), "precious\n") << d;
+    EXPECT_FALSE(fs::is_symlink(d / "adapter_config.json")) << d;
+    for (const auto& e : fs::directory_iterator(d))
+      EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << "a temporary was left: " << e.path();
+  }
+  const std::string text = read_text(a / "adapter_config.json");
+  EXPECT_EQ(read_text(b / "adapter_config.json"), text);
+  const auto j = nlohmann::json::parse(text);
+  EXPECT_EQ(j.at("peft_type"), "LORA");
+  EXPECT_EQ(j.at("task_type"), "CAUSAL_LM");
+  EXPECT_EQ(j.at("r"), 4);
+  EXPECT_EQ(j.at("lora_alpha"), 8.0);
+  EXPECT_EQ(j.at("lora_dropout"), 0.0);
+  EXPECT_EQ(j.at("target_modules"), nlohmann::json::array({"q_proj", "v_proj"}));
+  EXPECT_FALSE(j.contains("target_parameters"));
+  EXPECT_EQ(j.at("bias"), "none");
+  EXPECT_EQ(j.at("use_rslora"), false);
+  EXPECT_EQ(j.at("fan_in_fan_out"), false);
+  EXPECT_EQ(j.at("base_model_name_or_path"), c.base_model);
+  EXPECT_EQ(j.at("inference_mode"), true);
+  EXPECT_EQ(j.at("init_lora_weights"), true);
+  EXPECT_TRUE(j.at("modules_to_save").is_null());
+  const eo::model::LoraSpec back = eo::model::read_adapter_config(a.string());
+  EXPECT_EQ(back.r, 4);
+  EXPECT_EQ(back.alpha, 8.0);
+  EXPECT_EQ(back.targets, c.lora_target_modules);
 }
 
 // Item 9: an output_dir that cannot be written is a usage error before anything is loaded.

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "common/error.h"
-#include "runtime/dist/mpi_check.h"
+#include "common/mpi_check.h"
 #include "runtime/dist/world.h"
 
 #ifdef EO_WITH_CUDA
@@ -18,6 +18,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
+
+#include "common/cuda_check.h"
+#include "common/nccl_check.h"
 
 #include <condition_variable>
 #include <future>
@@ -55,18 +58,9 @@ struct Communicator::Pending {
 
 #ifdef EO_WITH_CUDA
 namespace {
-// The CUDA and NCCL checks of this file, with file:line (MPI's: runtime/dist/mpi_check.h).
-void cuda_check_at(cudaError_t rc, const char* what, const char* file, int line) {
-  EO_CHECK(rc == cudaSuccess, what, " failed at ", file, ":", line, ": ", cudaGetErrorString(rc));
-}
-void nccl_check_at(ncclResult_t rc, const std::string& what, const char* file, int line) {
-  EO_CHECK(rc == ncclSuccess, what, " failed at ", file, ":", line, ": ", ncclGetErrorString(rc));
-}
-#define cuda_check(rc, what) cuda_check_at((rc), (what), __FILE__, __LINE__)
-#define nccl_check(rc, what) nccl_check_at((rc), (what), __FILE__, __LINE__)
 std::shared_ptr<void> make_event() {
   cudaEvent_t e = nullptr;
-  cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  EO_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
   return std::shared_ptr<void>(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
 }
 }  // namespace
@@ -127,15 +121,15 @@ struct Communicator::Nccl {
   void order_after_compute(const at::Tensor& t) {
     cudaStream_t compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     auto ready = make_event();
-    cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(ready.get()), compute), "cudaEventRecord");
-    cuda_check(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(ready.get()), 0), "cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(ready.get()), compute), "cudaEventRecord");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(ready.get()), 0), "cudaStreamWaitEvent");
     // The caching allocator must not hand this memory out again before the comm stream is done.
     c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device)));
   }
 
   std::shared_ptr<void> track(const std::string& what) {
     auto done = make_event();
-    cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(done.get()), stream), "cudaEventRecord");
+    EO_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done.get()), stream), "cudaEventRecord");
     std::lock_guard<std::mutex> lk(mu);
     in_flight.push_back({what, done, Clock::now()});
     return done;
@@ -156,9 +150,9 @@ Communicator::Communicator(const World& world, at::Device device, double timeout
   nccl_->device = device.index() < 0 ? 0 : device.index();
   nccl_->timeout_s = timeout_seconds;
   // NCCL binds its communicator to the current device: set it before anything NCCL.
-  cuda_check(cudaSetDevice(nccl_->device), "cudaSetDevice");
+  EO_CUDA_CHECK(cudaSetDevice(nccl_->device), "cudaSetDevice");
   ncclUniqueId id;
-  if (rank_ == 0) nccl_check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  if (rank_ == 0) EO_NCCL_CHECK(ncclGetUniqueId(&id), "ncclGetUniqueId");
   world.broadcast_bytes(&id, sizeof id, 0);
   // ncclCommInitRank blocks until every rank has joined and has no timeout of its own: run it on a
   // helper thread and end the job if it outlives ddp_timeout (the thread dies with the process).
@@ -172,7 +166,7 @@ Communicator::Communicator(const World& world, at::Device device, double timeout
     if (result.wait_for(std::chrono::duration<double>(timeout_s_)) != std::future_status::ready)
       abort_run(rank_, "ncclCommInitRank did not complete within " + std::to_string(int(timeout_s_)) +
                            " s (ddp_timeout); a peer rank never created its NCCL communicator (stuck, dead, or failed earlier)");
-    nccl_check(result.get(), "ncclCommInitRank");
+    EO_NCCL_CHECK(result.get(), "ncclCommInitRank");
   }
   nccl_->stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(nccl_->device)).stream();
   nccl_->watchdog = std::thread([n = nccl_.get()] { n->watch(); });
@@ -220,9 +214,9 @@ std::uint64_t Communicator::allreduce_async(const at::Tensor& t, ReduceOp op, co
              device_.str());
     nccl_->order_after_compute(t);
     const ncclDataType_t type = t.scalar_type() == at::kFloat ? ncclFloat32 : ncclFloat64;
-    nccl_check(ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<std::size_t>(t.numel()), type,
-                             op == ReduceOp::kAvg ? ncclAvg : ncclSum, nccl_->comm, nccl_->stream),
-               p->what);
+    EO_NCCL_CHECK(ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<std::size_t>(t.numel()), type,
+                                op == ReduceOp::kAvg ? ncclAvg : ncclSum, nccl_->comm, nccl_->stream),
+                  p->what);
     p->done_event = nccl_->track(p->what);
 #else
     EO_FAIL(p->what, ": CUDA tensor but eo-ddp was built without CUDA");
@@ -264,7 +258,7 @@ void Communicator::wait(std::uint64_t handle) {
   if (p.tensor.is_cuda()) {
 #ifdef EO_WITH_CUDA
     cudaStream_t compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(nccl_->device)).stream();
-    cuda_check(cudaStreamWaitEvent(compute, static_cast<cudaEvent_t>(p.done_event.get()), 0), "cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(compute, static_cast<cudaEvent_t>(p.done_event.get()), 0), "cudaStreamWaitEvent");
 #endif
   } else {
     wait_mpi_locked(p);
@@ -284,12 +278,12 @@ void Communicator::broadcast(const at::Tensor& t, int root, const std::string& w
     EO_CHECK(nccl_ && t.device() == device_, "broadcast of ", what, ": tensor on ", t.device().str(),
              " but the communicator serves ", device_.str());
     nccl_->order_after_compute(t);
-    nccl_check(ncclBroadcast(t.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes), ncclUint8, root, nccl_->comm,
-                             nccl_->stream),
-               "broadcast of " + what);
+    EO_NCCL_CHECK(ncclBroadcast(t.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes), ncclUint8, root, nccl_->comm,
+                                nccl_->stream),
+                  "broadcast of " + what);
     auto done = nccl_->track("broadcast of " + what);
     cudaStream_t compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(nccl_->device)).stream();
-    cuda_check(cudaStreamWaitEvent(compute, static_cast<cudaEvent_t>(done.get()), 0), "cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(compute, static_cast<cudaEvent_t>(done.get()), 0), "cudaStreamWaitEvent");
 #else
     EO_FAIL("broadcast of ", what, ": CUDA tensor but eo-ddp was built without CUDA");
 #endif

@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "common/error.h"
-#include "runtime/dist/mpi_check.h"
+#include "common/mpi_check.h"
 
 namespace eo::dist {
 namespace {
