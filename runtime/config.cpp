@@ -5,6 +5,7 @@
 #include <charconv>
 
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -1520,19 +1521,63 @@ std::string format_issues(const std::string& source, const Issues& issues) {
 }
 
 // yaml-cpp keeps one of two equal keys of a mapping silently: each repeat is a config error.
-void find_duplicate_keys(const YAML::Node& node, const std::string& where, Issues& issues) {
-  if (node.IsMap()) {
-    std::set<std::string> seen;
-    for (const auto& kv : node) {
-      const std::string k = kv.first.IsScalar() ? kv.first.Scalar() : "?";
-      const std::string path = where.empty() ? k : where + "." + k;
-      if (kv.first.IsScalar() && !seen.insert(k).second)
-        issues.push_back({path, "appears more than once; keep one (YAML would silently use one of them)"});
-      find_duplicate_keys(kv.second, path, issues);
+// Aliases can make the document a cycle or exponentially wide (see kMaxConfigDepth / kMaxConfigKeys),
+// so the walk stops at the same depth and after a bounded number of nodes; flatten() then names
+// the problem.
+struct DuplicateWalk {
+  Issues& issues;
+  std::size_t nodes_left = 10 * kMaxConfigKeys;
+
+  void visit(const YAML::Node& node, const std::string& where, std::size_t depth) {
+    if (depth > kMaxConfigDepth || nodes_left == 0) return;
+    --nodes_left;
+    if (node.IsMap()) {
+      std::set<std::string> seen;
+      for (const auto& kv : node) {
+        const std::string k = kv.first.IsScalar() ? kv.first.Scalar() : "?";
+        const std::string path = where.empty() ? k : where + "." + k;
+        if (kv.first.IsScalar() && !seen.insert(k).second)
+          issues.push_back({path, "appears more than once; keep one (YAML would silently use one of them)"});
+        visit(kv.second, path, depth + 1);
+      }
+    } else if (node.IsSequence()) {
+      for (std::size_t i = 0; i < node.size(); ++i) visit(node[i], where + "." + std::to_string(i), depth + 1);
     }
-  } else if (node.IsSequence()) {
-    for (std::size_t i = 0; i < node.size(); ++i) find_duplicate_keys(node[i], where + "." + std::to_string(i), issues);
   }
+};
+
+void find_duplicate_keys(const YAML::Node& root, Issues& issues) { DuplicateWalk{issues}.visit(root, "", 0); }
+
+// Counts the nodes of one document that are not null (a document separator alone gives none).
+struct ContentCounter : YAML::EventHandler {
+  std::size_t nodes = 0;
+  void OnDocumentStart(const YAML::Mark&) override {}
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override { ++nodes; }
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override { ++nodes; }
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    ++nodes;
+  }
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    ++nodes;
+  }
+  void OnMapEnd() override {}
+};
+
+// The config's one YAML document. YAML::LoadAll is not used: yaml-cpp before 0.8.1 loops forever
+// in it on some malformed input (`,` alone; jbeder/yaml-cpp PR 1319), so only the first two
+// documents are ever parsed, and a second one with content is an error.
+YAML::Node load_one_document(const std::string& text, const std::string& source) {
+  const YAML::Node root = YAML::Load(text);
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  ContentCounter first, second;
+  if (parser.HandleNextDocument(first) && parser.HandleNextDocument(second) && second.nodes > 0)
+    throw UsageError("config " + source + " holds more than one YAML document (separated by ---); "
+                     "eo-ddp reads one config: keep one document");
+  return root;
 }
 
 }  // namespace
@@ -1542,15 +1587,11 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   Issues issues;
   YAML::Node root;
   try {
-    const std::vector<YAML::Node> docs = YAML::LoadAll(yaml_text_in);
-    if (docs.size() > 1)
-      throw UsageError("config " + source + " holds " + std::to_string(docs.size()) + " YAML documents (separated by ---); "
-                       "eo-ddp reads one config: keep one document");
-    if (!docs.empty()) root = docs.front();
+    root = load_one_document(yaml_text_in, source);
   } catch (const YAML::Exception& e) {
     throw UsageError("config " + source + " is not valid YAML: " + e.what());
   }
-  find_duplicate_keys(root, "", issues);
+  find_duplicate_keys(root, issues);
   if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   if (!root.IsMap()) throw UsageError("config " + source + " must be a YAML mapping of key: value");
   for (const auto& o : overrides) apply_override(root, o, issues);

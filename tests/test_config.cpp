@@ -790,7 +790,17 @@ TEST(Config, DuplicateKeysSecondDocumentsHugeValuesAndFoldersAreErrors) {
   m = error_of(std::string(kValid) + "gradient_checkpointing_kwargs:\n  use_reentrant: false\n  use_reentrant: true\n");
   EXPECT_NE(m.find("gradient_checkpointing_kwargs.use_reentrant: appears more than once"), std::string::npos) << m;
   m = error_of(std::string(kValid) + "---\nlora_r: 4\n");
-  EXPECT_NE(m.find("holds 2 YAML documents"), std::string::npos) << m;
+  EXPECT_NE(m.find("holds more than one YAML document"), std::string::npos) << m;
+  // A trailing separator alone is one document.
+  EXPECT_NO_THROW(load(std::string(kValid) + "---\n"));
+  // Inputs on which yaml-cpp 0.7's LoadAll never returns, and an alias that contains itself:
+  // each ends (any error is fine; the fuzz regressions hold the same inputs).
+  for (const char* text : {",", ", =a[ b]\n: 0\n", "a: &a {x: 1}\nb: &b {p: *b, q: *b}\n"}) {
+    try {
+      load(text);
+    } catch (const UsageError&) {
+    }
+  }
   m = error_of(std::string(kValid) + "learning_rate: \"" + std::string(10 << 20, 'x') + "\"\n");
   EXPECT_NE(m.find("learning_rate"), std::string::npos) << m.substr(0, 300);
   EXPECT_LT(m.size(), 4000u) << "a 10 MB value was echoed whole";
