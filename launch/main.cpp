@@ -22,9 +22,10 @@ const char* kUsage = R"(usage:
       Tokenise the chat_template / alpaca / completion / input_output datasets into
       dataset_prepared_path with the model's tokenizer (Python transformers); train does it too
       when the cache is missing or stale.
-  eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit | --no-load-in-4bit] [--json]
+  eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit | --no-load-in-4bit] [--window N] [--json]
       Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL; the base
       is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a flag says otherwise.
+      Rows longer than --window tokens (default 8192) are scored in windows sharing one token.
   eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]
       Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
       the drive reads per step, from config.json and the config alone (nothing is loaded); with

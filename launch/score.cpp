@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -20,6 +21,14 @@
 
 namespace eo::launch {
 
+namespace {
+
+// Rows longer than this are scored in windows: one forward over a 100M-token row needs far more
+// memory than any machine has, and no model is defined over such a context.
+constexpr std::int64_t kDefaultScoreWindow = 8192;
+
+}  // namespace
+
 int run_score(const Args& args) {
   ArgReader reader(args);
   const std::string model_dir = reader.value("--model");
@@ -28,7 +37,18 @@ int run_score(const Args& args) {
   const std::string dtype = reader.value("--dtype", "fp32");
   const bool force_4bit = reader.flag("--load-in-4bit"), force_dense = reader.flag("--no-load-in-4bit");
   const bool json = reader.flag("--json");
+  const std::string window_text = reader.value("--window", std::to_string(kDefaultScoreWindow));
   reader.finish("score");
+  std::int64_t window = 0;
+  try {
+    std::size_t used = 0;
+    window = std::stoll(window_text, &used);
+    if (used != window_text.size()) window = 0;
+  } catch (const std::exception&) {
+    window = 0;
+  }
+  if (window < 2 || window > (std::int64_t{1} << 24))
+    throw UsageError("score: --window must be a whole number of tokens from 2 to 16777216, got '" + window_text + "'");
   if (model_dir.empty()) throw UsageError("score: --model DIR is required (see eo-ddp --help)");
   if (data_path.empty()) throw UsageError("score: --data FILE is required (see eo-ddp --help)");
   if (dtype != "fp32" && dtype != "bf16") throw UsageError("score: --dtype must be fp32 or bf16, got '" + dtype + "'");
@@ -73,19 +93,33 @@ int run_score(const Args& args) {
   c10::NoGradGuard no_grad;
   double loss_sum = 0;
   std::int64_t tokens = 0;
+  // A row of n tokens is scored in windows [s, s + window) with s = 0, window - 1, 2(window - 1), ...:
+  // consecutive windows share one token, so every shifted label is predicted exactly once (the
+  // first token of a window is only context). Rows up to the window are one forward, as before.
+  std::int64_t windowed_rows = 0;
   for (const auto& l : lines) {
     const auto n = static_cast<std::int64_t>(l.input_ids.size());
-    auto ids = [&](const std::vector<std::int64_t>& v) { return at::tensor(v, at::kLong).view({1, n}).to(lo.device); };
-    model::Batch b;
-    b.input_ids = ids(l.input_ids);
-    b.labels = ids(l.labels);
-    bool padded = false;
-    for (auto x : l.attention_mask) padded |= x == 0;
-    if (padded) b.attention_mask = ids(l.attention_mask);
-    const auto out = m->forward(b);
-    loss_sum += out.loss_sum.item<double>();
-    tokens += out.tokens;
+    if (n > window) ++windowed_rows;
+    for (std::int64_t s = 0; s == 0 || s + 1 < n; s += window - 1) {
+      const std::int64_t len = std::min(window, n - s);
+      auto ids = [&](const std::vector<std::int64_t>& v) {
+        return at::tensor(std::vector<std::int64_t>(v.begin() + s, v.begin() + s + len), at::kLong).view({1, len}).to(lo.device);
+      };
+      model::Batch b;
+      b.input_ids = ids(l.input_ids);
+      b.labels = ids(l.labels);
+      bool padded = false;
+      for (std::int64_t i = s; i < s + len; ++i) padded |= l.attention_mask[static_cast<std::size_t>(i)] == 0;
+      if (padded) b.attention_mask = ids(l.attention_mask);
+      const auto out = m->forward(b);
+      loss_sum += out.loss_sum.item<double>();
+      tokens += out.tokens;
+      if (len == n) break;
+    }
   }
+  if (windowed_rows > 0)
+    log::info("score: " + std::to_string(windowed_rows) + " row(s) longer than --window " + std::to_string(window) +
+              " tokens were scored in windows that share one token; each window's tokens see only that window");
   if (tokens == 0) throw UsageError(data_path + ": no counted tokens (every shifted label is -100)");
   const double loss = loss_sum / static_cast<double>(tokens);
   if (!std::isfinite(loss)) throw Error("score: the loss is not finite (" + std::to_string(loss) + ")");

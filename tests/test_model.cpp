@@ -768,6 +768,45 @@ TEST(Score, BadArgumentsExitTwo) {
   EXPECT_EQ(sh(bin + " --model " + ref_dir("olmoe") + "/model --data x --dtype fp8"), 2);
 }
 
+// A row longer than --window is scored in windows sharing one token: the same sums as scoring
+// those windows as rows of their own (each counted label predicted once, from its window only).
+TEST(Score, LongRowsAreScoredInWindowsThatCountEveryLabelOnce) {
+  const fs::path dir = fs::temp_directory_path() / ("eo_score_window_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::vector<std::int64_t> ids, labels;
+  for (int i = 0; i < 20; ++i) {
+    ids.push_back(1 + (i * 7) % 50);
+    labels.push_back(i % 5 == 3 ? -100 : ids.back());
+  }
+  auto row = [&](std::int64_t b, std::int64_t e) {
+    nlohmann::json j;
+    j["input_ids"] = std::vector<std::int64_t>(ids.begin() + b, ids.begin() + e);
+    j["labels"] = std::vector<std::int64_t>(labels.begin() + b, labels.begin() + e);
+    return j.dump() + "\n";
+  };
+  std::ofstream(dir / "long.jsonl") << row(0, 20);
+  std::ofstream(dir / "pieces.jsonl") << row(0, 8) << row(7, 15) << row(14, 20);
+  const std::string bin = std::string(EO_BINARY_DIR) + "/eo-ddp score --json --model " + ref_dir("olmoe") + "/model";
+  auto score = [&](const std::string& args) {
+    std::string text;
+    EXPECT_EQ(sh(bin + " " + args + " 2>/dev/null", &text), 0) << text;
+    return nlohmann::json::parse(text.substr(text.find('{')));
+  };
+  const auto windowed = score("--window 8 --data " + (dir / "long.jsonl").string());
+  const auto pieces = score("--data " + (dir / "pieces.jsonl").string());
+  const auto whole = score("--data " + (dir / "long.jsonl").string());
+  std::int64_t counted = 0;
+  for (std::size_t i = 1; i < labels.size(); ++i) counted += labels[i] != -100;
+  EXPECT_EQ(windowed.at("tokens").get<std::int64_t>(), counted);
+  EXPECT_EQ(whole.at("tokens").get<std::int64_t>(), counted);
+  EXPECT_EQ(pieces.at("tokens").get<std::int64_t>(), counted);
+  EXPECT_NEAR(windowed.at("loss").get<double>(), pieces.at("loss").get<double>(), 1e-6);
+  EXPECT_GT(std::abs(windowed.at("loss").get<double>() - whole.at("loss").get<double>()), 1e-6)
+      << "windows must cut the context (else this test checks nothing)";
+  EXPECT_EQ(sh(bin + " --window 1 --data " + (dir / "long.jsonl").string() + " 2>/dev/null"), 2);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 
 namespace {
