@@ -1,19 +1,13 @@
 #include "offload/engine.h"
 
-#include "offload/disk_homes.h"
 #include "offload/layout.h"
 
 #include <ATen/ATen.h>
 
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <deque>
-#include <filesystem>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -29,9 +23,6 @@
 #endif
 
 namespace eo::offload {
-namespace {
-
-}  // namespace
 
 // Where a tensor of a QuantizedWeight sits in its block's arena.
 struct ExpertOffloader::Piece {
@@ -41,9 +32,7 @@ struct ExpertOffloader::Piece {
 struct ExpertOffloader::Block {
   int layer = -1;
   std::int64_t bytes = 0;  // arena size
-  std::unique_ptr<HostBuffer> home;  // per_rank: this block's own home
-  // Where the block sits in one contiguous, page-aligned copy of every home: the node's memory
-  // file (per_numa_node), or the disk homes file after its header (disk).
+  // Where the block sits in one contiguous, page-aligned copy of every arena (ArenaExtent::offset).
   std::int64_t copy_offset = 0;
   // Per expert and matrix: the metadata (shape, blocksize, ...) and where its tensors live.
   std::vector<std::array<nf4::QuantizedWeight, 3>> meta;  // tensors undefined; filled into views
@@ -149,35 +138,26 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     blocks_[layer] = std::move(b);
   }
   EO_CHECK(max_block > 0, "offload: the model has no expert blocks to offload");
-  if (opt_.disk) {
-    start_disk_homes(bank);
-  } else {
-    const bool sharing = opt_.sharing.has_value();
-    const bool fill = !sharing || opt_.sharing->leader;
-    if (sharing && fill) shared_ = HostBuffer::create_shared(static_cast<std::size_t>(shared_bytes), node_);
-    // Fill the homes layer by layer, dropping the bank's tensors as we go (host RAM holds the
-    // checkpoint's experts and the homes at once for one block, not for all of them).
-    for (std::size_t layer = 0; layer < bank.size(); ++layer) {
-      auto& experts = bank[layer];
-      if (experts.empty()) continue;
-      Block& b = *blocks_[layer];
-      if (!sharing) b.home = std::make_unique<HostBuffer>(static_cast<std::size_t>(b.bytes), node_, pin);
-      if (fill) fill_arena(sharing ? shared_->data() + b.copy_offset : b.home->data(), b, experts);
-      experts.clear();
-      experts.shrink_to_fit();
-    }
-    if (sharing) {
-      // The leader's copy is complete: the other ranks of its node map it, then it stops sharing.
-      const ShareHandle leader = opt_.sharing->exchange(fill ? shared_->share() : ShareHandle{});
-      if (fill) {
-        if (pin) shared_->pin(/*read_only=*/false);
-      } else {
-        shared_ = HostBuffer::open_shared(leader, static_cast<std::size_t>(shared_bytes), pin);
-      }
-      opt_.sharing->barrier();
-      shared_->stop_sharing();
-    }
-  }
+  // The homes, filled layer by layer from the bank, whose tensors are dropped as they go.
+  std::vector<ArenaExtent> extents;
+  for (const auto& b : blocks_)
+    if (b) extents.push_back({b->layer, b->bytes, b->copy_offset});
+  ArenaSource source;
+  source.fill = [&](int layer, std::uint8_t* dst) {
+    fill_arena(dst, *blocks_[static_cast<std::size_t>(layer)], bank[static_cast<std::size_t>(layer)]);
+  };
+  source.drop = [&](int layer) {
+    auto& experts = bank[static_cast<std::size_t>(layer)];
+    experts.clear();
+    experts.shrink_to_fit();
+  };
+  const int slots_wanted = opt_.prefetch ? 1 + opt_.prefetch_depth : 1;
+  if (opt_.disk)
+    homes_ = make_disk_homes(extents, source, node_, pin, *opt_.disk, opt_.sharing, slots_wanted);
+  else if (opt_.sharing)
+    homes_ = make_node_shared_homes(extents, shared_bytes, source, node_, pin, *opt_.sharing);
+  else
+    homes_ = make_per_rank_homes(extents, source, node_, pin);
 
   // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
   promote_resident(opt_.vram_budget_bytes);
@@ -200,17 +180,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   policy_ = std::make_unique<StagingPolicy>(static_cast<int>(blocks_.size()), static_cast<int>(slots_.size()), opt_.prefetch);
   for (const auto& b : blocks_)
     if (b && b->resident.defined()) policy_->set_resident(b->layer);
-  std::string where;
-  if (disk_) {
-    where = human_bytes(double(home_bytes())) + " in " + disk_->path() + " (" + disk_->how() + "), read ahead into " +
-            std::to_string(disk_->ring_size()) + " " + (disk_->pinned() ? "pinned" : "pageable") + " buffers of " +
-            human_bytes(double(disk_->buffer_bytes())) + " (" + node_.reason + ")";
-  } else {
-    where = human_bytes(double(home_bytes())) + " in " + (b_pinned() ? "pinned" : "pageable") + " host homes (" + node_.reason + ")" +
-            (shared_ ? std::string(opt_.sharing->leader ? ", created and shared with this node's ranks"
-                                                        : ", the node leader's copy mapped read-only")
-                     : std::string());
-  }
+  const std::string where = homes_->describe(home_bytes());
   log::info("expert offload: " + std::to_string(moe_layers().size()) + " MoE blocks, " + where + "; " +
             std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) +
             (slots_.size() > 1 ? " (prefetch " + std::to_string(slots_.size() - 1) + " ahead)" : std::string()) + "; " +
@@ -233,99 +203,6 @@ void ExpertOffloader::fill_arena(std::uint8_t* dst, const Block& b,
     }
 }
 
-// expert_offload_homes: disk. Every rank builds each block's arena from its checkpoint once, to
-// checksum it (the file must hold exactly these bytes); the writer — the host's leader, or this
-// rank alone — reuses the file when it matches and otherwise (re)writes it, dropping the bank's
-// tensors as it goes; the others open it once exchange() says it is ready and check its header
-// against their own checksums. Then the ring is opened: host RAM from here on is the ring.
-void ExpertOffloader::start_disk_homes(model::ResidentWeights::Bank& bank) {
-  const DiskHomesOptions& d = *opt_.disk;
-  const bool writer = !opt_.sharing || opt_.sharing->leader;
-  const std::string path = disk_homes_path(d.dir);
-  DiskHomesHeader header;
-  header.identity = d.identity;
-  // The arenas' layout (offload/layout.h); what the bytes encode is the engine's and the identity's
-  // business, not the file's.
-  header.identity["arena"] = "4-bit expert arenas: per expert gate, up, down; packed codes then statistics, " +
-                             std::to_string(kArenaAlign) + "-byte aligned";
-  std::vector<std::int64_t> offsets;
-  {
-    std::int64_t largest = 0;
-    for (const auto& b : blocks_)
-      if (b) largest = std::max(largest, b->bytes);
-    HostBuffer scratch(static_cast<std::size_t>(largest), HomeNode{}, /*pinned=*/false);
-    for (std::size_t layer = 0; layer < bank.size(); ++layer) {
-      if (bank[layer].empty()) continue;
-      const Block& b = *blocks_[layer];
-      std::memset(scratch.data(), 0, static_cast<std::size_t>(b.bytes));
-      fill_arena(scratch.data(), b, bank[layer]);
-      DiskBlock db;
-      db.layer = b.layer;
-      db.bytes = b.bytes;
-      db.checksum = arena_checksum(scratch.data(), b.bytes);
-      header.blocks.push_back(db);
-      offsets.push_back(b.copy_offset);
-      disk_checksums_.push_back(db.checksum);
-    }
-  }
-  place_disk_blocks(header, offsets);
-  auto drop_bank = [&bank] {
-    for (auto& experts : bank) {
-      experts.clear();
-      experts.shrink_to_fit();
-    }
-  };
-  DiskHomesCheck check;
-  if (writer) {
-    std::error_code ec;
-    std::filesystem::create_directories(d.dir, ec);
-    check = check_disk_homes(path, header);
-    if (check.matches) {
-      log::info("expert homes on disk: reusing " + path + " (" + std::to_string(header.blocks.size()) + " blocks, " +
-                human_bytes(double(header.file_bytes)) + "; its header, size and every block's checksum match this run's experts)");
-    } else {
-      if (::access(d.dir.c_str(), W_OK) != 0 || ec) {
-        const std::string why = ec ? ec.message() : std::strerror(errno);
-        throw Error("expert_offload_homes: disk: expert_offload_disk_path " + d.dir + " is not a writable directory (" + why +
-                    ") and holds no usable homes file (" + path + ": " + check.reason +
-                    "); make it writable or set expert_offload_disk_path to a directory on a local drive with " +
-                    human_bytes(double(header.file_bytes)) + " free");
-      }
-      log::info("expert homes on disk: " + std::string(check.exists ? "rebuilding " : "writing ") + path + " (" +
-                human_bytes(double(header.file_bytes)) + "): " + check.reason);
-      const auto t0 = std::chrono::steady_clock::now();
-      std::size_t at = 0;
-      write_disk_homes(path, header, [&](const DiskBlock& db, std::uint8_t* dst) {
-        auto& experts = bank[static_cast<std::size_t>(db.layer)];
-        fill_arena(dst, *blocks_[static_cast<std::size_t>(db.layer)], experts);
-        EO_CHECK(arena_checksum(dst, db.bytes) == header.blocks[at++].checksum, "offload: layer ", db.layer,
-                 "'s arena changed between its checksum and its write");
-        experts.clear();
-        experts.shrink_to_fit();
-      });
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      check = check_disk_homes(path, header);
-      EO_CHECK(check.matches, "expert homes on disk: the file just written to ", path, " does not check out: ", check.reason);
-      log::info("expert homes on disk: wrote " + path + " in " + std::to_string(s).substr(0, 5) + " s");
-    }
-  }
-  drop_bank();
-  if (opt_.sharing) {
-    opt_.sharing->exchange(ShareHandle{});  // returns once every host's leader has its file ready
-    if (!writer) {
-      check = check_disk_homes(path, header);
-      if (!check.matches)
-        throw Error("expert_offload_homes: disk: the homes file " + path + " that this host's leader rank wrote does not " +
-                    "match this rank's experts: " + check.reason + " (do all ranks load the same checkpoint with the same "
-                    "settings, and does expert_offload_disk_path name a directory on this host's own drive?)");
-    }
-  }
-  const int slots_planned = std::min<int>(static_cast<int>(header.blocks.size()), opt_.prefetch ? 1 + opt_.prefetch_depth : 1);
-  const int ring = d.ring_buffers > 0 ? d.ring_buffers : disk_ring_buffers(slots_planned);
-  disk_ = std::make_unique<DiskReader>(path, header.blocks, ring, opt_.pin_memory && opt_.device.is_cuda(), node_, check.file_id);
-  if (opt_.sharing) opt_.sharing->barrier();
-}
-
 int ExpertOffloader::promote_resident(std::int64_t budget) {
   std::vector<Block*> chosen;
   for (auto& b : blocks_) {
@@ -333,43 +210,31 @@ int ExpertOffloader::promote_resident(std::int64_t budget) {
     chosen.push_back(b.get());
     budget -= b->bytes;
   }
-  if (disk_) {  // read them ahead, in order
+  if (homes_->read_ahead_depth() > 0) {  // read them ahead, in order
     std::vector<int> layers;
     for (const Block* b : chosen) layers.push_back(b->layer);
-    disk_->plan(layers);
+    homes_->read_ahead(layers);
   }
   int promoted = 0;
   for (Block* b : chosen) {
     b->resident = at::empty({b->bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
-    b->resident.copy_(at::from_blob(const_cast<std::uint8_t*>(acquire_home(*b)), {b->bytes}, at::kByte));  // synchronous
-    release_home(*b);
+    b->resident.copy_(at::from_blob(const_cast<std::uint8_t*>(homes_->acquire(b->layer)), {b->bytes}, at::kByte));  // synchronous
+    homes_->release(b->layer);
     build_views(b->resident_views, *b, b->resident);
     if (policy_) policy_->set_resident(b->layer);
     ++promoted;
   }
-  if (disk_) plan_reads();
+  plan_reads();
   return promoted;
-}
-
-const std::uint8_t* ExpertOffloader::acquire_home(const Block& b) { return disk_ ? disk_->acquire(b.layer) : home_of(b); }
-
-void ExpertOffloader::release_home(const Block& b, std::function<void()> copied) {
-  if (disk_) disk_->release(b.layer, std::move(copied));
 }
 
 // The ring reads ahead exactly the blocks the next copies will take, in order: the policy's dry
 // run along the schedule from the next stage() on (a step and a bit, enough to fill the ring).
 void ExpertOffloader::plan_reads() {
-  if (!disk_ || !policy_) return;
+  const int depth = homes_->read_ahead_depth();
+  if (depth == 0 || !policy_) return;
   const std::size_t n = policy_->schedule().size();
-  disk_->plan(policy_->upcoming_copies(cursor_, static_cast<std::size_t>(disk_->ring_size()), 2 * n + 1));
-}
-
-bool ExpertOffloader::b_pinned() const {
-  if (disk_) return disk_->pinned();
-  for (const auto& b : blocks_)
-    if (b) return shared_ ? shared_->pinned() : b->home->pinned();
-  return false;
+  homes_->read_ahead(policy_->upcoming_copies(cursor_, static_cast<std::size_t>(depth), 2 * n + 1));
 }
 
 ExpertOffloader::~ExpertOffloader() {
@@ -434,7 +299,7 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
   const Block& b = *blocks_[layer];
   ++stats_.copies;
   stats_.copied_bytes += b.bytes;
-  const std::uint8_t* home = acquire_home(b);
+  const std::uint8_t* home = homes_->acquire(layer);
 #ifdef EO_WITH_CUDA
   if (cuda_) {
     cudaStream_t cs = cuda_->copy_stream.stream();
@@ -453,18 +318,20 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
     EO_CUDA_CHECK(cudaEventRecord(end, cs), "offload: cudaEventRecord");
     EO_CUDA_CHECK(cudaEventRecord(slot.ready, cs), "offload: cudaEventRecord");
     cuda_->copy_events.emplace_back(start, end);
-    if (disk_) {
+    if (homes_->reuses_buffers()) {
       // The ring buffer is free again once this copy has read it: the reader waits on an event
       // of its own (the pooled ones are this thread's) before it reads another block into it.
       cudaEvent_t copied;
       EO_CUDA_CHECK(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming), "offload: cudaEventCreate");
       EO_CUDA_CHECK(cudaEventRecord(copied, cs), "offload: cudaEventRecord");
-      release_home(b, [copied, device = opt_.device.index()] {
+      homes_->release(layer, [copied, device = opt_.device.index()] {
         cudaSetDevice(device);  // the reader thread's calls go to this rank's device
         const cudaError_t rc = cudaEventSynchronize(copied);
         cudaEventDestroy(copied);
         EO_CUDA_CHECK(rc, "offload: waiting for a copy out of the disk homes' ring");
       });
+    } else {
+      homes_->release(layer);
     }
     slot.copy_pending = true;
     slot.layer = layer;
@@ -475,7 +342,7 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
   const auto t0 = std::chrono::steady_clock::now();
   std::memcpy(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes));
   stats_.copy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  release_home(b);
+  homes_->release(layer);
   slot.layer = layer;
   build_views(slot.views, b, slot.arena);
 }
@@ -561,8 +428,8 @@ std::int64_t ExpertOffloader::placement(int layer) {
 }
 
 void ExpertOffloader::end_step() {
-  if (disk_) {
-    const DiskReader::Stats d = disk_->take_stats();
+  {
+    const HomeReads d = homes_->take_reads();
     stats_.disk_reads = d.reads;
     stats_.disk_read_bytes = d.read_bytes;
     stats_.disk_read_seconds = d.read_seconds;
@@ -646,40 +513,6 @@ std::vector<int> ExpertOffloader::staged_layers() const {
   std::vector<int> out;
   for (const auto& s : slots_)
     if (s->layer >= 0) out.push_back(s->layer);
-  return out;
-}
-
-std::vector<std::pair<const void*, std::size_t>> ExpertOffloader::home_ranges() const {
-  std::vector<std::pair<const void*, std::size_t>> out;
-  if (disk_) return {{disk_checksums_.data(), disk_checksums_.size() * sizeof(std::uint64_t)}};
-  for (const auto& b : blocks_)
-    if (b) out.emplace_back(home_of(*b), static_cast<std::size_t>(b->bytes));
-  return out;
-}
-
-const std::uint8_t* ExpertOffloader::home_of(const Block& b) const {
-  return shared_ ? shared_->data() + b.copy_offset : b.home->data();
-}
-
-std::pair<std::uint64_t, std::uint64_t> ExpertOffloader::homes_file_id() const {
-  if (disk_) return disk_->file_id();
-  return shared_ ? shared_->file_id() : std::pair<std::uint64_t, std::uint64_t>{0, 0};
-}
-
-std::int64_t ExpertOffloader::host_ram_bytes() const { return disk_ ? disk_->ram_bytes() : home_bytes(); }
-
-std::string ExpertOffloader::disk_file() const { return disk_ ? disk_->path() : std::string(); }
-
-int ExpertOffloader::disk_ring_size() const { return disk_ ? disk_->ring_size() : 0; }
-
-std::vector<int> ExpertOffloader::home_page_nodes() const {
-  std::vector<int> out;
-  if (disk_) return disk_->buffer_nodes();
-  if (shared_) return shared_->resident_nodes();
-  for (const auto& b : blocks_)
-    if (b)
-      for (int n : b->home->resident_nodes())
-        if (std::find(out.begin(), out.end(), n) == out.end()) out.push_back(n);
   return out;
 }
 

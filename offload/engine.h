@@ -22,11 +22,9 @@
 //  - Blocks that fit in expert_offload_vram_budget stay resident and are never copied.
 //  - Which block goes into which slot when is one policy (offload/staging.h), a plain value the
 //    engine runs for real and the disk homes' read-ahead runs dry.
-//  - Homes (expert_offload_homes): per_rank, each block's arena in this rank's own host buffer;
-//    per_numa_node, every block in one memory file per NUMA node; disk, every block in one file
-//    on a local drive (offload/disk_homes.h), read along the schedule into a ring of a few
-//    page-locked buffers just before its copy. A copy reads a block's bytes only through
-//    acquire_home() / release_home(), whichever the homes are.
+//  - Homes (expert_offload_homes) are one interface, offload/home_store.h: per_rank, per_numa_node
+//    or disk. A copy reads a block's bytes only through HomeStore::acquire() / release(), and
+//    homes that read ahead (disk) are told the copies the policy will make next.
 //  - On a CPU build the slots are host memory and copies are memcpy: the same state machine runs,
 //    so its logic is tested without a GPU.
 #pragma once
@@ -44,32 +42,11 @@
 #include <vector>
 
 #include "models/weights.h"
+#include "offload/home_store.h"
 #include "offload/homes.h"
 #include "offload/staging.h"
 
 namespace eo::offload {
-
-// Homes one rank makes for several: per_numa_node (one rank per NUMA node, the leader, creates
-// and fills the homes; the others of the node map the leader's copy read-only) and disk (one rank
-// per host writes or checks the file; the others open it read-only). The two calls are
-// collectives over the whole job (every rank calls them, in this order), provided by the trainer,
-// so this module needs no MPI: `exchange(mine)` returns once every leader's homes are ready, with
-// the share handle of this rank's leader (a follower, and every rank with disk homes, passes an
-// empty handle); `barrier()` returns once every rank has opened its homes.
-struct HomeSharing {
-  bool leader = true;
-  std::function<ShareHandle(const ShareHandle& mine)> exchange;
-  std::function<void()> barrier;
-};
-
-// expert_offload_homes: disk (offload/disk_homes.h).
-struct DiskHomesOptions {
-  std::string dir;  // expert_offload_disk_path: the homes file goes there (created if missing)
-  // What the homes are made from (model, quantisation settings): written into the file's header,
-  // so a later run of another model or setting rebuilds the file and says which key differs.
-  std::map<std::string, std::string> identity;
-  int ring_buffers = 0;  // read buffers; 0 = disk_ring_buffers(slots)
-};
 
 struct OffloadOptions {
   at::Device device = at::kCPU;
@@ -101,8 +78,6 @@ struct OffloadStats {
   double disk_read_seconds = 0, disk_wait_seconds = 0;
 };
 
-class DiskReader;
-
 class ExpertOffloader : public model::WeightProvider {
  public:
   // Moves every expert of `bank` (any device) into homes; the bank's tensors are released.
@@ -127,7 +102,7 @@ class ExpertOffloader : public model::WeightProvider {
   // waiting only for that step's copies and stalls to have happened.
   OffloadStats take_step_stats();
   std::int64_t home_bytes() const;  // bytes of all homes' arenas (this rank; in RAM or on the drive)
-  std::int64_t host_ram_bytes() const;  // host RAM the homes take on this rank (disk: the read ring)
+  std::int64_t host_ram_bytes() const { return homes_->host_ram_bytes(); }  // on this rank (disk: the read ring)
   std::int64_t block_bytes(int layer) const;
   std::int64_t slot_bytes() const;  // device bytes of the slots
   std::int64_t resident_bytes() const;  // device bytes of budget-resident blocks
@@ -137,15 +112,16 @@ class ExpertOffloader : public model::WeightProvider {
   // Layers whose bytes are in a slot right now (at most num_slots()).
   std::vector<int> staged_layers() const;
   const HomeNode& home_node() const { return node_; }
-  std::vector<int> home_page_nodes() const;  // where the homes' pages really are
-  bool homes_shared() const { return shared_ != nullptr; }
-  bool homes_on_disk() const { return disk_ != nullptr; }
-  std::string disk_file() const;    // the disk homes file ("" without)
-  int disk_ring_size() const;       // read buffers of the disk homes (0 without)
-  std::pair<std::uint64_t, std::uint64_t> homes_file_id() const;  // equal on every rank sharing one copy
-  // What the cross-rank checksum compares: every home's bytes; with disk homes the checksums of
-  // every block as this rank built it from its own checkpoint (what it checked the file against).
-  std::vector<std::pair<const void*, std::size_t>> home_ranges() const;
+  const HomeStore& homes() const { return *homes_; }
+  std::vector<int> home_page_nodes() const { return homes_->page_nodes(); }  // where the homes' pages really are
+  bool homes_shared() const { return homes_->kind() == HomeKind::NodeShared; }
+  bool homes_on_disk() const { return homes_->kind() == HomeKind::Disk; }
+  std::string disk_file() const { return homes_->file(); }  // the disk homes file ("" without)
+  int disk_ring_size() const { return homes_->read_ahead_depth(); }  // read buffers of the disk homes (0 without)
+  // Equal on every rank sharing one copy.
+  std::pair<std::uint64_t, std::uint64_t> homes_file_id() const { return homes_->file_id(); }
+  // What the cross-rank checksum compares (HomeStore::checked_ranges).
+  std::vector<std::pair<const void*, std::size_t>> home_ranges() const { return homes_->checked_ranges(); }
 
  protected:
   void stage_block(int layer) override;
@@ -160,23 +136,14 @@ class ExpertOffloader : public model::WeightProvider {
   void wait_ready(Slot& slot);
   void build_views(std::vector<std::array<nf4::QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena) const;
   Slot* slot_holding(int layer);
-  bool b_pinned() const;
   // One block's arena bytes from the checkpoint's tensors into `dst` (zeroed, b.bytes long).
   void fill_arena(std::uint8_t* dst, const Block& b, const std::vector<std::array<nf4::QuantizedWeight, 3>>& experts) const;
-  void start_disk_homes(model::ResidentWeights::Bank& bank);
-  // A block's bytes for a copy, wherever its home is; held until release_home (disk: a ring
-  // buffer; `copied` then waits for an asynchronous copy out of it to end).
-  const std::uint8_t* acquire_home(const Block& b);
-  void release_home(const Block& b, std::function<void()> copied = {});
-  void plan_reads();  // disk homes: the ring reads ahead the copies the policy will make next
+  void plan_reads();  // homes that read ahead (disk): the copies the policy will make next
 
   OffloadOptions opt_;
   HomeNode node_;
-  const std::uint8_t* home_of(const Block& b) const;
   std::vector<std::unique_ptr<Block>> blocks_;  // indexed by layer; null for dense layers
-  std::unique_ptr<HostBuffer> shared_;          // per_numa_node: every block's home, one copy per node
-  std::unique_ptr<DiskReader> disk_;            // disk: the homes file and its read ring
-  std::vector<std::uint64_t> disk_checksums_;   // disk: every block's checksum, in layer order
+  std::unique_ptr<HomeStore> homes_;            // every block's bytes between copies (expert_offload_homes)
   std::vector<std::unique_ptr<Slot>> slots_;
   std::unique_ptr<StagingPolicy> policy_;       // which block each stage() copies into which slot
   at::Tensor nested_code_;  // shared 256-entry map for double-quantised statistics (device)

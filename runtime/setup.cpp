@@ -33,6 +33,7 @@
 #include "runtime/data/tokens.h"
 #include "runtime/device.h"
 #include "runtime/dist/comm.h"
+#include "runtime/dist/home_sharing.h"
 #include "runtime/dist/reducer.h"
 #include "runtime/dist/world.h"
 #include "runtime/optimizer.h"
@@ -134,52 +135,6 @@ std::pair<std::shared_ptr<const data::DocumentSource>, std::shared_ptr<const dat
           std::make_shared<data::SubsetDocuments>(docs, std::move(eval), docs->name() + " (val_set_size)")};
 }
 
-// The ranks that share one copy of the homes: per_numa_node, same host and home NUMA node; disk,
-// same host (one file per host). Collective (every rank calls it).
-struct HomeGroup {
-  int leader = 0;   // lowest rank of the group
-  int size = 1;     // ranks in the group
-  int copies_on_host = 1;  // distinct groups on this rank's host
-};
-HomeGroup home_group(dist::World& world, const at::Device& device, bool by_numa_node = true) {
-  std::string mine = world.info().hostname;
-  if (by_numa_node) {
-    const offload::HomeNode node = offload::choose_home_node(offload::Topology::get(), device.is_cuda() ? device.index() : -1);
-    mine += "/numa" + std::to_string(node.node);
-  }
-  const std::vector<std::string> all = world.allgather(mine);
-  HomeGroup g;
-  g.leader = -1;
-  g.size = 0;
-  std::set<std::string> on_host;
-  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    if (all[r] == mine) {
-      if (g.leader < 0) g.leader = r;
-      ++g.size;
-    }
-    if (all[r].substr(0, all[r].find('/')) == world.info().hostname) on_host.insert(all[r]);
-  }
-  g.copies_on_host = static_cast<int>(on_host.size());
-  return g;
-}
-
-// The sharing protocol's collectives over the World: every rank learns its group leader's
-// (pid, memfd) from one allgather; a barrier once all have mapped.
-offload::HomeSharing make_home_sharing(dist::World& world, const HomeGroup& g) {
-  offload::HomeSharing s;
-  s.leader = world.rank() == g.leader;
-  const int leader = g.leader;
-  s.exchange = [&world, leader](const offload::ShareHandle& mine) {
-    const auto all = world.allgather(std::to_string(mine.pid) + " " + std::to_string(mine.fd));
-    offload::ShareHandle h;
-    std::istringstream in(all.at(static_cast<std::size_t>(leader)));
-    in >> h.pid >> h.fd;
-    return h;
-  };
-  s.barrier = [&world] { world.barrier(); };
-  return s;
-}
-
 // What disk homes are made from, for their header: a file made from another checkpoint or with
 // other quantisation settings is rebuilt, naming the key that differs. (Every block's checksum is
 // compared too; these say why in words.)
@@ -228,14 +183,14 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   if (!device.is_cuda() && oo.vram_budget_bytes > 0)
     log::info("expert_offload_vram_budget applies to GPU memory; on the CPU the 'device' slots are host memory too");
   if (cfg.expert_offload_homes == "per_numa_node") {
-    const HomeGroup g = home_group(world, device);
-    oo.sharing = make_home_sharing(world, g);
+    const dist::HomeGroup g = dist::home_group(world, device);
+    oo.sharing = dist::make_home_sharing(world, g);
     log::info("expert homes: one copy per NUMA node, shared by " + std::to_string(g.size) + " rank(s) (leader: rank " +
               std::to_string(g.leader) + ")");
   }
   if (cfg.expert_offload_homes == "disk") {
-    const HomeGroup g = home_group(world, device, /*by_numa_node=*/false);
-    oo.sharing = make_home_sharing(world, g);
+    const dist::HomeGroup g = dist::home_group(world, device, /*by_numa_node=*/false);
+    oo.sharing = dist::make_home_sharing(world, g);
     oo.disk = offload::DiskHomesOptions{};
     oo.disk->dir = cfg.expert_offload_disk_path;
     oo.disk->identity = disk_homes_identity(cfg, model.config());
@@ -290,7 +245,7 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
   // disk: a read ring per rank on the node.
   const bool shared = cfg.expert_offload_homes == "per_numa_node";
   const bool on_disk = cfg.expert_offload_homes == "disk";
-  const int copies = shared ? home_group(world, device).copies_on_host : static_cast<int>(v[1]);
+  const int copies = shared ? dist::home_group(world, device).copies_on_host : static_cast<int>(v[1]);
   const std::string available =
       mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")";
   if (on_disk) {
