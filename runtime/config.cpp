@@ -1236,8 +1236,6 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
   const std::vector<std::string> linears = mc.linear_modules();
   auto adaptable = [&](const std::string& s) { return std::find(linears.begin(), linears.end(), s) != linears.end(); };
   const bool mixtral = mc.arch == model::Arch::Mixtral;
-  const bool deepseek_like = mc.arch == model::Arch::DeepseekV2 || mc.arch == model::Arch::DeepseekV3 ||
-                             mc.arch == model::Arch::Glm4Moe;
   const std::vector<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
   for (int i = 0; i < mc.layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
@@ -1252,7 +1250,7 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
       for (const auto& m : mixtral ? std::vector<std::string>{"w1", "w2", "w3"} : mlp)
         out.emplace_back(moe + "experts." + std::to_string(e) + "." + m, adaptable(m));
     if (mc.shared_expert_width > 0)
-      for (const auto& m : mlp) out.emplace_back(moe + (deepseek_like ? "shared_experts." : "shared_expert.") + m, adaptable(m));
+      for (const auto& m : mlp) out.emplace_back(moe + mc.shared_expert_name() + "." + m, adaptable(m));
     if (mc.shared_expert_gated) out.emplace_back(moe + "shared_expert_gate", false);
   }
   out.emplace_back("lm_head", false);
