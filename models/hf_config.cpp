@@ -309,9 +309,17 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
   else if (c.model_type == "glm4_moe_lite") c.arch = Arch::Glm4MoeLite;
   else if (c.model_type == "mistral4") c.arch = Arch::Mistral4;
-  else
-    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +
-                     kSupportedModelTypes);
+  else {
+    // Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model.
+    const bool wrapped = j.contains("text_config") && j.at("text_config").is_object() &&
+                         j.at("text_config").value("model_type", json()) == "mistral4";
+    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported" +
+                     (wrapped ? " (a multimodal checkpoint around a mistral4 text model; eo-ddp loads mistral4 "
+                                "checkpoints, Mistral4ForCausalLM's model.layers.*, and not yet the text model inside "
+                                "this one)"
+                              : "") +
+                     "; supported model types: " + kSupportedModelTypes);
+  }
   // The latent-attention families: DeepSeek's and the two built on it.
   const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3 || c.arch == Arch::Glm4MoeLite ||
                         c.arch == Arch::Mistral4;

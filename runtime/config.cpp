@@ -1410,12 +1410,14 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     bool moe = false;
     for (int i = 0; i < mc.layers; ++i) moe = moe || mc.is_moe_layer(i);
     const bool fused_layout = mc.arch == model::Arch::Qwen3Moe || mc.arch == model::Arch::Olmoe ||
-                              mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe;
+                              mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe ||
+                              mc.arch == model::Arch::Glm4MoeLite || mc.arch == model::Arch::Mistral4;
     if (!moe)
       issues.push_back({"lora_target_parameters", mc.model_type + " (" + c.base_model + "/config.json) has no MoE block, "
                                                   "so no fused expert parameter to adapt"});
     else if (!fused_layout)
-      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral and qwen2_moe (experts fused as "
+      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe_lite and "
+                                                  "mistral4 (experts fused as "
                                                   "gate_up_proj [E, 2I, H] and down_proj [E, H, I]); not yet for " +
                                                   mc.model_type + ": use lora_target_modules"});
   }

@@ -197,7 +197,8 @@ TEST_P(Parity, ScoreCommandMatchesTransformersLoss) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe"));
+INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe_lite_grouped",
+                                                               "mistral4_scaled"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
@@ -235,6 +236,8 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
   EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4"),
             std::string::npos)
       << unknown;
+  const std::string wrapped = msg(R"({"model_type": "mistral3", "text_config": {"model_type": "mistral4"}})");
+  EXPECT_NE(wrapped.find("a multimodal checkpoint around a mistral4 text model"), std::string::npos) << wrapped;
   const std::string missing = msg(R"({"model_type": "mixtral", "num_hidden_layers": 2})");
   EXPECT_NE(missing.find("hidden_size"), std::string::npos) << missing;
   EXPECT_NE(missing.find("dir/config.json"), std::string::npos) << missing;

@@ -222,11 +222,12 @@ del peft_model
 # ---- fused expert LoRA (lora_target_parameters): peft's own ParamWrapper on transformers 5's
 # gate_up_proj / down_proj (nested wrappers), non-zero B; logits, loss, every gradient, and the
 # adapter exactly as peft saves it.
-if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe"):  # the [E, 2I, H] gate_up_proj families
+# the [E, 2I, H] gate_up_proj families
+if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe") or ARCH.startswith(("glm4_moe_lite", "mistral4")):
     params_dir = os.path.join(out, "adapter_params")
     torch.manual_seed(11)
     pm = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
-                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                           target_modules=ATTN,
                                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     with torch.no_grad():
         for n, p in pm.named_parameters():
