@@ -7,8 +7,8 @@ add_test(NAME train_peft_check
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft)
 set_tests_properties(train_peft_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
-# The same for the latent-attention families built on DeepSeek (GLM-4.7-Flash, Mistral Small 4).
-foreach(arch glm4_moe_lite_grouped mistral4_scaled)
+# The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24).
+foreach(arch mistral4_scaled)
   add_test(NAME train_peft_check_${arch}
            COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
                    $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_${arch} ${arch})
