@@ -119,11 +119,36 @@ void parse_rope(const Fields& f, ModelConfig& c, bool scaling_ok, double default
                      (scaling_ok ? " (only 'default' and 'yarn')" : " (only 'default' RoPE)"));
   const double partial = r.number("partial_rotary_factor", f.number("partial_rotary_factor", default_partial));
   if (!(partial > 0 && partial <= 1)) throw UsageError(source + ": partial_rotary_factor must be in (0, 1], got " + std::to_string(partial));
-  // Latent attention rotates exactly its qk_rope_head_dim (transformers' DeepSeek rotary ignores the factor).
-  if (c.mla && partial != 1) throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type);
-  if (!c.mla) c.rope.dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * partial);  // int() as transformers
+  // Latent attention rotates exactly its qk_rope_head_dim. transformers' DeepSeek rotary ignores the
+  // factor; GLM-4.7-Flash's and Mistral 4's apply it to head_dim (qk_rope_head_dim; Mistral 4:
+  // qk_nope + qk_rope), which must then give qk_rope_head_dim.
+  if (c.mla) {
+    const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3;
+    const std::int64_t base = c.arch == Arch::Mistral4 ? c.mla->qk_dim() : c.mla->rope_dim;
+    const auto dim = static_cast<std::int64_t>(static_cast<double>(base) * partial);  // int() as transformers
+    if (deepseek ? partial != 1 : dim != c.mla->rope_dim)
+      throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type + " (got " +
+                       std::to_string(partial) + ")" +
+                       (deepseek ? "" : ": it rotates " + std::to_string(dim) + " dims of " + std::to_string(base) +
+                                            ", but the latent attention rotates qk_rope_head_dim (" +
+                                            std::to_string(c.mla->rope_dim) + ")"));
+  } else {
+    c.rope.dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * partial);  // int() as transformers
+  }
   if (c.rope.dim <= 0 || c.rope.dim % 2 != 0)
     throw UsageError(source + ": the rotary dimension (" + std::to_string(c.rope.dim) + ") must be positive and even");
+  if (c.arch == Arch::Mistral4) {
+    // Mistral4Attention reads both from rope_parameters (yarn: the pretraining length resolved below).
+    if (!r.has("llama_4_scaling_beta"))
+      throw UsageError(source + ": mistral4 needs " + where + ".llama_4_scaling_beta (transformers' Mistral4Attention "
+                       "scales the queries with it; 0 turns the scaling off)");
+    c.llama4_beta = r.number("llama_4_scaling_beta");
+    // Its default RoPE rotates head_dim = qk_nope + qk_rope dims, which do not fit the rotated
+    // qk_rope_head_dim part (transformers fails on it too).
+    if (type != "yarn")
+      throw UsageError(source + ": " + where + ".rope_type '" + type + "' is not supported for mistral4 (only 'yarn', "
+                       "as Mistral Small 4 ships)");
+  }
   if (type != "yarn") return;
   c.rope.yarn = true;
   const double max_pos = static_cast<double>(f.integer("max_position_embeddings", 2048));
@@ -143,6 +168,7 @@ void parse_rope(const Fields& f, ModelConfig& c, bool scaling_ok, double default
   else if (mscale != 0 && mscale_all_dim != 0)
     c.rope.attention_factor = yarn_mscale(c.rope.factor, mscale) / yarn_mscale(c.rope.factor, mscale_all_dim);
   else c.rope.attention_factor = yarn_mscale(c.rope.factor, 1.0);
+  c.llama4_positions = c.rope.original_max_positions;  // transformers' standardised rope_parameters value
 }
 
 // DeepSeek's latent attention dims; head_dim becomes the RoPE dims (as transformers sets it).
@@ -184,9 +210,44 @@ void parse_groups(const Fields& f, ModelConfig& c, std::int64_t n_group, std::in
   r.group = r.n_group > 1 ? score : GroupScore::None;
 }
 
+// glm4_moe_lite's layer kinds: mlp_layer_types ("dense" / "sparse" per layer; transformers' default
+// is layer 0 dense, the rest sparse). Its config class has no first_k_dense_replace, so one that
+// disagrees with the layers transformers builds is refused rather than followed.
+void parse_mlp_layer_types(const Fields& f, ModelConfig& c) {
+  std::vector<bool> dense;
+  if (f.has("mlp_layer_types")) {
+    const json& lt = f.j.at("mlp_layer_types");
+    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+      throw UsageError(f.source + ": mlp_layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) +
+                       ") strings, \"dense\" or \"sparse\"");
+    for (const auto& t : lt) {
+      if (t != "dense" && t != "sparse")
+        throw UsageError(f.source + ": mlp_layer_types entry " + t.dump() + " is not supported (dense, sparse)");
+      dense.push_back(t == "dense");
+    }
+  } else {
+    for (int l = 0; l < c.layers; ++l) dense.push_back(l == 0);
+  }
+  if (f.has("first_k_dense_replace")) {
+    const int k = f.small_integer("first_k_dense_replace", 0);
+    int leading = 0;
+    while (leading < c.layers && dense[leading]) ++leading;
+    bool rest_sparse = true;
+    for (int l = leading; l < c.layers; ++l) rest_sparse = rest_sparse && !dense[l];
+    if (k != leading || !rest_sparse)
+      throw UsageError(f.source + ": first_k_dense_replace " + std::to_string(k) + " disagrees with the dense layers "
+                       "transformers builds for glm4_moe_lite (from " +
+                       std::string(f.has("mlp_layer_types") ? "mlp_layer_types" : "its default: layer 0 only") +
+                       "); set mlp_layer_types to the layers the checkpoint has");
+  }
+  for (int l = 0; l < c.layers; ++l)
+    if (dense[l]) c.mlp_only_layers.push_back(l);
+}
+
 }  // namespace
 
-const char* const kSupportedModelTypes = "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss";
+const char* const kSupportedModelTypes =
+    "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4";
 
 bool ModelConfig::is_moe_layer(int layer) const {
   if (experts <= 0 || layer < first_k_dense) return false;
@@ -246,12 +307,24 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   else if (c.model_type == "deepseek_v2") c.arch = Arch::DeepseekV2;
   else if (c.model_type == "deepseek_v3") c.arch = Arch::DeepseekV3;
   else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
-  else
-    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +
-                     kSupportedModelTypes);
-  const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3;
+  else if (c.model_type == "glm4_moe_lite") c.arch = Arch::Glm4MoeLite;
+  else if (c.model_type == "mistral4") c.arch = Arch::Mistral4;
+  else {
+    // Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model.
+    const bool wrapped = j.contains("text_config") && j.at("text_config").is_object() &&
+                         j.at("text_config").value("model_type", json()) == "mistral4";
+    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported" +
+                     (wrapped ? " (a multimodal checkpoint around a mistral4 text model; eo-ddp loads mistral4 "
+                                "checkpoints, Mistral4ForCausalLM's model.layers.*, and not yet the text model inside "
+                                "this one)"
+                              : "") +
+                     "; supported model types: " + kSupportedModelTypes);
+  }
+  // The latent-attention families: DeepSeek's and the two built on it.
+  const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3 || c.arch == Arch::Glm4MoeLite ||
+                        c.arch == Arch::Mistral4;
   const bool gpt_oss = c.arch == Arch::GptOss;
-  const bool newer = deepseek || gpt_oss || c.arch == Arch::Glm4Moe;  // the families added with issue #19
+  const bool newer = deepseek || gpt_oss || c.arch == Arch::Glm4Moe;  // the families added with issue #19 and after
   // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"): the loader
   // keeps them so or dequantises them (models/mxfp4.h). Other families' checkpoints are float or
   // bitsandbytes.
@@ -295,17 +368,26 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   }
   require_positive(c.head_dim, "head_dim", source);
   if (c.head_dim % 2 != 0) throw UsageError(source + ": head_dim must be even for RoPE");
-  c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe || c.arch == Arch::Glm4Moe || gpt_oss ? 1e-5 : 1e-6);
+  c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe || c.arch == Arch::Glm4Moe || c.arch == Arch::Glm4MoeLite || gpt_oss
+                                          ? 1e-5 : 1e-6);
   if (newer && !gpt_oss) {  // gpt-oss's experts have their own activation; transformers ignores hidden_act
     const std::string act = text(f, "hidden_act", "silu");
     if (act != "silu") throw UsageError(source + ": hidden_act '" + act + "' is not supported (only silu)");
   }
 
   double mscale_all_dim = 0;
-  parse_rope(f, c, /*scaling_ok=*/newer, c.arch == Arch::Glm4Moe ? 0.5 : 1.0, mscale_all_dim);
+  // Mistral4Config fills in its own YaRN parameters when none are given; eo-ddp reads them only.
+  if (c.arch == Arch::Mistral4 && !f.has("rope_parameters") && !f.has("rope_scaling"))
+    throw UsageError(source + ": mistral4 needs 'rope_parameters' (transformers' Mistral4Config would substitute its "
+                     "own YaRN defaults); copy them from the model's config.json");
+  // Mistral4Config's default rotates the qk_rope_head_dim of each (nope + rope) head.
+  const double default_partial = c.arch == Arch::Glm4Moe ? 0.5
+                                 : c.arch == Arch::Mistral4 ? static_cast<double>(c.mla->rope_dim) / static_cast<double>(c.mla->qk_dim())
+                                                            : 1.0;
+  parse_rope(f, c, /*scaling_ok=*/newer, default_partial, mscale_all_dim);
   if (!newer && c.rope.dim != c.head_dim)
     throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type);
-  c.rope.interleaved = c.arch == Arch::DeepseekV2 || (c.arch == Arch::DeepseekV3 && f.boolean("rope_interleave", true));
+  c.rope.interleaved = c.arch == Arch::DeepseekV2 || (deepseek && f.boolean("rope_interleave", true));
   c.attn_scale = 1.0 / std::sqrt(static_cast<double>(c.mla ? c.mla->qk_dim() : c.head_dim));
   // DeepSeek's softmax scale carries YaRN's mscale twice (q and k), as yarn_apply_mscale does.
   if (deepseek && c.rope.yarn && mscale_all_dim != 0) c.attn_scale *= std::pow(yarn_mscale(c.rope.factor, mscale_all_dim), 2);
@@ -357,22 +439,40 @@ ModelConfig parse_config(const json& j, const std::string& source) {
       break;
     case Arch::Glm4Moe:
     case Arch::DeepseekV2:
-    case Arch::DeepseekV3: {
-      // The defaults are transformers' config classes' (used when a key is absent).
-      const bool v2 = c.arch == Arch::DeepseekV2, glm = c.arch == Arch::Glm4Moe;
+    case Arch::DeepseekV3:
+    case Arch::Glm4MoeLite:
+    case Arch::Mistral4: {
+      // The defaults are transformers' config classes' (used when a key is absent), one row per family.
+      struct Defaults {
+        std::int64_t experts, top_k, shared;
+        int first_k_dense;
+        double scaling;
+        std::int64_t n_group, topk_group;
+      };
+      const Defaults d = c.arch == Arch::Glm4Moe      ? Defaults{128, 8, 1, 1, 1.0, 1, 1}
+                         : c.arch == Arch::DeepseekV2  ? Defaults{64, 0, 2, 0, 1.0, 1, 1}
+                         : c.arch == Arch::DeepseekV3  ? Defaults{256, 8, 1, 3, 2.5, 8, 4}
+                         : c.arch == Arch::Glm4MoeLite ? Defaults{64, 4, 1, 1, 1.8, 1, 1}
+                                                       : Defaults{128, 4, 1, 0, 1.0, 1, 1};  // Mistral4
+      const bool v2 = c.arch == Arch::DeepseekV2, glm = c.arch == Arch::Glm4Moe, lite = c.arch == Arch::Glm4MoeLite;
+      const bool mistral = c.arch == Arch::Mistral4;
       // transformers 5 saves n_routed_experts; num_local_experts / num_experts are its aliases.
       c.experts = f.has("n_routed_experts") ? f.integer("n_routed_experts")
-                  : f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", glm ? 128 : v2 ? 64 : 256);
-      c.top_k = f.integer("num_experts_per_tok", glm ? 8 : v2 ? 0 : 8);
+                  : f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", d.experts);
+      c.top_k = f.integer("num_experts_per_tok", d.top_k);
       c.expert_width = f.integer("moe_intermediate_size");
       c.dense_width = f.integer("intermediate_size", 0);
-      c.shared_expert_width = c.expert_width * f.integer("n_shared_experts", glm ? 1 : v2 ? 2 : 1);
-      c.first_k_dense = f.small_integer("first_k_dense_replace", glm ? 1 : v2 ? 0 : 3);
-      if (c.first_k_dense < 0) throw UsageError(source + ": first_k_dense_replace must be >= 0");
+      c.shared_expert_width = c.expert_width * f.integer("n_shared_experts", d.shared);
+      if (lite) {
+        parse_mlp_layer_types(f, c);
+      } else {
+        c.first_k_dense = f.small_integer("first_k_dense_replace", d.first_k_dense);
+        if (c.first_k_dense < 0) throw UsageError(source + ": first_k_dense_replace must be >= 0");
+      }
       require_value(f, "moe_layer_freq", "1", "transformers makes every layer from first_k_dense_replace on sparse");
       c.has_aux_loss = false;
-      c.router.fp32 = true;
-      c.router.scaling = f.number("routed_scaling_factor", glm || v2 ? 1.0 : 2.5);
+      c.router.fp32 = !mistral;  // Mistral4's router runs in the compute dtype (no fp32-kept modules)
+      c.router.scaling = f.number("routed_scaling_factor", d.scaling);
       if (v2) {
         // transformers' DeepseekV2 router never renormalises; DeepSeek's own code does when
         // norm_topk_prob is set. The two disagree, so a config asking for it is refused.
@@ -386,13 +486,19 @@ ModelConfig parse_config(const json& j, const std::string& source) {
         else if (method != "greedy")
           throw UsageError(source + ": topk_method '" + method + "' is not supported for deepseek_v2 (greedy, group_limited_greedy)");
         c.mlp_bias = f.boolean("mlp_bias", false);
+      } else if (mistral) {
+        // Mistral4TopkRouter: softmax scores, groups by their best two, no correction bias.
+        c.norm_topk_prob = f.boolean("norm_topk_prob", true);
+        require_value(f, "scoring_func", "\"softmax\"", "mistral4 routes on softmax scores");
+        c.router.score = RouterScore::Softmax;
+        parse_groups(f, c, d.n_group, d.topk_group, GroupScore::TopTwoSum);
       } else {
         c.norm_topk_prob = f.boolean("norm_topk_prob", true);
         require_value(f, "scoring_func", "\"sigmoid\"", c.model_type + " routes on sigmoid scores");
         require_value(f, "topk_method", "\"noaux_tc\"", c.model_type + " routes with the correction bias (noaux_tc)");
         c.router.score = RouterScore::Sigmoid;
         c.router.correction_bias = true;
-        parse_groups(f, c, glm ? 1 : 8, glm ? 1 : 4, GroupScore::TopTwoSum);
+        parse_groups(f, c, d.n_group, d.topk_group, GroupScore::TopTwoSum);
       }
       if (glm) {
         c.qkv_bias = f.boolean("attention_bias", false);

@@ -1,9 +1,10 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
-// The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss) share a
-// decoder and differ in a few switches (q/k norm style, biases, shared experts, which layers are
-// sparse, the router's scoring, partial / interleaved / YaRN RoPE, DeepSeek's latent attention,
-// gpt-oss's attention sinks, sliding-window layers and biased, clamped experts);
+// The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss,
+// glm4_moe_lite, mistral4) share a decoder and differ in a few switches (q/k norm style, biases,
+// shared experts, which layers are sparse, the router's scoring, partial / interleaved / YaRN RoPE,
+// DeepSeek's latent attention, Mistral 4's position-scaled queries, gpt-oss's attention sinks,
+// sliding-window layers and biased, clamped experts);
 // this struct holds exactly those switches so the decoder never looks at model_type strings again.
 #pragma once
 
@@ -16,7 +17,9 @@
 
 namespace eo::model {
 
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss };
+// Glm4MoeLite (GLM-4.7-Flash) and Mistral4 (Mistral Small 4): DeepSeek-V3's latent attention with
+// GLM-4.5's router, and with a softmax group-limited router and Llama 4's query scaling.
+enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4 };
 
 // The names config.json's model_type takes, in Arch order, comma separated (error messages).
 extern const char* const kSupportedModelTypes;
@@ -103,6 +106,9 @@ struct ModelConfig {
   QkNorm qk_norm = QkNorm::None;
   Rope rope;
   double attn_scale = 0;  // softmax scale: 1/sqrt(qk head dim), DeepSeek YaRN × mscale²
+  // Mistral 4 (transformers' get_llama_4_attn_scale): every query × 1 + beta · log(1 + floor(
+  // position / llama4_positions)), which is exactly 1 below llama4_positions; beta 0 = off.
+  double llama4_beta = 0, llama4_positions = 0;
   Router router;
   std::optional<Mla> mla;
   // transformers computes the load-balancing aux loss for this family (glm4_moe and DeepSeek

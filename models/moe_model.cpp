@@ -91,7 +91,7 @@ at::Tensor attend_with_sinks(const at::Tensor& q, at::Tensor k, at::Tensor v, co
     const at::Tensor i = at::arange(T, opt.dtype(at::kLong)).view({T, 1}), j = at::arange(T, opt.dtype(at::kLong)).view({1, T});
     mask = mask & (j > i - window).view({1, 1, T, T});
   }
-  if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, ctx.training, nullptr}, scale);
+  if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, at::Tensor(), ctx.training, nullptr}, scale);
   if (hk != h) {  // each query head has its own sink key
     k = k.repeat_interleave(h / hk, 1);
     v = v.repeat_interleave(h / hk, 1);
@@ -160,7 +160,8 @@ at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContex
   const at::Tensor kv_a = kv_a_.forward(x, tr);  // [B, T, kv_lora_rank + rope]
   const at::Tensor latent = rms_norm(kv_a.narrow(-1, 0, a.kv_lora_rank), kv_a_norm_, kLatentNormEps);
   const at::Tensor k_rot = apply_rope(kv_a.narrow(-1, a.kv_lora_rank, a.rope_dim).unsqueeze(1), ctx, c.rope);  // [B, 1, T, R]
-  const at::Tensor q_full = at::cat({q.narrow(-1, 0, a.nope_dim), apply_rope(q.narrow(-1, a.nope_dim, a.rope_dim), ctx, c.rope)}, -1);
+  at::Tensor q_full = at::cat({q.narrow(-1, 0, a.nope_dim), apply_rope(q.narrow(-1, a.nope_dim, a.rope_dim), ctx, c.rope)}, -1);
+  if (ctx.q_scale.defined()) q_full = q_full * ctx.q_scale;  // Mistral 4, after RoPE as Mistral4Attention
   const at::Tensor kv = kv_b_.forward(latent, tr).view({B, T, H, a.nope_dim + a.v_dim}).transpose(1, 2);
   const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
   return o_.forward(attend(q_full, k, kv.narrow(-1, a.nope_dim, a.v_dim), ctx, c.attn_scale), tr);
@@ -435,6 +436,10 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
   const double f = cfg_.rope.attention_factor;
   ctx.cos = (f == 1.0 ? emb.cos() : emb.cos() * f).to(opts_.dtype);
   ctx.sin = (f == 1.0 ? emb.sin() : emb.sin() * f).to(opts_.dtype);
+  if (cfg_.llama4_beta != 0) {  // get_llama_4_attn_scale in fp32, then the compute dtype
+    const at::Tensor s = 1 + cfg_.llama4_beta * at::log(1 + at::floor(pos.to(at::kFloat) / cfg_.llama4_positions));
+    ctx.q_scale = s.view({B, 1, T, 1}).to(opts_.dtype);
+  }
 
   if (batch.attention_mask.defined() || batch.segment_ids.defined()) {
     const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);

@@ -74,6 +74,7 @@ struct Mlp {
 struct BlockContext {
   at::Tensor cos, sin;   // [B, T, rotary dims] in the compute dtype (models/fused.h: rope)
   at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
+  at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4); undefined = none
   bool training = false;
   std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]
 };

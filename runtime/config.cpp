@@ -1237,8 +1237,6 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
   const std::vector<std::string> linears = mc.linear_modules();
   auto adaptable = [&](const std::string& s) { return std::find(linears.begin(), linears.end(), s) != linears.end(); };
   const bool mixtral = mc.arch == model::Arch::Mixtral;
-  const bool deepseek_like = mc.arch == model::Arch::DeepseekV2 || mc.arch == model::Arch::DeepseekV3 ||
-                             mc.arch == model::Arch::Glm4Moe;
   const std::vector<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
   for (int i = 0; i < mc.layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
@@ -1253,7 +1251,7 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
       for (const auto& m : mixtral ? std::vector<std::string>{"w1", "w2", "w3"} : mlp)
         out.emplace_back(moe + "experts." + std::to_string(e) + "." + m, adaptable(m));
     if (mc.shared_expert_width > 0)
-      for (const auto& m : mlp) out.emplace_back(moe + (deepseek_like ? "shared_experts." : "shared_expert.") + m, adaptable(m));
+      for (const auto& m : mlp) out.emplace_back(moe + mc.shared_expert_name() + "." + m, adaptable(m));
     if (mc.shared_expert_gated) out.emplace_back(moe + "shared_expert_gate", false);
   }
   out.emplace_back("lm_head", false);
@@ -1413,12 +1411,14 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     bool moe = false;
     for (int i = 0; i < mc.layers; ++i) moe = moe || mc.is_moe_layer(i);
     const bool fused_layout = mc.arch == model::Arch::Qwen3Moe || mc.arch == model::Arch::Olmoe ||
-                              mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe;
+                              mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe ||
+                              mc.arch == model::Arch::Glm4MoeLite || mc.arch == model::Arch::Mistral4;
     if (!moe)
       issues.push_back({"lora_target_parameters", mc.model_type + " (" + c.base_model + "/config.json) has no MoE block, "
                                                   "so no fused expert parameter to adapt"});
     else if (!fused_layout)
-      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral and qwen2_moe (experts fused as "
+      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe_lite and "
+                                                  "mistral4 (experts fused as "
                                                   "gate_up_proj [E, 2I, H] and down_proj [E, H, I]); not yet for " +
                                                   mc.model_type + ": use lora_target_modules"});
   }

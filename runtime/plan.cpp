@@ -136,6 +136,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
     site(mix ? "w3" : "up_proj", H, I, moe_layers * E);
     site(mix ? "w2" : "down_proj", I, H, moe_layers * E);
   }
+  if (c.shared_expert_width > 0) {  // resident linears, adapted under the expert names
+    const double S = double(c.shared_expert_width);
+    site("gate_proj", H, S, moe_layers);
+    site("up_proj", H, S, moe_layers);
+    site("down_proj", S, H, moe_layers);
+  }
   if (dense_layers > 0) {
     site("gate_proj", H, double(c.dense_width), dense_layers);
     site("up_proj", H, double(c.dense_width), dense_layers);

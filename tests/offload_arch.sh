@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Offloaded training of the newer families on the CPU build (issue #19): for glm4_moe, DeepSeek
 # (latent attention with q_proj and with q_a/q_b, sigmoid and softmax group-limited routers,
-# shared experts, dense first layers) and gpt-oss (sinks, sliding window, expert biases; LoRA on
+# shared experts, dense first layers), GLM-4.7-Flash (a dense layer between sparse ones) and
+# Mistral Small 4 (fused checkpoint experts, Llama 4's query scaling) and gpt-oss (sinks, sliding window, expert biases; LoRA on
 # attention only), QLoRA on every linear with the routed experts offloaded
 # (synchronous and with prefetch) gives bitwise the losses and adapter of resident training.
 # Only the routed experts move; shared experts, dense layers and attention stay resident.
@@ -13,7 +14,7 @@
 set -uo pipefail
 source "$2/tests/testlib.sh"
 eo_test_setup "$@"
-for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn gpt_oss gpt_oss_mxfp4; do
+for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped mistral4_scaled gpt_oss gpt_oss_mxfp4; do
   tool=(--arch "$arch")
   [ $arch = gpt_oss_mxfp4 ] && tool=(--arch gpt_oss --mxfp4-experts)
   "$py" tools/make_tiny_model.py "${tool[@]}" --out "$tmp/$arch/model" --seed 3 >/dev/null 2>&1 ||

@@ -1,7 +1,8 @@
 // The MoE decoder against independent references: transformers (logits, loss, aux loss,
 // `eo-ddp score`), peft (LoRA logits and gradients), bitsandbytes (NF4 model), for qwen3_moe,
-// olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2 and deepseek_v3 (the last three also in a
-// variant with their unusual options on: group-limited routing, YaRN, dense first layers, ...). Reference outputs come from tests/ref/model_ref.py, generated
+// olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, glm4_moe_lite and mistral4 (the
+// last five also in a variant with their unusual options on: group-limited routing, YaRN, dense
+// first layers, Mistral 4's query scaling, ...). Reference outputs come from tests/ref/model_ref.py, generated
 // into the build folder by the CTest fixture in tests/model.cmake (or on first use, under a lock).
 #include <gtest/gtest.h>
 
@@ -196,10 +197,12 @@ TEST_P(Parity, ScoreCommandMatchesTransformersLoss) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe"));
+INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe_lite_grouped",
+                                                               "mistral4_scaled"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
-                                           "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss"));
+                                           "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
+                                           "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -230,8 +233,11 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
     return "";
   };
   const std::string unknown = msg(R"({"model_type": "llama"})");
-  EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss"), std::string::npos)
+  EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4"),
+            std::string::npos)
       << unknown;
+  const std::string wrapped = msg(R"({"model_type": "mistral3", "text_config": {"model_type": "mistral4"}})");
+  EXPECT_NE(wrapped.find("a multimodal checkpoint around a mistral4 text model"), std::string::npos) << wrapped;
   const std::string missing = msg(R"({"model_type": "mixtral", "num_hidden_layers": 2})");
   EXPECT_NE(missing.find("hidden_size"), std::string::npos) << missing;
   EXPECT_NE(missing.find("dir/config.json"), std::string::npos) << missing;
@@ -344,6 +350,57 @@ TEST(HfConfig, GptOssRealShapeMatchesTransformers) {
   }
 }
 
+// GLM-4.7-Flash and Mistral Small 4 (configs/models/): the values transformers 5.24 derives from
+// the same files (attention.scaling, the rotary's inv_freq and attention_scaling, the layer kinds).
+TEST(HfConfig, LatentAttentionDescendantsRealShapesMatchTransformers) {
+  const int at_idx[] = {0, 5, 17, 25, 31};
+  const ModelConfig g = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/glm-4.7-flash");
+  EXPECT_EQ(g.arch, Arch::Glm4MoeLite);
+  ASSERT_TRUE(g.mla.has_value());
+  EXPECT_EQ(g.mla->q_lora_rank, 768);
+  EXPECT_EQ(g.mla->qk_dim(), 256);
+  EXPECT_EQ(g.rope.dim, 64);
+  EXPECT_TRUE(g.rope.interleaved && !g.rope.yarn);
+  EXPECT_DOUBLE_EQ(g.attn_scale, 0.0625);
+  const at::Tensor fg = rope_inv_freq(g.rope, g.rope_theta, at::kCPU);
+  const double wantg[] = {1.0, 0.11547820270061493, 0.0006493816617876291, 2.0535249859676696e-05, 1.5399265294036013e-06};
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(fg[at_idx[i]].item<double>(), wantg[i], 1e-6 * wantg[i]) << at_idx[i];
+  EXPECT_EQ(g.experts, 64);
+  EXPECT_EQ(g.top_k, 4);
+  EXPECT_EQ(g.shared_expert_width, 1536);
+  EXPECT_DOUBLE_EQ(g.router.scaling, 1.8);
+  EXPECT_EQ(g.router.score, RouterScore::Sigmoid);
+  EXPECT_TRUE(g.router.correction_bias && g.router.fp32 && g.norm_topk_prob);
+  EXPECT_EQ(g.router.group, GroupScore::None);
+  EXPECT_FALSE(g.qkv_bias || g.o_bias || g.has_aux_loss);
+  EXPECT_DOUBLE_EQ(g.rms_eps, 1e-5);
+  EXPECT_FALSE(g.is_moe_layer(0));
+  EXPECT_TRUE(g.is_moe_layer(1) && g.is_moe_layer(46));
+  EXPECT_EQ(g.llama4_beta, 0.0);
+  EXPECT_EQ(g.linear_modules(), (std::vector<std::string>{"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                                           "gate_proj", "up_proj", "down_proj"}));
+
+  const ModelConfig m = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/mistral-small-4");
+  EXPECT_EQ(m.arch, Arch::Mistral4);
+  ASSERT_TRUE(m.mla.has_value());
+  EXPECT_EQ(m.mla->qk_dim(), 128);
+  EXPECT_EQ(m.rope.dim, 64);  // partial_rotary_factor 0.5 of the 128-dim head
+  EXPECT_TRUE(m.rope.interleaved && m.rope.yarn);
+  EXPECT_DOUBLE_EQ(m.rope.attention_factor, 1.0);
+  EXPECT_NEAR(m.attn_scale, 0.19496949473302969, 1e-15);
+  const at::Tensor fm = rope_inv_freq(m.rope, m.rope_theta, at::kCPU);
+  const double wantm[] = {1.0, 0.23713736236095428, 0.004637266509234905, 5.858548320247792e-06, 1.04181367532874e-06};
+  for (int i = 0; i < 5; ++i) EXPECT_NEAR(fm[at_idx[i]].item<double>(), wantm[i], 1e-6 * wantm[i]) << at_idx[i];
+  EXPECT_EQ(m.experts, 128);
+  EXPECT_EQ(m.top_k, 4);
+  EXPECT_EQ(m.router.score, RouterScore::Softmax);
+  EXPECT_FALSE(m.router.correction_bias || m.router.fp32 || m.has_aux_loss);
+  EXPECT_TRUE(m.norm_topk_prob);
+  EXPECT_TRUE(m.is_moe_layer(0) && m.is_moe_layer(35));
+  EXPECT_DOUBLE_EQ(m.llama4_beta, 0.1);
+  EXPECT_DOUBLE_EQ(m.llama4_positions, 8192);
+}
+
 // Every option the newer families cannot honour is refused before a weight loads, naming the key.
 TEST(HfConfig, UnsupportedOptionsOfNewerFamiliesAreNamed) {
   const nlohmann::json v2 = nlohmann::json::parse(R"({"model_type": "deepseek_v2", "hidden_size": 64,
@@ -387,6 +444,40 @@ TEST(HfConfig, UnsupportedOptionsOfNewerFamiliesAreNamed) {
   expect(glm, R"({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3})", "exceeds the experts of the 1 groups");
   expect(glm, R"({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1}})", "rope_type 'longrope' is not supported");
   expect(glm, R"({"partial_rotary_factor": 0.1})", "rotary dimension (1) must be positive and even");
+  // glm4_moe_lite's layer kinds come from mlp_layer_types; mistral4 needs its YaRN and query scaling.
+  const nlohmann::json lite = nlohmann::json::parse(R"({"model_type": "glm4_moe_lite", "hidden_size": 64,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 100, "q_lora_rank": null, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "intermediate_size": 64, "rope_theta": 10000})");
+  const ModelConfig lc = parse_config(lite, "c.json");
+  EXPECT_TRUE(!lc.is_moe_layer(0) && lc.is_moe_layer(1) && lc.is_moe_layer(2));
+  nlohmann::json middle = lite;
+  middle["mlp_layer_types"] = {"sparse", "dense", "sparse"};
+  const ModelConfig mc = parse_config(middle, "c.json");
+  EXPECT_TRUE(mc.is_moe_layer(0) && !mc.is_moe_layer(1) && mc.is_moe_layer(2));
+  expect(lite, R"({"first_k_dense_replace": 2})", "first_k_dense_replace 2 disagrees with the dense layers");
+  expect(lite, R"({"mlp_layer_types": ["dense", "moe", "sparse"]})", "mlp_layer_types entry \"moe\" is not supported");
+  expect(lite, R"({"mlp_layer_types": ["dense"]})", "mlp_layer_types must be a list of num_hidden_layers (3)");
+  expect(lite, R"({"partial_rotary_factor": 0.5})", "partial_rotary_factor is not supported for glm4_moe_lite");
+  expect(lite, R"({"topk_method": "greedy"})", "topk_method \"greedy\" is not supported");
+  nlohmann::json m4 = lite;
+  m4["model_type"] = "mistral4";
+  m4.erase("rope_theta");
+  m4["rope_parameters"] = nlohmann::json::parse(R"({"rope_type": "yarn", "rope_theta": 10000, "factor": 4,
+    "original_max_position_embeddings": 64, "llama_4_scaling_beta": 0.1})");
+  const ModelConfig m4c = parse_config(m4, "c.json");
+  EXPECT_EQ(m4c.rope.dim, 8);  // the default partial_rotary_factor: qk_rope / (qk_nope + qk_rope)
+  EXPECT_DOUBLE_EQ(m4c.llama4_positions, 64);
+  nlohmann::json m4_bare = m4;
+  m4_bare.erase("rope_parameters");
+  m4_bare["rope_theta"] = 10000;
+  EXPECT_NE(msg(m4_bare, nlohmann::json::object()).find("mistral4 needs 'rope_parameters'"), std::string::npos);
+  nlohmann::json m4_nobeta = m4;
+  m4_nobeta["rope_parameters"].erase("llama_4_scaling_beta");
+  EXPECT_NE(msg(m4_nobeta, nlohmann::json::object()).find("needs rope_parameters.llama_4_scaling_beta"), std::string::npos);
+  expect(m4, R"({"rope_parameters": {"rope_type": "default"}})", "rope_type 'default' is not supported for mistral4");
+  expect(m4, R"({"rope_parameters": {"partial_rotary_factor": 1.0}})", "it rotates 24 dims of 24");
+  expect(m4, R"({"scoring_func": "sigmoid"})", "scoring_func \"sigmoid\" is not supported");
   // The older families keep refusing what they always refused.
   const nlohmann::json qwen = nlohmann::json::parse(R"({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 1,
     "num_attention_heads": 4, "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include "models/fused.h"
 #include "models/grouped_mm.h"
@@ -862,6 +864,42 @@ TEST(MemoryPlan, LoraTermEqualsTheModelsLoraParametersPerExpertAndFused) {
   for (const TrainConfig* c : {&per_expert, &fused, &gate_up_only}) EXPECT_EQ(planned(*c), count(*c));
   EXPECT_LT(count(fused), count(per_expert));  // gate and up share A
   EXPECT_LT(count(gate_up_only), count(fused));
+}
+
+// The same for the latent-attention families with shared experts and dense layers (glm4_moe_lite,
+// mistral4): q_a / q_b / kv_a / kv_b / o, the shared experts and the dense MLP are counted.
+TEST(MemoryPlan, LoraTermCountsLatentAttentionSharedExpertsAndDenseLayers) {
+  for (const char* type : {"glm4_moe_lite", "mistral4"}) {
+    SCOPED_TRACE(type);
+    const fs::path dir = fs::temp_directory_path() / (std::string("eo_plan_lora_") + type + "_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    nlohmann::json j = nlohmann::json::parse(R"({"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+      "vocab_size": 100, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+      "v_head_dim": 12, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+      "intermediate_size": 48, "n_shared_experts": 2, "first_k_dense_replace": 1,
+      "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000, "factor": 2, "original_max_position_embeddings": 64,
+                          "llama_4_scaling_beta": 0.1}})");
+    j["model_type"] = type;
+    std::ofstream(dir / "config.json") << j.dump();
+    const ModelConfig mc = load_config(dir.string());
+    LoadOptions lo;
+    lo.random_seed = 1;
+    auto m = MoeModel::load(dir.string(), lo);
+    TrainConfig cfg;
+    cfg.base_model = dir.string();
+    cfg.lora_target_modules = mc.linear_modules();
+    LoraSpec spec;
+    spec.r = cfg.lora_r;
+    spec.targets = cfg.lora_target_modules;
+    m->add_lora(spec);
+    double n = 0;
+    for (const auto& [name, p] : m->lora_parameters()) n += double(p.numel());
+    double planned = -1;
+    for (const auto& p : plan_memory(cfg, mc, false, 1).device)
+      if (p.name == "lora") planned = p.bytes / 16;
+    EXPECT_EQ(planned, n);
+    fs::remove_all(dir);
+  }
 }
 
 // The GPU suites' judge of a bf16 path (tests/bf16_yardstick.h) passes rounding-sized errors and

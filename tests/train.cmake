@@ -7,6 +7,14 @@ add_test(NAME train_peft_check
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft)
 set_tests_properties(train_peft_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24).
+foreach(arch mistral4_scaled)
+  add_test(NAME train_peft_check_${arch}
+           COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
+                   $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_${arch} ${arch})
+  set_tests_properties(train_peft_check_${arch} PROPERTIES LABELS ref TIMEOUT 600
+                       ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+endforeach()
 # lora_target_parameters (issue #16 item 5): the fused expert LoRA eo-ddp trains is the adapter
 # peft's ParamWrapper saves and loads (keys, shapes, config), and means the same loss there.
 add_test(NAME train_peft_fused_check

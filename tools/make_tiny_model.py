@@ -5,7 +5,9 @@
 
 ARCH: qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, or a variant of
 the newer families with their unusual options on (glm4_moe_grouped, deepseek_v2_grouped,
-deepseek_v3_yarn: group-limited routing, YaRN, dense first layers, biases, q/k norm), gpt_oss.
+deepseek_v3_yarn: group-limited routing, YaRN, dense first layers, biases, q/k norm), gpt_oss,
+glm4_moe_lite (GLM-4.7-Flash) and mistral4 (Mistral Small 4), with their variants glm4_moe_lite_grouped
+(a dense layer between sparse ones, groups, YaRN) and mistral4_scaled (Llama 4's query scaling on).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -116,6 +118,54 @@ def make_config(arch):
                                              n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=16.0,
                                              norm_topk_prob=False, attention_bias=True, mlp_bias=True,
                                              rope_theta=10000.0)
+    if arch == "glm4_moe_lite":
+        # GLM-4.7-Flash's layout: DeepSeek-V3's latent attention (low-rank q, interleaved RoPE) with
+        # GLM-4.5's sigmoid router (correction bias, one group), routed_scaling_factor 1.8, one
+        # shared expert, layer 0 dense (mlp_layer_types' default).
+        return transformers.Glm4MoeLiteConfig(**MLA_COMMON, q_lora_rank=24, **mla, n_routed_experts=8,
+                                              num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=80,
+                                              n_shared_experts=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+                                              rope_interleave=True,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    if arch == "glm4_moe_lite_grouped":
+        # A dense layer in the middle (mlp_layer_types), full q_proj, biased attention, 4 groups
+        # (best 2), unnormalised weights, two shared experts, half-split RoPE, YaRN with mscale_all_dim.
+        return transformers.Glm4MoeLiteConfig(**{**MLA_COMMON, "num_hidden_layers": 4}, q_lora_rank=None, **mla,
+                                              n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                              moe_intermediate_size=24, intermediate_size=64, n_shared_experts=2,
+                                              mlp_layer_types=["sparse", "dense", "sparse", "sparse"],
+                                              routed_scaling_factor=2.5, norm_topk_prob=False, rope_interleave=False,
+                                              attention_bias=True,
+                                              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                               "mscale": 0.707, "mscale_all_dim": 1.0,
+                                                               "original_max_position_embeddings": 64})
+    if arch == "mistral4":
+        # Mistral Small 4's layout: latent attention with low-rank q, a softmax router over one group,
+        # every layer sparse, one shared expert, YaRN with mscale = mscale_all_dim and Llama 4's query
+        # scaling (inactive below original_max_position_embeddings), rotary dims = qk_rope_head_dim.
+        return transformers.Mistral4Config(**MLA_COMMON, q_lora_rank=24, **mla, n_routed_experts=8,
+                                           num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=80,
+                                           n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=True,
+                                           routed_scaling_factor=1.0, rope_interleave=True,
+                                           rope_parameters={"type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                            "original_max_position_embeddings": 64,
+                                                            "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0,
+                                                            "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+                                                            "max_position_embeddings": 256})
+    if arch == "mistral4_scaled":
+        # Llama 4's query scaling within the test sequences (original_max_position_embeddings 4),
+        # mscale != mscale_all_dim, 4 groups (best 2), a dense first layer, full q_proj, biased
+        # attention, half-split RoPE, unnormalised scaled weights, two shared experts.
+        return transformers.Mistral4Config(**{**MLA_COMMON, "num_hidden_layers": 4}, q_lora_rank=None, **mla,
+                                           n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                           moe_intermediate_size=24, intermediate_size=64, n_shared_experts=2,
+                                           first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=2.0,
+                                           rope_interleave=False, attention_bias=True,
+                                           rope_parameters={"type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                                            "original_max_position_embeddings": 4,
+                                                            "beta_fast": 16.0, "beta_slow": 2.0, "mscale_all_dim": 1.0,
+                                                            "mscale": 0.707, "llama_4_scaling_beta": 0.5,
+                                                            "max_position_embeddings": 256})
     if arch == "gpt_oss":
         # gpt-oss: attention sinks, a 4-token sliding window on every other layer (the test sequences
         # are longer), biases everywhere, a router with bias, clamped SwiGLU with a limit low enough
@@ -130,7 +180,8 @@ def make_config(arch):
 
 
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
-         "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss"]
+         "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss", "glm4_moe_lite", "glm4_moe_lite_grouped",
+         "mistral4", "mistral4_scaled"]
 
 
 def fuse_experts(path, cfg):
@@ -198,7 +249,12 @@ def main():
 
     cfg = make_config(args.arch)
     torch.manual_seed(args.seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal
+    # model); Mistral4ForCausalLM is built directly.
+    if cfg.model_type == "mistral4":
+        model = transformers.Mistral4ForCausalLM._from_config(cfg, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

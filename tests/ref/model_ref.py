@@ -58,8 +58,12 @@ for d, extra in ((model_dir, []), (fused_dir, ["--fused-experts"])):
                    stdout=subprocess.DEVNULL)
 
 
+# transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
+CAUSAL_LM = transformers.Mistral4ForCausalLM if ARCH.startswith("mistral4") else transformers.AutoModelForCausalLM
+
+
 def load(dtype=torch.float32):
-    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    m = CAUSAL_LM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     return m.eval()
 
 
@@ -218,11 +222,12 @@ del peft_model
 # ---- fused expert LoRA (lora_target_parameters): peft's own ParamWrapper on transformers 5's
 # gate_up_proj / down_proj (nested wrappers), non-zero B; logits, loss, every gradient, and the
 # adapter exactly as peft saves it.
-if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe"):  # the [E, 2I, H] gate_up_proj families
+# the [E, 2I, H] gate_up_proj families
+if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe") or ARCH.startswith(("glm4_moe_lite", "mistral4")):
     params_dir = os.path.join(out, "adapter_params")
     torch.manual_seed(11)
     pm = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
-                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                           target_modules=ATTN,
                                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     with torch.no_grad():
         for n, p in pm.named_parameters():
@@ -256,8 +261,10 @@ def nf4(w):
 # bitsandbytes' own bytes for two checkpoint weights: the C++ load_in_4bit path must equal them.
 disk = load_file(os.path.join(model_dir, "model.safetensors"))
 attn_key = f"model.layers.1.self_attn.{ATTN[0]}.weight"
-for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else \
-        (attn_key, sorted(k for k in disk if ".experts.0." in k)[0]):
+# A per-expert weight; mistral4's checkpoint holds its experts only fused (transformers 5.24 saves
+# them so): a shared expert's instead.
+second = sorted(k for k in disk if ".experts.0." in k) or sorted(k for k in disk if ".shared_experts." in k)
+for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else (attn_key, second[0]):
     q, state = bnbf.quantize_4bit(disk[key].contiguous(), blocksize=64, quant_type="nf4")
     ref["nf4_packed." + key], ref["nf4_absmax." + key] = q, state.absmax
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """The adapter eo-ddp trains loads in peft and means the same thing there.
 
-    train_peft_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR
+    train_peft_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR [ARCH]
+
+ARCH (a tools/make_tiny_model.py --arch name) runs the same on that family's tiny checkpoint,
+with LoRA on its attention linears (DeepSeek's latent attention: q_a/q_b or q_proj, kv_a, kv_b, o).
 
 1. eo-ddp trains a short LoRA run of the bundled tiny Qwen3-MoE (configs/tiny-qwen3-moe.yaml) on
    the attention projections. (peft 0.21 with transformers 5.24 cannot target per-expert linears:
@@ -29,6 +32,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 BINARY, SRC, WORK = sys.argv[1:4]
+ARCH = sys.argv[4] if len(sys.argv) > 4 else None
 MODEL = os.path.join(SRC, "fixtures", "tiny-qwen3-moe")
 RTOL = 1e-4
 torch.set_num_threads(1)
@@ -44,11 +48,22 @@ def check(ok, msg):
 
 
 # ---- 1. train an adapter with eo-ddp (in a fresh output_dir: it belongs to one run)
+targets = "[q_proj, k_proj, v_proj, o_proj]"
+extra = []
+if ARCH:
+    MODEL = os.path.join(WORK, "model")
+    subprocess.run([sys.executable, os.path.join(SRC, "tools", "make_tiny_model.py"), "--arch", ARCH, "--out", MODEL,
+                    "--seed", "5"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = json.load(open(os.path.join(MODEL, "config.json")))
+    if "kv_lora_rank" in cfg:
+        targets = "[" + ("q_proj" if cfg["q_lora_rank"] is None else "q_a_proj, q_b_proj") + \
+            ", kv_a_proj_with_mqa, kv_b_proj, o_proj]"
+    extra = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 out = os.path.join(WORK, "run")
 shutil.rmtree(out, ignore_errors=True)
 subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
                 "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_target_linear=false",
-                "--set", "lora_target_modules=[q_proj, k_proj, v_proj, o_proj]"],
+                "--set", "lora_target_modules=" + targets] + extra,
                cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
 
 # ---- scoring data: prompt-masked labels, a right-padded line, plain lines
@@ -87,7 +102,9 @@ def reference_score(model):
 
 
 # ---- 2. transformers + peft
-model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
+# transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
+causal_lm = transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4") else transformers.AutoModelForCausalLM
+model = causal_lm.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
 base_loss, base_tokens = reference_score(model)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
