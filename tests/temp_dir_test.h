@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <string>
 
+#include "common/files.h"
+
 namespace eo::testing {
 
 // A test fixture with its own temporary folder dir_ (<tmp>/<prefix><test name>_<pid>), removed
@@ -17,11 +19,11 @@ class TempDirTest : public ::testing::Test {
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     dir_ = std::filesystem::temp_directory_path() / (prefix_ + info->name() + "_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(dir_);
+    eo::remove_tree(dir_);
     std::filesystem::create_directories(dir_);
   }
   void TearDown() override {
-    if (!HasFailure()) std::filesystem::remove_all(dir_);
+    if (!HasFailure()) eo::remove_tree(dir_);
   }
   std::filesystem::path dir_;
 

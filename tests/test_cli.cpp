@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/files.h"
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -34,7 +36,7 @@ class Cli : public ::testing::Test {
     fs::copy_file(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe/config.json", dir_ / "model" / "config.json");
     std::ofstream(dir_ / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { eo::remove_tree(dir_); }
   std::string write(const std::string& name, const std::string& body) {
     const fs::path p = dir_ / name;
     std::ofstream(p) << "base_model: " << (dir_ / "model").string() << "\ndatasets: [{path: " << (dir_ / "train.jsonl").string()

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <set>
 
+#include "common/files.h"
 #include "common/error.h"
 #include "common/text.h"
 #include "models/hf_config.h"
@@ -364,7 +365,7 @@ TEST(Config, FilesAreCheckedBeforeAnythingLoads) {
     EXPECT_NE(m.find("datasets.0.path: file '"), std::string::npos) << m;
     EXPECT_NE(m.find("output_dir: '" + same + "' is the base_model folder"), std::string::npos) << m;
   }
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 TEST(Config, InvalidYamlIsAUsageError) {
@@ -462,7 +463,7 @@ TEST(Config, TargetModulesComeFromTheArchitecture) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("'w1' matches no linear of qwen3_moe"), std::string::npos) << e.what();
   }
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 // Issue #31 item 1: every key of axolotl's schema is classified once; noted keys are accepted with
@@ -624,7 +625,7 @@ TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
               std::string::npos) << m;
   }
   EXPECT_NE(error_of(std::string(kValid) + "chat_template: qwen_3\n").find("did you mean 'qwen3'?"), std::string::npos);
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 // Issue #16 item 5: lora_target_parameters takes peft's fused expert parameter names (full or
@@ -720,7 +721,7 @@ TEST(Config, ExpertQuantIsCheckedAgainstTheCheckpoint) {
                                   (dir / "train.jsonl").string() + "}]\nexpert_quant: mxfp4\n");
   EXPECT_NE(dense.find("expert_quant: mxfp4 needs load_in_4bit: true"), std::string::npos) << dense;
   EXPECT_NO_THROW(load_config_text(yaml("qwen", "expert_quant: nf4\n"), "t.yaml", {}));
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 // cuda_graphs: the decision table of runtime/setup.h (no GPU needed: a CUDA device is a value here).
@@ -822,7 +823,7 @@ TEST(Config, DuplicateKeysSecondDocumentsHugeValuesAndFoldersAreErrors) {
     EXPECT_NE(std::string(e.what()).find("datasets.0.path: '" + (dir / "data.jsonl").string() + "' is a folder"), std::string::npos)
         << e.what();
   }
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 // Targets are checked against base_model's config.json also without the file checks, as

@@ -13,6 +13,7 @@
 //    before training, naming the file (and line / index) and the fix.
 #include <gtest/gtest.h>
 
+#include "common/files.h"
 #include "common/fault_seam.h"
 #include "runtime/plan.h"
 #include <csignal>
@@ -591,7 +592,7 @@ TEST(HostMemory, DiskHomesPlanEqualsTheRingTheFileAndTheCopies) {
   for (bool dq : {false, true})
     for (int depth : {1, 2}) {
       SCOPED_TRACE(std::string(dq ? "double quant" : "plain") + ", depth " + std::to_string(depth));
-      fs::remove_all(homes);
+      eo::remove_tree(homes);
       eo::model::LoadOptions lo;
       lo.load_in_4bit = true;
       lo.double_quant = dq;
@@ -632,7 +633,7 @@ TEST(HostMemory, DiskHomesPlanEqualsTheRingTheFileAndTheCopies) {
       EXPECT_EQ(plan.copies_per_step, st.copies);
       EXPECT_EQ(plan.disk_reads_per_step, double(st.copied_bytes));
     }
-  fs::remove_all(homes);
+  eo::remove_tree(homes);
 }
 
 // ---- data -----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/files.h"
 #include "common/error.h"
 #include "tests/ref_support.h"
 #include "models/hf_config.h"
@@ -895,7 +896,7 @@ TEST(Score, LongRowsAreScoredInWindowsThatCountEveryLabelOnce) {
   EXPECT_GT(std::abs(windowed.at("loss").get<double>() - whole.at("loss").get<double>()), 1e-6)
       << "windows must cut the context (else this test checks nothing)";
   EXPECT_EQ(sh(bin + " --window 1 --data " + (dir / "long.jsonl").string() + " 2>/dev/null"), 2);
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include "common/files.h"
 #include "models/fused.h"
 #include "models/grouped_mm.h"
 #include "models/hf_config.h"
@@ -192,7 +193,7 @@ TEST(SwiGlu, TwiceSumsBothOutputsGradients) {
 TEST(SyntheticWeights, RealShapesFromConfigAloneSeededAndScaled) {
   // A folder with only config.json: the loader must not look for safetensors.
   const fs::path dir = fs::temp_directory_path() / "eo-synthetic-test";
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
   fs::create_directories(dir);
   fs::copy_file(kTiny + "/config.json", dir / "config.json");
   LoadOptions lo;
@@ -214,7 +215,7 @@ TEST(SyntheticWeights, RealShapesFromConfigAloneSeededAndScaled) {
   const auto& q = a->weight_provider().expert_weight(0, 0, ExpertMatrix::Gate);
   const double sd = nf4::dequantize(q, at::kFloat).std().item<double>();
   EXPECT_NEAR(sd, c.initializer_range, 0.15 * c.initializer_range);
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 TEST(MemoryPlan, WeightAndExpertTermsEqualTheLoadedModelsBytes) {
@@ -644,7 +645,7 @@ TEST(ExpertLora, AdapterIsPeftPerExpertBytesAndLoadsBack) {
   }
   EXPECT_EQ(expected.size(), params.size() - 6 * m->num_layers() + 6 * m->num_layers() * std::size_t(E));
   const fs::path dir = fs::temp_directory_path() / "eo-expert-lora-adapter";
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
   m->save_adapter((dir / "new").string(), "tiny");
   fs::create_directories(dir / "old");
   st::save((dir / "old" / "adapter_model.safetensors").string(), expected);
@@ -669,7 +670,7 @@ TEST(ExpertLora, AdapterIsPeftPerExpertBytesAndLoadsBack) {
     EXPECT_EQ(restacked[i].first, params[i].first);
     EXPECT_TRUE(restacked[i].second.equal(params[i].second)) << params[i].first;
   }
-  fs::remove_all(dir);
+  eo::remove_tree(dir);
 }
 
 // The GPU's grouped expert path (base and LoRA grouped GEMMs, the LoRA deltas summed inside
@@ -898,7 +899,7 @@ TEST(MemoryPlan, LoraTermCountsLatentAttentionSharedExpertsAndDenseLayers) {
     for (const auto& p : plan_memory(cfg, mc, false, 1).device)
       if (p.name == "lora") planned = p.bytes / 16;
     EXPECT_EQ(planned, n);
-    fs::remove_all(dir);
+    eo::remove_tree(dir);
   }
 }
 

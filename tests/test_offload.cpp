@@ -11,6 +11,7 @@
 
 #include <ATen/ATen.h>
 
+#include "common/files.h"
 #include "common/error.h"
 #include "models/nf4.h"
 #include "offload/disk_homes.h"
@@ -29,8 +30,8 @@ enum class Homes { Memory, Disk };
 const char* name_of(Homes h) { return h == Homes::Memory ? "homes in RAM" : "homes on disk"; }
 struct DiskFolder {
   std::filesystem::path dir = std::filesystem::temp_directory_path() / ("eo-offload-disk-" + std::to_string(::getpid()));
-  DiskFolder() { std::filesystem::remove_all(dir); }
-  ~DiskFolder() { std::filesystem::remove_all(dir); }
+  DiskFolder() { eo::remove_tree(dir); }
+  ~DiskFolder() { eo::remove_tree(dir); }
 };
 offload::OffloadOptions with_homes(offload::OffloadOptions o, Homes h, const DiskFolder& folder) {
   if (h == Homes::Disk) {

@@ -2,6 +2,7 @@
 // Python `safetensors` package in both directions (tests/ref/safetensors_ref.py), sharded
 // checkpoints (written by huggingface_hub), refusal of pickles, and a hostile corpus of
 // malformed files that must each fail with an eo::Error naming the file, tensor and problem.
+#include "common/files.h"
 #include "models/safetensors.h"
 
 #include "common/error.h"
@@ -26,7 +27,7 @@ namespace {
 fs::path test_dir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   fs::path d = fs::path(EO_BINARY_DIR) / "safetensors_test" / (std::string(info->test_suite_name()) + "." + info->name());
-  fs::remove_all(d);
+  eo::remove_tree(d);
   fs::create_directories(d);
   return d;
 }
