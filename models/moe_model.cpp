@@ -294,9 +294,9 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, co
   const ModelConfig& c = *cfg_;
   const Router& r = c.router;
   const auto N = flat.size(0), E = c.experts;
-  // Logits in the compute dtype (or fp32 for the families that keep their router in fp32);
-  // scores in fp32.
-  const at::Tensor logits = at::linear(r.fp32 ? flat.to(at::kFloat) : flat, router_, router_b_);
+  // Logits in the router's dtype: the compute dtype, or fp32 where the loader keeps the router in
+  // fp32 (the families that do, and fp16 compute); scores in fp32.
+  const at::Tensor logits = at::linear(router_.scalar_type() == at::kFloat ? flat.to(at::kFloat) : flat, router_, router_b_);
   if (ctx.router_logits) ctx.router_logits->push_back(logits);
   if (r.score == RouterScore::SoftmaxTopK) {  // gpt-oss: the softmax runs over the k chosen logits only
     auto [top_logits, idx] = at::topk(logits, c.top_k, -1);

@@ -269,9 +269,9 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
 // Returns the expert bank slice to use (bytes, 0 = whole): expert_dequant_chunk, where auto is
 // the whole bank unless only 64 MiB slices make the plan fit; and the banks a recompute keeps
 // (expert_bank_reuse, where auto is all unless only down makes it fit; before slices are tried).
-PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
+PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, Compute compute, int local_size) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
-  MemoryPlan plan = plan_memory(cfg, mc, bf16, local_size, device.is_cuda());
+  MemoryPlan plan = plan_memory(cfg, mc, compute, local_size, device.is_cuda());
   if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
   double available = 0;
   std::string what;
@@ -288,7 +288,7 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
   if (plan.device_peak + plan.margin > available && cfg.expert_bank_reuse == "auto" && device.is_cuda()) {
     TrainConfig down = planned;
     down.expert_bank_reuse = "down";
-    const MemoryPlan p2 = plan_memory(down, mc, bf16, local_size, true);
+    const MemoryPlan p2 = plan_memory(down, mc, compute, local_size, true);
     if (p2.device_peak < plan.device_peak) {
       log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
                 human_bytes(plan.device_peak) + " + margin); the backward dequantises them again");
@@ -299,7 +299,7 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
   if (plan.device_peak + plan.margin > available && cfg.expert_dequant_chunk == "auto" && device.is_cuda()) {
     TrainConfig sliced = planned;
     sliced.expert_dequant_chunk = kAutoBankSlice;
-    const MemoryPlan p2 = plan_memory(sliced, mc, bf16, local_size, true);
+    const MemoryPlan p2 = plan_memory(sliced, mc, compute, local_size, true);
     if (p2.device_peak < plan.device_peak) {
       log::info(std::string("expert_dequant_chunk: auto -> ") + kAutoBankSlice + ": the whole bank would not fit (" +
                 human_bytes(plan.device_peak) + " + margin); slices of the experts are dequantised one at a time (slower)");
@@ -364,14 +364,24 @@ std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const a
   return {true, "on (auto; " + extra + ")"};
 }
 
-void check_gpu_served(const at::Device& device) {
+void check_gpu_served(const at::Device& device, const ComputeChoice& compute) {
   if (!device.is_cuda()) return;
   const GpuCard card = gpu_card(device);
   const std::string which = device.str() + " (" + card.name + ", sm_" + std::to_string(card.major) +
                             std::to_string(card.minor) + ")";
+  // fp16 runs on the CPU; on a GPU the NF4 / MXFP4 dequantisation and the fused SwiGLU / RoPE
+  // kernels take fp16, the experts' grouped GEMM does not.
+  if (compute.dtype == Compute::Fp16)
+    throw UsageError("fp16 compute (" + compute.why + ") on " + which + " is not available in this build: the experts' "
+                     "grouped GEMM takes bf16 only (the portable CUTLASS kernel, models/expert_gemm_cuda.cu, is built "
+                     "for bf16 on sm_80 and newer, and only bf16 CUDA tensors are routed to at::_grouped_mm: "
+                     "models/linear4bit.cpp grouped_gemm_available); the NF4 / MXFP4 dequantisation and the fused "
+                     "SwiGLU / RoPE kernels do take fp16. Train on a GPU with bf16 (sm_80 or newer) with bf16: auto, "
+                     "or in fp16 on the CPU");
   if (card.major < 8)
-    throw UsageError(which + " has no bf16 tensor cores: eo-ddp computes in bf16 and needs sm_80 or newer (A100, "
-                     "RTX 30xx / 40xx / 50xx, RTX A-series, H100 / H200, B200)");
+    throw UsageError(which + " has no bf16 tensor cores (" + compute.why + "): eo-ddp computes in bf16 on a GPU and needs "
+                     "sm_80 or newer (A100, RTX 30xx / 40xx / 50xx, RTX A-series, H100 / H200, B200); a card without bf16 "
+                     "needs fp16 compute, whose grouped expert GEMM this build does not have on a GPU");
 #ifdef EO_WITH_CUDA
   c10::cuda::CUDAGuard guard(device);
   if (expert_gemm::cuda::probe_kernel_image() != cudaSuccess) {
@@ -446,14 +456,16 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   Run run;
   const auto& wi = world.info();
   run.device = pick_device(wi.local_rank, wi.local_size);
-  check_gpu_served(run.device);
+  const ComputeChoice compute = resolve_compute(cfg, run.device.is_cuda(), device_has_bf16(run.device));
+  check_gpu_served(run.device, compute);
+  run.compute = compute.dtype;
+  if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
   run.expert_gemm_why = resolve_expert_gemm(cfg, run.device);
   size_thread_pool(wi.local_size);
   const at::Device device = run.device;
-  run.bf16 = config_use_bf16(cfg, device.is_cuda());
-  const bool bf16 = run.bf16;
+  const bool bf16 = run.compute == Compute::Bf16;
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
-  const PlanFit fit = check_memory_plan(cfg, device, bf16, wi.local_size);
+  const PlanFit fit = check_memory_plan(cfg, device, run.compute, wi.local_size);
   const std::int64_t bank_bytes = fit.bank_bytes;
   std::tie(run.cuda_graphs, run.cuda_graphs_why) = resolve_cuda_graphs(cfg, device, fit);
   run.bank_reuse = fit.bank_reuse;
@@ -505,7 +517,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
 
   // ---- model
   model::LoadOptions lo;
-  lo.dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  lo.dtype = bf16 ? at::kBFloat16 : run.compute == Compute::Fp16 ? at::kHalf : at::kFloat;
   lo.load_in_4bit = cfg.load_in_4bit;
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
@@ -515,7 +527,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   lo.experts_on_host = cfg.expert_offload;
   if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
-            describe_device(device) + ", " + (bf16 ? "bf16" : "fp32") + " compute");
+            describe_device(device) + ", " + compute_name(run.compute) + " compute");
   run.model = model::MoeModel::load(cfg.base_model, lo);
   auto& model = run.model;
   const auto& mc = model->config();
