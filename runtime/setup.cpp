@@ -369,19 +369,11 @@ void check_gpu_served(const at::Device& device, const ComputeChoice& compute) {
   const GpuCard card = gpu_card(device);
   const std::string which = device.str() + " (" + card.name + ", sm_" + std::to_string(card.major) +
                             std::to_string(card.minor) + ")";
-  // fp16 runs on the CPU; on a GPU the NF4 / MXFP4 dequantisation and the fused SwiGLU / RoPE
-  // kernels take fp16, the experts' grouped GEMM does not.
-  if (compute.dtype == Compute::Fp16)
-    throw UsageError("fp16 compute (" + compute.why + ") on " + which + " is not available in this build: the experts' "
-                     "grouped GEMM takes bf16 only (the portable CUTLASS kernel, models/expert_gemm_cuda.cu, is built "
-                     "for bf16 on sm_80 and newer, and only bf16 CUDA tensors are routed to at::_grouped_mm: "
-                     "models/linear4bit.cpp grouped_gemm_available); the NF4 / MXFP4 dequantisation and the fused "
-                     "SwiGLU / RoPE kernels do take fp16. Train on a GPU with bf16 (sm_80 or newer) with bf16: auto, "
-                     "or in fp16 on the CPU");
-  if (card.major < 8)
-    throw UsageError(which + " has no bf16 tensor cores (" + compute.why + "): eo-ddp computes in bf16 on a GPU and needs "
-                     "sm_80 or newer (A100, RTX 30xx / 40xx / 50xx, RTX A-series, H100 / H200, B200); a card without bf16 "
-                     "needs fp16 compute, whose grouped expert GEMM this build does not have on a GPU");
+  // A card without bf16 tensor cores (T4, V100) computes in fp16, which bf16: auto picks there.
+  if (card.major < 8 && compute.dtype != Compute::Fp16)
+    throw UsageError(which + " has no bf16 tensor cores (" + compute.why + "): on it eo-ddp computes in fp16 with loss "
+                     "scaling; set fp16: true (or leave bf16: auto and fp16 unset), or train on sm_80 or newer (A100, "
+                     "RTX 30xx / 40xx / 50xx, RTX A-series, H100 / H200, B200) in bf16");
 #ifdef EO_WITH_CUDA
   c10::cuda::CUDAGuard guard(device);
   if (expert_gemm::cuda::probe_kernel_image() != cudaSuccess) {
@@ -461,6 +453,16 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   run.compute = compute.dtype;
   if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
   run.expert_gemm_why = resolve_expert_gemm(cfg, run.device);
+  if (run.device.is_cuda() && compute.dtype != Compute::Bf16) {
+    // The grouped expert GEMMs (PyTorch's and the portable CUTLASS kernel) take bf16 only: in fp16
+    // or fp32 each MoE block runs expert by expert (libtorch's GEMM), reading the routing counts
+    // on the host.
+    if (cfg.expert_gemm == "portable")
+      throw UsageError(std::string("expert_gemm: portable takes bf16 only; this run computes in ") + compute_name(compute.dtype) +
+                       " (" + compute.why + "): use expert_gemm: auto");
+    run.expert_gemm_why = std::string("libtorch's GEMM per expert, the routing counts read on the host (") +
+                          compute_name(compute.dtype) + " compute: the grouped kernels take bf16 only)";
+  }
   size_thread_pool(wi.local_size);
   const at::Device device = run.device;
   const bool bf16 = run.compute == Compute::Bf16;
@@ -549,6 +551,11 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   // The experts' LoRA runs as grouped GEMMs only when r is a multiple of 8 (their [rows, r]
   // operands must be 16-byte aligned); otherwise the GPU runs each MoE block expert by expert,
   // reading the routing counts on the host, which no CUDA graph can capture. Said once, with the fix.
+  if (device.is_cuda() && !bf16 && run.cuda_graphs) {
+    run.cuda_graphs = false;
+    run.cuda_graphs_why = std::string("off (") + compute_name(run.compute) +
+                          " compute: the per-expert path reads the routing counts on the host)";
+  }
   if (device.is_cuda() && bf16 && !model->expert_lora_grouped_ok()) {
     const std::string r = std::to_string(cfg.lora_r);
     log::warn("lora_r " + r + " is not a multiple of 8, so the experts' LoRA cannot run as grouped GEMMs: each MoE block "
