@@ -315,11 +315,11 @@ int main(int argc, char** argv) {
       }
       try {
         TrainConfig cfg = load_config_text(yaml.str(), "eo-bench", {});
-        MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1, at::hasCUDA());
+        MemoryPlan plan = plan_memory(cfg, mc, resolve_compute(cfg, at::hasCUDA(), true).dtype, 1, at::hasCUDA());
         if (mode == "budget") {
           const double budget = std::floor(plan.expert_bytes * budget_fraction);
           cfg.expert_offload_vram_budget = std::to_string(static_cast<long long>(budget));
-          plan = plan_memory(cfg, mc, config_use_bf16(cfg, at::hasCUDA()), 1, at::hasCUDA());
+          plan = plan_memory(cfg, mc, resolve_compute(cfg, at::hasCUDA(), true).dtype, 1, at::hasCUDA());
         }
         row.plan_vram = plan.device_peak;
         row.pinned = plan.host_pinned;

@@ -39,10 +39,11 @@ if(EO_WITH_CUDA STREQUAL "AUTO")
 endif()
 if(EO_WITH_CUDA)
   # Machine code for every card the project serves: SASS for each of EO_CUDA_ARCHS that this nvcc
-  # knows (A100 80, RTX 30xx / A-series 86, RTX 40xx 89, H100/H200 90, B200 100, RTX 50xx 120) and
-  # PTX of the newest, so a card newer than all of them still JIT-compiles. -DCMAKE_CUDA_ARCHITECTURES
-  # (e.g. 86, or native) overrides it: a build for one card is several times faster.
-  set(EO_CUDA_ARCHS "80;86;89;90;100;120" CACHE STRING "CUDA architectures of the default build (SASS each, PTX of the last)")
+  # knows (T4 75, in fp16; A100 80, RTX 30xx / A-series 86, RTX 40xx 89, H100/H200 90, B200 100,
+  # RTX 50xx 120) and PTX of the newest, so a card newer than all of them still JIT-compiles.
+  # -DCMAKE_CUDA_ARCHITECTURES (e.g. 86, or native) overrides it: a build for one card is several
+  # times faster.
+  set(EO_CUDA_ARCHS "75;80;86;89;90;100;120" CACHE STRING "CUDA architectures of the default build (SASS each, PTX of the last)")
   set(_eo_user_archs "${CMAKE_CUDA_ARCHITECTURES}")
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)

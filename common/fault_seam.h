@@ -15,6 +15,9 @@ struct Plan {
   // At the start of optimizer step `step` (1-based) on `rank`: true turns the rank's loss of that
   // step into NaN; it may also throw or end the process (a failing rank).
   std::function<bool(std::int64_t step, int rank)> at_step;
+  // At optimizer step `step` on `rank`: true makes the rank's loss scale infinite for that step,
+  // so its gradients overflow while its loss stays finite (fp16's loss scaling: a skipped step).
+  std::function<bool(std::int64_t step, int rank)> overflow_at;
   std::int64_t kill_in_save = -1;         // SIGKILL in the middle of writing checkpoint-<step>
   std::int64_t kill_in_replace = -1;      // SIGKILL between the two renames replacing checkpoint-<step>
   std::int64_t nan_state_at = -1;         // after optimizer step <step>, one LoRA parameter element becomes NaN

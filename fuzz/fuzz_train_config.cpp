@@ -27,7 +27,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     const eo::TrainConfig cfg = eo::load_config_text(yaml, "fuzz.yaml", overrides, options);
     printed = eo::config_to_yaml(cfg);
-    (void)eo::config_use_bf16(cfg, true);
+    (void)eo::resolve_compute(cfg, true, false);
   } catch (const eo::Error&) {
     return 0;
   }

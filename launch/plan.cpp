@@ -47,8 +47,8 @@ int run_plan(const Args& args) {
   lo.check_architecture = true;  // targets as training resolves them (DeepSeek's defaults, peft's forms)
   const TrainConfig cfg = load_config_file(config_path, overrides, lo);
   const model::ModelConfig mc = model::load_config(cfg.base_model);
-  // A plan is for the GPU: bf16 unless the config says bf16: false.
-  const MemoryPlan plan = plan_memory(cfg, mc, cfg.bf16 != "false", ranks);
+  // A plan is for a GPU: with bf16: auto one with bf16 (fp16 takes the same bytes).
+  const MemoryPlan plan = plan_memory(cfg, mc, resolve_compute(cfg, /*on_cuda=*/true, /*cuda_has_bf16=*/true).dtype, ranks);
   std::fputs(describe_plan(plan, vram).c_str(), stdout);
   std::string source = "--host-ram";
   if (host_ram <= 0) {

@@ -14,6 +14,7 @@
 #include "runtime/rank_agreement.h"
 #include "runtime/signals.h"
 #include "runtime/data/prepare.h"
+#include "runtime/device.h"
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
 #include "runtime/train_state.h"
@@ -32,7 +33,9 @@ std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
        << at::getNumGPUs() << " visible on this host\n";
   else
     os << "  devices: cpu (this build or host has no CUDA)\n";
-  os << "  compute: " << (config_use_bf16(cfg, cuda) ? "bf16" : "fp32") << ", LoRA master weights and AdamW state fp32\n";
+  const ComputeChoice compute = resolve_compute(cfg, cuda, cuda && device_has_bf16(at::Device(at::kCUDA, 0)));
+  os << "  compute: " << compute_name(compute.dtype) << " (" << compute.why << ")"
+     << (compute.dtype == Compute::Fp16 ? ", dynamic loss scaling" : "") << ", LoRA master weights and AdamW state fp32\n";
   // The model's shape comes from config.json alone: no weights are read.
   const model::ModelConfig mc = model::load_config(cfg.base_model);
   const bool mxfp4 = experts_in_mxfp4(cfg, mc);
@@ -44,7 +47,7 @@ std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
   os << "  adapter: " << cfg.adapter << " r=" << cfg.lora_r << " alpha=" << cfg.lora_alpha << " on [";
   for (std::size_t i = 0; i < cfg.lora_target_modules.size(); ++i) os << (i ? ", " : "") << cfg.lora_target_modules[i];
   os << "]\n";
-  const MemoryPlan plan = plan_memory(cfg, mc, config_use_bf16(cfg, cuda), w.local_size, cuda);
+  const MemoryPlan plan = plan_memory(cfg, mc, compute.dtype, w.local_size, cuda);
   int moe_layers = 0;
   for (int i = 0; i < mc.layers; ++i) moe_layers += mc.is_moe_layer(i) ? 1 : 0;
   os << "  model: " << mc.model_type << ", " << mc.layers << " layers (" << moe_layers << " MoE), " << mc.experts

@@ -383,8 +383,9 @@ struct ModelLoader {
       if (!b->moe_) {
         b->dense_ = mlp(p + "mlp", c.dense_width);
       } else {
+        // fp16 keeps the router in fp32 too: its logits feed a softmax whose range fp16 lacks.
         const std::optional<at::ScalarType> router_dtype =
-            c.router.fp32 ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
+            c.router.fp32 || opts.dtype == at::kHalf ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
         const std::string router = moe_prefix(i) + "." + c.router_name();
         b->router_ = get(router + ".weight", {c.experts, H}, router_dtype);
         if (c.router.bias) b->router_b_ = get(router + ".bias", {c.experts}, router_dtype);

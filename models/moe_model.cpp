@@ -272,7 +272,7 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     if (down_lora) out.delta = down_lora->delta_grouped(act_lora, offsets, training);
     return out;
   }
-  // CPU (and fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
+  // CPU (and fp16 / fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
   // the counts are read on the host. The stacked LoRA is cut into per-expert views once.
   const at::Tensor host_counts = counts.to(at::kCPU);
   const auto* count = host_counts.data_ptr<std::int64_t>();
@@ -294,9 +294,9 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, co
   const ModelConfig& c = *cfg_;
   const Router& r = c.router;
   const auto N = flat.size(0), E = c.experts;
-  // Logits in the compute dtype (or fp32 for the families that keep their router in fp32);
-  // scores in fp32.
-  const at::Tensor logits = at::linear(r.fp32 ? flat.to(at::kFloat) : flat, router_, router_b_);
+  // Logits in the router's dtype: the compute dtype, or fp32 where the loader keeps the router in
+  // fp32 (the families that do, and fp16 compute); scores in fp32.
+  const at::Tensor logits = at::linear(router_.scalar_type() == at::kFloat ? flat.to(at::kFloat) : flat, router_, router_b_);
   if (ctx.router_logits) ctx.router_logits->push_back(logits);
   if (r.score == RouterScore::SoftmaxTopK) {  // gpt-oss: the softmax runs over the k chosen logits only
     auto [top_logits, idx] = at::topk(logits, c.top_k, -1);

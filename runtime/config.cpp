@@ -788,13 +788,22 @@ const std::vector<KeySpec>& schema() {
                  },
                  writer(&TrainConfig::seed)});
     // --- precision and memory
-    k.push_back({"bf16", "true, false or auto", "auto", "bf16 compute (LoRA master weights and optimizer state stay fp32); auto = bf16 on CUDA, fp32 on CPU.",
+    k.push_back({"bf16", "true, false or auto", "auto", "bf16 compute (LoRA master weights and optimizer state stay fp32); auto = bf16 on a GPU with bf16 (compute capability 8.0 or newer), fp16 on one without (unless fp16: false), fp32 on the CPU.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    if (n.IsScalar() && n.Scalar() == "auto") { c.bf16 = "auto"; return; }
                    if (auto v = as_bool(n)) { c.bf16 = *v ? "true" : "false"; return; }
                    issues.push_back({"bf16", "expected true, false or auto, got '" + yaml_text(n) + "'"});
                  },
                  writer(&TrainConfig::bf16)});
+    k.push_back(boolean("fp16", &TrainConfig::fp16,
+                        "fp16 compute with dynamic loss scaling (torch's GradScaler: 2^16 at first, halved and the step "
+                        "skipped on an overflow, doubled after loss_scale_growth_interval clean steps), for GPUs "
+                        "without bf16 (T4, V100); LoRA master weights, optimizer state, router, norm statistics, "
+                        "attention softmax, loss and gradient sums stay fp32. Needs bf16: false or auto. Unset: "
+                        "bf16: auto picks fp16 on a GPU without bf16; false there means fp32."));
+    k.push_back(integer("loss_scale_growth_interval", &TrainConfig::loss_scale_growth_interval, 1, 1 << 30,
+                        "fp16 only: consecutive steps without an overflow after which the loss scale doubles "
+                        "(GradScaler's growth_interval)."));
     k.push_back({"gradient_checkpointing", "bool or offload", "false",
                  "Recompute each decoder block in backward instead of keeping its activations. axolotl's offload "
                  "(and offload_disk, kept in host RAM) is gradient_checkpointing with activation_offloading.",
@@ -1076,6 +1085,9 @@ void place_override(YAML::Node& root, const std::string& key, const std::vector<
 
 // Rules that involve several keys.
 void check_rules(const TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
+  if (c.fp16.value_or(false) && c.bf16 == "true")
+    issues.push_back({"fp16", "fp16: true and bf16: true contradict each other (one compute dtype per run): set "
+                              "bf16: false (or auto) for fp16, or drop fp16 for bf16"});
   if (!present.count("base_model"))
     issues.push_back({"base_model", "required: the Hugging Face checkpoint folder to fine-tune"});
   if (!present.count("adapter"))
@@ -1735,10 +1747,18 @@ std::string config_to_yaml(const TrainConfig& c) {
   return out.c_str();
 }
 
-bool config_use_bf16(const TrainConfig& cfg, bool on_cuda) {
-  if (cfg.bf16 == "auto") return on_cuda;
-  return cfg.bf16 == "true";
+ComputeChoice resolve_compute(const TrainConfig& cfg, bool on_cuda, bool cuda_has_bf16) {
+  if (cfg.fp16.value_or(false)) return {Compute::Fp16, "fp16: true"};
+  if (cfg.bf16 == "true") return {Compute::Bf16, "bf16: true"};
+  if (cfg.bf16 == "false") return {Compute::Fp32, "bf16: false"};
+  if (!on_cuda) return {Compute::Fp32, "bf16: auto on the CPU"};
+  if (cuda_has_bf16) return {Compute::Bf16, "bf16: auto on a GPU with bf16"};
+  if (cfg.fp16.has_value())
+    return {Compute::Fp32, "bf16: auto on a GPU without bf16 (compute capability below 8.0), and fp16: false"};
+  return {Compute::Fp16, "bf16: auto on a GPU without bf16 (compute capability below 8.0): fp16 with loss scaling"};
 }
+
+const char* compute_name(Compute c) { return c == Compute::Fp16 ? "fp16" : c == Compute::Bf16 ? "bf16" : "fp32"; }
 
 bool experts_in_mxfp4(const TrainConfig& cfg, const model::ModelConfig& mc) {
   return cfg.load_in_4bit && (cfg.expert_quant == "mxfp4" || (cfg.expert_quant == "auto" && mc.mxfp4_experts));

@@ -113,7 +113,9 @@ struct TrainConfig {
   std::int64_t seed = 42;
 
   // Precision and memory.
-  std::string bf16 = "auto";  // "true" | "false" | "auto" (bf16 on CUDA, fp32 on CPU)
+  std::string bf16 = "auto";  // "true" | "false" | "auto" (resolve_compute)
+  std::optional<bool> fp16;   // axolotl's key; unset lets bf16: auto pick fp16 on a GPU without bf16
+  int loss_scale_growth_interval = 2000;  // fp16: clean steps before the loss scale doubles
   bool gradient_checkpointing = false;
   std::optional<bool> use_reentrant;  // gradient_checkpointing_kwargs.use_reentrant
   bool expert_offload = false;
@@ -188,8 +190,25 @@ std::vector<AxolotlKeyInfo> axolotl_keys();
 // docs/axolotl-keys.md: that table. Printed by --help-axolotl-keys.
 std::string axolotl_keys_markdown();
 
-// True when `bf16` resolves to bf16 compute on this device kind.
-bool config_use_bf16(const TrainConfig& cfg, bool on_cuda);
+// The compute dtype of the frozen weights and activations (LoRA masters and AdamW state are fp32
+// whatever it is). The one rule for bf16 / fp16, as axolotl's normalize_config:
+//   fp16: true            -> fp16 (bf16 must be false or auto: both true is a config error)
+//   bf16: true            -> bf16 (on a CUDA card without bf16 the start-up check refuses it)
+//   bf16: false           -> fp32
+//   bf16: auto            -> bf16 on a CUDA card with bf16 (compute capability >= 8.0); fp16 on one
+//                            without, unless fp16: false is set (then fp32); fp32 on the CPU.
+// `cuda_has_bf16` is ignored on the CPU. `why` says how it was decided, for the log.
+enum class Compute { Fp32, Bf16, Fp16 };
+struct ComputeChoice {
+  Compute dtype = Compute::Fp32;
+  std::string why;
+};
+ComputeChoice resolve_compute(const TrainConfig& cfg, bool on_cuda, bool cuda_has_bf16);
+const char* compute_name(Compute c);  // "fp32", "bf16", "fp16"
+// fp16's dynamic loss scaling, as torch.amp.GradScaler's defaults.
+constexpr double kLossScaleInit = 65536.0;  // 2^16
+constexpr double kLossScaleGrowth = 2.0;
+constexpr double kLossScaleBackoff = 0.5;
 // expert_dequant_chunk in bytes: 0 = the whole bank at once (auto resolves to whole here; the
 // start-up check turns it into kAutoBankSlice when only that fits).
 std::int64_t expert_bank_bytes(const TrainConfig& cfg);

@@ -50,6 +50,8 @@ GpuCard gpu_card(const at::Device& d) {
   return card;
 }
 
+bool device_has_bf16(const at::Device& d) { return d.is_cuda() && gpu_card(d).major >= 8; }
+
 std::int64_t peak_memory_bytes(const at::Device& d) {
 #ifdef EO_WITH_CUDA
   if (d.is_cuda()) {

@@ -24,6 +24,8 @@ struct GpuCard {
   int major = 0, minor = 0;
 };
 GpuCard gpu_card(const at::Device& d);
+// Whether d computes in bf16: a CUDA card of compute capability 8.0 or newer (bf16 tensor cores).
+bool device_has_bf16(const at::Device& d);
 
 // Peak bytes allocated since the last reset: the CUDA caching allocator's peak on a GPU, the
 // process' max RSS on the CPU.

@@ -30,12 +30,12 @@ bool targets(const TrainConfig& cfg, const std::string& name) {
 
 }  // namespace
 
-MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool bf16, int ranks_per_node, bool on_gpu) {
+MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Compute compute, int ranks_per_node, bool on_gpu) {
   MemoryPlan p;
   p.on_gpu = on_gpu;
-  p.bf16 = bf16;
+  p.compute = compute;
   p.ranks_per_node = ranks_per_node;
-  const double d = bf16 ? 2 : 4;  // compute dtype bytes
+  const double d = compute == Compute::Fp32 ? 4 : 2;  // compute dtype bytes
   const int bs = cfg.bnb_4bit_blocksize;
   const double H = double(c.hidden), V = double(c.vocab), D = double(c.head_dim);
   const double qd = double(c.heads) * D, kvd = double(c.kv_heads) * D;
@@ -304,7 +304,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
 std::string describe_plan(const MemoryPlan& plan, double vram) {
   std::ostringstream os;
   char line[256];
-  os << "memory plan (per rank, " << (plan.bf16 ? "bf16" : "fp32") << " compute):\n";
+  os << "memory plan (per rank, " << compute_name(plan.compute) << " compute):\n";
   for (const auto& part : plan.device) {
     std::snprintf(line, sizeof line, "  %-12s %10s  %s\n", part.name.c_str(), human_bytes(part.bytes).c_str(), part.what.c_str());
     os << line;
@@ -370,7 +370,7 @@ HostRamFit describe_host_ram(const TrainConfig& cfg, const model::ModelConfig& m
       if (cfg.expert_offload_homes == homes) continue;
       TrainConfig other = cfg;
       other.expert_offload_homes = homes;
-      const MemoryPlan q = plan_memory(other, mc, plan.bf16, plan.ranks_per_node, plan.on_gpu);
+      const MemoryPlan q = plan_memory(other, mc, plan.compute, plan.ranks_per_node, plan.on_gpu);
       if (std::string(homes) == "per_numa_node" && plan.ranks_per_node <= 1) continue;  // nothing to share
       tries.push_back(std::string("expert_offload_homes: ") + homes + " (" + human_bytes(per_node(q)) +
                       (q.disk_homes ? " per node + " + human_bytes(q.disk_file_bytes) + " on a local drive, reading " +

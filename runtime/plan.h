@@ -53,13 +53,13 @@ struct MemoryPlan {
   double disk_ring_bytes = 0;
   double disk_reads_per_step = 0;
   std::int64_t copies_per_step = 0;  // blocks copied into a slot per warm optimizer step (with offload)
-  bool bf16 = true;
+  Compute compute = Compute::Bf16;
   bool on_gpu = true;
 };
 
-// `bf16`: the compute dtype (true on GPUs unless bf16: false); `on_gpu`: planning for a GPU
-// (where the input embedding table is host-held) rather than a CPU run.
-MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, bool bf16, int ranks_per_node,
+// `compute`: the compute dtype (resolve_compute; bf16 and fp16 take the same bytes); `on_gpu`:
+// planning for a GPU (where the input embedding table is host-held) rather than a CPU run.
+MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, Compute compute, int ranks_per_node,
                        bool on_gpu = true);
 
 // A table of the plan, and (when vram > 0) whether it fits a card of that many bytes.

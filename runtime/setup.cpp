@@ -269,9 +269,9 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
 // Returns the expert bank slice to use (bytes, 0 = whole): expert_dequant_chunk, where auto is
 // the whole bank unless only 64 MiB slices make the plan fit; and the banks a recompute keeps
 // (expert_bank_reuse, where auto is all unless only down makes it fit; before slices are tried).
-PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool bf16, int local_size) {
+PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, Compute compute, int local_size) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
-  MemoryPlan plan = plan_memory(cfg, mc, bf16, local_size, device.is_cuda());
+  MemoryPlan plan = plan_memory(cfg, mc, compute, local_size, device.is_cuda());
   if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
   double available = 0;
   std::string what;
@@ -288,7 +288,7 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
   if (plan.device_peak + plan.margin > available && cfg.expert_bank_reuse == "auto" && device.is_cuda()) {
     TrainConfig down = planned;
     down.expert_bank_reuse = "down";
-    const MemoryPlan p2 = plan_memory(down, mc, bf16, local_size, true);
+    const MemoryPlan p2 = plan_memory(down, mc, compute, local_size, true);
     if (p2.device_peak < plan.device_peak) {
       log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
                 human_bytes(plan.device_peak) + " + margin); the backward dequantises them again");
@@ -299,7 +299,7 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, bool
   if (plan.device_peak + plan.margin > available && cfg.expert_dequant_chunk == "auto" && device.is_cuda()) {
     TrainConfig sliced = planned;
     sliced.expert_dequant_chunk = kAutoBankSlice;
-    const MemoryPlan p2 = plan_memory(sliced, mc, bf16, local_size, true);
+    const MemoryPlan p2 = plan_memory(sliced, mc, compute, local_size, true);
     if (p2.device_peak < plan.device_peak) {
       log::info(std::string("expert_dequant_chunk: auto -> ") + kAutoBankSlice + ": the whole bank would not fit (" +
                 human_bytes(plan.device_peak) + " + margin); slices of the experts are dequantised one at a time (slower)");
@@ -364,14 +364,16 @@ std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const a
   return {true, "on (auto; " + extra + ")"};
 }
 
-void check_gpu_served(const at::Device& device) {
+void check_gpu_served(const at::Device& device, const ComputeChoice& compute) {
   if (!device.is_cuda()) return;
   const GpuCard card = gpu_card(device);
   const std::string which = device.str() + " (" + card.name + ", sm_" + std::to_string(card.major) +
                             std::to_string(card.minor) + ")";
-  if (card.major < 8)
-    throw UsageError(which + " has no bf16 tensor cores: eo-ddp computes in bf16 and needs sm_80 or newer (A100, "
-                     "RTX 30xx / 40xx / 50xx, RTX A-series, H100 / H200, B200)");
+  // A card without bf16 tensor cores (T4, V100) computes in fp16, which bf16: auto picks there.
+  if (card.major < 8 && compute.dtype != Compute::Fp16)
+    throw UsageError(which + " has no bf16 tensor cores (" + compute.why + "): on it eo-ddp computes in fp16 with loss "
+                     "scaling; set fp16: true (or leave bf16: auto and fp16 unset), or train on sm_80 or newer (A100, "
+                     "RTX 30xx / 40xx / 50xx, RTX A-series, H100 / H200, B200) in bf16");
 #ifdef EO_WITH_CUDA
   c10::cuda::CUDAGuard guard(device);
   if (expert_gemm::cuda::probe_kernel_image() != cudaSuccess) {
@@ -446,14 +448,26 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   Run run;
   const auto& wi = world.info();
   run.device = pick_device(wi.local_rank, wi.local_size);
-  check_gpu_served(run.device);
+  const ComputeChoice compute = resolve_compute(cfg, run.device.is_cuda(), device_has_bf16(run.device));
+  check_gpu_served(run.device, compute);
+  run.compute = compute.dtype;
+  if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
   run.expert_gemm_why = resolve_expert_gemm(cfg, run.device);
+  if (run.device.is_cuda() && compute.dtype != Compute::Bf16) {
+    // The grouped expert GEMMs (PyTorch's and the portable CUTLASS kernel) take bf16 only: in fp16
+    // or fp32 each MoE block runs expert by expert (libtorch's GEMM), reading the routing counts
+    // on the host.
+    if (cfg.expert_gemm == "portable")
+      throw UsageError(std::string("expert_gemm: portable takes bf16 only; this run computes in ") + compute_name(compute.dtype) +
+                       " (" + compute.why + "): use expert_gemm: auto");
+    run.expert_gemm_why = std::string("libtorch's GEMM per expert, the routing counts read on the host (") +
+                          compute_name(compute.dtype) + " compute: the grouped kernels take bf16 only)";
+  }
   size_thread_pool(wi.local_size);
   const at::Device device = run.device;
-  run.bf16 = config_use_bf16(cfg, device.is_cuda());
-  const bool bf16 = run.bf16;
+  const bool bf16 = run.compute == Compute::Bf16;
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
-  const PlanFit fit = check_memory_plan(cfg, device, bf16, wi.local_size);
+  const PlanFit fit = check_memory_plan(cfg, device, run.compute, wi.local_size);
   const std::int64_t bank_bytes = fit.bank_bytes;
   std::tie(run.cuda_graphs, run.cuda_graphs_why) = resolve_cuda_graphs(cfg, device, fit);
   run.bank_reuse = fit.bank_reuse;
@@ -505,7 +519,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
 
   // ---- model
   model::LoadOptions lo;
-  lo.dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  lo.dtype = bf16 ? at::kBFloat16 : run.compute == Compute::Fp16 ? at::kHalf : at::kFloat;
   lo.load_in_4bit = cfg.load_in_4bit;
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
@@ -515,7 +529,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   lo.experts_on_host = cfg.expert_offload;
   if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
-            describe_device(device) + ", " + (bf16 ? "bf16" : "fp32") + " compute");
+            describe_device(device) + ", " + compute_name(run.compute) + " compute");
   run.model = model::MoeModel::load(cfg.base_model, lo);
   auto& model = run.model;
   const auto& mc = model->config();
@@ -537,6 +551,11 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   // The experts' LoRA runs as grouped GEMMs only when r is a multiple of 8 (their [rows, r]
   // operands must be 16-byte aligned); otherwise the GPU runs each MoE block expert by expert,
   // reading the routing counts on the host, which no CUDA graph can capture. Said once, with the fix.
+  if (device.is_cuda() && !bf16 && run.cuda_graphs) {
+    run.cuda_graphs = false;
+    run.cuda_graphs_why = std::string("off (") + compute_name(run.compute) +
+                          " compute: the per-expert path reads the routing counts on the host)";
+  }
   if (device.is_cuda() && bf16 && !model->expert_lora_grouped_ok()) {
     const std::string r = std::to_string(cfg.lora_r);
     log::warn("lora_r " + r + " is not a multiple of 8, so the experts' LoRA cannot run as grouped GEMMs: each MoE block "

@@ -49,16 +49,17 @@ struct PlanFit {
 // the plan has room for the graphs' pool, experts resident or offloaded.
 std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit);
 
-// A GPU eo-ddp cannot run on (no bf16 tensor cores; no machine code for it in this build) is a
-// UsageError naming the card and the fix.
-void check_gpu_served(const at::Device& device);
+// A GPU eo-ddp cannot run on (no bf16 tensor cores; fp16 compute, whose grouped expert GEMM
+// the GPU kernels lack; no machine code for it in this build) is a UsageError naming the card
+// and the fix.
+void check_gpu_served(const at::Device& device, const ComputeChoice& compute);
 // expert_gemm: auto | torch | portable resolved for this device and set process-wide
 // (models/grouped_mm.h); what it chose and why, for the log.
 std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device);
 
 struct Run {
   at::Device device = at::kCPU;
-  bool bf16 = false;
+  Compute compute = Compute::Fp32;  // resolve_compute for this device
   std::int64_t accum = 1;        // micro-batches per optimizer step (gradient_accumulation_steps)
   std::int64_t total_steps = 0;  // optimizer steps of the whole run
   std::int64_t warmup = 0;       // LR warm-up steps

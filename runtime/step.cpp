@@ -124,7 +124,7 @@ std::int64_t StepRunner::peak_checkpoint_bytes() const { return store_->peak_dev
 std::int64_t StepRunner::checkpoint_host_bytes() const { return store_->host_bytes(); }
 
 StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double global_tokens,
-                           const std::function<bool(int)>& poison) {
+                           const std::function<bool(int)>& poison, const at::Tensor& loss_scale) {
   const int g = schedule_.micro_batches, n = schedule_.blocks;
   EO_CHECK(static_cast<int>(micro.size()) == g, "step: ", micro.size(), " micro-batches for a schedule of ", g);
   const at::Device device = model_.options().device;
@@ -157,6 +157,7 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const at::Tensor tokens_t = at::full({}, global_tokens, f32), one_t = at::ones({}, f32);
   const at::Tensor nan_t = poison ? at::full({}, std::numeric_limits<double>::quiet_NaN(), f32) : at::Tensor();
+  const at::Tensor scale_t = loss_scale.defined() ? loss_scale.to(device, at::kFloat).reshape({}) : one_t;
 
   // Runs block i on micro-batch m; `router` receives its router logits (MoE blocks) when set.
   auto run_block = [&](int i, int m, const at::Tensor& x, model::BlockContext c, at::Tensor* router) {
@@ -216,9 +217,10 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
         break;
       }
       case Kind::Loss: {
-        // Inputs: h, labels, the token count, the poison factor, then every block's router logits
-        // (aux loss; undefined for dense blocks). Outputs: dL/dh, ce, aux, then d aux / d logits.
-        std::vector<at::Tensor> in{hidden[m], labels[m], tokens_t, poison && poison(m) ? nan_t : one_t};
+        // Inputs: h, labels, the token count, the poison factor, the loss scale, then every block's
+        // router logits (aux loss; undefined for dense blocks). Outputs: dL/dh, ce, aux, then
+        // d aux / d logits (all of the scaled loss).
+        std::vector<at::Tensor> in{hidden[m], labels[m], tokens_t, poison && poison(m) ? nan_t : one_t, scale_t};
         hidden[m] = at::Tensor();
         if (options_.aux_loss)
           for (int b = 0; b < n; ++b) in.push_back(std::exchange(logits[b][m], at::Tensor()));
@@ -226,16 +228,17 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
           const at::Tensor h = x[0].detach().requires_grad_(true);
           const at::Tensor ce = model_.loss_sum(h, x[1]) * x[3];
           at::Tensor loss = ce / x[2];
-          std::vector<at::Tensor> leaves(x.size() - 4);  // the router logits, as leaves
+          std::vector<at::Tensor> leaves(x.size() - 5);  // the router logits, as leaves
           std::vector<at::Tensor> present;
           for (std::size_t b = 0; b < leaves.size(); ++b)
-            if (x[4 + b].defined()) present.push_back(leaves[b] = x[4 + b].detach().requires_grad_(true));
+            if (x[5 + b].defined()) present.push_back(leaves[b] = x[5 + b].detach().requires_grad_(true));
           at::Tensor aux;
           if (!present.empty()) {
             aux = model::load_balancing_loss(present, mc.experts, mc.top_k, at::Tensor());
             loss = loss + aux * options_.aux_coef;
           }
-          loss.backward();
+          // × the loss scale (1 unless fp16): a power of two, so this only shifts exponents.
+          (loss * x[4]).backward();
           std::vector<at::Tensor> out{h.grad(), ce.detach(), aux.defined() ? aux.detach() : at::Tensor()};
           for (const auto& l : leaves) out.push_back(l.defined() ? l.grad() : at::Tensor());
           return out;

@@ -69,9 +69,11 @@ class StepRunner {
 
   const StepSchedule& schedule() const { return schedule_; }
   // Runs the schedule over `micro` (size = micro_batches). `global_tokens` normalises the loss;
-  // `poison(m)` (tests) turns micro-batch m's loss into NaN.
+  // `poison(m)` (tests) turns micro-batch m's loss into NaN; `loss_scale` (fp32 [] on the device,
+  // fp16's LossScaler) multiplies the loss before backward, so every gradient is that many times
+  // the loss's (the returned sums are not scaled); undefined: 1.
   StepLosses run(const std::vector<data::MicroBatch>& micro, double global_tokens,
-                 const std::function<bool(int)>& poison = {});
+                 const std::function<bool(int)>& poison = {}, const at::Tensor& loss_scale = {});
   // Peak device bytes of saved block inputs in the steps run so far.
   std::int64_t peak_checkpoint_bytes() const;
   std::int64_t checkpoint_host_bytes() const;

@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <optional>
 
@@ -22,6 +23,7 @@
 #include "runtime/dist/reducer.h"
 #include "runtime/dist/world.h"
 #include "runtime/evaluate.h"
+#include "runtime/loss_scale.h"
 #include "runtime/metrics.h"
 #include "runtime/optimizer.h"
 #include "runtime/setup.h"
@@ -33,6 +35,12 @@ namespace eo {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+std::string format_scale(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", s);
+  return buf;
+}
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -125,6 +133,11 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   // Non-finite steps skipped in all (metrics' skipped_nonfinite) and in a row; kept in checkpoints.
   std::int64_t skipped_nonfinite = run.resumed_extra.value("skipped_nonfinite", std::int64_t(0));
   std::int64_t nonfinite_streak = run.resumed_extra.value("nonfinite_streak", std::int64_t(0));
+  // fp16: the loss scale (restored from the checkpoint, so a resumed run scales exactly as an
+  // uninterrupted one), and the steps it skipped on a gradient overflow.
+  LossScaler scaler(run.compute == Compute::Fp16, device, cfg.loss_scale_growth_interval);
+  scaler.load_state(run.resumed_extra);
+  std::int64_t skipped_overflow = run.resumed_extra.value("skipped_overflow", std::int64_t(0));
   // The run's first step skipped for NaN/Inf (-1: none): the newest checkpoint before it is never
   // pruned, and is what the messages below point to.
   std::int64_t first_nonfinite = run.resumed_extra.value("first_nonfinite_step", std::int64_t(-1));
@@ -147,6 +160,10 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const std::int64_t clean = first_nonfinite < 0 ? step : last_clean_save;
     s.extra = {{"skipped_nonfinite", skipped_nonfinite}, {"nonfinite_streak", nonfinite_streak},
                {"first_nonfinite_step", first_nonfinite}, {"last_clean_checkpoint", clean}};
+    if (scaler.enabled()) {
+      s.extra.update(scaler.state());
+      s.extra["skipped_overflow"] = skipped_overflow;
+    }
     if (wi.rank == 0) {
       const std::string dir = save_checkpoint(cfg.output_dir, s, cfg, cfg.save_total_limit, first_nonfinite);
       log::info("saved " + dir + " (" + why + ")");
@@ -173,7 +190,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     double lr = 0, epoch = 0;
     DeviceMark since, end;  // the step's time is end - since
     HostCopy values;  // fp64 [ce sum, aux sum (all ranks), ranks with a non-finite loss, gradient norm,
-                      //       1 if the LoRA or optimizer state holds NaN/Inf after the step]
+                      //       1 if the LoRA or optimizer state holds NaN/Inf after the step,
+                      //       the loss scale the step used (1 without fp16)]
   };
   TrainResult result;
   const auto t_start = Clock::now();
@@ -185,15 +203,24 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   std::optional<Queued> pending;
   auto finish = [&](Queued q, bool eval_now) {
     const double* v = q.values.get().data_ptr<double>();  // waits for this step only
-    const double ce_sum = v[0], aux_sum = v[1], bad_ranks = v[2], grad_norm = v[3], bad_state = v[4];
+    const double ce_sum = v[0], aux_sum = v[1], bad_ranks = v[2], grad_norm = v[3], bad_state = v[4], loss_scale = v[5];
     const double global_tokens = double(std::max<std::int64_t>(1, q.tokens));
     const auto t_read = Clock::now();
     // The device's decision, taken from these same values (see the queueing below).
     const bool skip = bad_ranks > 0 || !std::isfinite(grad_norm);
+    // fp16: finite losses and non-finite gradients at a scale above 1 are an overflow of the
+    // scaled gradients, which the scale's backoff answers, not a NaN step; at 1 (16 halvings from
+    // 2^16) nothing is scaled any more and they count as non-finite.
+    const bool overflow = skip && scaler.enabled() && bad_ranks == 0 && loss_scale > 1;
     if (bad_state > 0)
       EO_FAIL("after step ", q.step, " the LoRA parameters or the optimizer state hold NaN/Inf values; skipping steps cannot "
               "undo that, so the run stops here and saves nothing more. ", earlier_checkpoint());
-    if (skip) {
+    if (overflow) {
+      ++skipped_overflow;
+      if (wi.rank == 0)
+        log::info("step " + std::to_string(q.step) + ": the gradients overflowed fp16 at loss scale " + format_scale(loss_scale) +
+                  "; skipped without an optimizer update, the scale halved (fp16 loss scaling)");
+    } else if (skip) {
       if (first_nonfinite < 0) first_nonfinite = q.step;
       ++skipped_nonfinite;
       ++nonfinite_streak;
@@ -243,6 +270,10 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     result.last_loss = r.loss;
     result.steps = q.step;
     r.extra["skipped_nonfinite"] = skipped_nonfinite;
+    if (scaler.enabled()) {
+      r.extra["loss_scale"] = loss_scale;  // the scale this step's backward used
+      r.extra["skipped_overflow"] = skipped_overflow;
+    }
     if (eval_now) {
       const auto [eval_loss, eval_tokens] = evaluate();
       r.extra["eval_loss"] = eval_loss;
@@ -278,6 +309,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   while (step < total_steps) try {
     if (hooks.before_step) hooks.before_step(step + 1);
     const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
+    const bool inject_overflow = faults::plan().overflow_at && faults::plan().overflow_at(step + 1, wi.rank);  // test seam
     const std::int64_t step_start_allocated = allocated_memory_bytes(device);
     const DeviceMark begin = DeviceMark::record(device);
     if (hooks.step_work) hooks.step_work(step + 1, true);
@@ -289,14 +321,22 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     }
     world.allreduce_sum(tokens, 1);
     const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
-    const StepLosses sl = runner.run(micro, global_tokens, [&](int) { return inject_nan; });
+    // fp16: this step's loss scale (the fault seam's overflow: infinite on this rank).
+    at::Tensor loss_scale = scaler.scale();
+    if (inject_overflow) loss_scale = at::full({}, INFINITY, at::TensorOptions().dtype(at::kFloat).device(device));
+    const StepLosses sl = runner.run(micro, global_tokens, [&](int) { return inject_nan; }, loss_scale);
     if (faults::plan().in_step_work) faults::plan().in_step_work(step + 1);  // test seam
     if (reducer) reducer->finalize();
     // Clipping rides in AdamW: it divides each gradient by the divisor as it reads it (1 when the
     // norm is within max_grad_norm or not finite).
-    const at::Tensor norm = grad_norm_on_device(params);
+    // With fp16 the gradients are the scaled loss's: the norm (reported, and clipped against) is
+    // theirs divided by the scale, and AdamW divides each by scale × the clip divisor (powers of
+    // two times the divisor: the same as unscaling first, as GradScaler.unscale_ does).
+    const at::Tensor scaled_norm = grad_norm_on_device(params);
+    const at::Tensor norm = scaler.enabled() ? scaled_norm / scaler.scale().to(at::kDouble) : scaled_norm;
     const double lr = cfg.learning_rate * lr_multiplier(cfg.lr_scheduler, step, warmup, total_steps);
-    // Non-finite guard, decided on the device. The gradients are all-reduced but the loss is not,
+    // Non-finite guard, decided on the device (fp16's overflow check is this guard: the norm is of
+    // the all-reduced gradients, so every rank finds the same overflow). The gradients are all-reduced but the loss is not,
     // so each rank adds a flag and every rank takes the same decision from the summed flags (the
     // norm, of all-reduced gradients, is the same everywhere). A skipped step leaves the LoRA and
     // the optimizer state (AdamW's step count included) untouched; it still counts as a step (its
@@ -307,8 +347,12 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const at::Tensor sums = at::stack({ce, aux, at::logical_not(at::isfinite(ce) & at::isfinite(aux)).to(at::kDouble)});
     run.comm->allreduce(sums, dist::ReduceOp::kSum, "the step's losses");
     const at::Tensor grad_norm = norm.to(sums.device(), at::kDouble);
-    optimizer.step(lr, ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat),
-                   clip_divisor(norm, cfg.max_grad_norm));
+    const at::Tensor skip = ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat);
+    const at::Tensor divisor = clip_divisor(norm, cfg.max_grad_norm);
+    optimizer.step(lr, skip, scaler.enabled() ? divisor * scaler.scale() : divisor);
+    const at::Tensor scale_used =
+        scaler.enabled() ? scaler.scale().to(sums.device(), at::kDouble).reshape({1}) : at::ones({1}, sums.options());
+    scaler.update(skip);  // GradScaler.update: back off on the skip, else count towards growth
     // Graphs accumulate into the gradients at fixed addresses: zero them in place.
     optimizer.zero_grad(/*set_to_none=*/!runner.graphs_enabled());
     if (faults::plan().nan_state_at == step + 1) {  // test seam: a NaN in the LoRA as a bad update would leave
@@ -327,7 +371,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     if (hooks.step_work) hooks.step_work(step, false);
     q.since = last_end.defined() ? last_end : begin;
     last_end = q.end;
-    q.values = HostCopy(at::cat({sums, grad_norm.reshape({1}), bad_state.reshape({1})}));
+    q.values = HostCopy(at::cat({sums, grad_norm.reshape({1}), bad_state.reshape({1}), scale_used}));
     // A stop request on any rank stops every rank at this same step.
     double stop[1] = {stop_requested() ? 1.0 : 0.0};
     world.allreduce_max(stop, 1);

@@ -28,3 +28,8 @@ set_tests_properties(mpi_train PROPERTIES LABELS mpi TIMEOUT 900 ENVIRONMENT "${
 add_test(NAME rank_agreement COMMAND ${PROJECT_SOURCE_DIR}/tests/rank_agreement.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(rank_agreement PROPERTIES LABELS mpi TIMEOUT 600 ENVIRONMENT "${EO_MPI_ENV}"
                      PASS_REGULAR_EXPRESSION "rank_agreement: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+
+# fp16: an overflow on one rank is every rank's skipped step (tests/fp16_mpi.sh).
+add_test(NAME fp16_mpi COMMAND ${PROJECT_SOURCE_DIR}/tests/fp16_mpi.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(fp16_mpi PROPERTIES LABELS mpi TIMEOUT 600 ENVIRONMENT "${EO_MPI_ENV}"
+                     PASS_REGULAR_EXPRESSION "fp16_mpi: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

@@ -3,6 +3,8 @@
 //   EO_DDP_FAULT_STEP=<step>[,<step>...] | all, EO_DDP_FAULT=throw|kill|nan (default throw),
 //   EO_DDP_FAULT_RANK=<rank> (default: every rank): at the start of those steps, throw (the rank
 //   fails with a message naming it), SIGKILL itself, or turn its loss into NaN;
+//   EO_DDP_FAULT_OVERFLOW=<step>[,<step>...] (EO_DDP_FAULT_RANK as above): the rank's loss scale is
+//   infinite in those steps, so its gradients overflow and its loss stays finite;
 //   EO_DDP_FAULT_KILL_IN_SAVE=<step>: SIGKILL in the middle of writing checkpoint-<step>;
 //   EO_DDP_FAULT_KILL_IN_REPLACE=<step>: SIGKILL between the renames replacing checkpoint-<step>;
 //   EO_DDP_FAULT_NAN_STATE=<step>: after optimizer step <step>, a LoRA parameter element becomes NaN;
@@ -68,6 +70,10 @@ int main(int argc, char** argv) {
       EO_FAIL("fault injected at step ", step, " on rank ", rank, " (EO_DDP_FAULT_STEP)");
     };
   }
+  if (const std::string at = env("EO_DDP_FAULT_OVERFLOW"); !at.empty())
+    plan.overflow_at = [steps = "," + at + ",", who = env("EO_DDP_FAULT_RANK")](std::int64_t step, int rank) {
+      return steps.find("," + std::to_string(step) + ",") != std::string::npos && (who.empty() || std::to_string(rank) == who);
+    };
   if (const std::string s = env("EO_DDP_FAULT_KILL_IN_SAVE"); !s.empty()) plan.kill_in_save = std::stoll(s);
   if (const std::string s = env("EO_DDP_FAULT_KILL_IN_REPLACE"); !s.empty()) plan.kill_in_replace = std::stoll(s);
   if (const std::string s = env("EO_DDP_FAULT_NAN_STATE"); !s.empty()) plan.nan_state_at = std::stoll(s);

@@ -343,9 +343,42 @@ TEST(Config, IgnoredAxolotlKeysWarn) {
   const TrainConfig c = load(std::string(kValid) + "strict: false\nwandb_project: x\nflash_attention: true\n");
   ASSERT_EQ(c.warnings.size(), 2u);
   EXPECT_NE(c.warnings[0].find("is ignored by eo-ddp"), std::string::npos);
-  EXPECT_NE(error_of(std::string(kValid) + "fp16: true\n").find("fp16: not supported: fp16 training is not supported"),
+  EXPECT_NE(error_of(std::string(kValid) + "load_in_8bit: true\n").find("load_in_8bit: not supported"), std::string::npos);
+  EXPECT_NO_THROW(load(std::string(kValid) + "load_in_8bit: false\n"));
+}
+
+// fp16 / bf16: axolotl's keys, one rule (resolve_compute), and the contradiction a config error
+// that names the key and the fix.
+TEST(Config, Fp16AndBf16ResolveToOneComputeDtype) {
+  struct Case {
+    std::string yaml;
+    bool cuda, has_bf16;
+    Compute expect;
+    std::string why;
+  };
+  const std::vector<Case> cases = {
+      {"", true, true, Compute::Bf16, "bf16: auto on a GPU with bf16"},
+      {"", true, false, Compute::Fp16, "compute capability below 8.0"},
+      {"", false, false, Compute::Fp32, "on the CPU"},
+      {"fp16: false\n", true, false, Compute::Fp32, "fp16: false"},
+      {"fp16: true\n", false, false, Compute::Fp16, "fp16: true"},
+      {"fp16: true\nbf16: false\n", true, true, Compute::Fp16, "fp16: true"},
+      {"fp16: true\nbf16: auto\n", true, true, Compute::Fp16, "fp16: true"},
+      {"bf16: true\n", true, false, Compute::Bf16, "bf16: true"},  // refused at start-up, naming the card
+      {"bf16: false\n", true, true, Compute::Fp32, "bf16: false"},
+  };
+  for (const auto& c : cases) {
+    const ComputeChoice r = resolve_compute(load(std::string(kValid) + c.yaml), c.cuda, c.has_bf16);
+    EXPECT_EQ(r.dtype, c.expect) << c.yaml << " cuda " << c.cuda << " bf16 " << c.has_bf16;
+    EXPECT_NE(r.why.find(c.why), std::string::npos) << r.why;
+  }
+  const std::string e = error_of(std::string(kValid) + "fp16: true\nbf16: true\n");
+  EXPECT_NE(e.find("fp16: fp16: true and bf16: true contradict each other"), std::string::npos) << e;
+  EXPECT_NE(e.find("set bf16: false (or auto)"), std::string::npos) << e;
+  EXPECT_NE(error_of(std::string(kValid) + "fp16: often\n").find("fp16: expected true or false"), std::string::npos);
+  EXPECT_NE(error_of(std::string(kValid) + "loss_scale_growth_interval: 0\n").find("loss_scale_growth_interval: must be"),
             std::string::npos);
-  EXPECT_NO_THROW(load(std::string(kValid) + "fp16: false\n"));
+  EXPECT_STREQ(compute_name(Compute::Fp16), "fp16");
 }
 
 TEST(Config, FilesAreCheckedBeforeAnythingLoads) {

@@ -489,9 +489,10 @@ TEST(Cuda, FusedSwiGluAndRopeMatchFloat64) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
   at::manual_seed(5);
-  for (const auto dt : {at::kFloat, at::kBFloat16}) {
-    SCOPED_TRACE(dt == at::kFloat ? "fp32" : "bf16");
-    const double tol = dt == at::kFloat ? 1e-6 : 8e-3;  // bf16: one rounding is 2^-9 relative
+  for (const auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(dt == at::kFloat ? "fp32" : dt == at::kBFloat16 ? "bf16" : "fp16");
+    // One rounding is 2^-9 relative in bf16, 2^-11 in fp16 (the T4's compute dtype): four of them.
+    const double tol = dt == at::kFloat ? 1e-6 : dt == at::kBFloat16 ? 8e-3 : 2e-3;
     {
       const at::Tensor g0 = (at::randn({300, 67}) * 3).to(dt), u0 = at::randn({300, 67}).to(dt), dh0 = at::randn({300, 67}).to(dt);
       at::Tensor g = g0.to(dev).requires_grad_(true), u = u0.to(dev).requires_grad_(true);
@@ -906,6 +907,54 @@ TEST(Cuda, Mxfp4KernelIsBitIdenticalToTheCpuPath) {
       EXPECT_TRUE(same_bits(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
       EXPECT_TRUE(same_bits(win[1], nf4::dequantize_stack_window({&cpu}, dt, r0, nr, c0, nc)[0])) << "window vs CPU window";
     }
+  }
+}
+
+// fp16 (the T4's compute dtype) out of the dequantisation kernels against float64. MXFP4: each
+// value is e2m1 x 2^(scale - 127), computed here in float64 from the bytes (OCP MX's e2m1 table),
+// exact in bf16 for the scales used, so the kernel's fp16 is that value rounded to nearest-even
+// (bit for bit: subnormals, and inf past 65504 at the largest scales). NF4: within half an fp16
+// ulp (and 2^-13 of one for the fp32 product the kernel rounds from) of the fp32 dequantisation
+// read as float64 (itself 2^-24 relative of code x absmax).
+TEST(Cuda, Fp16DequantisationMatchesFloat64WithinRounding) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  at::manual_seed(17);
+  {
+    const std::int64_t rows = 64, groups = 4;
+    const at::Tensor blocks = at::randint(0, 256, {rows, groups, 16}, at::TensorOptions().dtype(at::kByte));
+    const at::Tensor scales = at::randint(100, 150, {rows, groups}, at::TensorOptions().dtype(at::kByte));
+    const double e2m1[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+    at::Tensor want = at::empty({rows, groups * 32}, at::TensorOptions().dtype(at::kDouble));
+    auto b = blocks.accessor<std::uint8_t, 3>();
+    auto sc = scales.accessor<std::uint8_t, 2>();
+    auto w = want.accessor<double, 2>();
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t g = 0; g < groups; ++g)
+        for (int j = 0; j < 16; ++j)
+          for (int half = 0; half < 2; ++half) {  // low nibble: the even element
+            const int code = half ? b[r][g][j] >> 4 : b[r][g][j] & 15;
+            const double v = e2m1[code & 7] * std::ldexp(1.0, int(sc[r][g]) - 127);
+            w[r][g * 32 + 2 * j + half] = code & 8 ? -v : v;
+          }
+    const nf4::QuantizedWeight q = mxfp4::weight(blocks.to(dev), scales.to(dev));
+    const at::Tensor got = nf4::dequantize(q, at::kHalf).cpu();
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_TRUE(same_bits(got, want.to(at::kHalf))) << "MXFP4 -> fp16";
+    EXPECT_GT(at::isinf(got).sum().item<std::int64_t>(), 0) << "the largest scales overflow fp16 (inf, as the rounding does)";
+  }
+  for (const bool dq : {false, true}) {
+    at::Tensor w = at::randn({96, 256}) * 0.05;
+    w.index_put_({0, 0}, 3.0);
+    w.index_put_({1, 5}, 1e-3);
+    const nf4::QuantizedWeight gpu = nf4::quantize(w.to(dev), 64, dq);
+    const at::Tensor want = nf4::dequantize(gpu, at::kFloat).cpu().to(at::kDouble);
+    const at::Tensor got = nf4::dequantize(gpu, at::kHalf).cpu().to(at::kDouble);
+    // fp16's ulp at each value: 2^(exponent - 10) for normals, 2^-24 below 2^-14.
+    const at::Tensor e = at::floor(at::log2(want.abs().clamp_min(std::ldexp(1.0, -14))));
+    const at::Tensor ulp = at::exp2(e - 10);
+    const double worst = ((got - want).abs() / ulp).max().item<double>();
+    EXPECT_LE(worst, 0.5 + std::ldexp(1.0, -13)) << (dq ? "double quant" : "absmax fp32");
   }
 }
 

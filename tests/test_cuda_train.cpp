@@ -10,6 +10,8 @@
 //    fp32 ones on this model: its random router puts near-ties everywhere, and bf16 rounding flips
 //    the top-k choice of many tokens (measured: 45-90% relative difference in every LoRA gradient);
 //    the grouped bf16 kernels are held to the CPU per block in test_cuda.cpp instead;
+//  - fp16 (a T4's compute dtype): the step's loss within 1% of the CPU's; 8 steps offloaded bitwise
+//    resident, at the initial loss scale with none skipped, the losses within 1% of bf16's;
 //  - CUDA graphs (runtime/block_graphs.h): block and loss uses replayed as graphs give bitwise the eager
 //    step's gradients, step after step (a packed micro-batch with a mask beside an unpacked one,
 //    LoRA on every linear, experts included), and trained adapters and losses equal to eager
@@ -201,6 +203,46 @@ TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
   at::globalContext().setDeterministicAlgorithms(false, false);
 }
 
+// fp16 on the GPU (as on a T4: the per-expert loop, no CUDA graphs, dynamic loss scaling): 8
+// steps offloaded equal 8 resident bitwise (the dequantisation kernels' fp16 output into the
+// slots), every step at the initial loss scale with none skipped, and the losses within 1% of
+// bf16's on the same batches.
+TEST(CudaTrain, Fp16TrainsOffloadedAsResidentNearBf16) {
+  REQUIRE_CUDA();
+  const fs::path root = fs::temp_directory_path() / "eo_cuda_train_fp16";
+  remove_tree(root.string());
+  const fs::path model = make_model_dir(root / "model");
+  const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 8);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+  const std::vector<std::string> fp16 = {"bf16=false", "fp16=true", "max_steps=8"};
+  auto with = [](std::vector<std::string> v, const std::string& more) {
+    v.push_back(more);
+    return v;
+  };
+  const fs::path resident = train_run(root, model, tokens, "fp16", "0", fp16);
+  const fs::path offloaded = train_run(root, model, tokens, "fp16_offload", "0", with(fp16, "expert_offload=true"));
+  const fs::path bf16 = train_run(root, model, tokens, "bf16", "0", {"max_steps=8"});
+  at::globalContext().setDeterministicAlgorithms(false, false);
+  const auto a = read_adapter(resident), b = read_adapter(offloaded);
+  ASSERT_FALSE(a.empty());
+  for (const auto& [k, v] : a) EXPECT_TRUE(at::equal(v, b.at(k))) << k;
+  EXPECT_EQ(read_losses(resident), read_losses(offloaded));
+  std::ifstream in(resident / "metrics.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j.at("loss_scale").get<double>(), 65536.0) << line;
+    EXPECT_EQ(j.at("skipped_overflow").get<std::int64_t>(), 0) << line;
+    ++steps;
+  }
+  EXPECT_EQ(steps, 8);
+  const auto l16 = read_losses(resident), lb = read_losses(bf16);
+  ASSERT_EQ(l16.size(), lb.size());
+  for (std::size_t i = 0; i < l16.size(); ++i) EXPECT_NEAR(l16[i], lb[i], 1e-2 * lb[i]) << "step " << i + 1;
+  remove_tree(root.string());
+}
+
 // One step's loss and LoRA gradients on the GPU against the CPU (fp32), same tiny model and batch,
 // LoRA on every linear (experts included), layer-major at g = 2; and the bf16 step's gradients
 // (grouped expert GEMMs, deltas in the kernels) measured against the CPU's beside the bf16
@@ -224,8 +266,11 @@ TEST(CudaTrain, GpuStepMatchesTheCpuStep) {
   model::set_grouped_gemm_enabled(false);  // bf16 through the per-expert loop, the yardstick below
   const auto [loop_loss, loop] = step(at::Device(at::kCUDA, 0), at::kBFloat16);
   model::set_grouped_gemm_enabled(true);
+  // fp16 (a T4's compute dtype; the per-expert loop, the grouped kernels take bf16 only).
+  const auto fp16_loss = step(at::Device(at::kCUDA, 0), at::kHalf).first;
   EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss));
   EXPECT_NEAR(bf16_loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
+  EXPECT_NEAR(fp16_loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
   ASSERT_EQ(gpu.size(), cpu.size());
   ASSERT_EQ(bf16.size(), cpu.size());
   // fp32 on both: per-tensor relative Frobenius error within 1e-3 (TF32 is off in libtorch by default).

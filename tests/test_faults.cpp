@@ -577,7 +577,7 @@ TEST(HostMemory, EstimateEqualsTheHomesAllocated) {
       cfg.expert_offload = true;
       cfg.bnb_4bit_blocksize = blocksize;
       cfg.bnb_4bit_use_double_quant = dq;
-      const eo::MemoryPlan plan = eo::plan_memory(cfg, model->config(), false, 1, false);
+      const eo::MemoryPlan plan = eo::plan_memory(cfg, model->config(), eo::Compute::Fp32, 1, false);
       EXPECT_EQ(plan.block_bytes, double(off.block_bytes(0))) << "blocksize " << blocksize << (dq ? ", double quant" : "");
       EXPECT_EQ(plan.host_pinned, double(off.home_bytes()));
     }
@@ -614,7 +614,7 @@ TEST(HostMemory, DiskHomesPlanEqualsTheRingTheFileAndTheCopies) {
       cfg.expert_offload_prefetch_depth = depth;
       cfg.bnb_4bit_use_double_quant = dq;
       cfg.expert_offload_homes = "disk";
-      const eo::MemoryPlan plan = eo::plan_memory(cfg, model->config(), false, 1, false);
+      const eo::MemoryPlan plan = eo::plan_memory(cfg, model->config(), eo::Compute::Fp32, 1, false);
       EXPECT_TRUE(plan.disk_homes);
       EXPECT_EQ(plan.host_pinned, double(off.host_ram_bytes()));
       EXPECT_EQ(plan.disk_ring, off.disk_ring_size());

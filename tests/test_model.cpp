@@ -670,7 +670,7 @@ TEST(Mxfp4, PlanAndArenaCountTheMxfp4Bytes) {
   const ModelConfig mc = load_config(cfg.base_model);
   ASSERT_TRUE(mc.mxfp4_experts);
   ASSERT_TRUE(experts_in_mxfp4(cfg, mc));
-  const MemoryPlan plan = plan_memory(cfg, mc, /*bf16=*/false, 1, /*on_gpu=*/false);
+  const MemoryPlan plan = plan_memory(cfg, mc, eo::Compute::Fp32, 1, /*on_gpu=*/false);
   LoadOptions lo;
   lo.load_in_4bit = true;
   auto m = MoeModel::load(cfg.base_model, lo);
@@ -695,7 +695,7 @@ TEST(Mxfp4, PlanAndArenaCountTheMxfp4Bytes) {
   // blocksize 64 (the resident tensors; the tiny arena's 256-byte alignment hides the difference).
   cfg.expert_quant = "nf4";
   EXPECT_FALSE(experts_in_mxfp4(cfg, mc));
-  for (const auto& p : plan_memory(cfg, mc, false, 1, false).device)
+  for (const auto& p : plan_memory(cfg, mc, eo::Compute::Fp32, 1, false).device)
     if (p.name == "experts") EXPECT_EQ(p.bytes, double(mc.layers * mc.experts * 3) * double(mc.hidden * mc.expert_width) * (0.5 + 4.0 / 64));
   cfg.expert_quant = "auto";
 

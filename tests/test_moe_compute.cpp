@@ -225,7 +225,7 @@ TEST(MemoryPlan, WeightAndExpertTermsEqualTheLoadedModelsBytes) {
   cfg.adapter = "qlora";
   cfg.bnb_4bit_blocksize = 64;
   const ModelConfig mc = load_config(kTiny);
-  const MemoryPlan plan = plan_memory(cfg, mc, /*bf16=*/false, 1);
+  const MemoryPlan plan = plan_memory(cfg, mc, eo::Compute::Fp32, 1);
   LoadOptions lo;
   lo.load_in_4bit = true;
   auto m = MoeModel::load(kTiny, lo);
@@ -257,15 +257,15 @@ TEST(MemoryPlan, OffloadMovesExpertsToPinnedHostAndActivationsGrowWithTokens) {
   cfg.load_in_4bit = true;
   cfg.adapter = "qlora";
   const ModelConfig mc = load_config(kTiny);
-  const MemoryPlan resident = plan_memory(cfg, mc, true, 1);
+  const MemoryPlan resident = plan_memory(cfg, mc, eo::Compute::Bf16, 1);
   cfg.expert_offload = true;
-  const MemoryPlan off = plan_memory(cfg, mc, true, 4);
+  const MemoryPlan off = plan_memory(cfg, mc, eo::Compute::Bf16, 4);
   EXPECT_EQ(resident.host_pinned, 0);
   EXPECT_EQ(off.host_pinned, resident.expert_bytes);
   EXPECT_LT(off.device_peak, resident.device_peak);
   EXPECT_NE(describe_plan(off, 0).find("4 rank(s) on a node"), std::string::npos);
   cfg.micro_batch_size = 8;
-  EXPECT_GT(plan_memory(cfg, mc, true, 1).device_peak, off.device_peak);
+  EXPECT_GT(plan_memory(cfg, mc, eo::Compute::Bf16, 1).device_peak, off.device_peak);
 }
 
 // expert_dequant_chunk: the plan's bank is the largest slice the grouped GEMMs dequantise
@@ -287,9 +287,9 @@ TEST(MemoryPlan, SlicedBankIsTheLargestSlice) {
       if (part.name == "block") return part;
     return MemoryPart{};
   };
-  const MemoryPart whole = block_of(plan_memory(cfg, mc, true, 1));  // auto plans the whole bank
+  const MemoryPart whole = block_of(plan_memory(cfg, mc, eo::Compute::Bf16, 1));  // auto plans the whole bank
   cfg.expert_dequant_chunk = "64MiB";
-  const MemoryPart sliced = block_of(plan_memory(cfg, mc, true, 1));
+  const MemoryPart sliced = block_of(plan_memory(cfg, mc, eo::Compute::Bf16, 1));
   EXPECT_NE(sliced.what.find("dequantised bank 64.00 MiB"), std::string::npos) << sliced.what;
   EXPECT_NE(whole.what.find("dequantised bank 256.00 MiB"), std::string::npos) << whole.what;
   EXPECT_LT(sliced.bytes, whole.bytes);
@@ -320,7 +320,7 @@ TEST(MemoryPlan, GraphsStaticBuffersWhereverGraphsMayRun) {
   const TrainConfig base = olmoe_qlora_config();
   const ModelConfig mc = load_config(base.base_model);
   auto graphs_part = [&](const TrainConfig& c, bool on_gpu) {
-    for (const auto& part : plan_memory(c, mc, true, 1, on_gpu).device)
+    for (const auto& part : plan_memory(c, mc, eo::Compute::Bf16, 1, on_gpu).device)
       if (part.name == "graphs") return part.bytes;
     return 0.0;
   };
@@ -354,7 +354,7 @@ TEST(MemoryPlan, GateAndUpDeltasKeptBySwiGluOnTheGpu) {
   auto block_with = [&](std::vector<std::string> targets, bool on_gpu) {
     TrainConfig c = cfg;
     c.lora_target_modules = std::move(targets);
-    for (const auto& part : plan_memory(c, mc, true, 1, on_gpu).device)
+    for (const auto& part : plan_memory(c, mc, eo::Compute::Bf16, 1, on_gpu).device)
       if (part.name == "block") return part.bytes;
     return 0.0;
   };
@@ -370,7 +370,7 @@ TEST(MemoryPlan, KeptBanksAddAtMostTwoBanks) {
     TrainConfig c = cfg;
     c.expert_bank_reuse = reuse;
     c.expert_dequant_chunk = chunk;
-    for (const auto& part : plan_memory(c, mc, true, 1).device)
+    for (const auto& part : plan_memory(c, mc, eo::Compute::Bf16, 1).device)
       if (part.name == "block") return part;
     return MemoryPart{};
   };
@@ -387,15 +387,15 @@ TEST(MemoryPlan, KeptBanksAddAtMostTwoBanks) {
   TrainConfig nockpt = cfg;
   nockpt.gradient_checkpointing = false;
   nockpt.expert_bank_reuse = "all";
-  const double no_recompute_all = plan_memory(nockpt, mc, true, 1).device_peak;
+  const double no_recompute_all = plan_memory(nockpt, mc, eo::Compute::Bf16, 1).device_peak;
   nockpt.expert_bank_reuse = "none";
-  EXPECT_EQ(no_recompute_all, plan_memory(nockpt, mc, true, 1).device_peak) << "without checkpointing nothing is kept";
+  EXPECT_EQ(no_recompute_all, plan_memory(nockpt, mc, eo::Compute::Bf16, 1).device_peak) << "without checkpointing nothing is kept";
   // On the CPU (per-expert loop, no bank) nothing is kept either.
   TrainConfig c = cfg;
   c.expert_bank_reuse = "all";
-  const MemoryPlan cpu_all = plan_memory(c, mc, false, 1, /*on_gpu=*/false);
+  const MemoryPlan cpu_all = plan_memory(c, mc, eo::Compute::Fp32, 1, /*on_gpu=*/false);
   c.expert_bank_reuse = "none";
-  EXPECT_EQ(cpu_all.device_peak, plan_memory(c, mc, false, 1, false).device_peak);
+  EXPECT_EQ(cpu_all.device_peak, plan_memory(c, mc, eo::Compute::Fp32, 1, false).device_peak);
 }
 
 // ---- Expert LoRA stacked per block and matrix, against the per-expert adapters it replaces.
@@ -851,7 +851,7 @@ TEST(MemoryPlan, LoraTermEqualsTheModelsLoraParametersPerExpertAndFused) {
     return n;
   };
   auto planned = [&](const TrainConfig& cfg) {
-    for (const auto& p : plan_memory(cfg, mc, false, 1).device)
+    for (const auto& p : plan_memory(cfg, mc, eo::Compute::Fp32, 1).device)
       if (p.name == "lora") return p.bytes / 16;
     return -1.0;
   };
@@ -896,7 +896,7 @@ TEST(MemoryPlan, LoraTermCountsLatentAttentionSharedExpertsAndDenseLayers) {
     double n = 0;
     for (const auto& [name, p] : m->lora_parameters()) n += double(p.numel());
     double planned = -1;
-    for (const auto& p : plan_memory(cfg, mc, false, 1).device)
+    for (const auto& p : plan_memory(cfg, mc, eo::Compute::Fp32, 1).device)
       if (p.name == "lora") planned = p.bytes / 16;
     EXPECT_EQ(planned, n);
     eo::remove_tree(dir);

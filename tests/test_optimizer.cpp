@@ -14,6 +14,7 @@
 
 #include "models/lora.h"
 #include "runtime/config.h"
+#include "runtime/loss_scale.h"
 #include "runtime/optimizer.h"
 
 using namespace eo;
@@ -301,4 +302,98 @@ TEST(LrSchedule, MatchesTransformersGetScheduler) {
   // The facts behind it: constant ignores warm-up; constant_with_warmup starts at 0.
   EXPECT_EQ(lr_multiplier("constant", 0, 5, 10), 1.0);
   EXPECT_EQ(lr_multiplier("constant_with_warmup", 0, 5, 10), 0.0);
+}
+
+namespace {
+// GradScaler.update's rule in float64, written out from torch's documentation: an overflow
+// multiplies the scale by the backoff factor and resets the count of clean steps; a clean step
+// counts, and the growth_interval-th in a row multiplies the scale by the growth factor.
+std::vector<double> reference_scales(const std::string& flags, std::int64_t interval, double* final_scale,
+                                     std::int64_t* final_tracker) {
+  double scale = 65536.0;
+  std::int64_t clean = 0;
+  std::vector<double> used;
+  for (char f : flags) {
+    used.push_back(scale);
+    if (f == '1') {
+      scale *= 0.5;
+      clean = 0;
+    } else if (++clean == interval) {
+      scale *= 2.0;
+      clean = 0;
+    }
+  }
+  *final_scale = scale;
+  *final_tracker = clean;
+  return used;
+}
+
+// What the LossScaler multiplies each step's loss by, for one overflow flag per step.
+std::vector<double> scaler_scales(const std::string& flags, std::int64_t interval, eo::LossScaler& s) {
+  std::vector<double> used;
+  for (char f : flags) {
+    used.push_back(s.scale().item<double>());
+    s.update(at::full({}, f == '1' ? 1.0 : 0.0, at::kFloat));
+  }
+  return used;
+}
+}  // namespace
+
+// fp16's loss scale: its decisions (back off, grow) step by step are torch.amp.GradScaler's,
+// checked against GradScaler itself (tests/ref/grad_scaler_ref.py) and against the rule in float64;
+// the state a checkpoint keeps continues the sequence exactly.
+TEST(LossScaler, MatchesTorchGradScaler) {
+  std::string long_flags(4100, '0');
+  long_flags[4] = long_flags[5] = long_flags[2500] = '1';  // growth after 2000 clean steps, twice
+  const std::vector<std::pair<std::int64_t, std::string>> cases = {
+      {3, "0110001000000100000011111000"}, {1, "0001101"}, {2000, long_flags}};
+  for (const auto& [interval, flags] : cases) {
+    const std::string cmd = std::string(EO_PYTHON) + " " + EO_SOURCE_DIR + "/tests/ref/grad_scaler_ref.py " +
+                            std::to_string(interval) + " " + flags + " 2>&1";
+    FILE* f = popen(cmd.c_str(), "r");
+    ASSERT_NE(f, nullptr);
+    std::string text;
+    char buf[4096];
+    while (std::size_t n = fread(buf, 1, sizeof buf, f)) text.append(buf, n);
+    ASSERT_EQ(pclose(f), 0) << cmd.substr(0, 200) << "\n" << text.substr(0, 2000);
+    std::istringstream in(text);
+    std::vector<double> torch_used;
+    std::string word;
+    double torch_final = 0;
+    std::int64_t torch_tracker = -1;
+    while (in >> word) {
+      if (word == "final") {
+        in >> torch_final >> torch_tracker;
+        break;
+      }
+      double s = 0;
+      in >> s;
+      torch_used.push_back(s);
+    }
+    double ref_final = 0;
+    std::int64_t ref_tracker = 0;
+    const std::vector<double> ref = reference_scales(flags, interval, &ref_final, &ref_tracker);
+    eo::LossScaler scaler(true, at::kCPU, interval);
+    const std::vector<double> got = scaler_scales(flags, interval, scaler);
+    ASSERT_EQ(torch_used.size(), flags.size()) << text.substr(0, 2000);
+    for (std::size_t i = 0; i < flags.size(); ++i) {
+      ASSERT_EQ(got[i], torch_used[i]) << "interval " << interval << " step " << i + 1;
+      ASSERT_EQ(got[i], ref[i]) << "interval " << interval << " step " << i + 1;
+    }
+    const nlohmann::json st = scaler.state();
+    EXPECT_EQ(st.at("loss_scale").get<double>(), torch_final);
+    EXPECT_EQ(st.at("loss_scale_growth_tracker").get<std::int64_t>(), torch_tracker);
+    EXPECT_EQ(torch_final, ref_final);
+    EXPECT_EQ(torch_tracker, ref_tracker);
+  }
+  // Resume: a scaler restored from the state continues as the one that wrote it; disabled, it has
+  // no scale and no state.
+  eo::LossScaler a(true, at::kCPU, 3), b(true, at::kCPU, 3);
+  scaler_scales("0100", 3, a);
+  b.load_state(a.state());
+  EXPECT_EQ(scaler_scales("00001", 3, a), scaler_scales("00001", 3, b));
+  EXPECT_EQ(a.state(), b.state());
+  const eo::LossScaler off(false, at::kCPU, 3);
+  EXPECT_FALSE(off.enabled());
+  EXPECT_TRUE(off.state().empty());
 }

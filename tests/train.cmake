@@ -2,6 +2,7 @@
 # tests/ref/train_peft_check.py trains a short adapter with eo-ddp, loads it with transformers +
 # peft and compares the loss with `eo-ddp score`.
 add_dependencies(test_train eo-ddp eo-ddp-faults)
+add_dependencies(test_fp16 eo-ddp eo-ddp-faults)
 add_test(NAME train_peft_check
          COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft)
