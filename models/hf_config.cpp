@@ -244,6 +244,137 @@ void parse_mlp_layer_types(const Fields& f, ModelConfig& c) {
     if (dense[l]) c.mlp_only_layers.push_back(l);
 }
 
+// Gemma 4's MoE text model (gemma4_text; gemma4 is Gemma4ForConditionalGeneration around it, whose
+// language model is model.language_model.*). The config is read as transformers 5.24's
+// Gemma4TextConfig reads it, and every way it departs from the one decoder block is named in one
+// error: the options eo-ddp will not train at all, then the decoder pieces the family needs that
+// the block does not have yet. Until the second list is empty no gemma4 config is accepted.
+[[noreturn]] void refuse_gemma4(const json& j, const std::string& source) {
+  const bool wrapper = j.at("model_type") == "gemma4";
+  const json empty = json::object();
+  const json* tj = &j;
+  std::string where = source;
+  if (wrapper) {
+    if (j.contains("text_config") && !j.at("text_config").is_null() && !j.at("text_config").is_object())
+      throw UsageError(source + ": field 'text_config' must be an object");
+    tj = j.contains("text_config") && j.at("text_config").is_object() ? &j.at("text_config") : &empty;
+    where = source + " text_config";
+    const std::string inner = text(Fields{*tj, where}, "model_type", "gemma4_text");
+    if (inner != "gemma4_text")
+      throw UsageError(where + ": model_type '" + inner + "' is not supported (gemma4 wraps a gemma4_text model)");
+  }
+  const Fields f{*tj, where};
+  // Gemma4TextConfig's defaults where a key is absent.
+  const std::int64_t layers = f.integer("num_hidden_layers", 30);
+  const std::int64_t heads = f.integer("num_attention_heads", 8);
+  const std::int64_t kv = f.integer("num_key_value_heads", 4);
+  const std::int64_t head_dim = f.integer("head_dim", 256);
+  require_positive(f.integer("hidden_size", 2304), "hidden_size", where);
+  require_positive(f.integer("vocab_size", 262144), "vocab_size", where);
+  require_positive(layers, "num_hidden_layers", where);
+  require_positive(heads, "num_attention_heads", where);
+  require_positive(kv, "num_key_value_heads", where);
+  require_positive(head_dim, "head_dim", where);
+  if (layers > (1 << 14)) throw UsageError(where + ": num_hidden_layers " + std::to_string(layers) + " is over eo-ddp's limit");
+  std::vector<bool> full;  // per layer: full (global) attention, else sliding
+  if (f.has("layer_types")) {
+    const json& lt = tj->at("layer_types");
+    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != layers)
+      throw UsageError(where + ": layer_types must be a list of num_hidden_layers (" + std::to_string(layers) + ") strings");
+    for (const auto& t : lt) {
+      if (t != "sliding_attention" && t != "full_attention")
+        throw UsageError(where + ": layer_types entry " + t.dump() + " is not supported (sliding_attention, full_attention)");
+      full.push_back(t == "full_attention");
+    }
+  } else {
+    for (int l = 0; l < layers; ++l) full.push_back((l + 1) % 6 == 0);  // transformers: 5 sliding, then 1 full
+  }
+  full.back() = true;  // transformers forces the last layer to full attention
+  // Full-attention layers' geometry: transformers 5 saves it as per_layer_config (layer index →
+  // head_dim / num_key_value_heads); the Hub's files as global_head_dim / num_global_key_value_heads.
+  const bool k_eq_v = f.boolean("attention_k_eq_v", false);
+  std::int64_t global_dim = f.integer("global_head_dim", 512);
+  std::int64_t global_kv = k_eq_v ? f.integer("num_global_key_value_heads", kv) : kv;
+  if (f.has("per_layer_config")) {
+    const json& plc = tj->at("per_layer_config");
+    if (!plc.is_object()) throw UsageError(where + ": field 'per_layer_config' must be an object");
+    for (int l = 0; l < layers; ++l) {
+      const std::string key = std::to_string(l);
+      if (!full[l] || !plc.contains(key)) continue;
+      if (!plc.at(key).is_object()) throw UsageError(where + ": per_layer_config." + key + " must be an object");
+      const Fields lf{plc.at(key), where + " per_layer_config." + key};
+      global_dim = lf.integer("head_dim", global_dim);
+      global_kv = lf.integer("num_key_value_heads", global_kv);
+      break;
+    }
+  }
+  require_positive(global_dim, "global_head_dim", where);
+  require_positive(global_kv, "num_global_key_value_heads", where);
+  if (heads % kv != 0 || heads % global_kv != 0)
+    throw UsageError(where + ": num_attention_heads (" + std::to_string(heads) + ") must be a multiple of the key/value heads");
+
+  std::vector<std::string> never, missing;
+  const bool moe = f.boolean("enable_moe_block", false);
+  if (!moe)
+    never.push_back("enable_moe_block false: a dense Gemma 4 (E2B, E4B, 31B); eo-ddp trains MoE models (26B-A4B)");
+  else {
+    require_positive(f.integer("num_experts"), "num_experts", where);
+    require_positive(f.integer("top_k_experts"), "top_k_experts", where);
+    require_positive(f.integer("moe_intermediate_size"), "moe_intermediate_size", where);
+    require_positive(f.integer("intermediate_size", 9216), "intermediate_size", where);
+  }
+  if (f.integer("hidden_size_per_layer_input", 256) > 0)
+    never.push_back("hidden_size_per_layer_input > 0 (per-layer embeddings) is not supported; 0 in the MoE checkpoints");
+  if (f.integer("num_kv_shared_layers", 0) != 0) never.push_back("num_kv_shared_layers > 0 (layers reusing another's keys/values)");
+  if (f.boolean("use_double_wide_mlp", false)) never.push_back("use_double_wide_mlp true");
+  if (text(f, "use_bidirectional_attention", "") == "all") never.push_back("use_bidirectional_attention 'all' (not causal)");
+  if (f.boolean("attention_bias", false)) never.push_back("attention_bias true");
+  if (const std::string act = text(f, "hidden_activation", "gelu_pytorch_tanh"); act != "gelu_pytorch_tanh")
+    never.push_back("hidden_activation '" + act + "' (only gelu_pytorch_tanh)");
+  bool proportional = false;
+  if (f.has("rope_parameters")) {
+    const json& rp = tj->at("rope_parameters");
+    if (!rp.is_object()) throw UsageError(where + ": field 'rope_parameters' must be an object");
+    for (const char* type : {"sliding_attention", "full_attention"}) {
+      if (!rp.contains(type) || !rp.at(type).is_object()) continue;
+      const Fields r{rp.at(type), where + " rope_parameters." + type};
+      const std::string t = text(r, "rope_type", "default");
+      if (t == "proportional") proportional = true;
+      else if (t != "default") never.push_back(std::string("rope_parameters.") + type + ".rope_type '" + t + "' (default, proportional)");
+      r.number("rope_theta");
+    }
+  } else {
+    proportional = true;  // transformers' default: proportional RoPE (a quarter rotated) on the full layers
+  }
+
+  missing.push_back("GELU (tanh) in the dense MLP and the experts (the block and its fused kernels are SwiGLU)");
+  if (moe) {
+    missing.push_back("the dense MLP beside the routed experts on every layer, with its five extra RMSNorms");
+    missing.push_back("Gemma's router (RMSNorm without scale, scale · hidden^-1/2, per_expert_scale on the weights)");
+  }
+  if (global_dim != head_dim || global_kv != kv)
+    missing.push_back("full-attention layers with their own head_dim (" + std::to_string(global_dim) + ") and key/value heads (" +
+                      std::to_string(global_kv) + "), so LoRA shapes and the plan per layer");
+  if (k_eq_v) missing.push_back("attention_k_eq_v: full layers without v_proj, values from k_proj");
+  missing.push_back("v_norm and softmax scale 1 (q_norm, k_norm)");
+  missing.push_back(std::string("one RoPE table per layer type") + (proportional ? " (proportional RoPE)" : ""));
+  if (f.has("final_logit_softcapping")) missing.push_back("final_logit_softcapping in the chunked loss");
+  missing.push_back("embeddings × sqrt(hidden_size) and each layer's layer_scalar");
+
+  std::string m = where + ": gemma4 (" +
+                  (wrapper ? "Gemma4ForConditionalGeneration: its text model model.language_model.*; the vision and "
+                             "audio towers would never be trained"
+                           : "Gemma4ForCausalLM") +
+                  ") is not supported yet.";
+  if (!never.empty()) {
+    m += " Options eo-ddp will not train:";
+    for (const auto& s : never) m += "\n      " + s;
+  }
+  m += "\n    The decoder lacks:";
+  for (const auto& s : missing) m += "\n      " + s;
+  throw UsageError(m);
+}
+
 }  // namespace
 
 const char* const kSupportedModelTypes =
@@ -309,6 +440,7 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
   else if (c.model_type == "glm4_moe_lite") c.arch = Arch::Glm4MoeLite;
   else if (c.model_type == "mistral4") c.arch = Arch::Mistral4;
+  else if (c.model_type == "gemma4" || c.model_type == "gemma4_text") refuse_gemma4(j, source);
   else {
     // Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model.
     const bool wrapped = j.contains("text_config") && j.at("text_config").is_object() &&
