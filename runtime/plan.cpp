@@ -45,6 +45,8 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
     kvd = std::max(kvd, double(c.kv_heads_at(i) * c.head_dim_at(i)));
   }
   const double qd = double(c.heads) * D;
+  // Columns of the RoPE tables (cos, sin) each micro-batch keeps: Gemma 4 has one per layer type.
+  const double rope_cols = c.gemma ? double(c.rope.dim + c.gemma->full_rope.dim) : double(c.head_dim);
   const double E = double(c.experts), K = double(c.top_k), I = double(c.expert_width);
   const bool q4 = cfg.load_in_4bit;
   auto linear = [&](double out, double in) { return q4 ? nf4_bytes(out, in, bs) : out * in * d; };
@@ -59,11 +61,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   // memory: model::LoadOptions::embeddings_on_host)
   const bool host_embeddings = p.on_gpu && !c.tie_word_embeddings;
   double weights = V * H * d * (c.tie_word_embeddings || host_embeddings ? 1 : 2) + H * d;
-  double attn = 0;  // q/k/v/o, or DeepSeek's latent-attention linears, of every layer
-  for (int i = 0; i < c.layers; ++i)
+  double attn = 0;  // q/k/v/o, or DeepSeek's latent-attention linears, and q/k norms, of every layer
+  for (int i = 0; i < c.layers; ++i) {
     for (const auto& l : c.attention_shapes(i)) attn += linear(double(l.out), double(l.in));
+    if (c.qk_norm == model::QkNorm::PerHead) attn += 2 * double(c.head_dim_at(i)) * d;
+  }
   double norms = 2 * H * d;
-  if (c.qk_norm == model::QkNorm::PerHead) norms += 2 * D * d;
   if (c.qk_norm == model::QkNorm::Whole) norms += (qd + kvd) * d;
   if (c.gemma) norms += 5 * H * d + H * d + E * d + d;  // feed-forward norms, router scales, layer scalar
   weights += attn + double(c.layers) * norms;
@@ -170,7 +173,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   const bool layer_major = cfg.gradient_checkpointing && cfg.step_order == "layer_major";
   const double g = layer_major ? double(cfg.gradient_accumulation_steps) : 1.0;
   const double kept = cfg.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
-  const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * D * d;
+  const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * rope_cols * d;
   p.device.push_back({"checkpoints", checkpoints,
                       std::to_string(static_cast<long long>(kept)) + " block inputs of [tokens, hidden] x " +
                           std::to_string(static_cast<long long>(g)) + " micro-batch(es) + gradients" +
@@ -291,7 +294,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, bool
   // checkpointing, no LoRA dropout); where auto turns them off for want of room, the plan is over
   // by these bytes. Their temporaries live in the graphs' own pool, which the fit check adds.
   if (on_gpu && cfg.gradient_checkpointing && cfg.cuda_graphs != "false" && cfg.lora_dropout <= 0)
-    p.device.push_back({"graphs", 3 * N * H * d + 2 * N * D * d,
+    p.device.push_back({"graphs", 3 * N * H * d + 2 * N * rope_cols * d,
                         "CUDA graphs' static buffers: block input, gradient, output, RoPE tables (cuda_graphs: false drops them)"});
 
   // The portable grouped GEMM's problem table (models/expert_gemm_cuda.h): 60 bytes per expert for

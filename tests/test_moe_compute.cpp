@@ -902,6 +902,47 @@ TEST(MemoryPlan, LoraTermCountsLatentAttentionSharedExpertsAndDenseLayers) {
   }
 }
 
+// Gemma 4: per layer type (the full layers' own head_dim and kv heads, no v_proj with
+// attention_k_eq_v), and the dense MLP on every layer beside the experts; the resident weights
+// term equals the model's own frozen tensors (fp32, no quantisation, tied embeddings).
+TEST(MemoryPlan, LoraAndWeightTermsCountGemma4PerLayerType) {
+  const fs::path dir = fs::temp_directory_path() / ("eo_plan_gemma4_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "gemma4_text", "vocab_size": 100, "hidden_size": 64,
+    "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": true, "hidden_size_per_layer_input": 0,
+    "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]})";
+  const ModelConfig mc = load_config(dir.string());
+  LoadOptions lo;
+  lo.random_seed = 1;
+  auto m = MoeModel::load(dir.string(), lo);
+  TrainConfig cfg;
+  cfg.base_model = dir.string();
+  cfg.load_in_4bit = false;
+  cfg.lora_target_modules = mc.linear_modules();
+  LoraSpec spec;
+  spec.r = cfg.lora_r;
+  spec.targets = cfg.lora_target_modules;
+  m->add_lora(spec);
+  double n = 0;
+  for (const auto& [name, p] : m->lora_parameters()) n += double(p.numel());
+  double planned = -1, weights = -1;
+  for (const auto& p : plan_memory(cfg, mc, false, 1).device) {
+    if (p.name == "lora") planned = p.bytes / 16;
+    if (p.name == "weights") weights = p.bytes / 4;
+  }
+  EXPECT_EQ(planned, n);
+  // Every frozen tensor but the routed experts (planned apart): the model's own numbers.
+  const std::int64_t H = 64, E = 4, I = 48;
+  const std::int64_t attn = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64) + (64 * 128 + 64 * 32 + 128 * 64);  // q k v o; full: q k o
+  const std::int64_t norms = 2 * (2 * 16) + 2 * 32 + 3 * (2 + 5) * H;  // q/k norms; input, post-attention, five ff norms
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(mc.has_v_proj(i), i != 2) << i;
+  const std::int64_t per_layer = 3 * (E * H + 3 * I * H + H + E + 1);  // router, dense MLP, router scale, per-expert scale, scalar
+  EXPECT_EQ(weights, double(100 * H + H + attn + norms + per_layer));  // tied embeddings, final norm
+  fs::remove_all(dir);
+}
+
 // The GPU suites' judge of a bf16 path (tests/bf16_yardstick.h) passes rounding-sized errors and
 // fails a wrong term. fp32 "gradients"; a trusted path and a good one each off by independent 1%
 // noise (4% on one tensor, as rounding leaves a small gradient); a bad one with 15% on one
