@@ -37,9 +37,10 @@ namespace {
 const std::string kTiny = std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe";
 
 // float64: Σ_valid logsumexp(h W^T) - (h W^T)[target], and its gradient wrt h.
-std::pair<double, at::Tensor> reference_ce(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t) {
+std::pair<double, at::Tensor> reference_ce(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, double softcap = 0) {
   at::Tensor h64 = h.detach().to(at::kDouble).requires_grad_(true);
-  const at::Tensor logits = at::matmul(h64, w.to(at::kDouble).t());
+  at::Tensor logits = at::matmul(h64, w.to(at::kDouble).t());
+  if (softcap > 0) logits = at::tanh(logits / softcap) * softcap;  // autograd's own derivative of the cap
   const at::Tensor loss = at::cross_entropy_loss(logits, t, {}, at::Reduction::Sum, -100);
   torch::autograd::backward({loss});
   return {loss.item<double>(), h64.grad()};
@@ -62,6 +63,27 @@ TEST(ChunkedCrossEntropy, MatchesFloat64ForAnyChunkSize) {
     EXPECT_NEAR(loss.item<double>(), ref_loss, 1e-5 * std::abs(ref_loss)) << "chunk " << chunk;
     const double err = (h.grad().to(at::kDouble) - 0.5 * ref_grad).abs().max().item<double>();
     EXPECT_LT(err, 1e-6) << "chunk " << chunk;
+  }
+}
+
+// Gemma's final_logit_softcapping inside the chunked loss: loss and gradient as float64 autograd
+// through cap · tanh(z / cap), with a cap small enough to bend the logits (|z| up to ~6).
+TEST(ChunkedCrossEntropy, SoftCappedLogitsMatchFloat64) {
+  at::manual_seed(4);
+  const std::int64_t N = 23, H = 16, V = 57;
+  const at::Tensor w = at::randn({V, H}) * 0.4;
+  at::Tensor t = at::randint(0, V, {N}, at::kLong);
+  t.index_put_({at::arange(0, N, 4)}, -100);
+  const at::Tensor h0 = at::randn({N, H});
+  const auto [plain_loss, plain_grad] = reference_ce(h0, w, t);
+  const auto [ref_loss, ref_grad] = reference_ce(h0, w, t, 2.0);
+  EXPECT_GT(std::abs(ref_loss - plain_loss), 1e-2 * std::abs(plain_loss)) << "the cap must change the loss";
+  for (std::int64_t chunk : {1, 5, 0}) {
+    at::Tensor h = h0.clone().requires_grad_(true);
+    const at::Tensor loss = chunked_linear_cross_entropy(h, w, t, chunk, 2.0);
+    torch::autograd::backward({loss * 0.5});
+    EXPECT_NEAR(loss.item<double>(), ref_loss, 1e-5 * std::abs(ref_loss)) << "chunk " << chunk;
+    EXPECT_LT((h.grad().to(at::kDouble) - 0.5 * ref_grad).abs().max().item<double>(), 1e-6) << "chunk " << chunk;
   }
 }
 
