@@ -244,10 +244,173 @@ void parse_mlp_layer_types(const Fields& f, ModelConfig& c) {
     if (dense[l]) c.mlp_only_layers.push_back(l);
 }
 
+// Gemma 4's MoE text model (gemma4_text; gemma4 is Gemma4ForConditionalGeneration around it, whose
+// language model is model.language_model.*), read as transformers 5.24's Gemma4TextConfig reads it
+// (its defaults where a key is absent). The options eo-ddp does not train (the dense Gemma 4
+// models' per-layer embeddings, shared key/value layers and so on) are named in one error.
+ModelConfig parse_gemma4(const json& j, const std::string& source) {
+  ModelConfig c;
+  c.arch = Arch::Gemma4;
+  c.model_type = j.at("model_type").get<std::string>();
+  c.text_of_multimodal = c.model_type == "gemma4";
+  const json empty = json::object();
+  const json* tj = &j;
+  std::string where = source;
+  if (c.text_of_multimodal) {
+    if (j.contains("text_config") && !j.at("text_config").is_null() && !j.at("text_config").is_object())
+      throw UsageError(source + ": field 'text_config' must be an object");
+    tj = j.contains("text_config") && j.at("text_config").is_object() ? &j.at("text_config") : &empty;
+    where = source + " text_config";
+    const std::string inner = text(Fields{*tj, where}, "model_type", "gemma4_text");
+    if (inner != "gemma4_text")
+      throw UsageError(where + ": model_type '" + inner + "' is not supported (gemma4 wraps a gemma4_text model)");
+  }
+  const Fields f{*tj, where};
+  c.hidden = f.integer("hidden_size", 2304);
+  c.layers = f.integer("num_hidden_layers", 30);
+  c.heads = f.integer("num_attention_heads", 8);
+  c.kv_heads = f.integer("num_key_value_heads", 4);
+  c.head_dim = f.integer("head_dim", 256);
+  c.vocab = f.integer("vocab_size", 262144);
+  require_positive(c.hidden, "hidden_size", where);
+  require_positive(c.vocab, "vocab_size", where);
+  require_positive(c.layers, "num_hidden_layers", where);
+  require_positive(c.heads, "num_attention_heads", where);
+  require_positive(c.kv_heads, "num_key_value_heads", where);
+  require_positive(c.head_dim, "head_dim", where);
+  if (c.layers > (1 << 14)) throw UsageError(where + ": num_hidden_layers " + std::to_string(c.layers) + " is over eo-ddp's limit");
+  std::vector<bool> full;  // per layer: full (global) attention, else sliding
+  if (f.has("layer_types")) {
+    const json& lt = tj->at("layer_types");
+    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+      throw UsageError(where + ": layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) + ") strings");
+    for (const auto& t : lt) {
+      if (t != "sliding_attention" && t != "full_attention")
+        throw UsageError(where + ": layer_types entry " + t.dump() + " is not supported (sliding_attention, full_attention)");
+      full.push_back(t == "full_attention");
+    }
+  } else {
+    for (int l = 0; l < c.layers; ++l) full.push_back((l + 1) % 6 == 0);  // transformers: 5 sliding, then 1 full
+  }
+  full.back() = true;  // transformers forces the last layer to full attention
+  for (bool x : full) c.sliding_layers.push_back(!x);
+  c.sliding_window = f.integer("sliding_window", 512);
+  require_positive(c.sliding_window, "sliding_window", where);
+
+  // Full-attention layers' geometry: transformers 5 saves it as per_layer_config (layer index →
+  // head_dim / num_key_value_heads); the Hub's files as global_head_dim / num_global_key_value_heads.
+  Gemma4Block g;
+  g.k_eq_v = f.boolean("attention_k_eq_v", false);
+  g.full_head_dim = f.integer("global_head_dim", 512);
+  g.full_kv_heads = g.k_eq_v ? f.integer("num_global_key_value_heads", c.kv_heads) : c.kv_heads;
+  if (f.has("per_layer_config")) {
+    const json& plc = tj->at("per_layer_config");
+    if (!plc.is_object()) throw UsageError(where + ": field 'per_layer_config' must be an object");
+    bool first = true;
+    for (int l = 0; l < c.layers; ++l) {
+      const std::string key = std::to_string(l);
+      if (!plc.contains(key)) {
+        if (full[l]) throw UsageError(where + ": per_layer_config has no entry for full-attention layer " + key);
+        continue;
+      }
+      if (!plc.at(key).is_object()) throw UsageError(where + ": per_layer_config." + key + " must be an object");
+      const Fields lf{plc.at(key), where + " per_layer_config." + key};
+      const std::int64_t d = lf.integer("head_dim", full[l] ? g.full_head_dim : c.head_dim);
+      const std::int64_t kv = lf.integer("num_key_value_heads", full[l] ? g.full_kv_heads : c.kv_heads);
+      if (!full[l]) {
+        if (d != c.head_dim || kv != c.kv_heads)
+          throw UsageError(where + ": per_layer_config." + key + " gives a sliding layer its own geometry; eo-ddp supports "
+                           "one geometry for the sliding layers and one for the full-attention layers");
+        continue;
+      }
+      if (!first && (d != g.full_head_dim || kv != g.full_kv_heads))
+        throw UsageError(where + ": per_layer_config gives the full-attention layers different geometries; eo-ddp supports one");
+      g.full_head_dim = d;
+      g.full_kv_heads = kv;
+      first = false;
+    }
+  }
+  require_positive(g.full_head_dim, "global_head_dim", where);
+  require_positive(g.full_kv_heads, "num_global_key_value_heads", where);
+  if (c.heads % c.kv_heads != 0 || c.heads % g.full_kv_heads != 0)
+    throw UsageError(where + ": num_attention_heads (" + std::to_string(c.heads) + ") must be a multiple of the key/value heads");
+  if (c.head_dim % 2 != 0 || g.full_head_dim % 2 != 0) throw UsageError(where + ": head dims must be even for RoPE");
+
+  std::vector<std::string> never;
+  if (!f.boolean("enable_moe_block", false))
+    never.push_back("enable_moe_block false: a dense Gemma 4 (E2B, E4B, 31B); eo-ddp trains MoE models (26B-A4B)");
+  if (f.integer("hidden_size_per_layer_input", 256) > 0)
+    never.push_back("hidden_size_per_layer_input > 0 (per-layer embeddings) is not supported; 0 in the MoE checkpoints");
+  if (f.integer("num_kv_shared_layers", 0) != 0) never.push_back("num_kv_shared_layers > 0 (layers reusing another's keys/values)");
+  if (f.boolean("use_double_wide_mlp", false)) never.push_back("use_double_wide_mlp true");
+  if (text(f, "use_bidirectional_attention", "") == "all") never.push_back("use_bidirectional_attention 'all' (not causal)");
+  if (f.boolean("attention_bias", false)) never.push_back("attention_bias true");
+  if (const std::string act = text(f, "hidden_activation", "gelu_pytorch_tanh"); act != "gelu_pytorch_tanh")
+    never.push_back("hidden_activation '" + act + "' (only gelu_pytorch_tanh)");
+  // One RoPE per layer type; transformers' defaults when rope_parameters is absent.
+  json rp = {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
+             {"full_attention", {{"rope_type", "proportional"}, {"partial_rotary_factor", 0.25}, {"rope_theta", 1000000.0}}}};
+  if (f.has("rope_parameters")) {
+    rp = tj->at("rope_parameters");
+    if (!rp.is_object()) throw UsageError(where + ": field 'rope_parameters' must be an object");
+  }
+  auto rope_of = [&](const char* type, std::int64_t dim, Rope& rope, double& theta) {
+    if (!rp.contains(type) || !rp.at(type).is_object())
+      throw UsageError(where + ": rope_parameters." + type + " (an object) is missing");
+    const std::string at_key = where + " rope_parameters." + type;
+    const Fields r{rp.at(type), at_key};
+    theta = r.number("rope_theta");
+    const std::string t = text(r, "rope_type", "default");
+    rope.dim = dim;
+    if (t == "proportional") {
+      const double partial = r.number("partial_rotary_factor", 1.0), factor = r.number("factor", 1.0);
+      if (!(partial > 0 && partial <= 1) || !(factor > 0))
+        throw UsageError(at_key + ": partial_rotary_factor must be in (0, 1] and factor positive");
+      // int(partial * head_dim // 2), as transformers' _compute_proportional_rope_parameters
+      rope.proportional_pairs = static_cast<std::int64_t>(std::floor(partial * static_cast<double>(dim) / 2));
+      rope.factor = factor;
+      if (rope.proportional_pairs <= 0) throw UsageError(at_key + ": partial_rotary_factor rotates no dimension");
+    } else if (t != "default") {
+      never.push_back(std::string("rope_parameters.") + type + ".rope_type '" + t + "' (default, proportional)");
+    }
+  };
+  rope_of("sliding_attention", c.head_dim, c.rope, c.rope_theta);
+  rope_of("full_attention", g.full_head_dim, g.full_rope, g.full_rope_theta);
+  if (!never.empty()) {
+    std::string m = where + ": this gemma4 config is not supported (" +
+                    (c.text_of_multimodal ? std::string("Gemma4ForConditionalGeneration around a gemma4_text model")
+                                          : std::string("Gemma4ForCausalLM")) +
+                    "); options eo-ddp does not train:";
+    for (const auto& s : never) m += "\n      " + s;
+    throw UsageError(m);
+  }
+
+  c.gemma = g;
+  c.experts = f.integer("num_experts");
+  c.top_k = f.integer("top_k_experts");
+  c.expert_width = f.integer("moe_intermediate_size");
+  c.dense_width = f.integer("intermediate_size", 9216);
+  require_positive(c.dense_width, "intermediate_size", where);
+  c.norm_topk_prob = true;  // Gemma4TextRouter renormalises the top-k
+  c.router.score = RouterScore::Softmax;
+  c.has_aux_loss = false;  // Gemma4ForCausalLM returns no router aux loss
+  c.qk_norm = QkNorm::PerHead;
+  c.attn_scale = 1.0;  // Gemma4TextAttention.scaling (q and k are RMS-normed)
+  c.act = Activation::GeluTanh;
+  c.embed_scaled = true;
+  c.rms_eps = f.number("rms_norm_eps", 1e-6);
+  c.final_logit_softcap = f.number("final_logit_softcapping", 0.0);  // null: off
+  if (c.final_logit_softcap < 0) throw UsageError(where + ": final_logit_softcapping must be positive or null");
+  c.tie_word_embeddings = f.boolean("tie_word_embeddings", true);
+  c.initializer_range = f.number("initializer_range", 0.02);
+  return c;
+}
+
 }  // namespace
 
 const char* const kSupportedModelTypes =
-    "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4";
+    "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, gemma4 "
+    "(gemma4_text)";
 
 bool ModelConfig::is_moe_layer(int layer) const {
   if (experts <= 0 || layer < first_k_dense) return false;
@@ -256,10 +419,15 @@ bool ModelConfig::is_moe_layer(int layer) const {
   return (layer + 1) % decoder_sparse_step == 0;
 }
 
-std::vector<ModelConfig::Linear> ModelConfig::attention_shapes() const {
+std::vector<ModelConfig::Linear> ModelConfig::attention_shapes(int layer) const {
   const std::int64_t H = hidden;
-  if (!mla) return {{"q_proj", H, heads * head_dim}, {"k_proj", H, kv_heads * head_dim}, {"v_proj", H, kv_heads * head_dim},
-                    {"o_proj", heads * head_dim, H}};
+  if (!mla) {
+    const std::int64_t D = head_dim_at(layer), kv = kv_heads_at(layer);
+    std::vector<Linear> out{{"q_proj", H, heads * D}, {"k_proj", H, kv * D}};
+    if (has_v_proj(layer)) out.push_back({"v_proj", H, kv * D});
+    out.push_back({"o_proj", heads * D, H});
+    return out;
+  }
   const Mla& a = *mla;
   std::vector<Linear> out;
   if (a.q_lora_rank > 0) out = {{"q_a_proj", H, a.q_lora_rank}, {"q_b_proj", a.q_lora_rank, heads * a.qk_dim()}};
@@ -273,6 +441,13 @@ std::vector<ModelConfig::Linear> ModelConfig::attention_shapes() const {
 std::vector<std::string> ModelConfig::attention_linears() const {
   std::vector<std::string> out;
   for (const auto& l : attention_shapes()) out.push_back(l.name);
+  if (gemma) {  // v_proj where some layer has one (attention_k_eq_v: the sliding layers)
+    bool v = false;
+    for (int i = 0; i < layers; ++i) v = v || has_v_proj(i);
+    out = {"q_proj", "k_proj"};
+    if (v) out.push_back("v_proj");
+    out.push_back("o_proj");
+  }
   return out;
 }
 
@@ -288,9 +463,13 @@ std::vector<std::string> ModelConfig::linear_modules() const {
   bool dense = false, moe = false;
   for (int i = 0; i < layers; ++i) (is_moe_layer(i) ? moe : dense) = true;
   if (moe && arch == Arch::Mixtral) out.insert(out.end(), {"w1", "w2", "w3"});
-  if (dense || (moe && arch != Arch::Mixtral && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  if (dense || dense_beside_experts() || (moe && arch != Arch::Mixtral && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
   return out;
 }
+
+namespace {
+ModelConfig checked(ModelConfig c, const std::string& source);
+}  // namespace
 
 ModelConfig parse_config(const json& j, const std::string& source) {
   if (!j.is_object()) throw UsageError(source + ": expected a JSON object");
@@ -309,6 +488,14 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
   else if (c.model_type == "glm4_moe_lite") c.arch = Arch::Glm4MoeLite;
   else if (c.model_type == "mistral4") c.arch = Arch::Mistral4;
+  else if (c.model_type == "gemma4" || c.model_type == "gemma4_text") return checked(parse_gemma4(j, source), source);
+  else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text")
+    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported: three of every four of its layers are "
+                     "gated delta-rule linear attention (" +
+                     (c.model_type == "qwen3_next" ? "Qwen3NextGatedDeltaNet" : "Qwen3_5MoeGatedDeltaNet") +
+                     "), for which eo-ddp has no kernel yet (a chunked delta-rule forward and backward recomputed in the "
+                     "block schedule, its short causal conv1d, the gated output norm; README: Qwen3-Next / Qwen3.5-MoE); "
+                     "supported model types: " + kSupportedModelTypes);
   else {
     // Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model.
     const bool wrapped = j.contains("text_config") && j.at("text_config").is_object() &&
@@ -536,6 +723,13 @@ ModelConfig parse_config(const json& j, const std::string& source) {
       break;
     }
   }
+  return checked(std::move(c), source);
+}
+
+namespace {
+
+// The checks every family's config passes last.
+ModelConfig checked(ModelConfig c, const std::string& source) {
   require_positive(c.experts, "number of experts", source);
   require_positive(c.top_k, "num_experts_per_tok", source);
   require_positive(c.expert_width, "expert intermediate size", source);
@@ -560,6 +754,8 @@ ModelConfig parse_config(const json& j, const std::string& source) {
       throw UsageError(source + ": layer " + std::to_string(l) + " is dense but 'intermediate_size' is missing or zero");
   return c;
 }
+
+}  // namespace
 
 ModelConfig load_config(const std::string& model_dir) {
   const std::string path = model_dir + "/config.json";

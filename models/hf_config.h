@@ -1,7 +1,7 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
 // The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss,
-// glm4_moe_lite, mistral4) share a decoder and differ in a few switches (q/k norm style, biases,
+// glm4_moe_lite, mistral4, gemma4) share a decoder and differ in a few switches (q/k norm style, biases,
 // shared experts, which layers are sparse, the router's scoring, partial / interleaved / YaRN RoPE,
 // DeepSeek's latent attention, Mistral 4's position-scaled queries, gpt-oss's attention sinks,
 // sliding-window layers and biased, clamped experts);
@@ -19,7 +19,8 @@ namespace eo::model {
 
 // Glm4MoeLite (GLM-4.7-Flash) and Mistral4 (Mistral Small 4): DeepSeek-V3's latent attention with
 // GLM-4.5's router, and with a softmax group-limited router and Llama 4's query scaling.
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4 };
+// Gemma4: Gemma 4's MoE text model (26B-A4B), whose block is Gemma's (Gemma4Block below).
+enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4 };
 
 // The names config.json's model_type takes, in Arch order, comma separated (error messages).
 extern const char* const kSupportedModelTypes;
@@ -40,6 +41,9 @@ struct Rope {
   double original_max_positions = 0;
   bool truncate = true;
   double attention_factor = 1.0;  // cos and sin are multiplied by it
+  // Gemma 4's "proportional" RoPE: the whole head is rotated (dim = head_dim), but only the first
+  // `pairs` frequencies are non-zero (the rest: cos 1, sin 0), each ÷ factor. 0 = off.
+  std::int64_t proportional_pairs = 0;
 };
 
 // How the router turns logits into the top-k experts and their weights.
@@ -63,6 +67,25 @@ struct Router {
 struct SwigluClamp {
   double alpha = 1.702, limit = 7.0;
 };
+
+// Gemma 4's block (Gemma4TextDecoderLayer): norms after attention and after each feed-forward
+// (post_attention / pre_ / post_feedforward_layernorm), a dense MLP beside the routed experts on
+// every layer (pre_feedforward_layernorm → mlp → post_feedforward_layernorm_1, and
+// pre_feedforward_layernorm_2 → experts → post_feedforward_layernorm_2, summed), the router on the
+// un-normed residual (scale-free RMSNorm, × scale × hidden^-1/2, softmax, top-k renormalised, ×
+// per_expert_scale), q/k norms per head and a scale-free v norm, softmax scale 1, and its
+// full-attention layers with their own head_dim / key-value heads (attention_k_eq_v: no v_proj,
+// the values are k_proj's output) and RoPE table. Each layer's output × its layer_scalar.
+struct Gemma4Block {
+  std::int64_t full_head_dim = 0, full_kv_heads = 0;
+  bool k_eq_v = false;  // full layers only
+  Rope full_rope;
+  double full_rope_theta = 0;
+};
+
+// The activation of the MLPs and experts between gate and up: silu (SwiGLU) or GELU's tanh
+// approximation (Gemma: gelu_pytorch_tanh).
+enum class Activation { Silu, GeluTanh };
 
 // Multi-head latent attention (DeepSeek-V2/V3): q (optionally through a low-rank q_a → norm →
 // q_b) and one compressed kv latent per token (kv_a_proj_with_mqa → norm → kv_b_proj), with the
@@ -125,16 +148,35 @@ struct ModelConfig {
   // The checkpoint stores its experts in MXFP4 (quantization_config.quant_method "mxfp4": gpt-oss
   // as the Hub ships it), so with load_in_4bit they can stay in that format (models/mxfp4.h).
   bool mxfp4_experts = false;
+  Activation act = Activation::Silu;
+  std::optional<Gemma4Block> gemma;
+  double final_logit_softcap = 0;  // logits = cap · tanh(logits / cap); 0 = off (Gemma)
+  bool embed_scaled = false;       // embeddings × sqrt(hidden_size) in the compute dtype (Gemma)
+  // The checkpoint is a multimodal model around this text model (Gemma4ForConditionalGeneration):
+  // its decoder is model.language_model.*, its vision / audio towers are not loaded or trained.
+  bool text_of_multimodal = false;
 
   bool is_moe_layer(int layer) const;
+  // Where the decoder's tensors are: "model." or, in a multimodal checkpoint, "model.language_model.".
+  std::string decoder_prefix() const { return text_of_multimodal ? "model.language_model." : "model."; }
+  // Gemma 4's full-attention layers have their own attention geometry.
+  bool is_full_gemma_layer(int layer) const { return gemma && !is_sliding_layer(layer); }
+  std::int64_t head_dim_at(int layer) const { return is_full_gemma_layer(layer) ? gemma->full_head_dim : head_dim; }
+  std::int64_t kv_heads_at(int layer) const { return is_full_gemma_layer(layer) ? gemma->full_kv_heads : kv_heads; }
+  bool has_v_proj(int layer) const { return !(is_full_gemma_layer(layer) && gemma->k_eq_v); }
+  // Whether every layer has a dense MLP beside its routed experts (Gemma 4).
+  bool dense_beside_experts() const { return gemma.has_value(); }
   // The HF name prefix of a layer's MoE block: "mlp" or Mixtral's "block_sparse_moe".
   std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : "mlp"; }
+  // Where the routed experts are under layer i's prefix: "<moe prefix>.experts", Gemma 4 "experts".
+  std::string experts_path() const { return gemma ? "experts" : moe_prefix() + ".experts"; }
   // The router's module under the MoE block: gpt-oss "router", else "gate".
   std::string router_name() const { return arch == Arch::GptOss ? "router" : "gate"; }
   bool is_sliding_layer(int layer) const { return !sliding_layers.empty() && sliding_layers.at(layer) && sliding_window > 0; }
   // Whether peft names the routed experts per expert (experts.{e}.gate_proj ...): every family but
   // gpt-oss, whose experts only ever exist fused (peft reaches them through target_parameters).
-  bool experts_lora_ok() const { return arch != Arch::GptOss; }
+  // Gemma 4 likewise (transformers 5 saves its experts fused only).
+  bool experts_lora_ok() const { return arch != Arch::GptOss && arch != Arch::Gemma4; }
   // The shared expert's module under the MoE block: qwen2_moe "shared_expert", else "shared_experts".
   std::string shared_expert_name() const { return arch == Arch::Qwen2Moe ? "shared_expert" : "shared_experts"; }
   // The attention linears (peft's short names, in model order) and their shapes.
@@ -142,7 +184,9 @@ struct ModelConfig {
     std::string name;
     std::int64_t in = 0, out = 0;
   };
-  std::vector<Linear> attention_shapes() const;
+  // Of one layer (Gemma 4's full layers differ: their own head_dim and key-value heads, no v_proj
+  // with attention_k_eq_v); attention_linears: every name some layer has, in model order.
+  std::vector<Linear> attention_shapes(int layer = 0) const;
   std::vector<std::string> attention_linears() const;
   // Every LoRA-able linear's short name (attention, then MLP / expert matrices): what
   // lora_target_linear selects.

@@ -13,18 +13,22 @@ namespace {
 constexpr std::int64_t kIgnore = -100;
 
 
-// fp32 logits of one chunk, as transformers forms them: the GEMM in the compute dtype, then upcast.
-at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& weight) { return at::linear(h, weight).to(at::kFloat); }
+// fp32 logits of one chunk, as transformers forms them: the GEMM in the compute dtype, then upcast;
+// soft-capped (cap · tanh(z / cap)) when softcap > 0.
+at::Tensor chunk_logits(const at::Tensor& h, const at::Tensor& weight, double softcap) {
+  const at::Tensor z = at::linear(h, weight).to(at::kFloat);
+  return softcap > 0 ? at::tanh(z / softcap) * softcap : z;
+}
 
 struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& targets, std::int64_t chunk) {
+                            const at::Tensor& targets, std::int64_t chunk, double softcap) {
     const std::int64_t N = hidden.size(0);
     at::Tensor lse = at::empty({N}, hidden.options().dtype(at::kFloat));
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
     for (std::int64_t r = 0; r < N; r += chunk) {
       const std::int64_t n = std::min(chunk, N - r);
-      const at::Tensor logits = chunk_logits(hidden.narrow(0, r, n), weight);
+      const at::Tensor logits = chunk_logits(hidden.narrow(0, r, n), weight, softcap);
       const at::Tensor t = targets.narrow(0, r, n);
       const at::Tensor row_lse = at::logsumexp(logits, {1});
       lse.narrow(0, r, n).copy_(row_lse);
@@ -34,6 +38,7 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
     ctx->save_for_backward({hidden, targets, lse});
     ctx->saved_data["weight"] = weight;
     ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["softcap"] = softcap;
     return total;
   }
 
@@ -45,6 +50,7 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
     const at::Tensor& lse = saved[2];
     const at::Tensor weight = ctx->saved_data["weight"].toTensor();
     const std::int64_t chunk = ctx->saved_data["chunk"].toInt();
+    const double softcap = ctx->saved_data["softcap"].toDouble();
     const at::Tensor g = grads[0].to(at::kFloat);
     const std::int64_t N = hidden.size(0);
     at::Tensor dh = at::empty_like(hidden);
@@ -53,12 +59,15 @@ struct ChunkedCrossEntropy : public torch::autograd::Function<ChunkedCrossEntrop
       const at::Tensor t = targets.narrow(0, r, n);
       const at::Tensor valid = (t != kIgnore).to(at::kFloat);
       // d CE / d logits = softmax - onehot(target), zero on ignored rows, times the loss' grad.
-      at::Tensor d = (chunk_logits(hidden.narrow(0, r, n), weight) - lse.narrow(0, r, n).unsqueeze(1)).exp_();
+      const at::Tensor logits = chunk_logits(hidden.narrow(0, r, n), weight, softcap);
+      at::Tensor d = (logits - lse.narrow(0, r, n).unsqueeze(1)).exp_();
       d.scatter_add_(1, t.clamp_min(0).unsqueeze(1), -at::ones({n, 1}, d.options()));
       d.mul_((valid * g).unsqueeze(1));
+      // Through the cap: d(cap · tanh(z / cap)) / dz = 1 - (capped / cap)².
+      if (softcap > 0) d.mul_(1 - (logits / softcap).square());
       dh.narrow(0, r, n).copy_(at::matmul(d.to(hidden.scalar_type()), weight));
     }
-    return {dh, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dh, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -70,7 +79,7 @@ std::int64_t loss_chunk_rows(std::int64_t rows, std::int64_t vocab) {
 }
 
 at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                        std::int64_t chunk_rows) {
+                                        std::int64_t chunk_rows, double softcap) {
   EO_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), "chunked_linear_cross_entropy: hidden ",
            hidden.sizes(), " and weight ", weight.sizes(), " do not match");
   EO_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0), "chunked_linear_cross_entropy: targets ", targets.sizes(),
@@ -78,7 +87,8 @@ at::Tensor chunked_linear_cross_entropy(const at::Tensor& hidden, const at::Tens
   EO_CHECK(!weight.requires_grad(), "chunked_linear_cross_entropy: the head weight must be frozen");
   if (hidden.size(0) == 0) return at::zeros({}, hidden.options().dtype(at::kFloat));
   const std::int64_t chunk = chunk_rows > 0 ? std::min(hidden.size(0), chunk_rows) : loss_chunk_rows(hidden.size(0), weight.size(0));
-  return ChunkedCrossEntropy::apply(hidden.contiguous(), weight, targets.to(hidden.device(), at::kLong).contiguous(), chunk);
+  return ChunkedCrossEntropy::apply(hidden.contiguous(), weight, targets.to(hidden.device(), at::kLong).contiguous(), chunk,
+                                   softcap);
 }
 
 }  // namespace eo::model

@@ -71,10 +71,13 @@ class RandomWeights {
 #endif
     gen_ = at::make_generator<at::CPUGeneratorImpl>(seed);
   }
-  // norms 1, biases 0 (e_score_correction_bias too), everything else N(0, init_range).
+  // norms 1 (Gemma's layernorm_1 / _2 too), scales 1 (Gemma's router scales, layer_scalar), biases 0
+  // (e_score_correction_bias too), everything else N(0, init_range).
   at::Tensor dense(const std::string& name, const std::vector<std::int64_t>& shape, at::ScalarType dtype) {
     const auto o = at::TensorOptions().dtype(dtype).device(device_);
-    if (ends_with(name, "norm.weight")) return at::ones(shape, o);
+    if (ends_with(name, "norm.weight") || name.find("layernorm") != std::string::npos || ends_with(name, "scale") ||
+        ends_with(name, "layer_scalar"))
+      return at::ones(shape, o);
     if (ends_with(name, "bias")) return at::zeros(shape, o);
     return at::randn(shape, gen_, o.dtype(at::kFloat)).mul_(init_range_).to(dtype);
   }
@@ -196,8 +199,10 @@ struct ModelLoader {
     const auto H = m.cfg_.hidden;
     const bool b = m.cfg_.mlp_bias;
     return Mlp{linear(prefix + ".gate_proj", H, width, b, true), linear(prefix + ".up_proj", H, width, b, true),
-               linear(prefix + ".down_proj", width, H, b, true)};
+               linear(prefix + ".down_proj", width, H, b, true), m.cfg_.act};
   }
+  // Layer i's tensor name prefix, "model.layers.{i}." (multimodal checkpoints: under the text model).
+  std::string layer_prefix(int i) const { return m.cfg_.decoder_prefix() + "layers." + std::to_string(i) + "."; }
 
   // Attention of one block: q/k/v/o (with the family's norms), or DeepSeek's latent attention.
   void attention(DecoderBlock& b, const std::string& p) const {
@@ -218,6 +223,17 @@ struct ModelLoader {
       b.o_ = linear(p + "self_attn.o_proj", c.heads * a.v_dim, H, c.o_bias, true);
       return;
     }
+    if (c.gemma) {  // per layer type: its head_dim and key-value heads, v_proj unless attention_k_eq_v
+      const int i = b.index_;
+      const std::int64_t d = c.head_dim_at(i), kv = c.kv_heads_at(i);
+      b.q_ = linear(p + "self_attn.q_proj", H, c.heads * d, false, true);
+      b.k_ = linear(p + "self_attn.k_proj", H, kv * d, false, true);
+      if (c.has_v_proj(i)) b.v_ = linear(p + "self_attn.v_proj", H, kv * d, false, true);
+      b.o_ = linear(p + "self_attn.o_proj", c.heads * d, H, false, true);
+      b.q_norm_ = get(p + "self_attn.q_norm.weight", {d});
+      b.k_norm_ = get(p + "self_attn.k_norm.weight", {d});
+      return;
+    }
     b.q_ = linear(p + "self_attn.q_proj", H, c.heads * D, c.qkv_bias, true);
     b.k_ = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
     b.v_ = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
@@ -235,11 +251,13 @@ struct ModelLoader {
   // The MoE block's name prefix: Mixtral checkpoints use block_sparse_moe, transformers v5's
   // runtime names use mlp; accept whichever the checkpoint has.
   std::string moe_prefix(int i) const {
-    const std::string base = "model.layers." + std::to_string(i) + ".";
+    const std::string base = layer_prefix(i);
     if (ck && m.cfg_.arch == Arch::Mixtral && !ck->has(base + "block_sparse_moe.gate.weight") && ck->has(base + "mlp.gate.weight"))
       return base + "mlp";
     return base + m.cfg_.moe_prefix();
   }
+  // Where layer i's routed experts are: "<moe prefix>.experts", Gemma 4 "layers.{i}.experts".
+  std::string experts_prefix(int i) const { return m.cfg_.gemma ? layer_prefix(i) + "experts" : moe_prefix(i) + ".experts"; }
 
   // An MXFP4 expert tensor as stored: `name`_blocks [E, rows, cols/32, 16] and `name`_scales
   // [E, rows, cols/32] (uint8, checked).
@@ -269,7 +287,7 @@ struct ModelLoader {
   // (random weights: config.json says so), and load_in_4bit must be on.
   bool keep_mxfp4(int i) const {
     if (!opts.load_in_4bit || opts.expert_quant == ExpertQuant::Nf4) return false;
-    const std::string p = moe_prefix(i) + ".experts";
+    const std::string p = experts_prefix(i);
     const bool stored = m.cfg_.arch == Arch::GptOss &&
                         (ck ? ck->has(p + ".gate_up_proj_blocks") && ck->has(p + ".down_proj_blocks") : m.cfg_.mxfp4_experts);
     if (!stored && opts.expert_quant == ExpertQuant::Mxfp4)
@@ -295,7 +313,7 @@ struct ModelLoader {
       mxfp4_kept += 2;
       return out;
     }
-    const std::string p = moe_prefix(i) + ".experts";
+    const std::string p = experts_prefix(i);
     const auto [gu_blocks, gu_scales] = mxfp4_tensors(p + ".gate_up_proj", E, 2 * I, H);
     const auto [down_blocks, down_scales] = mxfp4_tensors(p + ".down_proj", E, H, I);
     for (int e = 0; e < E; ++e) {
@@ -312,7 +330,7 @@ struct ModelLoader {
   std::vector<std::array<at::Tensor, 3>> fused_experts(int i) const {
     const ModelConfig& c = m.cfg_;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
-    const std::string p = moe_prefix(i) + ".experts";
+    const std::string p = experts_prefix(i);
     if (m.cfg_.arch == Arch::GptOss) {
       // gpt-oss's own layout, the only one it has: transposed [E, H, 2I] with gate and up
       // interleaved (gate = columns 0, 2, 4, ...), down [E, I, H]; or MXFP4 as the Hub ships it.
@@ -344,12 +362,12 @@ struct ModelLoader {
   std::string expert_prefix(int i, int e, int mi) const {
     static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
     static const char* kMix[3] = {"w1", "w3", "w2"};
-    return moe_prefix(i) + ".experts." + std::to_string(e) + "." + (m.cfg_.arch == Arch::Mixtral ? kMix : kQwen)[mi];
+    return experts_prefix(i) + "." + std::to_string(e) + "." + (m.cfg_.arch == Arch::Mixtral ? kMix : kQwen)[mi];
   }
   // gpt-oss's expert biases, [E, out] per matrix (gate, up interleaved in gate_up_proj_bias).
   std::array<at::Tensor, 3> expert_biases(int i) const {
     const auto E = m.cfg_.experts, H = m.cfg_.hidden, I = m.cfg_.expert_width;
-    const std::string p = moe_prefix(i) + ".experts";
+    const std::string p = experts_prefix(i);
     const at::Tensor gu = get(p + ".gate_up_proj_bias", {E, 2 * I}), down = get(p + ".down_proj_bias", {E, H});
     return {gu.slice(1, 0, 2 * I, 2).contiguous(), gu.slice(1, 1, 2 * I, 2).contiguous(), down};
   }
@@ -364,9 +382,14 @@ struct ModelLoader {
     if (opts.expert_quant != ExpertQuant::Auto && !opts.load_in_4bit)
       throw UsageError("expert_quant applies with load_in_4bit: true; without it the experts are loaded in " +
                        std::string(at::toString(opts.dtype)));
-    m.embed_ = get("model.embed_tokens.weight", {c.vocab, H});
+    const std::string mp = c.decoder_prefix();
+    if (c.text_of_multimodal)
+      log::info((ck ? ck->folder() : std::string("synthetic weights")) + ": a multimodal " + c.model_type +
+                " checkpoint; its text model (" + mp + "*) is loaded and trained, its vision and audio towers are not "
+                "loaded and not trained (the adapter covers the text model only)");
+    m.embed_ = get(mp + "embed_tokens.weight", {c.vocab, H});
     if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) m.embed_ = m.embed_.to(at::kCPU);
-    m.final_norm_ = get("model.norm.weight", {H});
+    m.final_norm_ = get(mp + "norm.weight", {H});
     m.lm_head_ = c.tie_word_embeddings ? m.embed_ : get("lm_head.weight", {c.vocab, H});
     ResidentWeights::Bank bank(c.layers);
     for (int i = 0; i < c.layers; ++i) {
@@ -376,17 +399,28 @@ struct ModelLoader {
       b->moe_ = c.is_moe_layer(i);
       b->quantized_ = opts.load_in_4bit;
       b->bank_bytes_ = opts.expert_bank_bytes;
-      const std::string p = "model.layers." + std::to_string(i) + ".";
+      const std::string p = layer_prefix(i);
       b->input_norm_ = get(p + "input_layernorm.weight", {H});
       b->post_norm_ = get(p + "post_attention_layernorm.weight", {H});
       attention(*b, p);
+      if (c.gemma) {  // the dense MLP and norms beside the experts, the router's scales, the layer scalar
+        b->dense_ = mlp(p + "mlp", c.dense_width);
+        b->pre_ff_norm_ = get(p + "pre_feedforward_layernorm.weight", {H});
+        b->post_ff_norm_ = get(p + "post_feedforward_layernorm.weight", {H});
+        b->post_ff_norm_1_ = get(p + "post_feedforward_layernorm_1.weight", {H});
+        b->pre_ff_norm_2_ = get(p + "pre_feedforward_layernorm_2.weight", {H});
+        b->post_ff_norm_2_ = get(p + "post_feedforward_layernorm_2.weight", {H});
+        b->router_scale_ = get(p + "router.scale", {H});
+        b->per_expert_scale_ = get(p + "router.per_expert_scale", {c.experts});
+        b->layer_scalar_ = get(p + "layer_scalar", {1});
+      }
       if (!b->moe_) {
         b->dense_ = mlp(p + "mlp", c.dense_width);
       } else {
         // fp16 keeps the router in fp32 too: its logits feed a softmax whose range fp16 lacks.
         const std::optional<at::ScalarType> router_dtype =
             c.router.fp32 || opts.dtype == at::kHalf ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
-        const std::string router = moe_prefix(i) + "." + c.router_name();
+        const std::string router = c.gemma ? p + "router.proj" : moe_prefix(i) + "." + c.router_name();
         b->router_ = get(router + ".weight", {c.experts, H}, router_dtype);
         if (c.router.bias) b->router_b_ = get(router + ".bias", {c.experts}, router_dtype);
         if (c.router.correction_bias) b->router_bias_ = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
@@ -479,9 +513,10 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
   const bool mix = c.arch == Arch::Mixtral;
   for (const auto& bp : blocks_) {
     DecoderBlock& b = *bp;
-    const std::string p = "model.layers." + std::to_string(b.index_) + ".";
+    const std::string p = c.decoder_prefix() + "layers." + std::to_string(b.index_) + ".";
     // The attention linears under peft's names (attention_linears() order).
     for (const std::string& n : c.attention_linears()) {
+      if (n == "v_proj" && !c.has_v_proj(b.index_)) continue;  // Gemma 4's full layers with attention_k_eq_v
       FrozenLinear& l = n == "q_proj" || n == "q_b_proj" ? b.q_ : n == "k_proj" ? b.k_ : n == "v_proj" ? b.v_
                         : n == "o_proj"                  ? b.o_ : n == "q_a_proj" ? b.q_a_ : n == "kv_a_proj_with_mqa" ? b.kv_a_ : b.kv_b_;
       add(p + "self_attn." + n, n, l);
@@ -491,10 +526,8 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       add(prefix + ".up_proj", "up_proj", mm.up);
       add(prefix + ".down_proj", "down_proj", mm.down);
     };
-    if (!b.moe_) {
-      add_mlp(p + "mlp", b.dense_);
-      continue;
-    }
+    if (!b.moe_ || c.dense_beside_experts()) add_mlp(p + "mlp", b.dense_);
+    if (!b.moe_) continue;
     if (!lora_spec_.target_parameters.empty()) {
       // lora_target_parameters: peft's ParamWrapper on transformers 5's fused expert parameters,
       // named under its module path (`mlp` in every family, Mixtral included); the experts are
@@ -540,6 +573,9 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     if (canonical_target_parameter(p) != p)
       throw UsageError("LoRA target parameter '" + p + "' is not " + kGateUpParam + " or " + kDownParam);
   const bool moe = std::any_of(blocks_.begin(), blocks_.end(), [](const auto& b) { return b->moe_; });
+  if (!spec.target_parameters.empty() && cfg_.gemma)
+    throw UsageError("lora_target_parameters is not implemented for " + cfg_.model_type + " yet (its fused experts are "
+                     "layers.{i}.experts.*); use lora_target_modules");
   if (!spec.target_parameters.empty() && !moe)
     throw UsageError("lora_target_parameters needs MoE blocks with fused experts; this " + cfg_.model_type +
                      " model has none");
@@ -654,7 +690,7 @@ void MoeModel::save_adapter(const std::string& adapter_dir, const std::string& b
   tensors = peft_lora_tensors(tensors);  // peft's per-expert / ParamWrapper names and shapes
   for (auto& [name, t] : tensors) t = t.contiguous();
   st::save(adapter_dir + "/adapter_model.safetensors", tensors);
-  write_adapter_config(adapter_dir, lora_spec_, base_model);
+  write_adapter_config(adapter_dir, lora_spec_, base_model, cfg_.decoder_prefix());
 }
 
 }  // namespace eo::model

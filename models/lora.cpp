@@ -373,6 +373,20 @@ NamedLora stack_expert_lora(const NamedLora& peft, const LoraSpec* spec) {
   return out;
 }
 
+namespace {
+
+// peft's exclude_modules (re.fullmatch on module names) for every module outside `prefix`.
+std::string exclude_outside(const std::string& prefix) {
+  std::string escaped;
+  for (char ch : prefix) {
+    if (ch == '.') escaped += '\\';
+    escaped += ch;
+  }
+  return "(?!" + escaped + ").*";
+}
+
+}  // namespace
+
 LoraSpec read_adapter_config(const std::string& adapter_dir) {
   const std::string path = adapter_dir + "/adapter_config.json";
   std::ifstream in(path);
@@ -430,10 +444,29 @@ LoraSpec read_adapter_config(const std::string& adapter_dir) {
   }
   if (s.targets.empty() && s.target_parameters.empty())
     throw UsageError(path + ": 'target_modules' and 'target_parameters' are empty");
+  // exclude_modules: only the exclusion of everything outside a multimodal checkpoint's text model
+  // (what write_adapter_config writes); any other would drop modules eo-ddp adapts.
+  if (j.contains("exclude_modules") && !j["exclude_modules"].is_null() &&
+      !(j["exclude_modules"].is_array() && j["exclude_modules"].empty()) &&
+      j["exclude_modules"] != exclude_outside("model.language_model."))
+    throw UsageError(path + ": exclude_modules " + j["exclude_modules"].dump() + " is not supported (only " +
+                     nlohmann::json(exclude_outside("model.language_model.")).dump() +
+                     ", the modules outside a multimodal checkpoint's text model)");
   return s;
 }
 
-void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model) {
+std::string lora_decoder_prefix(const NamedLora& lora) {
+  static const std::string kHead = "base_model.model.";
+  for (const auto& [name, t] : lora) {
+    const auto at = name.find("layers.");
+    if (name.rfind(kHead, 0) == 0 && at != std::string::npos && at >= kHead.size())
+      return name.substr(kHead.size(), at - kHead.size());
+  }
+  return "model.";
+}
+
+void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model,
+                          const std::string& decoder_prefix) {
   // Only peft_type is required to load; the rest documents the run as peft's LoraConfig does.
   nlohmann::json j;
   j["peft_type"] = "LORA";
@@ -443,6 +476,7 @@ void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, 
   j["lora_dropout"] = spec.dropout;
   j["target_modules"] = spec.targets;
   if (!spec.target_parameters.empty()) j["target_parameters"] = spec.target_parameters;
+  if (decoder_prefix != "model.") j["exclude_modules"] = exclude_outside(decoder_prefix);
   j["bias"] = "none";
   j["use_rslora"] = spec.use_rslora;
   j["fan_in_fan_out"] = false;

@@ -137,7 +137,15 @@ NamedLora stack_expert_lora(const NamedLora& peft, const LoraSpec* spec = nullpt
 // writer (final adapters, checkpoints, MoeModel::save_adapter), atomic (common/files.h): a crash
 // or a full drive leaves the previous file or the new one, never half of one, and a link in its
 // place is replaced, not written through.
+// `decoder_prefix`: where the adapted decoder is ("model." or, in a multimodal checkpoint,
+// "model.language_model."); for a multimodal one the config excludes every module outside it
+// (exclude_modules, peft's regular expression), so that peft adapts no vision-tower linear of the
+// same short name. read_adapter_config accepts exclude_modules only in that form.
 LoraSpec read_adapter_config(const std::string& adapter_dir);
-void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model);
+void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model,
+                          const std::string& decoder_prefix = "model.");
+// The decoder prefix of peft-named LoRA tensors (base_model.model.<prefix>layers.N...), "model."
+// when none names a layer.
+std::string lora_decoder_prefix(const NamedLora& lora);
 
 }  // namespace eo::model

@@ -22,11 +22,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   // On a GPU libtorch's fused kernel: one pass forward and one backward instead of the seven
   // elementwise passes below, with fp32 statistics; it multiplies by the weight before the one
   // rounding to x's dtype (transformers rounds, then multiplies), a difference within bf16 rounding.
-  if (x.is_cuda()) return std::get<0>(at::_fused_rms_norm(x, {x.size(-1)}, weight, eps));
+  // An undefined weight: the norm without a scale (Gemma's v_norm and router norm).
+  if (x.is_cuda())
+    return std::get<0>(at::_fused_rms_norm(x, {x.size(-1)}, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt, eps));
   // fp32 statistics, cast back, then × weight (HF order: the product is in the input dtype).
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
-  return weight * normed.to(x.scalar_type());
+  return weight.defined() ? weight * normed.to(x.scalar_type()) : normed.to(x.scalar_type());
 }
 
 at::Tensor FrozenLinear::forward(const at::Tensor& x, bool training) const {
@@ -36,8 +38,13 @@ at::Tensor FrozenLinear::forward(const at::Tensor& x, bool training) const {
   return y;
 }
 
+at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up, Activation act) {
+  // transformers' gelu_pytorch_tanh is torch's gelu with approximate="tanh".
+  return act == Activation::GeluTanh ? at::gelu(gate, "tanh") * up : swiglu(gate, up);
+}
+
 at::Tensor Mlp::forward(const at::Tensor& x, bool training) const {
-  return down.forward(swiglu(gate.forward(x, training), up.forward(x, training)), training);
+  return down.forward(gated_activation(gate.forward(x, training), up.forward(x, training), act), training);
 }
 
 namespace {
@@ -117,7 +124,10 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   const ModelConfig& c = *cfg_;
   if (c.mla) return latent_attention(x, ctx);
   const auto B = x.size(0), T = x.size(1);
-  at::Tensor q = q_.forward(x, ctx.training), k = k_.forward(x, ctx.training), v = v_.forward(x, ctx.training);
+  const std::int64_t D = c.head_dim_at(index_), KV = c.kv_heads_at(index_);
+  at::Tensor q = q_.forward(x, ctx.training), k = k_.forward(x, ctx.training);
+  // Gemma 4's full layers with attention_k_eq_v: the values are k_proj's output (before k_norm).
+  at::Tensor v = c.has_v_proj(index_) ? v_.forward(x, ctx.training) : k;
   if (c.qk_norm == QkNorm::Whole) {  // olmoe: over the whole projection, before the split
     q = rms_norm(q, q_norm_, c.rms_eps);
     k = rms_norm(k, k_norm_, c.rms_eps);
@@ -127,14 +137,21 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
     k = k.clamp(-*c.clip_qkv, *c.clip_qkv);
     v = v.clamp(-*c.clip_qkv, *c.clip_qkv);
   }
-  q = q.view({B, T, c.heads, c.head_dim});
-  k = k.view({B, T, c.kv_heads, c.head_dim});
-  v = v.view({B, T, c.kv_heads, c.head_dim});
-  if (c.qk_norm == QkNorm::PerHead) {  // qwen3, glm4_moe use_qk_norm: per head, after the view
+  q = q.view({B, T, c.heads, D});
+  k = k.view({B, T, KV, D});
+  v = v.view({B, T, KV, D});
+  if (c.qk_norm == QkNorm::PerHead) {  // qwen3, glm4_moe use_qk_norm, gemma4: per head, after the view
     q = rms_norm(q, q_norm_, c.rms_eps);
     k = rms_norm(k, k_norm_, c.rms_eps);
   }
-  if (c.rope.interleaved) {
+  if (c.gemma) {
+    v = rms_norm(v, at::Tensor(), c.rms_eps);  // v_norm: no scale
+    // This layer type's RoPE table: the sliding layers' first, then the full layers' (context()).
+    const bool full = c.is_full_gemma_layer(index_);
+    const std::int64_t off = full ? c.rope.dim : 0, R = full ? c.gemma->full_rope.dim : c.rope.dim;
+    q = rope(q, ctx.cos.narrow(-1, off, R), ctx.sin.narrow(-1, off, R)).transpose(1, 2);
+    k = rope(k, ctx.cos.narrow(-1, off, R), ctx.sin.narrow(-1, off, R)).transpose(1, 2);
+  } else if (c.rope.interleaved) {
     q = apply_rope(q.transpose(1, 2), ctx, c.rope);
     k = apply_rope(k.transpose(1, 2), ctx, c.rope);
   } else {  // the fused kernel on the projection's own layout, then [B, heads, T, D] views for SDPA
@@ -194,7 +211,8 @@ at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const
     gate = gu.narrow(-1, 0, I);
     up = gu.narrow(-1, I, I);
   }
-  return linear(ExpertMatrix::Down, cfg_->swiglu_clamp ? clamped_swiglu(gate, up, *cfg_->swiglu_clamp) : swiglu(gate, up));
+  return linear(ExpertMatrix::Down, cfg_->swiglu_clamp ? clamped_swiglu(gate, up, *cfg_->swiglu_clamp)
+                                                       : gated_activation(gate, up, cfg_->act));
 }
 
 bool DecoderBlock::expert_lora_grouped_ok() const {
@@ -265,6 +283,9 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     if (c.swiglu_clamp) {  // gpt-oss: its clamps read the sums, so they are formed
       act = act_lora = clamped_swiglu(gate_delta.defined() ? gate + gate_delta : gate,
                                       up_delta.defined() ? up + up_delta : up, *c.swiglu_clamp);
+    } else if (c.act != Activation::Silu) {  // Gemma's GELU: ATen ops on the formed sums
+      act = act_lora = gated_activation(gate_delta.defined() ? gate + gate_delta : gate,
+                                        up_delta.defined() ? up + up_delta : up, c.act);
     } else {
       std::tie(act, act_lora) = swiglu_twice(gate, up, gate_delta, up_delta);
     }
@@ -294,9 +315,20 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, co
   const ModelConfig& c = *cfg_;
   const Router& r = c.router;
   const auto N = flat.size(0), E = c.experts;
-  // Logits in the router's dtype: the compute dtype, or fp32 where the loader keeps the router in
-  // fp32 (the families that do, and fp16 compute); scores in fp32.
-  const at::Tensor logits = at::linear(router_.scalar_type() == at::kFloat ? flat.to(at::kFloat) : flat, router_, router_b_);
+  // The router's weight is in the compute dtype, or fp32 where the loader keeps it in fp32 (the
+  // families that do, and fp16 compute); its input follows it, and the scores are fp32.
+  const bool fp32_router = router_.scalar_type() == at::kFloat;
+  if (c.gemma) {
+    // Gemma4TextRouter: a scale-free RMSNorm, x scale x hidden^-1/2, softmax (fp32), top-k
+    // renormalised, x per_expert_scale of each chosen expert.
+    const at::Tensor in = rms_norm(flat, at::Tensor(), c.rms_eps) * router_scale_ * std::pow(static_cast<double>(c.hidden), -0.5);
+    const at::Tensor logits = at::linear(fp32_router ? in.to(at::kFloat) : in, router_);
+    if (ctx.router_logits) ctx.router_logits->push_back(logits);
+    auto [top_w, top_idx] = at::topk(at::softmax(logits, -1, at::kFloat), c.top_k, -1);
+    top_w = top_w / top_w.sum(-1, true);
+    return {top_w * per_expert_scale_.index_select(0, top_idx.reshape({-1})).view_as(top_idx), top_idx};
+  }
+  const at::Tensor logits = at::linear(fp32_router ? flat.to(at::kFloat) : flat, router_, router_b_);
   if (ctx.router_logits) ctx.router_logits->push_back(logits);
   if (r.score == RouterScore::SoftmaxTopK) {  // gpt-oss: the softmax runs over the k chosen logits only
     auto [top_logits, idx] = at::topk(logits, c.top_k, -1);
@@ -325,13 +357,13 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, co
   return {top_w, top_idx};
 }
 
-at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const {
+at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const at::Tensor& router_in) const {
   const ModelConfig& c = *cfg_;
   const auto H = x.size(-1);
   const at::Tensor flat = x.reshape({-1, H});
   const auto N = flat.size(0);
 
-  auto [top_w, top_idx] = route(flat, ctx);
+  auto [top_w, top_idx] = route(router_in.defined() ? router_in.reshape({-1, H}) : flat, ctx);
   top_w = top_w.to(x.scalar_type());
 
   // Token-sorted dispatch: order the (token, slot) pairs by expert, run each expert on its
@@ -372,7 +404,17 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx) const
   return out.view(x.sizes());
 }
 
+// Gemma4TextDecoderLayer.forward (the block's layout: hf_config.h, Gemma4Block).
+at::Tensor DecoderBlock::gemma_forward(const at::Tensor& hidden, const BlockContext& ctx) const {
+  const double eps = cfg_->rms_eps;
+  const at::Tensor h = hidden + rms_norm(attention(rms_norm(hidden, input_norm_, eps), ctx), post_norm_, eps);
+  const at::Tensor dense = rms_norm(dense_.forward(rms_norm(h, pre_ff_norm_, eps), ctx.training), post_ff_norm_1_, eps);
+  const at::Tensor routed = rms_norm(moe(rms_norm(h, pre_ff_norm_2_, eps), ctx, h), post_ff_norm_2_, eps);
+  return (h + rms_norm(dense + routed, post_ff_norm_, eps)) * layer_scalar_;
+}
+
 at::Tensor DecoderBlock::forward(const at::Tensor& hidden, const BlockContext& ctx) const {
+  if (cfg_->gemma) return gemma_forward(hidden, ctx);
   at::Tensor h = hidden + attention(rms_norm(hidden, input_norm_, cfg_->rms_eps), ctx);
   const at::Tensor normed = rms_norm(h, post_norm_, cfg_->rms_eps);
   return h + (moe_ ? moe(normed, ctx) : dense_.forward(normed, ctx.training));
@@ -382,6 +424,11 @@ at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& devic
   // transformers' _compute_default_rope_parameters / _compute_yarn_parameters, step for step in fp32.
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const auto R = rope.dim;
+  if (rope.proportional_pairs > 0) {  // _compute_proportional_rope_parameters: the rest of the pairs do not turn
+    const at::Tensor j = at::arange(0, 2 * rope.proportional_pairs, 2, f32.dtype(at::kLong)).to(at::kFloat);
+    const at::Tensor inv = 1.0 / at::pow(theta, j / static_cast<double>(R));
+    return at::cat({inv, at::zeros({R / 2 - rope.proportional_pairs}, f32)}) / rope.factor;
+  }
   const at::Tensor j = at::arange(0, R, 2, f32.dtype(at::kLong)).to(at::kFloat);
   const at::Tensor pos_freqs = at::pow(theta, j / static_cast<double>(R));
   if (!rope.yarn) return 1.0 / pos_freqs;
@@ -405,6 +452,13 @@ at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& devic
 }
 
 at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
+  at::Tensor rows = embed_rows(input_ids);
+  // Gemma: × sqrt(hidden_size) rounded to the compute dtype first, as its scaled embedding does.
+  if (cfg_.embed_scaled) rows = rows * at::scalar_tensor(std::sqrt(static_cast<double>(cfg_.hidden)), rows.options().dtype(at::kFloat)).to(rows.scalar_type());
+  return rows;
+}
+
+at::Tensor MoeModel::embed_rows(const at::Tensor& input_ids) const {
   EO_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq], got ", input_ids.sizes());
   // Checked where it is free: ids on the host. Training data is checked against the vocabulary
   // when it is read, so device batches skip the check rather than synchronise every step.
@@ -431,11 +485,18 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
   at::Tensor pos = batch.positions.defined() ? batch.positions.to(dev, at::kLong)
                                              : at::arange(T, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, T});
   // RoPE tables in fp32, × the YaRN attention factor, cast to the compute dtype.
-  const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * rope_inv_freq(cfg_.rope, cfg_.rope_theta, dev);  // [B, T, R/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);                                                         // [B, T, R]
-  const double f = cfg_.rope.attention_factor;
-  ctx.cos = (f == 1.0 ? emb.cos() : emb.cos() * f).to(opts_.dtype);
-  ctx.sin = (f == 1.0 ? emb.sin() : emb.sin() * f).to(opts_.dtype);
+  auto tables = [&](const Rope& rope, double theta) {
+    const at::Tensor freqs = pos.to(at::kFloat).unsqueeze(-1) * rope_inv_freq(rope, theta, dev);  // [B, T, R/2]
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);                                         // [B, T, R]
+    const double f = rope.attention_factor;
+    return std::make_pair((f == 1.0 ? emb.cos() : emb.cos() * f).to(opts_.dtype), (f == 1.0 ? emb.sin() : emb.sin() * f).to(opts_.dtype));
+  };
+  std::tie(ctx.cos, ctx.sin) = tables(cfg_.rope, cfg_.rope_theta);
+  if (cfg_.gemma) {  // Gemma 4: the full layers' table after the sliding layers' (BlockContext)
+    const auto [cos_full, sin_full] = tables(cfg_.gemma->full_rope, cfg_.gemma->full_rope_theta);
+    ctx.cos = at::cat({ctx.cos, cos_full}, -1);
+    ctx.sin = at::cat({ctx.sin, sin_full}, -1);
+  }
   if (cfg_.llama4_beta != 0) {  // get_llama_4_attn_scale in fp32, then the compute dtype
     const at::Tensor s = 1 + cfg_.llama4_beta * at::log(1 + at::floor(pos.to(at::kFloat) / cfg_.llama4_positions));
     ctx.q_scale = s.view({B, 1, T, 1}).to(opts_.dtype);
@@ -457,7 +518,10 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
 }
 
 at::Tensor MoeModel::head(const at::Tensor& hidden) const {
-  return at::linear(rms_norm(hidden, final_norm_, cfg_.rms_eps), lm_head_);
+  const at::Tensor logits = at::linear(rms_norm(hidden, final_norm_, cfg_.rms_eps), lm_head_);
+  if (cfg_.final_logit_softcap <= 0) return logits;
+  const double cap = cfg_.final_logit_softcap;  // Gemma's final_logit_softcapping
+  return at::tanh(logits / cap) * cap;
 }
 
 at::Tensor MoeModel::loss_sum(const at::Tensor& hidden, const at::Tensor& labels) const {
@@ -467,7 +531,7 @@ at::Tensor MoeModel::loss_sum(const at::Tensor& hidden, const at::Tensor& labels
   if (T < 2) return at::zeros({}, hidden.options().dtype(at::kFloat));
   const at::Tensor normed = rms_norm(hidden.narrow(1, 0, T - 1), final_norm_, cfg_.rms_eps).reshape({-1, H});
   const at::Tensor target = labels.narrow(1, 1, T - 1).to(hidden.device(), at::kLong).reshape({-1});
-  return chunked_linear_cross_entropy(normed, lm_head_, target);
+  return chunked_linear_cross_entropy(normed, lm_head_, target, 0, cfg_.final_logit_softcap);
 }
 
 std::pair<at::Tensor, std::int64_t> shifted_cross_entropy(const at::Tensor& logits, const at::Tensor& labels) {

@@ -1,4 +1,5 @@
-// The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss) on libtorch, with frozen base weights
+// The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss, glm4_moe_lite,
+// mistral4, gemma4) on libtorch, with frozen base weights
 // (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
@@ -67,12 +68,18 @@ struct FrozenLinear {
 
 struct Mlp {
   FrozenLinear gate, up, down;
-  at::Tensor forward(const at::Tensor& x, bool training) const;  // down(silu(gate(x)) * up(x))
+  Activation act = Activation::Silu;
+  at::Tensor forward(const at::Tensor& x, bool training) const;  // down(act(gate(x)) * up(x))
 };
+
+// act(gate) · up for the activation of the family (the fused SwiGLU, or GELU's tanh form).
+at::Tensor gated_activation(const at::Tensor& gate, const at::Tensor& up, Activation act);
 
 // Per-forward inputs shared by every block.
 struct BlockContext {
-  at::Tensor cos, sin;   // [B, T, rotary dims] in the compute dtype (models/fused.h: rope)
+  // [B, T, rotary dims] in the compute dtype (models/fused.h: rope). Gemma 4: the sliding layers'
+  // table, then the full layers' along the last dim (one tensor, so a graph takes it as one input).
+  at::Tensor cos, sin;
   at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
   at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4); undefined = none
   bool training = false;
@@ -90,7 +97,10 @@ class DecoderBlock {
   friend struct ModelLoader;
   at::Tensor attention(const at::Tensor& x, const BlockContext& ctx) const;
   at::Tensor latent_attention(const at::Tensor& x, const BlockContext& ctx) const;  // DeepSeek MLA
-  at::Tensor moe(const at::Tensor& x, const BlockContext& ctx) const;
+  // Routed experts (and shared ones) on x; the router reads router_in (Gemma 4: the un-normed
+  // residual), x when undefined.
+  at::Tensor moe(const at::Tensor& x, const BlockContext& ctx, const at::Tensor& router_in = at::Tensor()) const;
+  at::Tensor gemma_forward(const at::Tensor& hidden, const BlockContext& ctx) const;
   // The router on flat tokens [N, H]: top-k weights (fp32) and expert indices, both [N, k].
   std::pair<at::Tensor, at::Tensor> route(const at::Tensor& flat, const BlockContext& ctx) const;
   // Per ExpertMatrix, then the fused gate_up LoRA at index 3; empty without LoRA.
@@ -136,6 +146,9 @@ class DecoderBlock {
   bool has_shared_ = false;
   Mlp shared_;
   at::Tensor shared_gate_;  // [1, H]; qwen2_moe only
+  // Gemma 4 (ModelConfig::Gemma4Block): the feed-forward norms, router scales and layer scalar.
+  at::Tensor pre_ff_norm_, post_ff_norm_, post_ff_norm_1_, pre_ff_norm_2_, post_ff_norm_2_;
+  at::Tensor router_scale_, per_expert_scale_, layer_scalar_;
 };
 
 struct Batch {
@@ -218,6 +231,7 @@ class MoeModel {
   friend struct ModelLoader;
   MoeModel() = default;
   std::vector<LoraSite> lora_sites() const;
+  at::Tensor embed_rows(const at::Tensor& input_ids) const;  // the table's rows, before any scale
 
   ModelConfig cfg_;
   LoadOptions opts_;

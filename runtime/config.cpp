@@ -309,7 +309,7 @@ const std::map<std::string, std::vector<std::string>>& named_templates() {  // n
       {"gemma", {}}, {"cohere", {}}, {"llama3", {}}, {"llama3_2_vision", {}}, {"llama4", {}}, {"phi_3", {}}, {"phi_35", {}},
       {"phi_4", {}}, {"jamba", {}}, {"qwen_25", {}}, {"qwen3_5", {}}, {"falcon_h1", {}}, {"nemotron_h", {}}, {"exaone", {}},
       {"exaone4", {}}, {"metharme", {}}, {"pixtral", {}}, {"llava", {}}, {"qwen2_vl", {}}, {"gemma3", {}}, {"gemma3n", {}},
-      {"gemma4", {}}, {"gemma4_unified", {}}, {"command_a", {}}, {"command_a_tool_use", {}}, {"command_a_rag", {}}, {"aya", {}}};
+      {"gemma4", {"gemma4", "gemma4_text"}}, {"gemma4_unified", {}}, {"command_a", {}}, {"command_a_tool_use", {}}, {"command_a_rag", {}}, {"aya", {}}};
   return m;
 }
 bool known_template(const std::string& v) {
@@ -1251,8 +1251,13 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
   const bool mixtral = mc.arch == model::Arch::Mixtral;
   const std::vector<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
   for (int i = 0; i < mc.layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    for (const auto& a : mc.attention_linears()) out.emplace_back(p + "self_attn." + a, true);
+    const std::string p = mc.decoder_prefix() + "layers." + std::to_string(i) + ".";
+    for (const auto& a : mc.attention_shapes(i)) out.emplace_back(p + "self_attn." + a.name, true);
+    if (mc.dense_beside_experts()) {  // Gemma 4: the dense MLP, the router; its experts exist only fused
+      for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
+      out.emplace_back(p + "router.proj", false);
+      continue;
+    }
     if (!mc.is_moe_layer(i)) {
       for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
       continue;

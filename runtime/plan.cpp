@@ -37,8 +37,16 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   p.ranks_per_node = ranks_per_node;
   const double d = compute == Compute::Fp32 ? 4 : 2;  // compute dtype bytes
   const int bs = cfg.bnb_4bit_blocksize;
-  const double H = double(c.hidden), V = double(c.vocab), D = double(c.head_dim);
-  const double qd = double(c.heads) * D, kvd = double(c.kv_heads) * D;
+  const double H = double(c.hidden), V = double(c.vocab);
+  // The widest layer's attention (Gemma 4's full layers have their own head_dim and kv heads).
+  double D = 0, kvd = 0;
+  for (int i = 0; i < c.layers; ++i) {
+    D = std::max(D, double(c.head_dim_at(i)));
+    kvd = std::max(kvd, double(c.kv_heads_at(i) * c.head_dim_at(i)));
+  }
+  const double qd = double(c.heads) * D;
+  // Columns of the RoPE tables (cos, sin) each micro-batch keeps: Gemma 4 has one per layer type.
+  const double rope_cols = c.gemma ? double(c.rope.dim + c.gemma->full_rope.dim) : double(c.head_dim);
   const double E = double(c.experts), K = double(c.top_k), I = double(c.expert_width);
   const bool q4 = cfg.load_in_4bit;
   auto linear = [&](double out, double in) { return q4 ? nf4_bytes(out, in, bs) : out * in * d; };
@@ -46,19 +54,24 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   int moe_layers = 0;
   for (int i = 0; i < c.layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
   const int dense_layers = int(c.layers) - moe_layers;
+  // Layers with a dense MLP: the dense layers, and every layer of Gemma 4 (beside its experts).
+  const int mlp_layers = c.dense_beside_experts() ? int(c.layers) : dense_layers;
 
   // ---- frozen weights on the device (on a GPU the untied input embedding table stays in host
   // memory: model::LoadOptions::embeddings_on_host)
   const bool host_embeddings = p.on_gpu && !c.tie_word_embeddings;
   double weights = V * H * d * (c.tie_word_embeddings || host_embeddings ? 1 : 2) + H * d;
-  double attn = 0;  // q/k/v/o, or DeepSeek's latent-attention linears
-  for (const auto& l : c.attention_shapes()) attn += linear(double(l.out), double(l.in));
+  double attn = 0;  // q/k/v/o, or DeepSeek's latent-attention linears, and q/k norms, of every layer
+  for (int i = 0; i < c.layers; ++i) {
+    for (const auto& l : c.attention_shapes(i)) attn += linear(double(l.out), double(l.in));
+    if (c.qk_norm == model::QkNorm::PerHead) attn += 2 * double(c.head_dim_at(i)) * d;
+  }
   double norms = 2 * H * d;
-  if (c.qk_norm == model::QkNorm::PerHead) norms += 2 * D * d;
   if (c.qk_norm == model::QkNorm::Whole) norms += (qd + kvd) * d;
-  weights += double(c.layers) * (attn + norms);
+  if (c.gemma) norms += 5 * H * d + H * d + E * d + d;  // feed-forward norms, router scales, layer scalar
+  weights += attn + double(c.layers) * norms;
   weights += double(moe_layers) * E * H * d;  // routers
-  weights += double(dense_layers) * 3 * linear(double(c.dense_width), H);
+  weights += double(mlp_layers) * 3 * linear(double(c.dense_width), H);
   if (c.shared_expert_width > 0) weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + H * d);
   p.device.push_back({"weights", weights,
                       std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
@@ -119,7 +132,8 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   auto site = [&](const std::string& name, double in, double out, double count) {
     if (targets(cfg, name)) lora_params += count * r * (in + out);
   };
-  for (const auto& l : c.attention_shapes()) site(l.name, double(l.in), double(l.out), double(c.layers));
+  for (int i = 0; i < c.layers; ++i)
+    for (const auto& l : c.attention_shapes(i)) site(l.name, double(l.in), double(l.out), 1);
   const bool mix = c.arch == model::Arch::Mixtral;
   // lora_target_parameters: peft's ParamWrapper per fused parameter, A [r·E, in], B [out, r·E]
   // (gate_up_proj: in H, out 2I, one A for gate and up); target_modules then reach no expert.
@@ -131,7 +145,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   if (!cfg.lora_target_parameters.empty()) {
     if (fused_gate_up) lora_params += moe_layers * E * r * (H + 2 * I);
     if (fused_down) lora_params += moe_layers * E * r * (I + H);
-  } else {
+  } else if (!c.gemma) {  // per-expert modules (Gemma 4 has none: its experts are saved fused only)
     site(mix ? "w1" : "gate_proj", H, I, moe_layers * E);
     site(mix ? "w3" : "up_proj", H, I, moe_layers * E);
     site(mix ? "w2" : "down_proj", I, H, moe_layers * E);
@@ -142,10 +156,10 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
     site("up_proj", H, S, moe_layers);
     site("down_proj", S, H, moe_layers);
   }
-  if (dense_layers > 0) {
-    site("gate_proj", H, double(c.dense_width), dense_layers);
-    site("up_proj", H, double(c.dense_width), dense_layers);
-    site("down_proj", double(c.dense_width), H, dense_layers);
+  if (mlp_layers > 0) {
+    site("gate_proj", H, double(c.dense_width), mlp_layers);
+    site("up_proj", H, double(c.dense_width), mlp_layers);
+    site("down_proj", double(c.dense_width), H, mlp_layers);
   }
   p.device.push_back({"lora", lora_params * 16, std::to_string(static_cast<long long>(lora_params)) + " parameters x 16 bytes"});
 
@@ -159,7 +173,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   const bool layer_major = cfg.gradient_checkpointing && cfg.step_order == "layer_major";
   const double g = layer_major ? double(cfg.gradient_accumulation_steps) : 1.0;
   const double kept = cfg.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
-  const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * D * d;
+  const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * rope_cols * d;
   p.device.push_back({"checkpoints", checkpoints,
                       std::to_string(static_cast<long long>(kept)) + " block inputs of [tokens, hidden] x " +
                           std::to_string(static_cast<long long>(g)) + " micro-batch(es) + gradients" +
@@ -208,7 +222,9 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // [pairs, I] from down's backward to SwiGLU's.
   const double lora_dx = on_gpu && moe_layers > 0 && (lora_gate || lora_up) ? NK * H * d : 0;
   const double lora_dact = on_gpu && moe_layers > 0 && lora_down && !c.swiglu_clamp ? NK * I * d : 0;
-  const double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
+  double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
+  // Gemma 4: the dense MLP beside the experts (gate, up, act) and its five norms' outputs.
+  if (c.dense_beside_experts()) shared += N * (3 * double(c.dense_width) + 5 * H) * d;
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
   double bank = moe_layers > 0 && q4 ? E * I * H * d : 0;
@@ -278,7 +294,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // checkpointing, no LoRA dropout); where auto turns them off for want of room, the plan is over
   // by these bytes. Their temporaries live in the graphs' own pool, which the fit check adds.
   if (on_gpu && cfg.gradient_checkpointing && cfg.cuda_graphs != "false" && cfg.lora_dropout <= 0)
-    p.device.push_back({"graphs", 3 * N * H * d + 2 * N * D * d,
+    p.device.push_back({"graphs", 3 * N * H * d + 2 * N * rope_cols * d,
                         "CUDA graphs' static buffers: block input, gradient, output, RoPE tables (cuda_graphs: false drops them)"});
 
   // The portable grouped GEMM's problem table (models/expert_gemm_cuda.h): 60 bytes per expert for

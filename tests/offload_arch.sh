@@ -2,7 +2,8 @@
 # Offloaded training of the newer families on the CPU build (issue #19): for glm4_moe, DeepSeek
 # (latent attention with q_proj and with q_a/q_b, sigmoid and softmax group-limited routers,
 # shared experts, dense first layers), GLM-4.7-Flash (a dense layer between sparse ones) and
-# Mistral Small 4 (fused checkpoint experts, Llama 4's query scaling) and gpt-oss (sinks, sliding window, expert biases; LoRA on
+# Mistral Small 4 (fused checkpoint experts, Llama 4's query scaling), Gemma 4 (a dense MLP beside the
+# experts on every layer, full layers without v_proj, GELU experts, soft-capped logits) and gpt-oss (sinks, sliding window, expert biases; LoRA on
 # attention only), QLoRA on every linear with the routed experts offloaded
 # (synchronous and with prefetch) gives bitwise the losses and adapter of resident training.
 # Only the routed experts move; shared experts, dense layers and attention stay resident.
@@ -14,7 +15,7 @@
 set -uo pipefail
 source "$2/tests/testlib.sh"
 eo_test_setup "$@"
-for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped mistral4_scaled gpt_oss gpt_oss_mxfp4; do
+for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped mistral4_scaled gemma4 gpt_oss gpt_oss_mxfp4; do
   tool=(--arch "$arch")
   [ $arch = gpt_oss_mxfp4 ] && tool=(--arch gpt_oss --mxfp4-experts)
   "$py" tools/make_tiny_model.py "${tool[@]}" --out "$tmp/$arch/model" --seed 3 >/dev/null 2>&1 ||
@@ -53,6 +54,15 @@ for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_
   fi
   # The adapter holds the latent-attention / shared-expert modules under peft's names.
   [ $arch = gpt_oss ] && continue
+  if [ $arch = gemma4 ]; then  # the dense MLP on every layer; no v_proj on the full layer (2)
+    check "$arch: adapter has the dense MLP's LoRA on every layer, v_proj on the sliding layers only" "$py" -c "
+import sys; from safetensors import safe_open
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+ok = all(any(f'layers.{i}.mlp.gate_proj.lora_A' in n for n in names) for i in range(3))
+ok = ok and any('layers.0.self_attn.v_proj' in n for n in names) and not any('layers.2.self_attn.v_proj' in n for n in names)
+sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
+    continue
+  fi
   check "$arch: adapter has shared-expert LoRA" "$py" -c "
 import sys; from safetensors import safe_open
 f = safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt'); names = list(f.keys())

@@ -624,6 +624,26 @@ TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
     EXPECT_NE(m.find("base_model: " + (dir / "llama").string() + "/config.json: model_type 'llama' is not supported"),
               std::string::npos) << m;
   }
+  // Gemma 4: the real 26B-A4B (a multimodal wrapper) resolves its targets; a dense Gemma 4's
+  // options eo-ddp does not train are one problem, listed whole beside the key problem.
+  fs::create_directories(dir / "gemma-4-26b-a4b");
+  fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/gemma-4-26b-a4b/config.json",
+                dir / "gemma-4-26b-a4b" / "config.json", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(load_config_text(yaml("gemma-4-26b-a4b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules,
+            (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}));
+  fs::create_directories(dir / "gemma-dense");
+  std::ofstream(dir / "gemma-dense" / "config.json") << R"({"model_type": "gemma4", "text_config": {"hidden_size": 64}})";
+  try {
+    load_config_text(yaml("gemma-dense", "lora_rr: 8\n"), "t.yaml", {});
+    ADD_FAILURE() << "a dense gemma4 was accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("has 2 problems"), std::string::npos) << m;
+    EXPECT_NE(m.find("text_config: this gemma4 config is not supported (Gemma4ForConditionalGeneration"), std::string::npos) << m;
+    EXPECT_NE(m.find("enable_moe_block false"), std::string::npos) << m;
+    EXPECT_NE(m.find("hidden_size_per_layer_input > 0"), std::string::npos) << m;
+    EXPECT_EQ(m.find("bytes cut"), std::string::npos) << m;
+  }
   const std::vector<std::string> mla{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"};
   EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", ""), "t.yaml", {}).lora_target_modules, mla);
   ConfigLoadOptions plan_options;  // eo-ddp plan: no file checks, the architecture still resolves the targets
@@ -647,15 +667,22 @@ TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
   EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "chat_template: chatml\n"), "t.yaml", {}).chat_template, "chatml");
   try {
     load_config_text(yaml("mixtral-8x7b", "chat_template: qwen3\n") + "test_datasets: [{path: " + (dir / "train.jsonl").string() +
-                         ", type: chat_template, chat_template: gemma4}]\n",
+                         ", type: chat_template, chat_template: llama4}]\n",
                      "t.yaml", {});
     ADD_FAILURE() << "qwen3's template on Mixtral was accepted";
   } catch (const UsageError& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("chat_template: qwen3 is axolotl's template for qwen3_moe, not mixtral's; use chat_template: "
                      "tokenizer_default"), std::string::npos) << m;
-    EXPECT_NE(m.find("test_datasets.0.chat_template: gemma4 is axolotl's template for a family eo-ddp does not train"),
+    EXPECT_NE(m.find("test_datasets.0.chat_template: llama4 is axolotl's template for a family eo-ddp does not train"),
               std::string::npos) << m;
+  }
+  try {  // gemma4's template is Gemma 4's own (either model_type), not another family's
+    load_config_text(yaml("mixtral-8x7b", "chat_template: gemma4\n"), "t.yaml", {});
+    ADD_FAILURE() << "gemma4's template on Mixtral was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("chat_template: gemma4 is axolotl's template for gemma4, gemma4_text, not mixtral's"),
+              std::string::npos) << e.what();
   }
   EXPECT_NE(error_of(std::string(kValid) + "chat_template: qwen_3\n").find("did you mean 'qwen3'?"), std::string::npos);
   eo::remove_tree(dir);

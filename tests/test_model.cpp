@@ -1,8 +1,8 @@
 // The MoE decoder against independent references: transformers (logits, loss, aux loss,
 // `eo-ddp score`), peft (LoRA logits and gradients), bitsandbytes (NF4 model), for qwen3_moe,
-// olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, glm4_moe_lite and mistral4 (the
-// last five also in a variant with their unusual options on: group-limited routing, YaRN, dense
-// first layers, Mistral 4's query scaling, ...). Reference outputs come from tests/ref/model_ref.py, generated
+// olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, glm4_moe_lite, mistral4 and gemma4
+// (most also in a variant with their unusual options on: group-limited routing, YaRN, dense
+// first layers, Mistral 4's query scaling, Gemma 4's k-as-v full layers and soft-capping ...). Reference outputs come from tests/ref/model_ref.py, generated
 // into the build folder by the CTest fixture in tests/model.cmake (or on first use, under a lock).
 #include <gtest/gtest.h>
 
@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "common/files.h"
@@ -203,7 +204,7 @@ INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmo
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
-                                           "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled"));
+                                           "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "gemma4", "gemma4_kv"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -234,7 +235,7 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
     return "";
   };
   const std::string unknown = msg(R"({"model_type": "llama"})");
-  EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4"),
+  EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, gemma4"),
             std::string::npos)
       << unknown;
   const std::string wrapped = msg(R"({"model_type": "mistral3", "text_config": {"model_type": "mistral4"}})");
@@ -249,6 +250,106 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, "num_local_experts": 2147483647,
     "num_experts_per_tok": 2, "intermediate_size": 32, "rope_theta": 10000})");
   EXPECT_NE(huge.find("2147483647 experts is over eo-ddp's limit of 65536"), std::string::npos) << huge;
+}
+
+// Gemma 4 as transformers 5.24's Gemma4TextConfig resolves it: the Hub's 26B-A4B (a
+// Gemma4ForConditionalGeneration wrapper: global_head_dim / num_global_key_value_heads), and the
+// per_layer_config that save_pretrained writes instead (the tiny literal below is its output for
+// Gemma4TextConfig(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, ...)). The
+// dense Gemma 4 options are refused in one error.
+TEST(HfConfig, Gemma4IsReadAsTransformersResolvesIt) {
+  auto msg = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  const ModelConfig real = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/gemma-4-26b-a4b");
+  EXPECT_EQ(real.arch, Arch::Gemma4);
+  EXPECT_TRUE(real.text_of_multimodal);
+  EXPECT_EQ(real.decoder_prefix(), "model.language_model.");
+  EXPECT_EQ(real.layers, 30);
+  for (int i = 0; i < 30; ++i) {
+    const bool full = i % 6 == 5;
+    EXPECT_EQ(real.is_sliding_layer(i), !full) << i;
+    EXPECT_EQ(real.head_dim_at(i), full ? 512 : 256) << i;
+    EXPECT_EQ(real.kv_heads_at(i), full ? 2 : 8) << i;
+    EXPECT_EQ(real.has_v_proj(i), !full) << i;
+    EXPECT_TRUE(real.is_moe_layer(i)) << i;
+  }
+  EXPECT_EQ(real.sliding_window, 1024);
+  EXPECT_EQ(real.rope.dim, 256);
+  EXPECT_EQ(real.rope.proportional_pairs, 0);
+  EXPECT_DOUBLE_EQ(real.rope_theta, 1e4);
+  EXPECT_EQ(real.gemma->full_rope.dim, 512);
+  EXPECT_EQ(real.gemma->full_rope.proportional_pairs, 64);  // int(0.25 * 512 // 2)
+  EXPECT_DOUBLE_EQ(real.gemma->full_rope_theta, 1e6);
+  EXPECT_DOUBLE_EQ(real.final_logit_softcap, 30.0);
+  EXPECT_DOUBLE_EQ(real.attn_scale, 1.0);
+  EXPECT_EQ(real.experts, 128);
+  EXPECT_EQ(real.top_k, 8);
+  EXPECT_EQ(real.expert_width, 704);
+  EXPECT_EQ(real.dense_width, 2112);
+  EXPECT_TRUE(real.tie_word_embeddings);
+  EXPECT_FALSE(real.has_aux_loss);
+  EXPECT_EQ(real.act, Activation::GeluTanh);
+  EXPECT_EQ(real.linear_modules(),
+            (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}));
+  EXPECT_EQ(real.attention_shapes(5).size(), 3u);  // q, k, o: no v_proj with attention_k_eq_v
+  EXPECT_EQ(real.attention_shapes(5)[1].out, 2 * 512);
+
+  const std::string tiny = R"({"model_type": "gemma4_text", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+    "hidden_activation": "gelu_pytorch_tanh", "rope_parameters": {"sliding_attention": {"rope_type": "default",
+    "rope_theta": 10000.0}, "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+    "rope_theta": 1000000.0}}, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+    "final_logit_softcapping": null, "hidden_size_per_layer_input": 0, "attention_k_eq_v": true,
+    "num_kv_shared_layers": 0, "enable_moe_block": true, "use_double_wide_mlp": false, "num_experts": 4,
+    "top_k_experts": 2, "moe_intermediate_size": 16, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}})";
+  const ModelConfig t = parse_config(nlohmann::json::parse(tiny), "tiny/config.json");
+  EXPECT_FALSE(t.text_of_multimodal);
+  EXPECT_EQ(t.decoder_prefix(), "model.");
+  EXPECT_EQ(t.head_dim_at(1), 32);
+  EXPECT_EQ(t.kv_heads_at(1), 1);
+  EXPECT_EQ(t.gemma->full_rope.proportional_pairs, 4);
+  EXPECT_DOUBLE_EQ(t.final_logit_softcap, 0.0);  // null: off
+  EXPECT_TRUE(t.tie_word_embeddings);            // Gemma4TextConfig's default
+
+  // A dense Gemma 4 with per-layer embeddings (E2B-like: Gemma4TextConfig's defaults), and a type
+  // error in the wrapped text config.
+  const std::string dense = msg([] { parse_config(nlohmann::json::parse(R"({"model_type": "gemma4_text",
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1})"), "d.json"); });
+  EXPECT_NE(dense.find("d.json: this gemma4 config is not supported (Gemma4ForCausalLM)"), std::string::npos) << dense;
+  EXPECT_NE(dense.find("enable_moe_block false: a dense Gemma 4"), std::string::npos) << dense;
+  EXPECT_NE(dense.find("hidden_size_per_layer_input > 0"), std::string::npos) << dense;
+  nlohmann::json odd = nlohmann::json::parse(tiny);
+  odd["use_bidirectional_attention"] = "all";
+  odd["hidden_activation"] = "silu";
+  odd["rope_parameters"]["full_attention"]["rope_type"] = "yarn";
+  const std::string o = msg([&] { parse_config(odd, "o.json"); });
+  for (const char* part : {"use_bidirectional_attention 'all'", "hidden_activation 'silu'", "full_attention.rope_type 'yarn'"})
+    EXPECT_NE(o.find(part), std::string::npos) << part << "\n" << o;
+  const std::string typed = msg([] { parse_config(nlohmann::json::parse(
+    R"({"model_type": "gemma4", "text_config": {"hidden_size": "2816"}})"), "w.json"); });
+  EXPECT_NE(typed.find("w.json text_config: field 'hidden_size' must be an integer"), std::string::npos) << typed;
+}
+
+// Qwen3-Next and Qwen3.5-MoE are refused with the reason (their linear-attention layers), not as
+// unknown families.
+TEST(HfConfig, GatedDeltaRuleFamiliesAreRefusedWithTheReason) {
+  for (const char* type : {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}) {
+    try {
+      parse_config(nlohmann::json{{"model_type", type}, {"hidden_size", 64}}, "q.json");
+      ADD_FAILURE() << type << " was accepted";
+    } catch (const UsageError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(std::string("q.json: model_type '") + type + "' is not supported: three of every four of its layers "
+                       "are gated delta-rule linear attention"), std::string::npos) << m;
+      EXPECT_NE(m.find("README: Qwen3-Next / Qwen3.5-MoE"), std::string::npos) << m;
+    }
+  }
 }
 
 // The real shapes in configs/models (Hub spelling: rope_scaling, top-level partial_rotary_factor):

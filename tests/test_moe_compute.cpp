@@ -38,9 +38,10 @@ namespace {
 const std::string kTiny = std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe";
 
 // float64: Σ_valid logsumexp(h W^T) - (h W^T)[target], and its gradient wrt h.
-std::pair<double, at::Tensor> reference_ce(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t) {
+std::pair<double, at::Tensor> reference_ce(const at::Tensor& h, const at::Tensor& w, const at::Tensor& t, double softcap = 0) {
   at::Tensor h64 = h.detach().to(at::kDouble).requires_grad_(true);
-  const at::Tensor logits = at::matmul(h64, w.to(at::kDouble).t());
+  at::Tensor logits = at::matmul(h64, w.to(at::kDouble).t());
+  if (softcap > 0) logits = at::tanh(logits / softcap) * softcap;  // autograd's own derivative of the cap
   const at::Tensor loss = at::cross_entropy_loss(logits, t, {}, at::Reduction::Sum, -100);
   torch::autograd::backward({loss});
   return {loss.item<double>(), h64.grad()};
@@ -63,6 +64,27 @@ TEST(ChunkedCrossEntropy, MatchesFloat64ForAnyChunkSize) {
     EXPECT_NEAR(loss.item<double>(), ref_loss, 1e-5 * std::abs(ref_loss)) << "chunk " << chunk;
     const double err = (h.grad().to(at::kDouble) - 0.5 * ref_grad).abs().max().item<double>();
     EXPECT_LT(err, 1e-6) << "chunk " << chunk;
+  }
+}
+
+// Gemma's final_logit_softcapping inside the chunked loss: loss and gradient as float64 autograd
+// through cap · tanh(z / cap), with a cap small enough to bend the logits (|z| up to ~6).
+TEST(ChunkedCrossEntropy, SoftCappedLogitsMatchFloat64) {
+  at::manual_seed(4);
+  const std::int64_t N = 23, H = 16, V = 57;
+  const at::Tensor w = at::randn({V, H}) * 0.4;
+  at::Tensor t = at::randint(0, V, {N}, at::kLong);
+  t.index_put_({at::arange(0, N, 4)}, -100);
+  const at::Tensor h0 = at::randn({N, H});
+  const auto [plain_loss, plain_grad] = reference_ce(h0, w, t);
+  const auto [ref_loss, ref_grad] = reference_ce(h0, w, t, 2.0);
+  EXPECT_GT(std::abs(ref_loss - plain_loss), 1e-2 * std::abs(plain_loss)) << "the cap must change the loss";
+  for (std::int64_t chunk : {1, 5, 0}) {
+    at::Tensor h = h0.clone().requires_grad_(true);
+    const at::Tensor loss = chunked_linear_cross_entropy(h, w, t, chunk, 2.0);
+    torch::autograd::backward({loss * 0.5});
+    EXPECT_NEAR(loss.item<double>(), ref_loss, 1e-5 * std::abs(ref_loss)) << "chunk " << chunk;
+    EXPECT_LT((h.grad().to(at::kDouble) - 0.5 * ref_grad).abs().max().item<double>(), 1e-6) << "chunk " << chunk;
   }
 }
 
@@ -901,6 +923,47 @@ TEST(MemoryPlan, LoraTermCountsLatentAttentionSharedExpertsAndDenseLayers) {
     EXPECT_EQ(planned, n);
     eo::remove_tree(dir);
   }
+}
+
+// Gemma 4: per layer type (the full layers' own head_dim and kv heads, no v_proj with
+// attention_k_eq_v), and the dense MLP on every layer beside the experts; the resident weights
+// term equals the model's own frozen tensors (fp32, no quantisation, tied embeddings).
+TEST(MemoryPlan, LoraAndWeightTermsCountGemma4PerLayerType) {
+  const fs::path dir = fs::temp_directory_path() / ("eo_plan_gemma4_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "gemma4_text", "vocab_size": 100, "hidden_size": 64,
+    "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": true, "hidden_size_per_layer_input": 0,
+    "enable_moe_block": true, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 24, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]})";
+  const ModelConfig mc = load_config(dir.string());
+  LoadOptions lo;
+  lo.random_seed = 1;
+  auto m = MoeModel::load(dir.string(), lo);
+  TrainConfig cfg;
+  cfg.base_model = dir.string();
+  cfg.load_in_4bit = false;
+  cfg.lora_target_modules = mc.linear_modules();
+  LoraSpec spec;
+  spec.r = cfg.lora_r;
+  spec.targets = cfg.lora_target_modules;
+  m->add_lora(spec);
+  double n = 0;
+  for (const auto& [name, p] : m->lora_parameters()) n += double(p.numel());
+  double planned = -1, weights = -1;
+  for (const auto& p : plan_memory(cfg, mc, eo::Compute::Fp32, 1).device) {
+    if (p.name == "lora") planned = p.bytes / 16;
+    if (p.name == "weights") weights = p.bytes / 4;
+  }
+  EXPECT_EQ(planned, n);
+  // Every frozen tensor but the routed experts (planned apart): the model's own numbers.
+  const std::int64_t H = 64, E = 4, I = 48;
+  const std::int64_t attn = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64) + (64 * 128 + 64 * 32 + 128 * 64);  // q k v o; full: q k o
+  const std::int64_t norms = 2 * (2 * 16) + 2 * 32 + 3 * (2 + 5) * H;  // q/k norms; input, post-attention, five ff norms
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(mc.has_v_proj(i), i != 2) << i;
+  const std::int64_t per_layer = 3 * (E * H + 3 * I * H + H + E + 1);  // router, dense MLP, router scale, per-expert scale, scalar
+  EXPECT_EQ(weights, double(100 * H + H + attn + norms + per_layer));  // tied embeddings, final norm
+  fs::remove_all(dir);
 }
 
 // The GPU suites' judge of a bf16 path (tests/bf16_yardstick.h) passes rounding-sized errors and

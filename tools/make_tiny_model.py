@@ -7,7 +7,11 @@ ARCH: qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, 
 the newer families with their unusual options on (glm4_moe_grouped, deepseek_v2_grouped,
 deepseek_v3_yarn: group-limited routing, YaRN, dense first layers, biases, q/k norm), gpt_oss,
 glm4_moe_lite (GLM-4.7-Flash) and mistral4 (Mistral Small 4), with their variants glm4_moe_lite_grouped
-(a dense layer between sparse ones, groups, YaRN) and mistral4_scaled (Llama 4's query scaling on).
+(a dense layer between sparse ones, groups, YaRN) and mistral4_scaled (Llama 4's query scaling on),
+gemma4 (Gemma 4 26B-A4B's text model: sliding and full layers with their own geometry, attention_k_eq_v,
+proportional RoPE, logit soft-capping), gemma4_kv (v_proj on every layer, default RoPE, untied) and
+gemma4_mm (gemma4's text model inside Gemma4ForConditionalGeneration with a one-layer vision tower, as
+the Hub ships Gemma 4: model.language_model.*, model.vision_tower.*).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -176,16 +180,42 @@ def make_config(arch):
                                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                           "original_max_position_embeddings": 64})
+    if arch == "gemma4_mm":
+        vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+        return transformers.Gemma4Config(text_config=make_config("gemma4"), vision_config=vision, audio_config=None)
+    if arch in ("gemma4", "gemma4_kv"):
+        # Gemma 4 26B-A4B's text model: a dense MLP beside the routed experts on every layer, sliding
+        # (window 4, shorter than the test sequences) and full-attention layers, the full ones with
+        # their own head_dim and key-value heads.
+        g = dict(vocab_size=320, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, global_head_dim=32, max_position_embeddings=256,
+                 hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=6, top_k_experts=2,
+                 moe_intermediate_size=24, sliding_window=4, rms_norm_eps=1e-6,
+                 layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+        if arch == "gemma4":
+            # As the 26B: attention_k_eq_v (full layers: no v_proj, one kv head), proportional RoPE on
+            # a quarter of the full layers' head, final logits soft-capped (at 3, so the cap bites), tied.
+            return transformers.Gemma4TextConfig(**g, attention_k_eq_v=True, num_global_key_value_heads=1,
+                                                 final_logit_softcapping=3.0, tie_word_embeddings=True)
+        # v_proj everywhere, the full layers' kv heads as the sliding ones', default RoPE on the full
+        # layers (another theta), no soft-capping, an untied lm_head.
+        return transformers.Gemma4TextConfig(**g, attention_k_eq_v=False, final_logit_softcapping=None,
+                                             tie_word_embeddings=False,
+                                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                              "full_attention": {"rope_type": "default", "rope_theta": 5000.0}})
     raise SystemExit(f"unknown --arch {arch}")
 
 
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
          "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss", "glm4_moe_lite", "glm4_moe_lite_grouped",
-         "mistral4", "mistral4_scaled"]
+         "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm"]
 
 
 def fuse_experts(path, cfg):
     """Rewrite per-expert tensors into transformers v5's fused [E, 2I, H] / [E, H, I] layout."""
+    if cfg.model_type.startswith("gemma4"):
+        return  # saved fused already (transformers 5 has no per-expert form of Gemma 4's experts)
     sd = load_file(path)
     n_exp = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -253,13 +283,16 @@ def main():
     # model); Mistral4ForCausalLM is built directly.
     if cfg.model_type == "mistral4":
         model = transformers.Mistral4ForCausalLM._from_config(cfg, dtype=torch.float32)
+    elif cfg.model_type == "gemma4":  # the multimodal wrapper
+        model = transformers.Gemma4ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))  # norms away from 1 so they matter
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("scale"):
+                # norms (and Gemma's router scales) away from 1 so they matter
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             else:
@@ -268,6 +301,8 @@ def main():
         for name, b in sorted(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):  # non-zero, so that it changes which experts are chosen
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+            if name.endswith("layer_scalar"):  # Gemma 4 (saved with the weights): away from 1
+                b.copy_(0.8 + 0.4 * torch.rand(b.shape, generator=gen))
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     if args.fused_experts:

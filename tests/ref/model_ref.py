@@ -90,9 +90,10 @@ with torch.no_grad():
     ref["logits"], ref["loss"] = o.logits, o.loss.reshape(1)
     oa = model(input_ids=ids, labels=labels, output_router_logits=True)
     ref["loss_with_aux"] = oa.loss.reshape(1)
-    ref["has_aux_loss"] = torch.tensor([int(oa.aux_loss is not None)])
-    if oa.aux_loss is not None:
-        ref["aux_loss"] = oa.aux_loss.reshape(1).float()
+    aux = getattr(oa, "aux_loss", None)  # Gemma 4's output has no such field: transformers computes none
+    ref["has_aux_loss"] = torch.tensor([int(aux is not None)])
+    if aux is not None:
+        ref["aux_loss"] = aux.reshape(1).float()
 
 # ---- score: mean over every counted token of the file
 lines = []
@@ -263,7 +264,9 @@ disk = load_file(os.path.join(model_dir, "model.safetensors"))
 attn_key = f"model.layers.1.self_attn.{ATTN[0]}.weight"
 # A per-expert weight; mistral4's checkpoint holds its experts only fused (transformers 5.24 saves
 # them so): a shared expert's instead.
-second = sorted(k for k in disk if ".experts.0." in k) or sorted(k for k in disk if ".shared_experts." in k)
+# Gemma 4's experts are fused only too, and it has no shared expert: its dense MLP's.
+second = sorted(k for k in disk if ".experts.0." in k) or sorted(k for k in disk if ".shared_experts." in k) or \
+    sorted(k for k in disk if ".mlp.gate_proj." in k)
 for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else (attn_key, second[0]):
     q, state = bnbf.quantize_4bit(disk[key].contiguous(), blocksize=64, quant_type="nf4")
     ref["nf4_packed." + key], ref["nf4_absmax." + key] = q, state.absmax

@@ -4,7 +4,10 @@
     train_peft_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR [ARCH]
 
 ARCH (a tools/make_tiny_model.py --arch name) runs the same on that family's tiny checkpoint,
-with LoRA on its attention linears (DeepSeek's latent attention: q_a/q_b or q_proj, kv_a, kv_b, o).
+with LoRA on its attention linears (DeepSeek's latent attention: q_a/q_b or q_proj, kv_a, kv_b, o;
+Gemma 4: and its dense MLP, which peft adapts as plain linears). gemma4_mm is Gemma 4's multimodal
+checkpoint: eo-ddp trains its text model and says the vision tower is not trained; peft loads the
+adapter onto Gemma4ForConditionalGeneration (its exclude_modules keep the vision tower out).
 
 1. eo-ddp trains a short LoRA run of the bundled tiny Qwen3-MoE (configs/tiny-qwen3-moe.yaml) on
    the attention projections. (peft 0.21 with transformers 5.24 cannot target per-expert linears:
@@ -58,13 +61,18 @@ if ARCH:
     if "kv_lora_rank" in cfg:
         targets = "[" + ("q_proj" if cfg["q_lora_rank"] is None else "q_a_proj, q_b_proj") + \
             ", kv_a_proj_with_mqa, kv_b_proj, o_proj]"
+    if ARCH.startswith("gemma4"):
+        targets = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
     extra = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 out = os.path.join(WORK, "run")
 shutil.rmtree(out, ignore_errors=True)
-subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
-                "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_target_linear=false",
-                "--set", "lora_target_modules=" + targets] + extra,
-               cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
+train = subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
+                        "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_target_linear=false",
+                        "--set", "lora_target_modules=" + targets] + extra,
+                       cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+if ARCH == "gemma4_mm":
+    check("vision and audio towers are not loaded and not trained" in train.stderr,
+          "the log says the multimodal checkpoint's vision tower is not trained")
 
 # ---- scoring data: prompt-masked labels, a right-padded line, plain lines
 lines = [json.loads(l) for l in open(os.path.join(SRC, "fixtures", "tiny-data", "train.jsonl")) if l.strip()][:12]
@@ -103,7 +111,8 @@ def reference_score(model):
 
 # ---- 2. transformers + peft
 # transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
-causal_lm = transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4") else transformers.AutoModelForCausalLM
+causal_lm = transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4") else \
+    transformers.Gemma4ForConditionalGeneration if ARCH == "gemma4_mm" else transformers.AutoModelForCausalLM
 model = causal_lm.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
 base_loss, base_tokens = reference_score(model)
 with warnings.catch_warnings(record=True) as caught:
