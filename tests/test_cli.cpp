@@ -3,9 +3,12 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "common/files.h"
 
@@ -144,4 +147,30 @@ TEST_F(Cli, CheckRefusesAnUnwritableOutputDirAndAnEmptySet) {
   auto r = run("--check --config " + f + " --set lora_r=");
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("empty value"), std::string::npos) << r.out;
+}
+
+// Issue #32 items 13 and 14, through `eo-ddp plan` itself: a config.json with 2^31 - 1 experts is
+// refused at once (it planned for over 40 s), and lora targets are checked against config.json as
+// training checks them (gate_proj on Mixtral, whose expert linears are w1/w2/w3).
+TEST_F(Cli, PlanRefusesHugeShapesAndTargetsTrainingRefuses) {
+  const std::string mixtral = std::string(EO_SOURCE_DIR) + "/configs/models/mixtral-8x7b";
+  std::ifstream in(mixtral + "/config.json");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  const std::string eight = "\"num_local_experts\": 8";
+  ASSERT_NE(text.find(eight), std::string::npos);
+  fs::create_directories(dir_ / "huge");
+  std::ofstream(dir_ / "huge" / "config.json") << text.replace(text.find(eight), eight.size(), "\"num_local_experts\": 2147483647");
+  const std::string f = write("plan.yaml", "");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = run("plan --config " + f + " --set base_model=" + (dir_ / "huge").string());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("2147483647 experts is over eo-ddp's limit of 65536"), std::string::npos) << r.out;
+  EXPECT_LT(seconds, 20) << r.out;
+
+  r = run("plan --config " + f + " --set base_model=" + mixtral + " --set \"lora_target_modules=[q_proj, gate_proj]\"");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("'gate_proj' matches no linear of mixtral"), std::string::npos) << r.out;
+  r = run("plan --config " + f + " --set base_model=" + mixtral + " --set \"lora_target_modules=[q_proj, w1]\"");
+  EXPECT_EQ(r.code, 0) << "the control: Mixtral's own expert linear plans\n" << r.out;
 }

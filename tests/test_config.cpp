@@ -1,5 +1,6 @@
 // Config schema and validation: every rule, and the text users see.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -882,6 +883,17 @@ TEST(Config, DuplicateKeysSecondDocumentsHugeValuesAndFoldersAreErrors) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("datasets.0.path: '" + (dir / "data.jsonl").string() + "' is a folder"), std::string::npos)
         << e.what();
+  }
+  // A FIFO as a dataset (reading it would block, or read whatever a writer sends): not "not found".
+  const fs::path fifo = dir / "pipe.jsonl";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  try {
+    load_config_text(yaml.substr(0, yaml.find("datasets:")) + "datasets: [{path: " + fifo.string() + "}]\n", "t.yaml", {});
+    ADD_FAILURE() << "a FIFO was accepted as a dataset";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("datasets.0.path: '" + fifo.string() + "' is not a regular file (a FIFO"), std::string::npos)
+        << e.what();
+    EXPECT_EQ(std::string(e.what()).find("not found"), std::string::npos) << e.what();
   }
   eo::remove_tree(dir);
 }

@@ -399,10 +399,11 @@ bool wait_until(const std::function<bool()>& cond, double seconds) {
 
 }  // namespace
 
-// A stop as soon as the process can take one (its handler is in place: SigCgt), for SIGTERM and
-// SIGHUP: exit 3, saying nothing was trained, and nothing written but the claim of output_dir.
+// A stop as soon as the process can take one (its handler is in place: SigCgt), for each stop
+// signal (SIGUSR1 is what launch/eo-mpirun hands the ranks: 138 without its handler): exit 3,
+// saying nothing was trained, and nothing written but the claim of output_dir.
 TEST_F(FaultTest, StopBeforeTrainingExits3) {
-  for (const int sig : {SIGTERM, SIGHUP}) {
+  for (const int sig : {SIGTERM, SIGINT, SIGUSR1, SIGHUP}) {
     const fs::path out = dir_ / ("run" + std::to_string(sig));
     const Child c = spawn(eo_ddp_command(train_args(out, {"max_steps=2"})), out.string() + ".log");
     const bool ready = wait_until([&] { return catches(c.pid, sig); }, 30);
@@ -696,6 +697,36 @@ TEST_F(FaultTest, DataErrorsStopBeforeTrainingWithExit2) {
     EXPECT_FALSE(fs::exists(out / "metrics.jsonl")) << "training started";
     EXPECT_FALSE(contains(o.log, "loading ")) << "the data is checked before any weight is read:\n" << o.log;
   }
+}
+
+// Issue #32 item 5: in a mix, a dataset whose every label is -100 trains nothing and would hide
+// behind the other one: exit 2 naming it, before any weight is read; a mix of two trainable
+// datasets trains (the control).
+TEST_F(FaultTest, ADatasetThatTrainsNothingInAMixIsRefused) {
+  const fs::path good = dir_ / "good.jsonl", good2 = dir_ / "good2.jsonl", none = dir_ / "none.jsonl";
+  {
+    std::ofstream g(good), g2(good2), n(none);
+    for (int i = 0; i < 4; ++i) g << jsonl_line(12, 3 + i);
+    for (int i = 0; i < 4; ++i) g2 << jsonl_line(10, 20 + i);
+    for (int i = 0; i < 4; ++i) n << "{\"input_ids\": [5, 6, 7, 8], \"labels\": [-100, -100, -100, -100]}\n";
+  }
+  auto config = [&](const std::string& name, const std::vector<fs::path>& data) {
+    const fs::path c = dir_ / (name + ".yaml");
+    std::ofstream f(c);
+    f << "base_model: " << EO_SOURCE_DIR << "/fixtures/tiny-qwen3-moe\n"
+      << "load_in_4bit: true\nadapter: qlora\nlora_r: 4\nlora_alpha: 8\nlora_target_modules: [q_proj]\ndatasets:\n";
+    for (const auto& d : data) f << "  - path: " << d.string() << "\n    type: tokenized\n";
+    f << "sequence_len: 16\nsample_packing: false\nmax_steps: 1\nsave_steps: 0\noutput_dir: " << (dir_ / ("out_" + name)).string() << "\n";
+    return c.string();
+  };
+  const Outcome o = run({eo_ddp(), "--config", config("mix", {good, none})}, dir_ / "mix.log", {{}, -1, 60});
+  ASSERT_FALSE(o.timed_out) << o.describe();
+  EXPECT_TRUE(o.exited && o.code == 2) << o.describe();
+  EXPECT_TRUE(contains(o.log, "dataset " + none.string() + " (type tokenized, one of 2 in datasets) has no trainable token")) << o.log;
+  EXPECT_FALSE(contains(o.log, "dataset " + good.string() + " (type")) << o.log;
+  EXPECT_FALSE(contains(o.log, "loading ")) << "the data is checked before any weight is read:\n" << o.log;
+  const Outcome control = run({eo_ddp(), "--config", config("good", {good, good2})}, dir_ / "good.log", {{}, -1, 120});
+  EXPECT_TRUE(control.exited && control.code == 0) << control.describe();
 }
 
 // Issue #15 item 7: a requeued run re-saves checkpoint-N; a kill between moving the old one aside

@@ -166,6 +166,43 @@ TEST(Optimizer, DeviceDecidedSkipChangesNothingAndZeroIsAPlainStep) {
     if (n.size() > 5 && n.compare(n.size() - 5, 5, ".step") == 0) EXPECT_EQ(t.item<double>(), 3.0) << n << ": 3 applied steps";
 }
 
+// The trainer's stop (issue #32 item 6): state_nonfinite is 1 when any parameter or either AdamW
+// moment holds a NaN or an Inf, each poisoned in turn after a healthy step, and 0 otherwise. A
+// NaN moment is checked itself: it reaches the parameters only at the next update, after a save.
+TEST(Optimizer, StateNonfiniteSeesEveryParameterAndEveryMoment) {
+  const TrainConfig cfg = adam_config();
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  {
+    NamedTensors p = make_params(6);
+    Optimizer o(p, cfg);
+    EXPECT_EQ(o.state_nonfinite().item<double>(), 0.0) << "before any step";
+    at::NoGradGuard ng;
+    p[2].second.view(-1).narrow(0, 5, 1).fill_(bad[0]);
+    EXPECT_EQ(o.state_nonfinite().item<double>(), 1.0) << "a NaN parameter before any step";
+  }
+  for (const char* which : {"param", ".exp_avg", ".exp_avg_sq"})
+    for (const float v : bad)
+      for (std::size_t i : {std::size_t{0}, std::size_t{3}}) {
+        NamedTensors p = make_params(7);
+        Optimizer o(p, cfg);
+        set_grads({&p}, 0, -1);
+        o.step(1e-2);
+        ASSERT_EQ(o.state_nonfinite().item<double>(), 0.0) << "a healthy step";
+        at::Tensor target;
+        if (std::string(which) == "param") {
+          target = p[i].second;
+        } else {
+          for (const auto& [n, t] : o.state())
+            if (n == p[i].first + which) target = t;  // state() hands out the optimizer's own tensors
+        }
+        ASSERT_TRUE(target.defined()) << p[i].first << which;
+        at::NoGradGuard ng;
+        target.view(-1).narrow(0, target.numel() - 1, 1).fill_(v);
+        EXPECT_EQ(o.state_nonfinite().item<double>(), 1.0) << v << " in " << p[i].first << " " << which << " unnoticed";
+      }
+}
+
 // Clipping inside AdamW's read (clip_divisor as the fused kernel's grad_scale) against clipping
 // the gradients first (clip_grad_norm_on_device, torch's clip_grad_norm_): the same parameters
 // and moments to fp32 rounding (g / (1/c) against g · c, one ulp of the gradient), bitwise where
