@@ -42,3 +42,9 @@ add_test(NAME axolotl_examples COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_examp
 set_tests_properties(axolotl_examples PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"
                      PASS_REGULAR_EXPRESSION "axolotl_examples: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# axolotl 0.19.0's own example configs on the architectures eo-ddp trains (tests/axolotl_examples/upstream):
+# each passes --check and trains 3 steps, or is refused with exactly the reasons expect.tsv lists.
+add_test(NAME axolotl_upstream COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_upstream.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(axolotl_upstream PROPERTIES LABELS ref TIMEOUT 900
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"
+                     PASS_REGULAR_EXPRESSION "axolotl_upstream: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
