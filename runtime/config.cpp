@@ -564,7 +564,7 @@ const std::vector<KeySpec>& schema() {
                  "(Mixtral: w1/w3/w2); dense MLP and shared experts use the same names. As in peft, a list may name "
                  "dotted suffixes (self_attn.q_proj) and one string is a regular expression matched against whole "
                  "module names (model.layers.N.self_attn.q_proj, model.layers.N.mlp.experts.E.gate_proj); either must "
-                 "select a name in every layer and expert or in none. Unset: the architecture's attention linears.",
+                 "select a name in every layer and expert or in none (some layers: peft_layers_to_transform). Unset: the architecture's attention linears.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    // peft's forms: one string is a regular expression matched against whole module
                    // names; a list names modules or dotted suffixes of their names (check_targets).
@@ -636,6 +636,44 @@ const std::vector<KeySpec>& schema() {
                    c.lora_target_parameters = canonical;
                  },
                  writer(&TrainConfig::lora_target_parameters)});
+    k.push_back({"peft_layers_to_transform", "list of integers", "[]",
+                 "peft's layers_to_transform: only the decoder layers with these indices (model.layers.N) are adapted, "
+                 "their lora_target_modules and lora_target_parameters alike; the adapter's adapter_config.json says "
+                 "so, as peft writes it. Unset: every layer.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   std::vector<int> v;
+                   auto one = [&](const YAML::Node& x) {
+                     const auto i = x.IsScalar() ? as_int(x) : std::nullopt;
+                     if (!i || *i < 0 || *i > (1 << 20)) return false;
+                     v.push_back(static_cast<int>(*i));
+                     return true;
+                   };
+                   bool ok = true;
+                   if (n.IsSequence())
+                     for (const auto& x : n) ok &= one(x);
+                   else ok = one(n);
+                   if (!ok)
+                     return issues.push_back({"peft_layers_to_transform", "expected a layer index >= 0 or a list of them"});
+                   std::sort(v.begin(), v.end());
+                   v.erase(std::unique(v.begin(), v.end()), v.end());
+                   c.peft_layers_to_transform = v;
+                 },
+                 [](const TrainConfig& c) {
+                   YAML::Node n(YAML::NodeType::Sequence);
+                   for (int i : c.peft_layers_to_transform) n.push_back(i);
+                   return n;
+                 }});
+    k.push_back({"peft_layers_pattern", "list of strings", "[layers]",
+                 "peft's layers_pattern, the name of the module list peft_layers_to_transform indexes: the decoder "
+                 "layers are model.layers in every architecture eo-ddp trains, so only layers is accepted.",
+                 [](const YAML::Node& n, TrainConfig&, Issues& issues) {
+                   const bool ok = (n.IsScalar() && n.Scalar() == "layers") ||
+                                   (n.IsSequence() && n.size() == 1 && n[0].IsScalar() && n[0].Scalar() == "layers");
+                   if (!ok)
+                     issues.push_back({"peft_layers_pattern", yaml_text(n) + " names no module list of eo-ddp's models; their "
+                                                              "decoder layers are model.layers (peft_layers_pattern: [layers])"});
+                 },
+                 [](const TrainConfig&) { return YAML::Node(); }});
     k.push_back(boolean("peft_use_rslora", &TrainConfig::peft_use_rslora, "rsLoRA scaling alpha / sqrt(r)."));
     k.push_back(integer("bnb_4bit_blocksize", &TrainConfig::bnb_4bit_blocksize, 32, 4096,
                         "NF4 quantisation block size (a power of two, as bitsandbytes)."));
@@ -1313,7 +1351,7 @@ void resolve_target_forms(TrainConfig& c, const model::ModelConfig& mc, const st
                                                    std::to_string(it->second.first.size() + it->second.second.size()) + " " +
                                                    s + " modules (" + it->second.first[0] + " but not " +
                                                    it->second.second[0] + "); eo-ddp adapts a module name in every layer "
-                                                   "and expert or in none"});
+                                                   "and expert or in none (some layers: peft_layers_to_transform)"});
       continue;
     }
     resolved.push_back(s);
@@ -1375,6 +1413,20 @@ void check_lora_model_dir(const TrainConfig& c, Issues& issues) {
   if (their_params != our_params)
     issues.push_back({"lora_target_parameters", "[" + join(c.lora_target_parameters, ", ") + "], but lora_model_dir's adapter has [" +
                                                     join(std::vector<std::string>(their_params.begin(), their_params.end()), ", ") + "]" + from});
+  std::set<int> their_layers, our_layers(c.peft_layers_to_transform.begin(), c.peft_layers_to_transform.end());
+  const auto lt = j.value("layers_to_transform", nlohmann::json());
+  if (lt.is_number_integer()) their_layers.insert(lt.get<int>());
+  if (lt.is_array())
+    for (const auto& x : lt)
+      if (x.is_number_integer()) their_layers.insert(x.get<int>());
+  auto layers_text = [](const std::set<int>& l) {
+    std::string t;
+    for (int i : l) t += (t.empty() ? "" : ", ") + std::to_string(i);
+    return l.empty() ? std::string("every layer") : "[" + t + "]";
+  };
+  if (their_layers != our_layers)
+    issues.push_back({"peft_layers_to_transform", layers_text(our_layers) + ", but lora_model_dir's adapter adapts " +
+                                                      layers_text(their_layers) + from});
 }
 
 // A named template eo-ddp ships renders on any model as in axolotl; on another family's model a
@@ -1412,6 +1464,12 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
       note_named_template((*list)[i].chat_template,
                           std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".chat_template",
                           mc, c.warnings);
+  for (int l : c.peft_layers_to_transform)
+    if (l >= mc.layers) {
+      issues.push_back({"peft_layers_to_transform", std::to_string(l) + " is no layer of " + mc.model_type + " (" + c.base_model +
+                                                        "/config.json has layers 0 to " + std::to_string(mc.layers - 1) + ")"});
+      break;
+    }
   if (c.expert_quant == "mxfp4" && !mc.mxfp4_experts)
     issues.push_back({"expert_quant", "mxfp4 keeps experts in the MXFP4 a checkpoint stores them in, but " + c.base_model +
                                       "/config.json (" + mc.model_type + ") has no quantization_config with quant_method "

@@ -433,6 +433,24 @@ TEST(Config, TargetModulesComeFromTheArchitecture) {
   EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, mixtral);
   EXPECT_EQ(load_config_text(yaml("qwen3-30b-a3b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
   EXPECT_EQ(load_config_text(yaml("olmoe-1b-7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
+  // peft's layers_to_transform (axolotl's peft_layers_to_transform): sorted, once each, within the
+  // architecture's layers; layers_pattern can only name model.layers.
+  EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "peft_layers_to_transform: [3, 1, 1]\npeft_layers_pattern: [layers]\n"),
+                             "t.yaml", {}).peft_layers_to_transform,
+            (std::vector<int>{1, 3}));
+  EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "peft_layers_to_transform: 2\n"), "t.yaml", {}).peft_layers_to_transform,
+            std::vector<int>{2});
+  try {
+    load_config_text(yaml("mixtral-8x7b", "peft_layers_to_transform: [1, 32]\npeft_layers_pattern: [h]\n"), "t.yaml", {});
+    ADD_FAILURE() << "layer 32 of Mixtral-8x7B (32 layers) and layers_pattern h were accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("peft_layers_to_transform: 32 is no layer of mixtral"), std::string::npos) << m;
+    EXPECT_NE(m.find("peft_layers_pattern: [h] names no module list"), std::string::npos) << m;
+  }
+  EXPECT_NE(error_of(std::string(kValid) + "peft_layers_to_transform: [a]\n").find("peft_layers_to_transform: expected a layer "
+                                                                                   "index >= 0 or a list of them"),
+            std::string::npos);
   // Issue #19: GLM-4.5-Air has q/k/v/o and MLPs; DeepSeek-V2-Lite's latent attention (full q_proj).
   EXPECT_EQ(load_config_text(yaml("glm-4.5-air", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
   const std::vector<std::string> mla{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};

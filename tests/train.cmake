@@ -7,6 +7,13 @@ add_test(NAME train_peft_check
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft)
 set_tests_properties(train_peft_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# peft_layers_to_transform (issue #31): LoRA on layers 1 and 3 only; the modules the adapter holds
+# are those peft's own matching selects, and it loads and scores the same in peft.
+add_test(NAME train_peft_check_layers
+         COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
+                 $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_layers --layers 1,3)
+set_tests_properties(train_peft_check_layers PROPERTIES LABELS ref TIMEOUT 600
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
 # The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24).
 foreach(arch mistral4_scaled)
   add_test(NAME train_peft_check_${arch}
