@@ -137,6 +137,7 @@ def templates(sdist, out):
     src = os.path.join(sdist, "src", "axolotl", "utils", "chat_templates", "templates")
     version = os.path.basename(os.path.normpath(sdist))  # axolotl-X.Y.Z, as the sdist unpacks
     os.makedirs(out, exist_ok=True)
+    shutil.copyfile(os.path.join(sdist, "LICENSE"), os.path.join(out, "LICENSE"))  # Apache-2.0
     lines = ["# axolotl's named chat templates, copied unchanged by tools/axolotl_corpus.py templates from",
              "# %s (src/axolotl/utils/chat_templates/templates/; Apache-2.0): file, sha256" % version]
     for name in SHIPPED_TEMPLATES:
@@ -170,6 +171,7 @@ def select(sdist, out):
             outcome, texts = expectation(rel, cfg, arch)
             rows.append((rel, arch, outcome, " | ".join(texts)))
     rows.sort()
+    shutil.copyfile(os.path.join(sdist, "LICENSE"), os.path.join(out, "LICENSE"))  # Apache-2.0
     with open(os.path.join(out, "expect.tsv"), "w") as fh:
         fh.write("# written by tools/axolotl_corpus.py select: path, tiny architecture, outcome (ok: --check passes and "
                  "3 steps train; refused / unsupported: exit 2), the texts ' | ' that must each be in the problems, "
