@@ -509,6 +509,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
   auto add = [&](const std::string& module, const std::string& short_name, FrozenLinear& l) {
     sites.push_back({module, short_name, l.in, l.out, &l.lora});
   };
+  const std::size_t first = sites.size();
   const ModelConfig& c = cfg_;
   const bool mix = c.arch == Arch::Mixtral;
   for (const auto& bp : blocks_) {
@@ -564,6 +565,8 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       }
     if (b.has_shared_) add_mlp(p + "mlp." + c.shared_expert_name(), b.shared_);
   }
+  // Each site's layer, from its name (every site is under model.layers.{i}.).
+  for (std::size_t i = first; i < sites.size(); ++i) sites[i].layer = std::stoi(sites[i].module.substr(sizeof("model.layers.") - 1));
   return sites;
 }
 
@@ -579,6 +582,10 @@ void MoeModel::add_lora(const LoraSpec& spec) {
   if (!spec.target_parameters.empty() && !moe)
     throw UsageError("lora_target_parameters needs MoE blocks with fused experts; this " + cfg_.model_type +
                      " model has none");
+  for (int l : spec.layers)
+    if (l < 0 || l >= num_layers())
+      throw UsageError("LoRA layers_to_transform: " + std::to_string(l) + " is no layer of this " + cfg_.model_type +
+                       " model (layers 0 to " + std::to_string(num_layers() - 1) + ")");
   lora_spec_ = spec;
   std::set<std::string> matched;
   for (auto& b : blocks_) {  // every block's stacked expert LoRA is made afresh below
@@ -589,13 +596,13 @@ void MoeModel::add_lora(const LoraSpec& spec) {
   for (std::size_t i = 0; i < sites.size(); ++i) {
     const auto& s = sites[i];
     if (!s.param.empty()) {
-      if (!spec.targets_parameter(s.param)) continue;
+      if (!spec.targets_parameter(s.param) || !spec.targets_layer(s.layer)) continue;
       // One generator per fused parameter, as peft draws one lora_A per ParamWrapper.
       *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
       (*s.stack)->init_fused(spec.seed * 1000003ULL + i);
       continue;
     }
-    if (!spec.targets_module(s.short_name)) {
+    if (!spec.targets_module(s.short_name) || !spec.targets_layer(s.layer)) {
       if (s.slot) s.slot->reset();
       continue;
     }

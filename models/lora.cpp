@@ -28,6 +28,10 @@ bool LoraSpec::targets_module(const std::string& short_name) const {
   return false;
 }
 
+bool LoraSpec::targets_layer(int layer) const {
+  return layers.empty() || std::find(layers.begin(), layers.end(), layer) != layers.end();
+}
+
 bool LoraSpec::targets_parameter(const std::string& canonical) const {
   for (const auto& t : target_parameters)
     if (t == canonical) return true;
@@ -452,6 +456,22 @@ LoraSpec read_adapter_config(const std::string& adapter_dir) {
     throw UsageError(path + ": exclude_modules " + j["exclude_modules"].dump() + " is not supported (only " +
                      nlohmann::json(exclude_outside("model.language_model.")).dump() +
                      ", the modules outside a multimodal checkpoint's text model)");
+  // peft's layers_to_transform (an int or a list) under layers_pattern, which eo-ddp's module
+  // names (model.layers.{i}) match as "layers" or peft's default (null: its common patterns).
+  const auto& lt = j.value("layers_to_transform", nlohmann::json());
+  if (lt.is_number_integer()) s.layers.push_back(lt.get<int>());
+  else if (lt.is_array())
+    for (const auto& x : lt) {
+      if (!x.is_number_integer()) throw UsageError(path + ": 'layers_to_transform' must be a layer index or a list of them");
+      s.layers.push_back(x.get<int>());
+    }
+  else if (!lt.is_null()) throw UsageError(path + ": 'layers_to_transform' must be a layer index or a list of them");
+  std::sort(s.layers.begin(), s.layers.end());
+  s.layers.erase(std::unique(s.layers.begin(), s.layers.end()), s.layers.end());
+  const auto& lp = j.value("layers_pattern", nlohmann::json());
+  const bool pattern_ok = lp.is_null() || lp == "layers" || (lp.is_array() && (lp.empty() || lp == nlohmann::json::array({"layers"})));
+  if (!pattern_ok)
+    throw UsageError(path + ": layers_pattern " + lp.dump() + " is not supported (the decoder layers are model.layers)");
   return s;
 }
 
@@ -477,6 +497,10 @@ void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, 
   j["target_modules"] = spec.targets;
   if (!spec.target_parameters.empty()) j["target_parameters"] = spec.target_parameters;
   if (decoder_prefix != "model.") j["exclude_modules"] = exclude_outside(decoder_prefix);
+  if (!spec.layers.empty()) {
+    j["layers_to_transform"] = spec.layers;
+    j["layers_pattern"] = "layers";
+  }
   j["bias"] = "none";
   j["use_rslora"] = spec.use_rslora;
   j["fan_in_fan_out"] = false;

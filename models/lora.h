@@ -25,10 +25,14 @@ struct LoraSpec {
   // kGateUpParam / kDownParam (canonical_target_parameter). When set, the experts are adapted
   // only through them (target_modules names reach no expert, as in peft on transformers 5).
   std::vector<std::string> target_parameters;
+  // peft's layers_to_transform: the decoder layers (model.layers.{i}) whose modules and fused
+  // parameters are adapted; empty = every layer.
+  std::vector<int> layers;
   std::uint64_t seed = 0;
 
   double scaling() const;
   bool targets_module(const std::string& short_name) const;
+  bool targets_layer(int layer) const;
   bool targets_parameter(const std::string& canonical) const;
 };
 

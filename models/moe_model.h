@@ -183,6 +183,7 @@ struct LoraSite {
   int expert = -1, experts = 0;
   std::string stack_prefix;  // experts: model.layers.{i}.<moe prefix>.experts
   std::string param;         // a fused expert parameter (kGateUpParam / kDownParam): the whole stack
+  int layer = -1;            // the decoder layer (model.layers.{layer})
 };
 
 class MoeModel {

@@ -296,30 +296,47 @@ void apply_axolotl_key(const AxolotlKey& a, const std::string& where, const YAML
   else warnings.push_back("config key '" + where + "' is ignored by eo-ddp: " + a.text);
 }
 
-// chat_template values: eo-ddp's own, and axolotl's named templates, each taken as the tokenizer's
-// own template on a model of the family it belongs to (resolve_named_template) and refused elsewhere.
+// chat_template values: eo-ddp's own, the axolotl named templates eo-ddp ships (rendered from
+// tools/chat_templates, copied from axolotl, on any model as axolotl does; the family each is the
+// own template of, for a note elsewhere), and the other axolotl names, refused with the fix.
 const std::vector<std::string>& chat_templates() {
-  static const std::vector<std::string> t = {"tokenizer_default", "chatml", "tokenizer_default_fallback_chatml", "jinja"};
+  static const std::vector<std::string> t = {"tokenizer_default", "tokenizer_default_fallback_chatml", "jinja"};
   return t;
 }
-const std::map<std::string, std::vector<std::string>>& named_templates() {  // name -> model_types it is the own template of
+const std::map<std::string, std::vector<std::string>>& shipped_templates() {  // tools/chat_templates/<name>.jinja
   static const std::map<std::string, std::vector<std::string>> m = {
-      {"qwen3", {"qwen3_moe"}}, {"deepseek_v2", {"deepseek_v2"}}, {"deepseek_v3", {"deepseek_v3"}},
-      {"alpaca", {}}, {"mistral_v1", {}}, {"mistral_v2v3", {}}, {"mistral_v3_tekken", {}}, {"mistral_v7_tekken", {}},
-      {"gemma", {}}, {"cohere", {}}, {"llama3", {}}, {"llama3_2_vision", {}}, {"llama4", {}}, {"phi_3", {}}, {"phi_35", {}},
-      {"phi_4", {}}, {"jamba", {}}, {"qwen_25", {}}, {"qwen3_5", {}}, {"falcon_h1", {}}, {"nemotron_h", {}}, {"exaone", {}},
-      {"exaone4", {}}, {"metharme", {}}, {"pixtral", {}}, {"llava", {}}, {"qwen2_vl", {}}, {"gemma3", {}}, {"gemma3n", {}},
-      {"gemma4", {"gemma4", "gemma4_text"}}, {"gemma4_unified", {}}, {"command_a", {}}, {"command_a_tool_use", {}}, {"command_a_rag", {}}, {"aya", {}}};
+      {"chatml", {}}, {"qwen3", {"qwen3_moe"}}, {"deepseek_v2", {"deepseek_v2"}}, {"deepseek_v3", {"deepseek_v3"}},
+      {"gemma4", {"gemma4", "gemma4_text"}}, {"llama4", {"llama4"}}};
   return m;
 }
-bool known_template(const std::string& v) {
-  return std::find(chat_templates().begin(), chat_templates().end(), v) != chat_templates().end() || named_templates().count(v);
+const std::vector<std::string>& other_axolotl_templates() {
+  static const std::vector<std::string> t = {
+      "alpaca", "mistral_v1", "mistral_v2v3", "mistral_v3_tekken", "mistral_v7_tekken", "gemma", "cohere", "llama3",
+      "llama3_2_vision", "phi_3", "phi_35", "phi_4", "jamba", "qwen_25", "qwen3_5", "falcon_h1", "nemotron_h", "exaone",
+      "exaone4", "metharme", "pixtral", "llava", "qwen2_vl", "gemma3", "gemma3n", "gemma4_unified", "command_a",
+      "command_a_tool_use", "command_a_rag", "aya"};
+  return t;
 }
-std::string unknown_template_message(const std::string& v) {
+std::vector<std::string> shipped_template_names() {
+  std::vector<std::string> v;
+  for (const auto& [k, fams] : shipped_templates()) v.push_back(k);
+  return v;
+}
+// What is wrong with chat_template value V, or nothing.
+std::optional<std::string> template_problem(const std::string& v) {
+  const std::vector<std::string> shipped = shipped_template_names();
+  const auto& o = other_axolotl_templates();
+  if (std::find(chat_templates().begin(), chat_templates().end(), v) != chat_templates().end() || shipped_templates().count(v))
+    return std::nullopt;
+  if (std::find(o.begin(), o.end(), v) != o.end())
+    return "eo-ddp does not ship axolotl's " + v + " template (it ships " + join(shipped, ", ") +
+           "); use chat_template: tokenizer_default (the model's own template), or chat_template: jinja with "
+           "chat_template_jinja for another one";
   std::vector<std::string> all = chat_templates();
-  for (const auto& [k, fams] : named_templates()) all.push_back(k);
-  std::string msg = "unknown value '" + v + "'; eo-ddp knows " + join(chat_templates(), ", ") +
-                    " and axolotl's named templates (another template: chat_template: jinja with chat_template_jinja)";
+  all.insert(all.end(), shipped.begin(), shipped.end());
+  all.insert(all.end(), o.begin(), o.end());
+  std::string msg = "unknown value '" + v + "'; eo-ddp knows " + join(chat_templates(), ", ") + " and axolotl's " +
+                    join(shipped, ", ") + " (another template: chat_template: jinja with chat_template_jinja)";
   if (auto m = closest_match(v, all)) msg += " (did you mean '" + *m + "'?)";
   return msg;
 }
@@ -451,8 +468,8 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
       str("template_thinking_key", s.template_thinking_key);
       s.fields_mapped = d["message_property_mappings"].IsDefined() || d["message_field_role"].IsDefined() ||
                         d["message_field_content"].IsDefined();
-      if (!s.chat_template.empty() && !known_template(s.chat_template))
-        issues.push_back({where + ".chat_template", unknown_template_message(s.chat_template)});
+      if (!s.chat_template.empty())
+        if (auto why = template_problem(s.chat_template)) issues.push_back({where + ".chat_template", *why});
       static const std::vector<std::string> eos = {"all", "turn", "last", "none"};
       if (!s.train_on_eos.empty() && std::find(eos.begin(), eos.end(), s.train_on_eos) == eos.end())
         issues.push_back({where + ".train_on_eos", "expected one of all, turn, last, none; got '" + s.train_on_eos + "'"});
@@ -547,7 +564,7 @@ const std::vector<KeySpec>& schema() {
                  "(Mixtral: w1/w3/w2); dense MLP and shared experts use the same names. As in peft, a list may name "
                  "dotted suffixes (self_attn.q_proj) and one string is a regular expression matched against whole "
                  "module names (model.layers.N.self_attn.q_proj, model.layers.N.mlp.experts.E.gate_proj); either must "
-                 "select a name in every layer and expert or in none. Unset: the architecture's attention linears.",
+                 "select a name in every layer and expert or in none (some layers: peft_layers_to_transform). Unset: the architecture's attention linears.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    // peft's forms: one string is a regular expression matched against whole module
                    // names; a list names modules or dotted suffixes of their names (check_targets).
@@ -619,6 +636,44 @@ const std::vector<KeySpec>& schema() {
                    c.lora_target_parameters = canonical;
                  },
                  writer(&TrainConfig::lora_target_parameters)});
+    k.push_back({"peft_layers_to_transform", "list of integers", "[]",
+                 "peft's layers_to_transform: only the decoder layers with these indices (model.layers.N) are adapted, "
+                 "their lora_target_modules and lora_target_parameters alike; the adapter's adapter_config.json says "
+                 "so, as peft writes it. Unset: every layer.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   std::vector<int> v;
+                   auto one = [&](const YAML::Node& x) {
+                     const auto i = x.IsScalar() ? as_int(x) : std::nullopt;
+                     if (!i || *i < 0 || *i > (1 << 20)) return false;
+                     v.push_back(static_cast<int>(*i));
+                     return true;
+                   };
+                   bool ok = true;
+                   if (n.IsSequence())
+                     for (const auto& x : n) ok &= one(x);
+                   else ok = one(n);
+                   if (!ok)
+                     return issues.push_back({"peft_layers_to_transform", "expected a layer index >= 0 or a list of them"});
+                   std::sort(v.begin(), v.end());
+                   v.erase(std::unique(v.begin(), v.end()), v.end());
+                   c.peft_layers_to_transform = v;
+                 },
+                 [](const TrainConfig& c) {
+                   YAML::Node n(YAML::NodeType::Sequence);
+                   for (int i : c.peft_layers_to_transform) n.push_back(i);
+                   return n;
+                 }});
+    k.push_back({"peft_layers_pattern", "list of strings", "[layers]",
+                 "peft's layers_pattern, the name of the module list peft_layers_to_transform indexes: the decoder "
+                 "layers are model.layers in every architecture eo-ddp trains, so only layers is accepted.",
+                 [](const YAML::Node& n, TrainConfig&, Issues& issues) {
+                   const bool ok = (n.IsScalar() && n.Scalar() == "layers") ||
+                                   (n.IsSequence() && n.size() == 1 && n[0].IsScalar() && n[0].Scalar() == "layers");
+                   if (!ok)
+                     issues.push_back({"peft_layers_pattern", yaml_text(n) + " names no module list of eo-ddp's models; their "
+                                                              "decoder layers are model.layers (peft_layers_pattern: [layers])"});
+                 },
+                 [](const TrainConfig&) { return YAML::Node(); }});
     k.push_back(boolean("peft_use_rslora", &TrainConfig::peft_use_rslora, "rsLoRA scaling alpha / sqrt(r)."));
     k.push_back(integer("bnb_4bit_blocksize", &TrainConfig::bnb_4bit_blocksize, 32, 4096,
                         "NF4 quantisation block size (a power of two, as bitsandbytes)."));
@@ -668,14 +723,15 @@ const std::vector<KeySpec>& schema() {
                         "Train on the prompt too (system/user turns, alpaca's prompt, input_output's unlabelled "
                         "segments). false: those tokens get label -100, as in axolotl. Pre-tokenized data keeps its labels."));
     k.push_back({"chat_template", "string", "tokenizer_default",
-                 "Template for type: chat_template: tokenizer_default (the tokenizer's own), chatml, "
-                 "tokenizer_default_fallback_chatml (the tokenizer's, else ChatML) or jinja (chat_template_jinja). "
-                 "axolotl's named templates are the tokenizer's own on a model of their family (qwen3 on qwen3_moe, "
-                 "deepseek_v2 / deepseek_v3 on theirs) and refused elsewhere (use tokenizer_default).",
+                 "Template for type: chat_template: tokenizer_default (the tokenizer's own), "
+                 "tokenizer_default_fallback_chatml (the tokenizer's, else ChatML), jinja (chat_template_jinja), or "
+                 "one of axolotl's named templates eo-ddp ships, copied from axolotl 0.19.0 and rendered as axolotl "
+                 "does on any model: chatml, qwen3, deepseek_v2, deepseek_v3, gemma4, llama4 (axolotl's other names "
+                 "are refused: use tokenizer_default).",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
-                   if (known_template(v)) c.chat_template = v;
-                   else issues.push_back({"chat_template", unknown_template_message(v)});
+                   if (auto why = template_problem(v)) issues.push_back({"chat_template", *why});
+                   else c.chat_template = v;
                  },
                  writer(&TrainConfig::chat_template)});
     k.push_back(text("chat_template_jinja", &TrainConfig::chat_template_jinja, "The template text for chat_template: jinja."));
@@ -1312,7 +1368,7 @@ void resolve_target_forms(TrainConfig& c, const model::ModelConfig& mc, const st
                                                    std::to_string(it->second.first.size() + it->second.second.size()) + " " +
                                                    s + " modules (" + it->second.first[0] + " but not " +
                                                    it->second.second[0] + "); eo-ddp adapts a module name in every layer "
-                                                   "and expert or in none"});
+                                                   "and expert or in none (some layers: peft_layers_to_transform)"});
       continue;
     }
     resolved.push_back(s);
@@ -1374,25 +1430,33 @@ void check_lora_model_dir(const TrainConfig& c, Issues& issues) {
   if (their_params != our_params)
     issues.push_back({"lora_target_parameters", "[" + join(c.lora_target_parameters, ", ") + "], but lora_model_dir's adapter has [" +
                                                     join(std::vector<std::string>(their_params.begin(), their_params.end()), ", ") + "]" + from});
+  std::set<int> their_layers, our_layers(c.peft_layers_to_transform.begin(), c.peft_layers_to_transform.end());
+  const auto lt = j.value("layers_to_transform", nlohmann::json());
+  if (lt.is_number_integer()) their_layers.insert(lt.get<int>());
+  if (lt.is_array())
+    for (const auto& x : lt)
+      if (x.is_number_integer()) their_layers.insert(x.get<int>());
+  auto layers_text = [](const std::set<int>& l) {
+    std::string t;
+    for (int i : l) t += (t.empty() ? "" : ", ") + std::to_string(i);
+    return l.empty() ? std::string("every layer") : "[" + t + "]";
+  };
+  if (their_layers != our_layers)
+    issues.push_back({"peft_layers_to_transform", layers_text(our_layers) + ", but lora_model_dir's adapter adapts " +
+                                                      layers_text(their_layers) + from});
 }
 
-// axolotl's named chat templates: on a model of the template's family its tokenizer's own
-// template is that template, so the name is tokenizer_default; on any other model the name
-// would render another family's template, which eo-ddp does not ship: refused, naming the fix.
-void resolve_named_template(std::string& value, const std::string& key, const model::ModelConfig& mc,
-                            std::vector<std::string>& warnings, Issues& issues) {
-  const auto it = named_templates().find(value);
-  if (it == named_templates().end()) return;
+// A named template eo-ddp ships renders on any model as in axolotl; on another family's model a
+// note, since this tokenizer may split the template's special tokens into pieces.
+void note_named_template(const std::string& value, const std::string& key, const model::ModelConfig& mc,
+                         std::vector<std::string>& warnings) {
+  const auto it = shipped_templates().find(value);
+  if (it == shipped_templates().end() || it->second.empty()) return;
   const auto& fams = it->second;
-  if (std::find(fams.begin(), fams.end(), mc.model_type) != fams.end()) {
-    warnings.push_back(key + ": " + value + " is " + mc.model_type + "'s own template: rendered with the tokenizer's "
-                       "chat template (tokenizer_default)");
-    value = "tokenizer_default";
-    return;
-  }
-  issues.push_back({key, value + " is axolotl's template for " + (fams.empty() ? "a family eo-ddp does not train" : join(fams, ", ")) +
-                             ", not " + mc.model_type + "'s; use chat_template: tokenizer_default (the tokenizer's own "
-                             "template), or chat_template: jinja with chat_template_jinja for another one"});
+  if (std::find(fams.begin(), fams.end(), mc.model_type) == fams.end())
+    warnings.push_back(key + ": " + value + " is axolotl's template for " + join(fams, ", ") + ", rendered on " +
+                       mc.model_type + "'s tokenizer as axolotl does (tokens it lacks are split into pieces); its own "
+                       "template is chat_template: tokenizer_default");
 }
 
 // Checks against base_model's config.json (skipped when it cannot be read; reported elsewhere).
@@ -1411,12 +1475,18 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     if (fs::is_regular_file(fs::path(c.base_model) / "config.json")) issues.push_back({"base_model", e.what()});
     return;
   }
-  resolve_named_template(c.chat_template, "chat_template", mc, c.warnings, issues);
+  note_named_template(c.chat_template, "chat_template", mc, c.warnings);
   for (auto* list : {&c.datasets, &c.test_datasets})
     for (std::size_t i = 0; i < list->size(); ++i)
-      resolve_named_template((*list)[i].chat_template,
-                             std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".chat_template",
-                             mc, c.warnings, issues);
+      note_named_template((*list)[i].chat_template,
+                          std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".chat_template",
+                          mc, c.warnings);
+  for (int l : c.peft_layers_to_transform)
+    if (l >= mc.layers) {
+      issues.push_back({"peft_layers_to_transform", std::to_string(l) + " is no layer of " + mc.model_type + " (" + c.base_model +
+                                                        "/config.json has layers 0 to " + std::to_string(mc.layers - 1) + ")"});
+      break;
+    }
   if (c.expert_quant == "mxfp4" && !mc.mxfp4_experts)
     issues.push_back({"expert_quant", "mxfp4 keeps experts in the MXFP4 a checkpoint stores them in, but " + c.base_model +
                                       "/config.json (" + mc.model_type + ") has no quantization_config with quant_method "
@@ -1451,12 +1521,32 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     return check_lora_model_dir(c, issues);
   }
   resolve_target_forms(c, mc, linears, issues);
+  // As peft: a name that matches no module is no error while another name matches one (axolotl's
+  // examples list q/k/v/o_proj also for latent attention, which has no k_proj); the list as a whole
+  // matching nothing is. Either way the log names what is dropped.
   const std::vector<std::string>& known = model::all_linear_modules();  // other names: reported by the key's own check
-  for (const auto& t : c.lora_target_modules)
-    if (std::find(known.begin(), known.end(), t) != known.end() && std::find(linears.begin(), linears.end(), t) == linears.end())
+  std::vector<std::string> kept, unmatched;
+  for (const auto& t : c.lora_target_modules) {
+    const bool is_linear = std::find(linears.begin(), linears.end(), t) != linears.end();
+    if (!is_linear && std::find(known.begin(), known.end(), t) != known.end()) unmatched.push_back(t);
+    else kept.push_back(t);
+  }
+  const bool any_match = std::any_of(kept.begin(), kept.end(), [&](const std::string& t) {
+    return std::find(linears.begin(), linears.end(), t) != linears.end();
+  });
+  if (!unmatched.empty() && any_match) {
+    std::vector<std::string> quoted;
+    for (const auto& t : unmatched) quoted.push_back("'" + t + "'");
+    c.warnings.push_back("lora_target_modules: " + join(quoted, ", ") + (unmatched.size() > 1 ? " match" : " matches") +
+                         " no linear of " + mc.model_type + " (its linears are " + join(linears, ", ") +
+                         "); as peft does, only the names that match are adapted: " + join(kept, ", "));
+    c.lora_target_modules = kept;
+  } else {
+    for (const auto& t : unmatched)
       issues.push_back({"lora_target_modules", "'" + t + "' matches no linear of " + mc.model_type + " (" + c.base_model +
                                                    "/config.json); its linears are " + join(linears, ", ") +
                                                    " (or set lora_target_linear: true)"});
+  }
   check_lora_model_dir(c, issues);
 }
 

@@ -63,6 +63,9 @@ struct TrainConfig {
   // peft's target_parameters: the fused expert parameters (canonical: mlp.experts.gate_up_proj,
   // mlp.experts.down_proj); empty = experts adapted per expert through lora_target_modules.
   std::vector<std::string> lora_target_parameters;
+  // peft's layers_to_transform (axolotl's peft_layers_to_transform): the decoder layers adapted,
+  // sorted; empty = every layer.
+  std::vector<int> peft_layers_to_transform;
   bool peft_use_rslora = false;
   int bnb_4bit_blocksize = 64;
   bool bnb_4bit_use_double_quant = false;

@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 #include <mutex>
@@ -257,6 +258,9 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
             EO_CHECK(dr.defined(), "step: block ", i, " has router logits but no aux-loss gradient for them");
             grads.push_back(dr);
           }
+          // Block 0 without LoRA (peft_layers_to_transform leaves it out): nothing below it to reach.
+          if (i == 0 && std::none_of(roots.begin(), roots.end(), [](const at::Tensor& t) { return t.requires_grad(); }))
+            return at::Tensor();
           torch::autograd::backward(roots, grads);
           return i > 0 ? input.grad() : at::Tensor();
         };

@@ -332,6 +332,7 @@ model::LoraSpec lora_spec(const TrainConfig& cfg) {
   spec.use_rslora = cfg.peft_use_rslora;
   spec.targets = cfg.lora_target_modules;
   spec.target_parameters = cfg.lora_target_parameters;
+  spec.layers = cfg.peft_layers_to_transform;
   spec.seed = static_cast<std::uint64_t>(cfg.seed);
   return spec;
 }
@@ -576,6 +577,7 @@ json recorded_config(const TrainConfig& cfg) {
           {"peft_use_rslora", cfg.peft_use_rslora},
           {"lora_target_modules", cfg.lora_target_modules},
           {"lora_target_parameters", cfg.lora_target_parameters},
+          {"peft_layers_to_transform", cfg.peft_layers_to_transform},
           {"lora_dropout", cfg.lora_dropout},
           {"load_in_4bit", cfg.load_in_4bit},
           {"bnb_4bit_blocksize", cfg.bnb_4bit_blocksize},
@@ -601,7 +603,8 @@ std::vector<std::string> check_resume_compatible(const TrainingState& s, const T
   const json now = recorded_config(cfg);
   // Keys whose change makes the saved adapter or the data cursor mean something else.
   static const char* kRefuse[] = {"adapter",        "lora_r",          "lora_alpha",         "peft_use_rslora",
-                                  "lora_target_modules", "lora_target_parameters", "load_in_4bit", "bnb_4bit_blocksize",
+                                  "lora_target_modules", "lora_target_parameters", "peft_layers_to_transform",
+                                  "load_in_4bit", "bnb_4bit_blocksize",
                                   "bnb_4bit_use_double_quant", "expert_quant", "sequence_len",   "sample_packing"};
   std::vector<std::string> problems;
   auto differs = [&](const char* key) { return s.recorded.contains(key) && s.recorded[key] != now[key]; };

@@ -449,7 +449,7 @@ TEST(Config, EmptySetValueIsAnError) {
 }
 
 // Issue #15 item 10: lora_target_linear takes the architecture's linears from base_model/config.json
-// (Mixtral experts are w1/w2/w3), and a target that matches no linear of it is a config error.
+// (Mixtral experts are w1/w2/w3); targets of which none matches a linear of it are a config error.
 TEST(Config, TargetModulesComeFromTheArchitecture) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("eo_cfg_targets_" + std::to_string(::getpid()));
@@ -468,22 +468,60 @@ TEST(Config, TargetModulesComeFromTheArchitecture) {
   EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, mixtral);
   EXPECT_EQ(load_config_text(yaml("qwen3-30b-a3b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
   EXPECT_EQ(load_config_text(yaml("olmoe-1b-7b", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
+  // peft's layers_to_transform (axolotl's peft_layers_to_transform): sorted, once each, within the
+  // architecture's layers; layers_pattern can only name model.layers.
+  EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "peft_layers_to_transform: [3, 1, 1]\npeft_layers_pattern: [layers]\n"),
+                             "t.yaml", {}).peft_layers_to_transform,
+            (std::vector<int>{1, 3}));
+  EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "peft_layers_to_transform: 2\n"), "t.yaml", {}).peft_layers_to_transform,
+            std::vector<int>{2});
+  try {
+    load_config_text(yaml("mixtral-8x7b", "peft_layers_to_transform: [1, 32]\npeft_layers_pattern: [h]\n"), "t.yaml", {});
+    ADD_FAILURE() << "layer 32 of Mixtral-8x7B (32 layers) and layers_pattern h were accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("peft_layers_to_transform: 32 is no layer of mixtral"), std::string::npos) << m;
+    EXPECT_NE(m.find("peft_layers_pattern: [h] names no module list"), std::string::npos) << m;
+  }
+  EXPECT_NE(error_of(std::string(kValid) + "peft_layers_to_transform: [a]\n").find("peft_layers_to_transform: expected a layer "
+                                                                                   "index >= 0 or a list of them"),
+            std::string::npos);
   // Issue #19: GLM-4.5-Air has q/k/v/o and MLPs; DeepSeek-V2-Lite's latent attention (full q_proj).
   EXPECT_EQ(load_config_text(yaml("glm-4.5-air", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, qwen);
   const std::vector<std::string> mla{"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", "lora_target_linear: true\n"), "t.yaml", {}).lora_target_modules, mla);
+  // As peft, names that match no module are dropped while another matches (with a warning naming
+  // them); the router-loss key is still an error.
+  {
+    const TrainConfig c = load_config_text(yaml("deepseek-v2-lite", "lora_target_modules: [q_proj, k_proj, q_b_proj]\n"),
+                                           "t.yaml", {});
+    EXPECT_EQ(c.lora_target_modules, std::vector<std::string>{"q_proj"});
+    ASSERT_FALSE(c.warnings.empty());
+    EXPECT_NE(c.warnings.back().find("'k_proj', 'q_b_proj' match no linear of deepseek_v2"), std::string::npos)
+        << c.warnings.back();
+    EXPECT_NE(c.warnings.back().find("only the names that match are adapted: q_proj"), std::string::npos)
+        << c.warnings.back();
+  }
   try {
-    load_config_text(yaml("deepseek-v2-lite", "lora_target_modules: [q_proj, k_proj, q_b_proj]\noutput_router_logits: true\n"),
+    load_config_text(yaml("deepseek-v2-lite", "lora_target_modules: [k_proj, q_b_proj]\noutput_router_logits: true\n"),
                      "t.yaml", {});
-    ADD_FAILURE() << "k_proj / q_b_proj on DeepSeek-V2-Lite were accepted";
+    ADD_FAILURE() << "k_proj / q_b_proj alone on DeepSeek-V2-Lite were accepted";
   } catch (const UsageError& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("'k_proj' matches no linear of deepseek_v2"), std::string::npos) << m;
     EXPECT_NE(m.find("'q_b_proj' matches no linear of deepseek_v2"), std::string::npos) << m;
     EXPECT_NE(m.find("output_router_logits: deepseek_v2 has no router auxiliary loss"), std::string::npos) << m;
   }
+  {
+    const TrainConfig c = load_config_text(yaml("mixtral-8x7b", "lora_target_modules: [q_proj, gate_proj, up_proj]\n"),
+                                           "t.yaml", {});
+    EXPECT_EQ(c.lora_target_modules, std::vector<std::string>{"q_proj"});
+    ASSERT_FALSE(c.warnings.empty());
+    EXPECT_NE(c.warnings.back().find("'gate_proj', 'up_proj' match no linear of mixtral"), std::string::npos)
+        << c.warnings.back();
+  }
   try {
-    load_config_text(yaml("mixtral-8x7b", "lora_target_modules: [q_proj, gate_proj, up_proj]\n"), "t.yaml", {});
+    load_config_text(yaml("mixtral-8x7b", "lora_target_modules: [gate_proj, up_proj]\n"), "t.yaml", {});
     ADD_FAILURE() << "gate_proj on Mixtral was accepted";
   } catch (const UsageError& e) {
     const std::string m = e.what();
@@ -653,30 +691,35 @@ TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
   EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", ""), "t.yaml", {}, plan_options)
                 .lora_target_modules,
             mla);
-  // axolotl's named chat templates: a family's own is its tokenizer's template; another family's is refused.
+  // axolotl's named chat templates eo-ddp ships are kept by name (tools/prepare_data.py renders
+  // them, tests/ref/chat_templates_ref.py checks that against axolotl's) on any model, with a note
+  // on another family's; axolotl's other names are refused wherever they are set, naming the fix.
   for (const char* m : {"qwen3-30b-a3b", "mixtral-8x7b"}) {
     fs::create_directories(dir / m);
     fs::copy_file(std::string(EO_SOURCE_DIR) + "/configs/models/" + m + "/config.json", dir / m / "config.json",
                   fs::copy_options::overwrite_existing);
   }
   const TrainConfig q = load_config_text(yaml("qwen3-30b-a3b", "chat_template: qwen3\n"), "t.yaml", {});
-  EXPECT_EQ(q.chat_template, "tokenizer_default");
-  ASSERT_FALSE(q.warnings.empty());
-  EXPECT_NE(q.warnings.back().find("qwen3 is qwen3_moe's own template"), std::string::npos) << q.warnings.back();
+  EXPECT_EQ(q.chat_template, "qwen3");
+  for (const auto& w : q.warnings) EXPECT_EQ(w.find("chat_template"), std::string::npos) << w;
   EXPECT_EQ(load_config_text(yaml("deepseek-v2-lite", "chat_template: deepseek_v2\n"), "t.yaml", {}).chat_template,
-            "tokenizer_default");
+            "deepseek_v2");
   EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", "chat_template: chatml\n"), "t.yaml", {}).chat_template, "chatml");
+  const TrainConfig g = load_config_text(yaml("mixtral-8x7b", "chat_template: gemma4\n"), "t.yaml", {});
+  EXPECT_EQ(g.chat_template, "gemma4");
+  ASSERT_FALSE(g.warnings.empty());
+  EXPECT_NE(g.warnings.back().find("chat_template: gemma4 is axolotl's template for gemma4, rendered on mixtral's tokenizer"),
+            std::string::npos) << g.warnings.back();
   try {
-    load_config_text(yaml("mixtral-8x7b", "chat_template: qwen3\n") + "test_datasets: [{path: " + (dir / "train.jsonl").string() +
-                         ", type: chat_template, chat_template: llama4}]\n",
+    load_config_text(yaml("mixtral-8x7b", "chat_template: llama3\n") + "test_datasets: [{path: " + (dir / "train.jsonl").string() +
+                         ", type: chat_template, chat_template: qwen_25}]\n",
                      "t.yaml", {});
-    ADD_FAILURE() << "qwen3's template on Mixtral was accepted";
+    ADD_FAILURE() << "llama3 / qwen_25, which eo-ddp does not ship, were accepted";
   } catch (const UsageError& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("chat_template: qwen3 is axolotl's template for qwen3_moe, not mixtral's; use chat_template: "
-                     "tokenizer_default"), std::string::npos) << m;
-    EXPECT_NE(m.find("test_datasets.0.chat_template: llama4 is axolotl's template for a family eo-ddp does not train"),
-              std::string::npos) << m;
+    EXPECT_NE(m.find("chat_template: eo-ddp does not ship axolotl's llama3 template (it ships chatml, deepseek_v2, "
+                     "deepseek_v3, gemma4, llama4, qwen3); use chat_template: tokenizer_default"), std::string::npos) << m;
+    EXPECT_NE(m.find("test_datasets.0.chat_template: eo-ddp does not ship axolotl's qwen_25 template"), std::string::npos) << m;
   }
   try {  // gemma4's template is Gemma 4's own (either model_type), not another family's
     load_config_text(yaml("mixtral-8x7b", "chat_template: gemma4\n"), "t.yaml", {});
@@ -902,7 +945,7 @@ TEST(Config, DuplicateKeysSecondDocumentsHugeValuesAndFoldersAreErrors) {
 // `eo-ddp plan` loads a config: gate_proj on Mixtral (w1/w2/w3) is refused as training refuses it.
 TEST(Config, TargetsAreCheckedWhenOnlyConfigJsonIsRead) {
   const std::string yaml = "base_model: " + std::string(EO_SOURCE_DIR) + "/configs/models/mixtral-8x7b\nadapter: lora\n"
-                           "lora_target_modules: [q_proj, gate_proj]\ndatasets: [{path: missing.jsonl}]\n";
+                           "lora_target_modules: [gate_proj]\ndatasets: [{path: missing.jsonl}]\n";
   try {
     ConfigLoadOptions plan_options = no_files();
     plan_options.check_architecture = true;  // as `eo-ddp plan` loads it

@@ -8,6 +8,13 @@ add_test(NAME train_peft_check
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft)
 set_tests_properties(train_peft_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# peft_layers_to_transform (issue #31): LoRA on layers 1 and 3 only; the modules the adapter holds
+# are those peft's own matching selects, and it loads and scores the same in peft.
+add_test(NAME train_peft_check_layers
+         COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
+                 $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_layers --layers 1,3)
+set_tests_properties(train_peft_check_layers PROPERTIES LABELS ref TIMEOUT 600
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
 # The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24) and
 # Gemma 4 as the Hub ships it (the multimodal wrapper: the text model trained, the vision tower not).
 foreach(arch mistral4_scaled gemma4_mm)
@@ -44,3 +51,9 @@ add_test(NAME axolotl_examples COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_examp
 set_tests_properties(axolotl_examples PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"
                      PASS_REGULAR_EXPRESSION "axolotl_examples: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# axolotl 0.19.0's own example configs on the architectures eo-ddp trains (tests/axolotl_examples/upstream):
+# each passes --check and trains 3 steps, or is refused with exactly the reasons expect.tsv lists.
+add_test(NAME axolotl_upstream COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_upstream.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(axolotl_upstream PROPERTIES LABELS ref TIMEOUT 900
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"
+                     PASS_REGULAR_EXPRESSION "axolotl_upstream: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

@@ -14,10 +14,13 @@ Output: one tokenized JSONL per dataset, {"input_ids": [...], "labels": [...]}, 
 axolotl masks. The rules follow axolotl's prompt strategies:
 
   chat_template  the conversation rendered by tokenizer.apply_chat_template (the tokenizer's own
-                 template, ChatML, or chat_template_jinja). Each turn's content tokens are found
-                 as axolotl's find_turn does: render the conversation up to the turn twice, once
-                 with the turn's content replaced by a dummy, and take the tokens where the two
-                 differ. A turn is trained when train_on_inputs is true, its role (after the
+                 template, one of axolotl's named templates shipped in chat_templates/ -- chatml,
+                 qwen3, ... -- or chat_template_jinja). Each turn's content tokens are found as
+                 axolotl 0.19's find_turn does: the whole conversation rendered to text again with
+                 the turn's content replaced by each of two placeholders, the characters where
+                 the renders differ, and the tokens over them (the offsets of the full render's
+                 tokenization); where that tokenization is not the rendered ids, the older token
+                 diff of the conversation up to the turn. A turn is trained when train_on_inputs is true, its role (after the
                  `roles` mapping: human -> user, gpt -> assistant, ...) is in roles_to_train, or
                  its message_field_training flag says so. EOS: the first eos token at or after the
                  turn's end, if within 3 tokens, is trained for train_on_eos: all (every turn),
@@ -40,6 +43,7 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
+import bisect  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -47,11 +51,21 @@ import time  # noqa: E402
 import jinja2  # noqa: E402  (transformers renders chat templates with it)
 
 IGNORE = -100
-DUMMY = "[[dummy_message]]"
-# axolotl's ChatML template (chat_template: chatml).
-CHATML = ("{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
-          "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# axolotl's two placeholders: their first and last characters differ, so a template that glues an
+# edge character onto one cannot hide it from both diffs.
+SENTINELS = ("[[dummy_message]]", "zzdummymessagezz")
+# axolotl's named templates that eo-ddp ships, copied unchanged from axolotl's
+# src/axolotl/utils/chat_templates/templates/ (tools/axolotl_corpus.py templates; the version in
+# chat_templates/VERSION). eo-ddp's config check lists the same names (named_templates).
+TEMPLATE_DIR = os.path.join(_HERE, "chat_templates")
+
+
+def named_template(name):
+    path = os.path.join(TEMPLATE_DIR, name + ".jinja")
+    if not os.path.isfile(path):
+        raise DataError(f"chat_template {name!r}: eo-ddp ships no {path}")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 DEFAULT_ROLES = {"human": "user", "user": "user", "assistant": "assistant", "gpt": "assistant",
                  "system": "system", "tool": "tool"}
 ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -81,8 +95,8 @@ def load_tokenizer(spec):
     return tok
 
 
-def chat_ids(tok, template, messages):
-    enc = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True)
+def chat_ids(tok, template, messages, **kwargs):
+    enc = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True, **kwargs)
     return list(enc["input_ids"])
 
 
@@ -98,15 +112,13 @@ class ChatTemplate:
                                 "template; set chat_template: chatml (or jinja with chat_template_jinja)")
             self.template = own
         elif name == "tokenizer_default_fallback_chatml":
-            self.template = own or CHATML
-        elif name == "chatml":
-            self.template = CHATML
+            self.template = own or named_template("chatml")
         elif name == "jinja":
             if not jinja:
                 raise DataError("chat_template: jinja needs chat_template_jinja (the template text)")
             self.template = jinja
         else:
-            raise DataError(f"chat_template {name!r} is not supported")
+            self.template = named_template(name)
         self.field_messages = ds.get("field_messages") or "messages"
         self.field_role = ds.get("message_field_role") or "role"
         self.field_content = ds.get("message_field_content") or "content"
@@ -160,34 +172,91 @@ class ChatTemplate:
             out = out[1:]
         return out
 
-    def render(self, turns):
+    def messages(self, turns):
         def message(t):
             m = {"role": t["role"], "content": t["content"]}
             if t.get("thinking") is not None:
                 m[self.thinking_key] = t["thinking"]
             return m
-        return chat_ids(self.tok, self.template, [message(t) for t in turns])
+        return [message(t) for t in turns]
 
-    def find_turn(self, turns, i):
-        """Token span [start, end) of turn i's content, or (-1, -1) (axolotl's find_turn)."""
-        name = (self.tok.name_or_path or "").lower()
-        if i == 0 and turns[0]["role"] == "system" and ("mistral" in name or "gemma" in name):
+    def render(self, turns, **kwargs):
+        return chat_ids(self.tok, self.template, self.messages(turns), **kwargs)
+
+    def render_text(self, turns):
+        return self.tok.apply_chat_template(self.messages(turns), chat_template=self.template, tokenize=False)
+
+    def locator(self, turns, ids):
+        """The full render as text and its tokens' character offsets, or None where that text does
+        not tokenize back to IDS (then turns are found by the token diff)."""
+        if not getattr(self.tok, "is_fast", False):
+            return None
+        text = self.render_text(turns)
+        if not isinstance(text, str) or not text:
+            return None
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(enc["input_ids"]) != list(ids):
+            return None
+        return text, [a for a, _ in enc["offset_mapping"]], [b for _, b in enc["offset_mapping"]]
+
+    def span_from_text(self, turns, i, locator):
+        """Turn i's token span from the characters where the whole conversation, rendered with the
+        turn's content replaced by each placeholder (its thinking dropped, so thinking is in the
+        span), differs from the real render; None to fall back to the token diff."""
+        full, starts, ends = locator
+        lo, hi = len(full), 0
+        for sentinel in SENTINELS:
+            dummy = self.render_text(turns[:i] + [{"role": turns[i]["role"], "content": sentinel}] + turns[i + 1:])
+            if not isinstance(dummy, str) or not dummy:
+                return None
+            limit = min(len(full), len(dummy))
+            a = 0
+            while a < limit and full[a] == dummy[a]:
+                a += 1
+            b = 0  # the common suffix, bounded by the prefix so the two cannot overlap
+            while b < limit - a and full[-1 - b] == dummy[-1 - b]:
+                b += 1
+            lo, hi = min(lo, a), max(hi, len(full) - b)
+        if hi <= lo:
             return -1, -1
-        dummy = self.render(turns[:i] + [{"role": turns[i]["role"], "content": DUMMY}])
-        full = self.render(turns[:i + 1])
+        # A character split over tokens that share an offset: the end bisects the starts.
+        start, end = bisect.bisect_right(ends, lo), bisect.bisect_left(starts, hi)
+        if start >= len(ends) or end > len(ends):
+            return None
+        return start, end
+
+    def span_from_tokens(self, turns, i):
+        """The token diff of the conversation up to turn i with and without a placeholder for its
+        content (real_last_index: the templates that treat the last turn apart see the real one)."""
+        kwargs = {"real_last_index": len(turns) - 1} if len(turns) > 1 else {}
+        dummy = self.render(turns[:i] + [{"role": turns[i]["role"], "content": SENTINELS[0]}], **kwargs)
+        full = self.render(turns[:i + 1], **kwargs)
         if not dummy or not full:
-            return -1, -1
+            return None
         n = min(len(dummy), len(full))
         start = next((k for k in range(n) if dummy[k] != full[k]), None)
         end = next((len(full) - k for k in range(n) if dummy[len(dummy) - 1 - k] != full[len(full) - 1 - k]), None)
-        if start is None or end is None or end <= start:
-            return -1, -1
+        if start is None or end is None:
+            return None
         return start, end
+
+    def find_turn(self, turns, i, locator):
+        """Token span [start, end) of turn i's content, or (-1, -1) (axolotl's find_turn)."""
+        name = (self.tok.name_or_path or "").lower()
+        if i == 0 and turns[0]["role"] == "system" and "mistral" in name:
+            return -1, -1
+        span = self.span_from_text(turns, i, locator) if locator is not None else None
+        if span is None:
+            span = self.span_from_tokens(turns, i)
+        if span is None or span[0] == -1 or span[1] <= span[0]:
+            return -1, -1
+        return span
 
     def __call__(self, row):
         turns = self.turns(row)
         ids = self.render(turns)
         labels = [IGNORE] * len(ids)
+        locator = self.locator(turns, ids)
         # The turn's span (with its thinking: the dummy turn has none) is trained; then the first
         # end-of-turn token and the first eos within 3 tokens after it, as train_on_eot / _eos say.
         ends = [(self.eot_ids, self.train_on_eot), ({self.tok.eos_token_id}, self.train_on_eos)]
@@ -197,7 +266,7 @@ class ChatTemplate:
                 self.train_on_inputs or turn["role"] in self.roles_to_train)
             if not train and self.train_on_eos != "all" and self.train_on_eot != "all":
                 continue  # axolotl does not locate untrained turns (nor their eos for "last")
-            start, end = self.find_turn(turns, i)
+            start, end = self.find_turn(turns, i, locator)
             if start == -1:
                 continue
             if train:

@@ -319,7 +319,12 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
   }
   if (items.empty()) return plan;
   // Shared by every dataset: the tool's own rules, the tokenizer, the top-level keys.
+  // The named chat templates the tool renders (tools/chat_templates): an edited one is a new cache.
+  nlohmann::json templates = nlohmann::json::object();
+  for (const auto& e : fs::directory_iterator(fs::path(find_tool("chat_templates/VERSION")).parent_path()))
+    if (e.path().extension() == ".jinja") templates[e.path().filename().string()] = hash_file(e.path().string());
   const nlohmann::json common = {{"tool", hash_file(find_tool("prepare_data.py"))},
+                                 {"templates", templates},
                                  {"tokenizer_files", hash_tokenizer(plan.tokenizer)},
                                  {"keys", global_shape(cfg, "")}};
   for (auto& p : items) {

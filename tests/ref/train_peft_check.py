@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """The adapter eo-ddp trains loads in peft and means the same thing there.
 
-    train_peft_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR [ARCH]
+    train_peft_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR [ARCH] [--layers I,J,...]
 
 ARCH (a tools/make_tiny_model.py --arch name) runs the same on that family's tiny checkpoint,
 with LoRA on its attention linears (DeepSeek's latent attention: q_a/q_b or q_proj, kv_a, kv_b, o;
 Gemma 4: and its dense MLP, which peft adapts as plain linears). gemma4_mm is Gemma 4's multimodal
 checkpoint: eo-ddp trains its text model and says the vision tower is not trained; peft loads the
 adapter onto Gemma4ForConditionalGeneration (its exclude_modules keep the vision tower out).
+--layers trains with peft_layers_to_transform: [I, J, ...]; the modules the adapter holds must then
+be those peft's own matching (check_target_module_exists with layers_to_transform) selects.
 
 1. eo-ddp trains a short LoRA run of the bundled tiny Qwen3-MoE (configs/tiny-qwen3-moe.yaml) on
    the attention projections. (peft 0.21 with transformers 5.24 cannot target per-expert linears:
@@ -35,7 +37,13 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 BINARY, SRC, WORK = sys.argv[1:4]
-ARCH = sys.argv[4] if len(sys.argv) > 4 else None
+rest = sys.argv[4:]
+LAYERS = None
+if "--layers" in rest:
+    at = rest.index("--layers")
+    LAYERS = [int(x) for x in rest[at + 1].split(",")]
+    del rest[at:at + 2]
+ARCH = rest[0] if rest else None
 MODEL = os.path.join(SRC, "fixtures", "tiny-qwen3-moe")
 RTOL = 1e-4
 torch.set_num_threads(1)
@@ -64,6 +72,8 @@ if ARCH:
     if ARCH.startswith("gemma4"):
         targets = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
     extra = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
+if LAYERS:
+    extra += ["--set", "peft_layers_to_transform=[" + ", ".join(map(str, LAYERS)) + "]"]
 out = os.path.join(WORK, "run")
 shutil.rmtree(out, ignore_errors=True)
 train = subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
@@ -114,6 +124,7 @@ def reference_score(model):
 causal_lm = transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4") else \
     transformers.Gemma4ForConditionalGeneration if ARCH == "gemma4_mm" else transformers.AutoModelForCausalLM
 model = causal_lm.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
+linear_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]  # before peft wraps them
 base_loss, base_tokens = reference_score(model)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -126,6 +137,17 @@ placed = {n.replace(".default.", "."): p for n, p in peft_model.named_parameters
 check(set(placed) == set(saved), f"peft's LoRA parameters ({len(placed)}) are the file's tensors ({len(saved)}): "
       f"only in peft {sorted(set(placed) - set(saved))[:3]}, only in file {sorted(set(saved) - set(placed))[:3]}")
 check(all(torch.equal(placed[k], saved[k]) for k in set(placed) & set(saved)), "every loaded LoRA tensor equals the file's")
+if LAYERS:
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    lc = LoraConfig(target_modules=targets.strip("[]").split(", "), layers_to_transform=LAYERS, layers_pattern="layers")
+    expected = {n for n in linear_names if check_target_module_exists(lc, n)}
+    held = {k.split(".lora_")[0].replace("base_model.model.", "", 1) for k in saved}
+    check(held == expected and 0 < len(expected), f"layers_to_transform {LAYERS}: the adapter holds the {len(held)} modules "
+          f"peft's matching selects ({len(expected)}): only in the file {sorted(held - expected)[:3]}, only in peft "
+          f"{sorted(expected - held)[:3]}")
+    layers = {int(n.split(".")[2]) for n in held}
+    check(layers == set(LAYERS), f"only layers {sorted(layers)} are adapted")
 check(any(k.endswith("lora_B.weight") and saved[k].abs().max() > 0 for k in saved), "training moved lora_B off zero")
 
 # ---- 3. losses

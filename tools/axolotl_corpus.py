@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""axolotl's example configs as a test corpus for eo-ddp (issue #31).
+
+    axolotl_corpus.py select SDIST_DIR OUT_DIR
+        Copies, unchanged, the example configs of an axolotl source release (SDIST_DIR: the unpacked
+        `pip download axolotl==0.19.0 --no-deps --no-binary :all:`) whose base model is of an
+        architecture eo-ddp trains, plus a few of architectures it does not (to check that the
+        model_type error comes with the key problems), into OUT_DIR/<path under examples/>, and
+        writes OUT_DIR/expect.tsv: path, the architecture of the tiny stand-in checkpoint, and the
+        outcome axolotl's own keys call for (see expectation()).
+    axolotl_corpus.py templates SDIST_DIR OUT_DIR
+        Copies, unchanged, the named chat templates eo-ddp ships (SHIPPED_TEMPLATES) from the
+        release's src/axolotl/utils/chat_templates/templates/ into OUT_DIR (tools/chat_templates),
+        and writes OUT_DIR/VERSION: the release and each file's sha256.
+    axolotl_corpus.py model ARCH OUT_DIR
+        The tiny stand-in checkpoint of an expect.tsv architecture (tools/make_tiny_model.py, the tiny
+        tokenizer; gpt_oss with the harmony tokens; a config.json alone for an unsupported one).
+    axolotl_corpus.py prepare CONFIG MODEL_DIR DATA_DIR OUT_CONFIG
+        Writes OUT_CONFIG: CONFIG's text with only base_model and each dataset's path replaced, by
+        MODEL_DIR and by a local JSONL in DATA_DIR written in the shape the dataset entry asks for
+        (its type, field_messages, message_property_mappings, ...), from fixtures/tiny-chat.
+
+The architecture is decided from the base model's name (the corpus cannot reach the Hub to read
+its config.json); BASE_MODEL_ARCH is that table. A config is selected when its architecture is one
+eo-ddp supports, whatever its adapter: full fine-tunes are selected too, since eo-ddp must refuse
+them for exactly that reason.
+"""
+import json
+import os
+import re
+import shutil
+import sys
+
+import yaml
+
+# base_model (a regular expression over the Hub name) -> the model_type of its config.json.
+BASE_MODEL_ARCH = [
+    (r"Qwen3-(30B-A3B|235B-A22B)", "qwen3_moe"),
+    (r"Qwen1\.5-MoE|Qwen2-57B-A14B", "qwen2_moe"),
+    (r"Mixtral", "mixtral"),
+    (r"OLMoE", "olmoe"),
+    (r"GLM-4\.5(-Air)?$|GLM-4\.6$", "glm4_moe"),
+    (r"GLM-4\.7-Flash", "glm4_moe_lite"),
+    (r"DeepSeek-V2", "deepseek_v2"),
+    (r"DeepSeek-V3|Kimi-K2|Moonlight", "deepseek_v3"),
+    (r"gpt-oss", "gpt_oss"),
+    # Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model
+    # (the configs' regex targets name model.language_model.layers).
+    (r"Mistral-Small-4", "mistral3_mistral4"),
+    # A few of architectures eo-ddp does not train (see UNSUPPORTED_SAMPLE).
+    (r"gemma-4-26B-A4B$", "gemma4"),
+    (r"Llama-4-Scout", "llama4"),
+    (r"Qwen3-Next-80B-A3B-Instruct$", "qwen3_next"),
+]
+SUPPORTED = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v2",
+             "deepseek_v3", "gpt_oss", "mistral3_mistral4"}
+# Adapter configs of unsupported architectures kept in the corpus: each must list the model_type
+# error together with its key problems in one run.
+UNSUPPORTED_SAMPLE = {"gemma4/26b-a4b-moe-qlora.yaml", "llama-4/scout-qlora-single-h100-flex.yaml",
+                      "qwen3-next/qwen3-next-80b-a3b-qlora.yaml"}
+
+
+def arch_of(base_model):
+    for pattern, arch in BASE_MODEL_ARCH:
+        if re.search(pattern, base_model or ""):
+            return arch
+    return None
+
+
+# The in-scope rejections (FSDP, DeepSpeed, expert parallel, full fine-tune, 8-bit loading, new
+# tokens) as eo-ddp words them; each is decided here from the keys axolotl reads, not from eo-ddp.
+IN_SCOPE = {
+    "fsdp": "FSDP shards every weight",
+    "dp_shard": "sharded data parallelism is FSDP",
+    "deepspeed": "DeepSpeed/ZeRO partitions",
+    "expert_parallel": "expert parallelism places different experts",
+    "full": "eo-ddp trains adapters only",
+    "unfrozen": "a full or partial fine-tune of base weights",
+    "8bit": "8-bit loading is not supported",
+    "tokens": "eo-ddp adds no tokens",
+}
+# Problems beyond those, each with why it is right (path -> texts).
+EXTRA = {
+    # warmup_steps is an int in axolotl's schema: pydantic refuses 0.1 as well.
+    "expert_parallel/qwen3_30ba3b_ep_fft_4gpu.yaml": ["warmup_steps: expected an integer"],
+    "expert_parallel/qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml": ["warmup_steps: expected an integer"],
+    "expert_parallel/qwen3_30ba3b_ep_lora_4gpu.yaml": ["warmup_steps: expected an integer"],
+    # Vision data: eo-ddp reads text formats only.
+    "mistral4/fft-vision.yml": ["processor_type: not supported"],
+    "mistral4/qlora-vision.yml": ["processor_type: not supported"],
+    # Qwen3-Next's gated shared expert: a module eo-ddp knows of no architecture it trains.
+    "qwen3-next/qwen3-next-80b-a3b-qlora.yaml": ["unknown module 'shared_expert_gate'"],
+}
+# Refused for what eo-ddp does not implement (not an in-scope rejection): a gap, listed as such.
+GAPS = {
+    # An NVFP4 checkpoint (nvidia/Qwen3-30B-A3B-NVFP4) and its merge-aware LoRA: eo-ddp loads no NVFP4.
+    "qwen3/30b-a3b-nvfp4-lora.yaml": ["nvfp4_merge_aware: not supported"],
+}
+
+
+def expectation(rel, cfg, arch):
+    """(outcome, texts): ok, refused (each problem an in-scope rejection or a listed one) or
+    unsupported (the model_type error, with the key problems beside it)."""
+    reasons = []
+    plugins = cfg.get("plugins") or []
+    if cfg.get("fsdp") or cfg.get("fsdp_config"):
+        reasons.append(IN_SCOPE["fsdp"])
+    if (cfg.get("dp_shard_size") or 1) > 1:
+        reasons.append(IN_SCOPE["dp_shard"])
+    if cfg.get("deepspeed"):
+        reasons.append(IN_SCOPE["deepspeed"])
+    if any("ExpertParallel" in p for p in plugins) or (cfg.get("expert_parallel_size") or 1) > 1:
+        reasons.append(IN_SCOPE["expert_parallel"])
+    if not cfg.get("adapter"):
+        reasons.append(IN_SCOPE["full"])
+    if cfg.get("unfrozen_parameters"):
+        reasons.append(IN_SCOPE["unfrozen"])
+    if cfg.get("load_in_8bit"):
+        reasons.append(IN_SCOPE["8bit"])
+    if cfg.get("tokens"):
+        reasons.append(IN_SCOPE["tokens"])
+    reasons += EXTRA.get(rel, []) + GAPS.get(rel, [])
+    if arch not in SUPPORTED or arch == "mistral3_mistral4":
+        model_type = "mistral3" if arch == "mistral3_mistral4" else arch
+        return "unsupported", ["model_type '%s' is not supported" % model_type] + reasons
+    return ("refused" if reasons else "ok"), reasons
+
+
+# axolotl's named chat templates eo-ddp renders as axolotl does (tools/prepare_data.py; the config
+# check's named_templates lists the same names): ChatML and the own templates of the families the
+# issue names. The others are refused with a pointer to tokenizer_default.
+SHIPPED_TEMPLATES = ["chatml", "deepseek_v2", "deepseek_v3", "gemma4", "llama4", "qwen3"]
+
+
+def templates(sdist, out):
+    import hashlib
+    src = os.path.join(sdist, "src", "axolotl", "utils", "chat_templates", "templates")
+    version = os.path.basename(os.path.normpath(sdist))  # axolotl-X.Y.Z, as the sdist unpacks
+    os.makedirs(out, exist_ok=True)
+    shutil.copyfile(os.path.join(sdist, "LICENSE"), os.path.join(out, "LICENSE"))  # Apache-2.0
+    lines = ["# axolotl's named chat templates, copied unchanged by tools/axolotl_corpus.py templates from",
+             "# %s (src/axolotl/utils/chat_templates/templates/; Apache-2.0): file, sha256" % version]
+    for name in SHIPPED_TEMPLATES:
+        dest = os.path.join(out, name + ".jinja")
+        shutil.copyfile(os.path.join(src, name + ".jinja"), dest)
+        with open(dest, "rb") as fh:
+            lines.append("%s.jinja\t%s" % (name, hashlib.sha256(fh.read()).hexdigest()))
+    with open(os.path.join(out, "VERSION"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def select(sdist, out):
+    examples = os.path.join(sdist, "examples")
+    rows = []
+    for root, _, files in os.walk(examples):
+        for f in sorted(files):
+            if not f.endswith((".yml", ".yaml")):
+                continue
+            path = os.path.join(root, f)
+            rel = os.path.relpath(path, examples)
+            with open(path) as fh:
+                cfg = yaml.safe_load(fh)
+            if not isinstance(cfg, dict):
+                continue
+            arch = arch_of(cfg.get("base_model"))
+            if arch is None or (arch not in SUPPORTED and rel not in UNSUPPORTED_SAMPLE):
+                continue
+            dest = os.path.join(out, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(path, dest)
+            outcome, texts = expectation(rel, cfg, arch)
+            rows.append((rel, arch, outcome, " | ".join(texts)))
+    rows.sort()
+    shutil.copyfile(os.path.join(sdist, "LICENSE"), os.path.join(out, "LICENSE"))  # Apache-2.0
+    with open(os.path.join(out, "expect.tsv"), "w") as fh:
+        fh.write("# written by tools/axolotl_corpus.py select: path, tiny architecture, outcome (ok: --check passes and "
+                 "3 steps train; refused / unsupported: exit 2), the texts ' | ' that must each be in the problems, "
+                 "every problem holding one of them\n")
+        for r in rows:
+            fh.write("\t".join(r) + "\n")
+    for r in rows:
+        print("\t".join(r))
+    print("selected %d configs" % len(rows), file=sys.stderr)
+
+
+# gpt-oss's tokenizer as far as its configs rely on it: the harmony tokens (eot_tokens: <|end|>) and a
+# template that renders a message's thinking field (template_thinking_key) in the analysis channel.
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"]
+HARMONY_TEMPLATE = (
+    "{%- set tk = template_thinking_key | default('thinking') %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- if message[tk] %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message[tk] + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
+
+
+def make_model(arch, out, root):
+    """The tiny stand-in checkpoint of ARCH in OUT, with the tiny tokenizer of fixtures/tiny-qwen3-moe."""
+    import subprocess
+    os.makedirs(out, exist_ok=True)
+    tok_dir = os.path.join(root, "fixtures", "tiny-qwen3-moe")
+    if arch in SUPPORTED and arch != "mistral3_mistral4":
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", arch, "--out", out],
+                       check=True, stdout=subprocess.DEVNULL)
+    elif arch == "mistral3_mistral4":
+        # Mistral 3's multimodal model around a tiny mistral4 text model, as the Hub ships Mistral Small 4.
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "mistral4", "--out",
+                        out], check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "config.json")) as fh:
+            text = json.load(fh)
+        with open(os.path.join(out, "config.json"), "w") as fh:
+            json.dump({"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+                       "text_config": text, "vision_config": {"model_type": "pixtral"}}, fh, indent=1)
+    else:
+        # An architecture eo-ddp does not train: its config.json is all --check reads before refusing it.
+        with open(os.path.join(out, "config.json"), "w") as fh:
+            json.dump({"model_type": arch}, fh)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(tok_dir, f), os.path.join(out, f))
+    if arch == "gpt_oss":
+        with open(os.path.join(out, "tokenizer.json")) as fh:
+            tok = json.load(fh)
+        next_id = max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"])) + 1
+        for i, t in enumerate(HARMONY_TOKENS):
+            tok["added_tokens"].append({"id": next_id + i, "content": t, "single_word": False, "lstrip": False,
+                                        "rstrip": False, "normalized": False, "special": True})
+        with open(os.path.join(out, "tokenizer.json"), "w") as fh:
+            json.dump(tok, fh)
+        with open(os.path.join(out, "tokenizer_config.json")) as fh:
+            tc = json.load(fh)
+        tc["chat_template"] = HARMONY_TEMPLATE
+        with open(os.path.join(out, "tokenizer_config.json"), "w") as fh:
+            json.dump(tc, fh, indent=1)
+
+
+def rows_needed(cfg, entry):
+    """Rows enough for 3 optimizer steps of one micro-batch (tests/axolotl_upstream.sh trains with
+    gradient_accumulation_steps 1) after ENTRY's split slice and the held-out share, with a margin
+    (a packed sequence of sequence_len holds about sequence_len / 150 of the tiny rows)."""
+    per_step = cfg.get("micro_batch_size") or 1
+    per_seq = max(1, (cfg.get("sequence_len") or 2048) // 100) if cfg.get("sample_packing") else 1
+    share = 1.0
+    m = re.search(r"\[(\d*)%?:(\d*)(%?)\]", str(entry.get("split") or ""))
+    if m and m.group(3):
+        share = (float(m.group(2) or 100) - float(m.group(1) or 0)) / 100.0
+    val = cfg.get("val_set_size") or 0
+    share *= 1.0 - (val if val < 1 else 0)
+    return int(3 * per_step * per_seq / share) + 1
+
+
+def write_data(entry, dest, root, rows=48):
+    """A local JSONL in the shape DATASETS entry ENTRY reads, from the tiny chat / alpaca fixtures
+    (their rows repeated to ROWS at least)."""
+    kind = entry.get("type") or "chat_template"
+    kind = kind if isinstance(kind, str) else "chat_template"
+    fixtures = os.path.join(root, "fixtures", "tiny-chat")
+    def repeated(name):
+        with open(os.path.join(fixtures, name)) as fh:
+            lines = fh.read().splitlines()
+        return [lines[i % len(lines)] for i in range(max(rows, len(lines)))]
+
+    if kind.startswith("alpaca") or kind == "completion":
+        with open(dest, "w") as out:
+            out.write("\n".join(repeated("alpaca.jsonl" if kind != "completion" else "completion.jsonl")) + "\n")
+        return
+    maps = entry.get("message_property_mappings") or {}
+    role_key = maps.get("role") or entry.get("message_field_role") or "role"
+    content_key = maps.get("content") or entry.get("message_field_content") or "content"
+    sharegpt_roles = role_key == "from"  # ShareGPT data (FineTome and the like) name the roles human / gpt
+    thinking = entry.get("field_thinking")
+    with open(dest, "w") as out:
+        for i, line in enumerate(repeated("chat.jsonl")):
+            msgs = []
+            for m in json.loads(line)["messages"]:
+                role = {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]) if sharegpt_roles else m["role"]
+                row = {role_key: role, content_key: m["content"]}
+                if thinking and m["role"] == "assistant":
+                    row[thinking] = "Think about it, step %d." % i
+                msgs.append(row)
+            out.write(json.dumps({entry.get("field_messages") or "messages": msgs}) + "\n")
+
+
+def prepare(config, model, data_dir, out_config, root):
+    """CONFIG's text with only base_model and the dataset paths replaced (the rest byte for byte)."""
+    with open(config) as fh:
+        text = fh.read()
+    cfg = yaml.safe_load(text)
+    text, n = re.subn(r"(?m)^base_model:.*$", "base_model: " + model, text)
+    assert n == 1, "%s: one base_model line expected" % config
+    os.makedirs(data_dir, exist_ok=True)
+    name = os.path.splitext(os.path.basename(out_config))[0]
+    lines = text.split("\n")
+    cursor = 0
+    for section in ("datasets", "test_datasets"):
+        for k, entry in enumerate(cfg.get(section) or []):
+            dest = os.path.join(data_dir, "%s-%s-%d.jsonl" % (name, section, k))
+            write_data(entry, dest, root, rows_needed(cfg, entry))
+            # The entry's `path:` line, the next one after the previous entry's.
+            pat = re.compile(r"^(\s*(?:-\s+)?path:\s*)" + re.escape(str(entry["path"])) + r"\s*(#.*)?$")
+            while not pat.match(lines[cursor]):
+                cursor += 1
+            lines[cursor] = pat.sub(lambda m: m.group(1) + dest, lines[cursor])
+    with open(out_config, "w") as fh:
+        fh.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = sys.argv[1:2]
+    if cmd == ["select"] and len(sys.argv) == 4:
+        select(sys.argv[2], sys.argv[3])
+    elif cmd == ["templates"] and len(sys.argv) == 4:
+        templates(sys.argv[2], sys.argv[3])
+    elif cmd == ["model"] and len(sys.argv) == 4:
+        make_model(sys.argv[2], sys.argv[3], here)
+    elif cmd == ["prepare"] and len(sys.argv) == 6:
+        prepare(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], here)
+    else:
+        sys.exit(__doc__)
