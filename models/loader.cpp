@@ -565,8 +565,10 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       }
     if (b.has_shared_) add_mlp(p + "mlp." + c.shared_expert_name(), b.shared_);
   }
-  // Each site's layer, from its name (every site is under model.layers.{i}.).
-  for (std::size_t i = first; i < sites.size(); ++i) sites[i].layer = std::stoi(sites[i].module.substr(sizeof("model.layers.") - 1));
+  // Each site's layer, from its name (every site is under <decoder prefix>layers.{i}.; a multimodal
+  // checkpoint's decoder prefix is model.language_model.).
+  const std::size_t layer_at = c.decoder_prefix().size() + sizeof("layers.") - 1;
+  for (std::size_t i = first; i < sites.size(); ++i) sites[i].layer = std::stoi(sites[i].module.substr(layer_at));
   return sites;
 }
 

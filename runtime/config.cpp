@@ -1452,9 +1452,9 @@ void note_named_template(const std::string& value, const std::string& key, const
                          std::vector<std::string>& warnings) {
   const auto it = shipped_templates().find(value);
   if (it == shipped_templates().end() || it->second.empty()) return;
-  const auto& fams = it->second;
+  const auto& fams = it->second;  // the family's model_types; the first names it
   if (std::find(fams.begin(), fams.end(), mc.model_type) == fams.end())
-    warnings.push_back(key + ": " + value + " is axolotl's template for " + join(fams, ", ") + ", rendered on " +
+    warnings.push_back(key + ": " + value + " is axolotl's template for " + fams.front() + ", rendered on " +
                        mc.model_type + "'s tokenizer as axolotl does (tokens it lacks are split into pieces); its own "
                        "template is chat_template: tokenizer_default");
 }
