@@ -19,6 +19,7 @@
 
 #include "models/safetensors.h"
 #include "tests/fault_support.h"
+#include "tests/grad_scaler_rule.h"
 #include "tests/temp_dir_test.h"
 
 namespace fs = std::filesystem;
@@ -48,22 +49,13 @@ std::vector<std::string> with(std::vector<std::string> v, const std::vector<std:
   return v;
 }
 
-// GradScaler's rule in float64 (torch.amp.GradScaler.update, defaults: 2^16, x2, x0.5): the
-// scale each step's loss is multiplied by, for the set of steps that overflow.
+// GradScaler's rule (tests/grad_scaler_rule.h): the scale each step's loss is multiplied by, for
+// the set of steps that overflow; 1-based.
 std::vector<double> reference_scales(std::int64_t steps, const std::set<std::int64_t>& overflow, std::int64_t interval) {
-  std::vector<double> used{0.0};  // 1-based
-  double scale = 65536.0;
-  std::int64_t clean = 0;
-  for (std::int64_t s = 1; s <= steps; ++s) {
-    used.push_back(scale);
-    if (overflow.count(s)) {
-      scale *= 0.5;
-      clean = 0;
-    } else if (++clean == interval) {
-      scale *= 2.0;
-      clean = 0;
-    }
-  }
+  std::string flags;
+  for (std::int64_t s = 1; s <= steps; ++s) flags += overflow.count(s) ? '1' : '0';
+  std::vector<double> used = eo::testing::grad_scaler_scales(flags, interval);
+  used.insert(used.begin(), 0.0);
   return used;
 }
 

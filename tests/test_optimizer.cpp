@@ -16,6 +16,7 @@
 #include "runtime/config.h"
 #include "runtime/loss_scale.h"
 #include "runtime/optimizer.h"
+#include "tests/grad_scaler_rule.h"
 
 using namespace eo;
 
@@ -342,28 +343,6 @@ TEST(LrSchedule, MatchesTransformersGetScheduler) {
 }
 
 namespace {
-// GradScaler.update's rule in float64, written out from torch's documentation: an overflow
-// multiplies the scale by the backoff factor and resets the count of clean steps; a clean step
-// counts, and the growth_interval-th in a row multiplies the scale by the growth factor.
-std::vector<double> reference_scales(const std::string& flags, std::int64_t interval, double* final_scale,
-                                     std::int64_t* final_tracker) {
-  double scale = 65536.0;
-  std::int64_t clean = 0;
-  std::vector<double> used;
-  for (char f : flags) {
-    used.push_back(scale);
-    if (f == '1') {
-      scale *= 0.5;
-      clean = 0;
-    } else if (++clean == interval) {
-      scale *= 2.0;
-      clean = 0;
-    }
-  }
-  *final_scale = scale;
-  *final_tracker = clean;
-  return used;
-}
 
 // What the LossScaler multiplies each step's loss by, for one overflow flag per step.
 std::vector<double> scaler_scales(const std::string& flags, std::int64_t interval, eo::LossScaler& s) {
@@ -409,7 +388,7 @@ TEST(LossScaler, MatchesTorchGradScaler) {
     }
     double ref_final = 0;
     std::int64_t ref_tracker = 0;
-    const std::vector<double> ref = reference_scales(flags, interval, &ref_final, &ref_tracker);
+    const std::vector<double> ref = eo::testing::grad_scaler_scales(flags, interval, &ref_final, &ref_tracker);
     eo::LossScaler scaler(true, at::kCPU, interval);
     const std::vector<double> got = scaler_scales(flags, interval, scaler);
     ASSERT_EQ(torch_used.size(), flags.size()) << text.substr(0, 2000);
