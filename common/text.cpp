@@ -7,42 +7,61 @@
 
 namespace eo {
 
-std::size_t edit_distance(const std::string& a, const std::string& b) {
-  // Damerau-Levenshtein (optimal string alignment): a swapped pair of letters is one edit,
-  // which is the commonest typo in long keys ("offlaod").
+namespace {
+// Damerau-Levenshtein (optimal string alignment): a swapped pair of letters is one edit, which is
+// the commonest typo in long keys ("offlaod"). Stops as soon as every alignment is past `bound`
+// (then returns bound + 1): closest_match asks only whether a candidate beats the best so far,
+// and a config can hold a thousand unknown keys against hundreds of candidates.
+std::size_t bounded_edit_distance(const std::string& a, const std::string& b, std::size_t bound) {
   const std::size_t n = a.size(), m = b.size();
-  std::vector<std::vector<std::size_t>> d(n + 1, std::vector<std::size_t>(m + 1));
-  for (std::size_t i = 0; i <= n; ++i) d[i][0] = i;
-  for (std::size_t j = 0; j <= m; ++j) d[0][j] = j;
+  const std::size_t gap = n > m ? n - m : m - n;
+  if (gap > bound) return bound + 1;
+  // Three rolling rows (the transposition looks two rows back).
+  std::vector<std::size_t> rows(3 * (m + 1));
+  std::size_t* two_back = rows.data();
+  std::size_t* prev = two_back + (m + 1);
+  std::size_t* cur = prev + (m + 1);
+  for (std::size_t j = 0; j <= m; ++j) prev[j] = j;
+  std::size_t prev_min = 0;
   for (std::size_t i = 1; i <= n; ++i) {
+    cur[0] = i;
+    std::size_t row_min = cur[0];
     for (std::size_t j = 1; j <= m; ++j) {
       const std::size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
-      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
-      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
-        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) cur[j] = std::min(cur[j], two_back[j - 2] + 1);
+      row_min = std::min(row_min, cur[j]);
     }
+    // A later cell costs at least this row's minimum, or the previous row's plus one (a
+    // transposition reaches back two rows): once both are past the bound, so is the answer.
+    if (row_min > bound && prev_min + 1 > bound) return bound + 1;
+    prev_min = row_min;
+    std::swap(two_back, prev);
+    std::swap(prev, cur);
   }
-  return d[n][m];
+  return std::min(prev[m], bound + 1);
+}
+}  // namespace
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  return bounded_edit_distance(a, b, std::max(a.size(), b.size()));
 }
 
 std::optional<std::string> closest_match(const std::string& word, const std::vector<std::string>& candidates) {
   // Accept up to a third of the word's length in edits (at least 2).
   const std::size_t limit = std::max<std::size_t>(2, word.size() / 3);
   std::optional<std::string> best;
-  std::size_t best_d = SIZE_MAX;
+  std::size_t best_d = limit + 1;
   for (const auto& c : candidates) {
-    // The distance is at least the length difference: skip what could not be accepted anyway
-    // (keeps a config with many long unknown keys from taking quadratic time per key).
-    const std::size_t gap = word.size() > c.size() ? word.size() - c.size() : c.size() - word.size();
-    if (gap > limit) continue;
-    const std::size_t d = edit_distance(word, c);
+    // Only a candidate strictly better than the best so far matters (the first best wins ties).
+    if (best_d == 0) break;
+    const std::size_t d = bounded_edit_distance(word, c, best_d - 1);
     if (d < best_d) {
       best_d = d;
       best = c;
     }
   }
-  if (best && best_d <= limit) return best;
-  return std::nullopt;
+  return best;
 }
 
 std::string human_bytes(double bytes) {

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <deque>
 
+#include <nlohmann/json.hpp>
+
 #include "common/error.h"
 #include "common/log.h"
 #include "common/text.h"
@@ -469,8 +471,33 @@ OffloadStats ExpertOffloader::take_step_stats() {
     time(c.copy, out.copy_seconds);
     time(c.stall, out.stall_seconds);
   }
+  out.memcpy_link = !cuda_;
+#else
+  out.memcpy_link = true;
 #endif
+  out.resident_blocks = static_cast<std::int64_t>(resident_layers().size());
+  out.disk_homes = homes_on_disk();
   return out;
+}
+
+nlohmann::json OffloadStats::to_metrics() const {
+  nlohmann::json m;
+  m["staged_bytes"] = copied_bytes;
+  m["stagings"] = copies;
+  m["stage_calls"] = stage_calls;
+  m["h2d_gbps"] = copy_seconds > 0 ? double(copied_bytes) / copy_seconds / 1e9 : 0.0;
+  if (memcpy_link) m["staging_link"] = "memcpy";
+  m["copy_s"] = copy_seconds;
+  m["stall_s"] = stall_seconds;
+  m["resident_blocks"] = resident_blocks;
+  if (disk_homes) {
+    m["disk_read_bytes"] = disk_read_bytes;
+    m["disk_reads"] = disk_reads;
+    m["disk_ring_hits"] = disk_ring_hits;  // copies whose block was still in the ring: not read again
+    m["disk_gbps"] = disk_read_seconds > 0 ? double(disk_read_bytes) / disk_read_seconds / 1e9 : 0.0;
+    m["disk_wait_s"] = disk_wait_seconds;
+  }
+  return m;
 }
 
 std::int64_t ExpertOffloader::home_bytes() const {

@@ -41,6 +41,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "models/weights.h"
 #include "offload/home_store.h"
 #include "offload/homes.h"
@@ -76,6 +78,14 @@ struct OffloadStats {
   // Blocks a copy found still in the ring from an earlier use were not read again (disk_ring_hits).
   std::int64_t disk_reads = 0, disk_read_bytes = 0, disk_unplanned = 0, disk_ring_hits = 0;
   double disk_read_seconds = 0, disk_wait_seconds = 0;
+  // The engine's shape when the step was taken: blocks resident within the VRAM budget, homes on
+  // a drive, copies made by memcpy (no device: the CPU's "link").
+  std::int64_t resident_blocks = 0;
+  bool disk_homes = false, memcpy_link = false;
+
+  // The step's metrics.jsonl fields (README: metrics): staged bytes, H2D rate, copy and stall
+  // time; with disk homes, the drive's reads.
+  nlohmann::json to_metrics() const;
 };
 
 class ExpertOffloader : public model::WeightProvider {

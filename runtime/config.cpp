@@ -1715,6 +1715,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   TrainConfig cfg;
   cfg.source = source;
   std::set<std::string> present;
+  std::vector<std::string> candidates;  // for "did you mean": the schema's keys and axolotl's
+  int suggested = 0;
   for (const auto& [key_in, node] : entries) {
     std::string key = key_in;
     // axolotl's overrides of transformers' config: eo-ddp reads the one that changes the loss.
@@ -1740,10 +1742,17 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
     if (!spec && axo && is_off(node, false)) continue;  // model_config: or gradient_checkpointing_kwargs: left empty
     if (!spec) {
       std::string msg = "unknown key";
-      std::vector<std::string> candidates = known;
-      for (const auto& a : axolotl_table())
-        if (std::string(a.key).rfind("datasets[].", 0) != 0) candidates.push_back(a.key);
-      if (auto m = closest_match(key, candidates)) msg += "; did you mean '" + *m + "'?";
+      // A config with hundreds of unknown keys (YAML aliases repeat maps) is no typo: past the
+      // first few, the suggestion search, the costly part, is skipped.
+      constexpr int kSuggestedKeys = 32;
+      if (candidates.empty()) {
+        candidates = known;
+        for (const auto& a : axolotl_table())
+          if (std::string(a.key).rfind("datasets[].", 0) != 0) candidates.push_back(a.key);
+      }
+      std::optional<std::string> m;
+      if (suggested++ < kSuggestedKeys) m = closest_match(key, candidates);
+      if (m) msg += "; did you mean '" + *m + "'?";
       else msg += "; `eo-ddp --help-config` lists every key";
       issues.push_back({key, msg});
       continue;

@@ -568,28 +568,13 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
 
   // ---- optimizer and resume
   run.optimizer = std::make_unique<Optimizer>(lora, cfg);
-  std::string resume = cfg.resume_from_checkpoint;
-  if (resume == "auto") {
-    auto latest = latest_checkpoint(cfg.output_dir);
-    resume = latest.value_or("");
-    if (!latest) log::info("resume_from_checkpoint: auto found no checkpoint in " + cfg.output_dir + "; starting fresh");
-  }
+  const std::string resume = resume_folder(cfg);
   if (resume.empty() && !cfg.lora_model_dir.empty()) {
     model->load_adapter_weights(cfg.lora_model_dir);  // its config was checked against this one's
     log::info("LoRA weights from " + cfg.lora_model_dir + " (lora_model_dir); fresh optimizer state");
   }
   if (!resume.empty()) {
-    TrainingState s = load_checkpoint(resume);
-    std::map<std::string, at::Tensor> saved(s.lora.begin(), s.lora.end());
-    for (const auto& [n, p] : lora) {
-      auto it = saved.find(n);
-      EO_CHECK(it != saved.end(), "checkpoint ", resume, " has no tensor ", n, " (different model or lora_target_modules?)");
-      EO_CHECK(it->second.sizes() == p.sizes(), "checkpoint ", resume, ": ", n, " has shape ", it->second.sizes(),
-               ", the model ", p.sizes(), " (different lora_r?)");
-      at::NoGradGuard ng;
-      p.copy_(it->second);
-    }
-    EO_CHECK(saved.size() == lora.size(), "checkpoint ", resume, " has ", saved.size(), " LoRA tensors, the model ", lora.size());
+    TrainingState s = resume_lora(resume, lora);
     run.optimizer->load_state(std::map<std::string, at::Tensor>(s.optimizer.begin(), s.optimizer.end()));
     restore_rng(s.rng, device);
     batcher.restore(s.data_cursor);

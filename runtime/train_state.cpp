@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -843,6 +844,28 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
   json run = {{"format", "eo-ddp-run-1"}, {"run_id", claim.run_id}, {"lineage", lineage}};
   write_file_atomic((fs::path(dir) / kRunFile).string(), run.dump(2) + "\n");
   return claim;
+}
+
+std::string resume_folder(const TrainConfig& cfg) {
+  if (cfg.resume_from_checkpoint != "auto") return cfg.resume_from_checkpoint;
+  const auto latest = latest_checkpoint(cfg.output_dir);
+  if (!latest) log::info("resume_from_checkpoint: auto found no checkpoint in " + cfg.output_dir + "; starting fresh");
+  return latest.value_or("");
+}
+
+TrainingState resume_lora(const std::string& folder, const NamedTensors& lora) {
+  TrainingState s = load_checkpoint(folder);
+  std::map<std::string, at::Tensor> saved(s.lora.begin(), s.lora.end());
+  for (const auto& [n, p] : lora) {
+    auto it = saved.find(n);
+    EO_CHECK(it != saved.end(), "checkpoint ", folder, " has no tensor ", n, " (different model or lora_target_modules?)");
+    EO_CHECK(it->second.sizes() == p.sizes(), "checkpoint ", folder, ": ", n, " has shape ", it->second.sizes(),
+             ", the model ", p.sizes(), " (different lora_r?)");
+    at::NoGradGuard ng;
+    p.copy_(it->second);
+  }
+  EO_CHECK(saved.size() == lora.size(), "checkpoint ", folder, " has ", saved.size(), " LoRA tensors, the model ", lora.size());
+  return s;
 }
 
 }  // namespace eo

@@ -80,6 +80,14 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
 // names that are not checkpoint-<step> with a step eo-ddp can write are ignored with a warning.
 std::optional<std::string> latest_checkpoint(const std::string& output_dir);
 
+// The checkpoint a run continues from: resume_from_checkpoint's folder, with `auto` the newest
+// complete one in output_dir (logged when there is none); empty: a fresh start.
+std::string resume_folder(const TrainConfig& cfg);
+// Loads checkpoint `folder` and copies its LoRA tensors into `lora`, which must match them all by
+// name and shape (eo::Error naming the first that does not: a different model, lora_target_modules
+// or lora_r). Returns the rest (optimizer, RNG, data cursor, step, extra) for the caller to restore.
+TrainingState resume_lora(const std::string& folder, const NamedTensors& lora);
+
 // Why the files of checkpoint `folder` are not those saved (a file changed, missing, or the
 // checksum file itself damaged), or "" when they all match (or the checkpoint predates checksums).
 std::string checkpoint_damage(const std::string& folder);

@@ -25,6 +25,7 @@
 #include "runtime/evaluate.h"
 #include "runtime/loss_scale.h"
 #include "runtime/metrics.h"
+#include "runtime/one_step_behind.h"
 #include "runtime/optimizer.h"
 #include "runtime/setup.h"
 #include "runtime/signals.h"
@@ -172,12 +173,11 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   };
 
   // ---- loop
-  // The host queues step s, then reads step s-1's losses and gradient norm, done on the device by
-  // then (it is running step s): the device does not wait for the host between steps, however
-  // busy the host's cores are. A step with a non-finite loss or gradient is skipped on the device
-  // (Optimizer::step's skip); the host learns of it, counts and warns one step later. A step
-  // whose outcome the host needs before going on (the last, a save, an evaluation, a stop, the
-  // first with an automatic budget, an after_step hook) is read before the next is queued.
+  // The host reads each step one step late (runtime/one_step_behind.h). A step with a non-finite
+  // loss or gradient is skipped on the device (Optimizer::step's skip); the host learns of it,
+  // counts and warns one step later. A step whose outcome the host needs before going on (the
+  // last, a save, an evaluation, a stop, the first with an automatic budget, an after_step hook)
+  // is read before the next is queued.
   //
   // Step times come from the device: a mark where the step's device work begins and one where it
   // ends (DeviceMark: CUDA events on the compute stream, the wall clock on the CPU). A step's time
@@ -200,7 +200,6 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   DeviceMark last_end;  // the previous step's end, unset after work between steps
   reset_peak_memory(device);
   bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
-  std::optional<Queued> pending;
   auto finish = [&](Queued q, bool eval_now) {
     const double* v = q.values.get().data_ptr<double>();  // waits for this step only
     const double ce_sum = v[0], aux_sum = v[1], bad_ranks = v[2], grad_norm = v[3], bad_state = v[4], loss_scale = v[5];
@@ -248,24 +247,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     r.peak_mem_bytes = peak_memory_bytes(device);
     r.elapsed_s = seconds_since(t_start);
     if (cfg.output_router_logits) r.extra["aux_loss"] = aux_sum / double(accum * wi.world_size);
-    if (offloader) {
-      const offload::OffloadStats os = offloader->take_step_stats();
-      r.extra["staged_bytes"] = os.copied_bytes;
-      r.extra["stagings"] = os.copies;
-      r.extra["stage_calls"] = os.stage_calls;
-      r.extra["h2d_gbps"] = os.copy_seconds > 0 ? double(os.copied_bytes) / os.copy_seconds / 1e9 : 0.0;
-      if (!device.is_cuda()) r.extra["staging_link"] = "memcpy";
-      r.extra["copy_s"] = os.copy_seconds;
-      r.extra["stall_s"] = os.stall_seconds;
-      r.extra["resident_blocks"] = offloader->resident_layers().size();
-      if (offloader->homes_on_disk()) {
-        r.extra["disk_read_bytes"] = os.disk_read_bytes;
-        r.extra["disk_reads"] = os.disk_reads;
-        r.extra["disk_ring_hits"] = os.disk_ring_hits;  // copies whose block was still in the ring: not read again
-        r.extra["disk_gbps"] = os.disk_read_seconds > 0 ? double(os.disk_read_bytes) / os.disk_read_seconds / 1e9 : 0.0;
-        r.extra["disk_wait_s"] = os.disk_wait_seconds;
-      }
-    }
+    if (offloader) r.extra.update(offloader->take_step_stats().to_metrics());
     if (result.steps == 0) result.first_loss = r.loss;
     result.last_loss = r.loss;
     result.steps = q.step;
@@ -294,18 +276,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
               "); stopping. Those steps did not change the adapter. Lower learning_rate, check the data, or ",
               earlier_checkpoint());
   };
-  // A failure while the next step is queued (a fault on this rank, a device error) still leaves
-  // the step already done reported: its metrics line is not lost with the step that failed.
-  auto flush_pending = [&] {
-    std::optional<Queued> done = std::move(pending);
-    pending.reset();
-    if (!done) return;
-    try {
-      finish(std::move(*done), /*eval_now=*/false);
-    } catch (const std::exception& e) {
-      log::warn(std::string("could not report step ") + std::to_string(done->step) + " after the failure: " + e.what());
-    }
-  };
+  OneStepBehind<Queued> reader(finish);
   while (step < total_steps) try {
     if (hooks.before_step) hooks.before_step(step + 1);
     const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
@@ -378,14 +349,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const bool eval_now = run.eval_rows && ((eval_every > 0 && step % eval_every == 0) || step == total_steps);
     const bool save_now = save_every > 0 && step % save_every == 0 && step < total_steps;
     if (faults::plan().after_queue) faults::plan().after_queue(step);  // test seam
-    if (std::optional<Queued> previous = std::move(pending); previous) {
-      pending.reset();
-      finish(std::move(*previous), /*eval_now=*/false);
-    }
-    if (step == total_steps || eval_now || save_now || stop[0] > 0 || auto_budget_pending || hooks.after_step)
-      finish(std::move(q), eval_now);
-    else
-      pending = std::move(q);
+    reader.queued(std::move(q), step == total_steps || eval_now || save_now || stop[0] > 0 || auto_budget_pending || hooks.after_step,
+                  eval_now);
     if (stop[0] > 0) {
       save("stop requested by signal " + std::to_string(stop_signal()));
       log::info("stopped at step " + std::to_string(step) + "; resume with resume_from_checkpoint: auto");
@@ -404,7 +369,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
       last_end = DeviceMark();
     }
   } catch (...) {
-    flush_pending();
+    reader.flush_after_failure();
     throw;
   }
   save("end of training");

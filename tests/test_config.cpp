@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <iterator>
 #include <set>
 
@@ -439,6 +440,40 @@ TEST(Text, BytesAndSuggestions) {
   EXPECT_EQ(edit_distance("offlaod", "offload"), 1u);
   EXPECT_EQ(closest_match("lora_rr", {"lora_r", "lora_alpha"}).value(), "lora_r");
   EXPECT_FALSE(closest_match("zzzzzz", {"lora_r"}));
+}
+
+// The suggestion search stops early against the best candidate so far; its answers must be the
+// full optimal-string-alignment table's, written out here independently, on random near-miss words.
+TEST(Text, SuggestionsEqualTheFullDistanceTable) {
+  auto osa = [](const std::string& a, const std::string& b) {
+    std::vector<std::vector<int>> d(a.size() + 1, std::vector<int>(b.size() + 1));
+    for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = static_cast<int>(i);
+    for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = static_cast<int>(j);
+    for (std::size_t i = 1; i <= a.size(); ++i)
+      for (std::size_t j = 1; j <= b.size(); ++j) {
+        d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1])});
+        if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      }
+    return static_cast<std::size_t>(d[a.size()][b.size()]);
+  };
+  std::mt19937 rng(7);
+  auto word = [&](std::size_t len) {
+    std::string w;
+    for (std::size_t i = 0; i < len; ++i) w += "abcd_"[rng() % 5];
+    return w;
+  };
+  for (int t = 0; t < 300; ++t) {
+    const std::string w = word(rng() % 13);
+    std::vector<std::string> cands;
+    for (int c = 0; c < 6; ++c) cands.push_back(word(rng() % 13));
+    std::optional<std::string> want;
+    std::size_t want_d = std::max<std::size_t>(2, w.size() / 3) + 1;
+    for (const auto& c : cands) {
+      ASSERT_EQ(edit_distance(w, c), osa(w, c)) << w << " / " << c;
+      if (osa(w, c) < want_d) want_d = osa(w, c), want = c;
+    }
+    EXPECT_EQ(closest_match(w, cands), want) << w;
+  }
 }
 
 // Issue #15 item 11: `--set key=` (empty) is an error, not a silent reset to the default.
