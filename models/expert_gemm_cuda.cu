@@ -34,7 +34,7 @@ template <>
 struct Mainloop<cutlass::arch::Sm80> {
   using Instruction = cutlass::gemm::GemmShape<16, 8, 16>;
   static constexpr int kStages = 4;  // 64 KiB of shared memory wide: one block per SM on the 100 KiB parts
-  static constexpr int kMinArch = 800, kEndArch = 100000;
+  static constexpr int kMinArch = 800, kEndArch = 1 << 30;
 };
 template <>
 struct Mainloop<cutlass::arch::Sm75> {
@@ -43,9 +43,10 @@ struct Mainloop<cutlass::arch::Sm75> {
   static constexpr int kMinArch = 750, kEndArch = 800;
 };
 
-// A kernel's body compiled only into the code of the architectures it is chosen for (kMinArch up
-// to kEndArch): sm80's would be a stub below sm_80 and sm75's is never chosen on sm_80+ (kernel_path),
-// so neither costs compile time or code size where it cannot run.
+// A kernel's body compiled only into the code of the architectures it is chosen for (__CUDA_ARCH__
+// from kMinArch up to kEndArch, the same virtual architecture kernel_arch reads): sm80's would be a
+// stub below sm_80 and sm75's is never chosen on sm_80+ (path_for), so neither costs compile time
+// or code size where it cannot run.
 template <typename Base, int kMinArch, int kEndArch>
 struct OnArchs : Base {
   CUTLASS_DEVICE void operator()(typename Base::Params const& params, typename Base::SharedStorage& shared) {
