@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
+#include <optional>
 
 #include "common/error.h"
 
@@ -23,10 +24,11 @@ std::atomic<bool> small_k_enabled{false};
 std::atomic<ExpertGemm> expert_gemm_kernel{ExpertGemm::kTorch};
 
 #ifdef EO_WITH_CUDA
-// The WMMA bf16 kernel needs sm_80 or newer.
-bool device_has_bf16_mma(int device) {
-  int major = 0;
-  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 8;
+// What eo's grouped kernels compute a dtype as (expert_gemm_cuda.h); nullopt for any other dtype.
+std::optional<expert_gemm::cuda::DType> kernel_dtype(at::ScalarType t) {
+  if (t == at::kBFloat16) return expert_gemm::cuda::DType::BF16;
+  if (t == at::kHalf) return expert_gemm::cuda::DType::F16;
+  return std::nullopt;
 }
 #endif
 
@@ -40,15 +42,16 @@ bool transposed_nk(const at::Tensor& b) {
 }
 
 #ifdef EO_WITH_CUDA
-// What both of eo's grouped kernels take: a [M, K] · b [E, K, N] on one sm_80+ GPU in bf16, K and
-// N multiples of 8 (16-byte rows), b in one of the two layouts above, 16-byte aligned.
-bool bf16_grouped_operands(const at::Tensor& a, const at::Tensor& b) {
+// What the portable kernel takes: a [M, K] · b [E, K, N] on one GPU, both in a dtype it computes
+// there (portable_kernel_takes), K and N multiples of 8 (16-byte rows), b in one of the two layouts
+// above, 16-byte aligned.
+bool grouped_operands(const at::Tensor& a, const at::Tensor& b) {
   if (!a.is_cuda() || a.dim() != 2 || b.dim() != 3 || a.device() != b.device()) return false;
-  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) return false;
+  if (a.scalar_type() != b.scalar_type()) return false;
   if (b.size(1) != a.size(1) || a.size(1) % 8 || b.size(2) % 8) return false;
   if (!contiguous_kn(b) && !transposed_nk(b)) return false;
   if (reinterpret_cast<std::uintptr_t>(b.data_ptr()) % 16) return false;
-  return device_has_bf16_mma(a.device().index());
+  return portable_kernel_takes(a.scalar_type(), a.device());
 }
 
 void check_offsets(const at::Tensor& offsets, std::int64_t experts, const at::Tensor& a, const char* what) {
@@ -86,8 +89,8 @@ bool small_k_kernel_enabled() { return small_k_enabled; }
 
 bool small_k_kernel_applies(const at::Tensor& a, const at::Tensor& b) {
 #ifdef EO_WITH_CUDA
-  return bf16_grouped_operands(a, b) && a.size(1) > 0 && a.size(1) <= grouped_mm::cuda::kMaxK &&
-         b.size(0) <= grouped_mm::cuda::kMaxExperts;
+  return a.scalar_type() == at::kBFloat16 && grouped_operands(a, b) && a.size(1) > 0 &&
+         a.size(1) <= grouped_mm::cuda::kMaxK && b.size(0) <= grouped_mm::cuda::kMaxExperts;
 #else
   (void)a;
   (void)b;
@@ -118,8 +121,9 @@ at::Tensor small_k_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at
 
 void set_expert_gemm(ExpertGemm kernel) { expert_gemm_kernel = kernel; }
 ExpertGemm expert_gemm() { return expert_gemm_kernel; }
-ExpertGemm auto_expert_gemm(int compute_capability_major) {
-  return compute_capability_major == 9 || compute_capability_major == 10 ? ExpertGemm::kTorch : ExpertGemm::kPortable;
+ExpertGemm auto_expert_gemm(int compute_capability_major, at::ScalarType dtype) {
+  const bool device_scheduled = dtype == at::kBFloat16 && (compute_capability_major == 9 || compute_capability_major == 10);
+  return device_scheduled ? ExpertGemm::kTorch : ExpertGemm::kPortable;
 }
 
 bool portable_expert_gemm_built() {
@@ -130,9 +134,28 @@ bool portable_expert_gemm_built() {
 #endif
 }
 
+bool portable_kernel_takes(at::ScalarType dtype, const at::Device& device) {
+#ifdef EO_WITH_CUDA
+  const auto d = kernel_dtype(dtype);
+  if (!d || !device.is_cuda()) return false;
+  c10::cuda::CUDAGuard guard(device);
+  return expert_gemm::cuda::takes(*d);
+#else
+  (void)dtype;
+  (void)device;
+  return false;
+#endif
+}
+
+bool grouped_expert_gemm_runs(at::ScalarType dtype, const at::Device& device) {
+  if (!device.is_cuda()) return false;
+  if (dtype == at::kBFloat16) return true;
+  return dtype == at::kHalf && expert_gemm_kernel == ExpertGemm::kPortable && portable_kernel_takes(dtype, device);
+}
+
 bool portable_grouped_mm_applies(const at::Tensor& a, const at::Tensor& b) {
 #ifdef EO_WITH_CUDA
-  return bf16_grouped_operands(a, b);
+  return grouped_operands(a, b);
 #else
   (void)a;
   (void)b;
@@ -157,7 +180,7 @@ at::Tensor workspace_for(const at::Tensor& like, std::int64_t experts) {
 at::Tensor portable_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets) {
   EO_CHECK(portable_grouped_mm_applies(a, b), "portable grouped GEMM: a ", a.sizes(), " ", a.scalar_type(), " on ",
            a.device(), ", b ", b.sizes(), " strides ", b.strides(),
-           ": not a shape, layout or device it takes (CUDA bf16 on sm_80+, K and N multiples of 8)");
+           ": not a shape, layout or device it takes (CUDA bf16 on sm_80+ or fp16 on sm_75+, K and N multiples of 8)");
 #ifdef EO_WITH_CUDA
   check_offsets(offsets, b.size(0), a, "portable grouped GEMM");
   const at::Tensor ac = aligned_rows(a), oc = offsets.contiguous();
@@ -165,8 +188,9 @@ at::Tensor portable_grouped_mm(const at::Tensor& a, const at::Tensor& b, const a
   c10::cuda::CUDAGuard guard(a.device());
   const at::Tensor ws = workspace_for(a, b.size(0));
   const cudaError_t rc = expert_gemm::cuda::grouped_rows(
-      ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(), static_cast<int>(b.size(0)), out.data_ptr(),
-      a.size(0), b.size(2), a.size(1), ws.data_ptr(), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
+      *kernel_dtype(a.scalar_type()), ac.data_ptr(), b.data_ptr(), transposed_nk(b), oc.data_ptr<int>(),
+      static_cast<int>(b.size(0)), out.data_ptr(), a.size(0), b.size(2), a.size(1), ws.data_ptr(),
+      c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
   EO_CUDA_CHECK(rc, "portable grouped GEMM");
   return out;
 #else
@@ -178,9 +202,8 @@ at::Tensor portable_grouped_mm(const at::Tensor& a, const at::Tensor& b, const a
 at::Tensor grouped_mm_contract(const at::Tensor& a, const at::Tensor& g, const at::Tensor& offsets) {
 #ifdef EO_WITH_CUDA
   const bool portable = expert_gemm_kernel == ExpertGemm::kPortable && a.is_cuda() && a.dim() == 2 && g.dim() == 2 &&
-                        a.device() == g.device() && a.size(0) == g.size(0) && a.scalar_type() == at::kBFloat16 &&
-                        g.scalar_type() == at::kBFloat16 && a.size(1) % 8 == 0 && g.size(1) % 8 == 0 &&
-                        device_has_bf16_mma(a.device().index());
+                        a.device() == g.device() && a.size(0) == g.size(0) && a.scalar_type() == g.scalar_type() &&
+                        a.size(1) % 8 == 0 && g.size(1) % 8 == 0 && portable_kernel_takes(a.scalar_type(), a.device());
   if (portable) {
     const std::int64_t E = offsets.size(0);
     check_offsets(offsets, E, a, "portable grouped GEMM (a^T g)");
@@ -189,8 +212,9 @@ at::Tensor grouped_mm_contract(const at::Tensor& a, const at::Tensor& g, const a
     c10::cuda::CUDAGuard guard(a.device());
     const at::Tensor ws = workspace_for(a, E);
     const cudaError_t rc = expert_gemm::cuda::grouped_contract(
-        ac.data_ptr(), gc.data_ptr(), oc.data_ptr<int>(), static_cast<int>(E), out.data_ptr(), a.size(0), a.size(1),
-        g.size(1), ws.data_ptr(), c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
+        *kernel_dtype(a.scalar_type()), ac.data_ptr(), gc.data_ptr(), oc.data_ptr<int>(), static_cast<int>(E),
+        out.data_ptr(), a.size(0), a.size(1), g.size(1), ws.data_ptr(),
+        c10::cuda::getCurrentCUDAStream(a.device().index()).stream());
     EO_CUDA_CHECK(rc, "portable grouped GEMM (a^T g)");
     return out;
   }

@@ -31,19 +31,30 @@ void set_small_k_kernel_enabled(bool on);
 bool small_k_kernel_enabled();
 
 // Which kernel runs the expert GEMMs on a GPU (the `expert_gemm` key). kTorch: at::_grouped_mm,
-// which has a device-scheduled kernel only on compute capability 9.x / 10.x and elsewhere reads
-// the offsets on the host and loops over experts (no CUDA graph can hold that). kPortable:
-// CUTLASS's sm80 grouped kernel (expert_gemm_cuda.h), sizes read on the device, sm_80 to sm_120.
-// Process-wide, set once at start (default kTorch); CPU tensors always take libtorch's op.
+// which has a device-scheduled kernel only for bf16 on compute capability 9.x / 10.x and elsewhere
+// reads the offsets on the host and loops over experts (no CUDA graph can hold that). kPortable:
+// CUTLASS's grouped kernel (expert_gemm_cuda.h), sizes read on the device: bf16 on sm_80 to
+// sm_120, fp16 on sm_75 to sm_120. Process-wide, set once at start (default kTorch); CPU tensors
+// always take libtorch's op.
 enum class ExpertGemm { kTorch, kPortable };
 void set_expert_gemm(ExpertGemm kernel);
 ExpertGemm expert_gemm();
-// The rule for `expert_gemm: auto`: torch where its kernel is device-scheduled, portable elsewhere.
-ExpertGemm auto_expert_gemm(int compute_capability_major);
+// The rule for `expert_gemm: auto`: torch where its kernel is device-scheduled for the compute
+// dtype (bf16 on 9.x / 10.x), portable elsewhere (fp16 on every card).
+ExpertGemm auto_expert_gemm(int compute_capability_major, at::ScalarType dtype);
 // Whether this build holds the portable kernel (a CUDA build: CUTLASS is then required).
 bool portable_expert_gemm_built();
-// Whether the portable kernel takes a · b: CUDA bf16 on sm_80+, K and N multiples of 8 (16-byte
-// rows), b [E, K, N] contiguous or the transposed view of a contiguous [E, N, K].
+// Whether the portable kernel computes `dtype` on `device`: bf16 where the build's code running
+// there is sm_80 or newer, fp16 where it is sm_75 or newer (expert_gemm_cuda.h, takes). A compute_75
+// PTX build on an sm_90 card serves fp16 only.
+bool portable_kernel_takes(at::ScalarType dtype, const at::Device& device);
+// Whether a MoE block in `dtype` on `device` runs its expert GEMMs (base and LoRA) as grouped GEMMs
+// (grouped_mm, grouped_mm_contract): bf16 on a GPU (libtorch's op or the portable kernel); fp16
+// where the portable kernel is selected and takes fp16 there. Otherwise the block loops over its
+// experts, reading the routing counts on the host (no CUDA graph holds that).
+bool grouped_expert_gemm_runs(at::ScalarType dtype, const at::Device& device);
+// Whether the portable kernel takes a · b: CUDA, a dtype portable_kernel_takes, K and N multiples
+// of 8 (16-byte rows), b [E, K, N] contiguous or the transposed view of a contiguous [E, N, K].
 bool portable_grouped_mm_applies(const at::Tensor& a, const at::Tensor& b);
 // The portable kernel itself (tests, benchmarks); throws where it does not apply.
 at::Tensor portable_grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets);

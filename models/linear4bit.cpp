@@ -275,12 +275,12 @@ std::int64_t grouped_bank_dequantisations() { return g_bank_dequantisations.load
 
 bool grouped_gemm_available(const at::Tensor& x) {
   if (!g_grouped_enabled) return false;
-  if (x.is_cuda()) return x.scalar_type() == at::kBFloat16;
+  if (x.is_cuda()) return grouped_expert_gemm_runs(x.scalar_type(), x.device());
   return g_grouped_on_cpu && x.device().is_cpu() && x.scalar_type() == at::kFloat;
 }
 
 at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets, const ExpertBank& bank) {
-  EO_CHECK(grouped_gemm_available(x), "grouped_expert_linear needs a bf16 CUDA input (or fp32 on the CPU under ",
+  EO_CHECK(grouped_gemm_available(x), "grouped_expert_linear needs a bf16 CUDA input, fp16 with the portable kernel (or fp32 on the CPU under ",
            "set_grouped_gemm_on_cpu), got ", x.scalar_type(), " on ", x.device());
   EO_CHECK(bank.dense.defined() || bank.provider != nullptr, "grouped_expert_linear: no weights");
   return GroupedExpertFunction::apply(x.contiguous(), offsets, bank);

@@ -63,10 +63,11 @@ std::int64_t grouped_bank_dequantisations();
 std::int64_t bank_slice(std::int64_t full, std::int64_t experts, std::int64_t other, std::int64_t elem_bytes,
                         std::int64_t max_bytes);
 at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets, const ExpertBank& bank);
-// Whether grouped_expert_linear can run here: a CUDA tensor in bf16 (libtorch's grouped GEMM),
-// unless switched off (tests compare it with the per-expert loop). set_grouped_gemm_on_cpu lets
-// tests run the same grouped path on fp32 CPU tensors (libtorch's CPU _grouped_mm), so the GPU's
-// code path is checked against the loop on a machine without one; training never sets it.
+// Whether grouped_expert_linear can run here: a CUDA tensor the grouped expert GEMMs take
+// (grouped_expert_gemm_runs: bf16, or fp16 on the portable kernel), unless switched off (tests
+// compare it with the per-expert loop). set_grouped_gemm_on_cpu lets tests run the same grouped
+// path on fp32 CPU tensors (libtorch's CPU _grouped_mm), so the GPU's code path is checked against
+// the loop on a machine without one; training never sets it.
 bool grouped_gemm_available(const at::Tensor& x);
 void set_grouped_gemm_enabled(bool enabled);
 void set_grouped_gemm_on_cpu(bool enabled);

@@ -293,8 +293,9 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     if (down_lora) out.delta = down_lora->delta_grouped(act_lora, offsets, training);
     return out;
   }
-  // CPU (and fp16 / fp32 on a GPU, or r not a multiple of 8): each routed expert once on its slice;
-  // the counts are read on the host. The stacked LoRA is cut into per-expert views once.
+  // CPU (and on a GPU: fp32, fp16 without the portable kernel, or r not a multiple of 8): each
+  // routed expert once on its slice; the counts are read on the host. The stacked LoRA is cut into
+  // per-expert views once.
   const at::Tensor host_counts = counts.to(at::kCPU);
   const auto* count = host_counts.data_ptr<std::int64_t>();
   ExpertLoraSlices lora;

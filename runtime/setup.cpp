@@ -385,22 +385,43 @@ void check_gpu_served(const at::Device& device, const ComputeChoice& compute) {
 #endif
 }
 
-std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device) {
+std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device, Compute compute) {
   if (!device.is_cuda()) {
     if (cfg.expert_gemm == "portable")
-      throw UsageError("expert_gemm: portable runs on a CUDA GPU (sm_80 or newer); this run is on the CPU (use auto)");
+      throw UsageError("expert_gemm: portable runs on a CUDA GPU (bf16 on sm_80 or newer, fp16 on sm_75 or newer); this "
+                       "run is on the CPU (use auto)");
     model::set_expert_gemm(model::ExpertGemm::kTorch);
     return "libtorch's (a CPU run)";
   }
   const GpuCard card = gpu_card(device);
   const std::string sm = "sm_" + std::to_string(card.major) + std::to_string(card.minor);
-  model::ExpertGemm kernel = model::auto_expert_gemm(card.major);
-  std::string why = "auto on " + sm;
+  const std::string per_expert = "libtorch's GEMM per expert, the routing counts read on the host (";
+  if (compute == Compute::Fp32) {
+    if (cfg.expert_gemm == "portable")
+      throw UsageError("expert_gemm: portable computes in bf16 or fp16; this run computes in fp32: use expert_gemm: auto, "
+                       "or bf16 / fp16 compute");
+    model::set_expert_gemm(model::ExpertGemm::kTorch);
+    return per_expert + "fp32 compute: the grouped kernels take bf16 and fp16)";
+  }
+  const at::ScalarType dtype = compute == Compute::Bf16 ? at::kBFloat16 : at::kHalf;
+  const std::string name = compute_name(compute);
+  model::ExpertGemm kernel = model::auto_expert_gemm(card.major, dtype);
+  std::string why = "auto on " + sm + " in " + name;
   if (cfg.expert_gemm == "torch") kernel = model::ExpertGemm::kTorch, why = "expert_gemm: torch";
   if (cfg.expert_gemm == "portable") kernel = model::ExpertGemm::kPortable, why = "expert_gemm: portable";
+  if (kernel == model::ExpertGemm::kPortable && !model::portable_kernel_takes(dtype, device)) {
+    // The build's code for this card is older than the kernel needs (fp16: sm_75, bf16: sm_80).
+    const std::string lacks = "this build's code for " + device.str() + " (" + card.name + ", " + sm +
+                              ") has no " + name + " grouped kernel (" + name + " needs sm_" +
+                              (compute == Compute::Bf16 ? "80" : "75") + " or newer)";
+    if (cfg.expert_gemm == "portable") throw UsageError("expert_gemm: portable: " + lacks + "; use expert_gemm: auto");
+    kernel = model::ExpertGemm::kTorch, why += "; " + lacks;
+  }
   model::set_expert_gemm(kernel);
-  if (kernel == model::ExpertGemm::kPortable) return "portable CUTLASS grouped GEMM, sizes read on the device (" + why + ")";
-  if (model::auto_expert_gemm(card.major) == model::ExpertGemm::kTorch)
+  if (!model::grouped_expert_gemm_runs(dtype, device)) return per_expert + why + ")";
+  if (kernel == model::ExpertGemm::kPortable)
+    return "portable CUTLASS grouped GEMM in " + name + ", sizes read on the device (" + why + ")";
+  if (model::auto_expert_gemm(card.major, dtype) == model::ExpertGemm::kTorch)
     return "PyTorch's at::_grouped_mm, device-scheduled on " + sm + " (" + why + ")";
   return "PyTorch's at::_grouped_mm, which on " + sm + " reads the routing counts on the host and loops over experts (" +
          why + "; auto picks the portable kernel)";
@@ -452,17 +473,7 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   check_gpu_served(run.device, compute);
   run.compute = compute.dtype;
   if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
-  run.expert_gemm_why = resolve_expert_gemm(cfg, run.device);
-  if (run.device.is_cuda() && compute.dtype != Compute::Bf16) {
-    // The grouped expert GEMMs (PyTorch's and the portable CUTLASS kernel) take bf16 only: in fp16
-    // or fp32 each MoE block runs expert by expert (libtorch's GEMM), reading the routing counts
-    // on the host.
-    if (cfg.expert_gemm == "portable")
-      throw UsageError(std::string("expert_gemm: portable takes bf16 only; this run computes in ") + compute_name(compute.dtype) +
-                       " (" + compute.why + "): use expert_gemm: auto");
-    run.expert_gemm_why = std::string("libtorch's GEMM per expert, the routing counts read on the host (") +
-                          compute_name(compute.dtype) + " compute: the grouped kernels take bf16 only)";
-  }
+  run.expert_gemm_why = resolve_expert_gemm(cfg, run.device, compute.dtype);
   size_thread_pool(wi.local_size);
   const at::Device device = run.device;
   const bool bf16 = run.compute == Compute::Bf16;
@@ -548,15 +559,18 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   log::info("model " + mc.model_type + ": " + std::to_string(model->num_layers()) + " layers, LoRA r=" +
             std::to_string(cfg.lora_r) + " on " + std::to_string(lora.size() / 2) + " modules (" +
             std::to_string(trainable) + " trainable parameters); loaded in " + std::to_string(seconds_since(t_load)).substr(0, 5) + " s");
-  // The experts' LoRA runs as grouped GEMMs only when r is a multiple of 8 (their [rows, r]
-  // operands must be 16-byte aligned); otherwise the GPU runs each MoE block expert by expert,
-  // reading the routing counts on the host, which no CUDA graph can capture. Said once, with the fix.
-  if (device.is_cuda() && !bf16 && run.cuda_graphs) {
+  // The grouped expert GEMMs read the routing counts on the device; where they do not run (fp32
+  // compute, fp16 without the portable kernel) or the experts' LoRA cannot join them (r not a
+  // multiple of 8: its [rows, r] operands must be 16-byte aligned), the GPU runs each MoE block
+  // expert by expert, reading the counts on the host, which no CUDA graph can capture. Said once,
+  // with the fix.
+  const bool grouped = device.is_cuda() && model::grouped_expert_gemm_runs(lo.dtype, device);
+  if (device.is_cuda() && !grouped && run.cuda_graphs) {
     run.cuda_graphs = false;
-    run.cuda_graphs_why = std::string("off (") + compute_name(run.compute) +
-                          " compute: the per-expert path reads the routing counts on the host)";
+    run.cuda_graphs_why = std::string("off (the expert GEMMs run expert by expert in ") + compute_name(run.compute) +
+                          ", reading the routing counts on the host)";
   }
-  if (device.is_cuda() && bf16 && !model->expert_lora_grouped_ok()) {
+  if (grouped && !model->expert_lora_grouped_ok()) {
     const std::string r = std::to_string(cfg.lora_r);
     log::warn("lora_r " + r + " is not a multiple of 8, so the experts' LoRA cannot run as grouped GEMMs: each MoE block "
               "runs expert by expert with a host read of its routing counts, several times slower; lora_r 8, 16, 32 or 64 avoids it");

@@ -49,13 +49,13 @@ struct PlanFit {
 // the plan has room for the graphs' pool, experts resident or offloaded.
 std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit);
 
-// A GPU eo-ddp cannot run on (no bf16 tensor cores; fp16 compute, whose grouped expert GEMM
-// the GPU kernels lack; no machine code for it in this build) is a UsageError naming the card
-// and the fix.
+// A GPU eo-ddp cannot run on (bf16 or fp32 compute on a card without bf16 tensor cores; no
+// machine code for it in this build) is a UsageError naming the card and the fix.
 void check_gpu_served(const at::Device& device, const ComputeChoice& compute);
-// expert_gemm: auto | torch | portable resolved for this device and set process-wide
-// (models/grouped_mm.h); what it chose and why, for the log.
-std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device);
+// expert_gemm: auto | torch | portable resolved for this device and compute dtype and set
+// process-wide (models/grouped_mm.h); what it chose and why, for the log. portable where it has no
+// kernel for the dtype here (fp32; fp16 below sm_75, bf16 below sm_80 code) is a UsageError.
+std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device, Compute compute);
 
 struct Run {
   at::Device device = at::kCPU;

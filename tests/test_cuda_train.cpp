@@ -10,8 +10,11 @@
 //    fp32 ones on this model: its random router puts near-ties everywhere, and bf16 rounding flips
 //    the top-k choice of many tokens (measured: 45-90% relative difference in every LoRA gradient);
 //    the grouped bf16 kernels are held to the CPU per block in test_cuda.cpp instead;
-//  - fp16 (a T4's compute dtype): the step's loss within 1% of the CPU's; 8 steps offloaded bitwise
-//    resident, at the initial loss scale with none skipped, the losses within 1% of bf16's;
+//  - fp16 (a T4's compute dtype): the step's loss within 1% of the CPU's, through the per-expert
+//    loop and through the portable grouped GEMM; 8 steps offloaded bitwise resident (expert_gemm:
+//    auto, the portable kernel in fp16), at the initial loss scale with none skipped, the losses
+//    within 1% of bf16's; fp16 steps with the portable kernel queue with no host synchronisation
+//    and CUDA graphs captured (cuda_graphs: auto), resident and offloaded;
 //  - CUDA graphs (runtime/block_graphs.h): block and loss uses replayed as graphs give bitwise the eager
 //    step's gradients, step after step (a packed micro-batch with a mask beside an unpacked one,
 //    LoRA on every linear, experts included), and trained adapters and losses equal to eager
@@ -34,6 +37,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -203,8 +207,8 @@ TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
   at::globalContext().setDeterministicAlgorithms(false, false);
 }
 
-// fp16 on the GPU (as on a T4: the per-expert loop, no CUDA graphs, dynamic loss scaling): 8
-// steps offloaded equal 8 resident bitwise (the dequantisation kernels' fp16 output into the
+// fp16 on the GPU (as on a T4: expert_gemm auto picks the portable grouped GEMM in fp16, CUDA
+// graphs auto, dynamic loss scaling): 8 steps offloaded equal 8 resident bitwise (the dequantisation kernels' fp16 output into the
 // slots), every step at the initial loss scale with none skipped, and the losses within 1% of
 // bf16's on the same batches.
 TEST(CudaTrain, Fp16TrainsOffloadedAsResidentNearBf16) {
@@ -266,11 +270,16 @@ TEST(CudaTrain, GpuStepMatchesTheCpuStep) {
   model::set_grouped_gemm_enabled(false);  // bf16 through the per-expert loop, the yardstick below
   const auto [loop_loss, loop] = step(at::Device(at::kCUDA, 0), at::kBFloat16);
   model::set_grouped_gemm_enabled(true);
-  // fp16 (a T4's compute dtype; the per-expert loop, the grouped kernels take bf16 only).
+  // fp16 (a T4's compute dtype): the per-expert loop (torch's kernel selected: fp16 does not take
+  // the grouped path), then the portable grouped GEMM.
   const auto fp16_loss = step(at::Device(at::kCUDA, 0), at::kHalf).first;
+  model::set_expert_gemm(model::ExpertGemm::kPortable);
+  const auto fp16_grouped_loss = step(at::Device(at::kCUDA, 0), at::kHalf).first;
+  model::set_expert_gemm(model::ExpertGemm::kTorch);
   EXPECT_NEAR(gpu_loss, cpu_loss, 1e-5 * std::abs(cpu_loss));
   EXPECT_NEAR(bf16_loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
   EXPECT_NEAR(fp16_loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
+  EXPECT_NEAR(fp16_grouped_loss, cpu_loss, 1e-2 * std::abs(cpu_loss));
   ASSERT_EQ(gpu.size(), cpu.size());
   ASSERT_EQ(bf16.size(), cpu.size());
   // fp32 on both: per-tensor relative Frobenius error within 1e-3 (TF32 is off in libtorch by default).
@@ -509,6 +518,59 @@ TEST(CudaTrain, PortableExpertGemmStepsNeverSyncWithTheHost) {
     EXPECT_NE(log.find("CUDA graphs: on"), std::string::npos) << label;
     EXPECT_EQ(log.find("CUDA graphs off for the rest of the run"), std::string::npos) << label << "\n" << log.substr(0, 3000);
     EXPECT_EQ(read_losses(root / label).size(), 4u) << label;
+  }
+  remove_tree(root.string());
+}
+
+// fp16 steps as on a T4 (expert_gemm and cuda_graphs left at auto: the portable kernel in fp16
+// on every card, and the graphs it allows), every-linear LoRA so the expert LoRA's GEMMs run on it
+// too: no host synchronisation inside a step, graphs captured, no step skipped at the initial
+// scale. In a compute_75 PTX build this is the sm75 kernel's whole step.
+TEST(CudaTrain, Fp16PortableStepsNeverSyncWithTheHost) {
+  REQUIRE_CUDA();
+  const fs::path root = fs::temp_directory_path() / "eo_cuda_fp16_portable_sync";
+  remove_tree(root.string());
+  const fs::path model = make_model_dir(root / "model");
+  const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 6);
+  const std::string every = "lora_target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]";
+  for (const auto& [label, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"fp16-resident-every-linear", {every}}, {"fp16-offloaded-every-linear", {"expert_offload=true", every}}}) {
+    std::vector<std::string> args = extra;
+    args.insert(args.end(), {"bf16=false", "fp16=true", "max_steps=4", "logging_steps=1"});
+    TrainHooks hooks;
+#ifdef EO_WITH_CUDA
+    hooks.step_work = [](std::int64_t, bool entering) {
+      c10::cuda::warning_state().set_sync_debug_mode(entering ? c10::cuda::SyncDebugMode::L_ERROR
+                                                              : c10::cuda::SyncDebugMode::L_DISABLED);
+    };
+#endif
+    std::string error;
+    ::testing::internal::CaptureStderr();
+    try {
+      train_run(root, model, tokens, label, "0.0", args, hooks);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+#ifdef EO_WITH_CUDA
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+#endif
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    model::set_expert_gemm(model::ExpertGemm::kTorch);
+    EXPECT_EQ(error.substr(0, 400), "") << label << ": a host synchronisation inside a step";
+    EXPECT_NE(log.find("expert GEMMs: portable CUTLASS grouped GEMM in fp16"), std::string::npos) << label << "\n"
+                                                                                                 << log.substr(0, 3000);
+    EXPECT_NE(log.find("CUDA graphs: on"), std::string::npos) << label << "\n" << log.substr(0, 3000);
+    EXPECT_EQ(log.find("CUDA graphs off for the rest of the run"), std::string::npos) << label << "\n" << log.substr(0, 3000);
+    std::ifstream in(root / label / "metrics.jsonl");
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      if (line.empty()) continue;
+      const auto j = nlohmann::json::parse(line);
+      EXPECT_EQ(j.at("skipped_overflow").get<std::int64_t>(), 0) << label << ": " << line;
+      EXPECT_TRUE(std::isfinite(j.at("loss").get<double>())) << label << ": " << line;
+      ++steps;
+    }
+    EXPECT_EQ(steps, 4) << label;
   }
   remove_tree(root.string());
 }

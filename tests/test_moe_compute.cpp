@@ -525,6 +525,27 @@ TEST(GroupedMm, ForwardAndGradientsMatchFloat64) {
   set_small_k_kernel_enabled(false);
 }
 
+// expert_gemm: auto's rule: PyTorch's kernel only where it is device-scheduled (bf16 on compute
+// capability 9.x / 10.x), the portable one elsewhere, fp16 on every card (torch has no fp16
+// kernel that reads the sizes on the device). CPU tensors never take the grouped GPU path.
+TEST(ExpertGemm, AutoPicksTorchOnlyForBf16WhereItIsDeviceScheduled) {
+  for (const int major : {7, 8, 9, 10, 12}) {
+    const bool hopper_or_blackwell = major == 9 || major == 10;
+    EXPECT_EQ(auto_expert_gemm(major, at::kBFloat16), hopper_or_blackwell ? ExpertGemm::kTorch : ExpertGemm::kPortable)
+        << major;
+    EXPECT_EQ(auto_expert_gemm(major, at::kHalf), ExpertGemm::kPortable) << major;
+  }
+  const ExpertGemm before = expert_gemm();
+  for (const ExpertGemm k : {ExpertGemm::kTorch, ExpertGemm::kPortable}) {
+    set_expert_gemm(k);
+    for (const auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+      EXPECT_FALSE(grouped_expert_gemm_runs(dtype, at::kCPU)) << dtype;
+      EXPECT_FALSE(portable_kernel_takes(dtype, at::kCPU)) << dtype;
+    }
+  }
+  set_expert_gemm(before);
+}
+
 // The grouped form (what the GPU runs in bf16) on fp32 CPU tensors, where this libtorch's CPU
 // _grouped_mm takes it: the same delta and gradients as the per-expert adapters, to fp32 rounding.
 TEST(ExpertLora, GroupedDeltaEqualsPerExpertAdapters) {
