@@ -114,6 +114,16 @@ class RandomWeights {
     const at::Tensor scales = at::randint(top - 1, top + 1, {shape[0], groups}, gen_, u8);  // top - 1 or top
     return mxfp4::weight(blocks, scales);
   }
+  // Uniform NVFP4 codes; a global scale of 1/448 and per 16 values an E4M3 scale within ±25% of
+  // the one that gives the weights a standard deviation of init_range (the codes' RMS is sqrt(8.5625)).
+  nf4::QuantizedWeight nvfp4(const std::vector<std::int64_t>& shape) {
+    const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
+    const double scale = init_range_ * 448.0 / std::sqrt(8.5625);
+    const at::Tensor codes = at::randint(0, 256, {shape[0], shape[1] / 2}, gen_, u8);
+    const at::Tensor scales = at::rand({shape[0], shape[1] / nvfp4::kGroup}, gen_, u8.dtype(at::kFloat))
+                                  .mul_(0.5).add_(0.75).mul_(scale).to(at::kFloat8_e4m3fn);
+    return nvfp4::weight(codes, scales, at::full({1}, 1.0f / 448.0f, u8.dtype(at::kFloat)));
+  }
 
  private:
   static bool ends_with(const std::string& s, const std::string& tail) {
@@ -369,8 +379,10 @@ struct ModelLoader {
 
   // Whether layer i's routed experts are stored in NVFP4 (expert 0's gate projection says; the
   // others must agree) and stay so: always, unless load_in_4bit with expert_quant: nf4.
+  // Synthetic weights: NVFP4 when config.json says so.
   bool stored_nvfp4_experts(int i) const {
-    return ck && m.cfg_.arch != Arch::GptOss && ck->has(expert_prefix(i, 0, 0) + ".weight_scale_2");
+    if (!ck) return m.cfg_.nvfp4 && !(opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4);
+    return m.cfg_.arch != Arch::GptOss && ck->has(expert_prefix(i, 0, 0) + ".weight_scale_2");
   }
   // Layer i's experts as the checkpoint's NVFP4 bytes, on their home (the device, or host RAM with
   // expert offload); expert_quant: nf4 re-quantises them from their fp32 values.
@@ -381,6 +393,13 @@ struct ModelLoader {
     for (int e = 0; e < m.cfg_.experts; ++e)
       for (int mi = 0; mi < 3; ++mi) {
         const std::string prefix = expert_prefix(i, e, mi);
+        if (!ck) {
+          if (expert_shape(mi)[1] % nvfp4::kGroup)
+            throw UsageError("synthetic NVFP4 experts need hidden_size and moe_intermediate_size multiples of 16");
+          out[e][mi] = to_device(random->nvfp4(expert_shape(mi)), home);
+          ++nvfp4_kept;
+          continue;
+        }
         auto q = stored_nvfp4(prefix, expert_shape(mi));
         if (!q)
           throw Error("checkpoint " + ck->folder() + ": layer " + std::to_string(i) + "'s experts are NVFP4 ('" +
@@ -534,7 +553,9 @@ struct ModelLoader {
     if (mxfp4_dequantised > 0)
       log::info(source + ": " + std::to_string(mxfp4_dequantised) + " MXFP4 expert tensors dequantised to bf16" +
                 (opts.load_in_4bit ? ", then quantised to NF4 (expert_quant: nf4); experts held in NF4" : ""));
-    if (nvfp4_kept > 0)
+    if (nvfp4_kept > 0 && !ck)
+      log::info(source + ": experts held in NVFP4 (random codes and scales: config.json's quant_method is modelopt NVFP4)");
+    else if (nvfp4_kept > 0)
       log::info(source + ": " + std::to_string(nvfp4_kept) + " NVFP4 linears held in NVFP4, the checkpoint's own bytes (4.5 bits "
                 "per weight: lossless with respect to the checkpoint), dequantised on the fly");
     if (nvfp4_requantised > 0)
