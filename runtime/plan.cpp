@@ -232,7 +232,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   if (c.dense_beside_experts()) shared += N * (3 * double(c.dense_width) + 5 * H) * d;
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
-  double bank = moe_layers > 0 && q4 ? E * I * H * d : 0;
+  double bank = moe_layers > 0 && fmt ? E * I * H * d : 0;  // held 4-bit (NVFP4 without load_in_4bit too)
   if (const std::int64_t max = expert_bank_bytes(cfg); bank > 0 && max > 0 && on_gpu) {
     const auto e = std::int64_t(E), h = std::int64_t(H), i = std::int64_t(I), el = std::int64_t(d);
     bank = std::max(E * H * d * double(model::bank_slice(i, e, h, el, max)), E * I * d * double(model::bank_slice(h, e, i, el, max)));
