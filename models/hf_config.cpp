@@ -522,6 +522,15 @@ ModelConfig parse_config(const json& j, const std::string& source) {
       throw UsageError(source + ": quantization_config.quant_method 'mxfp4' is supported for gpt_oss experts only, not for " +
                        c.model_type);
     c.mxfp4_experts = method == "mxfp4";
+    if (method == "modelopt") {  // NVIDIA modelopt's export (models/nvfp4.h)
+      const std::string algo = text(q, "quant_algo", "");
+      if (algo != "NVFP4")
+        throw UsageError(source + ": quantization_config.quant_algo '" + algo + "' (modelopt) is not supported; eo-ddp reads "
+                         "modelopt's NVFP4 checkpoints (quant_algo NVFP4) only");
+      if (const auto g = q.integer("group_size", 16); g != 16)
+        throw UsageError(source + ": quantization_config.group_size " + std::to_string(g) + " is not NVFP4's 16");
+      c.nvfp4 = true;
+    }
   }
 
   c.hidden = f.integer("hidden_size");
@@ -768,6 +777,19 @@ ModelConfig load_config(const std::string& model_dir) {
     }));
   } catch (const json::exception& e) {
     throw UsageError(path + ": invalid JSON: " + e.what());
+  }
+  // modelopt's exports without quantization_config in config.json say it in hf_quant_config.json
+  // ({"quantization": {"quant_algo": ..., "group_size": ..., "exclude_modules": [...]}}), as vLLM reads it.
+  if (j.is_object() && !j.contains("quantization_config")) {
+    std::ifstream hq(model_dir + "/hf_quant_config.json");
+    if (hq) {
+      const json h = json::parse(hq, nullptr, false);
+      if (!h.is_object() || !h.contains("quantization") || !h.at("quantization").is_object())
+        throw UsageError(model_dir + "/hf_quant_config.json: expected an object with a 'quantization' object (modelopt's export)");
+      json q = h.at("quantization");
+      q["quant_method"] = "modelopt";
+      j["quantization_config"] = q;
+    }
   }
   return parse_config(j, path);
 }

@@ -148,6 +148,10 @@ struct ModelConfig {
   // The checkpoint stores its experts in MXFP4 (quantization_config.quant_method "mxfp4": gpt-oss
   // as the Hub ships it), so with load_in_4bit they can stay in that format (models/mxfp4.h).
   bool mxfp4_experts = false;
+  // A modelopt NVFP4 checkpoint (quantization_config.quant_method "modelopt", quant_algo "NVFP4",
+  // or hf_quant_config.json): its quantised linears are NVFP4 (models/nvfp4.h), the routed experts
+  // held so.
+  bool nvfp4 = false;
   Activation act = Activation::Silu;
   std::optional<Gemma4Block> gemma;
   double final_logit_softcap = 0;  // logits = cap · tanh(logits / cap); 0 = off (Gemma)

@@ -29,7 +29,7 @@ at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle);
 // One matrix of every expert of a MoE block, applied to token-sorted rows with one grouped GEMM:
 // rows [offsets[e-1], offsets[e]) of x go through expert e. offsets is int32 [experts] on x's
 // device (cumulative row counts), so no count ever travels to the host.
-//   4-bit: the experts' weights (NF4 or MXFP4, nf4.h) are fetched through `provider` and
+//   4-bit: the experts' weights (NF4, MXFP4 or NVFP4, nf4.h) are fetched through `provider` and
 //   dequantised together into one temporary [E, out, in] tensor, in forward and again in backward
 //   (never saved). Gate and up
 //   stay separate GEMMs so that only one matrix bank exists at a time.

@@ -11,6 +11,11 @@
 // (never re-quantised, so the stored blocksize / double quantisation win over LoadOptions);
 // without load_in_4bit it is dequantised to the compute dtype. Any linear may be stored either
 // way (mixed checkpoints).
+//
+// modelopt NVFP4 checkpoints (`P.weight` U8 + `P.weight_scale` F8_E4M3 + `P.weight_scale_2`, see
+// nvfp4.h) likewise: routed experts keep their NVFP4 bytes (with or without load_in_4bit; with
+// expert_quant: nf4 they are re-quantised), other decoder-block linears keep them with
+// load_in_4bit and are dequantised to the compute dtype without it, as is any other NVFP4 tensor.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #ifdef EO_WITH_CUDA
@@ -30,6 +35,7 @@
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
 #include "models/nf4_bnb.h"
+#include "models/nvfp4.h"
 #include "models/safetensors.h"
 
 namespace eo::model {
@@ -47,6 +53,7 @@ nf4::QuantizedWeight to_device(nf4::QuantizedWeight q, const at::Device& d) {
   q.packed = q.packed.to(d);
   if (q.absmax.defined()) q.absmax = q.absmax.to(d);
   if (q.scales.defined()) q.scales = q.scales.to(d);
+  if (q.global_scale.defined()) q.global_scale = q.global_scale.to(d);
   if (q.nested) {
     q.nested->absmax_codes = q.nested->absmax_codes.to(d);
     q.nested->nested_absmax = q.nested->nested_absmax.to(d);
@@ -107,6 +114,16 @@ class RandomWeights {
     const at::Tensor scales = at::randint(top - 1, top + 1, {shape[0], groups}, gen_, u8);  // top - 1 or top
     return mxfp4::weight(blocks, scales);
   }
+  // Uniform NVFP4 codes; a global scale of 1/448 and per 16 values an E4M3 scale within ±25% of
+  // the one that gives the weights a standard deviation of init_range (the codes' RMS is sqrt(8.5625)).
+  nf4::QuantizedWeight nvfp4(const std::vector<std::int64_t>& shape) {
+    const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
+    const double scale = init_range_ * 448.0 / std::sqrt(8.5625);
+    const at::Tensor codes = at::randint(0, 256, {shape[0], shape[1] / 2}, gen_, u8);
+    const at::Tensor scales = at::rand({shape[0], shape[1] / nvfp4::kGroup}, gen_, u8.dtype(at::kFloat))
+                                  .mul_(0.5).add_(0.75).mul_(scale).to(at::kFloat8_e4m3fn);
+    return nvfp4::weight(codes, scales, at::full({1}, 1.0f / 448.0f, u8.dtype(at::kFloat)));
+  }
 
  private:
   static bool ends_with(const std::string& s, const std::string& tail) {
@@ -124,6 +141,7 @@ struct ModelLoader {
   MoeModel& m;
   // Stored bitsandbytes modules seen, for the summary log lines at the end.
   mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0, mxfp4_dequantised = 0, mxfp4_kept = 0;
+  mutable int nvfp4_kept = 0, nvfp4_dequantised = 0, nvfp4_requantised = 0;
 
   at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!ck) return random->dense(name, shape, opts.dtype);
@@ -154,8 +172,34 @@ struct ModelLoader {
     return q;
   }
 
+  // Module `prefix` as modelopt stores an NVFP4 linear (CPU tensors, shapes checked), or nullopt
+  // when it has no `prefix.weight_scale_2`.
+  std::optional<nf4::QuantizedWeight> stored_nvfp4(const std::string& prefix, const std::vector<std::int64_t>& shape) const {
+    if (!ck || !ck->has(prefix + ".weight_scale_2")) return std::nullopt;
+    const std::int64_t out = shape[0], in = shape[1];
+    auto load = [&](const std::string& n, at::ScalarType dt, const std::vector<std::int64_t>& want) {
+      if (!ck->has(n)) throw Error("checkpoint " + ck->folder() + ": NVFP4 module '" + prefix + "' has no tensor '" + n + "'");
+      at::Tensor t = ck->load(n);
+      if (t.scalar_type() != dt || t.sizes() != at::IntArrayRef(want))
+        throw Error("checkpoint " + ck->folder() + ": NVFP4 tensor '" + n + "' is " + std::string(at::toString(t.scalar_type())) +
+                    " " + shape_str(t.sizes()) + ", expected " + std::string(at::toString(dt)) + " " + shape_str(want) +
+                    " (modelopt's layout for a [" + std::to_string(out) + ", " + std::to_string(in) + "] linear)");
+      return t;
+    };
+    if (in % nvfp4::kGroup != 0)
+      throw Error("checkpoint " + ck->folder() + ": NVFP4 module '" + prefix + "' has " + std::to_string(in) +
+                  " input features, not a multiple of 16");
+    const at::Tensor global = ck->load(prefix + ".weight_scale_2");
+    if (global.scalar_type() != at::kFloat || global.numel() != 1)
+      throw Error("checkpoint " + ck->folder() + ": NVFP4 tensor '" + prefix + ".weight_scale_2' is " +
+                  std::string(at::toString(global.scalar_type())) + " " + shape_str(global.sizes()) +
+                  ", expected one float32 (the global scale)");
+    return nvfp4::weight(load(prefix + ".weight", at::kByte, {out, in / 2}),
+                         load(prefix + ".weight_scale", at::kFloat8_e4m3fn, {out, in / nvfp4::kGroup}), global);
+  }
+
   // Frozen tensor in the compute dtype on the device; `P.weight` of a bitsandbytes module is
-  // dequantised (e.g. a router someone chose to quantise).
+  // dequantised (e.g. a router someone chose to quantise), as is an NVFP4 one.
   // `dtype` overrides the compute dtype (routers some families keep in fp32).
   at::Tensor get(const std::string& name, std::vector<std::int64_t> shape, std::optional<at::ScalarType> dtype = {}) const {
     const at::ScalarType dt = dtype.value_or(opts.dtype);
@@ -164,6 +208,9 @@ struct ModelLoader {
       if (auto q = stored_4bit(name.substr(0, name.size() - kWeight.size()), shape)) {
         ++stored_dequantised;
         return nf4::dequantize(*q, dt).to(opts.device).contiguous();
+      } else if (auto n = stored_nvfp4(name.substr(0, name.size() - kWeight.size()), shape)) {
+        ++nvfp4_dequantised;
+        return nf4::dequantize(*n, dt).to(opts.device).contiguous();
       }
     if (!ck) return random->dense(name, shape, dt);
     return raw(name, std::move(shape)).to(opts.device, dt).contiguous();
@@ -175,7 +222,12 @@ struct ModelLoader {
   }
   // The NF4 weight of decoder-block linear `prefix`: the stored bitsandbytes bytes as they are,
   // else the float weight quantised with LoadOptions' settings.
+  // A stored NVFP4 linear keeps its bytes (the 4-bit weight eo-ddp holds may be NVFP4).
   nf4::QuantizedWeight nf4_weight(const std::string& prefix, const std::vector<std::int64_t>& shape, bool on_host = false) const {
+    if (auto q = stored_nvfp4(prefix, shape)) {
+      ++nvfp4_kept;
+      return to_device(std::move(*q), on_host ? at::Device(at::kCPU) : opts.device);
+    }
     if (auto q = stored_4bit(prefix, shape)) {
       ++stored_nf4;
       if (q->blocksize != opts.blocksize || q->nested.has_value() != opts.double_quant) ++stored_other_layout;
@@ -325,6 +377,44 @@ struct ModelLoader {
     return out;
   }
 
+  // Whether layer i's routed experts are stored in NVFP4 (expert 0's gate projection says; the
+  // others must agree) and stay so: always, unless load_in_4bit with expert_quant: nf4.
+  // Synthetic weights: NVFP4 when config.json says so.
+  bool stored_nvfp4_experts(int i) const {
+    if (!ck) return m.cfg_.nvfp4 && !(opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4);
+    return m.cfg_.arch != Arch::GptOss && ck->has(expert_prefix(i, 0, 0) + ".weight_scale_2");
+  }
+  // Layer i's experts as the checkpoint's NVFP4 bytes, on their home (the device, or host RAM with
+  // expert offload); expert_quant: nf4 re-quantises them from their fp32 values.
+  std::vector<std::array<nf4::QuantizedWeight, 3>> nvfp4_bank(int i) const {
+    const at::Device home = opts.experts_on_host ? at::Device(at::kCPU) : opts.device;
+    const bool requantise = opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4;
+    std::vector<std::array<nf4::QuantizedWeight, 3>> out(m.cfg_.experts);
+    for (int e = 0; e < m.cfg_.experts; ++e)
+      for (int mi = 0; mi < 3; ++mi) {
+        const std::string prefix = expert_prefix(i, e, mi);
+        if (!ck) {
+          if (expert_shape(mi)[1] % nvfp4::kGroup)
+            throw UsageError("synthetic NVFP4 experts need hidden_size and moe_intermediate_size multiples of 16");
+          out[e][mi] = to_device(random->nvfp4(expert_shape(mi)), home);
+          ++nvfp4_kept;
+          continue;
+        }
+        auto q = stored_nvfp4(prefix, expert_shape(mi));
+        if (!q)
+          throw Error("checkpoint " + ck->folder() + ": layer " + std::to_string(i) + "'s experts are NVFP4 ('" +
+                      expert_prefix(i, 0, 0) + ".weight_scale_2'), but '" + prefix + "' is not (no '.weight_scale_2')");
+        if (requantise) {
+          out[e][mi] = quantize(nf4::dequantize(*q, at::kFloat), opts.experts_on_host);
+          ++nvfp4_requantised;
+        } else {
+          out[e][mi] = to_device(std::move(*q), home);
+          ++nvfp4_kept;
+        }
+      }
+    return out;
+  }
+
   // Experts of layer i. Fused layout: [E][matrix] float views (CPU, checkpoint dtype). Per-expert
   // layout: empty; the matrices load one by one through expert_prefix (they may be bnb-quantised).
   std::vector<std::array<at::Tensor, 3>> fused_experts(int i) const {
@@ -427,6 +517,9 @@ struct ModelLoader {
         if (c.expert_bias) b->expert_bias_ = expert_biases(i);
         if (keep_mxfp4(i)) {
           bank[i] = mxfp4_bank(i);
+        } else if (stored_nvfp4_experts(i)) {
+          bank[i] = nvfp4_bank(i);
+          b->quantized_ = true;  // held 4-bit even without load_in_4bit: the checkpoint's bytes
         } else if (const auto fused = fused_experts(i); opts.load_in_4bit) {
           bank[i].resize(c.experts);
           for (int e = 0; e < c.experts; ++e)
@@ -460,6 +553,17 @@ struct ModelLoader {
     if (mxfp4_dequantised > 0)
       log::info(source + ": " + std::to_string(mxfp4_dequantised) + " MXFP4 expert tensors dequantised to bf16" +
                 (opts.load_in_4bit ? ", then quantised to NF4 (expert_quant: nf4); experts held in NF4" : ""));
+    if (nvfp4_kept > 0 && !ck)
+      log::info(source + ": experts held in NVFP4 (random codes and scales: config.json's quant_method is modelopt NVFP4)");
+    else if (nvfp4_kept > 0)
+      log::info(source + ": " + std::to_string(nvfp4_kept) + " NVFP4 linears held in NVFP4, the checkpoint's own bytes (4.5 bits "
+                "per weight: lossless with respect to the checkpoint), dequantised on the fly");
+    if (nvfp4_requantised > 0)
+      log::info(source + ": " + std::to_string(nvfp4_requantised) + " NVFP4 expert matrices dequantised and quantised to NF4 "
+                "(expert_quant: nf4)");
+    if (nvfp4_dequantised > 0)
+      log::info(source + ": " + std::to_string(nvfp4_dequantised) + " NVFP4 tensors dequantised to " +
+                std::string(at::toString(opts.dtype)) + (opts.load_in_4bit ? " (they are not decoder-block linears)" : ""));
     if (stored_nf4 > 0)
       log::info(ck->folder() + ": " + std::to_string(stored_nf4) + " linears are bitsandbytes nf4 already; using their "
                 "stored bytes (no re-quantisation)");

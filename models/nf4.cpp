@@ -38,6 +38,7 @@
 
 #include "common/error.h"
 #include "models/mxfp4.h"
+#include "models/nvfp4.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -48,7 +49,9 @@
 #endif
 
 namespace eo {
-const char* quant_format_name(QuantFormat f) { return f == QuantFormat::Mxfp4 ? "MXFP4" : "NF4"; }
+const char* quant_format_name(QuantFormat f) {
+  return f == QuantFormat::Mxfp4 ? "MXFP4" : f == QuantFormat::Nvfp4 ? "NVFP4" : "NF4";
+}
 }  // namespace eo
 
 namespace eo::nf4 {
@@ -184,7 +187,7 @@ std::int64_t QuantizedWeight::numel() const {
 std::int64_t QuantizedWeight::nblocks() const { return (numel() + blocksize - 1) / blocksize; }
 
 at::Tensor QuantizedWeight::absmax_fp32() const {
-  EO_CHECK(format == QuantFormat::Nf4, "nf4: an MXFP4 weight has E8M0 scales, not absmax");
+  EO_CHECK(format == QuantFormat::Nf4, "nf4: an ", quant_format_name(format), " weight has scale bytes, not absmax");
   if (!nested) return absmax;
   // bnb dequantize_blockwise: code[q] * nested_absmax[i / 256] in fp32, then += offset. Two
   // tensor ops, so no fused multiply-add can change the rounding.
@@ -198,13 +201,14 @@ at::Tensor QuantizedWeight::absmax_fp32() const {
 }
 
 const at::Tensor& QuantizedWeight::stats() const {
-  return format == QuantFormat::Mxfp4 ? scales : nested ? nested->absmax_codes : absmax;
+  return format != QuantFormat::Nf4 ? scales : nested ? nested->absmax_codes : absmax;
 }
 
 std::int64_t QuantizedWeight::bytes() const {
   std::int64_t total = packed.defined() ? packed.nbytes() : 0;
   if (absmax.defined()) total += absmax.nbytes();
   if (scales.defined()) total += scales.nbytes();
+  if (global_scale.defined()) total += global_scale.nbytes();
   if (nested) total += nested->absmax_codes.nbytes() + nested->nested_absmax.nbytes() + nested->nested_code.nbytes();
   return total;
 }
@@ -380,6 +384,7 @@ at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
            "nf4::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");
   EO_CHECK(q.packed.defined() && q.shape.size() == 2, "nf4::dequantize: the quantised weight is empty.");
   if (q.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack({&q}, dtype)[0];
+  if (q.format == QuantFormat::Nvfp4) return nvfp4::dequantize_stack({&q}, dtype)[0];
   // Tensor ops only, so this runs on whatever device the packed bytes live on.
   const std::int64_t n = q.numel(), nb = q.nblocks();
   EO_CHECK(q.packed.numel() == (n + 1) / 2, "nf4::dequantize: packed has ", q.packed.numel(),
@@ -409,6 +414,7 @@ at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::S
   EO_CHECK(!qs.empty(), "nf4::dequantize_stack: no weights");
   const QuantizedWeight& first = *qs.front();
   if (first.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack(qs, dtype);
+  if (first.format == QuantFormat::Nvfp4) return nvfp4::dequantize_stack(qs, dtype);
   for (const QuantizedWeight* q : qs)
     EO_CHECK(q->format == QuantFormat::Nf4 && q->shape == first.shape && q->blocksize == first.blocksize && q->nested.has_value() == first.nested.has_value() &&
                  q->packed.device() == first.packed.device(),
@@ -426,6 +432,7 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
   EO_CHECK(!qs.empty(), "nf4::dequantize_stack_window: no weights");
   const QuantizedWeight& first = *qs.front();
   if (first.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
+  if (first.format == QuantFormat::Nvfp4) return nvfp4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
   const std::int64_t out = first.shape[0], in = first.shape[1];
   EO_CHECK(r0 >= 0 && rows > 0 && r0 + rows <= out && c0 >= 0 && cols > 0 && c0 + cols <= in,
            "nf4::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols,

@@ -8,9 +8,9 @@
 // (compress_statistics) absmax is stored as uint8 codes of bitsandbytes' signed dynamic map
 // in blocks of 256, plus per-block fp32 scales and the mean offset.
 //
-// QuantizedWeight is the frozen 4-bit weight of the whole code base, in one of two formats (its
-// `format` tag): NF4 as above, or MXFP4 (models/mxfp4.h: the format gpt-oss's checkpoints ship
-// their experts in, kept as stored). dequantize / dequantize_stack / dequantize_stack_window
+// QuantizedWeight is the frozen 4-bit weight of the whole code base, in one of three formats (its
+// `format` tag): NF4 as above, MXFP4 (models/mxfp4.h: the format gpt-oss's checkpoints ship their
+// experts in, kept as stored) or NVFP4 (models/nvfp4.h: modelopt's checkpoints, kept as stored). dequantize / dequantize_stack / dequantize_stack_window
 // below take either and dispatch on the tag, so the 4-bit linear, the grouped expert GEMM and the
 // offload engine hold and stage both the same way.
 #pragma once
@@ -43,12 +43,15 @@ struct DoubleQuant {
 //   MXFP4: packed uint8 [numel / 2, 1], the FP4 E2M1 codes of row-major [out, in] (element 2j in
 //          the LOW nibble of byte j), scales uint8 [numel / 32] (E8M0: 2^(s - 127) for the 32
 //          values of one row's columns [32g, 32g + 32)); in % 32 == 0, blocksize 32, dtype bf16.
+//   NVFP4: packed as MXFP4's, scales uint8 [numel / 16] (FP8 E4M3 bytes, one per 16 values of a
+//          row), global_scale fp32 [1]; in % 16 == 0, blocksize 16, dtype fp32.
 struct QuantizedWeight {
   QuantFormat format = QuantFormat::Nf4;
   at::Tensor packed;  // uint8, as above
   at::Tensor absmax;  // NF4: fp32 [nblocks]; undefined when `nested` holds the statistics (or MXFP4)
   std::optional<DoubleQuant> nested;
-  at::Tensor scales;  // MXFP4: uint8 [nblocks] E8M0 scale bytes; undefined for NF4
+  at::Tensor scales;  // MXFP4: uint8 [nblocks] E8M0 scale bytes; NVFP4: E4M3 bytes; undefined for NF4
+  at::Tensor global_scale;  // NVFP4: fp32 [1], the matrix's weight_scale_2; undefined otherwise
   std::vector<std::int64_t> shape;  // [out, in]
   int blocksize = 64;
   at::ScalarType dtype = at::kFloat;  // the original dtype (dequantise casts to it by default)
@@ -58,7 +61,7 @@ struct QuantizedWeight {
   // NF4: fp32 absmax, undoing double quantisation when present.
   at::Tensor absmax_fp32() const;
   // The per-block statistics as stored (what an arena holds after the codes): NF4 fp32 absmax or
-  // the nested u8 codes, MXFP4 the u8 scales.
+  // the nested u8 codes, MXFP4 and NVFP4 the u8 scales.
   const at::Tensor& stats() const;
   std::int64_t bytes() const;  // packed + statistics
 };

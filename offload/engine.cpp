@@ -95,7 +95,8 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   std::int64_t max_block = 0, shared_bytes = 0;
   blocks_.resize(bank.size());
   // Layout of every block: for each expert and matrix, packed bytes then the statistics (NF4: fp32
-  // absmax, or u8 codes + fp32 scales; MXFP4: u8 E8M0 scales), each piece 256-byte aligned; blocks
+  // absmax, or u8 codes + fp32 scales; MXFP4: u8 E8M0 scales; NVFP4: u8 E4M3 scales + the fp32
+  // global scale), each piece 256-byte aligned; blocks
   // page-aligned in a shared copy.
   for (std::size_t layer = 0; layer < bank.size(); ++layer) {
     const auto& experts = bank[layer];
@@ -113,12 +114,12 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
         PieceBytes bytes;  // from the tensors themselves: a stored bitsandbytes layout is kept as it is
         bytes.packed = q.packed.numel();
         bytes.stats = stats.numel() * static_cast<std::int64_t>(stats.element_size());
-        bytes.nested = q.nested ? q.nested->nested_absmax.numel() * 4 : 0;
+        bytes.nested = q.nested ? q.nested->nested_absmax.numel() * 4 : q.global_scale.defined() ? q.global_scale.nbytes() : 0;
         const PieceOffsets at = place_matrix(off, bytes);  // offload/layout.h: the one arena layout
         p[0] = {at.packed, bytes.packed};
         p[1] = {at.stats, bytes.stats};
+        if (bytes.nested > 0) p[2] = {at.nested, bytes.nested};
         if (q.nested) {
-          p[2] = {at.nested, bytes.nested};
           if (!nested_code_.defined()) nested_code_ = q.nested->nested_code.to(opt_.device, at::kFloat).contiguous();
         }
         nf4::QuantizedWeight meta;
@@ -202,6 +203,7 @@ void ExpertOffloader::fill_arena(std::uint8_t* dst, const Block& b,
       put(b.pieces[e][m][0], q.packed);
       put(b.pieces[e][m][1], q.stats());
       if (q.nested) put(b.pieces[e][m][2], q.nested->nested_absmax);
+      if (q.global_scale.defined()) put(b.pieces[e][m][2], q.global_scale);
     }
 }
 
@@ -274,8 +276,9 @@ void ExpertOffloader::build_views(std::vector<std::array<nf4::QuantizedWeight, 3
         q.nested->absmax_codes = arena.narrow(0, p[1].offset, p[1].bytes);
         q.nested->nested_absmax = arena.narrow(0, p[2].offset, p[2].bytes).view(at::kFloat);
         q.nested->nested_code = nested_code_;
-      } else if (q.format == QuantFormat::Mxfp4) {
+      } else if (q.format != QuantFormat::Nf4) {
         q.scales = arena.narrow(0, p[1].offset, p[1].bytes);
+        if (q.format == QuantFormat::Nvfp4) q.global_scale = arena.narrow(0, p[2].offset, p[2].bytes).view(at::kFloat);
       } else {
         q.absmax = arena.narrow(0, p[1].offset, p[1].bytes).view(at::kFloat);
       }

@@ -2,7 +2,7 @@
 // block. Implements model::WeightProvider, so the decoder neither knows nor cares where the bytes
 // are (design.md §2.3).
 //
-//  - Each MoE block's 4-bit experts (NF4 or MXFP4: packed codes + quantisation statistics) live in
+//  - Each MoE block's 4-bit experts (NF4, MXFP4 or NVFP4: packed codes + quantisation statistics) live in
 //    one exact-size, NUMA-local, page-locked host arena: one copy per block moves everything.
 //  - Device slots, allocated once, hold the staged blocks: one in synchronous mode, 1 + depth with
 //    prefetch (expert_offload_prefetch_depth). stage(L) is called by block L's forward and again by

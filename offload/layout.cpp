@@ -34,16 +34,18 @@ PieceBytes nf4_piece_bytes(std::int64_t numel, int blocksize, bool double_quant)
   return b;
 }
 
-PieceBytes mxfp4_piece_bytes(std::int64_t numel) {
+PieceBytes stored_piece_bytes(QuantFormat format, std::int64_t numel) {
+  const StoredFormatBytes f = stored_format_bytes(format);
   PieceBytes b;
   b.packed = numel / 2;
-  b.stats = numel / 32;  // one E8M0 byte per 32 values
+  b.stats = numel / f.group;  // one scale byte per group
+  b.nested = f.per_matrix;
   return b;
 }
 
 std::int64_t expert_block_bytes(const model::ModelConfig& c, int blocksize, bool double_quant, QuantFormat format) {
   const std::int64_t n = c.hidden * c.expert_width;  // gate, up [I, H]; down [H, I]
-  const PieceBytes m = format == QuantFormat::Mxfp4 ? mxfp4_piece_bytes(n) : nf4_piece_bytes(n, blocksize, double_quant);
+  const PieceBytes m = format == QuantFormat::Nf4 ? nf4_piece_bytes(n, blocksize, double_quant) : stored_piece_bytes(format, n);
   std::int64_t offset = 0;
   for (std::int64_t e = 0; e < c.experts; ++e)
     for (int k = 0; k < 3; ++k) place_matrix(offset, m);

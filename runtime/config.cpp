@@ -1868,6 +1868,13 @@ bool experts_in_mxfp4(const TrainConfig& cfg, const model::ModelConfig& mc) {
   return cfg.load_in_4bit && (cfg.expert_quant == "mxfp4" || (cfg.expert_quant == "auto" && mc.mxfp4_experts));
 }
 
+std::optional<QuantFormat> expert_format(const TrainConfig& cfg, const model::ModelConfig& mc) {
+  if (experts_in_mxfp4(cfg, mc)) return QuantFormat::Mxfp4;
+  if (mc.nvfp4 && !(cfg.load_in_4bit && cfg.expert_quant == "nf4")) return QuantFormat::Nvfp4;
+  if (cfg.load_in_4bit) return QuantFormat::Nf4;
+  return std::nullopt;
+}
+
 std::int64_t expert_bank_bytes(const TrainConfig& cfg) {
   if (cfg.expert_dequant_chunk == "whole" || cfg.expert_dequant_chunk == "auto") return 0;
   const auto b = parse_bytes(cfg.expert_dequant_chunk);

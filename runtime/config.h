@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "models/quant_format.h"
+
 namespace YAML {
 class Node;
 }
@@ -220,5 +222,9 @@ constexpr const char* kAutoBankSlice = "64MiB";
 // load_in_4bit with expert_quant mxfp4, or auto on a checkpoint whose config.json says its
 // experts are MXFP4 (the loader's ExpertQuant::Auto; the plan and the home sizes use this).
 bool experts_in_mxfp4(const TrainConfig& cfg, const model::ModelConfig& mc);
+// The format the routed experts are held in, as the loader decides it: MXFP4 as above; NVFP4 on a
+// modelopt NVFP4 checkpoint, with or without load_in_4bit (unless expert_quant: nf4); else NF4
+// (nullopt without load_in_4bit: the experts are unquantised in the compute dtype).
+std::optional<QuantFormat> expert_format(const TrainConfig& cfg, const model::ModelConfig& mc);
 
 }  // namespace eo

@@ -77,10 +77,12 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
                       std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
                           ", norms, routers, attention" + (q4 ? " (NF4)" : "")});
 
-  // ---- experts: NF4, or the checkpoint's MXFP4 kept (expert_quant)
-  const bool mx = experts_in_mxfp4(cfg, c);
-  p.expert_format = mx ? QuantFormat::Mxfp4 : QuantFormat::Nf4;
-  const std::string held = q4 ? std::string(mx ? " (MXFP4, the checkpoint's own bytes)" : " (NF4)") : std::string();
+  // ---- experts: NF4, or the checkpoint's MXFP4 / NVFP4 kept (expert_quant; NVFP4 without load_in_4bit too)
+  const std::optional<QuantFormat> fmt = expert_format(cfg, c);
+  p.expert_format = fmt.value_or(QuantFormat::Nf4);
+  const std::string held = !fmt                         ? std::string()
+                           : *fmt == QuantFormat::Nf4 ? std::string(" (NF4)")
+                                                        : std::string(" (") + quant_format_name(*fmt) + ", the checkpoint's own bytes)";
   // One MoE block's experts exactly as the offload engine lays them out (offload/layout.h).
   p.block_bytes = double(offload::expert_block_bytes(c, bs, cfg.bnb_4bit_use_double_quant, p.expert_format));
   p.expert_bytes = p.block_bytes * moe_layers;
@@ -122,7 +124,10 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
     }
   } else {
     // Resident experts are separate tensors (no arena alignment).
-    const double matrix = !q4 ? I * H * d : mx ? I * H / 2 + I * H / 32 : nf4_bytes(I, H, bs);
+    const StoredFormatBytes sf = stored_format_bytes(p.expert_format);
+    const double matrix = !fmt                        ? I * H * d
+                          : *fmt == QuantFormat::Nf4 ? nf4_bytes(I, H, bs)
+                                                       : I * H / 2 + I * H / sf.group + sf.per_matrix;
     p.device.push_back({"experts", double(moe_layers) * E * 3 * matrix, "every expert resident" + held});
   }
 
@@ -227,7 +232,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   if (c.dense_beside_experts()) shared += N * (3 * double(c.dense_width) + 5 * H) * d;
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
-  double bank = moe_layers > 0 && q4 ? E * I * H * d : 0;
+  double bank = moe_layers > 0 && fmt ? E * I * H * d : 0;  // held 4-bit (NVFP4 without load_in_4bit too)
   if (const std::int64_t max = expert_bank_bytes(cfg); bank > 0 && max > 0 && on_gpu) {
     const auto e = std::int64_t(E), h = std::int64_t(H), i = std::int64_t(I), el = std::int64_t(d);
     bank = std::max(E * H * d * double(model::bank_slice(i, e, h, el, max)), E * I * d * double(model::bank_slice(h, e, i, el, max)));

@@ -150,7 +150,9 @@ std::map<std::string, std::string> disk_homes_identity(const TrainConfig& cfg, c
           {"config.json", sum},
           {"model_type", mc.model_type},
           {"weights", cfg.synthetic_weights ? "synthetic, seed " + std::to_string(cfg.seed) : "checkpoint"},
-          {"experts", experts_in_mxfp4(cfg, mc) ? "MXFP4 (the checkpoint's)" : "NF4"},
+          {"experts", expert_format(cfg, mc) == QuantFormat::Mxfp4   ? "MXFP4 (the checkpoint's)"
+                      : expert_format(cfg, mc) == QuantFormat::Nvfp4 ? "NVFP4 (the checkpoint's)"
+                                                                     : "NF4"},
           {"bnb_4bit_blocksize", std::to_string(cfg.bnb_4bit_blocksize)},
           {"bnb_4bit_use_double_quant", cfg.bnb_4bit_use_double_quant ? "true" : "false"}};
 }
@@ -227,7 +229,7 @@ void check_disk_space_for_homes(const TrainConfig& cfg, const offload::DiskHomes
 // all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
 void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, const at::Device& device) {
   const model::ModelConfig mc = model::load_config(cfg.base_model);
-  const QuantFormat format = experts_in_mxfp4(cfg, mc) ? QuantFormat::Mxfp4 : QuantFormat::Nf4;
+  const QuantFormat format = expert_format(cfg, mc).value_or(QuantFormat::Nf4);
   const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant, format);
   const offload::DiskHomesSize disk =
       offload::estimate_disk_homes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant,

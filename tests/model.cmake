@@ -27,3 +27,10 @@ add_test(NAME mxfp4_ref_gpt_oss
 set_tests_properties(mxfp4_ref_gpt_oss PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
 file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/mxfp4_ref)
+# NVFP4 (modelopt) checkpoints against the float64 decode and transformers / peft on the decoded
+# weights (tests/ref/nvfp4_ref.py).
+add_test(NAME nvfp4_ref_qwen3_moe
+         COMMAND flock ${PROJECT_BINARY_DIR}/tests/nvfp4_ref/qwen3_moe.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/nvfp4_ref.py qwen3_moe ${PROJECT_BINARY_DIR}/tests/nvfp4_ref)
+set_tests_properties(nvfp4_ref_qwen3_moe PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
+file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/nvfp4_ref)

@@ -22,6 +22,7 @@
 #include "models/lora.h"
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
+#include "models/nvfp4.h"
 #include "models/nf4.h"
 #include "offload/engine.h"
 #include "runtime/config.h"
@@ -906,6 +907,48 @@ TEST(Cuda, Mxfp4KernelIsBitIdenticalToTheCpuPath) {
       const at::Tensor win = nf4::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
       EXPECT_TRUE(same_bits(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
       EXPECT_TRUE(same_bits(win[1], nf4::dequantize_stack_window({&cpu}, dt, r0, nr, c0, nc)[0])) << "window vs CPU window";
+    }
+  }
+}
+
+// NVFP4 (modelopt checkpoints): the CUDA kernel against the CPU path (checked against the float64
+// definition in test_model, Nvfp4.*), NaN where it is NaN (NaN payloads differ) and bitwise
+// elsewhere: every code at every E4M3 scale byte under global scales from fp32 subnormals to
+// overflow, a real row length (2048: 128 groups) and odd row counts; whole, stacked past one launch
+// (64), and windowed.
+TEST(Cuda, Nvfp4KernelIsBitIdenticalToTheCpuPath) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  at::manual_seed(19);
+  const auto u8 = at::TensorOptions().dtype(at::kByte);
+  auto same = [](const at::Tensor& a, const at::Tensor& b) {
+    const at::Tensor an = a.isnan(), bn = b.isnan();
+    return an.equal(bn) && same_bits(a.masked_fill(an, 0), b.masked_fill(bn, 0));
+  };
+  const at::Tensor all_codes = (at::arange(64, at::kInt).view({1, 64}) + 64 * (at::arange(256, at::kInt).view({256, 1}) % 4)).to(at::kByte);
+  const at::Tensor all_scales = at::arange(256, at::kInt).to(at::kByte).view({256, 1}).expand({256, 8}).contiguous();
+  struct Case { at::Tensor codes, scales; float global; };
+  std::vector<Case> cases;
+  for (float g : {1.0f, 3.7e-4f, std::ldexp(1.0f, -140), 3.4e38f, 0.0f, -0.75f}) cases.push_back({all_codes, all_scales, g});
+  for (const auto& [rows, in] : std::vector<std::pair<std::int64_t, std::int64_t>>{{96, 2048}, {33, 32}, {7, 16}})
+    cases.push_back({at::randint(0, 256, {rows, in / 2}, u8), at::randint(0, 127, {rows, in / 16}, u8), 2.5e-3f});
+  for (const Case& c : cases) {
+    const at::Tensor global = at::full({1}, c.global, at::TensorOptions().dtype(at::kFloat));
+    const nf4::QuantizedWeight cpu = nvfp4::weight(c.codes, c.scales, global);
+    const nf4::QuantizedWeight gpu = nvfp4::weight(c.codes.to(dev), c.scales.to(dev), global.to(dev));
+    ASSERT_TRUE(gpu.packed.is_cuda() && gpu.scales.is_cuda() && gpu.global_scale.is_cuda());
+    const std::int64_t rows = cpu.shape[0], cols = cpu.shape[1];
+    for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " global " + std::to_string(c.global) + " " +
+                   std::string(at::toString(dt)));
+      const at::Tensor ref = nf4::dequantize(cpu, dt);
+      EXPECT_TRUE(same(nf4::dequantize(gpu, dt).cpu(), ref)) << "whole";
+      std::vector<const nf4::QuantizedWeight*> many(70, &gpu);  // two launches
+      const at::Tensor stacked = nf4::dequantize_stack(many, dt).cpu();
+      EXPECT_TRUE(same(stacked[0], ref) && same(stacked[69], ref)) << "stacked";
+      const std::int64_t r0 = rows / 3, nr = std::max<std::int64_t>(1, rows / 2), c0 = 8 * (cols / 32), nc = 8 * std::max<std::int64_t>(1, cols / 16);
+      const at::Tensor win = nf4::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
+      EXPECT_TRUE(same(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
     }
   }
 }

@@ -1,6 +1,7 @@
 // The MoE decoder against independent references: transformers (logits, loss, aux loss,
 // `eo-ddp score`), peft (LoRA logits and gradients), bitsandbytes (NF4 model), for qwen3_moe,
 // olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, glm4_moe_lite, mistral4 and gemma4
+// (gpt-oss's MXFP4 and modelopt's NVFP4 checkpoints against their own references)
 // (most also in a variant with their unusual options on: group-limited routing, YaRN, dense
 // first layers, Mistral 4's query scaling, Gemma 4's k-as-v full layers and soft-capping ...). Reference outputs come from tests/ref/model_ref.py, generated
 // into the build folder by the CTest fixture in tests/model.cmake (or on first use, under a lock).
@@ -25,6 +26,7 @@
 #include "models/linear4bit.h"
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
+#include "models/nvfp4.h"
 #include "models/safetensors.h"
 #include "offload/engine.h"
 #include "offload/host_memory.h"
@@ -814,6 +816,233 @@ TEST(Mxfp4, PlanAndArenaCountTheMxfp4Bytes) {
   EXPECT_EQ(off->home_bytes(), offload::estimate_home_bytes(mc, 64, false, QuantFormat::Mxfp4));
   EXPECT_TRUE(m->forward(b).logits.equal(resident));
   EXPECT_EQ(off->expert_weight(mc.layers - 1, 0, ExpertMatrix::Down).format, QuantFormat::Mxfp4);
+}
+
+// NVFP4 (NVIDIA modelopt) checkpoints (tests/ref/nvfp4_ref.py): the decode is the format's
+// definition computed in float64 and rounded once to fp32 (then to bf16 / fp16), for every code at
+// every E4M3 scale byte under global scales from fp32 subnormals to overflow; a tiny NVFP4
+// qwen3_moe checkpoint (modelopt's layout) loads as transformers' model on the decoded weights, its
+// experts held in NVFP4; LoRA on it (attention + fused experts, as axolotl's NVFP4 example) gives
+// peft's logits, loss and gradients, and the same bits from offload homes as resident.
+std::string nvfp4_dir() { return eo::testing::python_fixture("nvfp4_ref.py", "nvfp4_ref", "qwen3_moe"); }
+
+// Bitwise equal, NaN where the other is NaN (NaN payloads differ between conversions).
+bool same_bits_or_nan(const at::Tensor& got, const at::Tensor& want) {
+  if (got.scalar_type() != want.scalar_type() || got.sizes() != want.sizes()) return false;
+  const at::Tensor gn = got.isnan(), wn = want.isnan();
+  if (!gn.equal(wn)) return false;
+  const at::Tensor g = got.masked_fill(gn, 0), w = want.masked_fill(wn, 0);
+  return got.scalar_type() == at::kFloat ? g.view(at::kInt).equal(w.view(at::kInt)) : g.view(at::kShort).equal(w.view(at::kShort));
+}
+
+TEST(Nvfp4, DecodeIsTheFloat64DefinitionBitForBit) {
+  const Ref r = load_ref(nvfp4_dir());
+  const at::Tensor codes = r["grid.codes"], scales = r["grid.scales"], globals = r["grid.globals"];
+  const at::Tensor f32 = r["grid.expected_f32"], bf16 = r["grid.expected_bf16"], f16 = r["grid.expected_f16"];
+  std::vector<nf4::QuantizedWeight> qs;
+  for (std::int64_t i = 0; i < globals.size(0); ++i) {
+    SCOPED_TRACE("global scale " + std::to_string(globals[i].item<float>()));
+    qs.push_back(nvfp4::weight(codes, scales, globals[i]));
+    const nf4::QuantizedWeight& q = qs.back();
+    EXPECT_EQ(q.format, QuantFormat::Nvfp4);
+    EXPECT_EQ(q.shape, (std::vector<std::int64_t>{256, 128}));
+    EXPECT_EQ(q.bytes(), 256 * 128 / 2 + 256 * 128 / 16 + 4);
+    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(q, at::kFloat), f32[i])) << "fp32";
+    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(q, at::kBFloat16), bf16[i])) << "bf16";
+    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(q, at::kHalf), f16[i])) << "fp16";
+    // The checkpoint's own dtypes (scales as float8_e4m3fn, a 0-dim global) give the same.
+    EXPECT_TRUE(same_bits_or_nan(nvfp4::dequantize(codes, scales.view(at::kFloat8_e4m3fn), globals[i].reshape({}), at::kFloat), f32[i]));
+  }
+  std::vector<const nf4::QuantizedWeight*> ptrs;
+  for (const auto& q : qs) ptrs.push_back(&q);
+  EXPECT_TRUE(same_bits_or_nan(nf4::dequantize_stack(ptrs, at::kBFloat16), bf16));
+  EXPECT_TRUE(same_bits_or_nan(nf4::dequantize_stack_window(ptrs, at::kFloat, 37, 100, 24, 72),
+                               f32.narrow(1, 37, 100).narrow(2, 24, 72).contiguous()));
+  // The reference covers what it claims: NaN scale bytes, inf (overflow), fp32 subnormals, -0.
+  EXPECT_TRUE(f32.isnan().any().item<bool>());
+  EXPECT_TRUE(f32.isinf().any().item<bool>());
+  EXPECT_TRUE(((f32.abs() > 0) & (f32.abs() < 1.1754943508222875e-38)).any().item<bool>());
+  EXPECT_TRUE((f32.eq(0) & f32.signbit()).any().item<bool>());
+  // Malformed tensors are refused with what was expected.
+  try {
+    nvfp4::weight(codes.narrow(1, 0, 60), scales, globals[0]);
+    ADD_FAILURE() << "accepted mismatched codes and scales";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected uint8 codes [out, in / 2], scales [out, in / 16]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Nvfp4, CheckpointLoadsAsTransformersOnTheDecodedWeights) {
+  const std::string dir = nvfp4_dir();
+  const Ref r = load_ref(dir);
+  const ModelConfig mc = load_config(dir + "/model_nvfp4");
+  EXPECT_TRUE(mc.nvfp4);
+  c10::NoGradGuard no_grad;
+  for (const bool four_bit : {false, true}) {
+    SCOPED_TRACE(four_bit ? "load_in_4bit" : "lora base");
+    LoadOptions lo;
+    lo.load_in_4bit = four_bit;
+    auto m = MoeModel::load(dir + "/model_nvfp4", lo);
+    // The experts keep the checkpoint's NVFP4, which decodes to the reference's fp32.
+    const auto& gate = m->weight_provider().expert_weight(1, 0, ExpertMatrix::Gate);
+    ASSERT_EQ(gate.format, QuantFormat::Nvfp4);
+    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(gate, at::kFloat), r["tensor.model.layers.1.mlp.experts.0.gate_proj.weight.expected_f32"]));
+    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(m->weight_provider().expert_weight(2, 5, ExpertMatrix::Down), at::kFloat),
+                                 r["tensor.model.layers.2.mlp.experts.5.down_proj.weight.expected_f32"]));
+    const auto out = m->forward(ref_batch(r));
+    RecordProperty(four_bit ? "logits_rel_err_4bit" : "logits_rel_err", std::to_string(rel_err(out.logits, r["logits"])));
+    EXPECT_LT(rel_err(out.logits, r["logits"]), 1e-5);
+    EXPECT_NEAR(out.loss_sum.item<double>() / out.tokens, r["loss"].item<double>(), 1e-6 * r["loss"].item<double>());
+  }
+  // expert_quant: nf4 re-quantises the experts: NF4, other logits.
+  LoadOptions lo;
+  lo.load_in_4bit = true;
+  lo.expert_quant = ExpertQuant::Nf4;
+  auto n = MoeModel::load(dir + "/model_nvfp4", lo);
+  EXPECT_EQ(n->weight_provider().expert_weight(1, 0, ExpertMatrix::Up).format, QuantFormat::Nf4);
+  EXPECT_GT(rel_err(n->forward(ref_batch(r)).logits, r["logits"]), 1e-4);
+}
+
+TEST(Nvfp4, ExpertLoraMatchesPeftAndOffloadedIsResident) {
+  const std::string dir = nvfp4_dir();
+  const Ref r = load_ref(dir);
+  auto m = MoeModel::load(dir + "/model_nvfp4", LoadOptions{});
+  m->load_adapter(dir + "/adapter_params");
+  const auto out = m->forward(ref_batch(r));
+  RecordProperty("logits_rel_err", std::to_string(rel_err(out.logits, r["logits_params"])));
+  EXPECT_LT(rel_err(out.logits, r["logits_params"]), 1e-4);
+  const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
+  EXPECT_NEAR(loss.item<double>(), r["loss_params"].item<double>(), 1e-5 * r["loss_params"].item<double>());
+  loss.backward();
+  NamedLora trained = m->lora_parameters(), trained_grads;
+  for (const auto& [name, p] : trained) trained_grads.emplace_back(name, p.grad().defined() ? p.grad() : at::zeros_like(p));
+  const auto params = peft_lora_tensors(trained), grads = peft_lora_tensors(trained_grads);
+  std::size_t n_ref = 0, fused = 0;
+  for (const auto& t : r.file->tensors()) n_ref += t.name.rfind("grad_params.", 0) == 0;
+  EXPECT_EQ(params.size(), n_ref);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    SCOPED_TRACE(params[i].first);
+    fused += params[i].first.find(".experts.") != std::string::npos;
+    EXPECT_LT(rel_err(grads[i].second, r["grad_params." + params[i].first]), 1e-4);
+  }
+  EXPECT_GT(fused, 0u);
+  // Training's own step on the resident NVFP4 experts, then on NVFP4 homes: the same bits.
+  auto train_step = [&](MoeModel& model) {
+    for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
+    data::MicroBatch mb;
+    mb.input_ids = r["input_ids"];
+    mb.labels = r["labels"];
+    mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
+    mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
+    mb.num_target_tokens = out.tokens;
+    StepRunner runner(model, StepOptions{}, 1, nullptr);
+    const double l = runner.run({mb}, double(out.tokens)).ce_sum.item<double>() / double(out.tokens);
+    std::vector<at::Tensor> g;
+    for (auto& [name, p] : model.lora_parameters()) g.push_back(p.grad().clone());
+    return std::make_pair(l, g);
+  };
+  const auto [resident_loss, resident_grads] = train_step(*m);
+  auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
+  m->set_weight_provider(off);
+  const auto [homed_loss, homed_grads] = train_step(*m);
+  EXPECT_EQ(homed_loss, resident_loss);
+  EXPECT_GT(off->take_step_stats().copies, 0) << "the blocks came from their homes";
+  EXPECT_EQ(off->expert_weight(1, 3, ExpertMatrix::Up).format, QuantFormat::Nvfp4);  // layer 1: staged last (its backward)
+  ASSERT_EQ(homed_grads.size(), resident_grads.size());
+  for (std::size_t i = 0; i < homed_grads.size(); ++i) EXPECT_TRUE(homed_grads[i].equal(resident_grads[i])) << i;
+}
+
+// `eo-ddp plan` counts the NVFP4 experts' bytes as the model holds them (4.5 bits per weight and
+// 4 bytes per matrix), with or without load_in_4bit, and the offload arena as the engine lays it out.
+TEST(Nvfp4, PlanAndArenaCountTheNvfp4Bytes) {
+  const std::string dir = nvfp4_dir();
+  TrainConfig cfg;
+  cfg.base_model = dir + "/model_nvfp4";
+  cfg.adapter = "lora";
+  const ModelConfig mc = load_config(cfg.base_model);
+  ASSERT_EQ(expert_format(cfg, mc), QuantFormat::Nvfp4);
+  auto m = MoeModel::load(cfg.base_model, LoadOptions{});
+  double held = 0;
+  int moe_layers = 0;
+  for (int l = 0; l < m->num_layers(); ++l) {
+    if (!mc.is_moe_layer(l)) continue;
+    ++moe_layers;
+    for (int e = 0; e < mc.experts; ++e)
+      for (auto mx : {ExpertMatrix::Gate, ExpertMatrix::Up, ExpertMatrix::Down}) held += double(m->weight_provider().expert_weight(l, e, mx).bytes());
+  }
+  const double per_matrix = double(mc.hidden * mc.expert_width) * (0.5 + 1.0 / 16) + 4;  // by hand
+  EXPECT_EQ(held, double(moe_layers * mc.experts * 3) * per_matrix);
+  for (const bool four_bit : {false, true}) {
+    cfg.load_in_4bit = four_bit;
+    cfg.adapter = four_bit ? "qlora" : "lora";
+    const MemoryPlan plan = plan_memory(cfg, mc, eo::Compute::Fp32, 1, /*on_gpu=*/false);
+    const MemoryPart* experts = nullptr;
+    for (const auto& p : plan.device)
+      if (p.name == "experts") experts = &p;
+    ASSERT_NE(experts, nullptr);
+    EXPECT_EQ(experts->bytes, held);
+    EXPECT_NE(experts->what.find("NVFP4"), std::string::npos) << experts->what;
+    EXPECT_NE(describe_plan(plan, 0).find("NVFP4"), std::string::npos);
+  }
+  cfg.expert_quant = "nf4";
+  EXPECT_EQ(expert_format(cfg, mc), QuantFormat::Nf4);
+  cfg.expert_quant = "auto";
+  const MemoryPlan plan = plan_memory(cfg, mc, eo::Compute::Fp32, 1, false);
+  Batch b;
+  b.input_ids = load_ref(dir)["input_ids"];
+  c10::NoGradGuard no_grad;
+  const at::Tensor resident = m->forward(b).logits;
+  auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
+  m->set_weight_provider(off);
+  for (int l = 0; l < mc.layers; ++l)
+    if (mc.is_moe_layer(l)) EXPECT_EQ(double(off->block_bytes(l)), plan.block_bytes) << "layer " << l;
+  EXPECT_EQ(off->home_bytes(), offload::estimate_home_bytes(mc, 64, false, QuantFormat::Nvfp4));
+  EXPECT_TRUE(m->forward(b).logits.equal(resident));
+}
+
+// A malformed NVFP4 checkpoint is refused with the tensor and what was expected.
+TEST(Nvfp4, MalformedCheckpointsAreRefusedPrecisely) {
+  const std::string dir = nvfp4_dir();
+  const std::string bad = (fs::temp_directory_path() / "eo_nvfp4_bad").string();
+  fs::remove_all(bad);
+  fs::create_directories(bad);
+  for (const char* f : {"config.json", "tokenizer.json", "tokenizer_config.json"})
+    if (fs::exists(dir + "/model_nvfp4/" + f)) fs::copy_file(dir + "/model_nvfp4/" + f, bad + "/" + f);
+  auto file = st::File::open(dir + "/model_nvfp4/model.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& t : file->tensors()) {
+    at::Tensor v = file->load(t.name);
+    if (t.name == "model.layers.2.mlp.experts.1.down_proj.weight_scale") v = v.view(at::kByte);  // uint8, not float8
+    tensors.emplace_back(t.name, v);
+  }
+  st::save(bad + "/model.safetensors", tensors);
+  std::string msg = "(accepted)";
+  try {
+    MoeModel::load(bad, LoadOptions{});
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("NVFP4 tensor 'model.layers.2.mlp.experts.1.down_proj.weight_scale' is Byte"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("expected Float8_e4m3fn"), std::string::npos) << msg;
+  // A modelopt algorithm other than NVFP4 is refused when config.json is read.
+  nlohmann::json j = nlohmann::json::parse(std::ifstream(bad + "/config.json"));
+  j["quantization_config"]["quant_algo"] = "FP8";
+  std::ofstream(bad + "/config.json") << j.dump();
+  msg = "(accepted)";
+  try {
+    load_config(bad);
+  } catch (const UsageError& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("quant_algo 'FP8' (modelopt) is not supported"), std::string::npos) << msg;
+  // hf_quant_config.json alone (older modelopt exports) says NVFP4 as well.
+  j.erase("quantization_config");
+  std::ofstream(bad + "/config.json") << j.dump();
+  fs::copy_file(dir + "/model_nvfp4/hf_quant_config.json", bad + "/hf_quant_config.json", fs::copy_options::overwrite_existing);
+  EXPECT_TRUE(load_config(bad).nvfp4);
+  fs::remove_all(bad);
 }
 
 // A provider whose bytes can be swapped, as the offload engine reuses slots.

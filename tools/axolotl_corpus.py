@@ -14,7 +14,7 @@
         and writes OUT_DIR/VERSION: the release and each file's sha256.
     axolotl_corpus.py model ARCH OUT_DIR
         The tiny stand-in checkpoint of an expect.tsv architecture (tools/make_tiny_model.py, the tiny
-        tokenizer; gpt_oss with the harmony tokens; a config.json alone for an unsupported one).
+        tokenizer; gpt_oss with the harmony tokens; qwen3_moe_nvfp4 quantised by tools/make_nvfp4_model.py; a config.json alone for an unsupported one).
     axolotl_corpus.py prepare CONFIG MODEL_DIR DATA_DIR OUT_CONFIG
         Writes OUT_CONFIG: CONFIG's text with only base_model and each dataset's path replaced, by
         MODEL_DIR and by a local JSONL in DATA_DIR written in the shape the dataset entry asks for
@@ -35,6 +35,8 @@ import yaml
 
 # base_model (a regular expression over the Hub name) -> the model_type of its config.json.
 BASE_MODEL_ARCH = [
+    # NVIDIA modelopt's NVFP4 export of Qwen3-30B-A3B (tools/make_nvfp4_model.py makes the stand-in).
+    (r"Qwen3-30B-A3B-NVFP4", "qwen3_moe_nvfp4"),
     (r"Qwen3-(30B-A3B|235B-A22B)", "qwen3_moe"),
     (r"Qwen1\.5-MoE|Qwen2-57B-A14B", "qwen2_moe"),
     (r"Mixtral", "mixtral"),
@@ -52,7 +54,7 @@ BASE_MODEL_ARCH = [
     (r"Llama-4-Scout", "llama4"),
     (r"Qwen3-Next-80B-A3B-Instruct$", "qwen3_next"),
 ]
-SUPPORTED = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v2",
+SUPPORTED = {"qwen3_moe", "qwen3_moe_nvfp4", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v2",
              "deepseek_v3", "gpt_oss", "gemma4", "mistral3_mistral4"}
 # Adapter configs of unsupported architectures kept in the corpus: each must list the model_type
 # error together with its key problems in one run.
@@ -93,8 +95,9 @@ EXTRA = {
 }
 # Refused for what eo-ddp does not implement (not an in-scope rejection): a gap, listed as such.
 GAPS = {
-    # An NVFP4 checkpoint (nvidia/Qwen3-30B-A3B-NVFP4) and its merge-aware LoRA: eo-ddp loads no NVFP4.
-    "qwen3/30b-a3b-nvfp4-lora.yaml": ["nvfp4_merge_aware: not supported"],
+    # An NVFP4 checkpoint (nvidia/Qwen3-30B-A3B-NVFP4) loads and trains; axolotl's merge-aware LoRA on it
+    # (NVFP4 fake quantisation of the merged weight in every forward) is not implemented.
+    "qwen3/30b-a3b-nvfp4-lora.yaml": ["nvfp4_merge_aware: not supported: axolotl (with use_sonicmoe) then trains through"],
     # LoRA on Gemma 4's fused experts (peft's target_parameters): not implemented for gemma4 yet.
     "gemma4/26b-a4b-moe-bnb-lora.yaml": ["lora_target_parameters: implemented for"],
     "gemma4/26b-a4b-moe-qlora.yaml": ["lora_target_parameters: implemented for"],
@@ -205,7 +208,15 @@ def make_model(arch, out, root):
     import subprocess
     os.makedirs(out, exist_ok=True)
     tok_dir = os.path.join(root, "fixtures", "tiny-qwen3-moe")
-    if arch in SUPPORTED and arch not in ("mistral3_mistral4", "gemma4"):
+    if arch == "qwen3_moe_nvfp4":
+        # A tiny Qwen3-MoE quantised to NVFP4 in modelopt's checkpoint layout.
+        plain = out + ".float"
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "qwen3_moe", "--out",
+                        plain], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_nvfp4_model.py"), plain, out], check=True,
+                       stdout=subprocess.DEVNULL)
+        shutil.rmtree(plain)
+    elif arch in SUPPORTED and arch not in ("mistral3_mistral4", "gemma4"):
         subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", arch, "--out", out],
                        check=True, stdout=subprocess.DEVNULL)
     elif arch == "gemma4":

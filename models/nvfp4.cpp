@@ -1,0 +1,160 @@
+#include "models/nvfp4.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <array>
+
+#include "common/error.h"
+#include "models/nvfp4_decode.h"
+
+#ifdef EO_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common/cuda_check.h"
+#include "models/nvfp4_cuda.h"
+#endif
+
+namespace eo::nvfp4 {
+namespace {
+
+// e2m1 * e4m3 of every (scale byte, code) pair, exact in fp32: the CPU path's decode is this
+// table of code_times_scale, times the global scale.
+const std::array<float, 256 * 16>& table() {
+  static const std::array<float, 256 * 16> t = [] {
+    std::array<float, 256 * 16> v{};
+    for (unsigned s = 0; s < 256; ++s)
+      for (unsigned c = 0; c < 16; ++c) v[s * 16 + c] = code_times_scale(c, s);
+    return v;
+  }();
+  return t;
+}
+
+// `groups` groups of 8 code bytes and one scale byte each → fp32, 16 values per group in order.
+void decode_groups(const std::uint8_t* codes, const std::uint8_t* scales, float global, std::int64_t groups, float* out) {
+  const auto& t = table();
+  at::parallel_for(0, groups, 2048, [&](std::int64_t first, std::int64_t last) {
+    for (std::int64_t g = first; g < last; ++g) {
+      const float* row = t.data() + 16 * static_cast<unsigned>(scales[g]);
+      const std::uint8_t* b = codes + 8 * g;
+      float* o = out + 16 * g;
+      for (int j = 0; j < 8; ++j) {
+        o[2 * j] = row[b[j] & 15] * global;  // low nibble first; one rounding
+        o[2 * j + 1] = row[b[j] >> 4] * global;
+      }
+    }
+  });
+}
+
+void check_dtype(at::ScalarType dtype) {
+  EO_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+           "nvfp4::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");
+}
+
+void check_weight(const nf4::QuantizedWeight& q) {
+  EO_CHECK(q.format == QuantFormat::Nvfp4 && q.shape.size() == 2 && q.shape[1] % kGroup == 0 && q.packed.defined() &&
+               q.scales.defined() && q.global_scale.defined(),
+           "nvfp4: not an NVFP4 weight (format ", quant_format_name(q.format), ")");
+  EO_CHECK(q.packed.numel() == q.numel() / 2 && q.scales.numel() == q.numel() / kGroup && q.packed.scalar_type() == at::kByte &&
+               q.scales.scalar_type() == at::kByte && q.global_scale.numel() == 1 && q.global_scale.scalar_type() == at::kFloat,
+           "nvfp4: weight [", q.shape[0], ", ", q.shape[1], "] has ", q.packed.numel(), " code bytes, ", q.scales.numel(),
+           " scales and ", q.global_scale.numel(), " global scales, expected ", q.numel() / 2, ", ", q.numel() / kGroup, " and 1");
+}
+
+void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) {
+  EO_CHECK(!qs.empty(), "nvfp4::dequantize_stack: no weights");
+  for (const nf4::QuantizedWeight* q : qs) {
+    check_weight(*q);
+    EO_CHECK(q->shape == qs.front()->shape && q->packed.device() == qs.front()->packed.device() &&
+                 q->scales.device() == q->packed.device() && q->global_scale.device() == q->packed.device(),
+             "nvfp4::dequantize_stack: the weights differ in shape or device");
+  }
+}
+
+// Scales as their bytes: float8_e4m3fn viewed as uint8 (same bits), uint8 as is.
+at::Tensor scale_bytes(const at::Tensor& scales) {
+  if (scales.scalar_type() == at::kByte) return scales;
+  EO_CHECK(scales.scalar_type() == at::kFloat8_e4m3fn, "nvfp4: weight_scale must be float8_e4m3fn (or its uint8 bytes), got ",
+           scales.scalar_type());
+  return scales.contiguous().view(at::kByte);
+}
+
+#ifdef EO_WITH_CUDA
+at::Tensor dequantize_cuda(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, const cuda::Nvfp4Window& w) {
+  const at::Device dev = qs.front()->packed.device();
+  c10::cuda::CUDAGuard guard(dev);
+  std::vector<cuda::Nvfp4Source> sources;
+  sources.reserve(qs.size());
+  for (const nf4::QuantizedWeight* q : qs) {
+    EO_CHECK(q->packed.is_contiguous() && q->scales.is_contiguous(), "nvfp4::dequantize: CUDA tensors must be contiguous");
+    sources.push_back({q->packed.data_ptr<std::uint8_t>(), q->scales.data_ptr<std::uint8_t>(), q->global_scale.data_ptr<float>()});
+  }
+  const auto type = dtype == at::kFloat ? cuda::OutType::F32 : dtype == at::kBFloat16 ? cuda::OutType::BF16 : cuda::OutType::F16;
+  at::Tensor out = at::empty({static_cast<std::int64_t>(qs.size()), w.rows, w.cols}, at::TensorOptions().dtype(dtype).device(dev));
+  const cudaError_t rc = cuda::dequantize(sources.data(), static_cast<int>(qs.size()), w, out.data_ptr(), type,
+                                          c10::cuda::getCurrentCUDAStream(dev.index()).stream());
+  EO_CUDA_CHECK(rc, "nvfp4: CUDA dequantize kernel launch (codes must be 4-byte aligned, window columns multiples of 8)");
+  return out;
+}
+#endif
+
+}  // namespace
+
+nf4::QuantizedWeight weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global) {
+  EO_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.size(0) == scales.size(0) && codes.size(1) * 2 == scales.size(1) * kGroup &&
+               codes.scalar_type() == at::kByte && global.numel() == 1 && global.scalar_type() == at::kFloat,
+           "nvfp4::weight: expected uint8 codes [out, in / 2], scales [out, in / 16] and one fp32 global scale, got ",
+           codes.sizes(), " ", codes.scalar_type(), ", ", scales.sizes(), " and ", global.sizes(), " ", global.scalar_type());
+  nf4::QuantizedWeight q;
+  q.format = QuantFormat::Nvfp4;
+  q.shape = {codes.size(0), codes.size(1) * 2};
+  q.blocksize = kGroup;
+  q.dtype = at::kFloat;
+  const at::Tensor s = scale_bytes(scales);
+  q.packed = codes.contiguous().view({q.numel() / 2, 1});
+  q.scales = s.contiguous().view({q.numel() / kGroup});
+  q.global_scale = global.reshape({1}).contiguous();
+  // Own the bytes (the inputs may be views of an mmapped file).
+  if (q.packed.data_ptr() == codes.data_ptr()) q.packed = q.packed.clone();
+  if (q.scales.data_ptr() == scales.data_ptr()) q.scales = q.scales.clone();
+  if (q.global_scale.data_ptr() == global.data_ptr()) q.global_scale = q.global_scale.clone();
+  return q;
+}
+
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global, at::ScalarType dtype) {
+  const nf4::QuantizedWeight q = weight(codes, scales, global.to(codes.device()));
+  return dequantize_stack({&q}, dtype)[0];
+}
+
+at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype) {
+  check_stack(qs);
+  const auto& shape = qs.front()->shape;
+  return nvfp4::dequantize_stack_window(qs, dtype, 0, shape[0], 0, shape[1]);
+}
+
+at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols) {
+  check_dtype(dtype);
+  check_stack(qs);
+  const std::int64_t out = qs.front()->shape[0], in = qs.front()->shape[1];
+  EO_CHECK(r0 >= 0 && rows > 0 && r0 + rows <= out && c0 >= 0 && cols > 0 && c0 + cols <= in,
+           "nvfp4::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols,
+           ") outside [", out, ", ", in, "]");
+#ifdef EO_WITH_CUDA
+  if (qs.front()->packed.is_cuda()) return dequantize_cuda(qs, dtype, cuda::Nvfp4Window{in, r0, rows, c0, cols});
+#endif
+  // CPU: decode the rows of the window whole (a row's groups are contiguous) in fp32, then cut the
+  // columns and round to dtype (nearest even).
+  const auto count = static_cast<std::int64_t>(qs.size());
+  at::Tensor bank = at::empty({count, rows, in}, at::TensorOptions().dtype(at::kFloat));
+  for (std::int64_t i = 0; i < count; ++i) {
+    const at::Tensor codes = qs[i]->packed.contiguous(), scales = qs[i]->scales.contiguous();
+    decode_groups(codes.data_ptr<std::uint8_t>() + r0 * in / 2, scales.data_ptr<std::uint8_t>() + r0 * in / kGroup,
+                  qs[i]->global_scale.item<float>(), rows * in / kGroup, bank[i].data_ptr<float>());
+  }
+  at::Tensor w = c0 == 0 && cols == in ? bank : bank.narrow(2, c0, cols).contiguous();
+  return w.to(dtype);
+}
+
+}  // namespace eo::nvfp4
