@@ -600,7 +600,8 @@ const std::vector<KeySpec>& schema() {
     k.push_back({"lora_target_parameters", "list of strings", "[]",
                  "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
                  "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; their dotted "
-                 "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them). The adapter loads in peft on transformers 5, whose "
+                 "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them; "
+                 "Gemma 4's are experts.gate_up_proj / experts.down_proj, as the adapter says). The adapter loads in peft on transformers 5, whose "
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
                  "lora_target_linear: peft would load those as the fused parameters at rank 2r); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
@@ -1499,13 +1500,14 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     for (int i = 0; i < mc.layers; ++i) moe = moe || mc.is_moe_layer(i);
     const bool fused_layout = mc.arch == model::Arch::Qwen3Moe || mc.arch == model::Arch::Olmoe ||
                               mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe ||
-                              mc.arch == model::Arch::Glm4MoeLite || mc.arch == model::Arch::Mistral4;
+                              mc.arch == model::Arch::Glm4MoeLite || mc.arch == model::Arch::Mistral4 ||
+                              mc.arch == model::Arch::Gemma4;
     if (!moe)
       issues.push_back({"lora_target_parameters", mc.model_type + " (" + c.base_model + "/config.json) has no MoE block, "
                                                   "so no fused expert parameter to adapt"});
     else if (!fused_layout)
-      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe_lite and "
-                                                  "mistral4 (experts fused as "
+      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe_lite, "
+                                                  "mistral4 and gemma4 (experts fused as "
                                                   "gate_up_proj [E, 2I, H] and down_proj [E, H, I]); not yet for " +
                                                   mc.model_type + ": use lora_target_modules"});
   }

@@ -238,8 +238,16 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
   EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, gemma4"),
             std::string::npos)
       << unknown;
+  // Mistral 3's wrapper around a dense mistral text model (Mistral Small 3.x; Mistral3Config's
+  // default when text_config names none) is not one eo-ddp trains; around mistral4 its text_config's
+  // own errors name where they are.
+  const std::string dense = msg(R"({"model_type": "mistral3", "text_config": {"hidden_size": 64}})");
+  EXPECT_NE(dense.find("dir/config.json text_config: model_type 'mistral' is not supported (eo-ddp trains mistral3 "
+                       "around a mistral4 text model"), std::string::npos) << dense;
   const std::string wrapped = msg(R"({"model_type": "mistral3", "text_config": {"model_type": "mistral4"}})");
-  EXPECT_NE(wrapped.find("a multimodal checkpoint around a mistral4 text model"), std::string::npos) << wrapped;
+  EXPECT_NE(wrapped.find("dir/config.json text_config: field 'hidden_size'"), std::string::npos) << wrapped;
+  const std::string odd = msg(R"({"model_type": "mistral3", "text_config": [1]})");
+  EXPECT_NE(odd.find("field 'text_config' must be an object"), std::string::npos) << odd;
   const std::string missing = msg(R"({"model_type": "mixtral", "num_hidden_layers": 2})");
   EXPECT_NE(missing.find("hidden_size"), std::string::npos) << missing;
   EXPECT_NE(missing.find("dir/config.json"), std::string::npos) << missing;
@@ -268,7 +276,8 @@ TEST(HfConfig, Gemma4IsReadAsTransformersResolvesIt) {
   };
   const ModelConfig real = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/gemma-4-26b-a4b");
   EXPECT_EQ(real.arch, Arch::Gemma4);
-  EXPECT_TRUE(real.text_of_multimodal);
+  ASSERT_TRUE(real.multimodal.has_value());
+  EXPECT_EQ(real.multimodal->class_name, "Gemma4ForConditionalGeneration");
   EXPECT_EQ(real.decoder_prefix(), "model.language_model.");
   EXPECT_EQ(real.layers, 30);
   for (int i = 0; i < 30; ++i) {
@@ -309,7 +318,7 @@ TEST(HfConfig, Gemma4IsReadAsTransformersResolvesIt) {
     "num_kv_shared_layers": 0, "enable_moe_block": true, "use_double_wide_mlp": false, "num_experts": 4,
     "top_k_experts": 2, "moe_intermediate_size": 16, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}})";
   const ModelConfig t = parse_config(nlohmann::json::parse(tiny), "tiny/config.json");
-  EXPECT_FALSE(t.text_of_multimodal);
+  EXPECT_FALSE(t.multimodal.has_value());
   EXPECT_EQ(t.decoder_prefix(), "model.");
   EXPECT_EQ(t.head_dim_at(1), 32);
   EXPECT_EQ(t.kv_heads_at(1), 1);
@@ -501,6 +510,25 @@ TEST(HfConfig, LatentAttentionDescendantsRealShapesMatchTransformers) {
   EXPECT_TRUE(m.is_moe_layer(0) && m.is_moe_layer(35));
   EXPECT_DOUBLE_EQ(m.llama4_beta, 0.1);
   EXPECT_DOUBLE_EQ(m.llama4_positions, 8192);
+
+  // Mistral Small 4 as the Hub ships it: Mistral3ForConditionalGeneration around that text model.
+  // The text model reads the same; lm_head is tied by the wrapper's tie_word_embeddings (transformers
+  // 5.24's Mistral3Config: true by default), not by text_config's.
+  nlohmann::json text;
+  std::ifstream(std::string(EO_SOURCE_DIR) + "/configs/models/mistral-small-4/config.json") >> text;
+  nlohmann::json wrapped = {{"model_type", "mistral3"}, {"text_config", text}, {"vision_config", {{"model_type", "pixtral"}}}};
+  const ModelConfig w = parse_config(wrapped, "w.json");
+  EXPECT_EQ(w.arch, Arch::Mistral4);
+  EXPECT_EQ(w.model_type, "mistral3");
+  ASSERT_TRUE(w.multimodal.has_value());
+  EXPECT_EQ(w.multimodal->class_name, "Mistral3ForConditionalGeneration");
+  EXPECT_EQ(w.decoder_prefix(), "model.language_model.");
+  EXPECT_EQ(w.linear_modules(), m.linear_modules());
+  EXPECT_EQ(w.experts, m.experts);
+  EXPECT_DOUBLE_EQ(w.attn_scale, m.attn_scale);
+  EXPECT_TRUE(w.tie_word_embeddings);
+  wrapped["tie_word_embeddings"] = false;
+  EXPECT_FALSE(parse_config(wrapped, "w.json").tie_word_embeddings);
 }
 
 // Every option the newer families cannot honour is refused before a weight loads, naming the key.
