@@ -141,7 +141,8 @@ TEST_P(Parity, LoraLogitsAndGradientsMatchPeft) {
 
 // lora_target_parameters: peft's own ParamWrapper adapter (fused gate_up_proj / down_proj,
 // made and saved by peft in model_ref.py) loads, and gives peft's logits, loss and gradients.
-// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config.cpp says so).
+// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config.cpp says so); Gemma 4's
+// under layers.{i}.experts.
 class FusedParity : public Parity {};
 TEST_P(FusedParity, FusedExpertLoraMatchesPeftParamWrapper) {
   const std::string dir = ref_dir(GetParam());
@@ -200,11 +201,12 @@ TEST_P(Parity, ScoreCommandMatchesTransformersLoss) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe_lite_grouped",
-                                                               "mistral4_scaled"));
+                                                               "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
-                                           "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "gemma4", "gemma4_kv"));
+                                           "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4",
+                                           "gemma4_kv"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).

@@ -95,9 +95,6 @@ EXTRA = {
 GAPS = {
     # An NVFP4 checkpoint (nvidia/Qwen3-30B-A3B-NVFP4) and its merge-aware LoRA: eo-ddp loads no NVFP4.
     "qwen3/30b-a3b-nvfp4-lora.yaml": ["nvfp4_merge_aware: not supported"],
-    # LoRA on Gemma 4's fused experts (peft's target_parameters): not implemented for gemma4 yet.
-    "gemma4/26b-a4b-moe-bnb-lora.yaml": ["lora_target_parameters: implemented for"],
-    "gemma4/26b-a4b-moe-qlora.yaml": ["lora_target_parameters: implemented for"],
 }
 
 
@@ -123,9 +120,8 @@ def expectation(rel, cfg, arch):
     if cfg.get("tokens"):
         reasons.append(IN_SCOPE["tokens"])
     reasons += EXTRA.get(rel, []) + GAPS.get(rel, [])
-    if arch not in SUPPORTED or arch == "mistral3_mistral4":
-        model_type = "mistral3" if arch == "mistral3_mistral4" else arch
-        return "unsupported", ["model_type '%s' is not supported" % model_type] + reasons
+    if arch not in SUPPORTED:
+        return "unsupported", ["model_type '%s' is not supported" % arch] + reasons
     return ("refused" if reasons else "ok"), reasons
 
 
@@ -205,22 +201,11 @@ def make_model(arch, out, root):
     import subprocess
     os.makedirs(out, exist_ok=True)
     tok_dir = os.path.join(root, "fixtures", "tiny-qwen3-moe")
-    if arch in SUPPORTED and arch not in ("mistral3_mistral4", "gemma4"):
-        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", arch, "--out", out],
+    if arch in SUPPORTED:
+        # Gemma 4 and Mistral Small 4 as the Hub ships them: a multimodal wrapper around the MoE text model.
+        tiny = {"gemma4": "gemma4_mm", "mistral3_mistral4": "mistral4_mm"}.get(arch, arch)
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", tiny, "--out", out],
                        check=True, stdout=subprocess.DEVNULL)
-    elif arch == "gemma4":
-        # Gemma 4 as the Hub ships it: the multimodal wrapper around the MoE text model.
-        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "gemma4_mm", "--out",
-                        out], check=True, stdout=subprocess.DEVNULL)
-    elif arch == "mistral3_mistral4":
-        # Mistral 3's multimodal model around a tiny mistral4 text model, as the Hub ships Mistral Small 4.
-        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "mistral4", "--out",
-                        out], check=True, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out, "config.json")) as fh:
-            text = json.load(fh)
-        with open(os.path.join(out, "config.json"), "w") as fh:
-            json.dump({"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
-                       "text_config": text, "vision_config": {"model_type": "pixtral"}}, fh, indent=1)
     else:
         # An architecture eo-ddp does not train: its config.json is all --check reads before refusing it.
         with open(os.path.join(out, "config.json"), "w") as fh:
