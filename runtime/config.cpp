@@ -603,7 +603,8 @@ const std::vector<KeySpec>& schema() {
                  "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them; "
                  "Gemma 4's are experts.gate_up_proj / experts.down_proj, as the adapter says). The adapter loads in peft on transformers 5, whose "
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
-                 "lora_target_linear: peft would load those as the fused parameters at rank 2r); needs lora_dropout: 0.",
+                 "lora_target_linear: peft would load those as the fused parameters at rank 2r; on Gemma 4 they are its "
+                 "dense MLP, which peft keeps); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    const auto parsed = string_list("lora_target_parameters", n, "parameter names", issues);
                    if (!parsed) return;
