@@ -247,7 +247,7 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
   EXPECT_NE(dense.find("dir/config.json text_config: model_type 'mistral' is not supported (eo-ddp trains mistral3 "
                        "around a mistral4 text model"), std::string::npos) << dense;
   const std::string wrapped = msg(R"({"model_type": "mistral3", "text_config": {"model_type": "mistral4"}})");
-  EXPECT_NE(wrapped.find("dir/config.json text_config: field 'hidden_size'"), std::string::npos) << wrapped;
+  EXPECT_NE(wrapped.find("dir/config.json text_config: required field 'hidden_size' is missing"), std::string::npos) << wrapped;
   const std::string odd = msg(R"({"model_type": "mistral3", "text_config": [1]})");
   EXPECT_NE(odd.find("field 'text_config' must be an object"), std::string::npos) << odd;
   const std::string missing = msg(R"({"model_type": "mixtral", "num_hidden_layers": 2})");
