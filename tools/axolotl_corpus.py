@@ -14,7 +14,8 @@
         and writes OUT_DIR/VERSION: the release and each file's sha256.
     axolotl_corpus.py model ARCH OUT_DIR
         The tiny stand-in checkpoint of an expect.tsv architecture (tools/make_tiny_model.py, the tiny
-        tokenizer; gpt_oss with the harmony tokens; a config.json alone for an unsupported one).
+        tokenizer; gpt_oss with the harmony tokens, gemma4 with its turn markers; a config.json alone
+        for an unsupported one).
     axolotl_corpus.py prepare CONFIG MODEL_DIR DATA_DIR OUT_CONFIG
         Writes OUT_CONFIG: CONFIG's text with only base_model and each dataset's path replaced, by
         MODEL_DIR and by a local JSONL in DATA_DIR written in the shape the dataset entry asks for
@@ -196,6 +197,11 @@ HARMONY_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
 
 
+# Gemma 4's turn markers, which its configs' eot_tokens name (<turn|>) and its chat template renders.
+GEMMA4_TOKENS = ["<|turn>", "<turn|>"]
+FAMILY_TOKENS = {"gpt_oss": HARMONY_TOKENS, "gemma4": GEMMA4_TOKENS}
+
+
 def make_model(arch, out, root):
     """The tiny stand-in checkpoint of ARCH in OUT, with the tiny tokenizer of fixtures/tiny-qwen3-moe."""
     import subprocess
@@ -212,15 +218,16 @@ def make_model(arch, out, root):
             json.dump({"model_type": arch}, fh)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(os.path.join(tok_dir, f), os.path.join(out, f))
-    if arch == "gpt_oss":
+    if arch in FAMILY_TOKENS:
         with open(os.path.join(out, "tokenizer.json")) as fh:
             tok = json.load(fh)
         next_id = max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"])) + 1
-        for i, t in enumerate(HARMONY_TOKENS):
+        for i, t in enumerate(FAMILY_TOKENS[arch]):
             tok["added_tokens"].append({"id": next_id + i, "content": t, "single_word": False, "lstrip": False,
                                         "rstrip": False, "normalized": False, "special": True})
         with open(os.path.join(out, "tokenizer.json"), "w") as fh:
             json.dump(tok, fh)
+    if arch == "gpt_oss":
         with open(os.path.join(out, "tokenizer_config.json")) as fh:
             tc = json.load(fh)
         tc["chat_template"] = HARMONY_TEMPLATE
