@@ -70,6 +70,15 @@ ok = ok and any('layers.0.self_attn.v_proj' in n for n in names) and not any('la
 sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
     continue
   fi
+  if [ $arch = gemma4_params ]; then  # peft's nested ParamWrappers on layers.{i}.experts, every layer
+    check "$arch: adapter has the fused expert LoRA on every layer, target_parameters experts.*" "$py" -c "
+import json, sys; from safetensors import safe_open
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+ok = all(any(f'layers.{i}.experts.base_layer.lora_A.weight' in n for n in names) for i in range(3))
+t = json.load(open('$tmp/$arch/resident/adapter_config.json'))['target_parameters']
+sys.exit(0 if ok and t == ['experts.gate_up_proj', 'experts.down_proj'] else 1)"
+    continue
+  fi
   check "$arch: adapter has shared-expert LoRA" "$py" -c "
 import sys; from safetensors import safe_open
 f = safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt'); names = list(f.keys())
