@@ -1034,6 +1034,33 @@ TEST(Score, LongRowsAreScoredInWindowsThatCountEveryLabelOnce) {
 
 namespace {
 
+// Mistral 3's wrapper as transformers 5.24 saves it (llava's language_model.model.*, the fixture) and
+// under its module names (model.language_model.*, which from_pretrained reads too) give the same model.
+TEST(MultimodalWrapper, Mistral3LoadsEitherCheckpointLayout) {
+  const std::string dir = ref_dir("mistral4_mm");
+  const Ref r = load_ref(dir);
+  const st::Checkpoint ck = st::Checkpoint::open(dir + "/model");
+  const fs::path other = fs::temp_directory_path() / ("eo_mistral3_layout_" + std::to_string(::getpid()));
+  fs::create_directories(other);
+  fs::copy_file(dir + "/model/config.json", other / "config.json", fs::copy_options::overwrite_existing);
+  std::vector<std::pair<std::string, at::Tensor>> renamed;
+  int moved = 0;
+  for (const auto& n : ck.names()) {
+    const std::string from = "language_model.model.";
+    const bool text = n.rfind(from, 0) == 0;
+    moved += text;
+    renamed.emplace_back(text ? "model.language_model." + n.substr(from.size()) : "model." + n, ck.load(n));
+  }
+  ASSERT_GT(moved, 0) << "the fixture is not in llava's layout";
+  st::save((other / "model.safetensors").string(), renamed);
+  c10::NoGradGuard no_grad;
+  const at::Tensor a = MoeModel::load(dir + "/model", LoadOptions{})->forward(ref_batch(r)).logits;
+  const at::Tensor b = MoeModel::load(other.string(), LoadOptions{})->forward(ref_batch(r)).logits;
+  EXPECT_TRUE(a.equal(b));
+  EXPECT_LT(rel_err(a, r["logits"]), 1e-4);
+  eo::remove_tree(other);
+}
+
 TEST_P(Parity, Nf4QuantisationOfCheckpointWeightsEqualsBitsandbytes) {
   const std::string dir = ref_dir(GetParam());
   const Ref r = load_ref(dir);
