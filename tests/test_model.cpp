@@ -1035,30 +1035,38 @@ TEST(Score, LongRowsAreScoredInWindowsThatCountEveryLabelOnce) {
 namespace {
 
 // Mistral 3's wrapper as transformers 5.24 saves it (llava's language_model.model.*, the fixture) and
-// under its module names (model.language_model.*, which from_pretrained reads too) give the same model.
+// under its module names (model.language_model.*, which from_pretrained reads too) give the same model;
+// untied, each layout's lm_head (language_model.lm_head.weight, lm_head.weight) is read.
 TEST(MultimodalWrapper, Mistral3LoadsEitherCheckpointLayout) {
   const std::string dir = ref_dir("mistral4_mm");
   const Ref r = load_ref(dir);
   const st::Checkpoint ck = st::Checkpoint::open(dir + "/model");
-  const fs::path other = fs::temp_directory_path() / ("eo_mistral3_layout_" + std::to_string(::getpid()));
-  fs::create_directories(other);
-  fs::copy_file(dir + "/model/config.json", other / "config.json", fs::copy_options::overwrite_existing);
-  std::vector<std::pair<std::string, at::Tensor>> renamed;
-  int moved = 0;
-  for (const auto& n : ck.names()) {
-    const std::string from = "language_model.model.";
-    const bool text = n.rfind(from, 0) == 0;
-    moved += text;
-    renamed.emplace_back(text ? "model.language_model." + n.substr(from.size()) : "model." + n, ck.load(n));
-  }
-  ASSERT_GT(moved, 0) << "the fixture is not in llava's layout";
-  st::save((other / "model.safetensors").string(), renamed);
+  ASSERT_FALSE(ck.has("language_model.lm_head.weight")) << "the fixture is tied";
+  const at::Tensor embed = ck.load("language_model.model.embed_tokens.weight");
   c10::NoGradGuard no_grad;
   const at::Tensor a = MoeModel::load(dir + "/model", LoadOptions{})->forward(ref_batch(r)).logits;
-  const at::Tensor b = MoeModel::load(other.string(), LoadOptions{})->forward(ref_batch(r)).logits;
-  EXPECT_TRUE(a.equal(b));
   EXPECT_LT(rel_err(a, r["logits"]), 1e-4);
-  eo::remove_tree(other);
+  const fs::path root = fs::temp_directory_path() / ("eo_mistral3_layout_" + std::to_string(::getpid()));
+  for (const bool llava : {true, false})
+    for (const bool tied : {true, false}) {
+      SCOPED_TRACE(std::string(llava ? "llava" : "module names") + (tied ? ", tied" : ", untied"));
+      const fs::path other = root / (std::to_string(llava) + std::to_string(tied));
+      fs::create_directories(other);
+      nlohmann::json cfg;
+      std::ifstream(dir + "/model/config.json") >> cfg;
+      cfg["tie_word_embeddings"] = tied;
+      std::ofstream(other / "config.json") << cfg.dump();
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      for (const auto& n : ck.names()) {
+        const std::string from = "language_model.model.";
+        const bool text = n.rfind(from, 0) == 0;
+        tensors.emplace_back(llava ? n : text ? "model.language_model." + n.substr(from.size()) : "model." + n, ck.load(n));
+      }
+      if (!tied) tensors.emplace_back(llava ? "language_model.lm_head.weight" : "lm_head.weight", embed);
+      st::save((other / "model.safetensors").string(), tensors);
+      EXPECT_TRUE(a.equal(MoeModel::load(other.string(), LoadOptions{})->forward(ref_batch(r)).logits));
+    }
+  eo::remove_tree(root.string());
 }
 
 TEST_P(Parity, Nf4QuantisationOfCheckpointWeightsEqualsBitsandbytes) {
