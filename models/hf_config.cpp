@@ -244,27 +244,16 @@ void parse_mlp_layer_types(const Fields& f, ModelConfig& c) {
     if (dense[l]) c.mlp_only_layers.push_back(l);
 }
 
-// Gemma 4's MoE text model (gemma4_text; gemma4 is Gemma4ForConditionalGeneration around it, whose
-// language model is model.language_model.*), read as transformers 5.24's Gemma4TextConfig reads it
+// Gemma 4's MoE text model (gemma4_text), read as transformers 5.24's Gemma4TextConfig reads it
 // (its defaults where a key is absent). The options eo-ddp does not train (the dense Gemma 4
 // models' per-layer embeddings, shared key/value layers and so on) are named in one error.
-ModelConfig parse_gemma4(const json& j, const std::string& source) {
+// `wrapper`: the multimodal model around it, if any (for that error's wording).
+ModelConfig parse_gemma4(const json& j, const std::string& source, const MultimodalWrapper* wrapper) {
   ModelConfig c;
   c.arch = Arch::Gemma4;
   c.model_type = j.at("model_type").get<std::string>();
-  c.text_of_multimodal = c.model_type == "gemma4";
-  const json empty = json::object();
   const json* tj = &j;
-  std::string where = source;
-  if (c.text_of_multimodal) {
-    if (j.contains("text_config") && !j.at("text_config").is_null() && !j.at("text_config").is_object())
-      throw UsageError(source + ": field 'text_config' must be an object");
-    tj = j.contains("text_config") && j.at("text_config").is_object() ? &j.at("text_config") : &empty;
-    where = source + " text_config";
-    const std::string inner = text(Fields{*tj, where}, "model_type", "gemma4_text");
-    if (inner != "gemma4_text")
-      throw UsageError(where + ": model_type '" + inner + "' is not supported (gemma4 wraps a gemma4_text model)");
-  }
+  const std::string& where = source;
   const Fields f{*tj, where};
   c.hidden = f.integer("hidden_size", 2304);
   c.layers = f.integer("num_hidden_layers", 30);
@@ -378,8 +367,7 @@ ModelConfig parse_gemma4(const json& j, const std::string& source) {
   rope_of("full_attention", g.full_head_dim, g.full_rope, g.full_rope_theta);
   if (!never.empty()) {
     std::string m = where + ": this gemma4 config is not supported (" +
-                    (c.text_of_multimodal ? std::string("Gemma4ForConditionalGeneration around a gemma4_text model")
-                                          : std::string("Gemma4ForCausalLM")) +
+                    (wrapper ? wrapper->class_name + " around a gemma4_text model" : std::string("Gemma4ForCausalLM")) +
                     "); options eo-ddp does not train:";
     for (const auto& s : never) m += "\n      " + s;
     throw UsageError(m);
@@ -410,7 +398,7 @@ ModelConfig parse_gemma4(const json& j, const std::string& source) {
 
 const char* const kSupportedModelTypes =
     "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, gemma4 "
-    "(gemma4_text)";
+    "(gemma4_text), mistral3 (around mistral4)";
 
 bool ModelConfig::is_moe_layer(int layer) const {
   if (experts <= 0 || layer < first_k_dense) return false;
@@ -467,16 +455,61 @@ std::vector<std::string> ModelConfig::linear_modules() const {
   return out;
 }
 
+const std::vector<MultimodalWrapper>& multimodal_wrappers() {
+  // transformers 5.24: Gemma4ForConditionalGeneration and Mistral3ForConditionalGeneration both
+  // hold the text model as model.language_model and lm_head at the top. Mistral Small 4 ships as
+  // the latter around a mistral4 text model (Mistral3Config's own default text model is a dense
+  // mistral, which eo-ddp does not train); its save_pretrained writes llava's layout
+  // (language_model.model.*, language_model.lm_head.weight: conversion_mapping.py "llava"), and
+  // from_pretrained reads that or its own module names.
+  static const std::vector<MultimodalWrapper> w = {
+      {"gemma4", "gemma4_text", "gemma4_text", "Gemma4ForConditionalGeneration", "model.language_model.",
+       {{"model.language_model.", "lm_head.weight"}}},
+      {"mistral3", "mistral4", "mistral", "Mistral3ForConditionalGeneration", "model.language_model.",
+       {{"language_model.model.", "language_model.lm_head.weight"}, {"model.language_model.", "lm_head.weight"}}},
+  };
+  return w;
+}
+
 namespace {
 ModelConfig checked(ModelConfig c, const std::string& source);
+ModelConfig parse_text(const json& j, const std::string& source, const MultimodalWrapper* wrapper);
+
+// A multimodal wrapper's config.json: its text_config parsed as the text model's own, the decoder
+// under the wrapper's prefix. lm_head tying is the wrapper's: transformers 5.24 ties by the
+// top-level tie_word_embeddings (True by default in both wrappers' configs), not text_config's.
+ModelConfig parse_wrapped(const json& j, const std::string& source, const MultimodalWrapper& w) {
+  if (j.contains("text_config") && !j.at("text_config").is_null() && !j.at("text_config").is_object())
+    throw UsageError(source + ": field 'text_config' must be an object");
+  json tj = j.contains("text_config") && j.at("text_config").is_object() ? j.at("text_config") : json::object();
+  const std::string where = source + " text_config";
+  const std::string inner = text(Fields{tj, where}, "model_type", w.text_type_default);
+  if (inner != w.text_model_type)
+    throw UsageError(where + ": model_type '" + inner + "' is not supported (eo-ddp trains " + w.model_type + " around a " +
+                     w.text_model_type + " text model: " + w.class_name + " with text_config.model_type '" +
+                     w.text_model_type + "')");
+  tj["model_type"] = inner;
+  ModelConfig c = parse_text(tj, where, &w);
+  c.model_type = w.model_type;
+  c.multimodal = w;
+  c.tie_word_embeddings = Fields{j, source}.boolean("tie_word_embeddings", true);
+  return c;
+}
 }  // namespace
 
 ModelConfig parse_config(const json& j, const std::string& source) {
   if (!j.is_object()) throw UsageError(source + ": expected a JSON object");
-  Fields f{j, source};
-  ModelConfig c;
   if (!j.contains("model_type") || !j.at("model_type").is_string())
     throw UsageError(source + ": field 'model_type' (string) is missing; supported: " + kSupportedModelTypes);
+  for (const auto& w : multimodal_wrappers())
+    if (j.at("model_type") == w.model_type) return parse_wrapped(j, source, w);
+  return parse_text(j, source, nullptr);
+}
+
+namespace {
+ModelConfig parse_text(const json& j, const std::string& source, const MultimodalWrapper* wrapper) {
+  Fields f{j, source};
+  ModelConfig c;
   c.model_type = j.at("model_type").get<std::string>();
   if (c.model_type == "qwen3_moe") c.arch = Arch::Qwen3Moe;
   else if (c.model_type == "olmoe") c.arch = Arch::Olmoe;
@@ -488,7 +521,7 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
   else if (c.model_type == "glm4_moe_lite") c.arch = Arch::Glm4MoeLite;
   else if (c.model_type == "mistral4") c.arch = Arch::Mistral4;
-  else if (c.model_type == "gemma4" || c.model_type == "gemma4_text") return checked(parse_gemma4(j, source), source);
+  else if (c.model_type == "gemma4_text") return checked(parse_gemma4(j, source, wrapper), source);
   else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text")
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported: three of every four of its layers are "
                      "gated delta-rule linear attention (" +
@@ -496,17 +529,9 @@ ModelConfig parse_config(const json& j, const std::string& source) {
                      "), for which eo-ddp has no kernel yet (a chunked delta-rule forward and backward recomputed in the "
                      "block schedule, its short causal conv1d, the gated output norm; README: Qwen3-Next / Qwen3.5-MoE); "
                      "supported model types: " + kSupportedModelTypes);
-  else {
-    // Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model.
-    const bool wrapped = j.contains("text_config") && j.at("text_config").is_object() &&
-                         j.at("text_config").value("model_type", json()) == "mistral4";
-    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported" +
-                     (wrapped ? " (a multimodal checkpoint around a mistral4 text model; eo-ddp loads mistral4 "
-                                "checkpoints, Mistral4ForCausalLM's model.layers.*, and not yet the text model inside "
-                                "this one)"
-                              : "") +
-                     "; supported model types: " + kSupportedModelTypes);
-  }
+  else
+    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +
+                     kSupportedModelTypes);
   // The latent-attention families: DeepSeek's and the two built on it.
   const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3 || c.arch == Arch::Glm4MoeLite ||
                         c.arch == Arch::Mistral4;
@@ -734,8 +759,6 @@ ModelConfig parse_config(const json& j, const std::string& source) {
   }
   return checked(std::move(c), source);
 }
-
-namespace {
 
 // The checks every family's config passes last.
 ModelConfig checked(ModelConfig c, const std::string& source) {

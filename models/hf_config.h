@@ -97,6 +97,27 @@ struct Mla {
   std::int64_t qk_dim() const { return nope_dim + rope_dim; }
 };
 
+// A multimodal checkpoint around a text model eo-ddp trains (transformers' *ForConditionalGeneration):
+// config.json is the wrapper's, with the text model's config as text_config. One row per wrapper
+// (multimodal_wrappers()).
+struct MultimodalWrapper {
+  // Where a checkpoint stores the text decoder's tensors and lm_head.
+  struct Layout {
+    std::string decoder;  // "model.language_model." (then embed_tokens.weight, layers.N. ...)
+    std::string lm_head;  // "lm_head.weight"
+  };
+  std::string model_type;         // the wrapper's config.json model_type: "gemma4", "mistral3"
+  std::string text_model_type;    // the text_config model_type eo-ddp trains inside it: "gemma4_text", "mistral4"
+  std::string text_type_default;  // transformers' text_config model_type when the file names none
+  std::string class_name;         // "Gemma4ForConditionalGeneration"
+  // The decoder's module path in transformers' model, which peft names the adapter by.
+  std::string decoder_prefix;
+  // The checkpoint layouts transformers loads, the first whose embeddings a checkpoint has is used.
+  std::vector<Layout> layouts;
+};
+// Every wrapper eo-ddp reads, in one table.
+const std::vector<MultimodalWrapper>& multimodal_wrappers();
+
 struct ModelConfig {
   Arch arch = Arch::Qwen3Moe;
   std::string model_type;
@@ -156,13 +177,14 @@ struct ModelConfig {
   std::optional<Gemma4Block> gemma;
   double final_logit_softcap = 0;  // logits = cap · tanh(logits / cap); 0 = off (Gemma)
   bool embed_scaled = false;       // embeddings × sqrt(hidden_size) in the compute dtype (Gemma)
-  // The checkpoint is a multimodal model around this text model (Gemma4ForConditionalGeneration):
-  // its decoder is model.language_model.*, its vision / audio towers are not loaded or trained.
-  bool text_of_multimodal = false;
+  // The checkpoint is a multimodal model around this text model (Gemma4ForConditionalGeneration,
+  // Mistral3ForConditionalGeneration): its decoder is under the wrapper's decoder prefix, its
+  // vision / audio towers are not loaded or trained. model_type is then the wrapper's.
+  std::optional<MultimodalWrapper> multimodal;
 
   bool is_moe_layer(int layer) const;
-  // Where the decoder's tensors are: "model." or, in a multimodal checkpoint, "model.language_model.".
-  std::string decoder_prefix() const { return text_of_multimodal ? "model.language_model." : "model."; }
+  // Where the decoder's tensors are: "model." or, in a multimodal checkpoint, its wrapper's prefix.
+  std::string decoder_prefix() const { return multimodal ? multimodal->decoder_prefix : "model."; }
   // Gemma 4's full-attention layers have their own attention geometry.
   bool is_full_gemma_layer(int layer) const { return gemma && !is_sliding_layer(layer); }
   std::int64_t head_dim_at(int layer) const { return is_full_gemma_layer(layer) ? gemma->full_head_dim : head_dim; }
@@ -174,6 +196,9 @@ struct ModelConfig {
   std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : "mlp"; }
   // Where the routed experts are under layer i's prefix: "<moe prefix>.experts", Gemma 4 "experts".
   std::string experts_path() const { return gemma ? "experts" : moe_prefix() + ".experts"; }
+  // The module transformers 5 holds the fused expert parameters in, under layer i's prefix (peft's
+  // ParamWrapper path, lora_target_parameters): "mlp.experts" (Mixtral's too), Gemma 4 "experts".
+  std::string fused_experts_path() const { return gemma ? "experts" : "mlp.experts"; }
   // The router's module under the MoE block: gpt-oss "router", else "gate".
   std::string router_name() const { return arch == Arch::GptOss ? "router" : "gate"; }
   bool is_sliding_layer(int layer) const { return !sliding_layers.empty() && sliding_layers.at(layer) && sliding_window > 0; }

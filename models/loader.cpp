@@ -253,8 +253,24 @@ struct ModelLoader {
     return Mlp{linear(prefix + ".gate_proj", H, width, b, true), linear(prefix + ".up_proj", H, width, b, true),
                linear(prefix + ".down_proj", width, H, b, true), m.cfg_.act};
   }
+  // Where the checkpoint stores the decoder and lm_head: model.* and lm_head.weight, or one of a
+  // multimodal wrapper's layouts (the first whose embeddings it has).
+  mutable std::optional<MultimodalWrapper::Layout> layout_;
+  const MultimodalWrapper::Layout& layout() const {
+    if (layout_) return *layout_;
+    layout_ = MultimodalWrapper::Layout{"model.", "lm_head.weight"};
+    if (const auto& w = m.cfg_.multimodal) {
+      layout_ = w->layouts.front();
+      for (const auto& l : w->layouts)
+        if (ck && ck->has(l.decoder + "embed_tokens.weight")) {
+          layout_ = l;
+          break;
+        }
+    }
+    return *layout_;
+  }
   // Layer i's tensor name prefix, "model.layers.{i}." (multimodal checkpoints: under the text model).
-  std::string layer_prefix(int i) const { return m.cfg_.decoder_prefix() + "layers." + std::to_string(i) + "."; }
+  std::string layer_prefix(int i) const { return layout().decoder + "layers." + std::to_string(i) + "."; }
 
   // Attention of one block: q/k/v/o (with the family's norms), or DeepSeek's latent attention.
   void attention(DecoderBlock& b, const std::string& p) const {
@@ -472,15 +488,16 @@ struct ModelLoader {
     if (opts.expert_quant != ExpertQuant::Auto && !opts.load_in_4bit)
       throw UsageError("expert_quant applies with load_in_4bit: true; without it the experts are loaded in " +
                        std::string(at::toString(opts.dtype)));
-    const std::string mp = c.decoder_prefix();
-    if (c.text_of_multimodal)
-      log::info((ck ? ck->folder() : std::string("synthetic weights")) + ": a multimodal " + c.model_type +
-                " checkpoint; its text model (" + mp + "*) is loaded and trained, its vision and audio towers are not "
-                "loaded and not trained (the adapter covers the text model only)");
+    const std::string mp = layout().decoder;
+    if (c.multimodal)
+      log::info((ck ? ck->folder() : std::string("synthetic weights")) + ": a multimodal " + c.model_type + " checkpoint (" +
+                c.multimodal->class_name + "); its " + c.multimodal->text_model_type + " text model (" + mp +
+                "*) is loaded and trained, its vision and audio towers are not loaded and not trained (the adapter "
+                "covers the text model only)");
     m.embed_ = get(mp + "embed_tokens.weight", {c.vocab, H});
     if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) m.embed_ = m.embed_.to(at::kCPU);
     m.final_norm_ = get(mp + "norm.weight", {H});
-    m.lm_head_ = c.tie_word_embeddings ? m.embed_ : get("lm_head.weight", {c.vocab, H});
+    m.lm_head_ = c.tie_word_embeddings ? m.embed_ : get(layout().lm_head, {c.vocab, H});
     ResidentWeights::Bank bank(c.layers);
     for (int i = 0; i < c.layers; ++i) {
       auto b = std::make_unique<DecoderBlock>();
@@ -635,9 +652,10 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
     if (!b.moe_) continue;
     if (!lora_spec_.target_parameters.empty()) {
       // lora_target_parameters: peft's ParamWrapper on transformers 5's fused expert parameters,
-      // named under its module path (`mlp` in every family, Mixtral included); the experts are
-      // adapted only this way (as in peft, target_modules reach no fused expert).
-      const std::string fp = p + "mlp.experts";
+      // named under its module path (`mlp.experts` in every family, Mixtral included; Gemma 4's
+      // `experts`); the experts are adapted only this way (as in peft, target_modules reach no
+      // fused expert).
+      const std::string fp = p + c.fused_experts_path();
       auto fused = [&](const char* param, const char* short_name, std::int64_t in, std::int64_t out,
                        std::shared_ptr<ExpertLora>* stack) {
         LoraSite s{fp + "." + short_name, short_name, in, out};
@@ -682,9 +700,6 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     if (canonical_target_parameter(p) != p)
       throw UsageError("LoRA target parameter '" + p + "' is not " + kGateUpParam + " or " + kDownParam);
   const bool moe = std::any_of(blocks_.begin(), blocks_.end(), [](const auto& b) { return b->moe_; });
-  if (!spec.target_parameters.empty() && cfg_.gemma)
-    throw UsageError("lora_target_parameters is not implemented for " + cfg_.model_type + " yet (its fused experts are "
-                     "layers.{i}.experts.*); use lora_target_modules");
   if (!spec.target_parameters.empty() && !moe)
     throw UsageError("lora_target_parameters needs MoE blocks with fused experts; this " + cfg_.model_type +
                      " model has none");
@@ -803,7 +818,7 @@ void MoeModel::save_adapter(const std::string& adapter_dir, const std::string& b
   tensors = peft_lora_tensors(tensors);  // peft's per-expert / ParamWrapper names and shapes
   for (auto& [name, t] : tensors) t = t.contiguous();
   st::save(adapter_dir + "/adapter_model.safetensors", tensors);
-  write_adapter_config(adapter_dir, lora_spec_, base_model, cfg_.decoder_prefix());
+  write_adapter_config(adapter_dir, lora_spec_, base_model, cfg_.decoder_prefix(), cfg_.fused_experts_path());
 }
 
 }  // namespace eo::model

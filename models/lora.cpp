@@ -39,8 +39,8 @@ bool LoraSpec::targets_parameter(const std::string& canonical) const {
 }
 
 std::string canonical_target_parameter(const std::string& name) {
-  if (name == kGateUpParam || name == "gate_up_proj") return kGateUpParam;
-  if (name == kDownParam || name == "down_proj") return kDownParam;
+  if (name == kGateUpParam || name == "experts.gate_up_proj" || name == "gate_up_proj") return kGateUpParam;
+  if (name == kDownParam || name == "experts.down_proj" || name == "down_proj") return kDownParam;
   return "";
 }
 
@@ -485,8 +485,20 @@ std::string lora_decoder_prefix(const NamedLora& lora) {
   return "model.";
 }
 
+std::string lora_fused_experts_path(const NamedLora& lora) {
+  for (const auto& [name, t] : lora) {
+    const auto w = parse_param_wrapper(name);
+    const auto at = name.find("layers.");
+    if (!w || at == std::string::npos) continue;
+    const std::string& head = std::get<0>(*w);  // <...>layers.N.<path>
+    const auto dot = head.find('.', at + sizeof("layers.") - 1);
+    if (dot != std::string::npos) return head.substr(dot + 1);
+  }
+  return "mlp.experts";
+}
+
 void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model,
-                          const std::string& decoder_prefix) {
+                          const std::string& decoder_prefix, const std::string& fused_experts_path) {
   // Only peft_type is required to load; the rest documents the run as peft's LoraConfig does.
   nlohmann::json j;
   j["peft_type"] = "LORA";
@@ -495,7 +507,13 @@ void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, 
   j["lora_alpha"] = spec.alpha;
   j["lora_dropout"] = spec.dropout;
   j["target_modules"] = spec.targets;
-  if (!spec.target_parameters.empty()) j["target_parameters"] = spec.target_parameters;
+  // Under the family's module path, which peft matches them by (Gemma 4: experts.gate_up_proj).
+  if (!spec.target_parameters.empty()) {
+    std::vector<std::string> params;
+    for (const auto& p : spec.target_parameters)
+      params.push_back(fused_experts_path + (p == kGateUpParam ? ".gate_up_proj" : ".down_proj"));
+    j["target_parameters"] = params;
+  }
   if (decoder_prefix != "model.") j["exclude_modules"] = exclude_outside(decoder_prefix);
   if (!spec.layers.empty()) {
     j["layers_to_transform"] = spec.layers;

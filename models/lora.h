@@ -40,7 +40,8 @@ struct LoraSpec {
 // Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral alike).
 inline constexpr const char* kGateUpParam = "mlp.experts.gate_up_proj";
 inline constexpr const char* kDownParam = "mlp.experts.down_proj";
-// "mlp.experts.gate_up_proj" or "gate_up_proj" → kGateUpParam (likewise down); others: "".
+// "mlp.experts.gate_up_proj", "experts.gate_up_proj" or "gate_up_proj" → kGateUpParam (likewise
+// down); others: "".
 std::string canonical_target_parameter(const std::string& name);
 
 class LoraAdapter {
@@ -146,10 +147,16 @@ NamedLora stack_expert_lora(const NamedLora& peft, const LoraSpec* spec = nullpt
 // (exclude_modules, peft's regular expression), so that peft adapts no vision-tower linear of the
 // same short name. read_adapter_config accepts exclude_modules only in that form.
 LoraSpec read_adapter_config(const std::string& adapter_dir);
+// `fused_experts_path`: the module of the fused expert parameters under a layer ("mlp.experts",
+// Gemma 4's "experts"); target_parameters are written under it, as peft matches them.
 void write_adapter_config(const std::string& adapter_dir, const LoraSpec& spec, const std::string& base_model,
-                          const std::string& decoder_prefix = "model.");
+                          const std::string& decoder_prefix = "model.",
+                          const std::string& fused_experts_path = "mlp.experts");
 // The decoder prefix of peft-named LoRA tensors (base_model.model.<prefix>layers.N...), "model."
 // when none names a layer.
 std::string lora_decoder_prefix(const NamedLora& lora);
+// The fused experts' module path of peft-named ParamWrapper tensors (<...>layers.N.<path>.lora_A.weight),
+// "mlp.experts" when there are none.
+std::string lora_fused_experts_path(const NamedLora& lora);
 
 }  // namespace eo::model

@@ -600,9 +600,11 @@ const std::vector<KeySpec>& schema() {
     k.push_back({"lora_target_parameters", "list of strings", "[]",
                  "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
                  "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; their dotted "
-                 "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them). The adapter loads in peft on transformers 5, whose "
+                 "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them; "
+                 "Gemma 4's are experts.gate_up_proj / experts.down_proj, as the adapter says). The adapter loads in peft on transformers 5, whose "
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
-                 "lora_target_linear: peft would load those as the fused parameters at rank 2r); needs lora_dropout: 0.",
+                 "lora_target_linear: peft would load those as the fused parameters at rank 2r; on Gemma 4 they are its "
+                 "dense MLP, which peft keeps); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    const auto parsed = string_list("lora_target_parameters", n, "parameter names", issues);
                    if (!parsed) return;
@@ -1153,27 +1155,6 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
   if (!c.lora_target_parameters.empty() && c.lora_dropout > 0)
     issues.push_back({"lora_dropout", "must be 0 with lora_target_parameters: peft's ParamWrapper refuses dropout (it "
                                       "cannot be applied to the input of a fused parameter), got " + value_node(c.lora_dropout).Scalar()});
-  if (!c.lora_target_parameters.empty()) {
-    // peft 0.21 on transformers 5 rewrites expert names in target_modules (gate_proj, up_proj,
-    // down_proj, w1, w2, w3) into target_parameters, gate_up_proj at rank 2r, when it loads an
-    // adapter: beside lora_target_parameters the adapter would not load as trained.
-    static const char* kWhy = "peft 0.21 on transformers 5 maps these names onto the fused expert parameters "
-                              "(gate_up_proj at rank 2r) when it loads the adapter, so together with "
-                              "lora_target_parameters it would not load as trained";
-    if (present.count("lora_target_linear") && c.lora_target_linear) {
-      issues.push_back({"lora_target_linear", std::string("cannot be combined with lora_target_parameters: it adapts "
-                                                          "gate_proj/up_proj/down_proj (w1/w2/w3), and ") + kWhy +
-                                                  "; list the attention modules in lora_target_modules instead"});
-    } else {
-      std::vector<std::string> experts;
-      for (const auto& t : c.lora_target_modules)
-        for (const char* n : {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
-          if (t == n) experts.push_back(t);
-      if (!experts.empty())
-        issues.push_back({"lora_target_modules", "names " + join(experts, ", ") + " beside lora_target_parameters; " +
-                                                     kWhy + "; keep the attention modules only"});
-    }
-  }
   if (c.adapter == "qlora" && !c.load_in_4bit)
     issues.push_back({"load_in_4bit", "adapter: qlora needs load_in_4bit: true (or use adapter: lora)"});
   if (c.adapter == "lora" && c.load_in_4bit)
@@ -1499,15 +1480,39 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     for (int i = 0; i < mc.layers; ++i) moe = moe || mc.is_moe_layer(i);
     const bool fused_layout = mc.arch == model::Arch::Qwen3Moe || mc.arch == model::Arch::Olmoe ||
                               mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe ||
-                              mc.arch == model::Arch::Glm4MoeLite || mc.arch == model::Arch::Mistral4;
+                              mc.arch == model::Arch::Glm4MoeLite || mc.arch == model::Arch::Mistral4 ||
+                              mc.arch == model::Arch::Gemma4;
     if (!moe)
       issues.push_back({"lora_target_parameters", mc.model_type + " (" + c.base_model + "/config.json) has no MoE block, "
                                                   "so no fused expert parameter to adapt"});
     else if (!fused_layout)
-      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe_lite and "
-                                                  "mistral4 (experts fused as "
+      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe_lite, "
+                                                  "mistral4 and gemma4 (experts fused as "
                                                   "gate_up_proj [E, 2I, H] and down_proj [E, H, I]); not yet for " +
                                                   mc.model_type + ": use lora_target_modules"});
+  }
+  if (!c.lora_target_parameters.empty() && !mc.dense_beside_experts()) {
+    // peft 0.21 on transformers 5 rewrites expert names in target_modules (gate_proj, up_proj,
+    // down_proj, w1, w2, w3) into target_parameters, gate_up_proj at rank 2r, when it loads an
+    // adapter: beside lora_target_parameters the adapter would not load as trained. Not for
+    // Gemma 4: its gate/up/down_proj are the dense MLP beside the experts, which peft keeps
+    // (transformers maps gemma4 to no MoE conversion).
+    static const char* kWhy = "peft 0.21 on transformers 5 maps these names onto the fused expert parameters "
+                              "(gate_up_proj at rank 2r) when it loads the adapter, so together with "
+                              "lora_target_parameters it would not load as trained";
+    if (present.count("lora_target_linear") && c.lora_target_linear) {
+      issues.push_back({"lora_target_linear", std::string("cannot be combined with lora_target_parameters: it adapts "
+                                                          "gate_proj/up_proj/down_proj (w1/w2/w3), and ") + kWhy +
+                                                  "; list the attention modules in lora_target_modules instead"});
+    } else {
+      std::vector<std::string> experts;
+      for (const auto& t : c.lora_target_modules)
+        for (const char* n : {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+          if (t == n) experts.push_back(t);
+      if (!experts.empty())
+        issues.push_back({"lora_target_modules", "names " + join(experts, ", ") + " beside lora_target_parameters; " +
+                                                     kWhy + "; keep the attention modules only"});
+    }
   }
   const std::vector<std::string> linears = mc.linear_modules();
   if (c.lora_target_linear) {

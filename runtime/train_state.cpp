@@ -349,7 +349,8 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
   for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
-  model::write_adapter_config(dir, lora_spec(cfg), cfg.base_model, model::lora_decoder_prefix(cpu));
+  model::write_adapter_config(dir, lora_spec(cfg), cfg.base_model, model::lora_decoder_prefix(cpu),
+                              model::lora_fused_experts_path(cpu));
   // What the adapter was trained on top of (peft's config has no place for it): `eo-ddp score
   // --adapter` evaluates on the same base unless told otherwise.
   nlohmann::json base;

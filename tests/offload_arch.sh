@@ -11,17 +11,24 @@
 # (expert_quant: auto), and `plan` / `--check` counting them as MXFP4. Every family also trains
 # bitwise with its homes on disk (expert_offload_homes: disk: the file holds the arenas whatever
 # they encode); an MXFP4 file is rebuilt for an NF4 run, the log naming the difference.
+# gemma4_params: Gemma 4 with LoRA on its fused experts (lora_target_parameters); mistral4_mm:
+# Mistral Small 4 as the Hub ships it (the text model inside Mistral 3's multimodal wrapper).
 # usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 source "$2/tests/testlib.sh"
 eo_test_setup "$@"
-for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped mistral4_scaled gemma4 gpt_oss gpt_oss_mxfp4; do
+for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped mistral4_scaled mistral4_mm gemma4 \
+            gemma4_params gpt_oss gpt_oss_mxfp4; do
   tool=(--arch "$arch")
   [ $arch = gpt_oss_mxfp4 ] && tool=(--arch gpt_oss --mxfp4-experts)
+  [ $arch = gemma4_params ] && tool=(--arch gemma4)
   "$py" tools/make_tiny_model.py "${tool[@]}" --out "$tmp/$arch/model" --seed 3 >/dev/null 2>&1 ||
     { echo "FAILED: make_tiny_model.py --arch $arch"; fail=1; continue; }
   common=(--config configs/tiny-qwen3-moe.yaml --set base_model="$tmp/$arch/model" --set max_steps=4 --set save_steps=0
           --set lora_dropout=0.1 --set lora_target_linear=true --set sequence_len=64)
+  [ $arch = gemma4_params ] && common+=(--set lora_dropout=0 --set lora_target_linear=false
+                                        --set 'lora_target_modules=[q_proj, k_proj, v_proj, o_proj]'
+                                        --set 'lora_target_parameters=[experts.gate_up_proj, experts.down_proj]')
   for run in resident sync prefetch disk; do
     extra=()
     [ $run = sync ] && extra=(--set expert_offload=true --set expert_offload_prefetch=false)
@@ -61,6 +68,15 @@ names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').ke
 ok = all(any(f'layers.{i}.mlp.gate_proj.lora_A' in n for n in names) for i in range(3))
 ok = ok and any('layers.0.self_attn.v_proj' in n for n in names) and not any('layers.2.self_attn.v_proj' in n for n in names)
 sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
+    continue
+  fi
+  if [ $arch = gemma4_params ]; then  # peft's nested ParamWrappers on layers.{i}.experts, every layer
+    check "$arch: adapter has the fused expert LoRA on every layer, target_parameters experts.*" "$py" -c "
+import json, sys; from safetensors import safe_open
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+ok = all(any(f'layers.{i}.experts.base_layer.lora_A.weight' in n for n in names) for i in range(3))
+t = json.load(open('$tmp/$arch/resident/adapter_config.json'))['target_parameters']
+sys.exit(0 if ok and t == ['experts.gate_up_proj', 'experts.down_proj'] else 1)"
     continue
   fi
   check "$arch: adapter has shared-expert LoRA" "$py" -c "

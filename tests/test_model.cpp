@@ -143,7 +143,8 @@ TEST_P(Parity, LoraLogitsAndGradientsMatchPeft) {
 
 // lora_target_parameters: peft's own ParamWrapper adapter (fused gate_up_proj / down_proj,
 // made and saved by peft in model_ref.py) loads, and gives peft's logits, loss and gradients.
-// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config.cpp says so).
+// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config.cpp says so); Gemma 4's
+// under layers.{i}.experts.
 class FusedParity : public Parity {};
 TEST_P(FusedParity, FusedExpertLoraMatchesPeftParamWrapper) {
   const std::string dir = ref_dir(GetParam());
@@ -202,11 +203,12 @@ TEST_P(Parity, ScoreCommandMatchesTransformersLoss) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe_lite_grouped",
-                                                               "mistral4_scaled"));
+                                                               "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
-                                           "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "gemma4", "gemma4_kv"));
+                                           "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4",
+                                           "gemma4_kv"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -240,8 +242,16 @@ TEST(HfConfig, ErrorsNameTheFieldAndFile) {
   EXPECT_NE(unknown.find("qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, gemma4"),
             std::string::npos)
       << unknown;
+  // Mistral 3's wrapper around a dense mistral text model (Mistral Small 3.x; Mistral3Config's
+  // default when text_config names none) is not one eo-ddp trains; around mistral4 its text_config's
+  // own errors name where they are.
+  const std::string dense = msg(R"({"model_type": "mistral3", "text_config": {"hidden_size": 64}})");
+  EXPECT_NE(dense.find("dir/config.json text_config: model_type 'mistral' is not supported (eo-ddp trains mistral3 "
+                       "around a mistral4 text model"), std::string::npos) << dense;
   const std::string wrapped = msg(R"({"model_type": "mistral3", "text_config": {"model_type": "mistral4"}})");
-  EXPECT_NE(wrapped.find("a multimodal checkpoint around a mistral4 text model"), std::string::npos) << wrapped;
+  EXPECT_NE(wrapped.find("dir/config.json text_config: required field 'hidden_size' is missing"), std::string::npos) << wrapped;
+  const std::string odd = msg(R"({"model_type": "mistral3", "text_config": [1]})");
+  EXPECT_NE(odd.find("field 'text_config' must be an object"), std::string::npos) << odd;
   const std::string missing = msg(R"({"model_type": "mixtral", "num_hidden_layers": 2})");
   EXPECT_NE(missing.find("hidden_size"), std::string::npos) << missing;
   EXPECT_NE(missing.find("dir/config.json"), std::string::npos) << missing;
@@ -270,7 +280,8 @@ TEST(HfConfig, Gemma4IsReadAsTransformersResolvesIt) {
   };
   const ModelConfig real = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/gemma-4-26b-a4b");
   EXPECT_EQ(real.arch, Arch::Gemma4);
-  EXPECT_TRUE(real.text_of_multimodal);
+  ASSERT_TRUE(real.multimodal.has_value());
+  EXPECT_EQ(real.multimodal->class_name, "Gemma4ForConditionalGeneration");
   EXPECT_EQ(real.decoder_prefix(), "model.language_model.");
   EXPECT_EQ(real.layers, 30);
   for (int i = 0; i < 30; ++i) {
@@ -311,7 +322,7 @@ TEST(HfConfig, Gemma4IsReadAsTransformersResolvesIt) {
     "num_kv_shared_layers": 0, "enable_moe_block": true, "use_double_wide_mlp": false, "num_experts": 4,
     "top_k_experts": 2, "moe_intermediate_size": 16, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 1}}})";
   const ModelConfig t = parse_config(nlohmann::json::parse(tiny), "tiny/config.json");
-  EXPECT_FALSE(t.text_of_multimodal);
+  EXPECT_FALSE(t.multimodal.has_value());
   EXPECT_EQ(t.decoder_prefix(), "model.");
   EXPECT_EQ(t.head_dim_at(1), 32);
   EXPECT_EQ(t.kv_heads_at(1), 1);
@@ -503,6 +514,25 @@ TEST(HfConfig, LatentAttentionDescendantsRealShapesMatchTransformers) {
   EXPECT_TRUE(m.is_moe_layer(0) && m.is_moe_layer(35));
   EXPECT_DOUBLE_EQ(m.llama4_beta, 0.1);
   EXPECT_DOUBLE_EQ(m.llama4_positions, 8192);
+
+  // Mistral Small 4 as the Hub ships it: Mistral3ForConditionalGeneration around that text model.
+  // The text model reads the same; lm_head is tied by the wrapper's tie_word_embeddings (transformers
+  // 5.24's Mistral3Config: true by default), not by text_config's.
+  nlohmann::json text;
+  std::ifstream(std::string(EO_SOURCE_DIR) + "/configs/models/mistral-small-4/config.json") >> text;
+  nlohmann::json wrapped = {{"model_type", "mistral3"}, {"text_config", text}, {"vision_config", {{"model_type", "pixtral"}}}};
+  const ModelConfig w = parse_config(wrapped, "w.json");
+  EXPECT_EQ(w.arch, Arch::Mistral4);
+  EXPECT_EQ(w.model_type, "mistral3");
+  ASSERT_TRUE(w.multimodal.has_value());
+  EXPECT_EQ(w.multimodal->class_name, "Mistral3ForConditionalGeneration");
+  EXPECT_EQ(w.decoder_prefix(), "model.language_model.");
+  EXPECT_EQ(w.linear_modules(), m.linear_modules());
+  EXPECT_EQ(w.experts, m.experts);
+  EXPECT_DOUBLE_EQ(w.attn_scale, m.attn_scale);
+  EXPECT_TRUE(w.tie_word_embeddings);
+  wrapped["tie_word_embeddings"] = false;
+  EXPECT_FALSE(parse_config(wrapped, "w.json").tie_word_embeddings);
 }
 
 // Every option the newer families cannot honour is refused before a weight loads, naming the key.
@@ -1232,6 +1262,41 @@ TEST(Score, LongRowsAreScoredInWindowsThatCountEveryLabelOnce) {
 }  // namespace
 
 namespace {
+
+// Mistral 3's wrapper as transformers 5.24 saves it (llava's language_model.model.*, the fixture) and
+// under its module names (model.language_model.*, which from_pretrained reads too) give the same model;
+// untied, each layout's lm_head (language_model.lm_head.weight, lm_head.weight) is read.
+TEST(MultimodalWrapper, Mistral3LoadsEitherCheckpointLayout) {
+  const std::string dir = ref_dir("mistral4_mm");
+  const Ref r = load_ref(dir);
+  const st::Checkpoint ck = st::Checkpoint::open(dir + "/model");
+  ASSERT_FALSE(ck.has("language_model.lm_head.weight")) << "the fixture is tied";
+  const at::Tensor embed = ck.load("language_model.model.embed_tokens.weight");
+  c10::NoGradGuard no_grad;
+  const at::Tensor a = MoeModel::load(dir + "/model", LoadOptions{})->forward(ref_batch(r)).logits;
+  EXPECT_LT(rel_err(a, r["logits"]), 1e-4);
+  const fs::path root = fs::temp_directory_path() / ("eo_mistral3_layout_" + std::to_string(::getpid()));
+  for (const bool llava : {true, false})
+    for (const bool tied : {true, false}) {
+      SCOPED_TRACE(std::string(llava ? "llava" : "module names") + (tied ? ", tied" : ", untied"));
+      const fs::path other = root / (std::to_string(llava) + std::to_string(tied));
+      fs::create_directories(other);
+      nlohmann::json cfg;
+      std::ifstream(dir + "/model/config.json") >> cfg;
+      cfg["tie_word_embeddings"] = tied;
+      std::ofstream(other / "config.json") << cfg.dump();
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      for (const auto& n : ck.names()) {
+        const std::string from = "language_model.model.";
+        const bool text = n.rfind(from, 0) == 0;
+        tensors.emplace_back(llava ? n : text ? "model.language_model." + n.substr(from.size()) : "model." + n, ck.load(n));
+      }
+      if (!tied) tensors.emplace_back(llava ? "language_model.lm_head.weight" : "lm_head.weight", embed);
+      st::save((other / "model.safetensors").string(), tensors);
+      EXPECT_TRUE(a.equal(MoeModel::load(other.string(), LoadOptions{})->forward(ref_batch(r)).logits));
+    }
+  eo::remove_tree(root.string());
+}
 
 TEST_P(Parity, Nf4QuantisationOfCheckpointWeightsEqualsBitsandbytes) {
   const std::string dir = ref_dir(GetParam());

@@ -15,9 +15,10 @@ add_test(NAME train_peft_check_layers
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_layers --layers 1,3)
 set_tests_properties(train_peft_check_layers PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
-# The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24) and
-# Gemma 4 as the Hub ships it (the multimodal wrapper: the text model trained, the vision tower not).
-foreach(arch mistral4_scaled gemma4_mm)
+# The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24), and
+# Gemma 4 and Mistral Small 4 as the Hub ships them (multimodal wrappers: the text model trained, the
+# vision tower not).
+foreach(arch mistral4_scaled gemma4_mm mistral4_mm)
   add_test(NAME train_peft_check_${arch}
            COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
                    $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_${arch} ${arch})
@@ -31,6 +32,15 @@ add_test(NAME train_peft_fused_check
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_fused)
 set_tests_properties(train_peft_fused_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# The same on Gemma 4 (its experts are layers.{i}.experts: target_parameters experts.*) and Mistral
+# Small 4, both as the Hub ships them (multimodal wrappers).
+foreach(arch gemma4_mm mistral4_mm)
+  add_test(NAME train_peft_fused_check_${arch}
+           COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_fused_check.py
+                   $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_fused_${arch} ${arch})
+  set_tests_properties(train_peft_fused_check_${arch} PROPERTIES LABELS ref TIMEOUT 600
+                       ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+endforeach()
 # The step's schedule end to end: layer-major == micro-batch-major bitwise for g = 1, 2, 4 with and
 # without offload, staged bytes per step <= 2 x expert bytes (tests/schedule_train.sh).
 add_test(NAME schedule_train COMMAND ${PROJECT_SOURCE_DIR}/tests/schedule_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})

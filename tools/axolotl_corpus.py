@@ -14,7 +14,8 @@
         and writes OUT_DIR/VERSION: the release and each file's sha256.
     axolotl_corpus.py model ARCH OUT_DIR
         The tiny stand-in checkpoint of an expect.tsv architecture (tools/make_tiny_model.py, the tiny
-        tokenizer; gpt_oss with the harmony tokens; qwen3_moe_nvfp4 quantised by tools/make_nvfp4_model.py; a config.json alone for an unsupported one).
+        tokenizer; gpt_oss with the harmony tokens, gemma4 with its turn markers; qwen3_moe_nvfp4
+        quantised by tools/make_nvfp4_model.py; a config.json alone for an unsupported one).
     axolotl_corpus.py prepare CONFIG MODEL_DIR DATA_DIR OUT_CONFIG
         Writes OUT_CONFIG: CONFIG's text with only base_model and each dataset's path replaced, by
         MODEL_DIR and by a local JSONL in DATA_DIR written in the shape the dataset entry asks for
@@ -98,9 +99,6 @@ GAPS = {
     # An NVFP4 checkpoint (nvidia/Qwen3-30B-A3B-NVFP4) loads and trains; axolotl's merge-aware LoRA on it
     # (NVFP4 fake quantisation of the merged weight in every forward) is not implemented.
     "qwen3/30b-a3b-nvfp4-lora.yaml": ["nvfp4_merge_aware: not supported: axolotl (with use_sonicmoe) then trains through"],
-    # LoRA on Gemma 4's fused experts (peft's target_parameters): not implemented for gemma4 yet.
-    "gemma4/26b-a4b-moe-bnb-lora.yaml": ["lora_target_parameters: implemented for"],
-    "gemma4/26b-a4b-moe-qlora.yaml": ["lora_target_parameters: implemented for"],
 }
 
 
@@ -126,9 +124,8 @@ def expectation(rel, cfg, arch):
     if cfg.get("tokens"):
         reasons.append(IN_SCOPE["tokens"])
     reasons += EXTRA.get(rel, []) + GAPS.get(rel, [])
-    if arch not in SUPPORTED or arch == "mistral3_mistral4":
-        model_type = "mistral3" if arch == "mistral3_mistral4" else arch
-        return "unsupported", ["model_type '%s' is not supported" % model_type] + reasons
+    if arch not in SUPPORTED:
+        return "unsupported", ["model_type '%s' is not supported" % arch] + reasons
     return ("refused" if reasons else "ok"), reasons
 
 
@@ -203,6 +200,11 @@ HARMONY_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
 
 
+# Gemma 4's turn markers, which its configs' eot_tokens name (<turn|>) and its chat template renders.
+GEMMA4_TOKENS = ["<|turn>", "<turn|>"]
+FAMILY_TOKENS = {"gpt_oss": HARMONY_TOKENS, "gemma4": GEMMA4_TOKENS}
+
+
 def make_model(arch, out, root):
     """The tiny stand-in checkpoint of ARCH in OUT, with the tiny tokenizer of fixtures/tiny-qwen3-moe."""
     import subprocess
@@ -216,37 +218,27 @@ def make_model(arch, out, root):
         subprocess.run([sys.executable, os.path.join(root, "tools", "make_nvfp4_model.py"), plain, out], check=True,
                        stdout=subprocess.DEVNULL)
         shutil.rmtree(plain)
-    elif arch in SUPPORTED and arch not in ("mistral3_mistral4", "gemma4"):
-        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", arch, "--out", out],
+    elif arch in SUPPORTED:
+        # Gemma 4 and Mistral Small 4 as the Hub ships them: a multimodal wrapper around the MoE text model.
+        tiny = {"gemma4": "gemma4_mm", "mistral3_mistral4": "mistral4_mm"}.get(arch, arch)
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", tiny, "--out", out],
                        check=True, stdout=subprocess.DEVNULL)
-    elif arch == "gemma4":
-        # Gemma 4 as the Hub ships it: the multimodal wrapper around the MoE text model.
-        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "gemma4_mm", "--out",
-                        out], check=True, stdout=subprocess.DEVNULL)
-    elif arch == "mistral3_mistral4":
-        # Mistral 3's multimodal model around a tiny mistral4 text model, as the Hub ships Mistral Small 4.
-        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "mistral4", "--out",
-                        out], check=True, stdout=subprocess.DEVNULL)
-        with open(os.path.join(out, "config.json")) as fh:
-            text = json.load(fh)
-        with open(os.path.join(out, "config.json"), "w") as fh:
-            json.dump({"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
-                       "text_config": text, "vision_config": {"model_type": "pixtral"}}, fh, indent=1)
     else:
         # An architecture eo-ddp does not train: its config.json is all --check reads before refusing it.
         with open(os.path.join(out, "config.json"), "w") as fh:
             json.dump({"model_type": arch}, fh)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(os.path.join(tok_dir, f), os.path.join(out, f))
-    if arch == "gpt_oss":
+    if arch in FAMILY_TOKENS:
         with open(os.path.join(out, "tokenizer.json")) as fh:
             tok = json.load(fh)
         next_id = max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"])) + 1
-        for i, t in enumerate(HARMONY_TOKENS):
+        for i, t in enumerate(FAMILY_TOKENS[arch]):
             tok["added_tokens"].append({"id": next_id + i, "content": t, "single_word": False, "lstrip": False,
                                         "rstrip": False, "normalized": False, "special": True})
         with open(os.path.join(out, "tokenizer.json"), "w") as fh:
             json.dump(tok, fh)
+    if arch == "gpt_oss":
         with open(os.path.join(out, "tokenizer_config.json")) as fh:
             tc = json.load(fh)
         tc["chat_template"] = HARMONY_TEMPLATE

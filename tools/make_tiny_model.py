@@ -11,7 +11,10 @@ glm4_moe_lite (GLM-4.7-Flash) and mistral4 (Mistral Small 4), with their variant
 gemma4 (Gemma 4 26B-A4B's text model: sliding and full layers with their own geometry, attention_k_eq_v,
 proportional RoPE, logit soft-capping), gemma4_kv (v_proj on every layer, default RoPE, untied) and
 gemma4_mm (gemma4's text model inside Gemma4ForConditionalGeneration with a one-layer vision tower, as
-the Hub ships Gemma 4: model.language_model.*, model.vision_tower.*).
+the Hub ships Gemma 4: model.language_model.*, model.vision_tower.*) and mistral4_mm (mistral4's text
+model inside Mistral3ForConditionalGeneration with a one-layer Pixtral vision tower and projector, as
+the Hub ships Mistral Small 4; the wrapper's own tie_word_embeddings, which transformers ties by, is
+true while text_config's is false).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -180,6 +183,11 @@ def make_config(arch):
                                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                           "original_max_position_embeddings": 64})
+    if arch == "mistral4_mm":
+        vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                  num_attention_heads=2, head_dim=16, image_size=32, patch_size=8)
+        return transformers.Mistral3Config(text_config=make_config("mistral4"), vision_config=vision,
+                                           tie_word_embeddings=True)
     if arch == "gemma4_mm":
         vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                                  num_attention_heads=2, num_key_value_heads=2, head_dim=16)
@@ -209,13 +217,13 @@ def make_config(arch):
 
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
          "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss", "glm4_moe_lite", "glm4_moe_lite_grouped",
-         "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm"]
+         "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm", "mistral4_mm"]
 
 
 def fuse_experts(path, cfg):
     """Rewrite per-expert tensors into transformers v5's fused [E, 2I, H] / [E, H, I] layout."""
-    if cfg.model_type.startswith("gemma4"):
-        return  # saved fused already (transformers 5 has no per-expert form of Gemma 4's experts)
+    if cfg.model_type.startswith("gemma4") or cfg.model_type in ("mistral4", "mistral3"):
+        return  # saved fused already (transformers 5 has no per-expert form of Gemma 4's or Mistral 4's experts)
     sd = load_file(path)
     n_exp = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -283,8 +291,10 @@ def main():
     # model); Mistral4ForCausalLM is built directly.
     if cfg.model_type == "mistral4":
         model = transformers.Mistral4ForCausalLM._from_config(cfg, dtype=torch.float32)
-    elif cfg.model_type == "gemma4":  # the multimodal wrapper
+    elif cfg.model_type == "gemma4":  # the multimodal wrappers
         model = transformers.Gemma4ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
+    elif cfg.model_type == "mistral3":
+        model = transformers.Mistral3ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(args.seed)

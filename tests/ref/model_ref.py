@@ -59,7 +59,14 @@ for d, extra in ((model_dir, []), (fused_dir, ["--fused-experts"])):
 
 
 # transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
-CAUSAL_LM = transformers.Mistral4ForCausalLM if ARCH.startswith("mistral4") else transformers.AutoModelForCausalLM
+# The *_mm fixtures are multimodal wrappers: their text model is model.language_model (peft's names),
+# and a vision tower with linears of the same short names, which exclude_modules keeps out of the adapter.
+WRAPPERS = {"mistral4_mm": transformers.Mistral3ForConditionalGeneration,
+            "gemma4_mm": transformers.Gemma4ForConditionalGeneration}
+CAUSAL_LM = WRAPPERS.get(ARCH) or (transformers.Mistral4ForCausalLM if ARCH.startswith("mistral4")
+                                   else transformers.AutoModelForCausalLM)
+DEC = "model.language_model." if ARCH in WRAPPERS else "model."
+EXCLUDE = {"exclude_modules": r"(?!model\.language_model\.).*"} if ARCH in WRAPPERS else {}
 
 
 def load(dtype=torch.float32):
@@ -69,6 +76,7 @@ def load(dtype=torch.float32):
 
 ref = {}
 cfg = json.load(open(os.path.join(model_dir, "config.json")))
+cfg = cfg.get("text_config", cfg)  # a wrapper's text model
 if "kv_lora_rank" in cfg:  # DeepSeek latent attention (peft's names for its linears)
     ATTN = (["q_proj"] if cfg["q_lora_rank"] is None else ["q_a_proj", "q_b_proj"]) + \
         ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -127,7 +135,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 torch.manual_seed(3)
 peft_model = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
-                                               target_modules=ATTN))
+                                               target_modules=ATTN, **EXCLUDE))
 gl = torch.Generator().manual_seed(5)
 with torch.no_grad():
     for n, p in peft_model.named_parameters():
@@ -178,12 +186,13 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
 base = peft_model.base_model.model
 moe_attr = "block_sparse_moe" if MIX else "mlp"
-for i, layer in enumerate([] if GPT_OSS else base.model.layers):
+decoder = base.model.language_model if ARCH in WRAPPERS else base.model
+for i, layer in enumerate([] if GPT_OSS else decoder.layers):
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
         ex = mlp.experts
         E, I, H = ex.down_proj.shape[0], ex.down_proj.shape[2], ex.down_proj.shape[1]
-        ex.lora = [[lora_pair(f"model.layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
+        ex.lora = [[lora_pair(f"{DEC}layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
                     for m in range(3)] for e in range(E)]
         ex.forward = experts_forward.__get__(ex)
         for shared in ("shared_expert", "shared_experts"):  # qwen2_moe / glm4_moe, DeepSeek
@@ -191,12 +200,12 @@ for i, layer in enumerate([] if GPT_OSS else base.model.layers):
                 continue
             for nm in ("gate_proj", "up_proj", "down_proj"):
                 lin = getattr(getattr(mlp, shared), nm)
-                setattr(getattr(mlp, shared), nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.mlp.{shared}.{nm}",
+                setattr(getattr(mlp, shared), nm, LoraLinear(lin, lora_pair(f"{DEC}layers.{i}.mlp.{shared}.{nm}",
                                                                             lin.in_features, lin.out_features)))
     else:
         for nm in ("gate_proj", "up_proj", "down_proj"):
             lin = getattr(mlp, nm)
-            setattr(mlp, nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.mlp.{nm}", lin.in_features, lin.out_features)))
+            setattr(mlp, nm, LoraLinear(lin, lora_pair(f"{DEC}layers.{i}.mlp.{nm}", lin.in_features, lin.out_features)))
 
 o = peft_model(input_ids=ids, labels=labels)
 o.loss.backward()
@@ -223,13 +232,14 @@ del peft_model
 # ---- fused expert LoRA (lora_target_parameters): peft's own ParamWrapper on transformers 5's
 # gate_up_proj / down_proj (nested wrappers), non-zero B; logits, loss, every gradient, and the
 # adapter exactly as peft saves it.
-# the [E, 2I, H] gate_up_proj families
-if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe") or ARCH.startswith(("glm4_moe_lite", "mistral4")):
+# the [E, 2I, H] gate_up_proj families; Gemma 4's experts are layers.{i}.experts (beside its dense mlp)
+if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe") or ARCH.startswith(("glm4_moe_lite", "mistral4", "gemma4")):
     params_dir = os.path.join(out, "adapter_params")
     torch.manual_seed(11)
+    fused = "experts" if ARCH.startswith("gemma4") else "mlp.experts"
     pm = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
-                                           target_modules=ATTN,
-                                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+                                           target_modules=ATTN, **EXCLUDE,
+                                           target_parameters=[fused + ".gate_up_proj", fused + ".down_proj"]))
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
@@ -261,7 +271,8 @@ def nf4(w):
 
 # bitsandbytes' own bytes for two checkpoint weights: the C++ load_in_4bit path must equal them.
 disk = load_file(os.path.join(model_dir, "model.safetensors"))
-attn_key = f"model.layers.1.self_attn.{ATTN[0]}.weight"
+disk_dec = next(k for k in disk if k.endswith("embed_tokens.weight"))[: -len("embed_tokens.weight")]  # as saved
+attn_key = f"{disk_dec}layers.1.self_attn.{ATTN[0]}.weight"
 # A per-expert weight; mistral4's checkpoint holds its experts only fused (transformers 5.24 saves
 # them so): a shared expert's instead.
 # Gemma 4's experts are fused only too, and it has no shared expert: its dense MLP's.

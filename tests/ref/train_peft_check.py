@@ -5,9 +5,10 @@
 
 ARCH (a tools/make_tiny_model.py --arch name) runs the same on that family's tiny checkpoint,
 with LoRA on its attention linears (DeepSeek's latent attention: q_a/q_b or q_proj, kv_a, kv_b, o;
-Gemma 4: and its dense MLP, which peft adapts as plain linears). gemma4_mm is Gemma 4's multimodal
-checkpoint: eo-ddp trains its text model and says the vision tower is not trained; peft loads the
-adapter onto Gemma4ForConditionalGeneration (its exclude_modules keep the vision tower out).
+Gemma 4: and its dense MLP, which peft adapts as plain linears). gemma4_mm and mistral4_mm are Gemma 4's
+and Mistral Small 4's multimodal checkpoints: eo-ddp trains the text model and says the vision tower is
+not trained; peft loads the adapter onto Gemma4ForConditionalGeneration / Mistral3ForConditionalGeneration
+(its exclude_modules keep the vision tower out).
 --layers trains with peft_layers_to_transform: [I, J, ...]; the modules the adapter holds must then
 be those peft's own matching (check_target_module_exists with layers_to_transform) selects.
 
@@ -66,6 +67,7 @@ if ARCH:
     subprocess.run([sys.executable, os.path.join(SRC, "tools", "make_tiny_model.py"), "--arch", ARCH, "--out", MODEL,
                     "--seed", "5"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
+    cfg = cfg.get("text_config", cfg)  # a multimodal wrapper's text model
     if "kv_lora_rank" in cfg:
         targets = "[" + ("q_proj" if cfg["q_lora_rank"] is None else "q_a_proj, q_b_proj") + \
             ", kv_a_proj_with_mqa, kv_b_proj, o_proj]"
@@ -80,7 +82,9 @@ train = subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--se
                         "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_target_linear=false",
                         "--set", "lora_target_modules=" + targets] + extra,
                        cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-if ARCH == "gemma4_mm":
+WRAPPERS = {"gemma4_mm": transformers.Gemma4ForConditionalGeneration,
+            "mistral4_mm": transformers.Mistral3ForConditionalGeneration}
+if ARCH in WRAPPERS:
     check("vision and audio towers are not loaded and not trained" in train.stderr,
           "the log says the multimodal checkpoint's vision tower is not trained")
 
@@ -121,8 +125,8 @@ def reference_score(model):
 
 # ---- 2. transformers + peft
 # transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
-causal_lm = transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4") else \
-    transformers.Gemma4ForConditionalGeneration if ARCH == "gemma4_mm" else transformers.AutoModelForCausalLM
+causal_lm = WRAPPERS.get(ARCH) or (transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4")
+                                   else transformers.AutoModelForCausalLM)
 model = causal_lm.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
 linear_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]  # before peft wraps them
 base_loss, base_tokens = reference_score(model)

@@ -2,7 +2,12 @@
 """An adapter trained with lora_target_parameters loads in peft 0.21 + transformers 5 unchanged
 and means the same thing there.
 
-    train_peft_fused_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR
+    train_peft_fused_check.py EO_DDP_BINARY SOURCE_DIR WORK_DIR [ARCH]
+
+ARCH (a tools/make_tiny_model.py --arch name) runs the same on that family's tiny checkpoint:
+gemma4 / gemma4_mm (Gemma 4's experts are layers.{i}.experts: target_parameters experts.gate_up_proj /
+experts.down_proj, as the adapter writes them), mistral4_mm (Mistral Small 4 as the Hub ships it);
+a multimodal one loads in peft onto its *ForConditionalGeneration class.
 
 1. eo-ddp trains a short LoRA run of the bundled tiny Qwen3-MoE (configs/tiny-qwen3-moe.yaml) on
    the attention projections and the fused expert parameters
@@ -30,6 +35,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 BINARY, SRC, WORK = sys.argv[1:4]
+ARCH = sys.argv[4] if len(sys.argv) > 4 else None
 MODEL = os.path.join(SRC, "fixtures", "tiny-qwen3-moe")
 PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -38,6 +44,23 @@ torch.set_num_threads(1)
 os.makedirs(WORK, exist_ok=True)
 env = dict(os.environ, OMP_NUM_THREADS="1")
 failures = []
+WRAPPERS = {"gemma4_mm": transformers.Gemma4ForConditionalGeneration,
+            "mistral4_mm": transformers.Mistral3ForConditionalGeneration}
+CLS = WRAPPERS.get(ARCH, transformers.AutoModelForCausalLM)
+EXCLUDE = {"exclude_modules": r"(?!model\.language_model\.).*"} if ARCH in WRAPPERS else {}
+EXTRA = []
+if ARCH:
+    MODEL = os.path.join(WORK, "model")
+    subprocess.run([sys.executable, os.path.join(SRC, "tools", "make_tiny_model.py"), "--arch", ARCH, "--out", MODEL,
+                    "--seed", "5"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg = json.load(open(os.path.join(MODEL, "config.json")))
+    cfg = cfg.get("text_config", cfg)
+    if "kv_lora_rank" in cfg:
+        ATTN = (["q_proj"] if cfg["q_lora_rank"] is None else ["q_a_proj", "q_b_proj"]) + \
+            ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    if ARCH.startswith("gemma4"):
+        PARAMS = ["experts.gate_up_proj", "experts.down_proj"]
+    EXTRA = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 
 
 def check(ok, msg):
@@ -82,14 +105,14 @@ def reference_score(model):
 
 def run_case(name, given, params):
     print(f"== {name}: lora_target_parameters {given}")
-    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
+    model = CLS.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
     # ---- 1. train (bare and full names both accepted; written canonical)
     out = os.path.join(WORK, name)
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--set", "output_dir=" + out,
                     "--set", "max_steps=12", "--set", "save_steps=0", "--set", "lora_dropout=0",
                     "--set", "lora_target_modules=[" + ", ".join(ATTN) + "]",
-                    "--set", "lora_target_parameters=[" + ", ".join(given) + "]"],
+                    "--set", "lora_target_parameters=[" + ", ".join(given) + "]"] + EXTRA,
                    cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
 
     # ---- 2. peft's own save of the same LoraConfig: same keys, shapes, config fields
@@ -97,9 +120,11 @@ def run_case(name, given, params):
     check(acfg.get("target_parameters") == params, f"adapter_config.json target_parameters {acfg.get('target_parameters')}")
     check(acfg.get("lora_dropout") == 0, "adapter_config.json lora_dropout 0")
     ref_dir = os.path.join(WORK, name + "_peft_own")
-    get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
+    check(acfg.get("exclude_modules") == EXCLUDE.get("exclude_modules"), f"adapter_config.json exclude_modules "
+          f"{acfg.get('exclude_modules')}")
+    get_peft_model(CLS.from_pretrained(MODEL, dtype=torch.float32),
                    LoraConfig(r=acfg["r"], lora_alpha=acfg["lora_alpha"], target_modules=ATTN,
-                              target_parameters=params)).save_pretrained(ref_dir)
+                              target_parameters=params, **EXCLUDE)).save_pretrained(ref_dir)
     own = load_file(os.path.join(ref_dir, "adapter_model.safetensors"))
     saved = load_file(os.path.join(out, "adapter_model.safetensors"))
     check(set(own) == set(saved), f"the same {len(own)} keys as peft's save: only peft's {sorted(set(own) - set(saved))[:3]}, "
@@ -134,7 +159,7 @@ def run_case(name, given, params):
     change = abs(adapter_loss - no_expert_loss) / adapter_loss
     check(change > 100 * RTOL, f"the expert LoRA changes the loss: {no_expert_loss:.6f} -> {adapter_loss:.6f} (rel {change:.2e})")
 
-run_case("both", ["gate_up_proj", "mlp.experts.down_proj"], PARAMS)
+run_case("both", ["gate_up_proj", PARAMS[1]], PARAMS)
 run_case("gate_up_only", ["gate_up_proj"], PARAMS[:1])  # one wrapper each: no nesting
 run_case("down_only", ["down_proj"], PARAMS[1:])
 
