@@ -81,7 +81,8 @@ struct BlockContext {
   // table, then the full layers' along the last dim (one tensor, so a graph takes it as one input).
   at::Tensor cos, sin;
   at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
-  at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4); undefined = none
+  at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4; Llama 4's NoPE layers, fp32); undefined = none
+  at::Tensor chunk_mask;  // Llama 4's chunked layers: attn_mask within chunks; undefined = attn_mask
   bool training = false;
   std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]
 };

@@ -1314,6 +1314,16 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
       out.emplace_back(p + "router.proj", false);
       continue;
     }
+    if (mc.llama4) {  // Llama 4: feed_forward.*; its routed experts exist only fused
+      const std::string ff = p + "feed_forward.";
+      if (!mc.is_moe_layer(i)) {
+        for (const auto& m : mlp) out.emplace_back(ff + m, adaptable(m));
+        continue;
+      }
+      out.emplace_back(ff + "router", false);
+      for (const auto& m : mlp) out.emplace_back(ff + "shared_expert." + m, adaptable(m));
+      continue;
+    }
     if (!mc.is_moe_layer(i)) {
       for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
       continue;

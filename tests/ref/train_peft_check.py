@@ -7,7 +7,9 @@ ARCH (a tools/make_tiny_model.py --arch name) runs the same on that family's tin
 with LoRA on its attention linears (DeepSeek's latent attention: q_a/q_b or q_proj, kv_a, kv_b, o;
 Gemma 4: and its dense MLP, which peft adapts as plain linears). gemma4_mm is Gemma 4's multimodal
 checkpoint: eo-ddp trains its text model and says the vision tower is not trained; peft loads the
-adapter onto Gemma4ForConditionalGeneration (its exclude_modules keep the vision tower out).
+adapter onto Gemma4ForConditionalGeneration (its exclude_modules keep the vision tower out); llama4_mm
+likewise Llama 4's (Llama4ForConditionalGeneration, language_model.model.*; LoRA on its attention and
+shared experts).
 --layers trains with peft_layers_to_transform: [I, J, ...]; the modules the adapter holds must then
 be those peft's own matching (check_target_module_exists with layers_to_transform) selects.
 
@@ -69,7 +71,7 @@ if ARCH:
     if "kv_lora_rank" in cfg:
         targets = "[" + ("q_proj" if cfg["q_lora_rank"] is None else "q_a_proj, q_b_proj") + \
             ", kv_a_proj_with_mqa, kv_b_proj, o_proj]"
-    if ARCH.startswith("gemma4"):
+    if ARCH.startswith(("gemma4", "llama4")):
         targets = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
     extra = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 if LAYERS:
@@ -82,6 +84,9 @@ train = subprocess.run([BINARY, "--config", "configs/tiny-qwen3-moe.yaml", "--se
                        cwd=SRC, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 if ARCH == "gemma4_mm":
     check("vision and audio towers are not loaded and not trained" in train.stderr,
+          "the log says the multimodal checkpoint's vision tower is not trained")
+if ARCH == "llama4_mm":
+    check("vision tower is not loaded and not trained" in train.stderr,
           "the log says the multimodal checkpoint's vision tower is not trained")
 
 # ---- scoring data: prompt-masked labels, a right-padded line, plain lines
@@ -122,7 +127,8 @@ def reference_score(model):
 # ---- 2. transformers + peft
 # transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
 causal_lm = transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4") else \
-    transformers.Gemma4ForConditionalGeneration if ARCH == "gemma4_mm" else transformers.AutoModelForCausalLM
+    transformers.Gemma4ForConditionalGeneration if ARCH == "gemma4_mm" else \
+    transformers.Llama4ForConditionalGeneration if ARCH == "llama4_mm" else transformers.AutoModelForCausalLM
 model = causal_lm.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
 linear_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]  # before peft wraps them
 base_loss, base_tokens = reference_score(model)
