@@ -1028,27 +1028,34 @@ TEST(Lora, NamesFollowPeftAndOrderOfUse) {
   EXPECT_THROW(m->add_lora(s), UsageError);
 }
 
-// Packing (positions restart, segment mask) is exact: for plain attention, DeepSeek's latent
-// attention with interleaved RoPE, gpt-oss's sinks and 4-token sliding window, and Llama 4's chunks
-// of 4 positions and NoPE temperature (both counted from each document's own start).
-TEST(Model, PackedSegmentsEqualSeparateSequences) {
+// Packing (positions restart, segment mask) is exact: one packed row of two documents gives each
+// document's logits alone.
+void expect_packed_equals_separate(const std::string& arch) {
   c10::NoGradGuard no_grad;
-  for (const char* arch : {"qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"}) {
-    SCOPED_TRACE(arch);
-    auto m = MoeModel::load(ref_dir(arch) + "/model", LoadOptions{});
-    const at::Tensor a = at::arange(5, 12).view({1, 7}), b = at::arange(40, 46).view({1, 6});
-    Batch packed;
-    packed.input_ids = at::cat({a, b}, 1);
-    packed.positions = at::cat({at::arange(7), at::arange(6)}).view({1, 13});
-    packed.segment_ids = at::cat({at::full({7}, 1, at::kLong), at::full({6}, 2, at::kLong)}).view({1, 13});
-    const at::Tensor lp = m->forward(packed).logits;
-    Batch ba, bb;
-    ba.input_ids = a;
-    bb.input_ids = b;
-    EXPECT_LT(rel_err(lp.narrow(1, 0, 7), m->forward(ba).logits), 1e-5);
-    EXPECT_LT(rel_err(lp.narrow(1, 7, 6), m->forward(bb).logits), 1e-5);
-  }
+  SCOPED_TRACE(arch);
+  auto m = MoeModel::load(ref_dir(arch) + "/model", LoadOptions{});
+  const at::Tensor a = at::arange(5, 12).view({1, 7}), b = at::arange(40, 46).view({1, 6});
+  Batch packed;
+  packed.input_ids = at::cat({a, b}, 1);
+  packed.positions = at::cat({at::arange(7), at::arange(6)}).view({1, 13});
+  packed.segment_ids = at::cat({at::full({7}, 1, at::kLong), at::full({6}, 2, at::kLong)}).view({1, 13});
+  const at::Tensor lp = m->forward(packed).logits;
+  Batch ba, bb;
+  ba.input_ids = a;
+  bb.input_ids = b;
+  EXPECT_LT(rel_err(lp.narrow(1, 0, 7), m->forward(ba).logits), 1e-5);
+  EXPECT_LT(rel_err(lp.narrow(1, 7, 6), m->forward(bb).logits), 1e-5);
 }
+
+// For plain attention, DeepSeek's latent attention with interleaved RoPE, and gpt-oss's sinks and
+// 4-token sliding window.
+TEST(Model, PackedSegmentsEqualSeparateSequences) {
+  for (const char* arch : {"qwen3_moe", "deepseek_v3", "gpt_oss"}) expect_packed_equals_separate(arch);
+}
+
+// Llama 4's chunks of 4 positions and its NoPE layers' temperature count from each document's
+// start, as its RoPE positions do.
+TEST(Model, Llama4PackedSegmentsEqualSeparateSequences) { expect_packed_equals_separate("llama4"); }
 
 TEST(Model, MissingOrMisshapedTensorsAreNamed) {
   const std::string dir = ref_dir("olmoe");

@@ -47,17 +47,17 @@ BASE_MODEL_ARCH = [
     # Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model
     # (the configs' regex targets name model.language_model.layers).
     (r"Mistral-Small-4", "mistral3_mistral4"),
-    # A few of architectures eo-ddp does not train (see UNSUPPORTED_SAMPLE).
     (r"gemma-4-26B-A4B$", "gemma4"),
-    (r"Llama-4-Scout", "llama4"),
+    # Scout and Maverick (axolotl's examples use its linearized NF4 checkpoints of them).
+    (r"Llama-4-(Scout|Maverick)", "llama4"),
+    # A few of architectures eo-ddp does not train (see UNSUPPORTED_SAMPLE).
     (r"Qwen3-Next-80B-A3B-Instruct$", "qwen3_next"),
 ]
 SUPPORTED = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v2",
-             "deepseek_v3", "gpt_oss", "gemma4", "mistral3_mistral4"}
+             "deepseek_v3", "gpt_oss", "gemma4", "llama4", "mistral3_mistral4"}
 # Adapter configs of unsupported architectures kept in the corpus: each must list the model_type
 # error together with its key problems in one run.
-UNSUPPORTED_SAMPLE = {"llama-4/scout-qlora-single-h100-flex.yaml",
-                      "qwen3-next/qwen3-next-80b-a3b-qlora.yaml"}
+UNSUPPORTED_SAMPLE = {"qwen3-next/qwen3-next-80b-a3b-qlora.yaml"}
 
 
 def arch_of(base_model):
@@ -205,13 +205,18 @@ def make_model(arch, out, root):
     import subprocess
     os.makedirs(out, exist_ok=True)
     tok_dir = os.path.join(root, "fixtures", "tiny-qwen3-moe")
-    if arch in SUPPORTED and arch not in ("mistral3_mistral4", "gemma4"):
+    if arch in SUPPORTED and arch not in ("mistral3_mistral4", "gemma4", "llama4"):
         subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", arch, "--out", out],
                        check=True, stdout=subprocess.DEVNULL)
     elif arch == "gemma4":
         # Gemma 4 as the Hub ships it: the multimodal wrapper around the MoE text model.
         subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "gemma4_mm", "--out",
                         out], check=True, stdout=subprocess.DEVNULL)
+    elif arch == "llama4":
+        # Llama 4 as axolotl's examples load it: the multimodal wrapper, its experts linearized
+        # (experts.gate_projs.{e} ..., axolotl's Llama-4-*-Linearized checkpoints).
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "llama4_mm",
+                        "--per-expert-experts", "--out", out], check=True, stdout=subprocess.DEVNULL)
     elif arch == "mistral3_mistral4":
         # Mistral 3's multimodal model around a tiny mistral4 text model, as the Hub ships Mistral Small 4.
         subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "mistral4", "--out",
