@@ -88,6 +88,8 @@ EXTRA = {
     # Vision data: eo-ddp reads text formats only.
     "mistral4/fft-vision.yml": ["processor_type: not supported"],
     "mistral4/qlora-vision.yml": ["processor_type: not supported"],
+    "llama-4/scout-vision-qlora-fsdp2-flex.yaml": ["processor_type: not supported"],
+    "llama-4/do-no-use-fa2/scout-vision-qlora-fsdp.yaml": ["processor_type: not supported"],
     # Qwen3-Next's gated shared expert: a module eo-ddp knows of no architecture it trains.
     "qwen3-next/qwen3-next-80b-a3b-qlora.yaml": ["unknown module 'shared_expert_gate'"],
 }
@@ -116,7 +118,8 @@ def expectation(rel, cfg, arch):
         reasons.append(IN_SCOPE["expert_parallel"])
     if not cfg.get("adapter"):
         reasons.append(IN_SCOPE["full"])
-    if cfg.get("unfrozen_parameters"):
+    # lora_modules_to_save trains whole copies of base modules (lm_head, embed_tokens) beside the adapter.
+    if cfg.get("unfrozen_parameters") or cfg.get("lora_modules_to_save"):
         reasons.append(IN_SCOPE["unfrozen"])
     if cfg.get("load_in_8bit"):
         reasons.append(IN_SCOPE["8bit"])
