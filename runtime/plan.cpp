@@ -72,7 +72,9 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   weights += attn + double(c.layers) * norms;
   weights += double(moe_layers) * E * H * d;  // routers
   weights += double(mlp_layers) * 3 * linear(double(c.dense_width), H);
-  if (c.shared_expert_width > 0) weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + H * d);
+  // (+ H: the shared expert's gate, which Llama 4 lacks)
+  if (c.shared_expert_width > 0)
+    weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + (c.llama4 ? 0.0 : H * d));
   p.device.push_back({"weights", weights,
                       std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
                           ", norms, routers, attention" + (q4 ? " (NF4)" : "")});

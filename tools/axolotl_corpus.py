@@ -203,6 +203,24 @@ HARMONY_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
 
 
+# Llama 4's tokenizer as far as its configs and the llama4 template rely on it (special_tokens pad /
+# eos, the header and end-of-turn tokens).
+LLAMA4_TOKENS = ["<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>", "<|python_start|>", "<|python_end|>",
+                 "<|image|>", "<|finetune_right_pad|>"]
+
+
+def add_special_tokens(out, tokens):
+    """TOKENS as special added tokens of OUT/tokenizer.json, after its last id."""
+    with open(os.path.join(out, "tokenizer.json")) as fh:
+        tok = json.load(fh)
+    next_id = max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"])) + 1
+    for i, t in enumerate(tokens):
+        tok["added_tokens"].append({"id": next_id + i, "content": t, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    with open(os.path.join(out, "tokenizer.json"), "w") as fh:
+        json.dump(tok, fh)
+
+
 def make_model(arch, out, root):
     """The tiny stand-in checkpoint of ARCH in OUT, with the tiny tokenizer of fixtures/tiny-qwen3-moe."""
     import subprocess
@@ -235,15 +253,10 @@ def make_model(arch, out, root):
             json.dump({"model_type": arch}, fh)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(os.path.join(tok_dir, f), os.path.join(out, f))
+    if arch == "llama4":
+        add_special_tokens(out, LLAMA4_TOKENS)
     if arch == "gpt_oss":
-        with open(os.path.join(out, "tokenizer.json")) as fh:
-            tok = json.load(fh)
-        next_id = max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"])) + 1
-        for i, t in enumerate(HARMONY_TOKENS):
-            tok["added_tokens"].append({"id": next_id + i, "content": t, "single_word": False, "lstrip": False,
-                                        "rstrip": False, "normalized": False, "special": True})
-        with open(os.path.join(out, "tokenizer.json"), "w") as fh:
-            json.dump(tok, fh)
+        add_special_tokens(out, HARMONY_TOKENS)
         with open(os.path.join(out, "tokenizer_config.json")) as fh:
             tc = json.load(fh)
         tc["chat_template"] = HARMONY_TEMPLATE

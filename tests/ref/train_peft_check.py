@@ -109,6 +109,16 @@ def eo_score(adapter=None):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def text_model(model):
+    # transformers 5.24's Llama4ForConditionalGeneration.forward fails on every call (it reads
+    # image_outputs from its language model's output, which has none): the loss runs through its
+    # language_model, the same modules with peft's LoRA layers in place.
+    if ARCH == "llama4_mm":
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return inner.language_model
+    return model
+
+
 @torch.no_grad()
 def reference_score(model):
     loss_sum, count = 0.0, 0
@@ -116,7 +126,7 @@ def reference_score(model):
         ids = torch.tensor([l["input_ids"]])
         labels = torch.tensor([l.get("labels", l["input_ids"])])
         mask = torch.tensor([l["attention_mask"]]) if "attention_mask" in l else None
-        logits = model(input_ids=ids, attention_mask=mask).logits.double()
+        logits = text_model(model)(input_ids=ids, attention_mask=mask).logits.double()
         target = labels[:, 1:]
         loss_sum += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
                                     ignore_index=-100, reduction="sum").item()
