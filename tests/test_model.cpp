@@ -447,6 +447,43 @@ TEST(HfConfig, Llama4IsReadAsTransformersResolvesIt) {
             std::string::npos) << inner;
 }
 
+// The GPU's grouped dispatch (run on fp32 CPU tensors): the experts' input rows scaled by the router
+// in expert order, the combine summing with weight 1; transformers' / peft's logits and gradients, and
+// with NF4 experts bitsandbytes' dequantised model.
+TEST(Model, Llama4GroupedDispatchMatchesTransformers) {
+  const std::string dir = ref_dir("llama4");
+  const Ref r = load_ref(dir);
+  auto m = MoeModel::load(dir + "/model", LoadOptions{});
+  m->load_adapter(dir + "/adapter");
+  set_grouped_gemm_on_cpu(true);
+  const auto out = m->forward(ref_batch(r));
+  const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
+  loss.backward();
+  set_grouped_gemm_on_cpu(false);
+  EXPECT_LT(rel_err(out.logits, r["logits_lora"]), 1e-4);
+  EXPECT_NEAR(loss.item<double>(), r["loss_lora"].item<double>(), 1e-5 * r["loss_lora"].item<double>());
+  NamedLora grads;
+  for (const auto& [name, p] : m->lora_parameters()) grads.emplace_back(name, p.grad());
+  int checked = 0;
+  for (const auto& [name, g] : peft_lora_tensors(grads)) {
+    SCOPED_TRACE(name);
+    EXPECT_LT(rel_err(g, r["grad." + name]), 1e-4);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4 * 4 * 2 + 4 * 3 * 2);  // q k v o of 4 layers; the dense / shared MLP of each
+
+  c10::NoGradGuard no_grad;
+  LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto q = MoeModel::load(dir + "/model", lo);
+  const std::int64_t banks_before = grouped_bank_dequantisations();
+  set_grouped_gemm_on_cpu(true);
+  const at::Tensor logits = q->forward(ref_batch(r)).logits;
+  set_grouped_gemm_on_cpu(false);
+  EXPECT_GT(grouped_bank_dequantisations(), banks_before) << "the grouped path did not run";
+  EXPECT_LT(rel_err(logits, r["logits_nf4"]), 1e-4);
+}
+
 // peft adapts Llama 4's fused experts only through a ParamWrapper layout eo-ddp does not implement:
 // refused by name; the shared expert and the dense layers take target_modules.
 TEST(Lora, Llama4RefusesTargetParametersAndAdaptsItsSharedExpert) {
