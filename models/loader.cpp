@@ -1,8 +1,9 @@
 // Building a MoeModel from a Hugging Face checkpoint, and its LoRA adapters (peft layout).
 //
 // Per-expert (`experts.{e}.gate_proj.weight`, Mixtral `experts.{e}.w1.weight`) and fused
-// (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) checkpoints map onto one
-// internal layout. load_in_4bit quantises every decoder-block linear; embeddings, norms,
+// (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]; gpt-oss and Llama 4 [E, H, 2I] /
+// [E, I, H]; Llama 4 per expert as axolotl's linearized `experts.gate_projs.{e}`) checkpoints map onto
+// one internal layout. load_in_4bit quantises every decoder-block linear; embeddings, norms,
 // routers, the shared-expert gate and lm_head stay unquantised.
 //
 // Checkpoints bitsandbytes already quantised (transformers' save_pretrained of a 4-bit model:

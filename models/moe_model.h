@@ -1,5 +1,5 @@
 // The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss, glm4_moe_lite,
-// mistral4, gemma4) on libtorch, with frozen base weights
+// mistral4, gemma4, llama4) on libtorch, with frozen base weights
 // (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
