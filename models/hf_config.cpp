@@ -1,6 +1,7 @@
 // config.json parsing: strict about types, explicit about which keys each family uses.
 #include "models/hf_config.h"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -394,11 +395,156 @@ ModelConfig parse_gemma4(const json& j, const std::string& source, const Multimo
   return c;
 }
 
+// Llama 4's text model (llama4_text, Llama4ForCausalLM; llama4 is Llama4ForConditionalGeneration
+// around it, whose decoder is language_model.model.*), read as transformers 5.24's
+// Llama4TextConfig reads it (its defaults where a key is absent, its derived per-layer lists
+// where config.json has none). Options eo-ddp does not train are named in one error.
+ModelConfig parse_llama4(const json& j, const std::string& source, const MultimodalWrapper* wrapper) {
+  ModelConfig c;
+  c.arch = Arch::Llama4;
+  c.model_type = j.at("model_type").get<std::string>();
+  const json* tj = &j;
+  const std::string& where = source;
+  const json empty = json::object();
+  const Fields f{*tj, where};
+  c.hidden = f.integer("hidden_size", 5120);
+  c.layers = f.integer("num_hidden_layers", 48);
+  c.heads = f.integer("num_attention_heads", 40);
+  c.kv_heads = f.integer("num_key_value_heads", f.j.contains("num_key_value_heads") ? c.heads : 8);  // null: heads
+  c.vocab = f.integer("vocab_size", 202048);
+  require_positive(c.hidden, "hidden_size", where);
+  require_positive(c.layers, "num_hidden_layers", where);
+  require_positive(c.heads, "num_attention_heads", where);
+  require_positive(c.kv_heads, "num_key_value_heads", where);
+  require_positive(c.vocab, "vocab_size", where);
+  if (c.layers > (1 << 14)) throw UsageError(where + ": num_hidden_layers " + std::to_string(c.layers) + " is over eo-ddp's limit");
+  if (c.heads % c.kv_heads != 0)
+    throw UsageError(where + ": num_attention_heads (" + std::to_string(c.heads) + ") must be a multiple of num_key_value_heads (" +
+                     std::to_string(c.kv_heads) + ")");
+  if (f.has("head_dim")) {
+    c.head_dim = f.integer("head_dim");
+  } else if (f.j.contains("head_dim")) {  // null: hidden_size / heads, as Llama4TextConfig
+    c.head_dim = c.hidden / c.heads;
+  } else {
+    c.head_dim = 128;
+  }
+  require_positive(c.head_dim, "head_dim", where);
+  if (c.head_dim % 2 != 0) throw UsageError(where + ": head_dim must be even for RoPE");
+  c.rms_eps = f.number("rms_norm_eps", 1e-5);
+  c.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
+  c.initializer_range = f.number("initializer_range", 0.02);
+  c.experts = f.integer("num_local_experts", 16);
+  c.top_k = f.integer("num_experts_per_tok", 1);
+  c.expert_width = f.integer("intermediate_size", 8192);
+  c.shared_expert_width = c.expert_width;  // Llama4TextMoe.shared_expert: Llama4TextMLP(intermediate_size)
+  c.dense_width = f.integer("intermediate_size_mlp", 16384);
+  require_positive(c.dense_width, "intermediate_size_mlp", where);
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+  c.attn_scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  c.router.score = RouterScore::Sigmoid;  // sigmoid of the top-k logits (the same experts as top-k of the sigmoids)
+  c.has_aux_loss = false;                 // Llama4ForCausalLM returns no router aux loss
+  c.rope.interleaved = true;              // apply_rotary_emb: complex pairs (x0, x1), (x2, x3), ...
+  c.rope.dim = c.head_dim;
+
+  std::vector<std::string> never;
+  if (const std::string act = text(f, "hidden_act", "silu"); act != "silu") never.push_back("hidden_act '" + act + "' (only silu)");
+  if (f.number("attention_dropout", 0.0) != 0) never.push_back("attention_dropout > 0 (eo-ddp trains without attention dropout)");
+
+  // Which layers are MoE: moe_layers, else every interleave_moe_layer_step-th (from step - 1).
+  if (f.has("moe_layers")) {
+    const std::vector<int> moe = f.int_list("moe_layers");
+    for (int l : moe)
+      if (l < 0 || l >= c.layers) throw UsageError(where + ": moe_layers entry " + std::to_string(l) + " is not a layer index");
+    for (int l = 0; l < c.layers; ++l)
+      if (std::find(moe.begin(), moe.end(), l) == moe.end()) c.mlp_only_layers.push_back(l);
+  } else {
+    c.decoder_sparse_step = f.small_integer("interleave_moe_layer_step", 1);
+    require_positive(c.decoder_sparse_step, "interleave_moe_layer_step", where);
+  }
+
+  Llama4Block b;
+  // no_rope_layers: 1 = RoPE, 0 = NoPE, at least one entry per layer; absent or empty: a NoPE
+  // layer every no_rope_layer_interval layers.
+  const std::vector<int> nrl = f.int_list("no_rope_layers");
+  if (!nrl.empty()) {
+    if (static_cast<std::int64_t>(nrl.size()) < c.layers)
+      throw UsageError(where + ": no_rope_layers has " + std::to_string(nrl.size()) + " entries for " + std::to_string(c.layers) +
+                       " layers (one 0 or 1 per layer)");
+    for (int l = 0; l < c.layers; ++l) {
+      if (nrl[l] != 0 && nrl[l] != 1) throw UsageError(where + ": no_rope_layers entries must be 0 (NoPE) or 1 (RoPE)");
+      b.rope_layers.push_back(nrl[l] == 1);
+    }
+  } else {
+    const int interval = f.small_integer("no_rope_layer_interval", 4);
+    require_positive(interval, "no_rope_layer_interval", where);
+    for (int l = 0; l < c.layers; ++l) b.rope_layers.push_back((l + 1) % interval != 0);
+  }
+  // attention_chunk_size null: no chunked layers (transformers' default 8192).
+  b.chunk = f.has("attention_chunk_size") ? f.integer("attention_chunk_size") : (f.j.contains("attention_chunk_size") ? 0 : 8192);
+  if (f.has("attention_chunk_size")) require_positive(b.chunk, "attention_chunk_size", where);
+  if (f.has("layer_types")) {
+    const json& lt = tj->at("layer_types");
+    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+      throw UsageError(where + ": layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) + ") strings");
+    for (const auto& t : lt) {
+      if (t != "chunked_attention" && t != "full_attention")
+        throw UsageError(where + ": layer_types entry " + t.dump() + " is not supported (chunked_attention, full_attention)");
+      if (t == "chunked_attention" && b.chunk == 0)
+        throw UsageError(where + ": layer_types has chunked_attention layers but attention_chunk_size is null");
+      b.chunked_layers.push_back(t == "chunked_attention");
+    }
+  } else {
+    for (int l = 0; l < c.layers; ++l) b.chunked_layers.push_back(b.rope_layers[l] && b.chunk > 0);
+  }
+  // The Hub's Scout / Maverick files say 4 (transformers 4.51 read it as true; 5.24's strict
+  // config refuses it): an integer is taken as Python's truth value.
+  if (f.has("attn_temperature_tuning") && tj->at("attn_temperature_tuning").is_number_integer())
+    b.temperature_tuning = tj->at("attn_temperature_tuning").get<std::int64_t>() != 0;
+  else
+    b.temperature_tuning = f.boolean("attn_temperature_tuning", true);
+  b.floor_scale = f.number("floor_scale", 8192);
+  b.attn_scale = f.number("attn_scale", 0.1);
+  if (b.temperature_tuning && !(b.floor_scale > 0)) throw UsageError(where + ": floor_scale must be positive");
+  if (f.boolean("use_qk_norm", true)) c.qk_norm = QkNorm::L2;
+
+  // RoPE: rope_parameters (transformers 5) or rope_theta / rope_scaling (the Hub's files).
+  const json* rp = nullptr;
+  if (f.has("rope_parameters")) rp = &tj->at("rope_parameters");
+  else if (f.has("rope_scaling")) rp = &tj->at("rope_scaling");
+  if (rp && !rp->is_object()) throw UsageError(where + ": field '" + std::string(f.has("rope_parameters") ? "rope_parameters" : "rope_scaling") + "' must be an object");
+  const std::string rwhere = where + (f.has("rope_parameters") ? " rope_parameters" : " rope_scaling");
+  const Fields r{rp ? *rp : empty, rwhere};
+  c.rope_theta = r.has("rope_theta") ? r.number("rope_theta") : f.number("rope_theta", 500000.0);
+  const std::string type = text(r, "rope_type", text(r, "type", "default"));
+  if (r.number("partial_rotary_factor", f.number("partial_rotary_factor", 1.0)) != 1.0)
+    never.push_back("partial_rotary_factor other than 1");
+  if (type == "llama3") {
+    c.rope.llama3 = true;
+    c.rope.factor = r.number("factor");
+    c.rope.low_freq_factor = r.number("low_freq_factor");
+    c.rope.high_freq_factor = r.number("high_freq_factor");
+    c.rope.original_max_positions = r.number("original_max_position_embeddings", f.number("max_position_embeddings", 131072));
+    if (!(c.rope.factor > 0) || !(c.rope.low_freq_factor > 0) || !(c.rope.high_freq_factor > 0) || !(c.rope.original_max_positions > 0))
+      throw UsageError(rwhere + ": llama3 RoPE needs positive factor, low_freq_factor, high_freq_factor and original_max_position_embeddings");
+  } else if (type != "default") {
+    never.push_back("rope_type '" + type + "' (default, llama3)");
+  }
+  if (!never.empty()) {
+    std::string m = where + ": this llama4 config is not supported (" +
+                    (wrapper ? wrapper->class_name + " around a llama4_text model" : std::string("Llama4ForCausalLM")) +
+                    "); options eo-ddp does not train:";
+    for (const auto& s : never) m += "\n      " + s;
+    throw UsageError(m);
+  }
+  c.llama4 = b;
+  return c;
+}
+
 }  // namespace
 
 const char* const kSupportedModelTypes =
     "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, gemma4 "
-    "(gemma4_text), mistral3 (around mistral4)";
+    "(gemma4_text), mistral3 (around mistral4), llama4 (llama4_text)";
 
 bool ModelConfig::is_moe_layer(int layer) const {
   if (experts <= 0 || layer < first_k_dense) return false;
@@ -451,7 +597,9 @@ std::vector<std::string> ModelConfig::linear_modules() const {
   bool dense = false, moe = false;
   for (int i = 0; i < layers; ++i) (is_moe_layer(i) ? moe : dense) = true;
   if (moe && arch == Arch::Mixtral) out.insert(out.end(), {"w1", "w2", "w3"});
-  if (dense || dense_beside_experts() || (moe && arch != Arch::Mixtral && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  // Llama 4: its shared expert's linears (its routed experts exist only fused).
+  const bool shared = moe && llama4 && shared_expert_width > 0;
+  if (dense || dense_beside_experts() || shared || (moe && arch != Arch::Mixtral && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
   return out;
 }
 
@@ -467,6 +615,10 @@ const std::vector<MultimodalWrapper>& multimodal_wrappers() {
        {{"model.language_model.", "lm_head.weight"}}},
       {"mistral3", "mistral4", "mistral", "Mistral3ForConditionalGeneration", "model.language_model.",
        {{"language_model.model.", "language_model.lm_head.weight"}, {"model.language_model.", "lm_head.weight"}}},
+      // Llama4ForConditionalGeneration holds a Llama4ForCausalLM as language_model; unlike the two
+      // above, its config ties nothing by default.
+      {"llama4", "llama4_text", "llama4_text", "Llama4ForConditionalGeneration", "language_model.model.",
+       {{"language_model.model.", "language_model.lm_head.weight"}}, /*tie_default=*/false},
   };
   return w;
 }
@@ -492,7 +644,7 @@ ModelConfig parse_wrapped(const json& j, const std::string& source, const Multim
   ModelConfig c = parse_text(tj, where, &w);
   c.model_type = w.model_type;
   c.multimodal = w;
-  c.tie_word_embeddings = Fields{j, source}.boolean("tie_word_embeddings", true);
+  c.tie_word_embeddings = Fields{j, source}.boolean("tie_word_embeddings", w.tie_default);
   return c;
 }
 }  // namespace
@@ -522,6 +674,7 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
   else if (c.model_type == "glm4_moe_lite") c.arch = Arch::Glm4MoeLite;
   else if (c.model_type == "mistral4") c.arch = Arch::Mistral4;
   else if (c.model_type == "gemma4_text") return checked(parse_gemma4(j, source, wrapper), source);
+  else if (c.model_type == "llama4_text") return checked(parse_llama4(j, source, wrapper), source);
   else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text")
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported: three of every four of its layers are "
                      "gated delta-rule linear attention (" +
@@ -756,6 +909,9 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
       }
       break;
     }
+    case Arch::Gemma4:
+    case Arch::Llama4:
+      break;  // read whole by parse_gemma4 / parse_llama4 (returned above)
   }
   return checked(std::move(c), source);
 }

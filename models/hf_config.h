@@ -1,7 +1,7 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
 // The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss,
-// glm4_moe_lite, mistral4, gemma4) share a decoder and differ in a few switches (q/k norm style, biases,
+// glm4_moe_lite, mistral4, gemma4, llama4) share a decoder and differ in a few switches (q/k norm style, biases,
 // shared experts, which layers are sparse, the router's scoring, partial / interleaved / YaRN RoPE,
 // DeepSeek's latent attention, Mistral 4's position-scaled queries, gpt-oss's attention sinks,
 // sliding-window layers and biased, clamped experts);
@@ -20,7 +20,8 @@ namespace eo::model {
 // Glm4MoeLite (GLM-4.7-Flash) and Mistral4 (Mistral Small 4): DeepSeek-V3's latent attention with
 // GLM-4.5's router, and with a softmax group-limited router and Llama 4's query scaling.
 // Gemma4: Gemma 4's MoE text model (26B-A4B), whose block is Gemma's (Gemma4Block below).
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4 };
+// Llama4: Llama 4's text model (Scout / Maverick; Llama4Block below).
+enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4, Llama4 };
 
 // The names config.json's model_type takes, in Arch order, comma separated (error messages).
 extern const char* const kSupportedModelTypes;
@@ -30,6 +31,7 @@ enum class QkNorm {
   None,      // mixtral, qwen2_moe
   PerHead,   // qwen3_moe: RMSNorm(head_dim) after the view into heads
   Whole,     // olmoe: RMSNorm over the whole projection before the split
+  L2,        // llama4 use_qk_norm: a weightless RMSNorm per head after RoPE, on the RoPE layers only
 };
 
 // RoPE as transformers' rotary embeddings compute it (rope_parameters / rope_scaling).
@@ -44,6 +46,10 @@ struct Rope {
   // Gemma 4's "proportional" RoPE: the whole head is rotated (dim = head_dim), but only the first
   // `pairs` frequencies are non-zero (the rest: cos 1, sin 0), each ÷ factor. 0 = off.
   std::int64_t proportional_pairs = 0;
+  // rope_type "llama3" (_compute_llama3_parameters): wavelengths above original / low_freq_factor
+  // ÷ factor, below original / high_freq_factor kept, smoothed between.
+  bool llama3 = false;
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;
 };
 
 // How the router turns logits into the top-k experts and their weights.
@@ -83,6 +89,19 @@ struct Gemma4Block {
   double full_rope_theta = 0;
 };
 
+// Llama 4's attention and MoE (Llama4TextAttention / Llama4TextMoe): RoPE (interleaved pairs) on
+// some layers only, the others (NoPE) scale their queries by 1 + attn_scale · log1p(floor((pos + 1)
+// / floor_scale)) when attn_temperature_tuning is on; the RoPE layers may attend within chunks of
+// attention_chunk_size positions (layer_types "chunked_attention") and L2-norm q and k
+// (QkNorm::L2). The router's sigmoid top-k score scales each expert's input, not its output.
+struct Llama4Block {
+  std::vector<bool> rope_layers;    // per layer: RoPE (no_rope_layers 1), else NoPE
+  std::vector<bool> chunked_layers;  // per layer: chunked attention
+  std::int64_t chunk = 0;            // attention_chunk_size; 0 = none
+  bool temperature_tuning = false;
+  double floor_scale = 8192, attn_scale = 0.1;
+};
+
 // The activation of the MLPs and experts between gate and up: silu (SwiGLU) or GELU's tanh
 // approximation (Gemma: gelu_pytorch_tanh).
 enum class Activation { Silu, GeluTanh };
@@ -106,7 +125,7 @@ struct MultimodalWrapper {
     std::string decoder;  // "model.language_model." (then embed_tokens.weight, layers.N. ...)
     std::string lm_head;  // "lm_head.weight"
   };
-  std::string model_type;         // the wrapper's config.json model_type: "gemma4", "mistral3"
+  std::string model_type;         // the wrapper's config.json model_type: "gemma4", "mistral3", "llama4"
   std::string text_model_type;    // the text_config model_type eo-ddp trains inside it: "gemma4_text", "mistral4"
   std::string text_type_default;  // transformers' text_config model_type when the file names none
   std::string class_name;         // "Gemma4ForConditionalGeneration"
@@ -114,6 +133,9 @@ struct MultimodalWrapper {
   std::string decoder_prefix;
   // The checkpoint layouts transformers loads, the first whose embeddings a checkpoint has is used.
   std::vector<Layout> layouts;
+  // The wrapper config's tie_word_embeddings when absent (transformers ties lm_head by the
+  // wrapper's flag, not text_config's).
+  bool tie_default = true;
 };
 // Every wrapper eo-ddp reads, in one table.
 const std::vector<MultimodalWrapper>& multimodal_wrappers();
@@ -175,6 +197,7 @@ struct ModelConfig {
   bool nvfp4 = false;
   Activation act = Activation::Silu;
   std::optional<Gemma4Block> gemma;
+  std::optional<Llama4Block> llama4;
   double final_logit_softcap = 0;  // logits = cap · tanh(logits / cap); 0 = off (Gemma)
   bool embed_scaled = false;       // embeddings × sqrt(hidden_size) in the compute dtype (Gemma)
   // The checkpoint is a multimodal model around this text model (Gemma4ForConditionalGeneration,
@@ -185,6 +208,9 @@ struct ModelConfig {
   bool is_moe_layer(int layer) const;
   // Where the decoder's tensors are: "model." or, in a multimodal checkpoint, its wrapper's prefix.
   std::string decoder_prefix() const { return multimodal ? multimodal->decoder_prefix : "model."; }
+  // Llama 4: whether layer i rotates q and k (else NoPE) and attends within chunks.
+  bool uses_rope(int layer) const { return !llama4 || llama4->rope_layers.at(layer); }
+  bool is_chunked_layer(int layer) const { return llama4 && llama4->chunk > 0 && llama4->chunked_layers.at(layer); }
   // Gemma 4's full-attention layers have their own attention geometry.
   bool is_full_gemma_layer(int layer) const { return gemma && !is_sliding_layer(layer); }
   std::int64_t head_dim_at(int layer) const { return is_full_gemma_layer(layer) ? gemma->full_head_dim : head_dim; }
@@ -193,21 +219,24 @@ struct ModelConfig {
   // Whether every layer has a dense MLP beside its routed experts (Gemma 4).
   bool dense_beside_experts() const { return gemma.has_value(); }
   // The HF name prefix of a layer's MoE block: "mlp" or Mixtral's "block_sparse_moe".
-  std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : "mlp"; }
+  std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : mlp_prefix(); }
+  // The HF name of a layer's dense MLP: "mlp", Llama 4 "feed_forward" (its MoE block too).
+  std::string mlp_prefix() const { return llama4 ? "feed_forward" : "mlp"; }
   // Where the routed experts are under layer i's prefix: "<moe prefix>.experts", Gemma 4 "experts".
   std::string experts_path() const { return gemma ? "experts" : moe_prefix() + ".experts"; }
   // The module transformers 5 holds the fused expert parameters in, under layer i's prefix (peft's
   // ParamWrapper path, lora_target_parameters): "mlp.experts" (Mixtral's too), Gemma 4 "experts".
   std::string fused_experts_path() const { return gemma ? "experts" : "mlp.experts"; }
   // The router's module under the MoE block: gpt-oss "router", else "gate".
-  std::string router_name() const { return arch == Arch::GptOss ? "router" : "gate"; }
+  std::string router_name() const { return arch == Arch::GptOss || llama4 ? "router" : "gate"; }
   bool is_sliding_layer(int layer) const { return !sliding_layers.empty() && sliding_layers.at(layer) && sliding_window > 0; }
   // Whether peft names the routed experts per expert (experts.{e}.gate_proj ...): every family but
   // gpt-oss, whose experts only ever exist fused (peft reaches them through target_parameters).
   // Gemma 4 likewise (transformers 5 saves its experts fused only).
-  bool experts_lora_ok() const { return arch != Arch::GptOss && arch != Arch::Gemma4; }
+  // Llama 4 likewise.
+  bool experts_lora_ok() const { return arch != Arch::GptOss && arch != Arch::Gemma4 && arch != Arch::Llama4; }
   // The shared expert's module under the MoE block: qwen2_moe "shared_expert", else "shared_experts".
-  std::string shared_expert_name() const { return arch == Arch::Qwen2Moe ? "shared_expert" : "shared_experts"; }
+  std::string shared_expert_name() const { return arch == Arch::Qwen2Moe || llama4 ? "shared_expert" : "shared_experts"; }
   // The attention linears (peft's short names, in model order) and their shapes.
   struct Linear {
     std::string name;

@@ -1,8 +1,9 @@
 // Building a MoeModel from a Hugging Face checkpoint, and its LoRA adapters (peft layout).
 //
 // Per-expert (`experts.{e}.gate_proj.weight`, Mixtral `experts.{e}.w1.weight`) and fused
-// (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) checkpoints map onto one
-// internal layout. load_in_4bit quantises every decoder-block linear; embeddings, norms,
+// (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]; gpt-oss and Llama 4 [E, H, 2I] /
+// [E, I, H]; Llama 4 per expert as axolotl's linearized `experts.gate_projs.{e}`) checkpoints map onto
+// one internal layout. load_in_4bit quantises every decoder-block linear; embeddings, norms,
 // routers, the shared-expert gate and lm_head stay unquantised.
 //
 // Checkpoints bitsandbytes already quantised (transformers' save_pretrained of a 4-bit model:
@@ -450,7 +451,7 @@ struct ModelLoader {
         out[e] = {gu[e].slice(1, 0, 2 * I, 2).t(), gu[e].slice(1, 1, 2 * I, 2).t(), down[e].t()};
       return out;
     }
-    if (!ck || !ck->has(p + ".gate_up_proj")) return {};
+    if (!ck || !ck->has(p + ".gate_up_proj")) return {};  // per-expert names (experts.{e}.gate_proj ...)
     for (const char* name : {".gate_up_proj", ".down_proj"}) {
       // transformers saves bnb 4-bit experts per expert; a quantised fused tensor is not a format we know.
       const bool bnb_keys = ck->has(p + name + ".absmax") || ck->has(p + name + ".quant_state.bitsandbytes__nf4") ||
@@ -460,14 +461,25 @@ struct ModelLoader {
                          "' is quantised; bitsandbytes checkpoints store experts per expert (experts.{e}.gate_proj...), "
                          "a quantised fused layout is not supported. Use the original float weights with load_in_4bit");
     }
-    const at::Tensor gu = raw(p + ".gate_up_proj", {E, 2 * I, H}), down = raw(p + ".down_proj", {E, H, I});
     std::vector<std::array<at::Tensor, 3>> out(E);
+    if (c.llama4) {
+      // Llama4TextExperts: x @ gate_up_proj [E, H, 2I] (gate = columns [0, I), up = [I, 2I)),
+      // then @ down_proj [E, I, H].
+      const at::Tensor gu = raw(p + ".gate_up_proj", {E, H, 2 * I}), down = raw(p + ".down_proj", {E, I, H});
+      for (int e = 0; e < E; ++e) out[e] = {gu[e].narrow(1, 0, I).t(), gu[e].narrow(1, I, I).t(), down[e].t()};
+      return out;
+    }
+    const at::Tensor gu = raw(p + ".gate_up_proj", {E, 2 * I, H}), down = raw(p + ".down_proj", {E, H, I});
     for (int e = 0; e < E; ++e) out[e] = {gu[e].narrow(0, 0, I), gu[e].narrow(0, I, I), down[e]};
     return out;
   }
   std::string expert_prefix(int i, int e, int mi) const {
     static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
     static const char* kMix[3] = {"w1", "w3", "w2"};
+    // Llama 4 per expert: axolotl's linearized checkpoints (Llama4TextExperts as ModuleLists,
+    // experts.gate_projs.{e}, up_projs, down_projs; bitsandbytes-quantised as they ship).
+    static const char* kLinearized[3] = {"gate_projs", "up_projs", "down_projs"};
+    if (m.cfg_.llama4) return experts_prefix(i) + "." + kLinearized[mi] + "." + std::to_string(e);
     return experts_prefix(i) + "." + std::to_string(e) + "." + (m.cfg_.arch == Arch::Mixtral ? kMix : kQwen)[mi];
   }
   // gpt-oss's expert biases, [E, out] per matrix (gate, up interleaved in gate_up_proj_bias).
@@ -492,8 +504,8 @@ struct ModelLoader {
     if (c.multimodal)
       log::info((ck ? ck->folder() : std::string("synthetic weights")) + ": a multimodal " + c.model_type + " checkpoint (" +
                 c.multimodal->class_name + "); its " + c.multimodal->text_model_type + " text model (" + mp +
-                "*) is loaded and trained, its vision and audio towers are not loaded and not trained (the adapter "
-                "covers the text model only)");
+                "*) is loaded and trained, its " + (c.llama4 ? "vision tower is" : "vision and audio towers are") +
+                " not loaded and not trained (the adapter covers the text model only)");
     m.embed_ = get(mp + "embed_tokens.weight", {c.vocab, H});
     if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) m.embed_ = m.embed_.to(at::kCPU);
     m.final_norm_ = get(mp + "norm.weight", {H});
@@ -522,7 +534,7 @@ struct ModelLoader {
         b->layer_scalar_ = get(p + "layer_scalar", {1});
       }
       if (!b->moe_) {
-        b->dense_ = mlp(p + "mlp", c.dense_width);
+        b->dense_ = mlp(p + c.mlp_prefix(), c.dense_width);
       } else {
         // fp16 keeps the router in fp32 too: its logits feed a softmax whose range fp16 lacks.
         const std::optional<at::ScalarType> router_dtype =
@@ -553,7 +565,7 @@ struct ModelLoader {
         }
         if (c.shared_expert_width > 0) {
           b->has_shared_ = true;
-          b->shared_ = mlp(p + "mlp." + c.shared_expert_name(), c.shared_expert_width);
+          b->shared_ = mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), c.shared_expert_width);
           if (c.shared_expert_gated) b->shared_gate_ = get(p + "mlp.shared_expert_gate.weight", {1, H});
         }
       }
@@ -648,7 +660,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       add(prefix + ".up_proj", "up_proj", mm.up);
       add(prefix + ".down_proj", "down_proj", mm.down);
     };
-    if (!b.moe_ || c.dense_beside_experts()) add_mlp(p + "mlp", b.dense_);
+    if (!b.moe_ || c.dense_beside_experts()) add_mlp(p + c.mlp_prefix(), b.dense_);
     if (!b.moe_) continue;
     if (!lora_spec_.target_parameters.empty()) {
       // lora_target_parameters: peft's ParamWrapper on transformers 5's fused expert parameters,
@@ -685,7 +697,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
         s.stack_prefix = p + c.moe_prefix() + ".experts";
         sites.push_back(std::move(s));
       }
-    if (b.has_shared_) add_mlp(p + "mlp." + c.shared_expert_name(), b.shared_);
+    if (b.has_shared_) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared_);
   }
   // Each site's layer, from its name (every site is under <decoder prefix>layers.{i}.; a multimodal
   // checkpoint's decoder prefix is model.language_model.).
@@ -700,6 +712,12 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     if (canonical_target_parameter(p) != p)
       throw UsageError("LoRA target parameter '" + p + "' is not " + kGateUpParam + " or " + kDownParam);
   const bool moe = std::any_of(blocks_.begin(), blocks_.end(), [](const auto& b) { return b->moe_; });
+  // peft's ParamWrapper takes Llama4TextExperts' [E, H, 2I] parameters as [E, out, in] (they lack
+  // transformers' is_transposed flag), a layout eo-ddp's fused LoRA does not implement.
+  if (!spec.target_parameters.empty() && cfg_.llama4)
+    throw UsageError("lora_target_parameters is not implemented for " + cfg_.model_type + " yet (peft's ParamWrapper "
+                     "adapts its feed_forward.experts.* with in and out swapped); use lora_target_modules, which "
+                     "adapt the attention, the shared expert and the dense MLP layers");
   if (!spec.target_parameters.empty() && !moe)
     throw UsageError("lora_target_parameters needs MoE blocks with fused experts; this " + cfg_.model_type +
                      " model has none");

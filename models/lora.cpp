@@ -450,9 +450,11 @@ LoraSpec read_adapter_config(const std::string& adapter_dir) {
     throw UsageError(path + ": 'target_modules' and 'target_parameters' are empty");
   // exclude_modules: only the exclusion of everything outside a multimodal checkpoint's text model
   // (what write_adapter_config writes); any other would drop modules eo-ddp adapts.
+  // (Gemma 4's model.language_model., Llama 4's language_model.model.)
   if (j.contains("exclude_modules") && !j["exclude_modules"].is_null() &&
       !(j["exclude_modules"].is_array() && j["exclude_modules"].empty()) &&
-      j["exclude_modules"] != exclude_outside("model.language_model."))
+      j["exclude_modules"] != exclude_outside("model.language_model.") &&
+      j["exclude_modules"] != exclude_outside("language_model.model."))
     throw UsageError(path + ": exclude_modules " + j["exclude_modules"].dump() + " is not supported (only " +
                      nlohmann::json(exclude_outside("model.language_model.")).dump() +
                      ", the modules outside a multimodal checkpoint's text model)");

@@ -98,7 +98,7 @@ at::Tensor attend_with_sinks(const at::Tensor& q, at::Tensor k, at::Tensor v, co
     const at::Tensor i = at::arange(T, opt.dtype(at::kLong)).view({T, 1}), j = at::arange(T, opt.dtype(at::kLong)).view({1, T});
     mask = mask & (j > i - window).view({1, 1, T, T});
   }
-  if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, at::Tensor(), ctx.training, nullptr}, scale);
+  if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, at::Tensor(), at::Tensor(), ctx.training, nullptr}, scale);
   if (hk != h) {  // each query head has its own sink key
     k = k.repeat_interleave(h / hk, 1);
     v = v.repeat_interleave(h / hk, 1);
@@ -143,6 +143,22 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   if (c.qk_norm == QkNorm::PerHead) {  // qwen3, glm4_moe use_qk_norm, gemma4: per head, after the view
     q = rms_norm(q, q_norm_, c.rms_eps);
     k = rms_norm(k, k_norm_, c.rms_eps);
+  }
+  if (c.llama4) {  // Llama4TextAttention: RoPE or NoPE, then the L2 norm or the temperature
+    const bool rope_layer = c.uses_rope(index_);
+    q = rope_layer ? apply_rope(q.transpose(1, 2), ctx, c.rope) : q.transpose(1, 2);
+    k = rope_layer ? apply_rope(k.transpose(1, 2), ctx, c.rope) : k.transpose(1, 2);
+    if (c.qk_norm == QkNorm::L2 && rope_layer) {
+      q = rms_norm(q, at::Tensor(), c.rms_eps);
+      k = rms_norm(k, at::Tensor(), c.rms_eps);
+    }
+    // The fp32 scale times q, rounded back to q's dtype, as transformers' promotion does.
+    if (!rope_layer && ctx.q_scale.defined()) q = (q * ctx.q_scale).to(q.scalar_type());
+    if (!c.is_chunked_layer(index_) || !ctx.chunk_mask.defined())
+      return o_.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
+    BlockContext chunked = ctx;
+    chunked.attn_mask = ctx.chunk_mask;
+    return o_.forward(attend(q, k, v.transpose(1, 2), chunked, c.attn_scale), ctx.training);
   }
   if (c.gemma) {
     v = rms_norm(v, at::Tensor(), c.rms_eps);  // v_norm: no scale
@@ -383,19 +399,24 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
     const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));
     // Two outputs over one buffer: the expert GEMMs' and the expert LoRA's gradients meet in
     // the dispatch's backward gather instead of an add of their own.
-    const auto [x_sorted, x_lora] = gather_rows_twice(flat, token_of, position, c.top_k);
+    auto [x_sorted, x_lora] = gather_rows_twice(flat, token_of, position, c.top_k);
+    if (c.llama4) {  // Llama4TextMoe: each expert's input × its routing weight, the outputs summed
+      x_sorted = x_sorted * top_w.reshape({-1}).index_select(0, order).unsqueeze(1);
+      x_lora = x_sorted;
+    }
     const ExpertsOutput y = experts_forward(x_sorted, x_lora, flat_expert, ctx.training);
     // Combine: each token's routing-weighted sum of its k rows (with the down LoRA's delta
     // added on the way), read where they sit in expert order.
-    out = combine_rows(y.y, y.delta, top_w, position, token_of, order);
+    out = combine_rows(y.y, y.delta, c.llama4 ? at::ones_like(top_w) : top_w, position, token_of, order);
   } else {
-    const at::Tensor x_sorted = flat.index_select(0, token_of);
+    const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
+    at::Tensor x_sorted = flat.index_select(0, token_of);
+    if (c.llama4) x_sorted = x_sorted * weight_sorted.unsqueeze(1);  // Llama 4 weights the experts' input
     // The per-expert loop runs here (no grouped path), and it adds its LoRA deltas itself.
     const ExpertsOutput ey = experts_forward(x_sorted, x_sorted, flat_expert, ctx.training);
     EO_CHECK(!ey.delta.defined(), "moe: the per-expert path left a LoRA delta for the combine");
     const at::Tensor& y = ey.y;
-    const at::Tensor weight_sorted = top_w.reshape({-1}).index_select(0, order);
-    out = at::zeros_like(flat).index_add(0, token_of, y * weight_sorted.unsqueeze(1));
+    out = at::zeros_like(flat).index_add(0, token_of, c.llama4 ? y : y * weight_sorted.unsqueeze(1));
   }
 
   if (has_shared_) {
@@ -432,6 +453,17 @@ at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& devic
   }
   const at::Tensor j = at::arange(0, R, 2, f32.dtype(at::kLong)).to(at::kFloat);
   const at::Tensor pos_freqs = at::pow(theta, j / static_cast<double>(R));
+  if (rope.llama3) {  // _compute_llama3_parameters, op for op
+    const at::Tensor inv = 1.0 / pos_freqs;
+    const double old_len = rope.original_max_positions;
+    const double low_wavelen = old_len / rope.low_freq_factor, high_wavelen = old_len / rope.high_freq_factor;
+    const at::Tensor wavelen = 2 * M_PI / inv;
+    const at::Tensor llama = at::where(wavelen > low_wavelen, inv / rope.factor, inv);
+    const at::Tensor smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor);
+    const at::Tensor smoothed = (1 - smooth) * llama / rope.factor + smooth * llama;
+    const at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+    return at::where(medium, smoothed, llama);
+  }
   if (!rope.yarn) return 1.0 / pos_freqs;
   // YaRN: interpolate (÷ factor) the low frequencies, keep the high ones, ramp between the
   // dimensions that turn beta_slow and beta_fast times over the original context.
@@ -514,6 +546,24 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
     }
     // A padded query row would attend to nothing (NaN); let it see itself. Its output is unused.
     ctx.attn_mask = mask | at::eye(T, opt).view({1, 1, T, T});
+  }
+  if (cfg_.llama4) {
+    const Llama4Block& l4 = *cfg_.llama4;
+    // The NoPE layers' query temperature (fp32), from each token's position: within its own
+    // document when packed, as its RoPE.
+    if (l4.temperature_tuning)
+      ctx.q_scale = (at::log1p(at::floor((pos.to(at::kFloat) + 1.0) / l4.floor_scale)) * l4.attn_scale + 1.0).view({B, 1, T, 1});
+    // Chunked layers: a key is seen only from queries in its chunk of attention_chunk_size
+    // positions (transformers' chunked_overlay), on top of the causal / packing mask. Positions
+    // below the chunk size all share chunk 0, so short sequences need no mask of their own.
+    bool chunked = false;
+    for (int l = 0; l < cfg_.layers; ++l) chunked = chunked || cfg_.is_chunked_layer(l);
+    if (chunked && T > l4.chunk) {
+      const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);
+      const at::Tensor base = ctx.attn_mask.defined() ? ctx.attn_mask : at::ones({T, T}, opt).tril().expand({B, 1, T, T});
+      const at::Tensor chunk = at::floor_divide(pos, l4.chunk);
+      ctx.chunk_mask = base & (chunk.view({B, 1, T, 1}) == chunk.view({B, 1, 1, T}));
+    }
   }
   return ctx;
 }

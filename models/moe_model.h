@@ -1,5 +1,5 @@
 // The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss, glm4_moe_lite,
-// mistral4, gemma4) on libtorch, with frozen base weights
+// mistral4, gemma4, llama4) on libtorch, with frozen base weights
 // (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
@@ -81,7 +81,8 @@ struct BlockContext {
   // table, then the full layers' along the last dim (one tensor, so a graph takes it as one input).
   at::Tensor cos, sin;
   at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
-  at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4); undefined = none
+  at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4; Llama 4's NoPE layers, fp32); undefined = none
+  at::Tensor chunk_mask;  // Llama 4's chunked layers: attn_mask within chunks; undefined = attn_mask
   bool training = false;
   std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]
 };

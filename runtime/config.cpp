@@ -306,7 +306,7 @@ const std::vector<std::string>& chat_templates() {
 const std::map<std::string, std::vector<std::string>>& shipped_templates() {  // tools/chat_templates/<name>.jinja
   static const std::map<std::string, std::vector<std::string>> m = {
       {"chatml", {}}, {"qwen3", {"qwen3_moe"}}, {"deepseek_v2", {"deepseek_v2"}}, {"deepseek_v3", {"deepseek_v3"}},
-      {"gemma4", {"gemma4", "gemma4_text"}}, {"llama4", {"llama4"}}};
+      {"gemma4", {"gemma4", "gemma4_text"}}, {"llama4", {"llama4", "llama4_text"}}};
   return m;
 }
 const std::vector<std::string>& other_axolotl_templates() {
@@ -1293,6 +1293,16 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
     if (mc.dense_beside_experts()) {  // Gemma 4: the dense MLP, the router; its experts exist only fused
       for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
       out.emplace_back(p + "router.proj", false);
+      continue;
+    }
+    if (mc.llama4) {  // Llama 4: feed_forward.*; its routed experts exist only fused
+      const std::string ff = p + "feed_forward.";
+      if (!mc.is_moe_layer(i)) {
+        for (const auto& m : mlp) out.emplace_back(ff + m, adaptable(m));
+        continue;
+      }
+      out.emplace_back(ff + "router", false);
+      for (const auto& m : mlp) out.emplace_back(ff + "shared_expert." + m, adaptable(m));
       continue;
     }
     if (!mc.is_moe_layer(i)) {

@@ -72,7 +72,9 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   weights += attn + double(c.layers) * norms;
   weights += double(moe_layers) * E * H * d;  // routers
   weights += double(mlp_layers) * 3 * linear(double(c.dense_width), H);
-  if (c.shared_expert_width > 0) weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + H * d);
+  // (+ H: the shared expert's gate, which Llama 4 lacks)
+  if (c.shared_expert_width > 0)
+    weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + (c.llama4 ? 0.0 : H * d));
   p.device.push_back({"weights", weights,
                       std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
                           ", norms, routers, attention" + (q4 ? " (NF4)" : "")});
@@ -150,7 +152,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   if (!cfg.lora_target_parameters.empty()) {
     if (fused_gate_up) lora_params += moe_layers * E * r * (H + 2 * I);
     if (fused_down) lora_params += moe_layers * E * r * (I + H);
-  } else if (!c.gemma) {  // per-expert modules (Gemma 4 has none: its experts are saved fused only)
+  } else if (!c.gemma && !c.llama4) {  // per-expert modules (Gemma 4 and Llama 4 have none: experts fused only)
     site(mix ? "w1" : "gate_proj", H, I, moe_layers * E);
     site(mix ? "w3" : "up_proj", H, I, moe_layers * E);
     site(mix ? "w2" : "down_proj", I, H, moe_layers * E);
@@ -184,6 +186,17 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
                           std::to_string(static_cast<long long>(g)) + " micro-batch(es) + gradients" +
                           (cfg.activation_offloading ? " (the rest parked in host RAM)" : "")});
   if (cfg.activation_offloading) p.host_pinned += g * double(c.layers) * N * H * d;
+  // Llama 4's chunked layers: a bool [T, T] mask per row of each micro-batch kept (BlockContext),
+  // when the sequence is longer than a chunk (plus q_scale's fp32 per token for the NoPE layers).
+  if (c.llama4) {
+    bool chunked = false;
+    for (int i = 0; i < c.layers; ++i) chunked = chunked || c.is_chunked_layer(i);
+    const double T = double(cfg.sequence_len);
+    const double masks = chunked && cfg.sequence_len > c.llama4->chunk ? g * double(cfg.micro_batch_size) * T * T : 0;
+    const double scales = c.llama4->temperature_tuning ? g * N * 4 : 0;
+    if (masks + scales > 0)
+      p.device.push_back({"llama4 context", masks + scales, "chunked-attention masks and NoPE query scales of the micro-batches"});
+  }
 
   // ---- one block under backward: its recompute graph's saved tensors plus, op by op, what the
   // backward holds at once (models/moe_model.cpp, linear4bit.cpp; GPU path: grouped experts).
@@ -211,7 +224,8 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   const bool lora_up = per_module ? targets(cfg, mix ? "w3" : "up_proj") : fused_gate_up;
   const bool lora_down = per_module ? targets(cfg, mix ? "w2" : "down_proj") : fused_down;
   const bool le = moe_layers > 0 && (lora_gate || lora_up || lora_down);
-  const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8;
+  // Llama 4 scales the experts' input rows by their routing weights: the unscaled rows are saved too.
+  const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8 + (c.llama4 ? NK * H * d : 0);
   const double gate_up = 2 * NK * I * d, routed_out = NK * H * d;
   // With LoRA on both gate and up (or on gate_up_proj) the GPU's SwiGLU adds their deltas itself,
   // so it keeps the two deltas beside gate and up (models/fused.h); gpt-oss's clamps sum first.

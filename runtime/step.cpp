@@ -176,11 +176,12 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
     return std::string(kind) + std::to_string(i) + "@" + std::to_string(where);
   };
   // The micro-batch's context with the RoPE tables and mask given as a use's inputs 1..3, and
-  // the query scale (Mistral 4) as its last input.
+  // the chunked layers' mask (Llama 4) and the query scale (Mistral 4, Llama 4) as its last two.
   auto with_tables = [](model::BlockContext c, const std::vector<at::Tensor>& in) {
     c.cos = in[1];
     c.sin = in[2];
     c.attn_mask = in[3];
+    c.chunk_mask = in[in.size() - 2];
     c.q_scale = in.back();
     return c;
   };
@@ -199,7 +200,7 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
       case Kind::Forward: {
         if (options_.checkpointing) {
           store_->put(i, m, hidden[m]);
-          const auto outs = graphs_->run(use_key("F", i), {hidden[m], ctx[m].cos, ctx[m].sin, ctx[m].attn_mask, ctx[m].q_scale},
+          const auto outs = graphs_->run(use_key("F", i), {hidden[m], ctx[m].cos, ctx[m].sin, ctx[m].attn_mask, ctx[m].chunk_mask, ctx[m].q_scale},
                                          [&](const std::vector<at::Tensor>& in) {
                                            at::NoGradGuard no_grad;
                                            at::Tensor r;
@@ -267,7 +268,7 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
         if (options_.checkpointing) {
           const at::Tensor x = store_->take(i, m);
           const auto outs = graphs_->run(
-              use_key("B", i), {x, ctx[m].cos, ctx[m].sin, ctx[m].attn_mask, dh[m], dlogits[i][m], ctx[m].q_scale},
+              use_key("B", i), {x, ctx[m].cos, ctx[m].sin, ctx[m].attn_mask, dh[m], dlogits[i][m], ctx[m].chunk_mask, ctx[m].q_scale},
               [&](const std::vector<at::Tensor>& in) {
                 const at::Tensor input = i > 0 ? in[0].detach().requires_grad_(true) : in[0];
                 at::Tensor r;

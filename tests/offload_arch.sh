@@ -3,8 +3,9 @@
 # (latent attention with q_proj and with q_a/q_b, sigmoid and softmax group-limited routers,
 # shared experts, dense first layers), GLM-4.7-Flash (a dense layer between sparse ones) and
 # Mistral Small 4 (fused checkpoint experts, Llama 4's query scaling), Gemma 4 (a dense MLP beside the
-# experts on every layer, full layers without v_proj, GELU experts, soft-capped logits) and gpt-oss (sinks, sliding window, expert biases; LoRA on
-# attention only), QLoRA on every linear with the routed experts offloaded
+# experts on every layer, full layers without v_proj, GELU experts, soft-capped logits), Llama 4 (dense
+# and MoE layers interleaved, the shared expert, chunked attention, NoPE layers, the experts' inputs
+# scaled by the router) and gpt-oss (sinks, sliding window, expert biases; LoRA on attention only), QLoRA on every linear with the routed experts offloaded
 # (synchronous and with prefetch) gives bitwise the losses and adapter of resident training.
 # Only the routed experts move; shared experts, dense layers and attention stay resident.
 # gpt_oss_mxfp4: gpt-oss with its experts in MXFP4 as the Hub ships them, held so in the homes
@@ -13,12 +14,11 @@
 # they encode); an MXFP4 file is rebuilt for an NF4 run, the log naming the difference.
 # gemma4_params: Gemma 4 with LoRA on its fused experts (lora_target_parameters); mistral4_mm:
 # Mistral Small 4 as the Hub ships it (the text model inside Mistral 3's multimodal wrapper).
-# usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON
+# usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON   (EO_OFFLOAD_ARCHS="a b": those families only)
 set -uo pipefail
 source "$2/tests/testlib.sh"
 eo_test_setup "$@"
-for arch in glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped mistral4_scaled mistral4_mm gemma4 \
-            gemma4_params gpt_oss gpt_oss_mxfp4; do
+for arch in ${EO_OFFLOAD_ARCHS:-glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped mistral4_scaled mistral4_mm gemma4 gemma4_params llama4 gpt_oss gpt_oss_mxfp4}; do
   tool=(--arch "$arch")
   [ $arch = gpt_oss_mxfp4 ] && tool=(--arch gpt_oss --mxfp4-experts)
   [ $arch = gemma4_params ] && tool=(--arch gemma4)
@@ -79,19 +79,30 @@ t = json.load(open('$tmp/$arch/resident/adapter_config.json'))['target_parameter
 sys.exit(0 if ok and t == ['experts.gate_up_proj', 'experts.down_proj'] else 1)"
     continue
   fi
+  if [ $arch = llama4 ]; then  # dense layers 0, 2; MoE layers 1, 3 with the shared expert; no routed expert
+    check "$arch: adapter has the dense layers' and the shared experts' LoRA, no routed expert's" "$py" -c "
+import sys; from safetensors import safe_open
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+ok = all(any(f'layers.{i}.feed_forward.gate_proj.lora_A' in n for n in names) for i in (0, 2))
+ok = ok and all(any(f'layers.{i}.feed_forward.shared_expert.down_proj.lora_B' in n for n in names) for i in (1, 3))
+sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
+    continue
+  fi
   check "$arch: adapter has shared-expert LoRA" "$py" -c "
 import sys; from safetensors import safe_open
 f = safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt'); names = list(f.keys())
 sys.exit(0 if any('.mlp.shared_experts.gate_proj.lora_A' in n for n in names) and any('.experts.0.up_proj.lora_B' in n for n in names) else 1)"
 done
-check "deepseek_v2_grouped: adapter targets q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj" "$py" -c "
+if [ -z "${EO_OFFLOAD_ARCHS:-}" ]; then  # the adapters of every family
+  check "deepseek_v2_grouped: adapter targets q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj" "$py" -c "
 import json, sys; t = json.load(open('$tmp/deepseek_v2_grouped/resident/adapter_config.json'))['target_modules']
 sys.exit(0 if {'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj'} <= set(t) and 'k_proj' not in t else 1)"
-check "deepseek_v3_yarn: adapter targets q_proj" "$py" -c "
+  check "deepseek_v3_yarn: adapter targets q_proj" "$py" -c "
 import json, sys; t = json.load(open('$tmp/deepseek_v3_yarn/resident/adapter_config.json'))['target_modules']
 sys.exit(0 if 'q_proj' in t and 'q_a_proj' not in t else 1)"
-check "gpt_oss: lora_target_linear is the attention" "$py" -c "
+  check "gpt_oss: lora_target_linear is the attention" "$py" -c "
 import json, sys; t = json.load(open('$tmp/gpt_oss/resident/adapter_config.json'))['target_modules']
 sys.exit(0 if sorted(t) == ['k_proj', 'o_proj', 'q_proj', 'v_proj'] else 1)"
+fi
 [ $fail = 0 ] && echo "offload_arch: all checks passed" || { echo "offload_arch: FAILED"; for f in "$tmp"/*/*.log; do echo "== $f"; tail -3 "$f"; done; }
 exit $fail

@@ -1,6 +1,6 @@
 // The MoE decoder against independent references: transformers (logits, loss, aux loss,
 // `eo-ddp score`), peft (LoRA logits and gradients), bitsandbytes (NF4 model), for qwen3_moe,
-// olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, glm4_moe_lite, mistral4 and gemma4
+// olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, glm4_moe_lite, mistral4, gemma4 and llama4
 // (gpt-oss's MXFP4 and modelopt's NVFP4 checkpoints against their own references)
 // (most also in a variant with their unusual options on: group-limited routing, YaRN, dense
 // first layers, Mistral 4's query scaling, Gemma 4's k-as-v full layers and soft-capping ...). Reference outputs come from tests/ref/model_ref.py, generated
@@ -208,7 +208,7 @@ INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4",
-                                           "gemma4_kv"));
+                                           "gemma4_kv", "llama4"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -351,6 +351,180 @@ TEST(HfConfig, Gemma4IsReadAsTransformersResolvesIt) {
 
 // Qwen3-Next and Qwen3.5-MoE are refused with the reason (their linear-attention layers), not as
 // unknown families.
+TEST(HfConfig, Llama4IsReadAsTransformersResolvesIt) {
+  auto msg = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  // Llama-4-Scout-17B-16E as the Hub ships it (Llama4ForConditionalGeneration around the text model).
+  const ModelConfig real = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/llama-4-scout-17b-16e");
+  EXPECT_EQ(real.arch, Arch::Llama4);
+  ASSERT_TRUE(real.multimodal.has_value());
+  EXPECT_EQ(real.decoder_prefix(), "language_model.model.");
+  EXPECT_EQ(real.multimodal->layouts.front().lm_head, "language_model.lm_head.weight");
+  ASSERT_EQ(real.layers, 48);
+  for (int i = 0; i < 48; ++i) {
+    const bool nope = (i + 1) % 4 == 0;  // no_rope_layers
+    EXPECT_EQ(real.uses_rope(i), !nope) << i;
+    EXPECT_EQ(real.is_chunked_layer(i), !nope) << i;  // transformers' layer_types: the RoPE layers chunked
+    EXPECT_TRUE(real.is_moe_layer(i)) << i;
+  }
+  EXPECT_EQ(real.llama4->chunk, 8192);
+  EXPECT_TRUE(real.llama4->temperature_tuning);
+  EXPECT_DOUBLE_EQ(real.llama4->floor_scale, 8192);
+  EXPECT_DOUBLE_EQ(real.llama4->attn_scale, 0.1);
+  EXPECT_EQ(real.hidden, 5120);
+  EXPECT_EQ(real.heads, 40);
+  EXPECT_EQ(real.kv_heads, 8);
+  EXPECT_EQ(real.head_dim, 128);
+  EXPECT_EQ(real.vocab, 202048);
+  EXPECT_EQ(real.experts, 16);
+  EXPECT_EQ(real.top_k, 1);
+  EXPECT_EQ(real.expert_width, 8192);
+  EXPECT_EQ(real.shared_expert_width, 8192);
+  EXPECT_EQ(real.dense_width, 16384);
+  EXPECT_EQ(real.qk_norm, QkNorm::L2);
+  EXPECT_TRUE(real.rope.interleaved);
+  EXPECT_EQ(real.rope.dim, 128);
+  EXPECT_TRUE(real.rope.llama3);
+  EXPECT_DOUBLE_EQ(real.rope.factor, 8.0);
+  EXPECT_DOUBLE_EQ(real.rope.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(real.rope.high_freq_factor, 4.0);
+  EXPECT_DOUBLE_EQ(real.rope.original_max_positions, 8192);
+  EXPECT_DOUBLE_EQ(real.rope_theta, 5e5);
+  EXPECT_DOUBLE_EQ(real.attn_scale, 1.0 / std::sqrt(128.0));
+  EXPECT_EQ(real.router.score, RouterScore::Sigmoid);
+  EXPECT_FALSE(real.norm_topk_prob);
+  EXPECT_FALSE(real.has_aux_loss);
+  EXPECT_FALSE(real.tie_word_embeddings);
+  EXPECT_FALSE(real.experts_lora_ok());
+  EXPECT_EQ(real.moe_prefix(), "feed_forward");
+  EXPECT_EQ(real.router_name(), "router");
+  EXPECT_EQ(real.shared_expert_name(), "shared_expert");
+  EXPECT_EQ(real.linear_modules(),
+            (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}));
+
+  // A text model's config.json resolved as Llama4TextConfig does: MoE every interleave step (from
+  // step - 1), a NoPE layer every no_rope_layer_interval, the RoPE layers chunked; the Hub's
+  // attn_temperature_tuning 4 is true, null attention_chunk_size turns chunking off.
+  const std::string tiny = R"({"model_type": "llama4_text", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 4, "intermediate_size": 16, "intermediate_size_mlp": 24,
+      "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": 16, "attn_temperature_tuning": 4,
+      "use_qk_norm": false, "rope_theta": 1000.0})";
+  const ModelConfig t = parse_config(nlohmann::json::parse(tiny), "t.json");
+  EXPECT_FALSE(t.multimodal.has_value());
+  EXPECT_EQ(t.decoder_prefix(), "model.");
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(t.is_moe_layer(i), i % 2 == 1) << i;
+    EXPECT_EQ(t.uses_rope(i), i % 2 == 0) << i;
+    EXPECT_EQ(t.is_chunked_layer(i), i % 2 == 0) << i;
+  }
+  EXPECT_TRUE(t.llama4->temperature_tuning);
+  EXPECT_EQ(t.qk_norm, QkNorm::None);
+  EXPECT_FALSE(t.rope.llama3);
+  auto j = nlohmann::json::parse(tiny);
+  j["attention_chunk_size"] = nullptr;
+  j["moe_layers"] = {0, 3};
+  const ModelConfig unchunked = parse_config(j, "u.json");
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_FALSE(unchunked.is_chunked_layer(i)) << i;
+    EXPECT_EQ(unchunked.is_moe_layer(i), i == 0 || i == 3) << i;  // moe_layers overrides the step
+  }
+
+  // What eo-ddp does not train, named at once with the class transformers would build.
+  auto bad = nlohmann::json::parse(tiny);
+  bad["hidden_act"] = "gelu";
+  bad["attention_dropout"] = 0.1;
+  bad["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  const std::string m = msg([&] { parse_config(bad, "b.json"); });
+  EXPECT_NE(m.find("b.json: this llama4 config is not supported (Llama4ForCausalLM)"), std::string::npos) << m;
+  EXPECT_NE(m.find("hidden_act 'gelu'"), std::string::npos) << m;
+  EXPECT_NE(m.find("attention_dropout"), std::string::npos) << m;
+  EXPECT_NE(m.find("rope_type 'yarn' (default, llama3)"), std::string::npos) << m;
+  auto short_nope = nlohmann::json::parse(tiny);
+  short_nope["no_rope_layers"] = {1, 0};
+  EXPECT_NE(msg([&] { parse_config(short_nope, "n.json"); }).find("no_rope_layers has 2 entries for 4 layers"), std::string::npos);
+  auto chunk_null = nlohmann::json::parse(tiny);
+  chunk_null["attention_chunk_size"] = nullptr;
+  chunk_null["layer_types"] = {"chunked_attention", "full_attention", "full_attention", "full_attention"};
+  EXPECT_NE(msg([&] { parse_config(chunk_null, "c.json"); }).find("attention_chunk_size is null"), std::string::npos);
+  const std::string inner = msg([] { parse_config(nlohmann::json::parse(
+      R"({"model_type": "llama4", "text_config": {"model_type": "llama"}})"), "w.json"); });
+  EXPECT_NE(inner.find("w.json text_config: model_type 'llama' is not supported (llama4 wraps a llama4_text model)"),
+            std::string::npos) << inner;
+}
+
+// The GPU's grouped dispatch (run on fp32 CPU tensors): the experts' input rows scaled by the router
+// in expert order, the combine summing with weight 1; transformers' / peft's logits and gradients, and
+// with NF4 experts bitsandbytes' dequantised model.
+TEST(Model, Llama4GroupedDispatchMatchesTransformers) {
+  const std::string dir = ref_dir("llama4");
+  const Ref r = load_ref(dir);
+  auto m = MoeModel::load(dir + "/model", LoadOptions{});
+  m->load_adapter(dir + "/adapter");
+  set_grouped_gemm_on_cpu(true);
+  const auto out = m->forward(ref_batch(r));
+  const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
+  loss.backward();
+  set_grouped_gemm_on_cpu(false);
+  EXPECT_LT(rel_err(out.logits, r["logits_lora"]), 1e-4);
+  EXPECT_NEAR(loss.item<double>(), r["loss_lora"].item<double>(), 1e-5 * r["loss_lora"].item<double>());
+  NamedLora grads;
+  for (const auto& [name, p] : m->lora_parameters()) grads.emplace_back(name, p.grad());
+  int checked = 0;
+  for (const auto& [name, g] : peft_lora_tensors(grads)) {
+    SCOPED_TRACE(name);
+    EXPECT_LT(rel_err(g, r["grad." + name]), 1e-4);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4 * 4 * 2 + 4 * 3 * 2);  // q k v o of 4 layers; the dense / shared MLP of each
+
+  c10::NoGradGuard no_grad;
+  LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto q = MoeModel::load(dir + "/model", lo);
+  const std::int64_t banks_before = grouped_bank_dequantisations();
+  set_grouped_gemm_on_cpu(true);
+  const at::Tensor logits = q->forward(ref_batch(r)).logits;
+  set_grouped_gemm_on_cpu(false);
+  EXPECT_GT(grouped_bank_dequantisations(), banks_before) << "the grouped path did not run";
+  EXPECT_LT(rel_err(logits, r["logits_nf4"]), 1e-4);
+}
+
+// peft adapts Llama 4's fused experts only through a ParamWrapper layout eo-ddp does not implement:
+// refused by name; the shared expert and the dense layers take target_modules.
+TEST(Lora, Llama4RefusesTargetParametersAndAdaptsItsSharedExpert) {
+  auto m = MoeModel::load(ref_dir("llama4") + "/model", LoadOptions{});
+  LoraSpec spec;
+  spec.r = 4;
+  spec.alpha = 8;
+  spec.targets = {"gate_proj"};
+  spec.target_parameters = {kGateUpParam};
+  try {
+    m->add_lora(spec);
+    ADD_FAILURE() << "lora_target_parameters accepted on llama4";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("lora_target_parameters is not implemented for llama4_text"), std::string::npos) << e.what();
+  }
+  spec.target_parameters.clear();
+  m->add_lora(spec);
+  std::vector<std::string> names;
+  for (const auto& [n, t] : m->lora_parameters()) names.push_back(n);
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "base_model.model.model.layers.0.feed_forward.gate_proj.lora_A.weight",
+                       "base_model.model.model.layers.0.feed_forward.gate_proj.lora_B.weight",
+                       "base_model.model.model.layers.1.feed_forward.shared_expert.gate_proj.lora_A.weight",
+                       "base_model.model.model.layers.1.feed_forward.shared_expert.gate_proj.lora_B.weight",
+                       "base_model.model.model.layers.2.feed_forward.gate_proj.lora_A.weight",
+                       "base_model.model.model.layers.2.feed_forward.gate_proj.lora_B.weight",
+                       "base_model.model.model.layers.3.feed_forward.shared_expert.gate_proj.lora_A.weight",
+                       "base_model.model.model.layers.3.feed_forward.shared_expert.gate_proj.lora_B.weight"}));
+}
+
 TEST(HfConfig, GatedDeltaRuleFamiliesAreRefusedWithTheReason) {
   for (const char* type : {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}) {
     try {
@@ -1148,26 +1322,34 @@ TEST(Lora, NamesFollowPeftAndOrderOfUse) {
   EXPECT_THROW(m->add_lora(s), UsageError);
 }
 
-// Packing (positions restart, segment mask) is exact: for plain attention, DeepSeek's latent
-// attention with interleaved RoPE, and gpt-oss's sinks and 4-token sliding window.
-TEST(Model, PackedSegmentsEqualSeparateSequences) {
+// Packing (positions restart, segment mask) is exact: one packed row of two documents gives each
+// document's logits alone.
+void expect_packed_equals_separate(const std::string& arch) {
   c10::NoGradGuard no_grad;
-  for (const char* arch : {"qwen3_moe", "deepseek_v3", "gpt_oss"}) {
-    SCOPED_TRACE(arch);
-    auto m = MoeModel::load(ref_dir(arch) + "/model", LoadOptions{});
-    const at::Tensor a = at::arange(5, 12).view({1, 7}), b = at::arange(40, 46).view({1, 6});
-    Batch packed;
-    packed.input_ids = at::cat({a, b}, 1);
-    packed.positions = at::cat({at::arange(7), at::arange(6)}).view({1, 13});
-    packed.segment_ids = at::cat({at::full({7}, 1, at::kLong), at::full({6}, 2, at::kLong)}).view({1, 13});
-    const at::Tensor lp = m->forward(packed).logits;
-    Batch ba, bb;
-    ba.input_ids = a;
-    bb.input_ids = b;
-    EXPECT_LT(rel_err(lp.narrow(1, 0, 7), m->forward(ba).logits), 1e-5);
-    EXPECT_LT(rel_err(lp.narrow(1, 7, 6), m->forward(bb).logits), 1e-5);
-  }
+  SCOPED_TRACE(arch);
+  auto m = MoeModel::load(ref_dir(arch) + "/model", LoadOptions{});
+  const at::Tensor a = at::arange(5, 12).view({1, 7}), b = at::arange(40, 46).view({1, 6});
+  Batch packed;
+  packed.input_ids = at::cat({a, b}, 1);
+  packed.positions = at::cat({at::arange(7), at::arange(6)}).view({1, 13});
+  packed.segment_ids = at::cat({at::full({7}, 1, at::kLong), at::full({6}, 2, at::kLong)}).view({1, 13});
+  const at::Tensor lp = m->forward(packed).logits;
+  Batch ba, bb;
+  ba.input_ids = a;
+  bb.input_ids = b;
+  EXPECT_LT(rel_err(lp.narrow(1, 0, 7), m->forward(ba).logits), 1e-5);
+  EXPECT_LT(rel_err(lp.narrow(1, 7, 6), m->forward(bb).logits), 1e-5);
 }
+
+// For plain attention, DeepSeek's latent attention with interleaved RoPE, and gpt-oss's sinks and
+// 4-token sliding window.
+TEST(Model, PackedSegmentsEqualSeparateSequences) {
+  for (const char* arch : {"qwen3_moe", "deepseek_v3", "gpt_oss"}) expect_packed_equals_separate(arch);
+}
+
+// Llama 4's chunks of 4 positions and its NoPE layers' temperature count from each document's
+// start, as its RoPE positions do.
+TEST(Model, Llama4PackedSegmentsEqualSeparateSequences) { expect_packed_equals_separate("llama4"); }
 
 TEST(Model, MissingOrMisshapedTensorsAreNamed) {
   const std::string dir = ref_dir("olmoe");

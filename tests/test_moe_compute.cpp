@@ -987,6 +987,45 @@ TEST(MemoryPlan, LoraAndWeightTermsCountGemma4PerLayerType) {
   fs::remove_all(dir);
 }
 
+// Llama 4: dense layers (intermediate_size_mlp) between MoE layers with a shared expert and no
+// shared-expert gate, weightless L2 q/k norms; the LoRA term is the model's own LoRA parameters, the
+// resident weights term its frozen tensors (fp32, untied, planned for the CPU).
+TEST(MemoryPlan, LoraAndWeightTermsCountLlama4DenseAndSharedExperts) {
+  const fs::path dir = fs::temp_directory_path() / ("eo_plan_llama4_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "llama4_text", "vocab_size": 100, "hidden_size": 64,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+    "num_experts_per_tok": 1, "intermediate_size": 24, "intermediate_size_mlp": 48, "interleave_moe_layer_step": 2,
+    "attention_chunk_size": 8, "rope_theta": 500000.0})";
+  const ModelConfig mc = load_config(dir.string());
+  LoadOptions lo;
+  lo.random_seed = 1;
+  auto m = MoeModel::load(dir.string(), lo);
+  TrainConfig cfg;
+  cfg.base_model = dir.string();
+  cfg.load_in_4bit = false;
+  cfg.lora_target_modules = mc.linear_modules();
+  LoraSpec spec;
+  spec.r = cfg.lora_r;
+  spec.targets = cfg.lora_target_modules;
+  m->add_lora(spec);
+  double n = 0;
+  for (const auto& [name, p] : m->lora_parameters()) n += double(p.numel());
+  double planned = -1, weights = -1;
+  for (const auto& p : plan_memory(cfg, mc, eo::Compute::Fp32, 1, /*on_gpu=*/false).device) {
+    if (p.name == "lora") planned = p.bytes / 16;
+    if (p.name == "weights") weights = p.bytes / 4;
+  }
+  EXPECT_EQ(planned, n);
+  const std::int64_t H = 64, E = 4, I = 24, W = 48;
+  const std::int64_t attn = 4 * (64 * 64 + 2 * 64 * 32 + 64 * 64);  // q k v o of every layer
+  const std::int64_t norms = 4 * 2 * H;                             // input, post-attention (q/k: L2, no weight)
+  const std::int64_t moe = 2 * (E * H + 3 * I * H);                 // layers 1, 3: router, shared expert
+  const std::int64_t dense = 2 * 3 * W * H;                         // layers 0, 2
+  EXPECT_EQ(weights, double(2 * 100 * H + H + attn + norms + moe + dense));  // embeddings and lm_head, final norm
+  eo::remove_tree(dir);
+}
+
 // The GPU suites' judge of a bf16 path (tests/bf16_yardstick.h) passes rounding-sized errors and
 // fails a wrong term. fp32 "gradients"; a trusted path and a good one each off by independent 1%
 // noise (4% on one tensor, as rounding leaves a small gradient); a bad one with 15% on one

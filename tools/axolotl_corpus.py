@@ -50,17 +50,17 @@ BASE_MODEL_ARCH = [
     # Mistral Small 4 as the Hub ships it: Mistral 3's multimodal model around a mistral4 text model
     # (the configs' regex targets name model.language_model.layers).
     (r"Mistral-Small-4", "mistral3_mistral4"),
-    # A few of architectures eo-ddp does not train (see UNSUPPORTED_SAMPLE).
     (r"gemma-4-26B-A4B$", "gemma4"),
-    (r"Llama-4-Scout", "llama4"),
+    # Scout and Maverick (axolotl's examples use its linearized NF4 checkpoints of them).
+    (r"Llama-4-(Scout|Maverick)", "llama4"),
+    # A few of architectures eo-ddp does not train (see UNSUPPORTED_SAMPLE).
     (r"Qwen3-Next-80B-A3B-Instruct$", "qwen3_next"),
 ]
 SUPPORTED = {"qwen3_moe", "qwen3_moe_nvfp4", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v2",
-             "deepseek_v3", "gpt_oss", "gemma4", "mistral3_mistral4"}
+             "deepseek_v3", "gpt_oss", "gemma4", "llama4", "mistral3_mistral4"}
 # Adapter configs of unsupported architectures kept in the corpus: each must list the model_type
 # error together with its key problems in one run.
-UNSUPPORTED_SAMPLE = {"llama-4/scout-qlora-single-h100-flex.yaml",
-                      "qwen3-next/qwen3-next-80b-a3b-qlora.yaml"}
+UNSUPPORTED_SAMPLE = {"qwen3-next/qwen3-next-80b-a3b-qlora.yaml"}
 
 
 def arch_of(base_model):
@@ -91,6 +91,8 @@ EXTRA = {
     # Vision data: eo-ddp reads text formats only.
     "mistral4/fft-vision.yml": ["processor_type: not supported"],
     "mistral4/qlora-vision.yml": ["processor_type: not supported"],
+    "llama-4/scout-vision-qlora-fsdp2-flex.yaml": ["processor_type: not supported"],
+    "llama-4/do-no-use-fa2/scout-vision-qlora-fsdp.yaml": ["processor_type: not supported"],
     # Qwen3-Next's gated shared expert: a module eo-ddp knows of no architecture it trains.
     "qwen3-next/qwen3-next-80b-a3b-qlora.yaml": ["unknown module 'shared_expert_gate'"],
 }
@@ -117,7 +119,8 @@ def expectation(rel, cfg, arch):
         reasons.append(IN_SCOPE["expert_parallel"])
     if not cfg.get("adapter"):
         reasons.append(IN_SCOPE["full"])
-    if cfg.get("unfrozen_parameters"):
+    # lora_modules_to_save trains whole copies of base modules (lm_head, embed_tokens) beside the adapter.
+    if cfg.get("unfrozen_parameters") or cfg.get("lora_modules_to_save"):
         reasons.append(IN_SCOPE["unfrozen"])
     if cfg.get("load_in_8bit"):
         reasons.append(IN_SCOPE["8bit"])
@@ -202,7 +205,25 @@ HARMONY_TEMPLATE = (
 
 # Gemma 4's turn markers, which its configs' eot_tokens name (<turn|>) and its chat template renders.
 GEMMA4_TOKENS = ["<|turn>", "<turn|>"]
-FAMILY_TOKENS = {"gpt_oss": HARMONY_TOKENS, "gemma4": GEMMA4_TOKENS}
+# Llama 4's tokenizer as far as its configs and the llama4 template rely on it (special_tokens pad /
+# eos, the header and end-of-turn tokens).
+LLAMA4_TOKENS = ["<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>", "<|python_start|>", "<|python_end|>",
+                 "<|image|>", "<|finetune_right_pad|>"]
+
+
+def add_special_tokens(out, tokens):
+    """TOKENS as special added tokens of OUT/tokenizer.json, after its last id."""
+    with open(os.path.join(out, "tokenizer.json")) as fh:
+        tok = json.load(fh)
+    next_id = max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"])) + 1
+    for i, t in enumerate(tokens):
+        tok["added_tokens"].append({"id": next_id + i, "content": t, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    with open(os.path.join(out, "tokenizer.json"), "w") as fh:
+        json.dump(tok, fh)
+
+
+FAMILY_TOKENS = {"gpt_oss": HARMONY_TOKENS, "gemma4": GEMMA4_TOKENS, "llama4": LLAMA4_TOKENS}
 
 
 def make_model(arch, out, root):
@@ -218,6 +239,11 @@ def make_model(arch, out, root):
         subprocess.run([sys.executable, os.path.join(root, "tools", "make_nvfp4_model.py"), plain, out], check=True,
                        stdout=subprocess.DEVNULL)
         shutil.rmtree(plain)
+    elif arch == "llama4":
+        # Llama 4 as axolotl's examples load it: the multimodal wrapper, its experts linearized
+        # (experts.gate_projs.{e} ..., axolotl's Llama-4-*-Linearized checkpoints).
+        subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", "llama4_mm",
+                        "--per-expert-experts", "--out", out], check=True, stdout=subprocess.DEVNULL)
     elif arch in SUPPORTED:
         # Gemma 4 and Mistral Small 4 as the Hub ships them: a multimodal wrapper around the MoE text model.
         tiny = {"gemma4": "gemma4_mm", "mistral3_mistral4": "mistral4_mm"}.get(arch, arch)
@@ -230,14 +256,7 @@ def make_model(arch, out, root):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(os.path.join(tok_dir, f), os.path.join(out, f))
     if arch in FAMILY_TOKENS:
-        with open(os.path.join(out, "tokenizer.json")) as fh:
-            tok = json.load(fh)
-        next_id = max(max(tok["model"]["vocab"].values()), max(a["id"] for a in tok["added_tokens"])) + 1
-        for i, t in enumerate(FAMILY_TOKENS[arch]):
-            tok["added_tokens"].append({"id": next_id + i, "content": t, "single_word": False, "lstrip": False,
-                                        "rstrip": False, "normalized": False, "special": True})
-        with open(os.path.join(out, "tokenizer.json"), "w") as fh:
-            json.dump(tok, fh)
+        add_special_tokens(out, FAMILY_TOKENS[arch])
     if arch == "gpt_oss":
         with open(os.path.join(out, "tokenizer_config.json")) as fh:
             tc = json.load(fh)

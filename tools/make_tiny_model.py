@@ -11,15 +11,22 @@ glm4_moe_lite (GLM-4.7-Flash) and mistral4 (Mistral Small 4), with their variant
 gemma4 (Gemma 4 26B-A4B's text model: sliding and full layers with their own geometry, attention_k_eq_v,
 proportional RoPE, logit soft-capping), gemma4_kv (v_proj on every layer, default RoPE, untied) and
 gemma4_mm (gemma4's text model inside Gemma4ForConditionalGeneration with a one-layer vision tower, as
-the Hub ships Gemma 4: model.language_model.*, model.vision_tower.*) and mistral4_mm (mistral4's text
+the Hub ships Gemma 4: model.language_model.*, model.vision_tower.*), mistral4_mm (mistral4's text
 model inside Mistral3ForConditionalGeneration with a one-layer Pixtral vision tower and projector, as
 the Hub ships Mistral Small 4; the wrapper's own tie_word_embeddings, which transformers ties by, is
-true while text_config's is false).
+true while text_config's is false), llama4 (Llama 4's text model,
+Llama4ForCausalLM, with its unusual options on: dense and MoE layers interleaved, a NoPE layer with
+temperature tuning inside the test sequences, chunked attention with a chunk shorter than them, L2
+q/k norm, llama3 RoPE scaling, top-2 routing) and llama4_mm (a Scout-like text model inside
+Llama4ForConditionalGeneration with a one-layer vision tower: language_model.model.*, vision_model.*).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
 (`mlp.experts.{e}.gate_proj.weight`, Mixtral `block_sparse_moe.experts.{e}.w1.weight`).
 --fused-experts rewrites the file into the fused layout so loaders are tested on both.
+Llama 4 is saved fused (`feed_forward.experts.gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]);
+--per-expert-experts splits it into the per-expert linears of axolotl's linearized Llama 4 checkpoints
+(`feed_forward.experts.gate_projs.{e}.weight` [I, H], up_projs, down_projs [H, I]).
 --mxfp4-experts (gpt_oss) stores the experts as the Hub's gpt-oss does: MXFP4 `gate_up_proj_blocks`
 [E, 2I, H/32, 16] / `_scales` [E, 2I, H/32] (the transposed [E, H, 2I] parameter, 32-groups along H)
 and `down_proj_blocks` / `_scales` likewise, with quant_method "mxfp4" in config.json; each
@@ -212,18 +219,42 @@ def make_config(arch):
                                              tie_word_embeddings=False,
                                              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                                               "full_attention": {"rope_type": "default", "rope_theta": 5000.0}})
+    if arch == "llama4":
+        # 4 layers: 0 and 2 dense (intermediate_size_mlp), 1 and 3 MoE with the shared expert;
+        # layer 2 NoPE (its queries x the temperature from position 2 on: floor_scale 2), the others
+        # RoPE with chunks of 4 positions and the L2 q/k norm; llama3 RoPE scaling with an original
+        # length that puts frequencies in all three of its bands.
+        return transformers.Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, num_local_experts=4,
+                                             num_experts_per_tok=2, intermediate_size=32, intermediate_size_mlp=48,
+                                             interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+                                             attention_chunk_size=4, use_qk_norm=True, attn_temperature_tuning=True,
+                                             floor_scale=2, attn_scale=0.5, rms_norm_eps=1e-5,
+                                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 64})
+    if arch == "llama4_mm":
+        # Scout's text layout (every layer MoE, top-1, a NoPE layer every 4th, chunked RoPE layers,
+        # q/k norm), small, inside the multimodal model.
+        text = transformers.Llama4TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, num_local_experts=4,
+                                             num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=48,
+                                             attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        vision = transformers.Llama4VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14,
+                                                 vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+        return transformers.Llama4Config(text_config=text, vision_config=vision)
     raise SystemExit(f"unknown --arch {arch}")
 
 
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
          "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss", "glm4_moe_lite", "glm4_moe_lite_grouped",
-         "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm", "mistral4_mm"]
+         "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm", "mistral4_mm", "llama4", "llama4_mm"]
 
 
 def fuse_experts(path, cfg):
     """Rewrite per-expert tensors into transformers v5's fused [E, 2I, H] / [E, H, I] layout."""
-    if cfg.model_type.startswith("gemma4") or cfg.model_type in ("mistral4", "mistral3"):
-        return  # saved fused already (transformers 5 has no per-expert form of Gemma 4's or Mistral 4's experts)
+    if cfg.model_type.startswith(("gemma4", "llama4")) or cfg.model_type in ("mistral4", "mistral3"):
+        return  # saved fused already (transformers 5 has no per-expert form of these families' experts)
     sd = load_file(path)
     n_exp = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -237,6 +268,20 @@ def fuse_experts(path, cfg):
             down = torch.stack([sd.pop(key(e, "down")) for e in range(n_exp)])
             sd[f"{prefix}.gate_up_proj"] = gate_up.contiguous()
             sd[f"{prefix}.down_proj"] = down.contiguous()
+    save_file(sd, path, metadata={"format": "pt"})
+
+
+def split_llama4_experts(path, cfg):
+    """Llama 4's fused experts as axolotl's linearized per-expert linears ([out, in] weights)."""
+    sd = load_file(path)
+    for key in [k for k in sd if k.endswith("feed_forward.experts.gate_up_proj")]:
+        prefix = key[: -len(".gate_up_proj")]
+        gu, down = sd.pop(key), sd.pop(prefix + ".down_proj")
+        inter = down.shape[1]
+        for e in range(gu.shape[0]):
+            sd[f"{prefix}.gate_projs.{e}.weight"] = gu[e, :, :inter].T.contiguous()
+            sd[f"{prefix}.up_projs.{e}.weight"] = gu[e, :, inter:].T.contiguous()
+            sd[f"{prefix}.down_projs.{e}.weight"] = down[e].T.contiguous()
     save_file(sd, path, metadata={"format": "pt"})
 
 
@@ -281,7 +326,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fused-experts", action="store_true")
     ap.add_argument("--mxfp4-experts", action="store_true")
+    ap.add_argument("--per-expert-experts", action="store_true")
     args = ap.parse_args()
+    if args.per_expert_experts and not args.arch.startswith("llama4"):
+        raise SystemExit("--per-expert-experts: only llama4 checkpoints are saved fused and split")
     if args.mxfp4_experts and args.arch != "gpt_oss":
         raise SystemExit("--mxfp4-experts: only gpt_oss checkpoints store MXFP4 experts")
 
@@ -295,6 +343,8 @@ def main():
         model = transformers.Gemma4ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
     elif cfg.model_type == "mistral3":
         model = transformers.Mistral3ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
+    elif cfg.model_type == "llama4":  # the multimodal wrapper
+        model = transformers.Llama4ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(args.seed)
@@ -319,6 +369,8 @@ def main():
         fuse_experts(os.path.join(args.out, "model.safetensors"), cfg)
     if args.mxfp4_experts:
         mxfp4_experts(args.out, cfg)
+    if args.per_expert_experts:
+        split_llama4_experts(os.path.join(args.out, "model.safetensors"), cfg)
     print(json.dumps({"arch": args.arch, "out": args.out}))
 
 

@@ -7,7 +7,8 @@ peft and bitsandbytes — never from eo-ddp.
 ARCH: a tools/make_tiny_model.py --arch name (a family, or one of its variants).
 
 Writes OUT_DIR/ARCH/:
-  model/, model_fused/ (tools/make_tiny_model.py; fused = transformers v5 [E,2I,H] layout)
+  model/, model_fused/ (tools/make_tiny_model.py; fused = transformers v5 [E,2I,H] layout; Llama 4,
+                       saved fused: model_fused/ holds its experts per expert instead)
   adapter/             peft adapter with non-zero B on attention + MLP + every expert
   adapter_params/      peft's own adapter with target_parameters (fused expert ParamWrappers)
   data.jsonl           tokenized lines for `eo-ddp score`
@@ -53,7 +54,8 @@ MLP_NAMES = ["w1", "w3", "w2"] if MIX else ["gate_proj", "up_proj", "down_proj"]
 # half-written one.
 out = fixture_dir.begin(OUT, ARCH, __file__, TOOL)
 model_dir, fused_dir, adapter_dir = (os.path.join(out, d) for d in ("model", "model_fused", "adapter"))
-for d, extra in ((model_dir, []), (fused_dir, ["--fused-experts"])):
+LLAMA4 = ARCH.startswith("llama4")
+for d, extra in ((model_dir, []), (fused_dir, ["--per-expert-experts" if LLAMA4 else "--fused-experts"])):
     subprocess.run([sys.executable, TOOL, "--arch", ARCH, "--out", d, "--seed", "7"] + extra, check=True,
                    stdout=subprocess.DEVNULL)
 
@@ -188,7 +190,16 @@ base = peft_model.base_model.model
 moe_attr = "block_sparse_moe" if MIX else "mlp"
 decoder = base.model.language_model if ARCH in WRAPPERS else base.model
 for i, layer in enumerate([] if GPT_OSS else decoder.layers):
-    mlp = layer.mlp
+    mlp = layer.feed_forward if LLAMA4 else layer.mlp
+    if LLAMA4:
+        # Llama 4's experts exist only fused (peft reaches them through target_parameters alone):
+        # LoRA on the shared expert of its MoE layers and on its dense layers' MLP.
+        mods = [(mlp.shared_expert, f"feed_forward.shared_expert")] if hasattr(mlp, "experts") else [(mlp, "feed_forward")]
+        for mod, path in mods:
+            for nm in ("gate_proj", "up_proj", "down_proj"):
+                lin = getattr(mod, nm)
+                setattr(mod, nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.{path}.{nm}", lin.in_features, lin.out_features)))
+        continue
     if hasattr(mlp, "experts"):
         ex = mlp.experts
         E, I, H = ex.down_proj.shape[0], ex.down_proj.shape[2], ex.down_proj.shape[1]
@@ -276,7 +287,8 @@ attn_key = f"{disk_dec}layers.1.self_attn.{ATTN[0]}.weight"
 # A per-expert weight; mistral4's checkpoint holds its experts only fused (transformers 5.24 saves
 # them so): a shared expert's instead.
 # Gemma 4's experts are fused only too, and it has no shared expert: its dense MLP's.
-second = sorted(k for k in disk if ".experts.0." in k) or sorted(k for k in disk if ".shared_experts." in k) or \
+second = sorted(k for k in disk if ".experts.0." in k) or \
+    sorted(k for k in disk if ".shared_experts." in k or ".shared_expert." in k) or \
     sorted(k for k in disk if ".mlp.gate_proj." in k)
 for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else (attn_key, second[0]):
     q, state = bnbf.quantize_4bit(disk[key].contiguous(), blocksize=64, quant_type="nf4")
@@ -293,6 +305,14 @@ with torch.no_grad():
                 p[e, :, 0::2] = nf4(p[e, :, 0::2].T.contiguous()).T
                 p[e, :, 1::2] = nf4(p[e, :, 1::2].T.contiguous()).T
         elif GPT_OSS and n.endswith("experts.down_proj"):  # [E, I, H]
+            for e in range(p.shape[0]):
+                p[e] = nf4(p[e].T.contiguous()).T
+        elif LLAMA4 and n.endswith("experts.gate_up_proj"):  # [E, H, 2I]: gate = columns [0, I), up = [I, 2I)
+            I = p.shape[2] // 2
+            for e in range(p.shape[0]):
+                p[e, :, :I] = nf4(p[e, :, :I].T.contiguous()).T
+                p[e, :, I:] = nf4(p[e, :, I:].T.contiguous()).T
+        elif LLAMA4 and n.endswith("experts.down_proj"):  # [E, I, H]
             for e in range(p.shape[0]):
                 p[e] = nf4(p[e].T.contiguous()).T
         elif n.endswith("experts.gate_up_proj"):

@@ -8,7 +8,8 @@ with LoRA on its attention linears (DeepSeek's latent attention: q_a/q_b or q_pr
 Gemma 4: and its dense MLP, which peft adapts as plain linears). gemma4_mm and mistral4_mm are Gemma 4's
 and Mistral Small 4's multimodal checkpoints: eo-ddp trains the text model and says the vision tower is
 not trained; peft loads the adapter onto Gemma4ForConditionalGeneration / Mistral3ForConditionalGeneration
-(its exclude_modules keep the vision tower out).
+(its exclude_modules keep the vision tower out); llama4_mm likewise Llama 4's
+(Llama4ForConditionalGeneration, language_model.model.*; LoRA on its attention and shared experts).
 --layers trains with peft_layers_to_transform: [I, J, ...]; the modules the adapter holds must then
 be those peft's own matching (check_target_module_exists with layers_to_transform) selects.
 
@@ -71,7 +72,7 @@ if ARCH:
     if "kv_lora_rank" in cfg:
         targets = "[" + ("q_proj" if cfg["q_lora_rank"] is None else "q_a_proj, q_b_proj") + \
             ", kv_a_proj_with_mqa, kv_b_proj, o_proj]"
-    if ARCH.startswith("gemma4"):
+    if ARCH.startswith(("gemma4", "llama4")):
         targets = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
     extra = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 if LAYERS:
@@ -86,6 +87,9 @@ WRAPPERS = {"gemma4_mm": transformers.Gemma4ForConditionalGeneration,
             "mistral4_mm": transformers.Mistral3ForConditionalGeneration}
 if ARCH in WRAPPERS:
     check("vision and audio towers are not loaded and not trained" in train.stderr,
+          "the log says the multimodal checkpoint's vision tower is not trained")
+if ARCH == "llama4_mm":
+    check("vision tower is not loaded and not trained" in train.stderr,
           "the log says the multimodal checkpoint's vision tower is not trained")
 
 # ---- scoring data: prompt-masked labels, a right-padded line, plain lines
@@ -108,6 +112,16 @@ def eo_score(adapter=None):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def text_model(model):
+    # transformers 5.24's Llama4ForConditionalGeneration.forward fails on every call (it reads
+    # image_outputs from its language model's output, which has none): the loss runs through its
+    # language_model, the same modules with peft's LoRA layers in place.
+    if ARCH == "llama4_mm":
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        return inner.language_model
+    return model
+
+
 @torch.no_grad()
 def reference_score(model):
     loss_sum, count = 0.0, 0
@@ -115,7 +129,7 @@ def reference_score(model):
         ids = torch.tensor([l["input_ids"]])
         labels = torch.tensor([l.get("labels", l["input_ids"])])
         mask = torch.tensor([l["attention_mask"]]) if "attention_mask" in l else None
-        logits = model(input_ids=ids, attention_mask=mask).logits.double()
+        logits = text_model(model)(input_ids=ids, attention_mask=mask).logits.double()
         target = labels[:, 1:]
         loss_sum += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
                                     ignore_index=-100, reduction="sum").item()
@@ -125,7 +139,8 @@ def reference_score(model):
 
 # ---- 2. transformers + peft
 # transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
-causal_lm = WRAPPERS.get(ARCH) or (transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4")
+causal_lm = WRAPPERS.get(ARCH) or (transformers.Llama4ForConditionalGeneration if ARCH == "llama4_mm" else
+                                   transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4")
                                    else transformers.AutoModelForCausalLM)
 model = causal_lm.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
 linear_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]  # before peft wraps them
