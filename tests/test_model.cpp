@@ -454,7 +454,7 @@ TEST(HfConfig, Llama4IsReadAsTransformersResolvesIt) {
   EXPECT_NE(msg([&] { parse_config(chunk_null, "c.json"); }).find("attention_chunk_size is null"), std::string::npos);
   const std::string inner = msg([] { parse_config(nlohmann::json::parse(
       R"({"model_type": "llama4", "text_config": {"model_type": "llama"}})"), "w.json"); });
-  EXPECT_NE(inner.find("w.json text_config: model_type 'llama' is not supported (llama4 wraps a llama4_text model)"),
+  EXPECT_NE(inner.find("w.json text_config: model_type 'llama' is not supported (eo-ddp trains llama4 around a llama4_text text model"),
             std::string::npos) << inner;
 }
 
