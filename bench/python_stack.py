@@ -116,6 +116,12 @@ def versions():
 def load_config(args):
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(args.model)
+    # A multimodal checkpoint (Gemma 4, Llama 4, Mistral 3): eo-ddp trains its text model, so the
+    # Python side builds the same, with the wrapper's own embedding tie.
+    text = cfg.get_text_config()
+    if text is not cfg:
+        text.tie_word_embeddings = getattr(cfg, "tie_word_embeddings", text.tie_word_embeddings)
+        cfg = text
     ov = parse_overrides(args.override)
     if args.layers is not None:
         ov["num_hidden_layers"] = args.layers
