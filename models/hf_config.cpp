@@ -542,9 +542,24 @@ ModelConfig parse_llama4(const json& j, const std::string& source, const Multimo
 
 }  // namespace
 
-const char* const kSupportedModelTypes =
-    "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, gemma4 "
-    "(gemma4_text), mistral3 (around mistral4), llama4 (llama4_text)";
+const std::string& supported_model_types() {
+  // Each family's model_type; a text model that a wrapper holds under its own name is listed as
+  // the wrapper's name (gemma4 (gemma4_text)); a wrapper around another family's model after it.
+  static const std::string names = [] {
+    std::string out;
+    auto add = [&](const std::string& s) { out += (out.empty() ? "" : ", ") + s; };
+    for (const auto& f : families()) {
+      std::string name = f.model_type;
+      for (const auto& w : multimodal_wrappers())
+        if (w.text_model_type == name && w.model_type + "_text" == name) name = w.model_type + " (" + name + ")";
+      add(name);
+    }
+    for (const auto& w : multimodal_wrappers())
+      if (w.model_type + "_text" != w.text_model_type) add(w.model_type + " (around " + w.text_model_type + ")");
+    return out;
+  }();
+  return names;
+}
 
 bool ModelConfig::is_moe_layer(int layer) const {
   if (experts <= 0 || layer < first_k_dense) return false;
@@ -596,10 +611,17 @@ std::vector<std::string> ModelConfig::linear_modules() const {
   std::vector<std::string> out = attention_linears();
   bool dense = false, moe = false;
   for (int i = 0; i < layers; ++i) (is_moe_layer(i) ? moe : dense) = true;
-  if (moe && arch == Arch::Mixtral) out.insert(out.end(), {"w1", "w2", "w3"});
+  // The routed experts' linears where they have names of their own (Mixtral's w1, w2, w3, in name order).
+  const std::array<std::string, 3> expert = expert_linears();
+  const bool own_names = expert[0] != "gate_proj";
+  if (moe && own_names && experts_lora_ok()) {
+    std::vector<std::string> names(expert.begin(), expert.end());
+    std::sort(names.begin(), names.end());
+    out.insert(out.end(), names.begin(), names.end());
+  }
   // Llama 4: its shared expert's linears (its routed experts exist only fused).
   const bool shared = moe && llama4 && shared_expert_width > 0;
-  if (dense || dense_beside_experts() || shared || (moe && arch != Arch::Mixtral && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  if (dense || dense_beside_experts() || shared || (moe && !own_names && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
   return out;
 }
 
@@ -652,7 +674,7 @@ ModelConfig parse_wrapped(const json& j, const std::string& source, const Multim
 ModelConfig parse_config(const json& j, const std::string& source) {
   if (!j.is_object()) throw UsageError(source + ": expected a JSON object");
   if (!j.contains("model_type") || !j.at("model_type").is_string())
-    throw UsageError(source + ": field 'model_type' (string) is missing; supported: " + kSupportedModelTypes);
+    throw UsageError(source + ": field 'model_type' (string) is missing; supported: " + supported_model_types());
   for (const auto& w : multimodal_wrappers())
     if (j.at("model_type") == w.model_type) return parse_wrapped(j, source, w);
   return parse_text(j, source, nullptr);
@@ -663,33 +685,23 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
   Fields f{j, source};
   ModelConfig c;
   c.model_type = j.at("model_type").get<std::string>();
-  if (c.model_type == "qwen3_moe") c.arch = Arch::Qwen3Moe;
-  else if (c.model_type == "olmoe") c.arch = Arch::Olmoe;
-  else if (c.model_type == "mixtral") c.arch = Arch::Mixtral;
-  else if (c.model_type == "qwen2_moe") c.arch = Arch::Qwen2Moe;
-  else if (c.model_type == "glm4_moe") c.arch = Arch::Glm4Moe;
-  else if (c.model_type == "deepseek_v2") c.arch = Arch::DeepseekV2;
-  else if (c.model_type == "deepseek_v3") c.arch = Arch::DeepseekV3;
-  else if (c.model_type == "gpt_oss") c.arch = Arch::GptOss;
-  else if (c.model_type == "glm4_moe_lite") c.arch = Arch::Glm4MoeLite;
-  else if (c.model_type == "mistral4") c.arch = Arch::Mistral4;
-  else if (c.model_type == "gemma4_text") return checked(parse_gemma4(j, source, wrapper), source);
-  else if (c.model_type == "llama4_text") return checked(parse_llama4(j, source, wrapper), source);
-  else if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text")
+  const Family* fam = find_family(c.model_type);
+  if (fam && fam->arch == Arch::Gemma4) return checked(parse_gemma4(j, source, wrapper), source);
+  if (fam && fam->arch == Arch::Llama4) return checked(parse_llama4(j, source, wrapper), source);
+  if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text")
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported: three of every four of its layers are "
                      "gated delta-rule linear attention (" +
                      (c.model_type == "qwen3_next" ? "Qwen3NextGatedDeltaNet" : "Qwen3_5MoeGatedDeltaNet") +
                      "), for which eo-ddp has no kernel yet (a chunked delta-rule forward and backward recomputed in the "
                      "block schedule, its short causal conv1d, the gated output norm; README: Qwen3-Next / Qwen3.5-MoE); "
-                     "supported model types: " + kSupportedModelTypes);
-  else
+                     "supported model types: " + supported_model_types());
+  if (!fam)
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +
-                     kSupportedModelTypes);
+                     supported_model_types());
+  c.arch = fam->arch;
   // The latent-attention families: DeepSeek's and the two built on it.
-  const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3 || c.arch == Arch::Glm4MoeLite ||
-                        c.arch == Arch::Mistral4;
+  const bool deepseek = fam->latent_attention;
   const bool gpt_oss = c.arch == Arch::GptOss;
-  const bool newer = deepseek || gpt_oss || c.arch == Arch::Glm4Moe;  // the families added with issue #19 and after
   // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"): the loader
   // keeps them so or dequantises them (models/mxfp4.h). Other families' checkpoints are float or
   // bitsandbytes.
@@ -744,7 +756,7 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
   if (c.head_dim % 2 != 0) throw UsageError(source + ": head_dim must be even for RoPE");
   c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe || c.arch == Arch::Glm4Moe || c.arch == Arch::Glm4MoeLite || gpt_oss
                                           ? 1e-5 : 1e-6);
-  if (newer && !gpt_oss) {  // gpt-oss's experts have their own activation; transformers ignores hidden_act
+  if (!gpt_oss) {  // gpt-oss's experts have their own activation; transformers ignores hidden_act
     const std::string act = text(f, "hidden_act", "silu");
     if (act != "silu") throw UsageError(source + ": hidden_act '" + act + "' is not supported (only silu)");
   }
@@ -758,8 +770,8 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
   const double default_partial = c.arch == Arch::Glm4Moe ? 0.5
                                  : c.arch == Arch::Mistral4 ? static_cast<double>(c.mla->rope_dim) / static_cast<double>(c.mla->qk_dim())
                                                             : 1.0;
-  parse_rope(f, c, /*scaling_ok=*/newer, default_partial, mscale_all_dim);
-  if (!newer && c.rope.dim != c.head_dim)
+  parse_rope(f, c, /*scaling_ok=*/fam->rope_scaling, default_partial, mscale_all_dim);
+  if (!fam->rope_scaling && c.rope.dim != c.head_dim)
     throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type);
   c.rope.interleaved = c.arch == Arch::DeepseekV2 || (deepseek && f.boolean("rope_interleave", true));
   c.attn_scale = 1.0 / std::sqrt(static_cast<double>(c.mla ? c.mla->qk_dim() : c.head_dim));

@@ -15,16 +15,18 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "models/arch.h"
+
 namespace eo::model {
 
-// Glm4MoeLite (GLM-4.7-Flash) and Mistral4 (Mistral Small 4): DeepSeek-V3's latent attention with
-// GLM-4.5's router, and with a softmax group-limited router and Llama 4's query scaling.
-// Gemma4: Gemma 4's MoE text model (26B-A4B), whose block is Gemma's (Gemma4Block below).
-// Llama4: Llama 4's text model (Scout / Maverick; Llama4Block below).
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4, Llama4 };
+// The families' Arch and their rows (module names, LoRA forms): models/arch.h. Glm4MoeLite
+// (GLM-4.7-Flash) and Mistral4 (Mistral Small 4) are DeepSeek-V3's latent attention with GLM-4.5's
+// router, and with a softmax group-limited router and Llama 4's query scaling; Gemma4 is Gemma 4's
+// MoE text model (26B-A4B, Gemma4Block below); Llama4 is Llama 4's text model (Llama4Block below).
 
-// The names config.json's model_type takes, in Arch order, comma separated (error messages).
-extern const char* const kSupportedModelTypes;
+// The names config.json's model_type takes, comma separated (error messages): the table's text
+// models and the multimodal wrappers around them.
+const std::string& supported_model_types();
 
 // How the attention block normalises q and k.
 enum class QkNorm {
@@ -218,25 +220,32 @@ struct ModelConfig {
   bool has_v_proj(int layer) const { return !(is_full_gemma_layer(layer) && gemma->k_eq_v); }
   // Whether every layer has a dense MLP beside its routed experts (Gemma 4).
   bool dense_beside_experts() const { return gemma.has_value(); }
-  // The HF name prefix of a layer's MoE block: "mlp" or Mixtral's "block_sparse_moe".
-  std::string moe_prefix() const { return arch == Arch::Mixtral ? "block_sparse_moe" : mlp_prefix(); }
+  // This family's row of the architecture table (models/arch.h).
+  const Family& family() const { return ::eo::model::family(arch); }
+  // The HF name prefix of a layer's MoE block: "mlp", Mixtral's "block_sparse_moe", Llama 4's "feed_forward".
+  std::string moe_prefix() const { return family().moe_block; }
   // The HF name of a layer's dense MLP: "mlp", Llama 4 "feed_forward" (its MoE block too).
   std::string mlp_prefix() const { return llama4 ? "feed_forward" : "mlp"; }
-  // Where the routed experts are under layer i's prefix: "<moe prefix>.experts", Gemma 4 "experts".
-  std::string experts_path() const { return gemma ? "experts" : moe_prefix() + ".experts"; }
-  // The module transformers 5 holds the fused expert parameters in, under layer i's prefix (peft's
+  // Where the routed experts are under a layer's prefix: "<moe prefix>.experts", Gemma 4 "experts".
+  std::string experts_path() const { return family().experts; }
+  // The module transformers 5 holds the fused expert parameters in, under a layer's prefix (peft's
   // ParamWrapper path, lora_target_parameters): "mlp.experts" (Mixtral's too), Gemma 4 "experts".
-  std::string fused_experts_path() const { return gemma ? "experts" : "mlp.experts"; }
-  // The router's module under the MoE block: gpt-oss "router", else "gate".
-  std::string router_name() const { return arch == Arch::GptOss || llama4 ? "router" : "gate"; }
+  std::string fused_experts_path() const { return family().fused_experts; }
+  // The router's module under a layer's prefix: "mlp.gate", gpt-oss "mlp.router", Gemma 4 "router.proj".
+  std::string router_path() const { return family().router; }
   bool is_sliding_layer(int layer) const { return !sliding_layers.empty() && sliding_layers.at(layer) && sliding_window > 0; }
-  // Whether peft names the routed experts per expert (experts.{e}.gate_proj ...): every family but
-  // gpt-oss, whose experts only ever exist fused (peft reaches them through target_parameters).
-  // Gemma 4 likewise (transformers 5 saves its experts fused only).
-  // Llama 4 likewise.
-  bool experts_lora_ok() const { return arch != Arch::GptOss && arch != Arch::Gemma4 && arch != Arch::Llama4; }
-  // The shared expert's module under the MoE block: qwen2_moe "shared_expert", else "shared_experts".
-  std::string shared_expert_name() const { return arch == Arch::Qwen2Moe || llama4 ? "shared_expert" : "shared_experts"; }
+  // Whether peft names the routed experts per expert (experts.{e}.gate_proj ...): not for gpt-oss,
+  // Gemma 4 and Llama 4, whose experts exist only fused.
+  bool experts_lora_ok() const { return family().per_expert_lora; }
+  // Whether lora_target_parameters reaches the fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+  bool fused_expert_lora_ok() const { return family().fused_expert_lora; }
+  // The routed experts' per-expert linears as peft names them: gate, up, down (Mixtral's w1, w3, w2).
+  std::array<std::string, 3> expert_linears() const {
+    const auto& n = family().expert_linears;
+    return {n[0], n[1], n[2]};
+  }
+  // The shared expert's module under the MoE block: qwen2_moe and Llama 4 "shared_expert", else "shared_experts".
+  std::string shared_expert_name() const { return family().shared_expert; }
   // The attention linears (peft's short names, in model order) and their shapes.
   struct Linear {
     std::string name;

@@ -317,16 +317,18 @@ struct ModelLoader {
     }
   }
 
-  // The MoE block's name prefix: Mixtral checkpoints use block_sparse_moe, transformers v5's
-  // runtime names use mlp; accept whichever the checkpoint has.
-  std::string moe_prefix(int i) const {
-    const std::string base = layer_prefix(i);
-    if (ck && m.cfg_.arch == Arch::Mixtral && !ck->has(base + "block_sparse_moe.gate.weight") && ck->has(base + "mlp.gate.weight"))
-      return base + "mlp";
-    return base + m.cfg_.moe_prefix();
+  // A module path of the architecture table (under layer i) as this checkpoint names it: Mixtral
+  // checkpoints use block_sparse_moe, transformers v5's runtime names use mlp; accept either.
+  std::string in_checkpoint(int i, const std::string& path) const {
+    const std::string base = layer_prefix(i), block = m.cfg_.moe_prefix();
+    if (ck && block != "mlp" && path.rfind(block, 0) == 0 && !ck->has(base + m.cfg_.router_path() + ".weight") &&
+        ck->has(base + "mlp" + m.cfg_.router_path().substr(block.size()) + ".weight"))
+      return base + "mlp" + path.substr(block.size());
+    return base + path;
   }
+  std::string moe_prefix(int i) const { return in_checkpoint(i, m.cfg_.moe_prefix()); }
   // Where layer i's routed experts are: "<moe prefix>.experts", Gemma 4 "layers.{i}.experts".
-  std::string experts_prefix(int i) const { return m.cfg_.gemma ? layer_prefix(i) + "experts" : moe_prefix(i) + ".experts"; }
+  std::string experts_prefix(int i) const { return in_checkpoint(i, m.cfg_.experts_path()); }
 
   // An MXFP4 expert tensor as stored: `name`_blocks [E, rows, cols/32, 16] and `name`_scales
   // [E, rows, cols/32] (uint8, checked).
@@ -474,13 +476,11 @@ struct ModelLoader {
     return out;
   }
   std::string expert_prefix(int i, int e, int mi) const {
-    static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
-    static const char* kMix[3] = {"w1", "w3", "w2"};
     // Llama 4 per expert: axolotl's linearized checkpoints (Llama4TextExperts as ModuleLists,
     // experts.gate_projs.{e}, up_projs, down_projs; bitsandbytes-quantised as they ship).
     static const char* kLinearized[3] = {"gate_projs", "up_projs", "down_projs"};
     if (m.cfg_.llama4) return experts_prefix(i) + "." + kLinearized[mi] + "." + std::to_string(e);
-    return experts_prefix(i) + "." + std::to_string(e) + "." + (m.cfg_.arch == Arch::Mixtral ? kMix : kQwen)[mi];
+    return experts_prefix(i) + "." + std::to_string(e) + "." + m.cfg_.family().expert_linears[mi];
   }
   // gpt-oss's expert biases, [E, out] per matrix (gate, up interleaved in gate_up_proj_bias).
   std::array<at::Tensor, 3> expert_biases(int i) const {
@@ -539,7 +539,7 @@ struct ModelLoader {
         // fp16 keeps the router in fp32 too: its logits feed a softmax whose range fp16 lacks.
         const std::optional<at::ScalarType> router_dtype =
             c.router.fp32 || opts.dtype == at::kHalf ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
-        const std::string router = c.gemma ? p + "router.proj" : moe_prefix(i) + "." + c.router_name();
+        const std::string router = in_checkpoint(i, c.router_path());
         b->router_ = get(router + ".weight", {c.experts, H}, router_dtype);
         if (c.router.bias) b->router_b_ = get(router + ".bias", {c.experts}, router_dtype);
         if (c.router.correction_bias) b->router_bias_ = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
@@ -644,7 +644,6 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
   };
   const std::size_t first = sites.size();
   const ModelConfig& c = cfg_;
-  const bool mix = c.arch == Arch::Mixtral;
   for (const auto& bp : blocks_) {
     DecoderBlock& b = *bp;
     const std::string p = c.decoder_prefix() + "layers." + std::to_string(b.index_) + ".";
@@ -679,22 +678,20 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       };
       fused(kGateUpParam, "gate_up_proj", c.hidden, 2 * c.expert_width, &b.gate_up_lora_);
       fused(kDownParam, "down_proj", c.expert_width, c.hidden, &b.expert_lora_[static_cast<int>(ExpertMatrix::Down)]);
-      if (b.has_shared_) add_mlp(p + "mlp.shared_expert", b.shared_);
+      if (b.has_shared_) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared_);
       continue;
     }
     // peft names experts under the checkpoint's module path (Mixtral: block_sparse_moe, w1/w3/w2).
-    const std::string ep = p + c.moe_prefix() + ".experts.";
-    static const char* kQwen[3] = {"gate_proj", "up_proj", "down_proj"};
-    static const char* kMix[3] = {"w1", "w3", "w2"};
+    const std::string ep = p + c.experts_path() + ".";
     const std::int64_t in[3] = {c.hidden, c.hidden, c.expert_width}, out[3] = {c.expert_width, c.expert_width, c.hidden};
     for (int e = 0; e < (c.experts_lora_ok() ? c.experts : 0); ++e)  // gpt-oss: no per-expert modules
       for (int mi = 0; mi < 3; ++mi) {
-        const std::string short_name = mix ? kMix[mi] : kQwen[mi];
+        const std::string short_name = c.family().expert_linears[mi];
         LoraSite s{ep + std::to_string(e) + "." + short_name, short_name, in[mi], out[mi]};
         s.stack = &b.expert_lora_[mi];
         s.expert = e;
         s.experts = static_cast<int>(c.experts);
-        s.stack_prefix = p + c.moe_prefix() + ".experts";
+        s.stack_prefix = p + c.experts_path();
         sites.push_back(std::move(s));
       }
     if (b.has_shared_) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared_);
@@ -756,11 +753,12 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     if (!*s.stack) *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
     (*s.stack)->init_expert(s.expert, gen_seed);
   }
-  static const std::set<std::string> kExpertNames = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"};
+  const std::vector<std::string>& expert_names = expert_linear_names();
   for (const auto& t : spec.targets)
     // With target_parameters an expert matrix name may match only the experts, which it does
     // not reach (peft on transformers 5 likewise): not an error.
-    if (!matched.count(t) && !(!spec.target_parameters.empty() && moe && kExpertNames.count(t))) {
+    if (!matched.count(t) && !(!spec.target_parameters.empty() && moe &&
+                                std::find(expert_names.begin(), expert_names.end(), t) != expert_names.end())) {
       std::string names;
       for (const auto& n : cfg_.linear_modules()) names += (names.empty() ? "" : ", ") + n;
       throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type + " model (" + names + ")" +

@@ -1278,6 +1278,17 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
                                     "would be written among the model's weights: choose another output_dir"});
 }
 
+// The families whose fused experts lora_target_parameters reaches, for messages ("a, b and c").
+std::string fused_expert_lora_families() {
+  std::vector<std::string> names;
+  for (const auto& f : model::families())
+    if (f.fused_expert_lora) names.push_back(f.model_type);
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  return out;
+}
+
 // The linear modules of the architecture by their full names, as the checkpoint's tensors name
 // them (routed experts one module per expert), and the linears eo-ddp cannot adapt (routers,
 // lm_head, embeddings) that a pattern might also reach.
@@ -1285,7 +1296,6 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
   std::vector<std::pair<std::string, bool>> out;  // name, adaptable
   const std::vector<std::string> linears = mc.linear_modules();
   auto adaptable = [&](const std::string& s) { return std::find(linears.begin(), linears.end(), s) != linears.end(); };
-  const bool mixtral = mc.arch == model::Arch::Mixtral;
   const std::vector<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
   for (int i = 0; i < mc.layers; ++i) {
     const std::string p = mc.decoder_prefix() + "layers." + std::to_string(i) + ".";
@@ -1309,11 +1319,11 @@ std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig&
       for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
       continue;
     }
-    const std::string moe = p + (mixtral ? "block_sparse_moe." : "mlp.");
-    out.emplace_back(moe + (mc.arch == model::Arch::GptOss ? "router" : "gate"), false);
+    const std::string moe = p + mc.moe_prefix() + ".";
+    out.emplace_back(p + mc.router_path(), false);
     for (std::int64_t e = 0; e < mc.experts; ++e)
-      for (const auto& m : mixtral ? std::vector<std::string>{"w1", "w2", "w3"} : mlp)
-        out.emplace_back(moe + "experts." + std::to_string(e) + "." + m, adaptable(m));
+      for (const auto& m : mc.expert_linears())
+        out.emplace_back(p + mc.experts_path() + "." + std::to_string(e) + "." + m, adaptable(m));
     if (mc.shared_expert_width > 0)
       for (const auto& m : mlp) out.emplace_back(moe + mc.shared_expert_name() + "." + m, adaptable(m));
     if (mc.shared_expert_gated) out.emplace_back(moe + "shared_expert_gate", false);
@@ -1488,18 +1498,13 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   if (!c.lora_target_parameters.empty()) {
     bool moe = false;
     for (int i = 0; i < mc.layers; ++i) moe = moe || mc.is_moe_layer(i);
-    const bool fused_layout = mc.arch == model::Arch::Qwen3Moe || mc.arch == model::Arch::Olmoe ||
-                              mc.arch == model::Arch::Mixtral || mc.arch == model::Arch::Qwen2Moe ||
-                              mc.arch == model::Arch::Glm4MoeLite || mc.arch == model::Arch::Mistral4 ||
-                              mc.arch == model::Arch::Gemma4;
     if (!moe)
       issues.push_back({"lora_target_parameters", mc.model_type + " (" + c.base_model + "/config.json) has no MoE block, "
                                                   "so no fused expert parameter to adapt"});
-    else if (!fused_layout)
-      issues.push_back({"lora_target_parameters", "implemented for qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe_lite, "
-                                                  "mistral4 and gemma4 (experts fused as "
-                                                  "gate_up_proj [E, 2I, H] and down_proj [E, H, I]); not yet for " +
-                                                  mc.model_type + ": use lora_target_modules"});
+    else if (!mc.fused_expert_lora_ok())
+      issues.push_back({"lora_target_parameters", "implemented for " + fused_expert_lora_families() +
+                                                  " (experts fused as gate_up_proj [E, 2I, H] and down_proj [E, H, I]); "
+                                                  "not yet for " + mc.model_type + ": use lora_target_modules"});
   }
   if (!c.lora_target_parameters.empty() && !mc.dense_beside_experts()) {
     // peft 0.21 on transformers 5 rewrites expert names in target_modules (gate_proj, up_proj,
@@ -1517,7 +1522,7 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     } else {
       std::vector<std::string> experts;
       for (const auto& t : c.lora_target_modules)
-        for (const char* n : {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+        for (const auto& n : model::expert_linear_names())
           if (t == n) experts.push_back(t);
       if (!experts.empty())
         issues.push_back({"lora_target_modules", "names " + join(experts, ", ") + " beside lora_target_parameters; " +

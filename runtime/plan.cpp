@@ -141,7 +141,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   };
   for (int i = 0; i < c.layers; ++i)
     for (const auto& l : c.attention_shapes(i)) site(l.name, double(l.in), double(l.out), 1);
-  const bool mix = c.arch == model::Arch::Mixtral;
+  const std::array<std::string, 3> expert = c.expert_linears();  // gate, up, down as peft names them
   // lora_target_parameters: peft's ParamWrapper per fused parameter, A [r·E, in], B [out, r·E]
   // (gate_up_proj: in H, out 2I, one A for gate and up); target_modules then reach no expert.
   auto fused = [&](const char* param) {
@@ -152,10 +152,10 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   if (!cfg.lora_target_parameters.empty()) {
     if (fused_gate_up) lora_params += moe_layers * E * r * (H + 2 * I);
     if (fused_down) lora_params += moe_layers * E * r * (I + H);
-  } else if (!c.gemma && !c.llama4) {  // per-expert modules (Gemma 4 and Llama 4 have none: experts fused only)
-    site(mix ? "w1" : "gate_proj", H, I, moe_layers * E);
-    site(mix ? "w3" : "up_proj", H, I, moe_layers * E);
-    site(mix ? "w2" : "down_proj", I, H, moe_layers * E);
+  } else if (c.experts_lora_ok()) {  // per-expert modules (gpt-oss, Gemma 4 and Llama 4 have none: experts fused only)
+    site(expert[0], H, I, moe_layers * E);
+    site(expert[1], H, I, moe_layers * E);
+    site(expert[2], I, H, moe_layers * E);
   }
   if (c.shared_expert_width > 0) {  // resident linears, adapted under the expert names
     const double S = double(c.shared_expert_width);
@@ -220,9 +220,9 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // Which expert matrices get LoRA: by module name, or as peft's fused parameters (gate and up
   // share gate_up_proj's).
   const bool per_module = cfg.lora_target_parameters.empty();
-  const bool lora_gate = per_module ? targets(cfg, mix ? "w1" : "gate_proj") : fused_gate_up;
-  const bool lora_up = per_module ? targets(cfg, mix ? "w3" : "up_proj") : fused_gate_up;
-  const bool lora_down = per_module ? targets(cfg, mix ? "w2" : "down_proj") : fused_down;
+  const bool lora_gate = per_module ? targets(cfg, expert[0]) : fused_gate_up;
+  const bool lora_up = per_module ? targets(cfg, expert[1]) : fused_gate_up;
+  const bool lora_down = per_module ? targets(cfg, expert[2]) : fused_down;
   const bool le = moe_layers > 0 && (lora_gate || lora_up || lora_down);
   // Llama 4 scales the experts' input rows by their routing weights: the unscaled rows are saved too.
   const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8 + (c.llama4 ? NK * H * d : 0);

@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "common/files.h"
@@ -213,6 +214,35 @@ INSTANTIATE_TEST_SUITE_P(Arch, Parity,
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
 
+// The architecture table: one row per family, found by its model_type, named in the supported
+// list; its module paths are checked against transformers' own checkpoints by the parity tests.
+TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
+  std::set<int> archs;
+  std::set<std::string> types;
+  for (const auto& f : model::families()) {
+    EXPECT_TRUE(archs.insert(static_cast<int>(f.arch)).second) << f.model_type;
+    EXPECT_TRUE(types.insert(f.model_type).second) << f.model_type;
+    ASSERT_EQ(model::find_family(f.model_type), &f) << f.model_type;
+    EXPECT_EQ(&model::family(f.arch), &f) << f.model_type;
+    const std::string listed = model::supported_model_types();
+    EXPECT_NE(listed.find(f.model_type), std::string::npos) << listed;
+    // A family's router and experts sit in its MoE block, Gemma 4's beside it.
+    const std::string block = std::string(f.moe_block) + ".";
+    if (f.arch != model::Arch::Gemma4) {
+      EXPECT_EQ(std::string(f.router).rfind(block, 0), 0u) << f.model_type;
+      EXPECT_EQ(std::string(f.experts).rfind(block, 0), 0u) << f.model_type;
+    }
+    // Only where per-expert modules exist can a family have names of its own for them.
+    if (!f.per_expert_lora) EXPECT_EQ(std::string(f.expert_linears[0]), "gate_proj") << f.model_type;
+  }
+  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::Llama4) + 1);
+  EXPECT_EQ(model::find_family("qwen3_next"), nullptr);
+  EXPECT_EQ(model::expert_linear_names(), (std::vector<std::string>{"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"}));
+  EXPECT_EQ(model::supported_model_types(),
+            "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, "
+            "gemma4 (gemma4_text), llama4 (llama4_text), mistral3 (around mistral4)");
+}
+
 TEST(HfConfig, ParsesQwen3AndLayerKinds) {
   const auto j = nlohmann::json::parse(R"({"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 4,
     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 1000, "num_experts": 8,
@@ -403,7 +433,7 @@ TEST(HfConfig, Llama4IsReadAsTransformersResolvesIt) {
   EXPECT_FALSE(real.tie_word_embeddings);
   EXPECT_FALSE(real.experts_lora_ok());
   EXPECT_EQ(real.moe_prefix(), "feed_forward");
-  EXPECT_EQ(real.router_name(), "router");
+  EXPECT_EQ(real.router_path(), "feed_forward.router");
   EXPECT_EQ(real.shared_expert_name(), "shared_expert");
   EXPECT_EQ(real.linear_modules(),
             (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}));
