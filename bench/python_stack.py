@@ -150,7 +150,16 @@ def build_model(cfg, args, device, dtype):
     # Under a device context every parameter is allocated on `device` and transformers'
     # own _init_weights (normal_(std=initializer_range), ones for norms) runs there.
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, **kw)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, **kw)
+        except ValueError:
+            # A text model the auto mapping leaves out (transformers 5.24 maps no Mistral4Config to a
+            # causal LM, though modeling_mistral4 defines Mistral4ForCausalLM): its class by name.
+            import transformers
+            cls = getattr(transformers, type(cfg).__name__.replace("Config", "ForCausalLM"), None)
+            if cls is None:
+                raise
+            model = cls._from_config(cfg, **kw)
     return model
 
 
