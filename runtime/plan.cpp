@@ -213,6 +213,19 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   if (c.qk_norm != model::QkNorm::None) attn_saved += N * (qd + kvd) * d + N * 4 * (heads + double(c.kv_heads));
   attn_saved += N * (qd + 2 * kvd) * d + N * qd * d + N * heads * 4;
   attn_saved += N * r_bytes * double(int(lq) + int(lk) + int(lv) + int(lo));
+  // SDPA's math path on a GPU: flash attention takes head dims up to 256 and the memory-efficient
+  // kernel no grouped-query heads, so wider heads (Gemma 4's full layers: 512, 2 kv heads) run
+  // the math backend, which computes in fp32 and saves q, k and v (k, v repeated to every head)
+  // and the attention probabilities [mb, heads, T, T] for its backward; that backward adds the
+  // probabilities' gradient and the softmax's, the same size.
+  double attn_math_saved = 0, attn_math_backward = 0;
+  for (int i = 0; on_gpu && i < c.layers; ++i) {
+    if (c.head_dim_at(i) <= 256) continue;
+    const double probs = double(cfg.micro_batch_size) * heads * double(cfg.sequence_len) * double(cfg.sequence_len) * 4;
+    attn_math_saved = std::max(attn_math_saved, 3 * N * heads * double(c.head_dim_at(i)) * 4 + probs);
+    attn_math_backward = std::max(attn_math_backward, 2 * probs);
+  }
+  attn_saved += attn_math_saved;
   // MoE, saved: router probabilities (fp32), top-k indices and weights, the dispatch's three
   // int64 permutations, gate and up (swiglu), the routed outputs in expert order (the combine's,
   // for the weights' gradient), and with expert LoRA its inputs, [pairs, r] intermediates, the
@@ -289,12 +302,15 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
     phase("dense MLP backward", attn_saved + 3 * N * W * d + N * H * d + W * H * d);
   }
   // Attention backward: SDPA's gradients (dq accumulated in fp32) beside what it saved.
-  phase("attention backward", attn_saved + N * (qd + 2 * kvd) * d + N * qd * 4);
+  phase("attention backward", attn_saved + N * (qd + 2 * kvd) * d + N * qd * 4 + attn_math_backward);
   block += residual;
   p.device.push_back({"block", block, "one block's recompute + backward, peak at the " + block_phase + " (" +
                                           std::to_string(static_cast<long long>(NK)) + " token-expert pairs" +
                                           (bank > 0 ? ", dequantised bank " + human_bytes(bank) : std::string()) +
-                                          (keep_all ? ", 2 more kept from the recompute for its backward" : std::string()) + ")"});
+                                          (keep_all ? ", 2 more kept from the recompute for its backward" : std::string()) +
+                                          (attn_math_saved > 0 ? ", SDPA's math path for heads over 256 keeps " +
+                                                                     human_bytes(attn_math_saved) + " in fp32"
+                                                               : std::string()) + ")"});
 
   // ---- the head: the normed hidden and per-row log-sum-exp saved, the targets; one chunk of
   // logits in flight (forward: the GEMM's output, its fp32 copy and logsumexp's fp32 temporary;
@@ -341,8 +357,9 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
   char line[256];
   os << "memory plan (per rank, " << compute_name(plan.compute) << " compute):\n";
   for (const auto& part : plan.device) {
-    std::snprintf(line, sizeof line, "  %-12s %10s  %s\n", part.name.c_str(), human_bytes(part.bytes).c_str(), part.what.c_str());
-    os << line;
+    // The description streamed after the fixed columns: a long one must not be cut (or lose its newline).
+    std::snprintf(line, sizeof line, "  %-12s %10s  ", part.name.c_str(), human_bytes(part.bytes).c_str());
+    os << line << part.what << "\n";
   }
   std::snprintf(line, sizeof line, "  %-12s %10s  predicted allocator peak: all but block and head, plus the larger of those\n", "peak VRAM",
                 human_bytes(plan.device_peak).c_str());

@@ -24,6 +24,7 @@
 #include "models/moe_model.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
+#include "common/text.h"
 #include "runtime/plan.h"
 #include "runtime/setup.h"
 #include "tests/bf16_yardstick.h"
@@ -365,6 +366,27 @@ TEST(MemoryPlan, GraphsStaticBuffersWhereverGraphsMayRun) {
   TrainConfig mb4 = base;
   mb4.micro_batch_size = 4;
   EXPECT_EQ(graphs_part(mb4, true), 4 * graphs_part(base, true)) << "one set of buffers per use shape: tokens per micro-batch";
+}
+
+// Heads wider than flash attention's 256 with grouped kv heads (Gemma 4's full layers: 512, 2 kv
+// heads) run SDPA's math backend on a GPU, which saves q, k and v repeated to every head and the
+// attention probabilities in fp32: the block holds them beside its recompute. On the H200 the plan
+// without them was 0.46 GiB under Gemma-4-26B-A4B's measured peak (docs/benchmarks.md).
+TEST(MemoryPlan, WideHeadsCountSdpaMathPathsFp32Tensors) {
+  auto block = [](const std::string& model, bool on_gpu) {
+    TrainConfig cfg = olmoe_qlora_config();
+    cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/" + model;
+    const ModelConfig mc = load_config(cfg.base_model);
+    for (const auto& part : plan_memory(cfg, mc, eo::Compute::Bf16, 1, on_gpu).device)
+      if (part.name == "block") return part;
+    return MemoryPart{};
+  };
+  const double math = 3.0 * 2048 * 16 * 512 * 4 + 16.0 * 2048 * 2048 * 4;  // q, k, v [T, 16, 512] and [16, T, T], fp32
+  EXPECT_NE(block("gemma-4-26b-a4b", true).what.find("SDPA's math path for heads over 256 keeps " + human_bytes(math)),
+            std::string::npos)
+      << block("gemma-4-26b-a4b", true).what;
+  EXPECT_EQ(block("gemma-4-26b-a4b", false).what.find("math path"), std::string::npos) << "the CPU runs no fused kernel";
+  EXPECT_EQ(block("qwen3-30b-a3b", true).what.find("math path"), std::string::npos) << "head_dim 128: flash attention";
 }
 
 // On the GPU, LoRA on both gate and up makes SwiGLU keep their two deltas for its backward:
