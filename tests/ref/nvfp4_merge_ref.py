@@ -14,7 +14,9 @@ consecutive values of the last dim:
     Q  = code * (g * s)
 e4m3 rounding (to nearest even, 3 mantissa bits) and the E2M1 choice (smallest distance over the
 eight magnitudes, a tie to the even index) are computed in float64 from those float32 values, which
-is exact; the e4m3 rounding is also checked against torch's float8_e4m3fn cast.
+is exact; the e4m3 rounding is also checked against torch's float8_e4m3fn cast. (Checked once by hand
+against torchao 0.18.0 itself, nvfp4_quantize + NVFP4Tensor.dequantize on CPU: the same bits on
+every fq case; torchao is not a test dependency.)
 
 The model part: transformers' Qwen3-MoE on the NVFP4 checkpoint's weights decoded in float64 (as
 tests/ref/nvfp4_ref.py), LoRA on q/k/v/o_proj and (peft target_parameters) the fused experts, the
