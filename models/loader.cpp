@@ -241,10 +241,14 @@ struct ModelLoader {
     FrozenLinear l;
     l.in = in;
     l.out = out;
-    if (opts.load_in_4bit && quantizable)
+    if (opts.load_in_4bit && quantizable) {
       l.q = std::make_unique<nf4::QuantizedWeight>(nf4_weight(prefix, {out, in}));
-    else
+    } else {
       l.weight = get(prefix + ".weight", {out, in});
+      // Decoded from NVFP4: its global scale is the grid nvfp4_merge_aware snaps to.
+      if (ck && ck->has(prefix + ".weight_scale_2"))
+        l.nvfp4_global = ck->load(prefix + ".weight_scale_2").to(at::kFloat).reshape({1}).to(opts.device);
+    }
     if (bias) l.bias = get(prefix + ".bias", {out});
     return l;
   }
@@ -549,6 +553,7 @@ struct ModelLoader {
         } else if (stored_nvfp4_experts(i)) {
           bank[i] = nvfp4_bank(i);
           b->quantized_ = true;  // held 4-bit even without load_in_4bit: the checkpoint's bytes
+          b->nvfp4_experts_ = !bank[i].empty() && bank[i][0][0].format == QuantFormat::Nvfp4;  // not re-quantised to NF4
         } else if (const auto fused = fused_experts(i); opts.load_in_4bit) {
           bank[i].resize(c.experts);
           for (int e = 0; e < c.experts; ++e)
@@ -701,6 +706,36 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
   const std::size_t layer_at = c.decoder_prefix().size() + sizeof("layers.") - 1;
   for (std::size_t i = first; i < sites.size(); ++i) sites[i].layer = std::stoi(sites[i].module.substr(layer_at));
   return sites;
+}
+
+std::pair<int, int> MoeModel::enable_merge_aware() {
+  int linears = 0, experts = 0;
+  for (auto& bp : blocks_) {
+    DecoderBlock& b = *bp;
+    for (FrozenLinear* l : {&b.q_, &b.k_, &b.v_, &b.o_, &b.q_a_, &b.kv_a_, &b.kv_b_, &b.dense_.gate, &b.dense_.up, &b.dense_.down,
+                            &b.shared_.gate, &b.shared_.up, &b.shared_.down}) {
+      l->merge_aware = nullptr;
+      if (!l->lora || !l->nvfp4_grid().defined()) continue;  // plain LoRA on a weight that is not NVFP4, as axolotl
+      l->merge_aware = merge_aware_on_.get();
+      ++linears;
+    }
+    b.merge_aware_ = nullptr;
+    if (!b.moe_ || !b.nvfp4_experts_) continue;
+    int n = b.gate_up_lora_ ? 2 : 0;
+    for (const auto& l : b.expert_lora_) n += l ? 1 : 0;
+    if (n == 0) continue;
+    // The snapped banks carry the whole delta, so no dropout can act on the low-rank branch alone.
+    if (lora_spec_.dropout > 0)
+      throw UsageError("nvfp4_merge_aware: the expert LoRA snaps its delta into the experts' weights, where lora_dropout (" +
+                       std::to_string(lora_spec_.dropout) + ") cannot act; set lora_dropout: 0");
+    b.merge_aware_ = merge_aware_on_.get();
+    experts += n;
+  }
+  if (linears + experts == 0)
+    throw UsageError("nvfp4_merge_aware: no LoRA-carrying weight of this " + cfg_.model_type + " model is NVFP4 (it snaps the "
+                     "LoRA delta onto an NVFP4 base's grid: base_model must be an NVFP4 (modelopt) checkpoint whose adapted "
+                     "linears or experts are NVFP4, and expert_quant must not re-quantise the experts to nf4)");
+  return {linears, experts};
 }
 
 void MoeModel::add_lora(const LoraSpec& spec) {

@@ -57,6 +57,8 @@ class LoraAdapter {
   at::Tensor& B() { return b_; }
   const at::Tensor& A() const { return a_; }
   const at::Tensor& B() const { return b_; }
+  double scaling() const { return scaling_; }
+  double dropout() const { return dropout_; }
 
  private:
   at::Tensor a_, b_;
@@ -109,6 +111,8 @@ class ExpertLora {
   at::Tensor& B() { return b_; }
   const at::Tensor& A() const { return a_; }
   const at::Tensor& B() const { return b_; }
+  double scaling() const { return scaling_; }
+  double dropout() const { return dropout_; }
 
  private:
   at::Tensor a_, b_;

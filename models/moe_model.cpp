@@ -15,6 +15,7 @@
 #include "models/fused.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
+#include "models/merge_aware.h"
 
 namespace eo::model {
 
@@ -31,7 +32,27 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight.defined() ? weight * normed.to(x.scalar_type()) : normed.to(x.scalar_type());
 }
 
+at::Tensor FrozenLinear::nvfp4_grid() const {
+  if (q) return q->format == QuantFormat::Nvfp4 ? q->global_scale : at::Tensor();
+  return nvfp4_global;
+}
+
 at::Tensor FrozenLinear::forward(const at::Tensor& x, bool training) const {
+  if (lora && merge_aware && merge_aware->load(std::memory_order_relaxed)) {
+    // axolotl's merge_aware_linear.py: the delta in the LoRA's dtype (fp32 masters), cast to the
+    // weight's, scaled there; the GEMM on the snapped weight (dX through it), A and B through W_eff.
+    const at::Tensor w = q ? nf4::dequantize(*q, x.scalar_type()) : weight;
+    const at::Tensor w_eff = w + at::matmul(lora->B(), lora->A()).to(w.scalar_type()) * lora->scaling();
+    at::Tensor y = at::linear(x, snap_nvfp4_ste(w_eff, nvfp4_grid()).to(x.scalar_type()));
+    if (bias.defined()) y = y + bias;
+    if (training && lora->dropout() > 0) {
+      // Dropout acts on the low-rank branch only: its residual scaling · (dropout(x) - x) A^T B^T
+      // is zero-mean and gone at eval, so the snapped term alone is what the merge keeps.
+      const at::Tensor r = (at::dropout(x, lora->dropout(), true) - x).to(lora->A().scalar_type());
+      y = y + (at::linear(at::linear(r, lora->A()), lora->B()) * lora->scaling()).to(y.scalar_type());
+    }
+    return y;
+  }
   at::Tensor y = q ? linear4bit(x, WeightHandle{nullptr, -1, -1, ExpertMatrix::Gate, q.get()}) : at::linear(x, weight);
   if (bias.defined()) y = y + bias;
   if (lora) y = lora->add_to(y, x, training);
@@ -231,6 +252,62 @@ at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const
                                                        : gated_activation(gate, up, cfg_->act));
 }
 
+bool DecoderBlock::merge_aware_now() const { return merge_aware_ && merge_aware_->load(std::memory_order_relaxed); }
+
+at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const {
+  const ModelConfig& c = *cfg_;
+  const auto E = c.experts;
+  const at::ScalarType dt = x_sorted.scalar_type();
+  // Each matrix's bank [E, out, in] in the compute dtype and its per-expert global scales [E].
+  auto bank = [&](ExpertMatrix m) {
+    std::vector<const nf4::QuantizedWeight*> qs;
+    std::vector<at::Tensor> globals;
+    for (int e = 0; e < E; ++e) {
+      qs.push_back(&provider_->expert_weight(index_, e, m));
+      globals.push_back(qs.back()->global_scale.reshape({1}));
+    }
+    return std::make_pair(nf4::dequantize_stack(qs, dt), at::cat(globals).to(x_sorted.device()));
+  };
+  // axolotl's _merge_aware_wfq: A and B cast to the weight's dtype, the scaling folded into A,
+  // W + bmm(B, A · scaling), then Q on the base's per-expert global scales.
+  auto delta = [&](const ExpertLora& l) { return at::bmm(l.B().to(dt), l.A().to(dt) * l.scaling()); };
+  auto [gate, g_gate] = bank(ExpertMatrix::Gate);
+  auto [up, g_up] = bank(ExpertMatrix::Up);
+  auto [down, g_down] = bank(ExpertMatrix::Down);
+  const auto I = gate.size(1);
+  if (gate_up_lora_) {
+    // The fused [gate; up] as transformers 5 and axolotl hold it, on one grid per expert: the
+    // larger global scale of the two (axolotl's fuse_nvfp4_experts, "base_fused_max"). Blocks
+    // run along the input dim, so they never straddle gate and up.
+    const at::Tensor w = snap_nvfp4_ste(at::cat({gate, up}, 1) + delta(*gate_up_lora_), at::maximum(g_gate, g_up));
+    gate = w.narrow(1, 0, I);
+    up = w.narrow(1, I, I);
+  }
+  if (const auto& l = expert_lora_[static_cast<int>(ExpertMatrix::Gate)]) gate = snap_nvfp4_ste(gate + delta(*l), g_gate);
+  if (const auto& l = expert_lora_[static_cast<int>(ExpertMatrix::Up)]) up = snap_nvfp4_ste(up + delta(*l), g_up);
+  if (const auto& l = expert_lora_[static_cast<int>(ExpertMatrix::Down)]) down = snap_nvfp4_ste(down + delta(*l), g_down);
+  (void)training;  // no dropout: peft's ParamWrapper refuses it, and per-expert dropout is refused with merge-aware
+  // unbind: one autograd node whose backward stacks the experts' gradients (not E full-size ones).
+  const std::vector<at::Tensor> wg = gate.unbind(0), wu = up.unbind(0), wd = down.unbind(0);
+  const at::Tensor host_counts = at::zeros({E}, expert_of.options()).scatter_add(0, expert_of, at::ones_like(expert_of)).to(at::kCPU);
+  const auto* count = host_counts.data_ptr<std::int64_t>();
+  std::vector<at::Tensor> outs;
+  std::int64_t offset = 0;
+  for (int e = 0; e < E; ++e) {
+    if (count[e] == 0) continue;
+    const at::Tensor xe = x_sorted.narrow(0, offset, count[e]);
+    offset += count[e];
+    auto with_bias = [&](at::Tensor y, ExpertMatrix m) {
+      const auto& b = expert_bias_[static_cast<int>(m)];
+      return b.defined() ? y + b[e] : y;
+    };
+    const at::Tensor g = with_bias(at::linear(xe, wg[e]), ExpertMatrix::Gate), u = with_bias(at::linear(xe, wu[e]), ExpertMatrix::Up);
+    const at::Tensor a = c.swiglu_clamp ? clamped_swiglu(g, u, *c.swiglu_clamp) : gated_activation(g, u, c.act);
+    outs.push_back(with_bias(at::linear(a, wd[e]), ExpertMatrix::Down));
+  }
+  return at::cat(outs, 0);
+}
+
 bool DecoderBlock::expert_lora_grouped_ok() const {
   for (const auto& l : expert_lora_)
     if (l && !l->grouped_ok()) return false;
@@ -247,6 +324,7 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
                                                           const at::Tensor& expert_of, bool training) const {
   const ModelConfig& c = *cfg_;
   // Per-expert row counts, on the device: scatter_add (bincount would read its max on the host).
+  if (merge_aware_now()) return {experts_merge_aware(x_sorted, expert_of, training), at::Tensor()};
   const at::Tensor counts = at::zeros({c.experts}, expert_of.options()).scatter_add(0, expert_of, at::ones_like(expert_of));
   if (grouped_gemm_available(x_sorted) && expert_lora_grouped_ok()) {
     // GPU: one grouped GEMM per matrix over all experts, and the expert LoRA as two more over
@@ -393,7 +471,9 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
   const at::Tensor token_of = at::floor_divide(order, c.top_k);
   at::Tensor out;
   // The GPU's dispatch and combine (gathers both ways), also wherever the grouped path runs.
-  if (flat.is_cuda() || grouped_gemm_available(flat)) {
+  // Merge-aware experts take the loop's dispatch: their LoRA is inside the snapped weights, so
+  // there is no second set of consumers (x_lora) and no delta for the combine.
+  if ((flat.is_cuda() || grouped_gemm_available(flat)) && !merge_aware_now()) {
     // position[(t, k)] = where pair (token t, slot k) sits in expert order (order's inverse).
     // Dispatch and combine are gathers both ways (gather_rows): no atomics, deterministic.
     const at::Tensor position = at::empty_like(order).scatter_(0, order, at::arange(order.size(0), order.options()));

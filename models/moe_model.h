@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,7 +64,16 @@ struct FrozenLinear {
   at::Tensor bias;
   std::shared_ptr<LoraAdapter> lora;
   std::int64_t in = 0, out = 0;
+  // A dense weight decoded from the checkpoint's NVFP4: its global scale (weight_scale_2, fp32 [1]),
+  // the grid nvfp4_merge_aware snaps to; undefined otherwise.
+  at::Tensor nvfp4_global;
+  // nvfp4_merge_aware (MoeModel::enable_merge_aware): while *merge_aware is true the forward is
+  // x · Q(W + scaling · B A)^T (models/merge_aware.h); null = plain LoRA.
+  const std::atomic<bool>* merge_aware = nullptr;
   at::Tensor forward(const at::Tensor& x, bool training) const;
+  // The global scale the merge-aware forward snaps to (q's for an NVFP4-held weight); undefined
+  // when the weight is not NVFP4.
+  at::Tensor nvfp4_grid() const;
 };
 
 struct Mlp {
@@ -119,11 +129,18 @@ class DecoderBlock {
                                 bool training) const;
   // Whether the expert LoRA (if any) can run as grouped GEMMs beside the base grouped GEMM.
   bool expert_lora_grouped_ok() const;
+  // nvfp4_merge_aware on (this block's NVFP4 experts carry LoRA and the model's switch is on).
+  bool merge_aware_now() const;
+  // The merge-aware experts: each LoRA-carrying NVFP4 matrix bank dequantised, its delta added and
+  // snapped (Q, straight-through), then every expert on its rows (host counts, like the loop).
+  at::Tensor experts_merge_aware(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const;
 
   const ModelConfig* cfg_ = nullptr;
   int index_ = 0;
   bool moe_ = false;
   bool quantized_ = false;
+  bool nvfp4_experts_ = false;  // the experts are held in the checkpoint's NVFP4
+  const std::atomic<bool>* merge_aware_ = nullptr;  // MoeModel::enable_merge_aware; null = plain LoRA
   std::int64_t bank_bytes_ = 0;  // LoadOptions::expert_bank_bytes
   BankReuse bank_reuse_ = BankReuse::None;  // MoeModel::set_bank_reuse
   WeightProvider* provider_ = nullptr;
@@ -222,6 +239,17 @@ class MoeModel {
   // (peft_lora_tensors() turns a list into peft's per-expert names; save_adapter writes those).
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
 
+  // axolotl's nvfp4_merge_aware: every LoRA-carrying NVFP4 weight (the NVFP4 experts' banks, the
+  // linears decoded from NVFP4) then trains through Q(dequant(W) + scaling · B A), Q the NVFP4
+  // fake quantiser (nvfp4::fake_quantize) on the weight's own global scale (gate_up_proj: the
+  // larger of gate's and up's, per expert), with straight-through gradients; others train plain.
+  // Call after the LoRA exists; throws when no LoRA-carrying weight is NVFP4. Off until
+  // set_merge_aware_active(true) (nvfp4_merge_aware_start_step); returns the snapped
+  // {linears, expert matrices}.
+  std::pair<int, int> enable_merge_aware();
+  void set_merge_aware_active(bool on) { merge_aware_on_->store(on); }
+  bool merge_aware_active() const { return merge_aware_on_->load(); }
+
   WeightProvider& weight_provider() { return *provider_; }
   void set_weight_provider(std::shared_ptr<WeightProvider> provider);
   // Which dequantised expert banks a forward under grad mode keeps for its backward (BankReuse,
@@ -241,6 +269,7 @@ class MoeModel {
   std::vector<std::unique_ptr<DecoderBlock>> blocks_;
   std::shared_ptr<WeightProvider> provider_;
   LoraSpec lora_spec_;
+  std::shared_ptr<std::atomic<bool>> merge_aware_on_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 // Pieces usable on their own (and by tests).

@@ -157,4 +157,25 @@ at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*
   return w.to(dtype);
 }
 
+at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& global) {
+  EO_CHECK(x.dim() >= 2 && x.size(-1) % kGroup == 0 && at::isFloatingType(x.scalar_type()),
+           "nvfp4::fake_quantize: expected a float tensor [lead, ..., K] with K a multiple of 16, got ", x.sizes(), " ",
+           x.scalar_type());
+  EO_CHECK(global.numel() == 1 || global.numel() == x.size(0), "nvfp4::fake_quantize: ", global.numel(),
+           " global scales for ", x.size(0), " leading slices (expected 1 or one per slice)");
+  const std::int64_t lead = global.numel();
+  // The op order is torchao's (nvfp4_quantize's two-level branch, then dequantize): each step is
+  // one fp32 rounding there, so the same steps give the same bits.
+  const at::Tensor g = global.to(x.device(), at::kFloat).reshape({lead, 1});
+  const at::Tensor blocks = x.to(at::kFloat).reshape({lead, -1, kGroup});
+  const at::Tensor block_scale = blocks.abs().amax(-1) / 6.0;
+  const at::Tensor s = (block_scale / g).clamp(0.015625, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat);
+  const at::Tensor v = (blocks * (at::reciprocal(g) / s).unsqueeze(-1)).clamp(-6.0, 6.0);
+  // E2M1's magnitudes are steps of 0.5 below 2, 1 below 4, 2 up to 6; rounding half to even on
+  // each step's integer grid is ties to the even code (the code's parity is the grid index's).
+  const at::Tensor m = v.abs();
+  const at::Tensor q = at::where(m < 2.0, at::round(m * 2.0) * 0.5, at::where(m < 4.0, at::round(m), at::round(m * 0.5) * 2.0));
+  return (at::copysign(q, v) * (g * s).unsqueeze(-1)).reshape(x.sizes()).to(x.scalar_type());
+}
+
 }  // namespace eo::nvfp4

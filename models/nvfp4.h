@@ -40,4 +40,14 @@ at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, 
 at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
+// axolotl's merge-aware quantiser (nvfp4_merge_aware; axolotl 0.19.0 nvfp4_quant.py
+// fake_quant_nvfp4, which is torchao 0.18's nvfp4_quantize with a per-tensor scale, then
+// NVFP4Tensor.dequantize): x [lead, ..., K] (K a multiple of 16) snapped to the NVFP4 grid on the
+// global scales `global` (fp32, one element or one per x.size(0): per expert), in x's dtype. Per 16
+// consecutive values of the last dim, in fp32: s = e4m3(clamp(amax / 6 / global, 2^-6, 448)) (round
+// to nearest even; 2^-6, E4M3's smallest normal, is torchao's floor, so an all-zero block gets it);
+// v = clamp(x * ((1 / global) / s), -6, 6) rounded to the nearest E2M1 value, ties to the even
+// code, the sign kept (-0); the result v * (global * s). Generic ATen ops (CPU and CUDA alike).
+at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& global);
+
 }  // namespace eo::nvfp4

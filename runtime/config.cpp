@@ -677,6 +677,26 @@ const std::vector<KeySpec>& schema() {
                  },
                  [](const TrainConfig&) { return YAML::Node(); }});
     k.push_back(boolean("peft_use_rslora", &TrainConfig::peft_use_rslora, "rsLoRA scaling alpha / sqrt(r)."));
+    k.push_back(boolean("nvfp4_merge_aware", &TrainConfig::nvfp4_merge_aware,
+                        "axolotl's merge-aware NVFP4 LoRA (with use_sonicmoe and adapter: lora on an NVFP4 base): every "
+                        "LoRA-carrying NVFP4 weight (experts and linears) trains through Q(dequant(W) + scaling * B A), Q "
+                        "torchao's NVFP4 quantiser (fresh E4M3 block scales on the weight's global scale), with "
+                        "straight-through gradients, so that merging the adapter into an NVFP4 checkpoint keeps what "
+                        "was trained. The adapter's adapter_config.json records it (nvfp4_merge_aware)."));
+    k.push_back({"nvfp4_merge_aware_start_step", "int or float", "0",
+                 "nvfp4_merge_aware from this optimizer step on (plain LoRA before): a whole number of completed "
+                 "steps, or a fraction in (0, 1) of the run's steps (int(fraction * steps), as axolotl).",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   // axolotl's check_nvfp4_merge_aware: an int >= 0 or a float in (0, 1); true/false
+                   // and floats such as 2.0 are refused.
+                   const auto i = n.IsScalar() && n.Scalar().find_first_of(".eE") == std::string::npos ? as_int(n) : std::nullopt;
+                   const auto d = as_double(n);
+                   if (i ? *i < 0 : !(d && *d > 0 && *d < 1))
+                     return issues.push_back({"nvfp4_merge_aware_start_step", "must be an int >= 0 (absolute step) or a float in "
+                                                                              "(0, 1) (fraction of max steps), got '" + yaml_text(n) + "'"});
+                   c.nvfp4_merge_aware_start_step = i ? static_cast<double>(*i) : *d;
+                 },
+                 writer(&TrainConfig::nvfp4_merge_aware_start_step)});
     k.push_back(integer("bnb_4bit_blocksize", &TrainConfig::bnb_4bit_blocksize, 32, 4096,
                         "NF4 quantisation block size (a power of two, as bitsandbytes)."));
     k.push_back(boolean("bnb_4bit_use_double_quant", &TrainConfig::bnb_4bit_use_double_quant,
@@ -1141,6 +1161,42 @@ void place_override(YAML::Node& root, const std::string& key, const std::vector<
   }
 }
 
+// axolotl's check_nvfp4_merge_aware (integrations/kernels/args.py), the same refusals; and what
+// eo-ddp's merge-aware path cannot do beside it.
+void check_merge_aware(const TrainConfig& c, const std::set<std::string>& present, const std::map<std::string, YAML::Node>& noted,
+                       Issues& issues) {
+  if (!c.nvfp4_merge_aware) {
+    if (c.nvfp4_merge_aware_start_step)
+      issues.push_back({"nvfp4_merge_aware_start_step", "requires nvfp4_merge_aware: true"});
+    return;
+  }
+  auto noted_true = [&](const char* k) {
+    const auto it = noted.find(k);
+    return it != noted.end() && as_bool(it->second) == true;
+  };
+  const auto backend = noted.find("expert_backend");
+  const bool sonic = noted_true("use_sonicmoe") ||
+                     (backend != noted.end() && backend->second.IsScalar() && backend->second.Scalar() == "sonicmoe");
+  if (!sonic)
+    issues.push_back({"nvfp4_merge_aware", "requires the sonicmoe expert backend in axolotl (use_sonicmoe: true, or "
+                                           "expert_backend: sonicmoe); eo-ddp runs its own expert kernels either way, but "
+                                           "refuses what axolotl refuses, so that the config trains the same in both"});
+  if (present.count("adapter") && c.adapter != "lora")
+    issues.push_back({"nvfp4_merge_aware", "requires a LoRA adapter (adapter: lora, without load_in_4bit); it snaps the "
+                                           "LoRA delta to the NVFP4 grid of the frozen base, got adapter: " + c.adapter});
+  std::vector<std::string> fused;
+  for (const char* k : {"lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel"})
+    if (noted_true(k)) fused.push_back(k);
+  if (!fused.empty())
+    issues.push_back({fused.front(), "nvfp4_merge_aware is incompatible with " + join(fused, ", ") + " in axolotl (its fused "
+                                     "LoRA kernels bypass the snapped forward, so the NVFP4 linears would train "
+                                     "un-snapped); remove the lora_*_kernel keys"});
+  if (c.cuda_graphs == "true")
+    issues.push_back({"cuda_graphs", "cannot be combined with nvfp4_merge_aware: the snapped weights are formed anew in "
+                                     "every forward and the switch at nvfp4_merge_aware_start_step changes the blocks' work; "
+                                     "set cuda_graphs: auto or false"});
+}
+
 // Rules that involve several keys.
 void check_rules(const TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
   if (c.fp16.value_or(false) && c.bf16 == "true")
@@ -1492,6 +1548,14 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     issues.push_back({"expert_quant", "mxfp4 keeps experts in the MXFP4 a checkpoint stores them in, but " + c.base_model +
                                       "/config.json (" + mc.model_type + ") has no quantization_config with quant_method "
                                       "mxfp4; use expert_quant: nf4 or auto"});
+  if (c.nvfp4_merge_aware && !mc.nvfp4)
+    issues.push_back({"nvfp4_merge_aware", "snaps the LoRA delta onto an NVFP4 base's grid, but " + c.base_model +
+                                           "/config.json (" + mc.model_type + ") is no NVFP4 checkpoint (quantization_config "
+                                           "quant_method modelopt, quant_algo NVFP4); use an NVFP4 base_model or remove "
+                                           "nvfp4_merge_aware"});
+  else if (c.nvfp4_merge_aware && !c.lora_target_parameters.empty() && c.load_in_4bit && c.expert_quant == "nf4")
+    issues.push_back({"expert_quant", "nf4 re-quantises the NVFP4 experts, so nvfp4_merge_aware has no NVFP4 grid to snap "
+                                      "them to; use expert_quant: auto"});
   if (c.output_router_logits && !mc.has_aux_loss)
     issues.push_back({"output_router_logits", mc.model_type + " has no router auxiliary loss in transformers (it balances "
                                               "its experts with e_score_correction_bias, or not at all); set it to false"});
@@ -1735,6 +1799,7 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   TrainConfig cfg;
   cfg.source = source;
   std::set<std::string> present;
+  std::map<std::string, YAML::Node> noted;  // the Noted / Rejected keys set, as written
   std::vector<std::string> candidates;  // for "did you mean": the schema's keys and axolotl's
   int suggested = 0;
   for (const auto& [key_in, node] : entries) {
@@ -1754,6 +1819,7 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
     const AxolotlKey* axo = axolotl_key(key);
     if (axo && axo->cls != AxolotlKey::Implemented) {
       apply_axolotl_key(*axo, key, node, cfg.warnings, issues);
+      noted[key] = node;  // a few rules read them (check_merge_aware)
       continue;
     }
     const KeySpec* spec = nullptr;
@@ -1784,6 +1850,7 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (cfg.lora_target_linear)
     cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   check_rules(cfg, present, issues);
+  check_merge_aware(cfg, present, noted, issues);
   // As axolotl: evaluation settings without evaluation data (val_set_size 0) mean no evaluation.
   if (!cfg.val_set_size && cfg.test_datasets.empty())
     for (const char* k : {"eval_steps", "evals_per_epoch", "eval_sample_packing", "eval_batch_size"})

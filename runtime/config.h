@@ -69,6 +69,11 @@ struct TrainConfig {
   // sorted; empty = every layer.
   std::vector<int> peft_layers_to_transform;
   bool peft_use_rslora = false;
+  // axolotl's nvfp4_merge_aware (models/merge_aware.h): LoRA on an NVFP4 base trains through the
+  // NVFP4 re-quantised effective weight, from optimizer step nvfp4_merge_aware_start_step on (a
+  // whole number: that many completed steps; a fraction in (0, 1): of the run's steps; unset: 0).
+  bool nvfp4_merge_aware = false;
+  std::optional<double> nvfp4_merge_aware_start_step;
   int bnb_4bit_blocksize = 64;
   bool bnb_4bit_use_double_quant = false;
   std::string expert_quant = "auto";  // "auto" | "nf4" | "mxfp4": experts_in_mxfp4()

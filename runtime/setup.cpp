@@ -561,6 +561,17 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   log::info("model " + mc.model_type + ": " + std::to_string(model->num_layers()) + " layers, LoRA r=" +
             std::to_string(cfg.lora_r) + " on " + std::to_string(lora.size() / 2) + " modules (" +
             std::to_string(trainable) + " trainable parameters); loaded in " + std::to_string(seconds_since(t_load)).substr(0, 5) + " s");
+  if (cfg.nvfp4_merge_aware) {
+    const auto [linears, experts] = model->enable_merge_aware();
+    log::info("nvfp4_merge_aware: " + std::to_string(linears) + " NVFP4 linears and " + std::to_string(experts) +
+              " NVFP4 expert matrices (per MoE block) train through their NVFP4-snapped effective weight, from step " +
+              merge_aware_start_text(cfg) +
+              " on; each snapped bank is dense in the compute dtype, kept for its backward");
+    if (run.cuda_graphs) {
+      run.cuda_graphs = false;
+      run.cuda_graphs_why = "off (nvfp4_merge_aware forms its snapped weights anew in every forward)";
+    }
+  }
   // The grouped expert GEMMs read the routing counts on the device; where they do not run (fp32
   // compute, fp16 without the portable kernel) or the experts' LoRA cannot join them (r not a
   // multiple of 8: its [rows, r] operands must be 16-byte aligned), the GPU runs each MoE block

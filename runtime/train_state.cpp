@@ -338,7 +338,18 @@ model::LoraSpec lora_spec(const TrainConfig& cfg) {
   return spec;
 }
 
-void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg) {
+std::int64_t merge_aware_first_step(const TrainConfig& cfg, std::int64_t total_steps) {
+  const double v = cfg.nvfp4_merge_aware_start_step.value_or(0);
+  return v > 0 && v < 1 ? static_cast<std::int64_t>(v * static_cast<double>(total_steps)) : static_cast<std::int64_t>(v);
+}
+
+std::string merge_aware_start_text(const TrainConfig& cfg) {
+  std::ostringstream o;
+  o << cfg.nvfp4_merge_aware_start_step.value_or(0);
+  return o.str();
+}
+
+void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg, bool merge_aware_trained) {
   // An adapter with NaN/Inf would load and generate garbage: never written.
   if (const std::string bad = first_nonfinite(lora); !bad.empty())
     EO_FAIL("not writing the adapter to ", dir, ": ", bad, " holds NaN/Inf values");
@@ -351,6 +362,19 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
   model::write_adapter_config(dir, lora_spec(cfg), cfg.base_model, model::lora_decoder_prefix(cpu),
                               model::lora_fused_experts_path(cpu));
+  if (merge_aware_trained) {
+    // axolotl's write_merge_aware_metadata; peft ignores the key. encoder null: eo-ddp's quantiser is
+    // torchao's algorithm (tests/ref/nvfp4_merge_ref.py) but not torchao, whose version axolotl
+    // merge-lora would otherwise compare with its own.
+    const std::string path = (fs::path(dir) / "adapter_config.json").string();
+    std::string text;
+    EO_CHECK(read_file_nofollow(path, text), "cannot read ", path, " to record nvfp4_merge_aware in it");
+    json j = json::parse(text);
+    json start = nullptr;
+    if (const auto& v = cfg.nvfp4_merge_aware_start_step) start = *v >= 1 || *v == 0 ? json(static_cast<std::int64_t>(*v)) : json(*v);
+    j["nvfp4_merge_aware"] = {{"scale_mode", "fresh"}, {"pts_policy", "base_fused_max"}, {"encoder", nullptr}, {"start_step", start}};
+    write_file_atomic(path, j.dump(2) + "\n");
+  }
   // What the adapter was trained on top of (peft's config has no place for it): `eo-ddp score
   // --adapter` evaluates on the same base unless told otherwise.
   nlohmann::json base;
@@ -397,7 +421,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
   recover_interrupted_saves(output_dir);
   try {
     fs::create_directories(tmp_dir);
-    write_adapter(tmp_dir.string(), s.lora, cfg);
+    write_adapter(tmp_dir.string(), s.lora, cfg, s.extra.is_object() && s.extra.value(kMergeAwareOnKey, false));
     st::save((tmp_dir / "optimizer.safetensors").string(), s.optimizer);
     // Test seam: die like kill -9 in the middle of a checkpoint write.
     if (faults::plan().kill_in_save == s.step) std::raise(SIGKILL);

@@ -161,6 +161,8 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
     const std::int64_t clean = first_nonfinite < 0 ? step : last_clean_save;
     s.extra = {{"skipped_nonfinite", skipped_nonfinite}, {"nonfinite_streak", nonfinite_streak},
                {"first_nonfinite_step", first_nonfinite}, {"last_clean_checkpoint", clean}};
+    // A checkpoint from before nvfp4_merge_aware_start_step is an unprepared adapter: not stamped.
+    if (cfg.nvfp4_merge_aware) s.extra[kMergeAwareOnKey] = run.model->merge_aware_active();
     if (scaler.enabled()) {
       s.extra.update(scaler.state());
       s.extra["skipped_overflow"] = skipped_overflow;
@@ -277,7 +279,15 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
               earlier_checkpoint());
   };
   OneStepBehind<Queued> reader(finish);
+  // nvfp4_merge_aware from its first step on (axolotl's MergeAwareScheduleCallback, on_step_begin
+  // with global_step = the steps completed; a resumed run turns it on at once when past it). Once
+  // on it stays on, so the saved adapter's last forward is the snapped one.
+  const std::int64_t merge_aware_from = cfg.nvfp4_merge_aware ? merge_aware_first_step(cfg, total_steps) : -1;
   while (step < total_steps) try {
+    if (merge_aware_from >= 0 && step >= merge_aware_from && !run.model->merge_aware_active()) {
+      run.model->set_merge_aware_active(true);
+      if (wi.rank == 0) log::info("nvfp4_merge_aware: the NVFP4-snapped forward is on from step " + std::to_string(step + 1));
+    }
     if (hooks.before_step) hooks.before_step(step + 1);
     const bool inject_nan = faults::plan().at_step && faults::plan().at_step(step + 1, wi.rank);  // test seam
     const bool inject_overflow = faults::plan().overflow_at && faults::plan().overflow_at(step + 1, wi.rank);  // test seam
@@ -385,7 +395,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
               std::to_string(cs.allreduce_bytes) + " bytes, broadcast " + std::to_string(cs.broadcast_bytes) + " bytes");
   }
   if (wi.rank == 0) {
-    write_adapter(cfg.output_dir, run.model->lora_parameters(), cfg);
+    write_adapter(cfg.output_dir, run.model->lora_parameters(), cfg, cfg.nvfp4_merge_aware && run.model->merge_aware_active());
     const auto tokenizer = copy_tokenizer_files(cfg.base_model, cfg.output_dir);
     if (!tokenizer.empty()) log::info("tokenizer files copied beside the adapter: " + join(tokenizer, ", "));
     log::info("adapter written to " + cfg.output_dir + " (adapter_model.safetensors, adapter_config.json)");

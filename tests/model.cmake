@@ -35,3 +35,10 @@ add_test(NAME nvfp4_ref_qwen3_moe
 set_tests_properties(nvfp4_ref_qwen3_moe PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
 file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/nvfp4_ref)
+# nvfp4_merge_aware against axolotl's merge-aware forward and torchao's quantiser, both written from
+# their definitions (tests/ref/nvfp4_merge_ref.py).
+add_test(NAME nvfp4_merge_ref_qwen3_moe
+         COMMAND flock ${PROJECT_BINARY_DIR}/tests/nvfp4_merge_ref/qwen3_moe.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/nvfp4_merge_ref.py qwen3_moe ${PROJECT_BINARY_DIR}/tests/nvfp4_merge_ref)
+set_tests_properties(nvfp4_merge_ref_qwen3_moe PROPERTIES LABELS ref TIMEOUT 900 FIXTURES_SETUP model_ref
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
+file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/nvfp4_merge_ref)

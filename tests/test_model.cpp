@@ -1237,6 +1237,121 @@ TEST(Nvfp4, PlanAndArenaCountTheNvfp4Bytes) {
 }
 
 // A malformed NVFP4 checkpoint is refused with the tensor and what was expected.
+// ---- nvfp4_merge_aware (tests/ref/nvfp4_merge_ref.py: axolotl's merge-aware forward written from
+// its definition, torchao's quantiser emulated in numpy float32)
+std::string nvfp4_merge_dir() { return eo::testing::python_fixture("nvfp4_merge_ref.py", "nvfp4_merge_ref", "qwen3_moe"); }
+
+TEST(Nvfp4MergeAware, FakeQuantizeIsTorchaosQuantiserBitForBit) {
+  const Ref r = load_ref(nvfp4_merge_dir());
+  for (const char* c : {"experts", "ties", "edges", "linear", "bf16"}) {
+    SCOPED_TRACE(c);
+    const std::string k = std::string("fq.") + c;
+    const at::Tensor got = nvfp4::fake_quantize(r[k + ".x"], r[k + ".g"]);
+    EXPECT_TRUE(same_bits(got, r[k + ".expected"])) << "max |diff| "
+        << (got.to(at::kFloat) - r[k + ".expected"].to(at::kFloat)).abs().max().item<float>();
+  }
+  // Q is idempotent: the grid's values are its fixed points.
+  const at::Tensor q = r["fq.experts.expected"];
+  EXPECT_TRUE(same_bits(nvfp4::fake_quantize(q, r["fq.experts.g"]), q));
+  EXPECT_THROW(nvfp4::fake_quantize(at::zeros({2, 8}), at::ones({1})), eo::Error);      // K not a multiple of 16
+  EXPECT_THROW(nvfp4::fake_quantize(at::zeros({3, 2, 16}), at::ones({2})), eo::Error);  // 2 scales for 3 slices
+}
+
+namespace {
+// One StepRunner step (as training runs it) on the reference batch: the loss and the LoRA gradients.
+std::pair<double, std::vector<at::Tensor>> merge_step(MoeModel& model, const Ref& r, std::int64_t tokens) {
+  for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
+  data::MicroBatch mb;
+  mb.input_ids = r["input_ids"];
+  mb.labels = r["labels"];
+  mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
+  mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
+  mb.num_target_tokens = tokens;
+  StepRunner runner(model, StepOptions{}, 1, nullptr);
+  const double l = runner.run({mb}, double(tokens)).ce_sum.item<double>() / double(tokens);
+  std::vector<at::Tensor> g;
+  for (auto& [name, p] : model.lora_parameters()) g.push_back(p.grad().clone());
+  return {l, g};
+}
+}  // namespace
+
+TEST(Nvfp4MergeAware, LossAndGradientsMatchTheStraightThroughReference) {
+  const std::string dir = nvfp4_merge_dir();
+  const Ref r = load_ref(dir);
+  auto m = MoeModel::load(dir + "/model_nvfp4", LoadOptions{});
+  m->load_adapter(dir + "/adapter_params");
+  // q/k/v/o of 3 layers; gate_up (gate and up) and down of the 2 MoE layers.
+  EXPECT_EQ(m->enable_merge_aware(), std::make_pair(12, 6));
+  // Not yet active (before nvfp4_merge_aware_start_step): plain LoRA, peft's loss.
+  const auto before = m->forward(ref_batch(r));
+  const double plain = (before.loss_sum / static_cast<double>(before.tokens)).item<double>();
+  EXPECT_NEAR(plain, r["plain.loss"].item<double>(), 1e-5 * r["plain.loss"].item<double>());
+  m->set_merge_aware_active(true);
+  const auto out = m->forward(ref_batch(r));
+  const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
+  RecordProperty("loss_rel_err", std::to_string(std::abs(loss.item<double>() / r["ma.loss"].item<double>() - 1)));
+  EXPECT_NEAR(loss.item<double>(), r["ma.loss"].item<double>(), 1e-5 * r["ma.loss"].item<double>());
+  loss.backward();
+  NamedLora trained = m->lora_parameters(), grads;
+  for (const auto& [name, p] : trained) grads.emplace_back(name, p.grad().defined() ? p.grad() : at::zeros_like(p));
+  const auto peft_params = peft_lora_tensors(trained), peft_grads = peft_lora_tensors(grads);
+  std::size_t n_ref = 0, fused = 0;
+  for (const auto& t : r.file->tensors()) n_ref += t.name.rfind("ma.grad.", 0) == 0;
+  EXPECT_EQ(peft_params.size(), n_ref);
+  for (std::size_t i = 0; i < peft_params.size(); ++i) {
+    SCOPED_TRACE(peft_params[i].first);
+    fused += peft_params[i].first.find(".experts.") != std::string::npos;
+    EXPECT_LT(rel_err(peft_grads[i].second, r["ma.grad." + peft_params[i].first]), 1e-4);
+  }
+  EXPECT_GT(fused, 0u);
+}
+
+TEST(Nvfp4MergeAware, BeforeTheStartStepIsPlainLoraAndOffloadedIsResident) {
+  const std::string dir = nvfp4_merge_dir();
+  const Ref r = load_ref(dir);
+  auto plain = MoeModel::load(dir + "/model_nvfp4", LoadOptions{});
+  plain->load_adapter(dir + "/adapter_params");
+  auto m = MoeModel::load(dir + "/model_nvfp4", LoadOptions{});
+  m->load_adapter(dir + "/adapter_params");
+  m->enable_merge_aware();
+  const std::int64_t tokens = plain->forward(ref_batch(r)).tokens;
+  // Enabled but not active: the step of a model without nvfp4_merge_aware, bit for bit.
+  const auto [plain_loss, plain_grads] = merge_step(*plain, r, tokens);
+  const auto [off_loss, off_grads] = merge_step(*m, r, tokens);
+  EXPECT_EQ(off_loss, plain_loss);
+  for (std::size_t i = 0; i < plain_grads.size(); ++i) EXPECT_TRUE(off_grads[i].equal(plain_grads[i])) << i;
+  // Active: another loss (the snapped forward), the reference's.
+  m->set_merge_aware_active(true);
+  const auto [resident_loss, resident_grads] = merge_step(*m, r, tokens);
+  EXPECT_NEAR(resident_loss, r["ma.loss"].item<double>(), 1e-5 * r["ma.loss"].item<double>());
+  EXPECT_GT(std::abs(resident_loss - plain_loss), 1e-3 * plain_loss);
+  // On NVFP4 homes (the offload engine): the same bits.
+  auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
+  auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
+  m->set_weight_provider(off);
+  const auto [homed_loss, homed_grads] = merge_step(*m, r, tokens);
+  EXPECT_EQ(homed_loss, resident_loss);
+  EXPECT_GT(off->take_step_stats().copies, 0) << "the blocks came from their homes";
+  ASSERT_EQ(homed_grads.size(), resident_grads.size());
+  for (std::size_t i = 0; i < homed_grads.size(); ++i) EXPECT_TRUE(homed_grads[i].equal(resident_grads[i])) << i;
+}
+
+TEST(Nvfp4MergeAware, RefusedWithoutAnNvfp4Weight) {
+  const std::string dir = nvfp4_merge_dir();
+  auto m = MoeModel::load(dir + "/model_plain", LoadOptions{});
+  LoraSpec spec;
+  spec.r = 4;
+  spec.targets = {"q_proj"};
+  spec.target_parameters = {kGateUpParam};
+  m->add_lora(spec);
+  try {
+    m->enable_merge_aware();
+    ADD_FAILURE() << "enable_merge_aware on a float checkpoint";
+  } catch (const eo::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("no LoRA-carrying weight"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Nvfp4, MalformedCheckpointsAreRefusedPrecisely) {
   const std::string dir = nvfp4_dir();
   const std::string bad = (fs::temp_directory_path() / "eo_nvfp4_bad").string();

@@ -67,8 +67,9 @@ add_test(NAME axolotl_upstream COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_upstr
 set_tests_properties(axolotl_upstream PROPERTIES LABELS ref TIMEOUT 900
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"
                      PASS_REGULAR_EXPRESSION "axolotl_upstream: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
-# axolotl's NVFP4 example on a tiny NVFP4 (modelopt) checkpoint: refused only for nvfp4_merge_aware;
-# without it, --check passes, `eo-ddp plan` counts NVFP4 experts and 3 steps train.
+# axolotl's NVFP4 example on a tiny NVFP4 (modelopt) checkpoint: as written (nvfp4_merge_aware) --check
+# passes, `eo-ddp plan` counts NVFP4 experts and 3 steps train snapped; nvfp4_merge_aware_start_step's
+# schedule against plain LoRA, the adapter_config.json stamp, and the refusals.
 add_test(NAME nvfp4_train COMMAND ${PROJECT_SOURCE_DIR}/tests/nvfp4_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(nvfp4_train PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"

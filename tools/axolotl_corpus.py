@@ -97,11 +97,8 @@ EXTRA = {
     "qwen3-next/qwen3-next-80b-a3b-qlora.yaml": ["unknown module 'shared_expert_gate'"],
 }
 # Refused for what eo-ddp does not implement (not an in-scope rejection): a gap, listed as such.
-GAPS = {
-    # An NVFP4 checkpoint (nvidia/Qwen3-30B-A3B-NVFP4) loads and trains; axolotl's merge-aware LoRA on it
-    # (NVFP4 fake quantisation of the merged weight in every forward) is not implemented.
-    "qwen3/30b-a3b-nvfp4-lora.yaml": ["nvfp4_merge_aware: not supported: axolotl (with use_sonicmoe) then trains through"],
-}
+# None left: the last, qwen3/30b-a3b-nvfp4-lora.yaml's nvfp4_merge_aware, is implemented.
+GAPS = {}
 
 
 def expectation(rel, cfg, arch):
