@@ -28,6 +28,9 @@ struct Plan {
   // micro-batches, before the optimizer), where a test adds device work of a known length; and
   // after step `step` is queued, before the step before it is read, where a test makes the host late.
   std::function<void(std::int64_t step)> in_step_work;
+  // After setup, just before the check that ends a run stopped while loading: a test holds the
+  // process there until its stop signal has arrived, so the check is what answers it.
+  std::function<void()> before_training;
   std::function<void(std::int64_t step)> after_queue;           // opening the disk homes file with O_DIRECT fails as on tmpfs (EINVAL)
 };
 

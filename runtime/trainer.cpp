@@ -75,6 +75,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   std::signal(SIGXFSZ, SIG_IGN);
   const auto& wi = world.info();
   Run run = setup_run(cfg, world);
+  if (faults::plan().before_training) faults::plan().before_training();  // test seam
   {  // A stop requested while loading: nothing trained yet, so nothing to save.
     double stop[1] = {stop_requested() ? 1.0 : 0.0};
     world.allreduce_max(stop, 1);

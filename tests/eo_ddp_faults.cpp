@@ -13,6 +13,8 @@
 //   EO_DDP_FAULT_NO_O_DIRECT=1: the disk homes file cannot be opened with O_DIRECT (as on old tmpfs);
 //   EO_DDP_FAULT_DEVICE_DELAY=<step>:<seconds>[,...] (step may be `all`): that step's device work
 //   takes <seconds> longer (the stream held inside the step: runtime/device.h hold_device_stream);
+//   EO_DDP_FAULT_HOLD_BEFORE_TRAINING=<seconds>: after setup the process waits (at most that long)
+//   for a stop signal before its check for one, so a stop "while loading" is not raced by step 1;
 //   EO_DDP_FAULT_HOST_DELAY=<step>:<seconds>[,...]: the host sleeps after queueing that step,
 //   before reading the one before it.
 #include <ATen/Context.h>
@@ -31,6 +33,7 @@
 #include "common/text.h"
 #include "launch/commands.h"
 #include "runtime/device.h"
+#include "runtime/signals.h"
 
 namespace {
 std::string env(const char* name) {
@@ -92,6 +95,12 @@ int main(int argc, char** argv) {
   if (const std::string s = env("EO_DDP_FAULT_HOST_DELAY"); !s.empty())
     plan.after_queue = [d = delays(s)](std::int64_t step) {
       std::this_thread::sleep_for(std::chrono::duration<double>(delay_at(d, step)));
+    };
+  if (const std::string s = env("EO_DDP_FAULT_HOLD_BEFORE_TRAINING"); !s.empty())
+    plan.before_training = [seconds = std::stod(s)] {
+      const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+      while (!eo::stop_requested() && std::chrono::steady_clock::now() < end)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
     };
   eo::faults::install(std::move(plan));
   return eo::launch::run_main(argc, argv);

@@ -405,7 +405,10 @@ bool wait_until(const std::function<bool()>& cond, double seconds) {
 TEST_F(FaultTest, StopBeforeTrainingExits3) {
   for (const int sig : {SIGTERM, SIGINT, SIGUSR1, SIGHUP}) {
     const fs::path out = dir_ / ("run" + std::to_string(sig));
-    const Child c = spawn(eo_ddp_command(train_args(out, {"max_steps=2"})), out.string() + ".log");
+    // Held after setup until the signal has come (else a quick load may reach step 1 first).
+    RunOptions ro;
+    ro.env = {"EO_DDP_FAULT_HOLD_BEFORE_TRAINING=60"};
+    const Child c = spawn(eo_ddp_command(train_args(out, {"max_steps=2"})), out.string() + ".log", ro);
     const bool ready = wait_until([&] { return catches(c.pid, sig); }, 30);
     if (ready) ::kill(c.pid, sig);
     const Outcome o = wait_for(c, 120);

@@ -1137,6 +1137,24 @@ TEST(Nvfp4, CheckpointLoadsAsTransformersOnTheDecodedWeights) {
   EXPECT_GT(rel_err(n->forward(ref_batch(r)).logits, r["logits"]), 1e-4);
 }
 
+// The model's LoRA gradients (after a backward) under peft's names against the reference's
+// `prefix`<name> tensors, each within 1e-4; every reference gradient has one. Returns how many are
+// fused-expert parameters.
+std::size_t expect_peft_gradients(MoeModel& m, const Ref& r, const std::string& prefix) {
+  NamedLora trained = m.lora_parameters(), grads;
+  for (const auto& [name, p] : trained) grads.emplace_back(name, p.grad().defined() ? p.grad() : at::zeros_like(p));
+  const auto params = peft_lora_tensors(trained), peft_grads = peft_lora_tensors(grads);
+  std::size_t n_ref = 0, fused = 0;
+  for (const auto& t : r.file->tensors()) n_ref += t.name.rfind(prefix, 0) == 0;
+  EXPECT_EQ(params.size(), n_ref);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    SCOPED_TRACE(params[i].first);
+    fused += params[i].first.find(".experts.") != std::string::npos;
+    EXPECT_LT(rel_err(peft_grads[i].second, r[prefix + params[i].first]), 1e-4);
+  }
+  return fused;
+}
+
 TEST(Nvfp4, ExpertLoraMatchesPeftAndOffloadedIsResident) {
   const std::string dir = nvfp4_dir();
   const Ref r = load_ref(dir);
@@ -1148,18 +1166,7 @@ TEST(Nvfp4, ExpertLoraMatchesPeftAndOffloadedIsResident) {
   const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
   EXPECT_NEAR(loss.item<double>(), r["loss_params"].item<double>(), 1e-5 * r["loss_params"].item<double>());
   loss.backward();
-  NamedLora trained = m->lora_parameters(), trained_grads;
-  for (const auto& [name, p] : trained) trained_grads.emplace_back(name, p.grad().defined() ? p.grad() : at::zeros_like(p));
-  const auto params = peft_lora_tensors(trained), grads = peft_lora_tensors(trained_grads);
-  std::size_t n_ref = 0, fused = 0;
-  for (const auto& t : r.file->tensors()) n_ref += t.name.rfind("grad_params.", 0) == 0;
-  EXPECT_EQ(params.size(), n_ref);
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    SCOPED_TRACE(params[i].first);
-    fused += params[i].first.find(".experts.") != std::string::npos;
-    EXPECT_LT(rel_err(grads[i].second, r["grad_params." + params[i].first]), 1e-4);
-  }
-  EXPECT_GT(fused, 0u);
+  EXPECT_GT(expect_peft_gradients(*m, r, "grad_params."), 0u);
   // Training's own step on the resident NVFP4 experts, then on NVFP4 homes: the same bits.
   auto train_step = [&](MoeModel& model) {
     for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
@@ -1292,18 +1299,7 @@ TEST(Nvfp4MergeAware, LossAndGradientsMatchTheStraightThroughReference) {
   RecordProperty("loss_rel_err", std::to_string(std::abs(loss.item<double>() / r["ma.loss"].item<double>() - 1)));
   EXPECT_NEAR(loss.item<double>(), r["ma.loss"].item<double>(), 1e-5 * r["ma.loss"].item<double>());
   loss.backward();
-  NamedLora trained = m->lora_parameters(), grads;
-  for (const auto& [name, p] : trained) grads.emplace_back(name, p.grad().defined() ? p.grad() : at::zeros_like(p));
-  const auto peft_params = peft_lora_tensors(trained), peft_grads = peft_lora_tensors(grads);
-  std::size_t n_ref = 0, fused = 0;
-  for (const auto& t : r.file->tensors()) n_ref += t.name.rfind("ma.grad.", 0) == 0;
-  EXPECT_EQ(peft_params.size(), n_ref);
-  for (std::size_t i = 0; i < peft_params.size(); ++i) {
-    SCOPED_TRACE(peft_params[i].first);
-    fused += peft_params[i].first.find(".experts.") != std::string::npos;
-    EXPECT_LT(rel_err(peft_grads[i].second, r["ma.grad." + peft_params[i].first]), 1e-4);
-  }
-  EXPECT_GT(fused, 0u);
+  EXPECT_GT(expect_peft_gradients(*m, r, "ma.grad."), 0u);
 }
 
 TEST(Nvfp4MergeAware, BeforeTheStartStepIsPlainLoraAndOffloadedIsResident) {
