@@ -39,7 +39,7 @@ const std::vector<Family>& families() {
       {Arch::Gemma4, "gemma4_text", "mlp", "experts", "router.proj", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
        false, true, "experts", true, false},
       // Llama 4: feed_forward holds the router, the shared expert and the fused experts (peft's
-      // ParamWrapper would take their [E, H, 2I] as [E, out, in]: not implemented).
+      // ParamWrapper would take their [E, H, 2I] as [E, out, in], so lora_target_parameters is refused there).
       {Arch::Llama4, "llama4_text", "feed_forward", "feed_forward.experts", "feed_forward.router", "shared_expert",
        {"gate_proj", "up_proj", "down_proj"}, false, false, "feed_forward.experts", true, false},
   };

@@ -64,6 +64,22 @@ Batch ref_batch(const Ref& r) {
   return b;
 }
 
+// One StepRunner step (as training runs it) on the reference batch: the loss and the LoRA gradients.
+std::pair<double, std::vector<at::Tensor>> ref_train_step(MoeModel& model, const Ref& r, std::int64_t tokens) {
+  for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
+  data::MicroBatch mb;
+  mb.input_ids = r["input_ids"];
+  mb.labels = r["labels"];
+  mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
+  mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
+  mb.num_target_tokens = tokens;
+  StepRunner runner(model, StepOptions{}, 1, nullptr);
+  const double l = runner.run({mb}, double(tokens)).ce_sum.item<double>() / double(tokens);
+  std::vector<at::Tensor> g;
+  for (auto& [name, p] : model.lora_parameters()) g.push_back(p.grad().clone());
+  return {l, g};
+}
+
 class Parity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Parity, LogitsLossAndAuxMatchTransformers) {
@@ -928,25 +944,11 @@ TEST(Mxfp4, QloraWithMxfp4ExpertsMatchesTransformersAndPeft) {
   // Training's own step (runtime/step.h: checkpointed blocks, each staged again for its
   // recompute) on the resident experts and then on MXFP4 homes (the offload engine): bitwise the
   // same loss and gradients, and transformers' + peft's within the same tolerances.
-  auto train_step = [&](MoeModel& model) {
-    for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
-    data::MicroBatch mb;
-    mb.input_ids = r["input_ids"];
-    mb.labels = r["labels"];
-    mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
-    mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
-    mb.num_target_tokens = out.tokens;
-    StepRunner runner(model, StepOptions{}, 1, nullptr);
-    const double loss = runner.run({mb}, double(out.tokens)).ce_sum.item<double>() / double(out.tokens);
-    std::vector<at::Tensor> grads;
-    for (auto& [name, p] : model.lora_parameters()) grads.push_back(p.grad().clone());
-    return std::make_pair(loss, grads);
-  };
-  const auto [resident_loss, resident_grads] = train_step(*m);
+  const auto [resident_loss, resident_grads] = ref_train_step(*m, r, out.tokens);
   auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
   auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
   m->set_weight_provider(off);
-  const auto [homed_loss, homed_grads] = train_step(*m);
+  const auto [homed_loss, homed_grads] = ref_train_step(*m, r, out.tokens);
   EXPECT_EQ(homed_loss, resident_loss);
   EXPECT_NEAR(homed_loss, r["loss_qlora"].item<double>(), 1e-5 * r["loss_qlora"].item<double>());
   EXPECT_GT(off->take_step_stats().copies, 0) << "the blocks came from their homes";
@@ -1168,25 +1170,11 @@ TEST(Nvfp4, ExpertLoraMatchesPeftAndOffloadedIsResident) {
   loss.backward();
   EXPECT_GT(expect_peft_gradients(*m, r, "grad_params."), 0u);
   // Training's own step on the resident NVFP4 experts, then on NVFP4 homes: the same bits.
-  auto train_step = [&](MoeModel& model) {
-    for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
-    data::MicroBatch mb;
-    mb.input_ids = r["input_ids"];
-    mb.labels = r["labels"];
-    mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
-    mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
-    mb.num_target_tokens = out.tokens;
-    StepRunner runner(model, StepOptions{}, 1, nullptr);
-    const double l = runner.run({mb}, double(out.tokens)).ce_sum.item<double>() / double(out.tokens);
-    std::vector<at::Tensor> g;
-    for (auto& [name, p] : model.lora_parameters()) g.push_back(p.grad().clone());
-    return std::make_pair(l, g);
-  };
-  const auto [resident_loss, resident_grads] = train_step(*m);
+  const auto [resident_loss, resident_grads] = ref_train_step(*m, r, out.tokens);
   auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
   auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
   m->set_weight_provider(off);
-  const auto [homed_loss, homed_grads] = train_step(*m);
+  const auto [homed_loss, homed_grads] = ref_train_step(*m, r, out.tokens);
   EXPECT_EQ(homed_loss, resident_loss);
   EXPECT_GT(off->take_step_stats().copies, 0) << "the blocks came from their homes";
   EXPECT_EQ(off->expert_weight(1, 3, ExpertMatrix::Up).format, QuantFormat::Nvfp4);  // layer 1: staged last (its backward)
@@ -1264,23 +1252,6 @@ TEST(Nvfp4MergeAware, FakeQuantizeIsTorchaosQuantiserBitForBit) {
   EXPECT_THROW(nvfp4::fake_quantize(at::zeros({3, 2, 16}), at::ones({2})), eo::Error);  // 2 scales for 3 slices
 }
 
-namespace {
-// One StepRunner step (as training runs it) on the reference batch: the loss and the LoRA gradients.
-std::pair<double, std::vector<at::Tensor>> merge_step(MoeModel& model, const Ref& r, std::int64_t tokens) {
-  for (auto& [name, p] : model.lora_parameters()) p.mutable_grad() = at::Tensor();
-  data::MicroBatch mb;
-  mb.input_ids = r["input_ids"];
-  mb.labels = r["labels"];
-  mb.position_ids = at::arange(mb.input_ids.size(1)).expand(mb.input_ids.sizes()).contiguous();
-  mb.segment_ids = at::zeros(mb.input_ids.sizes(), at::kInt);
-  mb.num_target_tokens = tokens;
-  StepRunner runner(model, StepOptions{}, 1, nullptr);
-  const double l = runner.run({mb}, double(tokens)).ce_sum.item<double>() / double(tokens);
-  std::vector<at::Tensor> g;
-  for (auto& [name, p] : model.lora_parameters()) g.push_back(p.grad().clone());
-  return {l, g};
-}
-}  // namespace
 
 TEST(Nvfp4MergeAware, LossAndGradientsMatchTheStraightThroughReference) {
   const std::string dir = nvfp4_merge_dir();
@@ -1312,20 +1283,20 @@ TEST(Nvfp4MergeAware, BeforeTheStartStepIsPlainLoraAndOffloadedIsResident) {
   m->enable_merge_aware();
   const std::int64_t tokens = plain->forward(ref_batch(r)).tokens;
   // Enabled but not active: the step of a model without nvfp4_merge_aware, bit for bit.
-  const auto [plain_loss, plain_grads] = merge_step(*plain, r, tokens);
-  const auto [off_loss, off_grads] = merge_step(*m, r, tokens);
+  const auto [plain_loss, plain_grads] = ref_train_step(*plain, r, tokens);
+  const auto [off_loss, off_grads] = ref_train_step(*m, r, tokens);
   EXPECT_EQ(off_loss, plain_loss);
   for (std::size_t i = 0; i < plain_grads.size(); ++i) EXPECT_TRUE(off_grads[i].equal(plain_grads[i])) << i;
   // Active: another loss (the snapped forward), the reference's.
   m->set_merge_aware_active(true);
-  const auto [resident_loss, resident_grads] = merge_step(*m, r, tokens);
+  const auto [resident_loss, resident_grads] = ref_train_step(*m, r, tokens);
   EXPECT_NEAR(resident_loss, r["ma.loss"].item<double>(), 1e-5 * r["ma.loss"].item<double>());
   EXPECT_GT(std::abs(resident_loss - plain_loss), 1e-3 * plain_loss);
   // On NVFP4 homes (the offload engine): the same bits.
   auto& bank = static_cast<ResidentWeights&>(m->weight_provider()).bank();
   auto off = std::make_shared<offload::ExpertOffloader>(std::move(bank), offload::OffloadOptions{});
   m->set_weight_provider(off);
-  const auto [homed_loss, homed_grads] = merge_step(*m, r, tokens);
+  const auto [homed_loss, homed_grads] = ref_train_step(*m, r, tokens);
   EXPECT_EQ(homed_loss, resident_loss);
   EXPECT_GT(off->take_step_stats().copies, 0) << "the blocks came from their homes";
   ASSERT_EQ(homed_grads.size(), resident_grads.size());
