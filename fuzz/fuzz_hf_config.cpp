@@ -18,6 +18,13 @@ bool same_number(const nlohmann::json& v, std::int64_t x) {
   return v.is_number_integer() && v.get<std::int64_t>() == x;
 }
 
+// A field the file wrote must be the number parsed; an absent or null one took its family's
+// default (Gemma 4 and Llama 4 default hidden_size, layers and vocab as transformers does).
+bool written_or_default(const nlohmann::json& o, const char* key, std::int64_t x) {
+  const auto it = o.find(key);
+  return it == o.end() || it->is_null() || same_number(*it, x);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -45,17 +52,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (c.router.group != eo::model::GroupScore::None)
       EO_FUZZ_ASSERT(c.router.n_group > 1 && c.experts % c.router.n_group == 0 && c.router.topk_group <= c.router.n_group &&
                      c.top_k <= c.router.topk_group * (c.experts / c.router.n_group));
-    const auto j = nlohmann::json::parse(data, data + size, nullptr, false);
+    const auto file = nlohmann::json::parse(data, data + size, nullptr, false);
+    EO_FUZZ_ASSERT(file.is_object());
+    // A multimodal wrapper's numbers are its text_config's (an absent one defaults every field).
+    static const nlohmann::json no_fields = nlohmann::json::object();
+    const nlohmann::json& j = !c.multimodal ? file : file.contains("text_config") ? file.at("text_config") : no_fields;
     EO_FUZZ_ASSERT(j.is_object());
-    EO_FUZZ_ASSERT(same_number(j["hidden_size"], c.hidden) && same_number(j["num_hidden_layers"], c.layers));
-    EO_FUZZ_ASSERT(same_number(j["vocab_size"], c.vocab));
+    EO_FUZZ_ASSERT(written_or_default(j, "hidden_size", c.hidden) && written_or_default(j, "num_hidden_layers", c.layers));
+    EO_FUZZ_ASSERT(written_or_default(j, "vocab_size", c.vocab));
     // Only the Qwen families read decoder_sparse_step.
-    if (j.contains("decoder_sparse_step") && !j["decoder_sparse_step"].is_null() &&
-        (c.arch == eo::model::Arch::Qwen3Moe || c.arch == eo::model::Arch::Qwen2Moe))
-      EO_FUZZ_ASSERT(same_number(j["decoder_sparse_step"], c.decoder_sparse_step));
-    if (j.contains("mlp_only_layers") && j["mlp_only_layers"].is_array() && !c.mlp_only_layers.empty())
-      for (std::size_t i = 0; i < c.mlp_only_layers.size(); ++i)
-        EO_FUZZ_ASSERT(same_number(j["mlp_only_layers"][i], c.mlp_only_layers[i]));
+    if (c.arch == eo::model::Arch::Qwen3Moe || c.arch == eo::model::Arch::Qwen2Moe)
+      EO_FUZZ_ASSERT(written_or_default(j, "decoder_sparse_step", c.decoder_sparse_step));
+    if (j.contains("mlp_only_layers") && j.at("mlp_only_layers").is_array() && !c.mlp_only_layers.empty()) {
+      const auto& written = j.at("mlp_only_layers");
+      EO_FUZZ_ASSERT(written.size() >= c.mlp_only_layers.size());
+      for (std::size_t i = 0; i < c.mlp_only_layers.size(); ++i) EO_FUZZ_ASSERT(same_number(written.at(i), c.mlp_only_layers[i]));
+    }
   } catch (const eo::Error&) {
   }
   return 0;
