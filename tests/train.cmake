@@ -15,10 +15,11 @@ add_test(NAME train_peft_check_layers
                  $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_layers --layers 1,3)
 set_tests_properties(train_peft_check_layers PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
-# The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24), and
-# Gemma 4, Mistral Small 4 and Llama 4 as the Hub ships them (multimodal wrappers: the text model
+# The same for Mistral Small 4's family (latent attention; no auto class in transformers 5.24),
+# GLM-4.7-Flash's (latent attention, a dense layer before the sparse ones), and Gemma 4, Mistral
+# Small 4 and Llama 4 as the Hub ships them (multimodal wrappers: the text model
 # trained, the vision tower not).
-foreach(arch mistral4_scaled gemma4_mm mistral4_mm llama4_mm)
+foreach(arch mistral4_scaled glm4_moe_lite_grouped gemma4_mm mistral4_mm llama4_mm)
   add_test(NAME train_peft_check_${arch}
            COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
                    $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_${arch} ${arch})
