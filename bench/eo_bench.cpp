@@ -175,8 +175,7 @@ std::map<std::string, double> useful_flops(const model::ModelConfig& c, const Tr
   const double H = double(c.hidden);
   // Per token and head, QK^T runs over the q/k head dims and PV over the v dims (MLA: 192 and 128).
   const double qd = c.mla ? double(c.heads) * double(c.mla->qk_dim() + c.mla->v_dim) / 2 : double(c.heads * c.head_dim);
-  double moe_layers = 0;
-  for (int i = 0; i < c.layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
+  const double moe_layers = c.moe_layer_count();
   const double dense_layers = double(c.layers) - moe_layers;
   const double passes = 3;  // forward, recompute, dX
   const double experts = tokens * moe_layers * double(c.top_k) * 3 * 2 * H * double(c.expert_width) * passes;

@@ -45,10 +45,13 @@ int run_plan(const Args& args) {
   ConfigLoadOptions lo;
   lo.check_files = false;  // planning needs config.json only
   lo.check_architecture = true;  // targets as training resolves them (DeepSeek's defaults, peft's forms)
+  model::ModelConfig mc;
+  lo.model_out = &mc;
   const TrainConfig cfg = load_config_file(config_path, overrides, lo);
-  const model::ModelConfig mc = model::load_config(cfg.base_model);
   // A plan is for a GPU: with bf16: auto one with bf16 (fp16 takes the same bytes).
-  const MemoryPlan plan = plan_memory(cfg, mc, resolve_compute(cfg, /*on_cuda=*/true, /*cuda_has_bf16=*/true).dtype, ranks);
+  const RunSpec spec = resolve_run_spec(cfg, std::move(mc), resolve_compute(cfg, /*on_cuda=*/true, /*cuda_has_bf16=*/true).dtype,
+                                        /*on_gpu=*/true, ranks);
+  const MemoryPlan plan = plan_memory(spec);
   std::fputs(describe_plan(plan, vram).c_str(), stdout);
   std::string source = "--host-ram";
   if (host_ram <= 0) {
@@ -56,7 +59,7 @@ int run_plan(const Args& args) {
     host_ram = double(m.available);
     source = "available on this machine: " + m.source;
   }
-  const HostRamFit host = describe_host_ram(cfg, mc, plan, host_ram, source);
+  const HostRamFit host = describe_host_ram(spec, plan, host_ram, source);
   std::fputs(host.text.c_str(), stdout);
   const bool vram_short = vram > 0 && plan.device_peak + plan.margin > vram;
   const bool host_short = !host_text.empty() && !host.fits;  // only a limit given explicitly fails the command

@@ -23,7 +23,7 @@
 namespace eo::launch {
 namespace {
 
-std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
+std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, const dist::WorldInfo& w) {
   std::ostringstream os;
   os << "plan:\n";
   os << "  ranks: " << w.world_size << " (launcher: " << w.launcher << "; " << w.local_size << " on " << w.hostname << ")\n";
@@ -37,8 +37,8 @@ std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
   os << "  compute: " << compute_name(compute.dtype) << " (" << compute.why << ")"
      << (compute.dtype == Compute::Fp16 ? ", dynamic loss scaling" : "") << ", LoRA master weights and AdamW state fp32\n";
   // The model's shape comes from config.json alone: no weights are read.
-  const model::ModelConfig mc = model::load_config(cfg.base_model);
-  const bool mxfp4 = experts_in_mxfp4(cfg, mc);
+  const RunSpec spec = resolve_run_spec(cfg, mc, compute.dtype, cuda, w.local_size);
+  const bool mxfp4 = spec.expert_format == QuantFormat::Mxfp4;
   os << "  base model: " << cfg.base_model
      << (cfg.load_in_4bit ? " (decoder linears quantised to NF4, blocksize " + std::to_string(cfg.bnb_4bit_blocksize) +
                                 (mxfp4 ? "; experts kept in the checkpoint's MXFP4, lossless)" : ")")
@@ -47,17 +47,15 @@ std::string describe_run(const TrainConfig& cfg, const dist::WorldInfo& w) {
   os << "  adapter: " << cfg.adapter << " r=" << cfg.lora_r << " alpha=" << cfg.lora_alpha << " on [";
   for (std::size_t i = 0; i < cfg.lora_target_modules.size(); ++i) os << (i ? ", " : "") << cfg.lora_target_modules[i];
   os << "]\n";
-  const MemoryPlan plan = plan_memory(cfg, mc, compute.dtype, w.local_size, cuda);
-  int moe_layers = 0;
-  for (int i = 0; i < mc.layers; ++i) moe_layers += mc.is_moe_layer(i) ? 1 : 0;
-  os << "  model: " << mc.model_type << ", " << mc.layers << " layers (" << moe_layers << " MoE), " << mc.experts
+  const MemoryPlan plan = plan_memory(spec);
+  os << "  model: " << mc.model_type << ", " << mc.layers << " layers (" << spec.moe_layers.size() << " MoE), " << mc.experts
      << " experts of width " << mc.expert_width << ", top-" << mc.top_k << "; "
      << quant_format_name(plan.expert_format) << " experts "
      << human_bytes(plan.block_bytes) << " per block, " << human_bytes(plan.expert_bytes) << " in all\n";
-  if (cfg.expert_offload)
+  if (spec.offload)
     os << "  expert offload: every MoE block's " << quant_format_name(plan.expert_format) << " experts in " << (cfg.expert_offload_pin_memory ? "pinned, NUMA-local" : "pageable")
-       << " host RAM per rank (host RAM = ranks per node x expert bytes); "
-       << (cfg.expert_offload_prefetch ? "2 device slots with prefetch" : "1 device slot, synchronous")
+       << " host RAM per rank (host RAM = ranks per node x expert bytes); " << spec.slots << " device slot(s)"
+       << (spec.prefetch ? " with prefetch" : ", synchronous")
        << "; VRAM budget for resident blocks: " << cfg.expert_offload_vram_budget << "\n";
   else
     os << "  expert offload: off (all weights on the device)\n";
@@ -87,7 +85,10 @@ int run_train(const Args& args) {
   reader.finish("train");
   if (config_path.empty()) throw UsageError("--config FILE is required (see eo-ddp --help)");
 
-  TrainConfig cfg = load_config_file(config_path, overrides);
+  model::ModelConfig mc;  // base_model's config.json, parsed once for the run
+  ConfigLoadOptions lo;
+  lo.model_out = &mc;
+  TrainConfig cfg = load_config_file(config_path, overrides, lo);
   for (const auto& w : cfg.warnings) log::warn(w);
   dist::World& w = dist::World::get();
   const auto& world = w.info();
@@ -98,7 +99,7 @@ int run_train(const Args& args) {
   if (check) {
     if (world.rank == 0) {
       std::printf("# resolved config (%s)\n%s\n\n%s", config_path.c_str(), config_to_yaml(cfg).c_str(),
-                  describe_run(cfg, world).c_str());
+                  describe_run(cfg, mc, world).c_str());
       // The axolotl-format datasets: cached already, or to be tokenised by rank 0 at start.
       const data::PreparePlan prep = data::plan_preparation(cfg);
       if (prep.missing() > 0) check_output_dir_writable(cfg.dataset_prepared_path, "dataset_prepared_path");
@@ -123,7 +124,7 @@ int run_train(const Args& args) {
   stop_point(w, "while taking output_dir");
   prepare_datasets(cfg, w);  // before any weight: a data problem costs no loading time
   stop_point(w, "after tokenising the datasets");
-  return train(cfg, w).exit_code;
+  return train(cfg, mc, w).exit_code;
 }
 
 }  // namespace eo::launch

@@ -561,6 +561,13 @@ const std::string& supported_model_types() {
   return names;
 }
 
+std::vector<int> ModelConfig::moe_layer_ids() const {
+  std::vector<int> ids;
+  for (int i = 0; i < layers; ++i)
+    if (is_moe_layer(i)) ids.push_back(i);
+  return ids;
+}
+
 bool ModelConfig::is_moe_layer(int layer) const {
   if (experts <= 0 || layer < first_k_dense) return false;
   for (int l : mlp_only_layers)

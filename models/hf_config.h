@@ -208,6 +208,8 @@ struct ModelConfig {
   std::optional<MultimodalWrapper> multimodal;
 
   bool is_moe_layer(int layer) const;
+  std::vector<int> moe_layer_ids() const;  // the layers is_moe_layer selects, in order
+  int moe_layer_count() const { return static_cast<int>(moe_layer_ids().size()); }
   // Where the decoder's tensors are: "model." or, in a multimodal checkpoint, its wrapper's prefix.
   std::string decoder_prefix() const { return multimodal ? multimodal->decoder_prefix : "model."; }
   // Llama 4: whether layer i rotates q and k (else NoPE) and attends within chunks.

@@ -620,10 +620,14 @@ ExpertQuant expert_quant_named(const std::string& name) {
 }
 
 std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const LoadOptions& opts) {
+  return load(model_dir, load_config(model_dir), opts);
+}
+
+std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const ModelConfig& config, const LoadOptions& opts) {
   if (opts.dtype != at::kFloat && opts.dtype != at::kBFloat16 && opts.dtype != at::kHalf)
     throw UsageError("model dtype must be fp32, bf16 or fp16");
   std::unique_ptr<MoeModel> m(new MoeModel());
-  m->cfg_ = load_config(model_dir);
+  m->cfg_ = config;
   m->opts_ = opts;
   if (opts.random_seed) {
     if (opts.double_quant) log::warn("synthetic weights are drawn as plain NF4 (no double quantisation)");

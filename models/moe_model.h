@@ -207,6 +207,8 @@ struct LoraSite {
 class MoeModel {
  public:
   static std::unique_ptr<MoeModel> load(const std::string& model_dir, const LoadOptions& opts);
+  // The same with model_dir's config.json already parsed (a run parses it once).
+  static std::unique_ptr<MoeModel> load(const std::string& model_dir, const ModelConfig& config, const LoadOptions& opts);
 
   const ModelConfig& config() const { return cfg_; }
   const LoadOptions& options() const { return opts_; }

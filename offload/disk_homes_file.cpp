@@ -364,7 +364,7 @@ int disk_ring_buffers(int num_slots) { return std::max(2, num_slots + 1); }
 DiskHomesSize estimate_disk_homes(const model::ModelConfig& c, int blocksize, bool double_quant, int num_slots,
                                   QuantFormat format) {
   DiskHomesSize z;
-  for (int i = 0; i < c.layers; ++i) z.blocks += c.is_moe_layer(i) ? 1 : 0;
+  z.blocks = c.moe_layer_count();
   z.block_bytes = expert_block_bytes(c, blocksize, double_quant, format);
   DiskHomesHeader h;
   h.identity["arena"] = std::string(200, 'x');  // the engine's and the trainer's identity: a few hundred bytes

@@ -154,7 +154,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     experts.clear();
     experts.shrink_to_fit();
   };
-  const int slots_wanted = opt_.prefetch ? 1 + opt_.prefetch_depth : 1;
+  const int slots_wanted = slots_asked(opt_.prefetch, opt_.prefetch_depth);
   if (opt_.disk)
     homes_ = make_disk_homes(extents, source, node_, pin, *opt_.disk, opt_.sharing, slots_wanted);
   else if (opt_.sharing)
@@ -165,11 +165,9 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
   promote_resident(opt_.vram_budget_bytes);
   EO_CHECK(opt_.prefetch_depth >= 1, "offload: prefetch_depth must be at least 1, got ", opt_.prefetch_depth);
-  // Never more slots than streamed blocks: with that many, every block stays in its slot.
-  const int nslots = opt_.prefetch ? 1 + opt_.prefetch_depth : 1;
   int streamed = 0;
   for (auto& b : blocks_) streamed += (b && !b->resident.defined()) ? 1 : 0;
-  for (int i = 0; i < std::min(nslots, streamed); ++i) {
+  for (int i = 0; i < device_slots(opt_.prefetch, opt_.prefetch_depth, streamed); ++i) {
     auto s = std::make_unique<Slot>();
     s->arena = at::empty({max_block}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
 #ifdef EO_WITH_CUDA

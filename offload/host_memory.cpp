@@ -104,10 +104,7 @@ HostMemory host_memory_available() {
 }
 
 std::int64_t estimate_home_bytes(const model::ModelConfig& c, int blocksize, bool double_quant, QuantFormat format) {
-  std::int64_t total = 0;
-  for (int i = 0; i < c.layers; ++i)
-    if (c.is_moe_layer(i)) total += expert_block_bytes(c, blocksize, double_quant, format);
-  return total;
+  return c.moe_layer_count() * expert_block_bytes(c, blocksize, double_quant, format);
 }
 
 std::string describe_host_shortfall(std::int64_t bytes_needed) {

@@ -17,6 +17,14 @@
 
 namespace eo::offload {
 
+// The device slots a run asks for: one, or with prefetch one more per block staged ahead.
+inline int slots_asked(bool prefetch, int prefetch_depth) { return prefetch ? 1 + prefetch_depth : 1; }
+// ... and those it makes: never more than the blocks it streams (with that many, each stays put).
+inline int device_slots(bool prefetch, int prefetch_depth, int streamed_blocks) {
+  const int asked = slots_asked(prefetch, prefetch_depth);
+  return asked < streamed_blocks ? asked : streamed_blocks;
+}
+
 class StagingPolicy {
  public:
   // `num_layers` layers (any of which may be staged), `num_slots` device slots.

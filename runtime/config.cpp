@@ -1521,11 +1521,12 @@ void note_named_template(const std::string& value, const std::string& key, const
 // target that matches none of them is a config error here, before a weight is read. So is asking
 // for the router aux loss of a family transformers computes none for, and lora_target_parameters
 // on a model without the fused [E, 2I, H] gate_up_proj experts it is built for.
-void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues& issues) {
+void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues& issues, model::ModelConfig* parsed) {
   if (!present.count("base_model") || c.base_model.empty()) return;
   model::ModelConfig mc;
   try {
     mc = model::load_config(c.base_model);
+    if (parsed) *parsed = mc;
   } catch (const std::exception& e) {
     // An unsupported or malformed config.json is listed with the key problems, so one --check
     // names them all; a missing folder or config.json is check_files' to report.
@@ -1859,8 +1860,11 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
                                "(val_set_size is 0 and there are no test_datasets), so no evaluation runs, as in axolotl");
   if (options.check_files) check_files(cfg, present, issues);
   // Needs base_model's config.json only: training and `eo-ddp plan` (check_architecture) check it.
-  if (options.check_files || options.check_architecture) check_targets(cfg, present, issues);
+  model::ModelConfig parsed;  // config.json, when the checks read it
+  if (options.check_files || options.check_architecture) check_targets(cfg, present, issues, &parsed);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
+  if (options.model_out)
+    *options.model_out = !parsed.model_type.empty() ? std::move(parsed) : model::load_config(cfg.base_model);
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))
     cfg.warnings.push_back("expert_offload_prefetch_depth is ignored: it needs expert_offload: true and "
@@ -1960,12 +1964,6 @@ std::optional<QuantFormat> expert_format(const TrainConfig& cfg, const model::Mo
   if (mc.nvfp4 && !(cfg.load_in_4bit && cfg.expert_quant == "nf4")) return QuantFormat::Nvfp4;
   if (cfg.load_in_4bit) return QuantFormat::Nf4;
   return std::nullopt;
-}
-
-std::int64_t expert_bank_bytes(const TrainConfig& cfg) {
-  if (cfg.expert_dequant_chunk == "whole" || cfg.expert_dequant_chunk == "auto") return 0;
-  const auto b = parse_bytes(cfg.expert_dequant_chunk);
-  return b ? static_cast<std::int64_t>(*b) : 0;
 }
 
 }  // namespace eo

@@ -136,7 +136,7 @@ struct TrainConfig {
   double expert_offload_copy_pace_gbps = 0;  // > 0: expert copies paced to this rate (a slower card's link, simulated)
   int expert_offload_prefetch_depth = 1;  // blocks staged ahead (slots = 1 + depth); with prefetch only
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
-  std::string expert_dequant_chunk = "auto";  // auto | whole | bytes: expert_bank_bytes()
+  std::string expert_dequant_chunk = "auto";  // auto | whole | bytes: RunSpec::bank_bytes
   std::string expert_bank_reuse = "auto";     // auto | all | down | none (models/linear4bit.h BankReuse)
   std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
   bool activation_offloading = false;  // checkpointed block inputs in pinned host RAM
@@ -175,6 +175,9 @@ struct ConfigLoadOptions {
   // Resolve the targets and templates against base_model/config.json even when files are not
   // checked (eo-ddp plan: config.json is all it reads).
   bool check_architecture = false;
+  // Where base_model's config.json is handed back, parsed once for the whole run (by the checks
+  // above, or else here; one that cannot be read is then an error).
+  model::ModelConfig* model_out = nullptr;
 };
 
 // Reads YAML text (a file's contents) plus `--set key=value` overrides, validates and
@@ -219,10 +222,8 @@ const char* compute_name(Compute c);  // "fp32", "bf16", "fp16"
 constexpr double kLossScaleInit = 65536.0;  // 2^16
 constexpr double kLossScaleGrowth = 2.0;
 constexpr double kLossScaleBackoff = 0.5;
-// expert_dequant_chunk in bytes: 0 = the whole bank at once (auto resolves to whole here; the
-// start-up check turns it into kAutoBankSlice when only that fits).
-std::int64_t expert_bank_bytes(const TrainConfig& cfg);
-constexpr const char* kAutoBankSlice = "64MiB";
+// expert_dequant_chunk: auto's slice when only slices fit (RunSpec::bank_bytes says the rest).
+constexpr std::int64_t kAutoBankSliceBytes = std::int64_t(64) << 20;
 // Whether the routed experts are held in MXFP4 (else NF4, or unquantised without load_in_4bit):
 // load_in_4bit with expert_quant mxfp4, or auto on a checkpoint whose config.json says its
 // experts are MXFP4 (the loader's ExpertQuant::Auto; the plan and the home sizes use this).

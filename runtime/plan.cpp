@@ -30,12 +30,19 @@ bool targets(const TrainConfig& cfg, const std::string& name) {
 
 }  // namespace
 
-MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Compute compute, int ranks_per_node, bool on_gpu) {
+MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, Compute compute, int ranks_per_node, bool on_gpu) {
+  return plan_memory(resolve_run_spec(cfg, mc, compute, on_gpu, ranks_per_node));
+}
+
+MemoryPlan plan_memory(const RunSpec& spec) {
+  const TrainConfig& cfg = *spec.cfg;
+  const model::ModelConfig& c = spec.model;
+  const bool on_gpu = spec.on_gpu;
   MemoryPlan p;
   p.on_gpu = on_gpu;
-  p.compute = compute;
-  p.ranks_per_node = ranks_per_node;
-  const double d = compute == Compute::Fp32 ? 4 : 2;  // compute dtype bytes
+  p.compute = spec.compute;
+  p.ranks_per_node = spec.ranks_per_node;
+  const double d = spec.compute == Compute::Fp32 ? 4 : 2;  // compute dtype bytes
   const int bs = cfg.bnb_4bit_blocksize;
   const double H = double(c.hidden), V = double(c.vocab);
   // The widest layer's attention (Gemma 4's full layers have their own head_dim and kv heads).
@@ -51,8 +58,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   const bool q4 = cfg.load_in_4bit;
   auto linear = [&](double out, double in) { return q4 ? nf4_bytes(out, in, bs) : out * in * d; };
 
-  int moe_layers = 0;
-  for (int i = 0; i < c.layers; ++i) moe_layers += c.is_moe_layer(i) ? 1 : 0;
+  const int moe_layers = static_cast<int>(spec.moe_layers.size());
   const int dense_layers = int(c.layers) - moe_layers;
   // Layers with a dense MLP: the dense layers, and every layer of Gemma 4 (beside its experts).
   const int mlp_layers = c.dense_beside_experts() ? int(c.layers) : dense_layers;
@@ -80,7 +86,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
                           ", norms, routers, attention" + (q4 ? " (NF4)" : "")});
 
   // ---- experts: NF4, or the checkpoint's MXFP4 / NVFP4 kept (expert_quant; NVFP4 without load_in_4bit too)
-  const std::optional<QuantFormat> fmt = expert_format(cfg, c);
+  const std::optional<QuantFormat> fmt = spec.expert_format;
   p.expert_format = fmt.value_or(QuantFormat::Nf4);
   const std::string held = !fmt                         ? std::string()
                            : *fmt == QuantFormat::Nf4 ? std::string(" (NF4)")
@@ -88,34 +94,28 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // One MoE block's experts exactly as the offload engine lays them out (offload/layout.h).
   p.block_bytes = double(offload::expert_block_bytes(c, bs, cfg.bnb_4bit_use_double_quant, p.expert_format));
   p.expert_bytes = p.block_bytes * moe_layers;
-  if (cfg.expert_offload) {
-    const int slots = std::min(moe_layers, cfg.expert_offload_prefetch ? 1 + cfg.expert_offload_prefetch_depth : 1);
+  if (spec.offload) {
+    const int slots = spec.slots;
     double budget = 0;
-    if (cfg.expert_offload_vram_budget != "auto")
-      if (auto b = parse_bytes(cfg.expert_offload_vram_budget))
-        budget = std::floor(double(*b) / p.block_bytes) * p.block_bytes;
+    if (!spec.budget_auto && spec.budget_bytes > 0) budget = std::floor(double(spec.budget_bytes) / p.block_bytes) * p.block_bytes;
     budget = std::min(budget, p.expert_bytes);
     p.device.push_back({"experts", double(slots) * p.block_bytes + budget,
                         std::to_string(slots) + " slot(s) of " + human_bytes(p.block_bytes) +
                             (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string()) + held});
     p.host_pinned = p.expert_bytes;
-    p.shared_homes = cfg.expert_offload_homes == "per_numa_node";
+    p.shared_homes = spec.homes == offload::HomesKind::PerNumaNode;
     // Copies per warm step: the engine's staging policy run dry along the step's staging order,
     // the blocks within the VRAM budget resident (the first ones, in layer order, as the engine).
+    const std::vector<int>& moe_list = spec.moe_layers;
     std::vector<bool> is_moe(static_cast<std::size_t>(c.layers));
-    std::vector<int> moe_list;
-    for (int i = 0; i < c.layers; ++i)
-      if ((is_moe[static_cast<std::size_t>(i)] = c.is_moe_layer(i))) moe_list.push_back(i);
+    for (int i : moe_list) is_moe[static_cast<std::size_t>(i)] = true;
     const int resident_blocks = p.block_bytes > 0 ? int(budget / p.block_bytes) : 0;
     const std::vector<int> resident(moe_list.begin(), moe_list.begin() + std::min<std::size_t>(moe_list.size(), resident_blocks));
     const int streamed = moe_layers - int(resident.size());
-    const StepSchedule step = make_step_schedule(int(c.layers), cfg.gradient_accumulation_steps,
-                                                 cfg.step_order == "micro_batch_major" ? StepOrder::MicroBatchMajor
-                                                                                       : StepOrder::LayerMajor);
+    const std::vector<int> order = make_step_schedule(int(c.layers), cfg.gradient_accumulation_steps, spec.order).staging_order(is_moe);
     if (!moe_list.empty())
-      p.copies_per_step = offload::steady_copies_per_step(step.staging_order(is_moe), int(c.layers), std::min(slots, streamed),
-                                                          cfg.expert_offload_prefetch, resident);
-    if (cfg.expert_offload_homes == "disk") {
+      p.copies_per_step = offload::steady_copies_per_step(order, int(c.layers), std::min(slots, streamed), spec.prefetch, resident);
+    if (spec.homes == offload::HomesKind::Disk) {
       const offload::DiskHomesSize z = offload::estimate_disk_homes(c, bs, cfg.bnb_4bit_use_double_quant, slots, p.expert_format);
       p.disk_homes = true;
       p.disk_file_bytes = double(z.file_bytes);
@@ -177,7 +177,7 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // major, one), the hidden state or incoming gradient of each, and the outgoing gradient of the
   // block under backward. With activation_offloading the inputs wait in pinned host RAM and about
   // two blocks' worth are on the device (the one in backward and the one being copied back).
-  const bool layer_major = cfg.gradient_checkpointing && cfg.step_order == "layer_major";
+  const bool layer_major = spec.order == StepOrder::LayerMajor;
   const double g = layer_major ? double(cfg.gradient_accumulation_steps) : 1.0;
   const double kept = cfg.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
   const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * rope_cols * d;
@@ -260,15 +260,14 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
   double bank = moe_layers > 0 && fmt ? E * I * H * d : 0;  // held 4-bit (NVFP4 without load_in_4bit too)
-  if (const std::int64_t max = expert_bank_bytes(cfg); bank > 0 && max > 0 && on_gpu) {
+  if (const std::int64_t max = spec.bank_bytes; bank > 0 && max > 0 && on_gpu) {
     const auto e = std::int64_t(E), h = std::int64_t(H), i = std::int64_t(I), el = std::int64_t(d);
     bank = std::max(E * H * d * double(model::bank_slice(i, e, h, el, max)), E * I * d * double(model::bank_slice(h, e, i, el, max)));
   }
   // Banks a recompute keeps for its backward (expert_bank_reuse; whole banks on a GPU), beside
   // the one bank each phase holds anyway: with `all`, gate's and up's until their backward.
-  const bool whole_banks = bank > 0 && on_gpu && expert_bank_bytes(cfg) == 0 && cfg.gradient_checkpointing;
-  const bool keep_all = whole_banks && (cfg.expert_bank_reuse == "auto" || cfg.expert_bank_reuse == "all");
-  const bool keep_down = whole_banks && cfg.expert_bank_reuse == "down";
+  const bool keep_all = bank > 0 && spec.bank_reuse == model::BankReuse::All;
+  const bool keep_down = bank > 0 && spec.bank_reuse == model::BankReuse::Down;
   const double kept_gate_up = keep_all ? 2 * bank : 0;
   // Gradients in flight on the residual stream: the block's output gradient and its input's.
   const double residual = 2 * N * H * d;
@@ -325,16 +324,16 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // ---- CUDA graphs (runtime/block_graphs.h) replay on static buffers that are copies beside the
   // eager tensors they stand for: the block input (shared by forward, recompute and the loss),
   // the incoming gradient and the output (shared by every use), each [tokens, hidden], and the two
-  // RoPE tables. Planned wherever graphs may run (runtime/setup.cpp: cuda_graphs not false,
-  // checkpointing, no LoRA dropout); where auto turns them off for want of room, the plan is over
-  // by these bytes. Their temporaries live in the graphs' own pool, which the fit check adds.
-  if (on_gpu && cfg.gradient_checkpointing && cfg.cuda_graphs != "false" && cfg.lora_dropout <= 0)
+  // RoPE tables. Planned wherever graphs may run (cuda_graphs not false, and the uses can replay);
+  // where auto turns them off for want of room, the plan is over by these bytes. Their
+  // temporaries live in the graphs' own pool, which the fit check adds.
+  if (on_gpu && spec.cuda_graphs != Setting::Off && spec.graphs_blocked.empty())
     p.device.push_back({"graphs", 3 * N * H * d + 2 * N * rope_cols * d,
                         "CUDA graphs' static buffers: block input, gradient, output, RoPE tables (cuda_graphs: false drops them)"});
 
   // The portable grouped GEMM's problem table (models/expert_gemm_cuda.h): 60 bytes per expert for
   // each GEMM in flight; a few of a block's GEMMs may be queued at once.
-  if (on_gpu && cfg.expert_gemm != "torch")
+  if (on_gpu && spec.expert_gemm != ExpertGemmSetting::Torch)
     p.device.push_back({"expert gemm", 8.0 * 64 * double(c.experts),
                         "portable grouped GEMM problem tables (expert_gemm: torch has none)"});
 
@@ -350,6 +349,32 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& c, Comp
   // measured short of the worst cache.
   p.margin = on_gpu ? 0.15 * p.device_peak + double(std::int64_t(256) << 20) : 0;
   return p;
+}
+
+FittedPlan fit_plan(const RunSpec& spec, double available) {
+  FittedPlan f{spec, plan_memory(spec)};
+  const bool gpu = spec.on_gpu;
+  auto over = [&] { return f.plan.device_peak + f.plan.margin > available; };
+  if (gpu && spec.bank_reuse_auto && over()) {
+    RunSpec down = f.spec;
+    down.bank_reuse = bank_reuse_in_effect(gpu, down.bank_bytes, down.checkpointing, model::BankReuse::Down);
+    if (const MemoryPlan p = plan_memory(down); p.device_peak < f.plan.device_peak) {
+      f.down_from = f.plan.device_peak;
+      f.plan = p;
+      f.spec = down;
+    }
+  }
+  if (gpu && spec.bank_auto && over()) {
+    RunSpec sliced = f.spec;
+    sliced.bank_bytes = kAutoBankSliceBytes;
+    sliced.bank_reuse = bank_reuse_in_effect(gpu, sliced.bank_bytes, sliced.checkpointing, f.spec.bank_reuse);
+    if (const MemoryPlan p = plan_memory(sliced); p.device_peak < f.plan.device_peak) {
+      f.sliced_from = f.plan.device_peak;
+      f.plan = p;
+      f.spec = sliced;
+    }
+  }
+  return f;
 }
 
 std::string describe_plan(const MemoryPlan& plan, double vram) {
@@ -404,10 +429,9 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
   return os.str();
 }
 
-HostRamFit describe_host_ram(const TrainConfig& cfg, const model::ModelConfig& mc, const MemoryPlan& plan, double host_ram,
-                             const std::string& source) {
+HostRamFit describe_host_ram(const RunSpec& spec, const MemoryPlan& plan, double host_ram, const std::string& source) {
   HostRamFit out;
-  if (!cfg.expert_offload || host_ram <= 0) return out;
+  if (!spec.offload || host_ram <= 0) return out;
   // Pinned host RAM per node: a copy per rank (per_rank, and each rank's ring with disk), one per
   // NUMA node (counted as one here: the plan does not know the node's NUMA layout).
   auto per_node = [&](const MemoryPlan& p) { return p.shared_homes ? p.host_pinned : p.host_pinned * p.ranks_per_node; };
@@ -418,13 +442,14 @@ HostRamFit describe_host_ram(const TrainConfig& cfg, const model::ModelConfig& m
      << (plan.shared_homes ? " (per NUMA node)" : "") << " of " << human_bytes(host_ram) << " (" << source << ")";
   if (!out.fits) {
     std::vector<std::string> tries;
-    for (const char* homes : {"per_numa_node", "disk"}) {
-      if (cfg.expert_offload_homes == homes) continue;
-      TrainConfig other = cfg;
-      other.expert_offload_homes = homes;
-      const MemoryPlan q = plan_memory(other, mc, plan.compute, plan.ranks_per_node, plan.on_gpu);
-      if (std::string(homes) == "per_numa_node" && plan.ranks_per_node <= 1) continue;  // nothing to share
-      tries.push_back(std::string("expert_offload_homes: ") + homes + " (" + human_bytes(per_node(q)) +
+    for (const auto& [homes, name] : {std::pair{offload::HomesKind::PerNumaNode, "per_numa_node"},
+                                      std::pair{offload::HomesKind::Disk, "disk"}}) {
+      if (spec.homes == homes) continue;
+      RunSpec other = spec;
+      other.homes = homes;
+      const MemoryPlan q = plan_memory(other);
+      if (homes == offload::HomesKind::PerNumaNode && plan.ranks_per_node <= 1) continue;  // nothing to share
+      tries.push_back(std::string("expert_offload_homes: ") + name + " (" + human_bytes(per_node(q)) +
                       (q.disk_homes ? " per node + " + human_bytes(q.disk_file_bytes) + " on a local drive, reading " +
                                           human_bytes(q.disk_reads_per_step) + " per rank and step"
                                     : std::string(" per NUMA node")) +

@@ -25,6 +25,7 @@
 #include "models/hf_config.h"
 #include "models/quant_format.h"
 #include "runtime/config.h"
+#include "runtime/runspec.h"
 
 namespace eo {
 
@@ -57,21 +58,33 @@ struct MemoryPlan {
   bool on_gpu = true;
 };
 
-// `compute`: the compute dtype (resolve_compute; bf16 and fp16 take the same bytes); `on_gpu`:
-// planning for a GPU (where the input embedding table is host-held) rather than a CPU run.
+// The plan of a resolved run (spec.on_gpu: planning for a GPU, where the input embedding table is
+// host-held, rather than a CPU run; bf16 and fp16 compute take the same bytes).
+MemoryPlan plan_memory(const RunSpec& spec);
+// The same, resolving the spec from `cfg` and `mc` (compute: resolve_compute's dtype).
 MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, Compute compute, int ranks_per_node,
                        bool on_gpu = true);
+
+// The plan fitted to `available` device bytes: where it does not fit, auto's alternatives are
+// tried as changed copies of the spec, in order: expert_bank_reuse down (gate's and up's banks
+// dequantised again in backward), then expert_dequant_chunk in 64 MiB slices (on a GPU; each is
+// kept only if it lowers the peak). `*_from`: the peak an alternative replaced, 0 if not taken.
+struct FittedPlan {
+  RunSpec spec;
+  MemoryPlan plan;
+  double down_from = 0, sliced_from = 0;
+};
+FittedPlan fit_plan(const RunSpec& spec, double available);
 
 // A table of the plan, and (when vram > 0) whether it fits a card of that many bytes.
 std::string describe_plan(const MemoryPlan& plan, double vram_bytes);
 
-// Whether the pinned host RAM per node of `cfg`'s plan fits `host_ram` bytes per node; when not,
-// what the other expert_offload_homes would take (per_numa_node, disk), planned the same way.
+// Whether the pinned host RAM per node of the spec's plan fits `host_ram` bytes per node; when not,
+// what the other expert_offload_homes would take (per_numa_node, disk), planned as copies of it.
 struct HostRamFit {
   bool fits = true;
   std::string text;
 };
-HostRamFit describe_host_ram(const TrainConfig& cfg, const model::ModelConfig& mc, const MemoryPlan& plan, double host_ram,
-                             const std::string& source);
+HostRamFit describe_host_ram(const RunSpec& spec, const MemoryPlan& plan, double host_ram, const std::string& source);
 
 }  // namespace eo

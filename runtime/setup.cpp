@@ -138,7 +138,8 @@ std::pair<std::shared_ptr<const data::DocumentSource>, std::shared_ptr<const dat
 // What disk homes are made from, for their header: a file made from another checkpoint or with
 // other quantisation settings is rebuilt, naming the key that differs. (Every block's checksum is
 // compared too; these say why in words.)
-std::map<std::string, std::string> disk_homes_identity(const TrainConfig& cfg, const model::ModelConfig& mc) {
+std::map<std::string, std::string> disk_homes_identity(const RunSpec& spec) {
+  const TrainConfig& cfg = *spec.cfg;
   std::error_code ec;
   const std::filesystem::path model = std::filesystem::weakly_canonical(cfg.base_model, ec);
   std::string config_json;
@@ -148,18 +149,19 @@ std::map<std::string, std::string> disk_homes_identity(const TrainConfig& cfg, c
   std::snprintf(sum, sizeof sum, "%016llx", static_cast<unsigned long long>(hash_bytes(config_json.data(), config_json.size())));
   return {{"base_model", ec ? cfg.base_model : model.string()},
           {"config.json", sum},
-          {"model_type", mc.model_type},
+          {"model_type", spec.model.model_type},
           {"weights", cfg.synthetic_weights ? "synthetic, seed " + std::to_string(cfg.seed) : "checkpoint"},
-          {"experts", expert_format(cfg, mc) == QuantFormat::Mxfp4   ? "MXFP4 (the checkpoint's)"
-                      : expert_format(cfg, mc) == QuantFormat::Nvfp4 ? "NVFP4 (the checkpoint's)"
-                                                                     : "NF4"},
+          {"experts", spec.expert_format == QuantFormat::Mxfp4   ? "MXFP4 (the checkpoint's)"
+                      : spec.expert_format == QuantFormat::Nvfp4 ? "NVFP4 (the checkpoint's)"
+                                                                 : "NF4"},
           {"bnb_4bit_blocksize", std::to_string(cfg.bnb_4bit_blocksize)},
           {"bnb_4bit_use_double_quant", cfg.bnb_4bit_use_double_quant ? "true" : "false"}};
 }
 
 // Moves the model's NF4 experts into this rank's homes and streams them from there.
-std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const TrainConfig& cfg, const at::Device& device,
+std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const RunSpec& spec, const at::Device& device,
                                                         dist::World& world) {
+  const TrainConfig& cfg = *spec.cfg;
   auto* resident = dynamic_cast<model::ResidentWeights*>(&model.weight_provider());
   EO_CHECK(resident, "expert_offload: the model's experts are not held by a ResidentWeights store");
   bool any = false;
@@ -175,27 +177,22 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   oo.prefetch = cfg.expert_offload_prefetch;
   oo.prefetch_depth = cfg.expert_offload_prefetch_depth;
   oo.copy_pace_gbps = cfg.expert_offload_copy_pace_gbps;
-  const std::string& budget = cfg.expert_offload_vram_budget;
-  if (budget == "auto") {
-    // Sized after the first step, once the activation peak is known (see size_auto_budget).
-    oo.vram_budget_bytes = 0;
-  } else {
-    oo.vram_budget_bytes = static_cast<std::int64_t>(parse_bytes(budget).value_or(0));
-  }
+  // auto: sized after the first step, once the activation peak is known (see size_auto_budget).
+  oo.vram_budget_bytes = spec.budget_auto ? 0 : spec.budget_bytes;
   if (!device.is_cuda() && oo.vram_budget_bytes > 0)
     log::info("expert_offload_vram_budget applies to GPU memory; on the CPU the 'device' slots are host memory too");
-  if (cfg.expert_offload_homes == "per_numa_node") {
+  if (spec.homes == offload::HomesKind::PerNumaNode) {
     const dist::HomeGroup g = dist::home_group(world, device);
     oo.sharing = dist::make_home_sharing(world, g);
     log::info("expert homes: one copy per NUMA node, shared by " + std::to_string(g.size) + " rank(s) (leader: rank " +
               std::to_string(g.leader) + ")");
   }
-  if (cfg.expert_offload_homes == "disk") {
+  if (spec.homes == offload::HomesKind::Disk) {
     const dist::HomeGroup g = dist::home_group(world, device, /*by_numa_node=*/false);
     oo.sharing = dist::make_home_sharing(world, g);
     oo.disk = offload::DiskHomesOptions{};
     oo.disk->dir = cfg.expert_offload_disk_path;
-    oo.disk->identity = disk_homes_identity(cfg, model.config());
+    oo.disk->identity = disk_homes_identity(spec);
     log::info("expert homes: on disk in " + cfg.expert_offload_disk_path + ", one file for this host's " + std::to_string(g.size) +
               " rank(s) (written or checked by rank " + std::to_string(g.leader) + ")");
   }
@@ -227,13 +224,15 @@ void check_disk_space_for_homes(const TrainConfig& cfg, const offload::DiskHomes
 // Before any weight is read: the homes of every rank on this node must fit in the host RAM (and
 // cgroup limit) available. Every rank measures, then the job takes the smallest measurement — an
 // all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
-void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, const at::Device& device) {
-  const model::ModelConfig mc = model::load_config(cfg.base_model);
-  const QuantFormat format = expert_format(cfg, mc).value_or(QuantFormat::Nf4);
-  const std::int64_t per_rank = offload::estimate_home_bytes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant, format);
+void check_host_memory_for_homes(const RunSpec& spec, dist::World& world, const at::Device& device) {
+  const TrainConfig& cfg = *spec.cfg;
+  const QuantFormat format = spec.expert_format.value_or(QuantFormat::Nf4);
+  const std::int64_t per_rank =
+      offload::estimate_home_bytes(spec.model, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant, format);
+  // The ring as the engine sizes it (offload/engine.cpp: the slots asked for).
   const offload::DiskHomesSize disk =
-      offload::estimate_disk_homes(mc, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant,
-                                   cfg.expert_offload_prefetch ? 1 + cfg.expert_offload_prefetch_depth : 1, format);
+      offload::estimate_disk_homes(spec.model, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant,
+                                   offload::slots_asked(spec.prefetch, cfg.expert_offload_prefetch_depth), format);
   offload::HostMemory mem = offload::host_memory_available();
   double v[2] = {-(mem.available < 0 ? 1e18 : double(mem.available)),
                  double(world.info().local_size)};
@@ -245,8 +244,8 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
   }
   // per_rank: a copy per rank on the node; per_numa_node: a copy per NUMA node used on this host;
   // disk: a read ring per rank on the node.
-  const bool shared = cfg.expert_offload_homes == "per_numa_node";
-  const bool on_disk = cfg.expert_offload_homes == "disk";
+  const bool shared = spec.homes == offload::HomesKind::PerNumaNode;
+  const bool on_disk = spec.homes == offload::HomesKind::Disk;
   const int copies = shared ? dist::home_group(world, device).copies_on_host : static_cast<int>(v[1]);
   const std::string available =
       mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")";
@@ -268,65 +267,43 @@ void check_host_memory_for_homes(const TrainConfig& cfg, dist::World& world, con
 // Before any weight is read: cap the allocator (device_memory_limit) and refuse a run whose
 // planned peak cannot fit, with the plan's numbers instead of an out-of-memory error mid-step.
 // On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
-// Returns the expert bank slice to use (bytes, 0 = whole): expert_dequant_chunk, where auto is
-// the whole bank unless only 64 MiB slices make the plan fit; and the banks a recompute keeps
-// (expert_bank_reuse, where auto is all unless only down makes it fit; before slices are tried).
-PlanFit check_memory_plan(const TrainConfig& cfg, const at::Device& device, Compute compute, int local_size) {
-  const model::ModelConfig mc = model::load_config(cfg.base_model);
-  MemoryPlan plan = plan_memory(cfg, mc, compute, local_size, device.is_cuda());
-  if (device.is_cuda()) set_device_memory_limit(device, cfg.device_memory_limit);
-  double available = 0;
-  std::string what;
-  if (cfg.device_memory_limit > 0) {
-    available = double(cfg.device_memory_limit);
-    what = "device_memory_limit " + human_bytes(available);
-  } else if (device.is_cuda()) {
-    available = double(free_device_memory(device));
-    what = human_bytes(available) + " free on " + describe_device(device);
-  } else {
-    return {expert_bank_bytes(cfg), model::BankReuse::None, 0, false, "the CPU"};
+// Where the plan does not fit, auto's alternatives are tried (fit_plan). Every decision is taken
+// before any is logged; CUDA graphs are decided last, from the room the plan leaves.
+PlanFit check_memory_plan(const RunSpec& spec, const at::Device& device) {
+  const TrainConfig& cfg = *spec.cfg;
+  const bool gpu = device.is_cuda();
+  if (gpu) set_device_memory_limit(device, cfg.device_memory_limit);
+  const bool limited = cfg.device_memory_limit > 0;
+  if (!limited && !gpu) {
+    PlanFit fit{spec, 0, false, "the CPU"};
+    std::tie(fit.cuda_graphs, fit.cuda_graphs_why) = resolve_cuda_graphs(fit);
+    return fit;
   }
-  TrainConfig planned = cfg;  // with the auto choices below resolved
-  if (plan.device_peak + plan.margin > available && cfg.expert_bank_reuse == "auto" && device.is_cuda()) {
-    TrainConfig down = planned;
-    down.expert_bank_reuse = "down";
-    const MemoryPlan p2 = plan_memory(down, mc, compute, local_size, true);
-    if (p2.device_peak < plan.device_peak) {
-      log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
-                human_bytes(plan.device_peak) + " + margin); the backward dequantises them again");
-      plan = p2;
-      planned = down;
-    }
-  }
-  if (plan.device_peak + plan.margin > available && cfg.expert_dequant_chunk == "auto" && device.is_cuda()) {
-    TrainConfig sliced = planned;
-    sliced.expert_dequant_chunk = kAutoBankSlice;
-    const MemoryPlan p2 = plan_memory(sliced, mc, compute, local_size, true);
-    if (p2.device_peak < plan.device_peak) {
-      log::info(std::string("expert_dequant_chunk: auto -> ") + kAutoBankSlice + ": the whole bank would not fit (" +
-                human_bytes(plan.device_peak) + " + margin); slices of the experts are dequantised one at a time (slower)");
-      plan = p2;
-      planned = sliced;
-    }
-  }
-  const std::int64_t bank = expert_bank_bytes(planned);
-  // Slices are never kept (forward and backward cut the bank differently); the CPU runs the
-  // per-expert loop, with no bank.
-  const model::BankReuse reuse = !device.is_cuda() || bank > 0 || planned.expert_bank_reuse == "none" ? model::BankReuse::None
-                                 : planned.expert_bank_reuse == "down"            ? model::BankReuse::Down
-                                                                                  : model::BankReuse::All;
+  const double available = limited ? double(cfg.device_memory_limit) : double(free_device_memory(device));
+  const FittedPlan fitted = fit_plan(spec, available);
+  const MemoryPlan& plan = fitted.plan;
+  const bool fits = plan.device_peak + plan.margin <= available;
+  // Graphs replay from their own memory pool, which keeps the largest working set of a use (a
+  // block's recompute + backward, or the loss head) beside the default pool's.
+  double extra = 0;
+  for (const auto& part : plan.device)
+    if (part.name == "block" || part.name == "head") extra = std::max(extra, part.bytes);
+  const std::string what = limited ? "device_memory_limit " + human_bytes(available)
+                                   : human_bytes(available) + " free on " + describe_device(device);
+  PlanFit fit{fitted.spec, extra, fits && plan.device_peak + plan.margin + extra <= available, what};
+  std::tie(fit.cuda_graphs, fit.cuda_graphs_why) = resolve_cuda_graphs(fit);
+
+  if (fitted.down_from > 0)
+    log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
+              human_bytes(fitted.down_from) + " + margin); the backward dequantises them again");
+  if (fitted.sliced_from > 0)
+    log::info("expert_dequant_chunk: auto -> " + std::to_string(kAutoBankSliceBytes >> 20) + "MiB: the whole bank would not fit (" +
+              human_bytes(fitted.sliced_from) + " + margin); slices of the experts are dequantised one at a time (slower)");
   log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
             (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
-  if (plan.device_peak + plan.margin <= available) {
-    // Graphs replay from their own memory pool, which keeps the largest working set of a use (a
-    // block's recompute + backward, or the loss head) beside the default pool's.
-    double extra = 0;
-    for (const auto& part : plan.device)
-      if (part.name == "block" || part.name == "head") extra = std::max(extra, part.bytes);
-    return {bank, reuse, extra, plan.device_peak + plan.margin + extra <= available, what};
-  }
+  if (fits) return fit;
   std::string fixes;
-  if (!cfg.expert_offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
+  if (!spec.offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
   fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
   throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " + a margin of " +
                    human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) + "Try " +
@@ -350,13 +327,13 @@ void size_thread_pool(int local_size) {
 
 }  // namespace
 
-std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit) {
-  if (!device.is_cuda()) return {false, "off (a CPU run)"};
-  if (cfg.cuda_graphs == "false") return {false, "off (cuda_graphs: false)"};
-  if (!cfg.gradient_checkpointing) return {false, "off (they replay checkpointed block uses; gradient_checkpointing is off)"};
-  if (cfg.lora_dropout > 0) return {false, "off (lora_dropout > 0: each use's dropout seed is set on the host)"};
+std::pair<bool, std::string> resolve_cuda_graphs(const PlanFit& fit) {
+  const RunSpec& spec = fit.spec;
+  if (!spec.on_gpu) return {false, "off (a CPU run)"};
+  if (spec.cuda_graphs == Setting::Off) return {false, "off (cuda_graphs: false)"};
+  if (!spec.graphs_blocked.empty()) return {false, "off (" + spec.graphs_blocked + ")"};
   const std::string extra = human_bytes(fit.graphs_extra) + " more device memory for their pool";
-  if (cfg.cuda_graphs == "true") return {true, "on (cuda_graphs: true; up to " + extra + ")"};
+  if (spec.cuda_graphs == Setting::On) return {true, "on (cuda_graphs: true; up to " + extra + ")"};
   // Offloaded runs too: their step is transfer-bound, but each copy waits for the slot's last
   // reader, so a late kernel launch delays the copy stream. Measured (Qwen3-30B-A3B, mb 1, H200,
   // every host core kept busy by another process): eager 1.012x / 1.062x its idle step, graphs
@@ -387,9 +364,11 @@ void check_gpu_served(const at::Device& device, const ComputeChoice& compute) {
 #endif
 }
 
-std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device, Compute compute) {
+std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device) {
+  const Compute compute = spec.compute;
+  const bool asked_portable = spec.expert_gemm == ExpertGemmSetting::Portable;
   if (!device.is_cuda()) {
-    if (cfg.expert_gemm == "portable")
+    if (asked_portable)
       throw UsageError("expert_gemm: portable runs on a CUDA GPU (bf16 on sm_80 or newer, fp16 on sm_75 or newer); this "
                        "run is on the CPU (use auto)");
     model::set_expert_gemm(model::ExpertGemm::kTorch);
@@ -399,7 +378,7 @@ std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device
   const std::string sm = "sm_" + std::to_string(card.major) + std::to_string(card.minor);
   const std::string per_expert = "libtorch's GEMM per expert, the routing counts read on the host (";
   if (compute == Compute::Fp32) {
-    if (cfg.expert_gemm == "portable")
+    if (asked_portable)
       throw UsageError("expert_gemm: portable computes in bf16 or fp16; this run computes in fp32: use expert_gemm: auto, "
                        "or bf16 / fp16 compute");
     model::set_expert_gemm(model::ExpertGemm::kTorch);
@@ -409,14 +388,14 @@ std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device
   const std::string name = compute_name(compute);
   model::ExpertGemm kernel = model::auto_expert_gemm(card.major, dtype);
   std::string why = "auto on " + sm + " in " + name;
-  if (cfg.expert_gemm == "torch") kernel = model::ExpertGemm::kTorch, why = "expert_gemm: torch";
-  if (cfg.expert_gemm == "portable") kernel = model::ExpertGemm::kPortable, why = "expert_gemm: portable";
+  if (spec.expert_gemm == ExpertGemmSetting::Torch) kernel = model::ExpertGemm::kTorch, why = "expert_gemm: torch";
+  if (asked_portable) kernel = model::ExpertGemm::kPortable, why = "expert_gemm: portable";
   if (kernel == model::ExpertGemm::kPortable && !model::portable_kernel_takes(dtype, device)) {
     // The build's code for this card is older than the kernel needs (fp16: sm_75, bf16: sm_80).
     const std::string lacks = "this build's code for " + device.str() + " (" + card.name + ", " + sm +
                               ") has no " + name + " grouped kernel (" + name + " needs sm_" +
                               (compute == Compute::Bf16 ? "80" : "75") + " or newer)";
-    if (cfg.expert_gemm == "portable") throw UsageError("expert_gemm: portable: " + lacks + "; use expert_gemm: auto");
+    if (asked_portable) throw UsageError("expert_gemm: portable: " + lacks + "; use expert_gemm: auto");
     kernel = model::ExpertGemm::kTorch, why += "; " + lacks;
   }
   model::set_expert_gemm(kernel);
@@ -467,7 +446,7 @@ void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, s
             std::to_string(off.resident_layers().size()) + " in all)");
 }
 
-Run setup_run(const TrainConfig& cfg, dist::World& world) {
+Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, dist::World& world) {
   Run run;
   const auto& wi = world.info();
   run.device = pick_device(wi.local_rank, wi.local_size);
@@ -475,20 +454,22 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   check_gpu_served(run.device, compute);
   run.compute = compute.dtype;
   if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
-  run.expert_gemm_why = resolve_expert_gemm(cfg, run.device, compute.dtype);
+  const RunSpec asked = resolve_run_spec(cfg, model_config, compute.dtype, run.device.is_cuda(), wi.local_size);
+  run.expert_gemm_why = resolve_expert_gemm(asked, run.device);
   size_thread_pool(wi.local_size);
   const at::Device device = run.device;
   const bool bf16 = run.compute == Compute::Bf16;
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
-  const PlanFit fit = check_memory_plan(cfg, device, run.compute, wi.local_size);
-  const std::int64_t bank_bytes = fit.bank_bytes;
-  std::tie(run.cuda_graphs, run.cuda_graphs_why) = resolve_cuda_graphs(cfg, device, fit);
-  run.bank_reuse = fit.bank_reuse;
+  const PlanFit fit = check_memory_plan(asked, device);
+  run.spec = fit.spec;
+  const RunSpec& spec = run.spec;
+  run.cuda_graphs = fit.cuda_graphs;
+  run.cuda_graphs_why = fit.cuda_graphs_why;
   const auto t_load = Clock::now();
-  if (cfg.expert_offload) check_host_memory_for_homes(cfg, world, device);
+  if (spec.offload) check_host_memory_for_homes(spec, world, device);
 
   // ---- data: read and checked before any weight, so a bad file costs no loading time
-  const std::int64_t vocab = model::load_config(cfg.base_model).vocab;
+  const std::int64_t vocab = spec.model.vocab;
   auto docs = load_documents(cfg, cfg.datasets, vocab);
   std::shared_ptr<const data::DocumentSource> eval_docs;
   if (cfg.val_set_size) std::tie(docs, eval_docs) = split_documents(docs, *cfg.val_set_size, cfg.seed);
@@ -537,16 +518,16 @@ Run setup_run(const TrainConfig& cfg, dist::World& world) {
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
   lo.expert_quant = model::expert_quant_named(cfg.expert_quant);  // the loader logs the experts' format
-  lo.expert_bank_bytes = bank_bytes;
+  lo.expert_bank_bytes = spec.bank_bytes;
   lo.device = device;
   lo.experts_on_host = cfg.expert_offload;
   if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
             describe_device(device) + ", " + compute_name(run.compute) + " compute");
-  run.model = model::MoeModel::load(cfg.base_model, lo);
+  run.model = model::MoeModel::load(cfg.base_model, spec.model, lo);
   auto& model = run.model;
   const auto& mc = model->config();
-  if (cfg.expert_offload) run.offloader = start_offload(*model, cfg, device, world);
+  if (spec.offload) run.offloader = start_offload(*model, spec, device, world);
   const auto& offloader = run.offloader;
   model->add_lora(lora_spec(cfg));
   run.lora = model->lora_parameters();

@@ -15,6 +15,7 @@
 
 #include "models/linear4bit.h"
 #include "runtime/config.h"
+#include "runtime/runspec.h"
 
 namespace eo {
 
@@ -38,16 +39,17 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // The memory plan checked against the device at start-up, and what is decided from it.
 struct PlanFit {
-  std::int64_t bank_bytes = 0;  // the expert bank the grouped GEMMs may use (expert_dequant_chunk)
-  model::BankReuse bank_reuse = model::BankReuse::None;  // expert_bank_reuse resolved (auto: all, or down)
+  RunSpec spec;                 // with expert_dequant_chunk and expert_bank_reuse's auto decided
   double graphs_extra = 0;      // what CUDA graphs would keep besides: one more working set
   bool graphs_fit = false;      // ... and whether the plan has room for it
   std::string available;        // what was checked against, in words
+  bool cuda_graphs = false;     // resolve_cuda_graphs of the above
+  std::string cuda_graphs_why;
 };
 
-// cuda_graphs: auto | true | false resolved for this run, and why (for the log). auto: on when
-// the plan has room for the graphs' pool, experts resident or offloaded.
-std::pair<bool, std::string> resolve_cuda_graphs(const TrainConfig& cfg, const at::Device& device, const PlanFit& fit);
+// cuda_graphs: auto | true | false resolved for this run (fit.spec), and why (for the log). auto:
+// on a GPU when the plan has room for the graphs' pool, experts resident or offloaded.
+std::pair<bool, std::string> resolve_cuda_graphs(const PlanFit& fit);
 
 // A GPU eo-ddp cannot run on (bf16 or fp32 compute on a card without bf16 tensor cores; no
 // machine code for it in this build) is a UsageError naming the card and the fix.
@@ -55,9 +57,10 @@ void check_gpu_served(const at::Device& device, const ComputeChoice& compute);
 // expert_gemm: auto | torch | portable resolved for this device and compute dtype and set
 // process-wide (models/grouped_mm.h); what it chose and why, for the log. portable where it has no
 // kernel for the dtype here (fp32; fp16 below sm_75, bf16 below sm_80 code) is a UsageError.
-std::string resolve_expert_gemm(const TrainConfig& cfg, const at::Device& device, Compute compute);
+std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device);
 
 struct Run {
+  RunSpec spec;                  // the settings resolved, as the memory plan decided them
   at::Device device = at::kCPU;
   Compute compute = Compute::Fp32;  // resolve_compute for this device
   std::int64_t accum = 1;        // micro-batches per optimizer step (gradient_accumulation_steps)
@@ -77,7 +80,6 @@ struct Run {
   std::unique_ptr<dist::GradReducer> reducer;  // null in a world of one
   double aux_coef = 0;           // router_aux_loss_coef in effect
   bool cuda_graphs = false;      // step uses replay as CUDA graphs (cuda_graphs resolved at start)
-  model::BankReuse bank_reuse = model::BankReuse::None;  // expert_bank_reuse resolved at start
   std::string cuda_graphs_why;   // the reason, for the log
   std::string expert_gemm_why;   // the experts' grouped GEMM kernel and why, for the log
 
@@ -86,7 +88,8 @@ struct Run {
   Run(Run&&) noexcept;
 };
 
-Run setup_run(const TrainConfig& cfg, dist::World& world);
+// `model`: base_model's config.json, parsed once for the run.
+Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model, dist::World& world);
 
 // The RNG state a checkpoint saves, and its restore.
 NamedTensors rng_state(const at::Device& device);

@@ -93,8 +93,7 @@ struct KeptGraph {
 
 StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int micro_batches, dist::GradReducer* reducer)
     : model_(model), options_(options), reducer_(reducer) {
-  // Without checkpointing a layer-major step would keep g micro-batches' graphs: run micro-batch-major.
-  const StepOrder order = options_.checkpointing ? options_.order : StepOrder::MicroBatchMajor;
+  const StepOrder order = step_order_in_effect(options_.checkpointing, options_.order);
   EO_CHECK(options_.checkpointing || !options_.activation_offloading,
            "activation_offloading parks checkpointed block inputs: it needs gradient_checkpointing");
   schedule_ = make_step_schedule(model_.num_layers(), micro_batches, order);
@@ -104,10 +103,8 @@ StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int m
   model_.weight_provider().set_schedule(schedule_.staging_order(moe));
   const at::Device device = model_.options().device;
   store_ = std::make_unique<offload::ActivationStore>(device, options_.activation_offloading);
-  // Graphs replay the checkpointed uses (forward without a graph, recompute + backward); without
-  // checkpointing a block's autograd graph outlives its use. Per-use dropout seeds are set on the
-  // host, which a replay would not see.
-  graphs_ = std::make_unique<BlockGraphs>(device, options_.cuda_graphs && options_.checkpointing && !options_.random_blocks);
+  graphs_ = std::make_unique<BlockGraphs>(
+      device, options_.cuda_graphs && *why_uses_cannot_replay(options_.checkpointing, options_.random_blocks) == '\0');
   // Kept banks live from a recompute to its backward, which follows at once; without
   // checkpointing a forward's graph outlives it, and every block's banks would be kept.
   model_.set_bank_reuse(options_.checkpointing ? options_.bank_reuse : model::BankReuse::None);

@@ -47,14 +47,14 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 StepOptions step_options(const TrainConfig& cfg, const Run& run) {
   StepOptions o;
-  o.checkpointing = cfg.gradient_checkpointing;
-  o.order = cfg.step_order == "micro_batch_major" ? StepOrder::MicroBatchMajor : StepOrder::LayerMajor;
+  o.checkpointing = run.spec.checkpointing;
+  o.order = run.spec.order;
   o.activation_offloading = cfg.activation_offloading;
   o.aux_loss = cfg.output_router_logits;
   o.aux_coef = run.aux_coef / double(run.accum * std::max(1, run.comm->size()));
   o.random_blocks = cfg.lora_dropout > 0;
   o.cuda_graphs = run.cuda_graphs;
-  o.bank_reuse = run.bank_reuse;
+  o.bank_reuse = run.spec.bank_reuse;
   return o;
 }
 
@@ -69,12 +69,16 @@ std::int64_t interval(std::optional<double> steps, std::optional<int> per_epoch,
 }  // namespace
 
 TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks) {
+  return train(cfg, model::load_config(cfg.base_model), world, hooks);
+}
+
+TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, dist::World& world, const TrainHooks& hooks) {
   install_stop_signals();
   // A write past RLIMIT_FSIZE (ulimit -f) must fail with EFBIG and a message, like a full disk,
   // instead of killing the process with SIGXFSZ in the middle of a checkpoint.
   std::signal(SIGXFSZ, SIG_IGN);
   const auto& wi = world.info();
-  Run run = setup_run(cfg, world);
+  Run run = setup_run(cfg, model, world);
   if (faults::plan().before_training) faults::plan().before_training();  // test seam
   {  // A stop requested while loading: nothing trained yet, so nothing to save.
     double stop[1] = {stop_requested() ? 1.0 : 0.0};
@@ -102,9 +106,9 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
               (run.cuda_graphs ? ": each block's forward, recompute + backward and the loss replay as graphs from their second use"
                                : std::string()));
   if (device.is_cuda() && wi.rank == 0) log::info("expert GEMMs: " + run.expert_gemm_why);
-  if (device.is_cuda() && wi.rank == 0 && cfg.load_in_4bit && run.bank_reuse != model::BankReuse::None)
+  if (device.is_cuda() && wi.rank == 0 && cfg.load_in_4bit && run.spec.bank_reuse != model::BankReuse::None)
     log::info(std::string("expert banks: each block's recompute keeps ") +
-              (run.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +
+              (run.spec.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +
               " dequantised experts for its backward (expert_bank_reuse: " + cfg.expert_bank_reuse + ")");
   const double steps_per_epoch = double(batcher.num_batches_per_epoch()) / double(accum);
   const std::int64_t save_every =
@@ -202,7 +206,7 @@ TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& 
   const DeviceMark run_start = DeviceMark::record(device);  // device_clock_s counts from here
   DeviceMark last_end;  // the previous step's end, unset after work between steps
   reset_peak_memory(device);
-  bool auto_budget_pending = offloader && cfg.expert_offload_vram_budget == "auto";
+  bool auto_budget_pending = offloader && run.spec.budget_auto;
   auto finish = [&](Queued q, bool eval_now) {
     const double* v = q.values.get().data_ptr<double>();  // waits for this step only
     const double ce_sum = v[0], aux_sum = v[1], bad_ranks = v[2], grad_norm = v[3], bad_state = v[4], loss_scale = v[5];

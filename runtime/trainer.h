@@ -47,6 +47,9 @@ struct TrainHooks {
   std::function<void(std::int64_t step, bool entering)> step_work;
 };
 
+// `model`: base_model's config.json as the config's checks parsed it (ConfigLoadOptions::model_out).
+TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, dist::World& world, const TrainHooks& hooks = {});
+// The same, parsing config.json here.
 TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks = {});
 
 }  // namespace eo

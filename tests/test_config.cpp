@@ -889,7 +889,10 @@ TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   room.available = "80 GiB free";
   PlanFit tight = room;
   tight.graphs_fit = false;
-  auto on = [&](const TrainConfig& c, const PlanFit& f, const at::Device& d) { return resolve_cuda_graphs(c, d, f); };
+  auto on = [&](const TrainConfig& c, PlanFit f, const at::Device& d) {
+    f.spec = resolve_run_spec(c, eo::model::ModelConfig{}, eo::Compute::Bf16, d.is_cuda(), 1);
+    return resolve_cuda_graphs(f);
+  };
 
   EXPECT_EQ(cfg.cuda_graphs, "auto");
   EXPECT_TRUE(on(cfg, room, cuda).first);

@@ -349,7 +349,11 @@ TEST(MemoryPlan, GraphsStaticBuffersWhereverGraphsMayRun) {
   };
   PlanFit room;
   room.graphs_fit = true;
-  auto may_run = [&](const TrainConfig& c) { return resolve_cuda_graphs(c, at::Device(at::kCUDA, 0), room).first; };
+  auto may_run = [&](const TrainConfig& c) {
+    PlanFit f = room;
+    f.spec = resolve_run_spec(c, mc, eo::Compute::Bf16, /*on_gpu=*/true, 1);
+    return resolve_cuda_graphs(f).first;
+  };
   // OLMoE-1B-7B, 2048 x 1, bf16: 3 x 2048 x 2048 x 2 + 2 x 2048 x 128 x 2 bytes.
   EXPECT_EQ(graphs_part(base, true), 3.0 * 2048 * 2048 * 2 + 2.0 * 2048 * 128 * 2);
   EXPECT_EQ(graphs_part(base, false), 0) << "a CPU run has no graphs";

@@ -1,0 +1,64 @@
+// A run's settings resolved once, from the training config, the model's config.json and the
+// device: enums instead of the config's strings, every `auto` that can be decided before a weight
+// is read decided here (with the reason the log gives), and the counts the rest of start-up needs.
+// The memory plan, setup, the step's options and the trainer read this; none of them re-derives a
+// rule. What the plan decides later (bank reuse or 64 MiB slices when only they fit, CUDA graphs'
+// room) is a changed copy of the spec (PlanFit in runtime/setup.h), never a changed config.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/hf_config.h"
+#include "models/linear4bit.h"
+#include "models/quant_format.h"
+#include "offload/host_memory.h"
+#include "runtime/config.h"
+#include "runtime/schedule.h"
+
+namespace eo {
+
+enum class Setting { Auto, On, Off };  // auto | true | false keys
+enum class ExpertGemmSetting { Auto, Torch, Portable };
+
+struct RunSpec {
+  const TrainConfig* cfg = nullptr;  // the keys the spec does not resolve (shapes, LoRA, data)
+  model::ModelConfig model;          // config.json, parsed once for the run
+  bool on_gpu = true;
+  int ranks_per_node = 1;
+  Compute compute = Compute::Bf16;
+  std::optional<QuantFormat> expert_format;  // how the routed experts are held; nullopt: unquantised
+  std::vector<int> moe_layers;               // decoder layers with routed experts
+
+  // expert offload
+  bool offload = false;
+  offload::HomesKind homes = offload::HomesKind::PerRank;
+  bool prefetch = true;
+  int slots = 1;                     // device slots the engine makes (never more than blocks)
+  bool budget_auto = false;          // expert_offload_vram_budget: auto (sized after step 1)
+  std::int64_t budget_bytes = 0;     // else its bytes (0: every block streamed)
+
+  // expert banks and the step
+  std::int64_t bank_bytes = 0;       // expert_dequant_chunk: 0 = the whole bank at once
+  bool bank_auto = false;            // ... auto: whole unless only slices fit (the plan decides)
+  model::BankReuse bank_reuse = model::BankReuse::None;  // in effect (see resolve_run_spec)
+  bool bank_reuse_auto = false;      // expert_bank_reuse: auto (all, or down when only that fits)
+  bool checkpointing = true;
+  StepOrder order = StepOrder::LayerMajor;  // in effect: micro-batch-major without checkpointing
+  Setting cuda_graphs = Setting::Auto;
+  std::string graphs_blocked;        // why block uses cannot replay as graphs here; empty: they can
+  ExpertGemmSetting expert_gemm = ExpertGemmSetting::Auto;
+};
+
+// `on_gpu`: the run (or the plan) is for a GPU; `ranks_per_node`: ranks sharing a host.
+RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compute compute, bool on_gpu,
+                         int ranks_per_node);
+
+// The banks a recompute keeps for its backward, as the step can keep them: whole banks on a GPU
+// with checkpointing (a slice is cut differently in forward and backward; the CPU runs the
+// per-expert loop, with no bank), else none.
+model::BankReuse bank_reuse_in_effect(bool on_gpu, std::int64_t bank_bytes, bool checkpointing, model::BankReuse asked);
+
+}  // namespace eo
