@@ -1561,9 +1561,7 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
     issues.push_back({"output_router_logits", mc.model_type + " has no router auxiliary loss in transformers (it balances "
                                               "its experts with e_score_correction_bias, or not at all); set it to false"});
   if (!c.lora_target_parameters.empty()) {
-    bool moe = false;
-    for (int i = 0; i < mc.layers; ++i) moe = moe || mc.is_moe_layer(i);
-    if (!moe)
+    if (mc.moe_layer_count() == 0)
       issues.push_back({"lora_target_parameters", mc.model_type + " (" + c.base_model + "/config.json) has no MoE block, "
                                                   "so no fused expert parameter to adapt"});
     else if (!mc.fused_expert_lora_ok())
