@@ -6,13 +6,10 @@
 #include <array>
 
 #include "common/error.h"
+#include "models/fp4_stack.h"
 #include "models/mxfp4_decode.h"
 
 #ifdef EO_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "common/cuda_check.h"
 #include "models/mxfp4_cuda.h"
 #endif
 
@@ -46,11 +43,6 @@ void decode_groups(const std::uint8_t* codes, const std::uint8_t* scales, std::i
   });
 }
 
-void check_dtype(at::ScalarType dtype) {
-  EO_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-           "mxfp4::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");
-}
-
 void check_weight(const nf4::QuantizedWeight& q) {
   EO_CHECK(q.format == QuantFormat::Mxfp4 && q.shape.size() == 2 && q.shape[1] % kGroup == 0 && q.packed.defined() &&
                q.scales.defined(),
@@ -71,24 +63,23 @@ void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) {
   }
 }
 
-#ifdef EO_WITH_CUDA
-at::Tensor dequantize_cuda(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, const cuda::Mxfp4Window& w) {
-  const at::Device dev = qs.front()->packed.device();
-  c10::cuda::CUDAGuard guard(dev);
-  std::vector<cuda::Mxfp4Source> sources;
-  sources.reserve(qs.size());
-  for (const nf4::QuantizedWeight* q : qs) {
-    EO_CHECK(q->packed.is_contiguous() && q->scales.is_contiguous(), "mxfp4::dequantize: CUDA tensors must be contiguous");
-    sources.push_back({q->packed.data_ptr<std::uint8_t>(), q->scales.data_ptr<std::uint8_t>()});
+// fp4_stack.h's format struct.
+struct Mxfp4 {
+  static constexpr const char* kName = "mxfp4";
+  static constexpr int kGroup = mxfp4::kGroup;
+  static constexpr at::ScalarType kDecoded = at::kBFloat16;  // every MXFP4 value is exact in bf16
+  static void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) { mxfp4::check_stack(qs); }
+  static void decode(const nf4::QuantizedWeight&, const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t groups,
+                     void* out) {
+    decode_groups(codes, scales, groups, static_cast<std::uint16_t*>(out));
   }
-  const auto type = dtype == at::kFloat ? cuda::OutType::F32 : dtype == at::kBFloat16 ? cuda::OutType::BF16 : cuda::OutType::F16;
-  at::Tensor out = at::empty({static_cast<std::int64_t>(qs.size()), w.rows, w.cols}, at::TensorOptions().dtype(dtype).device(dev));
-  const cudaError_t rc = cuda::dequantize(sources.data(), static_cast<int>(qs.size()), w, out.data_ptr(), type,
-                                          c10::cuda::getCurrentCUDAStream(dev.index()).stream());
-  EO_CUDA_CHECK(rc, "mxfp4: CUDA dequantize kernel launch (codes must be 4-byte aligned, window columns multiples of 8)");
-  return out;
-}
+#ifdef EO_WITH_CUDA
+  using Window = cuda::Mxfp4Window;
+  using Source = cuda::Mxfp4Source;
+  static Source source(const nf4::QuantizedWeight& q) { return {q.packed.data_ptr<std::uint8_t>(), q.scales.data_ptr<std::uint8_t>()}; }
+  static constexpr auto dequantize = cuda::dequantize;
 #endif
+};
 
 }  // namespace
 
@@ -130,25 +121,7 @@ at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, 
 
 at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
-  check_dtype(dtype);
-  check_stack(qs);
-  const std::int64_t out = qs.front()->shape[0], in = qs.front()->shape[1];
-  EO_CHECK(r0 >= 0 && rows > 0 && r0 + rows <= out && c0 >= 0 && cols > 0 && c0 + cols <= in,
-           "mxfp4::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols,
-           ") outside [", out, ", ", in, "]");
-#ifdef EO_WITH_CUDA
-  if (qs.front()->packed.is_cuda()) return dequantize_cuda(qs, dtype, cuda::Mxfp4Window{in, r0, rows, c0, cols});
-#endif
-  // CPU: decode the rows of the window whole (a row's groups are contiguous), then cut the columns.
-  const auto count = static_cast<std::int64_t>(qs.size());
-  at::Tensor bank = at::empty({count, rows, in}, at::TensorOptions().dtype(at::kBFloat16));
-  for (std::int64_t i = 0; i < count; ++i) {
-    const at::Tensor codes = qs[i]->packed.contiguous(), scales = qs[i]->scales.contiguous();
-    decode_groups(codes.data_ptr<std::uint8_t>() + r0 * in / 2, scales.data_ptr<std::uint8_t>() + r0 * in / kGroup,
-                  rows * in / kGroup, reinterpret_cast<std::uint16_t*>(bank[i].data_ptr()));
-  }
-  at::Tensor w = c0 == 0 && cols == in ? bank : bank.narrow(2, c0, cols).contiguous();
-  return w.to(dtype);
+  return fp4::dequantize_stack_window<Mxfp4>(qs, dtype, r0, rows, c0, cols);
 }
 
 }  // namespace eo::mxfp4

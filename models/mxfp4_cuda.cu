@@ -1,24 +1,19 @@
 // MXFP4 dequantise kernel (interface and bit-exactness contract: mxfp4_cuda.h).
 //
-// A streaming kernel, shaped like the NF4 window kernel (nf4_cuda.cu): each thread reads 4 code
-// bytes (8 values, low nibble first), one scale byte (an 8-value group aligned to 8 never leaves
-// its 32-value scale group), decodes them with the shared bf16_bits and writes 8 values with
-// 16-byte stores.
+// The kernel and launch loop are fp4_cuda.cuh's, shaped like the NF4 window kernel (nf4_cuda.cu);
+// this file gives them MXFP4's decode: the shared bf16_bits of each code under its 32-value
+// group's scale byte.
 #include "models/mxfp4_cuda.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
-
+#include "models/fp4_cuda.cuh"
 #include "models/mxfp4_decode.h"
+#include "models/quant_format.h"
 
 namespace eo::mxfp4::cuda {
 namespace {
-
-struct SourceBatch {
-  Mxfp4Source src[kMaxSourcesPerLaunch];
-};
 
 template <typename T>
 struct Store;
@@ -35,70 +30,25 @@ struct Store<__half> {
   static __device__ __half cvt(std::uint16_t bits) { return __float2half_rn(__uint_as_float(static_cast<unsigned>(bits) << 16)); }
 };
 
-template <typename T>
-__global__ void dequantize_window_vec8(const SourceBatch batch, Mxfp4Window w, T* out) {
-  const Mxfp4Source& s = batch.src[blockIdx.y];
-  const std::int64_t per_row = w.cols / 8, groups = w.rows * per_row;
-  const std::uint32_t* codes = reinterpret_cast<const std::uint32_t*>(s.codes);
-  T* dst_base = out + static_cast<std::int64_t>(blockIdx.y) * w.rows * w.cols;
-  for (std::int64_t g = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; g < groups;
-       g += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = g / per_row;
-    const std::int64_t flat = (w.r0 + row) * w.row_len + w.c0 + (g - row * per_row) * 8;  // first of the 8 values
-    const std::uint32_t word = __ldg(codes + flat / 8);
-    const unsigned scale = __ldg(s.scales + flat / 32);
-    T vals[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const unsigned byte = (word >> (8 * k)) & 0xFFu;
-      vals[2 * k] = Store<T>::cvt(bf16_bits(byte & 15u, scale));  // low nibble: the even element
-      vals[2 * k + 1] = Store<T>::cvt(bf16_bits(byte >> 4, scale));
-    }
-    uint4* dst = reinterpret_cast<uint4*>(dst_base + g * 8);
-    const uint4* v = reinterpret_cast<const uint4*>(vals);
-#pragma unroll
-    for (int k = 0; k < static_cast<int>(8 * sizeof(T) / 16); ++k) dst[k] = v[k];
+struct Mxfp4 {  // fp4_cuda.cuh's format struct
+  using Source = Mxfp4Source;
+  using Window = Mxfp4Window;
+  static constexpr int kGroup = stored_format_bytes(QuantFormat::Mxfp4).group;
+  static constexpr int kMaxSources = kMaxSourcesPerLaunch;
+  struct Matrix {};  // no per-matrix state
+  static bool usable(const Source&) { return true; }
+  static __device__ Matrix matrix(const Source&) { return {}; }
+  template <typename T>
+  static __device__ T value(Matrix, unsigned code, unsigned scale) {
+    return Store<T>::cvt(bf16_bits(code, scale));
   }
-}
-
-bool aligned(const void* p, std::uintptr_t to) { return (reinterpret_cast<std::uintptr_t>(p) & (to - 1)) == 0; }
-
-template <typename T>
-cudaError_t launch(const Mxfp4Source* sources, int count, const Mxfp4Window& w, void* out, cudaStream_t stream) {
-  if (w.row_len % 32 || w.cols % 8 || w.c0 % 8 || w.r0 < 0 || w.c0 < 0 || w.c0 + w.cols > w.row_len || !aligned(out, 16))
-    return cudaErrorInvalidValue;
-  for (int i = 0; i < count; ++i)
-    if (!aligned(sources[i].codes, 4)) return cudaErrorInvalidValue;
-  int sms = 132, dev = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int threads = 256;
-  for (int first = 0; first < count; first += kMaxSourcesPerLaunch) {
-    const int k = std::min(kMaxSourcesPerLaunch, count - first);
-    SourceBatch batch;
-    for (int i = 0; i < k; ++i) batch.src[i] = sources[first + i];
-    // Enough blocks to fill the GPU several times over across all matrices, grid-stride beyond.
-    const std::int64_t want = (w.rows * w.cols / 8 + threads - 1) / threads;
-    const std::int64_t cap = std::max<std::int64_t>(1, (static_cast<std::int64_t>(sms) * 8 + k - 1) / k);
-    const dim3 grid(static_cast<unsigned>(std::max<std::int64_t>(1, std::min(want, cap))), static_cast<unsigned>(k));
-    T* dst = static_cast<T*>(out) + static_cast<std::int64_t>(first) * w.rows * w.cols;
-    dequantize_window_vec8<T><<<grid, threads, 0, stream>>>(batch, w, dst);
-    const cudaError_t rc = cudaGetLastError();
-    if (rc != cudaSuccess) return rc;
-  }
-  return cudaSuccess;
-}
+};
 
 }  // namespace
 
 cudaError_t dequantize(const Mxfp4Source* sources, int count, const Mxfp4Window& window, void* out, OutType type,
                        cudaStream_t stream) {
-  if (count <= 0 || window.rows <= 0 || window.cols <= 0) return cudaSuccess;
-  switch (type) {
-    case OutType::F32: return launch<float>(sources, count, window, out, stream);
-    case OutType::BF16: return launch<__nv_bfloat16>(sources, count, window, out, stream);
-    case OutType::F16: return launch<__half>(sources, count, window, out, stream);
-  }
-  return cudaErrorInvalidValue;
+  return fp4::cuda::dequantize<Mxfp4>(sources, count, window, out, type, stream);
 }
 
 }  // namespace eo::mxfp4::cuda

@@ -6,13 +6,10 @@
 #include <array>
 
 #include "common/error.h"
+#include "models/fp4_stack.h"
 #include "models/nvfp4_decode.h"
 
 #ifdef EO_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "common/cuda_check.h"
 #include "models/nvfp4_cuda.h"
 #endif
 
@@ -47,11 +44,6 @@ void decode_groups(const std::uint8_t* codes, const std::uint8_t* scales, float 
   });
 }
 
-void check_dtype(at::ScalarType dtype) {
-  EO_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-           "nvfp4::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");
-}
-
 void check_weight(const nf4::QuantizedWeight& q) {
   EO_CHECK(q.format == QuantFormat::Nvfp4 && q.shape.size() == 2 && q.shape[1] % kGroup == 0 && q.packed.defined() &&
                q.scales.defined() && q.global_scale.defined(),
@@ -80,24 +72,26 @@ at::Tensor scale_bytes(const at::Tensor& scales) {
   return scales.contiguous().view(at::kByte);
 }
 
-#ifdef EO_WITH_CUDA
-at::Tensor dequantize_cuda(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, const cuda::Nvfp4Window& w) {
-  const at::Device dev = qs.front()->packed.device();
-  c10::cuda::CUDAGuard guard(dev);
-  std::vector<cuda::Nvfp4Source> sources;
-  sources.reserve(qs.size());
-  for (const nf4::QuantizedWeight* q : qs) {
-    EO_CHECK(q->packed.is_contiguous() && q->scales.is_contiguous(), "nvfp4::dequantize: CUDA tensors must be contiguous");
-    sources.push_back({q->packed.data_ptr<std::uint8_t>(), q->scales.data_ptr<std::uint8_t>(), q->global_scale.data_ptr<float>()});
+// fp4_stack.h's format struct.
+struct Nvfp4 {
+  static constexpr const char* kName = "nvfp4";
+  static constexpr int kGroup = nvfp4::kGroup;
+  // fp32: e2m1 * e4m3 * global rounded once (nvfp4_decode.h); other dtypes round that value.
+  static constexpr at::ScalarType kDecoded = at::kFloat;
+  static void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) { nvfp4::check_stack(qs); }
+  static void decode(const nf4::QuantizedWeight& q, const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t groups,
+                     void* out) {
+    decode_groups(codes, scales, q.global_scale.item<float>(), groups, static_cast<float*>(out));
   }
-  const auto type = dtype == at::kFloat ? cuda::OutType::F32 : dtype == at::kBFloat16 ? cuda::OutType::BF16 : cuda::OutType::F16;
-  at::Tensor out = at::empty({static_cast<std::int64_t>(qs.size()), w.rows, w.cols}, at::TensorOptions().dtype(dtype).device(dev));
-  const cudaError_t rc = cuda::dequantize(sources.data(), static_cast<int>(qs.size()), w, out.data_ptr(), type,
-                                          c10::cuda::getCurrentCUDAStream(dev.index()).stream());
-  EO_CUDA_CHECK(rc, "nvfp4: CUDA dequantize kernel launch (codes must be 4-byte aligned, window columns multiples of 8)");
-  return out;
-}
+#ifdef EO_WITH_CUDA
+  using Window = cuda::Nvfp4Window;
+  using Source = cuda::Nvfp4Source;
+  static Source source(const nf4::QuantizedWeight& q) {
+    return {q.packed.data_ptr<std::uint8_t>(), q.scales.data_ptr<std::uint8_t>(), q.global_scale.data_ptr<float>()};
+  }
+  static constexpr auto dequantize = cuda::dequantize;
 #endif
+};
 
 }  // namespace
 
@@ -135,26 +129,7 @@ at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, 
 
 at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
-  check_dtype(dtype);
-  check_stack(qs);
-  const std::int64_t out = qs.front()->shape[0], in = qs.front()->shape[1];
-  EO_CHECK(r0 >= 0 && rows > 0 && r0 + rows <= out && c0 >= 0 && cols > 0 && c0 + cols <= in,
-           "nvfp4::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols,
-           ") outside [", out, ", ", in, "]");
-#ifdef EO_WITH_CUDA
-  if (qs.front()->packed.is_cuda()) return dequantize_cuda(qs, dtype, cuda::Nvfp4Window{in, r0, rows, c0, cols});
-#endif
-  // CPU: decode the rows of the window whole (a row's groups are contiguous) in fp32, then cut the
-  // columns and round to dtype (nearest even).
-  const auto count = static_cast<std::int64_t>(qs.size());
-  at::Tensor bank = at::empty({count, rows, in}, at::TensorOptions().dtype(at::kFloat));
-  for (std::int64_t i = 0; i < count; ++i) {
-    const at::Tensor codes = qs[i]->packed.contiguous(), scales = qs[i]->scales.contiguous();
-    decode_groups(codes.data_ptr<std::uint8_t>() + r0 * in / 2, scales.data_ptr<std::uint8_t>() + r0 * in / kGroup,
-                  qs[i]->global_scale.item<float>(), rows * in / kGroup, bank[i].data_ptr<float>());
-  }
-  at::Tensor w = c0 == 0 && cols == in ? bank : bank.narrow(2, c0, cols).contiguous();
-  return w.to(dtype);
+  return fp4::dequantize_stack_window<Nvfp4>(qs, dtype, r0, rows, c0, cols);
 }
 
 at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& global) {
