@@ -1,4 +1,5 @@
-// Building a MoeModel from a Hugging Face checkpoint, and its LoRA adapters (peft layout).
+// Building a MoeModel from a Hugging Face checkpoint: the parts of every block, handed to its
+// constructor (the LoRA adapters are moe_model_lora.cpp's).
 //
 // Per-expert (`experts.{e}.gate_proj.weight`, Mixtral `experts.{e}.w1.weight`) and fused
 // (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]; gpt-oss and Llama 4 [E, H, 2I] /
@@ -25,10 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
-#include <map>
 #include <optional>
-#include <set>
 #include <sstream>
 
 #include "common/error.h"
@@ -62,8 +60,6 @@ nf4::QuantizedWeight to_device(nf4::QuantizedWeight q, const at::Device& d) {
   }
   return q;
 }
-
-}  // namespace
 
 // Seeded random base weights for synthetic models (benchmarks on real shapes, no download).
 class RandomWeights {
@@ -139,7 +135,7 @@ struct ModelLoader {
   const st::Checkpoint* ck;  // null: random weights
   RandomWeights* random;
   const LoadOptions& opts;
-  MoeModel& m;
+  const ModelConfig& cfg;
   // Stored bitsandbytes modules seen, for the summary log lines at the end.
   mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0, mxfp4_dequantised = 0, mxfp4_kept = 0;
   mutable int nvfp4_kept = 0, nvfp4_dequantised = 0, nvfp4_requantised = 0;
@@ -253,10 +249,10 @@ struct ModelLoader {
     return l;
   }
   Mlp mlp(const std::string& prefix, std::int64_t width) const {
-    const auto H = m.cfg_.hidden;
-    const bool b = m.cfg_.mlp_bias;
+    const auto H = cfg.hidden;
+    const bool b = cfg.mlp_bias;
     return Mlp{linear(prefix + ".gate_proj", H, width, b, true), linear(prefix + ".up_proj", H, width, b, true),
-               linear(prefix + ".down_proj", width, H, b, true), m.cfg_.act};
+               linear(prefix + ".down_proj", width, H, b, true), cfg.act};
   }
   // Where the checkpoint stores the decoder and lm_head: model.* and lm_head.weight, or one of a
   // multimodal wrapper's layouts (the first whose embeddings it has).
@@ -264,7 +260,7 @@ struct ModelLoader {
   const MultimodalWrapper::Layout& layout() const {
     if (layout_) return *layout_;
     layout_ = MultimodalWrapper::Layout{"model.", "lm_head.weight"};
-    if (const auto& w = m.cfg_.multimodal) {
+    if (const auto& w = cfg.multimodal) {
       layout_ = w->layouts.front();
       for (const auto& l : w->layouts)
         if (ck && ck->has(l.decoder + "embed_tokens.weight")) {
@@ -278,61 +274,61 @@ struct ModelLoader {
   std::string layer_prefix(int i) const { return layout().decoder + "layers." + std::to_string(i) + "."; }
 
   // Attention of one block: q/k/v/o (with the family's norms), or DeepSeek's latent attention.
-  void attention(DecoderBlock& b, const std::string& p) const {
-    const ModelConfig& c = m.cfg_;
+  void attention(BlockWeights& b, const std::string& p) const {
+    const ModelConfig& c = cfg;
     const auto H = c.hidden, D = c.head_dim;
     if (c.mla) {
       const Mla& a = *c.mla;
       if (a.q_lora_rank > 0) {
-        b.q_a_ = linear(p + "self_attn.q_a_proj", H, a.q_lora_rank, c.qkv_bias, true);
-        b.q_a_norm_ = get(p + "self_attn.q_a_layernorm.weight", {a.q_lora_rank});
-        b.q_ = linear(p + "self_attn.q_b_proj", a.q_lora_rank, c.heads * a.qk_dim(), false, true);
+        b.q_a = linear(p + "self_attn.q_a_proj", H, a.q_lora_rank, c.qkv_bias, true);
+        b.q_a_norm = get(p + "self_attn.q_a_layernorm.weight", {a.q_lora_rank});
+        b.q = linear(p + "self_attn.q_b_proj", a.q_lora_rank, c.heads * a.qk_dim(), false, true);
       } else {
-        b.q_ = linear(p + "self_attn.q_proj", H, c.heads * a.qk_dim(), false, true);
+        b.q = linear(p + "self_attn.q_proj", H, c.heads * a.qk_dim(), false, true);
       }
-      b.kv_a_ = linear(p + "self_attn.kv_a_proj_with_mqa", H, a.kv_lora_rank + a.rope_dim, c.qkv_bias, true);
-      b.kv_a_norm_ = get(p + "self_attn.kv_a_layernorm.weight", {a.kv_lora_rank});
-      b.kv_b_ = linear(p + "self_attn.kv_b_proj", a.kv_lora_rank, c.heads * (a.nope_dim + a.v_dim), false, true);
-      b.o_ = linear(p + "self_attn.o_proj", c.heads * a.v_dim, H, c.o_bias, true);
+      b.kv_a = linear(p + "self_attn.kv_a_proj_with_mqa", H, a.kv_lora_rank + a.rope_dim, c.qkv_bias, true);
+      b.kv_a_norm = get(p + "self_attn.kv_a_layernorm.weight", {a.kv_lora_rank});
+      b.kv_b = linear(p + "self_attn.kv_b_proj", a.kv_lora_rank, c.heads * (a.nope_dim + a.v_dim), false, true);
+      b.o = linear(p + "self_attn.o_proj", c.heads * a.v_dim, H, c.o_bias, true);
       return;
     }
     if (c.gemma) {  // per layer type: its head_dim and key-value heads, v_proj unless attention_k_eq_v
-      const int i = b.index_;
+      const int i = b.index;
       const std::int64_t d = c.head_dim_at(i), kv = c.kv_heads_at(i);
-      b.q_ = linear(p + "self_attn.q_proj", H, c.heads * d, false, true);
-      b.k_ = linear(p + "self_attn.k_proj", H, kv * d, false, true);
-      if (c.has_v_proj(i)) b.v_ = linear(p + "self_attn.v_proj", H, kv * d, false, true);
-      b.o_ = linear(p + "self_attn.o_proj", c.heads * d, H, false, true);
-      b.q_norm_ = get(p + "self_attn.q_norm.weight", {d});
-      b.k_norm_ = get(p + "self_attn.k_norm.weight", {d});
+      b.q = linear(p + "self_attn.q_proj", H, c.heads * d, false, true);
+      b.k = linear(p + "self_attn.k_proj", H, kv * d, false, true);
+      if (c.has_v_proj(i)) b.v = linear(p + "self_attn.v_proj", H, kv * d, false, true);
+      b.o = linear(p + "self_attn.o_proj", c.heads * d, H, false, true);
+      b.q_norm = get(p + "self_attn.q_norm.weight", {d});
+      b.k_norm = get(p + "self_attn.k_norm.weight", {d});
       return;
     }
-    b.q_ = linear(p + "self_attn.q_proj", H, c.heads * D, c.qkv_bias, true);
-    b.k_ = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
-    b.v_ = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
-    b.o_ = linear(p + "self_attn.o_proj", c.heads * D, H, c.o_bias, true);
-    if (c.attention_sinks) b.sinks_ = get(p + "self_attn.sinks", {c.heads});
+    b.q = linear(p + "self_attn.q_proj", H, c.heads * D, c.qkv_bias, true);
+    b.k = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
+    b.v = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
+    b.o = linear(p + "self_attn.o_proj", c.heads * D, H, c.o_bias, true);
+    if (c.attention_sinks) b.sinks = get(p + "self_attn.sinks", {c.heads});
     if (c.qk_norm == QkNorm::PerHead) {
-      b.q_norm_ = get(p + "self_attn.q_norm.weight", {D});
-      b.k_norm_ = get(p + "self_attn.k_norm.weight", {D});
+      b.q_norm = get(p + "self_attn.q_norm.weight", {D});
+      b.k_norm = get(p + "self_attn.k_norm.weight", {D});
     } else if (c.qk_norm == QkNorm::Whole) {
-      b.q_norm_ = get(p + "self_attn.q_norm.weight", {c.heads * D});
-      b.k_norm_ = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});
+      b.q_norm = get(p + "self_attn.q_norm.weight", {c.heads * D});
+      b.k_norm = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});
     }
   }
 
   // A module path of the architecture table (under layer i) as this checkpoint names it: Mixtral
   // checkpoints use block_sparse_moe, transformers v5's runtime names use mlp; accept either.
   std::string in_checkpoint(int i, const std::string& path) const {
-    const std::string base = layer_prefix(i), block = m.cfg_.moe_prefix();
-    if (ck && block != "mlp" && path.rfind(block, 0) == 0 && !ck->has(base + m.cfg_.router_path() + ".weight") &&
-        ck->has(base + "mlp" + m.cfg_.router_path().substr(block.size()) + ".weight"))
+    const std::string base = layer_prefix(i), block = cfg.moe_prefix();
+    if (ck && block != "mlp" && path.rfind(block, 0) == 0 && !ck->has(base + cfg.router_path() + ".weight") &&
+        ck->has(base + "mlp" + cfg.router_path().substr(block.size()) + ".weight"))
       return base + "mlp" + path.substr(block.size());
     return base + path;
   }
-  std::string moe_prefix(int i) const { return in_checkpoint(i, m.cfg_.moe_prefix()); }
+  std::string moe_prefix(int i) const { return in_checkpoint(i, cfg.moe_prefix()); }
   // Where layer i's routed experts are: "<moe prefix>.experts", Gemma 4 "layers.{i}.experts".
-  std::string experts_prefix(int i) const { return in_checkpoint(i, m.cfg_.experts_path()); }
+  std::string experts_prefix(int i) const { return in_checkpoint(i, cfg.experts_path()); }
 
   // An MXFP4 expert tensor as stored: `name`_blocks [E, rows, cols/32, 16] and `name`_scales
   // [E, rows, cols/32] (uint8, checked).
@@ -363,8 +359,8 @@ struct ModelLoader {
   bool keep_mxfp4(int i) const {
     if (!opts.load_in_4bit || opts.expert_quant == ExpertQuant::Nf4) return false;
     const std::string p = experts_prefix(i);
-    const bool stored = m.cfg_.arch == Arch::GptOss &&
-                        (ck ? ck->has(p + ".gate_up_proj_blocks") && ck->has(p + ".down_proj_blocks") : m.cfg_.mxfp4_experts);
+    const bool stored = cfg.arch == Arch::GptOss &&
+                        (ck ? ck->has(p + ".gate_up_proj_blocks") && ck->has(p + ".down_proj_blocks") : cfg.mxfp4_experts);
     if (!stored && opts.expert_quant == ExpertQuant::Mxfp4)
       throw UsageError((ck ? "checkpoint " + ck->folder() : std::string("the synthetic weights")) +
                        ": expert_quant: mxfp4 keeps experts in MXFP4 as the checkpoint stores them, but layer " +
@@ -376,7 +372,7 @@ struct ModelLoader {
   // [out, in] matrices (models/mxfp4.h): gate = the even rows of gate_up_proj, up = the odd rows,
   // down = down_proj; each row keeps its 32-groups along `in`.
   std::vector<std::array<nf4::QuantizedWeight, 3>> mxfp4_bank(int i) const {
-    const auto E = m.cfg_.experts, H = m.cfg_.hidden, I = m.cfg_.expert_width;
+    const auto E = cfg.experts, H = cfg.hidden, I = cfg.expert_width;
     const at::Device home = opts.experts_on_host ? at::Device(at::kCPU) : opts.device;
     std::vector<std::array<nf4::QuantizedWeight, 3>> out(E);
     if (!ck) {
@@ -404,16 +400,16 @@ struct ModelLoader {
   // others must agree) and stay so: always, unless load_in_4bit with expert_quant: nf4.
   // Synthetic weights: NVFP4 when config.json says so.
   bool stored_nvfp4_experts(int i) const {
-    if (!ck) return m.cfg_.nvfp4 && !(opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4);
-    return m.cfg_.arch != Arch::GptOss && ck->has(expert_prefix(i, 0, 0) + ".weight_scale_2");
+    if (!ck) return cfg.nvfp4 && !(opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4);
+    return cfg.arch != Arch::GptOss && ck->has(expert_prefix(i, 0, 0) + ".weight_scale_2");
   }
   // Layer i's experts as the checkpoint's NVFP4 bytes, on their home (the device, or host RAM with
   // expert offload); expert_quant: nf4 re-quantises them from their fp32 values.
   std::vector<std::array<nf4::QuantizedWeight, 3>> nvfp4_bank(int i) const {
     const at::Device home = opts.experts_on_host ? at::Device(at::kCPU) : opts.device;
     const bool requantise = opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4;
-    std::vector<std::array<nf4::QuantizedWeight, 3>> out(m.cfg_.experts);
-    for (int e = 0; e < m.cfg_.experts; ++e)
+    std::vector<std::array<nf4::QuantizedWeight, 3>> out(cfg.experts);
+    for (int e = 0; e < cfg.experts; ++e)
       for (int mi = 0; mi < 3; ++mi) {
         const std::string prefix = expert_prefix(i, e, mi);
         if (!ck) {
@@ -441,10 +437,10 @@ struct ModelLoader {
   // Experts of layer i. Fused layout: [E][matrix] float views (CPU, checkpoint dtype). Per-expert
   // layout: empty; the matrices load one by one through expert_prefix (they may be bnb-quantised).
   std::vector<std::array<at::Tensor, 3>> fused_experts(int i) const {
-    const ModelConfig& c = m.cfg_;
+    const ModelConfig& c = cfg;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
     const std::string p = experts_prefix(i);
-    if (m.cfg_.arch == Arch::GptOss) {
+    if (cfg.arch == Arch::GptOss) {
       // gpt-oss's own layout, the only one it has: transposed [E, H, 2I] with gate and up
       // interleaved (gate = columns 0, 2, 4, ...), down [E, I, H]; or MXFP4 as the Hub ships it.
       if (!ck) return {};
@@ -483,23 +479,23 @@ struct ModelLoader {
     // Llama 4 per expert: axolotl's linearized checkpoints (Llama4TextExperts as ModuleLists,
     // experts.gate_projs.{e}, up_projs, down_projs; bitsandbytes-quantised as they ship).
     static const char* kLinearized[3] = {"gate_projs", "up_projs", "down_projs"};
-    if (m.cfg_.llama4) return experts_prefix(i) + "." + kLinearized[mi] + "." + std::to_string(e);
-    return experts_prefix(i) + "." + std::to_string(e) + "." + m.cfg_.family().expert_linears[mi];
+    if (cfg.llama4) return experts_prefix(i) + "." + kLinearized[mi] + "." + std::to_string(e);
+    return experts_prefix(i) + "." + std::to_string(e) + "." + cfg.family().expert_linears[mi];
   }
   // gpt-oss's expert biases, [E, out] per matrix (gate, up interleaved in gate_up_proj_bias).
   std::array<at::Tensor, 3> expert_biases(int i) const {
-    const auto E = m.cfg_.experts, H = m.cfg_.hidden, I = m.cfg_.expert_width;
+    const auto E = cfg.experts, H = cfg.hidden, I = cfg.expert_width;
     const std::string p = experts_prefix(i);
     const at::Tensor gu = get(p + ".gate_up_proj_bias", {E, 2 * I}), down = get(p + ".down_proj_bias", {E, H});
     return {gu.slice(1, 0, 2 * I, 2).contiguous(), gu.slice(1, 1, 2 * I, 2).contiguous(), down};
   }
   std::vector<std::int64_t> expert_shape(int mi) const {
-    const auto H = m.cfg_.hidden, I = m.cfg_.expert_width;
+    const auto H = cfg.hidden, I = cfg.expert_width;
     return mi == 2 ? std::vector<std::int64_t>{H, I} : std::vector<std::int64_t>{I, H};
   }
 
-  void run() {
-    const ModelConfig& c = m.cfg_;
+  ModelWeights run() {
+    const ModelConfig& c = cfg;
     const auto H = c.hidden;
     if (opts.expert_quant != ExpertQuant::Auto && !opts.load_in_4bit)
       throw UsageError("expert_quant applies with load_in_4bit: true; without it the experts are loaded in " +
@@ -510,50 +506,50 @@ struct ModelLoader {
                 c.multimodal->class_name + "); its " + c.multimodal->text_model_type + " text model (" + mp +
                 "*) is loaded and trained, its " + (c.llama4 ? "vision tower is" : "vision and audio towers are") +
                 " not loaded and not trained (the adapter covers the text model only)");
-    m.embed_ = get(mp + "embed_tokens.weight", {c.vocab, H});
-    if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) m.embed_ = m.embed_.to(at::kCPU);
-    m.final_norm_ = get(mp + "norm.weight", {H});
-    m.lm_head_ = c.tie_word_embeddings ? m.embed_ : get(layout().lm_head, {c.vocab, H});
+    ModelWeights w;
+    w.embed = get(mp + "embed_tokens.weight", {c.vocab, H});
+    if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) w.embed = w.embed.to(at::kCPU);
+    w.final_norm = get(mp + "norm.weight", {H});
+    w.lm_head = c.tie_word_embeddings ? w.embed : get(layout().lm_head, {c.vocab, H});
     ResidentWeights::Bank bank(c.layers);
     for (int i = 0; i < c.layers; ++i) {
-      auto b = std::make_unique<DecoderBlock>();
-      b->cfg_ = &m.cfg_;
-      b->index_ = i;
-      b->moe_ = c.is_moe_layer(i);
-      b->quantized_ = opts.load_in_4bit;
-      b->bank_bytes_ = opts.expert_bank_bytes;
+      BlockWeights b;
+      b.index = i;
+      b.moe = c.is_moe_layer(i);
+      b.quantized = opts.load_in_4bit;
+      b.bank_bytes = opts.expert_bank_bytes;
       const std::string p = layer_prefix(i);
-      b->input_norm_ = get(p + "input_layernorm.weight", {H});
-      b->post_norm_ = get(p + "post_attention_layernorm.weight", {H});
-      attention(*b, p);
+      b.input_norm = get(p + "input_layernorm.weight", {H});
+      b.post_norm = get(p + "post_attention_layernorm.weight", {H});
+      attention(b, p);
       if (c.gemma) {  // the dense MLP and norms beside the experts, the router's scales, the layer scalar
-        b->dense_ = mlp(p + "mlp", c.dense_width);
-        b->pre_ff_norm_ = get(p + "pre_feedforward_layernorm.weight", {H});
-        b->post_ff_norm_ = get(p + "post_feedforward_layernorm.weight", {H});
-        b->post_ff_norm_1_ = get(p + "post_feedforward_layernorm_1.weight", {H});
-        b->pre_ff_norm_2_ = get(p + "pre_feedforward_layernorm_2.weight", {H});
-        b->post_ff_norm_2_ = get(p + "post_feedforward_layernorm_2.weight", {H});
-        b->router_scale_ = get(p + "router.scale", {H});
-        b->per_expert_scale_ = get(p + "router.per_expert_scale", {c.experts});
-        b->layer_scalar_ = get(p + "layer_scalar", {1});
+        b.dense = mlp(p + "mlp", c.dense_width);
+        b.pre_ff_norm = get(p + "pre_feedforward_layernorm.weight", {H});
+        b.post_ff_norm = get(p + "post_feedforward_layernorm.weight", {H});
+        b.post_ff_norm_1 = get(p + "post_feedforward_layernorm_1.weight", {H});
+        b.pre_ff_norm_2 = get(p + "pre_feedforward_layernorm_2.weight", {H});
+        b.post_ff_norm_2 = get(p + "post_feedforward_layernorm_2.weight", {H});
+        b.router_scale = get(p + "router.scale", {H});
+        b.per_expert_scale = get(p + "router.per_expert_scale", {c.experts});
+        b.layer_scalar = get(p + "layer_scalar", {1});
       }
-      if (!b->moe_) {
-        b->dense_ = mlp(p + c.mlp_prefix(), c.dense_width);
+      if (!b.moe) {
+        b.dense = mlp(p + c.mlp_prefix(), c.dense_width);
       } else {
         // fp16 keeps the router in fp32 too: its logits feed a softmax whose range fp16 lacks.
         const std::optional<at::ScalarType> router_dtype =
             c.router.fp32 || opts.dtype == at::kHalf ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
         const std::string router = in_checkpoint(i, c.router_path());
-        b->router_ = get(router + ".weight", {c.experts, H}, router_dtype);
-        if (c.router.bias) b->router_b_ = get(router + ".bias", {c.experts}, router_dtype);
-        if (c.router.correction_bias) b->router_bias_ = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
-        if (c.expert_bias) b->expert_bias_ = expert_biases(i);
+        b.router = get(router + ".weight", {c.experts, H}, router_dtype);
+        if (c.router.bias) b.router_b = get(router + ".bias", {c.experts}, router_dtype);
+        if (c.router.correction_bias) b.router_bias = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
+        if (c.expert_bias) b.expert_bias = expert_biases(i);
         if (keep_mxfp4(i)) {
           bank[i] = mxfp4_bank(i);
         } else if (stored_nvfp4_experts(i)) {
           bank[i] = nvfp4_bank(i);
-          b->quantized_ = true;  // held 4-bit even without load_in_4bit: the checkpoint's bytes
-          b->nvfp4_experts_ = !bank[i].empty() && bank[i][0][0].format == QuantFormat::Nvfp4;  // not re-quantised to NF4
+          b.quantized = true;  // held 4-bit even without load_in_4bit: the checkpoint's bytes
+          b.nvfp4_experts = !bank[i].empty() && bank[i][0][0].format == QuantFormat::Nvfp4;  // not re-quantised to NF4
         } else if (const auto fused = fused_experts(i); opts.load_in_4bit) {
           bank[i].resize(c.experts);
           for (int e = 0; e < c.experts; ++e)
@@ -565,18 +561,18 @@ struct ModelLoader {
             std::vector<at::Tensor> per;
             for (int e = 0; e < c.experts; ++e)
               per.push_back(fused.empty() ? get(expert_prefix(i, e, mi) + ".weight", expert_shape(mi)) : fused[e][mi]);
-            b->experts_[mi] = at::stack(per).to(opts.device, opts.dtype).contiguous();
+            b.experts[mi] = at::stack(per).to(opts.device, opts.dtype).contiguous();
           }
         }
         if (c.shared_expert_width > 0) {
-          b->has_shared_ = true;
-          b->shared_ = mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), c.shared_expert_width);
-          if (c.shared_expert_gated) b->shared_gate_ = get(p + "mlp.shared_expert_gate.weight", {1, H});
+          b.has_shared = true;
+          b.shared = mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), c.shared_expert_width);
+          if (c.shared_expert_gated) b.shared_gate = get(p + "mlp.shared_expert_gate.weight", {1, H});
         }
       }
-      m.blocks_.push_back(std::move(b));
+      w.blocks.push_back(std::move(b));
     }
-    m.set_weight_provider(std::make_shared<ResidentWeights>(std::move(bank)));
+    w.provider = std::make_shared<ResidentWeights>(std::move(bank));
     const std::string source = ck ? ck->folder() : std::string("synthetic weights");
     if (mxfp4_kept > 0 && !ck)
       log::info(source + ": experts held in MXFP4 (random codes and scales: config.json's quant_method is mxfp4)");
@@ -609,8 +605,11 @@ struct ModelLoader {
       log::info(ck->folder() + ": " + std::to_string(stored_dequantised) + " bitsandbytes 4-bit modules dequantised to " +
                 std::string(at::toString(opts.dtype)) +
                 (opts.load_in_4bit ? " (they are not decoder-block linears)" : " because load_in_4bit is off"));
+    return w;
   }
 };
+
+}  // namespace
 
 ExpertQuant expert_quant_named(const std::string& name) {
   if (name == "auto") return ExpertQuant::Auto;
@@ -626,254 +625,13 @@ std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const Loa
 std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const ModelConfig& config, const LoadOptions& opts) {
   if (opts.dtype != at::kFloat && opts.dtype != at::kBFloat16 && opts.dtype != at::kHalf)
     throw UsageError("model dtype must be fp32, bf16 or fp16");
-  std::unique_ptr<MoeModel> m(new MoeModel());
-  m->cfg_ = config;
-  m->opts_ = opts;
   if (opts.random_seed) {
     if (opts.double_quant) log::warn("synthetic weights are drawn as plain NF4 (no double quantisation)");
-    RandomWeights random(*opts.random_seed, opts.device, m->cfg_.initializer_range);
-    ModelLoader{nullptr, &random, opts, *m}.run();
-    return m;
+    RandomWeights random(*opts.random_seed, opts.device, config.initializer_range);
+    return std::make_unique<MoeModel>(config, opts, ModelLoader{nullptr, &random, opts, config}.run());
   }
   const st::Checkpoint ck = st::Checkpoint::open(model_dir);
-  ModelLoader{&ck, nullptr, opts, *m}.run();
-  return m;
-}
-
-void MoeModel::set_weight_provider(std::shared_ptr<WeightProvider> provider) {
-  EO_CHECK(provider != nullptr, "set_weight_provider: null provider");
-  provider_ = std::move(provider);
-  for (auto& b : blocks_) b->provider_ = provider_.get();
-}
-
-std::vector<LoraSite> MoeModel::lora_sites() const {
-  std::vector<LoraSite> sites;
-  auto add = [&](const std::string& module, const std::string& short_name, FrozenLinear& l) {
-    sites.push_back({module, short_name, l.in, l.out, &l.lora});
-  };
-  const std::size_t first = sites.size();
-  const ModelConfig& c = cfg_;
-  for (const auto& bp : blocks_) {
-    DecoderBlock& b = *bp;
-    const std::string p = c.decoder_prefix() + "layers." + std::to_string(b.index_) + ".";
-    // The attention linears under peft's names (attention_linears() order).
-    for (const std::string& n : c.attention_linears()) {
-      if (n == "v_proj" && !c.has_v_proj(b.index_)) continue;  // Gemma 4's full layers with attention_k_eq_v
-      FrozenLinear& l = n == "q_proj" || n == "q_b_proj" ? b.q_ : n == "k_proj" ? b.k_ : n == "v_proj" ? b.v_
-                        : n == "o_proj"                  ? b.o_ : n == "q_a_proj" ? b.q_a_ : n == "kv_a_proj_with_mqa" ? b.kv_a_ : b.kv_b_;
-      add(p + "self_attn." + n, n, l);
-    }
-    auto add_mlp = [&](const std::string& prefix, Mlp& mm) {
-      add(prefix + ".gate_proj", "gate_proj", mm.gate);
-      add(prefix + ".up_proj", "up_proj", mm.up);
-      add(prefix + ".down_proj", "down_proj", mm.down);
-    };
-    if (!b.moe_ || c.dense_beside_experts()) add_mlp(p + c.mlp_prefix(), b.dense_);
-    if (!b.moe_) continue;
-    if (!lora_spec_.target_parameters.empty()) {
-      // lora_target_parameters: peft's ParamWrapper on transformers 5's fused expert parameters,
-      // named under its module path (`mlp.experts` in every family, Mixtral included; Gemma 4's
-      // `experts`); the experts are adapted only this way (as in peft, target_modules reach no
-      // fused expert).
-      const std::string fp = p + c.fused_experts_path();
-      auto fused = [&](const char* param, const char* short_name, std::int64_t in, std::int64_t out,
-                       std::shared_ptr<ExpertLora>* stack) {
-        LoraSite s{fp + "." + short_name, short_name, in, out};
-        s.stack = stack;
-        s.experts = static_cast<int>(c.experts);
-        s.stack_prefix = fp;
-        s.param = param;
-        sites.push_back(std::move(s));
-      };
-      fused(kGateUpParam, "gate_up_proj", c.hidden, 2 * c.expert_width, &b.gate_up_lora_);
-      fused(kDownParam, "down_proj", c.expert_width, c.hidden, &b.expert_lora_[static_cast<int>(ExpertMatrix::Down)]);
-      if (b.has_shared_) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared_);
-      continue;
-    }
-    // peft names experts under the checkpoint's module path (Mixtral: block_sparse_moe, w1/w3/w2).
-    const std::string ep = p + c.experts_path() + ".";
-    const std::int64_t in[3] = {c.hidden, c.hidden, c.expert_width}, out[3] = {c.expert_width, c.expert_width, c.hidden};
-    for (int e = 0; e < (c.experts_lora_ok() ? c.experts : 0); ++e)  // gpt-oss: no per-expert modules
-      for (int mi = 0; mi < 3; ++mi) {
-        const std::string short_name = c.family().expert_linears[mi];
-        LoraSite s{ep + std::to_string(e) + "." + short_name, short_name, in[mi], out[mi]};
-        s.stack = &b.expert_lora_[mi];
-        s.expert = e;
-        s.experts = static_cast<int>(c.experts);
-        s.stack_prefix = p + c.experts_path();
-        sites.push_back(std::move(s));
-      }
-    if (b.has_shared_) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared_);
-  }
-  // Each site's layer, from its name (every site is under <decoder prefix>layers.{i}.; a multimodal
-  // checkpoint's decoder prefix is model.language_model.).
-  const std::size_t layer_at = c.decoder_prefix().size() + sizeof("layers.") - 1;
-  for (std::size_t i = first; i < sites.size(); ++i) sites[i].layer = std::stoi(sites[i].module.substr(layer_at));
-  return sites;
-}
-
-std::pair<int, int> MoeModel::enable_merge_aware() {
-  int linears = 0, experts = 0;
-  for (auto& bp : blocks_) {
-    DecoderBlock& b = *bp;
-    for (FrozenLinear* l : {&b.q_, &b.k_, &b.v_, &b.o_, &b.q_a_, &b.kv_a_, &b.kv_b_, &b.dense_.gate, &b.dense_.up, &b.dense_.down,
-                            &b.shared_.gate, &b.shared_.up, &b.shared_.down}) {
-      l->merge_aware = nullptr;
-      if (!l->lora || !l->nvfp4_grid().defined()) continue;  // plain LoRA on a weight that is not NVFP4, as axolotl
-      l->merge_aware = merge_aware_on_.get();
-      ++linears;
-    }
-    b.merge_aware_ = nullptr;
-    if (!b.moe_ || !b.nvfp4_experts_) continue;
-    int n = b.gate_up_lora_ ? 2 : 0;
-    for (const auto& l : b.expert_lora_) n += l ? 1 : 0;
-    if (n == 0) continue;
-    // The snapped banks carry the whole delta, so no dropout can act on the low-rank branch alone.
-    if (lora_spec_.dropout > 0)
-      throw UsageError("nvfp4_merge_aware: the expert LoRA snaps its delta into the experts' weights, where lora_dropout (" +
-                       std::to_string(lora_spec_.dropout) + ") cannot act; set lora_dropout: 0");
-    b.merge_aware_ = merge_aware_on_.get();
-    experts += n;
-  }
-  if (linears + experts == 0)
-    throw UsageError("nvfp4_merge_aware: no LoRA-carrying weight of this " + cfg_.model_type + " model is NVFP4 (it snaps the "
-                     "LoRA delta onto an NVFP4 base's grid: base_model must be an NVFP4 (modelopt) checkpoint whose adapted "
-                     "linears or experts are NVFP4, and expert_quant must not re-quantise the experts to nf4)");
-  return {linears, experts};
-}
-
-void MoeModel::add_lora(const LoraSpec& spec) {
-  EO_CHECK(spec.r > 0, "LoRA rank must be positive");
-  for (const auto& p : spec.target_parameters)
-    if (canonical_target_parameter(p) != p)
-      throw UsageError("LoRA target parameter '" + p + "' is not " + kGateUpParam + " or " + kDownParam);
-  const bool moe = std::any_of(blocks_.begin(), blocks_.end(), [](const auto& b) { return b->moe_; });
-  // peft's ParamWrapper takes Llama4TextExperts' [E, H, 2I] parameters as [E, out, in] (they lack
-  // transformers' is_transposed flag), a layout eo-ddp's fused LoRA does not implement.
-  if (!spec.target_parameters.empty() && cfg_.llama4)
-    throw UsageError("lora_target_parameters is not implemented for " + cfg_.model_type + " yet (peft's ParamWrapper "
-                     "adapts its feed_forward.experts.* with in and out swapped); use lora_target_modules, which "
-                     "adapt the attention, the shared expert and the dense MLP layers");
-  if (!spec.target_parameters.empty() && !moe)
-    throw UsageError("lora_target_parameters needs MoE blocks with fused experts; this " + cfg_.model_type +
-                     " model has none");
-  for (int l : spec.layers)
-    if (l < 0 || l >= num_layers())
-      throw UsageError("LoRA layers_to_transform: " + std::to_string(l) + " is no layer of this " + cfg_.model_type +
-                       " model (layers 0 to " + std::to_string(num_layers() - 1) + ")");
-  lora_spec_ = spec;
-  std::set<std::string> matched;
-  for (auto& b : blocks_) {  // every block's stacked expert LoRA is made afresh below
-    for (auto& l : b->expert_lora_) l.reset();
-    b->gate_up_lora_.reset();
-  }
-  const auto sites = lora_sites();
-  for (std::size_t i = 0; i < sites.size(); ++i) {
-    const auto& s = sites[i];
-    if (!s.param.empty()) {
-      if (!spec.targets_parameter(s.param) || !spec.targets_layer(s.layer)) continue;
-      // One generator per fused parameter, as peft draws one lora_A per ParamWrapper.
-      *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
-      (*s.stack)->init_fused(spec.seed * 1000003ULL + i);
-      continue;
-    }
-    if (!spec.targets_module(s.short_name) || !spec.targets_layer(s.layer)) {
-      if (s.slot) s.slot->reset();
-      continue;
-    }
-    matched.insert(s.short_name);
-    // One generator per module, seeded from (seed, module index): stable across runs and ranks,
-    // and the same for an expert's slice of the stacked adapter as for a per-expert adapter.
-    const std::uint64_t gen_seed = spec.seed * 1000003ULL + i;
-    if (s.slot) {
-      *s.slot = std::make_shared<LoraAdapter>(s.in, s.out, spec, gen_seed, opts_.device);
-      continue;
-    }
-    if (!*s.stack) *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
-    (*s.stack)->init_expert(s.expert, gen_seed);
-  }
-  const std::vector<std::string>& expert_names = expert_linear_names();
-  for (const auto& t : spec.targets)
-    // With target_parameters an expert matrix name may match only the experts, which it does
-    // not reach (peft on transformers 5 likewise): not an error.
-    if (!matched.count(t) && !(!spec.target_parameters.empty() && moe &&
-                                std::find(expert_names.begin(), expert_names.end(), t) != expert_names.end())) {
-      std::string names;
-      for (const auto& n : cfg_.linear_modules()) names += (names.empty() ? "" : ", ") + n;
-      throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type + " model (" + names + ")" +
-                       (cfg_.experts_lora_ok() ? "" : "; its experts exist only fused, which peft adapts through "
-                                                      "target_parameters, a format eo-ddp implements for the [E, 2I, H] layout only"));
-    }
-}
-
-std::vector<std::pair<std::string, at::Tensor>> MoeModel::lora_parameters() const {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& s : lora_sites()) {
-    if (!s.param.empty()) {
-      if (!*s.stack) continue;
-      const std::string prefix = "base_model.model." + s.stack_prefix;
-      out.emplace_back(fused_lora_name(prefix, s.short_name, 'A'), (*s.stack)->A());
-      out.emplace_back(fused_lora_name(prefix, s.short_name, 'B'), (*s.stack)->B());
-      continue;
-    }
-    if (s.stack) {
-      // Once per block and matrix (at expert 0's site): the stacked leaves, gate, up, down.
-      if (s.expert != 0 || !*s.stack) continue;
-      const std::string prefix = "base_model.model." + s.stack_prefix;
-      out.emplace_back(stacked_lora_name(prefix, s.short_name, 'A'), (*s.stack)->A());
-      out.emplace_back(stacked_lora_name(prefix, s.short_name, 'B'), (*s.stack)->B());
-      continue;
-    }
-    if (!*s.slot) continue;
-    out.emplace_back("base_model.model." + s.module + ".lora_A.weight", (*s.slot)->A());
-    out.emplace_back("base_model.model." + s.module + ".lora_B.weight", (*s.slot)->B());
-  }
-  return out;
-}
-
-void MoeModel::load_adapter(const std::string& adapter_dir) {
-  add_lora(read_adapter_config(adapter_dir));
-  load_adapter_weights(adapter_dir);
-}
-
-void MoeModel::load_adapter_weights(const std::string& adapter_dir) {
-  const LoraSpec& spec = lora_spec_;
-  const std::string path = adapter_dir + "/adapter_model.safetensors";
-  if (!std::filesystem::exists(path)) throw UsageError(path + ": missing (only safetensors adapters are supported)");
-  const auto file = st::File::open(path);
-  std::set<std::string> used;
-  // The file's tensors under peft's names and shapes (per-expert slices, ParamWrapper layouts),
-  // then taken back to the trained form and copied into the leaves.
-  std::vector<std::pair<std::string, at::Tensor>> leaves, loaded;
-  for (const auto& [name, p] : lora_parameters()) leaves.emplace_back(name, p.detach());
-  for (auto& [name, param] : peft_lora_tensors(leaves)) {
-    const st::TensorInfo* info = file->find(name);
-    if (!info)
-      throw UsageError(path + ": tensor '" + name + "' is missing although adapter_config.json's target_modules "
-                       "select that module; was the adapter made for another model?");
-    at::Tensor t = file->load(name);
-    if (t.sizes() != param.sizes())
-      throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) + ", expected " +
-                       shape_str(param.sizes()) + " (r=" + std::to_string(spec.r) + ")");
-    loaded.emplace_back(name, t.to(at::kFloat));
-    used.insert(name);
-  }
-  for (const auto& info : file->tensors())
-    if (!used.count(info.name))
-      throw UsageError(path + ": tensor '" + info.name + "' does not belong to any targeted module of this model");
-  std::map<std::string, at::Tensor> trained;
-  for (auto& [name, t] : stack_expert_lora(loaded, &spec)) trained.emplace(name, t);
-  for (auto& [name, leaf] : leaves) leaf.copy_(trained.at(name));  // a detached alias: the leaf keeps requires_grad
-}
-
-void MoeModel::save_adapter(const std::string& adapter_dir, const std::string& base_model) const {
-  std::filesystem::create_directories(adapter_dir);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (auto& [name, t] : lora_parameters()) tensors.emplace_back(name, t.detach().to(at::kCPU));
-  tensors = peft_lora_tensors(tensors);  // peft's per-expert / ParamWrapper names and shapes
-  for (auto& [name, t] : tensors) t = t.contiguous();
-  st::save(adapter_dir + "/adapter_model.safetensors", tensors);
-  write_adapter_config(adapter_dir, lora_spec_, base_model, cfg_.decoder_prefix(), cfg_.fused_experts_path());
+  return std::make_unique<MoeModel>(config, opts, ModelLoader{&ck, nullptr, opts, config}.run());
 }
 
 }  // namespace eo::model

@@ -145,13 +145,13 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   const ModelConfig& c = *cfg_;
   if (c.mla) return latent_attention(x, ctx);
   const auto B = x.size(0), T = x.size(1);
-  const std::int64_t D = c.head_dim_at(index_), KV = c.kv_heads_at(index_);
-  at::Tensor q = q_.forward(x, ctx.training), k = k_.forward(x, ctx.training);
+  const std::int64_t D = c.head_dim_at(w_.index), KV = c.kv_heads_at(w_.index);
+  at::Tensor q = w_.q.forward(x, ctx.training), k = w_.k.forward(x, ctx.training);
   // Gemma 4's full layers with attention_k_eq_v: the values are k_proj's output (before k_norm).
-  at::Tensor v = c.has_v_proj(index_) ? v_.forward(x, ctx.training) : k;
+  at::Tensor v = c.has_v_proj(w_.index) ? w_.v.forward(x, ctx.training) : k;
   if (c.qk_norm == QkNorm::Whole) {  // olmoe: over the whole projection, before the split
-    q = rms_norm(q, q_norm_, c.rms_eps);
-    k = rms_norm(k, k_norm_, c.rms_eps);
+    q = rms_norm(q, w_.q_norm, c.rms_eps);
+    k = rms_norm(k, w_.k_norm, c.rms_eps);
   }
   if (c.clip_qkv) {
     q = q.clamp(-*c.clip_qkv, *c.clip_qkv);
@@ -162,11 +162,11 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   k = k.view({B, T, KV, D});
   v = v.view({B, T, KV, D});
   if (c.qk_norm == QkNorm::PerHead) {  // qwen3, glm4_moe use_qk_norm, gemma4: per head, after the view
-    q = rms_norm(q, q_norm_, c.rms_eps);
-    k = rms_norm(k, k_norm_, c.rms_eps);
+    q = rms_norm(q, w_.q_norm, c.rms_eps);
+    k = rms_norm(k, w_.k_norm, c.rms_eps);
   }
   if (c.llama4) {  // Llama4TextAttention: RoPE or NoPE, then the L2 norm or the temperature
-    const bool rope_layer = c.uses_rope(index_);
+    const bool rope_layer = c.uses_rope(w_.index);
     q = rope_layer ? apply_rope(q.transpose(1, 2), ctx, c.rope) : q.transpose(1, 2);
     k = rope_layer ? apply_rope(k.transpose(1, 2), ctx, c.rope) : k.transpose(1, 2);
     if (c.qk_norm == QkNorm::L2 && rope_layer) {
@@ -175,16 +175,16 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
     }
     // The fp32 scale times q, rounded back to q's dtype, as transformers' promotion does.
     if (!rope_layer && ctx.q_scale.defined()) q = (q * ctx.q_scale).to(q.scalar_type());
-    if (!c.is_chunked_layer(index_) || !ctx.chunk_mask.defined())
-      return o_.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
+    if (!c.is_chunked_layer(w_.index) || !ctx.chunk_mask.defined())
+      return w_.o.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
     BlockContext chunked = ctx;
     chunked.attn_mask = ctx.chunk_mask;
-    return o_.forward(attend(q, k, v.transpose(1, 2), chunked, c.attn_scale), ctx.training);
+    return w_.o.forward(attend(q, k, v.transpose(1, 2), chunked, c.attn_scale), ctx.training);
   }
   if (c.gemma) {
     v = rms_norm(v, at::Tensor(), c.rms_eps);  // v_norm: no scale
     // This layer type's RoPE table: the sliding layers' first, then the full layers' (context()).
-    const bool full = c.is_full_gemma_layer(index_);
+    const bool full = c.is_full_gemma_layer(w_.index);
     const std::int64_t off = full ? c.rope.dim : 0, R = full ? c.gemma->full_rope.dim : c.rope.dim;
     q = rope(q, ctx.cos.narrow(-1, off, R), ctx.sin.narrow(-1, off, R)).transpose(1, 2);
     k = rope(k, ctx.cos.narrow(-1, off, R), ctx.sin.narrow(-1, off, R)).transpose(1, 2);
@@ -195,10 +195,10 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
     q = rope(q, ctx.cos, ctx.sin).transpose(1, 2);
     k = rope(k, ctx.cos, ctx.sin).transpose(1, 2);
   }
-  const std::int64_t window = c.is_sliding_layer(index_) ? c.sliding_window : 0;
+  const std::int64_t window = c.is_sliding_layer(w_.index) ? c.sliding_window : 0;
   if (c.attention_sinks || window > 0)
-    return o_.forward(attend_with_sinks(q, k, v.transpose(1, 2), ctx, c.attn_scale, sinks_, window), ctx.training);
-  return o_.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
+    return w_.o.forward(attend_with_sinks(q, k, v.transpose(1, 2), ctx, c.attn_scale, w_.sinks, window), ctx.training);
+  return w_.o.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
 }
 
 // Multi-head latent attention (modeling_deepseek_v3.py DeepseekV3Attention): each head's query
@@ -209,16 +209,16 @@ at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContex
   const Mla& a = *c.mla;
   const auto B = x.size(0), T = x.size(1), H = c.heads;
   const bool tr = ctx.training;
-  const at::Tensor q_in = a.q_lora_rank > 0 ? rms_norm(q_a_.forward(x, tr), q_a_norm_, kLatentNormEps) : x;
-  const at::Tensor q = q_.forward(q_in, tr).view({B, T, H, a.qk_dim()}).transpose(1, 2);
-  const at::Tensor kv_a = kv_a_.forward(x, tr);  // [B, T, kv_lora_rank + rope]
-  const at::Tensor latent = rms_norm(kv_a.narrow(-1, 0, a.kv_lora_rank), kv_a_norm_, kLatentNormEps);
+  const at::Tensor q_in = a.q_lora_rank > 0 ? rms_norm(w_.q_a.forward(x, tr), w_.q_a_norm, kLatentNormEps) : x;
+  const at::Tensor q = w_.q.forward(q_in, tr).view({B, T, H, a.qk_dim()}).transpose(1, 2);
+  const at::Tensor kv_a = w_.kv_a.forward(x, tr);  // [B, T, kv_lora_rank + rope]
+  const at::Tensor latent = rms_norm(kv_a.narrow(-1, 0, a.kv_lora_rank), w_.kv_a_norm, kLatentNormEps);
   const at::Tensor k_rot = apply_rope(kv_a.narrow(-1, a.kv_lora_rank, a.rope_dim).unsqueeze(1), ctx, c.rope);  // [B, 1, T, R]
   at::Tensor q_full = at::cat({q.narrow(-1, 0, a.nope_dim), apply_rope(q.narrow(-1, a.nope_dim, a.rope_dim), ctx, c.rope)}, -1);
   if (ctx.q_scale.defined()) q_full = q_full * ctx.q_scale;  // Mistral 4, after RoPE as Mistral4Attention
-  const at::Tensor kv = kv_b_.forward(latent, tr).view({B, T, H, a.nope_dim + a.v_dim}).transpose(1, 2);
+  const at::Tensor kv = w_.kv_b.forward(latent, tr).view({B, T, H, a.nope_dim + a.v_dim}).transpose(1, 2);
   const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
-  return o_.forward(attend(q_full, k, kv.narrow(-1, a.nope_dim, a.v_dim), ctx, c.attn_scale), tr);
+  return w_.o.forward(attend(q_full, k, kv.narrow(-1, a.nope_dim, a.v_dim), ctx, c.attn_scale), tr);
 }
 
 namespace {
@@ -234,17 +234,17 @@ at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, const Sw
 at::Tensor DecoderBlock::expert(int e, const at::Tensor& x, bool training, const ExpertLoraSlices& lora) const {
   auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
     const int mi = static_cast<int>(m);
-    at::Tensor y = quantized_ ? linear4bit(in, WeightHandle{provider_, index_, e, m, nullptr}) : at::linear(in, experts_[mi][e]);
-    if (expert_bias_[mi].defined()) y = y + expert_bias_[mi][e];
-    if (const auto& l = expert_lora_[mi]) y = l->add_to(lora[mi], e, y, in, training);
+    at::Tensor y = w_.quantized ? linear4bit(in, WeightHandle{provider_, w_.index, e, m, nullptr}) : at::linear(in, w_.experts[mi][e]);
+    if (w_.expert_bias[mi].defined()) y = y + w_.expert_bias[mi][e];
+    if (const auto& l = w_.expert_lora[mi]) y = l->add_to(lora[mi], e, y, in, training);
     return y;
   };
   at::Tensor gate = linear(ExpertMatrix::Gate, x), up = linear(ExpertMatrix::Up, x);
-  if (gate_up_lora_) {
+  if (w_.gate_up_lora) {
     // The fused [gate; up] output takes one LoRA delta (shared A), then splits as transformers'
     // gate_up_proj(...).chunk(2) does.
     const auto I = gate.size(-1);
-    const at::Tensor gu = gate_up_lora_->add_to(lora[3], e, at::cat({gate, up}, -1), x, training);
+    const at::Tensor gu = w_.gate_up_lora->add_to(lora[3], e, at::cat({gate, up}, -1), x, training);
     gate = gu.narrow(-1, 0, I);
     up = gu.narrow(-1, I, I);
   }
@@ -263,7 +263,7 @@ at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const a
     std::vector<const nf4::QuantizedWeight*> qs;
     std::vector<at::Tensor> globals;
     for (int e = 0; e < E; ++e) {
-      qs.push_back(&provider_->expert_weight(index_, e, m));
+      qs.push_back(&provider_->expert_weight(w_.index, e, m));
       globals.push_back(qs.back()->global_scale.reshape({1}));
     }
     return std::make_pair(nf4::dequantize_stack(qs, dt), at::cat(globals).to(x_sorted.device()));
@@ -275,17 +275,17 @@ at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const a
   auto [up, g_up] = bank(ExpertMatrix::Up);
   auto [down, g_down] = bank(ExpertMatrix::Down);
   const auto I = gate.size(1);
-  if (gate_up_lora_) {
+  if (w_.gate_up_lora) {
     // The fused [gate; up] as transformers 5 and axolotl hold it, on one grid per expert: the
     // larger global scale of the two (axolotl's fuse_nvfp4_experts, "base_fused_max"). Blocks
     // run along the input dim, so they never straddle gate and up.
-    const at::Tensor w = snap_nvfp4_ste(at::cat({gate, up}, 1) + delta(*gate_up_lora_), at::maximum(g_gate, g_up));
+    const at::Tensor w = snap_nvfp4_ste(at::cat({gate, up}, 1) + delta(*w_.gate_up_lora), at::maximum(g_gate, g_up));
     gate = w.narrow(1, 0, I);
     up = w.narrow(1, I, I);
   }
-  if (const auto& l = expert_lora_[static_cast<int>(ExpertMatrix::Gate)]) gate = snap_nvfp4_ste(gate + delta(*l), g_gate);
-  if (const auto& l = expert_lora_[static_cast<int>(ExpertMatrix::Up)]) up = snap_nvfp4_ste(up + delta(*l), g_up);
-  if (const auto& l = expert_lora_[static_cast<int>(ExpertMatrix::Down)]) down = snap_nvfp4_ste(down + delta(*l), g_down);
+  if (const auto& l = w_.expert_lora[static_cast<int>(ExpertMatrix::Gate)]) gate = snap_nvfp4_ste(gate + delta(*l), g_gate);
+  if (const auto& l = w_.expert_lora[static_cast<int>(ExpertMatrix::Up)]) up = snap_nvfp4_ste(up + delta(*l), g_up);
+  if (const auto& l = w_.expert_lora[static_cast<int>(ExpertMatrix::Down)]) down = snap_nvfp4_ste(down + delta(*l), g_down);
   (void)training;  // no dropout: peft's ParamWrapper refuses it, and per-expert dropout is refused with merge-aware
   // unbind: one autograd node whose backward stacks the experts' gradients (not E full-size ones).
   const std::vector<at::Tensor> wg = gate.unbind(0), wu = up.unbind(0), wd = down.unbind(0);
@@ -298,7 +298,7 @@ at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const a
     const at::Tensor xe = x_sorted.narrow(0, offset, count[e]);
     offset += count[e];
     auto with_bias = [&](at::Tensor y, ExpertMatrix m) {
-      const auto& b = expert_bias_[static_cast<int>(m)];
+      const auto& b = w_.expert_bias[static_cast<int>(m)];
       return b.defined() ? y + b[e] : y;
     };
     const at::Tensor g = with_bias(at::linear(xe, wg[e]), ExpertMatrix::Gate), u = with_bias(at::linear(xe, wu[e]), ExpertMatrix::Up);
@@ -309,9 +309,9 @@ at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const a
 }
 
 bool DecoderBlock::expert_lora_grouped_ok() const {
-  for (const auto& l : expert_lora_)
+  for (const auto& l : w_.expert_lora)
     if (l && !l->grouped_ok()) return false;
-  return !gate_up_lora_ || gate_up_lora_->grouped_ok();
+  return !w_.gate_up_lora || w_.gate_up_lora->grouped_ok();
 }
 
 bool MoeModel::expert_lora_grouped_ok() const {
@@ -336,24 +336,24 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
         c.expert_bias ? at::repeat_interleave(at::arange(c.experts, counts.options()), counts, 0, x_sorted.size(0)) : at::Tensor();
     auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
       ExpertBank b;
-      b.layer = index_;
+      b.layer = w_.index;
       b.experts = static_cast<int>(c.experts);
       b.matrix = m;
-      if (quantized_) {
+      if (w_.quantized) {
         b.provider = provider_;
-        b.max_bytes = bank_bytes_;
+        b.max_bytes = w_.bank_bytes;
         b.keep_for_backward = at::GradMode::is_enabled() &&
                               (bank_reuse_ == BankReuse::All || (bank_reuse_ == BankReuse::Down && m == ExpertMatrix::Down));
       } else {
-        b.dense = experts_[static_cast<int>(m)];
+        b.dense = w_.experts[static_cast<int>(m)];
       }
       at::Tensor y = grouped_expert_linear(in, offsets, b);
-      if (const auto& bias = expert_bias_[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, row_expert);
+      if (const auto& bias = w_.expert_bias[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, row_expert);
       return y;
     };
-    const auto& gate_lora = expert_lora_[static_cast<int>(ExpertMatrix::Gate)];
-    const auto& up_lora = expert_lora_[static_cast<int>(ExpertMatrix::Up)];
-    const auto& down_lora = expert_lora_[static_cast<int>(ExpertMatrix::Down)];
+    const auto& gate_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Gate)];
+    const auto& up_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Up)];
+    const auto& down_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Down)];
     const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
     const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
     // The LoRA deltas are added where the sums are read: in the SwiGLU kernel for gate and up,
@@ -366,8 +366,8 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
       if (gate_lora) gate_delta = gate_lora->delta_grouped(x_lora, offsets, training);
       if (up_lora) up_delta = up_lora->delta_grouped(x_lora, offsets, training);
     }
-    if (gate_up_lora_) {  // one delta [N, 2I] for the fused [gate; up], split
-      const at::Tensor d = gate_up_lora_->delta_grouped(x_lora, offsets, training);
+    if (w_.gate_up_lora) {  // one delta [N, 2I] for the fused [gate; up], split
+      const at::Tensor d = w_.gate_up_lora->delta_grouped(x_lora, offsets, training);
       const auto I = gate.size(-1);
       gate_delta = gate_delta.defined() ? gate_delta + d.narrow(1, 0, I) : d.narrow(1, 0, I);
       up_delta = up_delta.defined() ? up_delta + d.narrow(1, I, I) : d.narrow(1, I, I);
@@ -394,8 +394,8 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
   const auto* count = host_counts.data_ptr<std::int64_t>();
   ExpertLoraSlices lora;
   for (int mi = 0; mi < 3; ++mi)
-    if (expert_lora_[mi]) lora[mi] = expert_lora_[mi]->slices();
-  if (gate_up_lora_) lora[3] = gate_up_lora_->slices();
+    if (w_.expert_lora[mi]) lora[mi] = w_.expert_lora[mi]->slices();
+  if (w_.gate_up_lora) lora[3] = w_.gate_up_lora->slices();
   std::vector<at::Tensor> outs;
   std::int64_t offset = 0;
   for (int e = 0; e < c.experts; ++e) {
@@ -412,18 +412,18 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, co
   const auto N = flat.size(0), E = c.experts;
   // The router's weight is in the compute dtype, or fp32 where the loader keeps it in fp32 (the
   // families that do, and fp16 compute); its input follows it, and the scores are fp32.
-  const bool fp32_router = router_.scalar_type() == at::kFloat;
+  const bool fp32_router = w_.router.scalar_type() == at::kFloat;
   if (c.gemma) {
     // Gemma4TextRouter: a scale-free RMSNorm, x scale x hidden^-1/2, softmax (fp32), top-k
     // renormalised, x per_expert_scale of each chosen expert.
-    const at::Tensor in = rms_norm(flat, at::Tensor(), c.rms_eps) * router_scale_ * std::pow(static_cast<double>(c.hidden), -0.5);
-    const at::Tensor logits = at::linear(fp32_router ? in.to(at::kFloat) : in, router_);
+    const at::Tensor in = rms_norm(flat, at::Tensor(), c.rms_eps) * w_.router_scale * std::pow(static_cast<double>(c.hidden), -0.5);
+    const at::Tensor logits = at::linear(fp32_router ? in.to(at::kFloat) : in, w_.router);
     if (ctx.router_logits) ctx.router_logits->push_back(logits);
     auto [top_w, top_idx] = at::topk(at::softmax(logits, -1, at::kFloat), c.top_k, -1);
     top_w = top_w / top_w.sum(-1, true);
-    return {top_w * per_expert_scale_.index_select(0, top_idx.reshape({-1})).view_as(top_idx), top_idx};
+    return {top_w * w_.per_expert_scale.index_select(0, top_idx.reshape({-1})).view_as(top_idx), top_idx};
   }
-  const at::Tensor logits = at::linear(fp32_router ? flat.to(at::kFloat) : flat, router_, router_b_);
+  const at::Tensor logits = at::linear(fp32_router ? flat.to(at::kFloat) : flat, w_.router, w_.router_b);
   if (ctx.router_logits) ctx.router_logits->push_back(logits);
   if (r.score == RouterScore::SoftmaxTopK) {  // gpt-oss: the softmax runs over the k chosen logits only
     auto [top_logits, idx] = at::topk(logits, c.top_k, -1);
@@ -432,7 +432,7 @@ std::pair<at::Tensor, at::Tensor> DecoderBlock::route(const at::Tensor& flat, co
   const at::Tensor scores =
       r.score == RouterScore::Sigmoid ? at::sigmoid(logits.to(at::kFloat)) : at::softmax(logits, -1, at::kFloat);
   // The choice: scores plus the correction bias (choice only), limited to the best groups.
-  at::Tensor choice = r.correction_bias ? scores + router_bias_ : scores;
+  at::Tensor choice = r.correction_bias ? scores + w_.router_bias : scores;
   if (r.group != GroupScore::None) {
     const auto G = r.n_group;
     const at::Tensor grouped = choice.view({N, G, E / G});
@@ -499,9 +499,9 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
     out = at::zeros_like(flat).index_add(0, token_of, c.llama4 ? y : y * weight_sorted.unsqueeze(1));
   }
 
-  if (has_shared_) {
-    const at::Tensor shared = shared_.forward(flat, ctx.training);
-    out = out + (c.shared_expert_gated ? at::sigmoid(at::linear(flat, shared_gate_)) * shared : shared);
+  if (w_.has_shared) {
+    const at::Tensor shared = w_.shared.forward(flat, ctx.training);
+    out = out + (c.shared_expert_gated ? at::sigmoid(at::linear(flat, w_.shared_gate)) * shared : shared);
   }
   return out.view(x.sizes());
 }
@@ -509,17 +509,17 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
 // Gemma4TextDecoderLayer.forward (the block's layout: hf_config.h, Gemma4Block).
 at::Tensor DecoderBlock::gemma_forward(const at::Tensor& hidden, const BlockContext& ctx) const {
   const double eps = cfg_->rms_eps;
-  const at::Tensor h = hidden + rms_norm(attention(rms_norm(hidden, input_norm_, eps), ctx), post_norm_, eps);
-  const at::Tensor dense = rms_norm(dense_.forward(rms_norm(h, pre_ff_norm_, eps), ctx.training), post_ff_norm_1_, eps);
-  const at::Tensor routed = rms_norm(moe(rms_norm(h, pre_ff_norm_2_, eps), ctx, h), post_ff_norm_2_, eps);
-  return (h + rms_norm(dense + routed, post_ff_norm_, eps)) * layer_scalar_;
+  const at::Tensor h = hidden + rms_norm(attention(rms_norm(hidden, w_.input_norm, eps), ctx), w_.post_norm, eps);
+  const at::Tensor dense = rms_norm(w_.dense.forward(rms_norm(h, w_.pre_ff_norm, eps), ctx.training), w_.post_ff_norm_1, eps);
+  const at::Tensor routed = rms_norm(moe(rms_norm(h, w_.pre_ff_norm_2, eps), ctx, h), w_.post_ff_norm_2, eps);
+  return (h + rms_norm(dense + routed, w_.post_ff_norm, eps)) * w_.layer_scalar;
 }
 
 at::Tensor DecoderBlock::forward(const at::Tensor& hidden, const BlockContext& ctx) const {
   if (cfg_->gemma) return gemma_forward(hidden, ctx);
-  at::Tensor h = hidden + attention(rms_norm(hidden, input_norm_, cfg_->rms_eps), ctx);
-  const at::Tensor normed = rms_norm(h, post_norm_, cfg_->rms_eps);
-  return h + (moe_ ? moe(normed, ctx) : dense_.forward(normed, ctx.training));
+  at::Tensor h = hidden + attention(rms_norm(hidden, w_.input_norm, cfg_->rms_eps), ctx);
+  const at::Tensor normed = rms_norm(h, w_.post_norm, cfg_->rms_eps);
+  return h + (w_.moe ? moe(normed, ctx) : w_.dense.forward(normed, ctx.training));
 }
 
 at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& device) {
@@ -562,6 +562,19 @@ at::Tensor rope_inv_freq(const Rope& rope, double theta, const at::Device& devic
   const at::Tensor extrapolation = 1 - ramp;
   const at::Tensor inv_extra = 1.0 / pos_freqs, inv_inter = 1.0 / (rope.factor * pos_freqs);
   return inv_inter * (1 - extrapolation) + inv_extra * extrapolation;
+}
+
+MoeModel::MoeModel(ModelConfig cfg, LoadOptions opts, ModelWeights w)
+    : cfg_(std::move(cfg)), opts_(std::move(opts)), embed_(std::move(w.embed)), final_norm_(std::move(w.final_norm)),
+      lm_head_(std::move(w.lm_head)) {
+  for (BlockWeights& b : w.blocks) blocks_.push_back(std::make_unique<DecoderBlock>(cfg_, std::move(b)));
+  set_weight_provider(std::move(w.provider));
+}
+
+void MoeModel::set_weight_provider(std::shared_ptr<WeightProvider> provider) {
+  EO_CHECK(provider != nullptr, "set_weight_provider: null provider");
+  provider_ = std::move(provider);
+  for (auto& b : blocks_) b->set_weight_provider(provider_.get());
 }
 
 at::Tensor MoeModel::embed(const at::Tensor& input_ids) const {
@@ -716,7 +729,7 @@ ForwardOutput MoeModel::forward(const Batch& batch, const ForwardOptions& opts) 
 }
 
 void MoeModel::set_bank_reuse(BankReuse reuse) {
-  for (auto& b : blocks_) b->bank_reuse_ = reuse;
+  for (auto& b : blocks_) b->set_bank_reuse(reuse);
 }
 
 }  // namespace eo::model

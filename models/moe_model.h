@@ -97,15 +97,57 @@ struct BlockContext {
   std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]
 };
 
+// One decoder layer as the loader assembles it (models/loader.cpp) and MoeModel's constructor
+// hands it to its DecoderBlock; MoeModel's LoRA code fills the adapters later.
+struct BlockWeights {
+  int index = 0;
+  bool moe = false;
+  bool quantized = false;
+  bool nvfp4_experts = false;  // the experts are held in the checkpoint's NVFP4
+  std::int64_t bank_bytes = 0;  // LoadOptions::expert_bank_bytes
+  at::Tensor input_norm, post_norm, q_norm, k_norm;
+  FrozenLinear q, k, v, o;  // q: q_proj, or MLA's q_b_proj when q_lora_rank is set
+  FrozenLinear q_a, kv_a, kv_b;     // MLA: q_a_proj, kv_a_proj_with_mqa, kv_b_proj
+  at::Tensor q_a_norm, kv_a_norm;   // MLA: q_a_layernorm, kv_a_layernorm
+  Mlp dense;                        // dense layers
+  at::Tensor router;                // [E, H] (fp32 when the family keeps its router in fp32)
+  at::Tensor router_bias;           // [E] fp32 e_score_correction_bias (sigmoid routers)
+  at::Tensor router_b;              // [E] the router linear's bias (gpt-oss)
+  at::Tensor sinks;                 // [heads] attention sink logits (gpt-oss)
+  std::array<at::Tensor, 3> expert_bias;  // per ExpertMatrix [E, out] (gpt-oss); undefined without
+  std::array<at::Tensor, 3> experts;  // dense mode: [E, out, in] per ExpertMatrix
+  std::array<std::shared_ptr<ExpertLora>, 3> expert_lora;  // per ExpertMatrix, all experts stacked
+  // lora_target_parameters' gate_up_proj: one LoRA on the fused [gate; up] matrix, B [E, 2I, r]
+  // (rows [0, I) gate, [I, 2I) up), so gate and up share A [E, r, H], as peft's ParamWrapper on
+  // transformers 5's gate_up_proj defines it. Its down_proj is expert_lora[Down] (the same math
+  // as a per-expert down_proj LoRA; only the saved layout differs).
+  std::shared_ptr<ExpertLora> gate_up_lora;
+  bool has_shared = false;
+  Mlp shared;
+  at::Tensor shared_gate;  // [1, H]; qwen2_moe only
+  // Gemma 4 (ModelConfig::Gemma4Block): the feed-forward norms, router scales and layer scalar.
+  at::Tensor pre_ff_norm, post_ff_norm, post_ff_norm_1, pre_ff_norm_2, post_ff_norm_2;
+  at::Tensor router_scale, per_expert_scale, layer_scalar;
+};
+
 class DecoderBlock {
  public:
+  // cfg outlives the block (its MoeModel's).
+  DecoderBlock(const ModelConfig& cfg, BlockWeights w) : cfg_(&cfg), w_(std::move(w)) {}
   at::Tensor forward(const at::Tensor& hidden, const BlockContext& ctx) const;
-  int index() const { return index_; }
-  bool is_moe() const { return moe_; }
+  int index() const { return w_.index; }
+  bool is_moe() const { return w_.moe; }
+  // Whether the expert LoRA (if any) can run as grouped GEMMs beside the base grouped GEMM.
+  bool expert_lora_grouped_ok() const;
+
+  // For the owning MoeModel (the world sees blocks as const): the weights and adapter slots, and
+  // the settings MoeModel's setters pass on.
+  BlockWeights& weights() { return w_; }
+  void set_weight_provider(WeightProvider* provider) { provider_ = provider; }
+  void set_bank_reuse(BankReuse reuse) { bank_reuse_ = reuse; }
+  void set_merge_aware(const std::atomic<bool>* on) { merge_aware_ = on; }
 
  private:
-  friend class MoeModel;
-  friend struct ModelLoader;
   at::Tensor attention(const at::Tensor& x, const BlockContext& ctx) const;
   at::Tensor latent_attention(const at::Tensor& x, const BlockContext& ctx) const;  // DeepSeek MLA
   // Routed experts (and shared ones) on x; the router reads router_in (Gemma 4: the un-normed
@@ -127,8 +169,6 @@ class DecoderBlock {
   };
   ExpertsOutput experts_forward(const at::Tensor& x_sorted, const at::Tensor& x_lora, const at::Tensor& expert_of,
                                 bool training) const;
-  // Whether the expert LoRA (if any) can run as grouped GEMMs beside the base grouped GEMM.
-  bool expert_lora_grouped_ok() const;
   // nvfp4_merge_aware on (this block's NVFP4 experts carry LoRA and the model's switch is on).
   bool merge_aware_now() const;
   // The merge-aware experts: each LoRA-carrying NVFP4 matrix bank dequantised, its delta added and
@@ -136,37 +176,10 @@ class DecoderBlock {
   at::Tensor experts_merge_aware(const at::Tensor& x_sorted, const at::Tensor& expert_of, bool training) const;
 
   const ModelConfig* cfg_ = nullptr;
-  int index_ = 0;
-  bool moe_ = false;
-  bool quantized_ = false;
-  bool nvfp4_experts_ = false;  // the experts are held in the checkpoint's NVFP4
+  BlockWeights w_;
   const std::atomic<bool>* merge_aware_ = nullptr;  // MoeModel::enable_merge_aware; null = plain LoRA
-  std::int64_t bank_bytes_ = 0;  // LoadOptions::expert_bank_bytes
   BankReuse bank_reuse_ = BankReuse::None;  // MoeModel::set_bank_reuse
   WeightProvider* provider_ = nullptr;
-  at::Tensor input_norm_, post_norm_, q_norm_, k_norm_;
-  FrozenLinear q_, k_, v_, o_;  // q_: q_proj, or MLA's q_b_proj when q_lora_rank is set
-  FrozenLinear q_a_, kv_a_, kv_b_;     // MLA: q_a_proj, kv_a_proj_with_mqa, kv_b_proj
-  at::Tensor q_a_norm_, kv_a_norm_;    // MLA: q_a_layernorm, kv_a_layernorm
-  Mlp dense_;                          // dense layers
-  at::Tensor router_;                  // [E, H] (fp32 when the family keeps its router in fp32)
-  at::Tensor router_bias_;             // [E] fp32 e_score_correction_bias (sigmoid routers)
-  at::Tensor router_b_;                // [E] the router linear's bias (gpt-oss)
-  at::Tensor sinks_;                   // [heads] attention sink logits (gpt-oss)
-  std::array<at::Tensor, 3> expert_bias_;  // per ExpertMatrix [E, out] (gpt-oss); undefined without
-  std::array<at::Tensor, 3> experts_;  // dense mode: [E, out, in] per ExpertMatrix
-  std::array<std::shared_ptr<ExpertLora>, 3> expert_lora_;  // per ExpertMatrix, all experts stacked
-  // lora_target_parameters' gate_up_proj: one LoRA on the fused [gate; up] matrix, B [E, 2I, r]
-  // (rows [0, I) gate, [I, 2I) up), so gate and up share A [E, r, H], as peft's ParamWrapper on
-  // transformers 5's gate_up_proj defines it. Its down_proj is expert_lora_[Down] (the same math
-  // as a per-expert down_proj LoRA; only the saved layout differs).
-  std::shared_ptr<ExpertLora> gate_up_lora_;
-  bool has_shared_ = false;
-  Mlp shared_;
-  at::Tensor shared_gate_;  // [1, H]; qwen2_moe only
-  // Gemma 4 (ModelConfig::Gemma4Block): the feed-forward norms, router scales and layer scalar.
-  at::Tensor pre_ff_norm_, post_ff_norm_, post_ff_norm_1_, pre_ff_norm_2_, post_ff_norm_2_;
-  at::Tensor router_scale_, per_expert_scale_, layer_scalar_;
 };
 
 struct Batch {
@@ -204,11 +217,23 @@ struct LoraSite {
   int layer = -1;            // the decoder layer (model.layers.{layer})
 };
 
+// What the loader assembles (models/loader.cpp), handed to MoeModel's constructor.
+struct ModelWeights {
+  at::Tensor embed, final_norm, lm_head;
+  std::vector<BlockWeights> blocks;
+  std::shared_ptr<WeightProvider> provider;  // the experts' weights (models/weights.h)
+};
+
 class MoeModel {
  public:
+  // Reads config.json (load_config) and the checkpoint in model_dir (random weights with
+  // opts.random_seed).
   static std::unique_ptr<MoeModel> load(const std::string& model_dir, const LoadOptions& opts);
   // The same with model_dir's config.json already parsed (a run parses it once).
   static std::unique_ptr<MoeModel> load(const std::string& model_dir, const ModelConfig& config, const LoadOptions& opts);
+  MoeModel(ModelConfig cfg, LoadOptions opts, ModelWeights w);
+  MoeModel(const MoeModel&) = delete;  // the blocks point at cfg_
+  MoeModel& operator=(const MoeModel&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   const LoadOptions& options() const { return opts_; }
@@ -260,8 +285,6 @@ class MoeModel {
   void set_bank_reuse(BankReuse reuse);
 
  private:
-  friend struct ModelLoader;
-  MoeModel() = default;
   std::vector<LoraSite> lora_sites() const;
   at::Tensor embed_rows(const at::Tensor& input_ids) const;  // the table's rows, before any scale
 
