@@ -60,10 +60,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     EO_FUZZ_ASSERT(j.is_object());
     EO_FUZZ_ASSERT(written_or_default(j, "hidden_size", c.hidden) && written_or_default(j, "num_hidden_layers", c.layers));
     EO_FUZZ_ASSERT(written_or_default(j, "vocab_size", c.vocab));
-    // Only the Qwen families read decoder_sparse_step.
-    if (c.arch == eo::model::Arch::Qwen3Moe || c.arch == eo::model::Arch::Qwen2Moe)
-      EO_FUZZ_ASSERT(written_or_default(j, "decoder_sparse_step", c.decoder_sparse_step));
-    if (j.contains("mlp_only_layers") && j.at("mlp_only_layers").is_array() && !c.mlp_only_layers.empty()) {
+    // Only the Qwen families read decoder_sparse_step and mlp_only_layers (Llama 4 and GLM-4.7-Flash
+    // derive their dense layers from their own keys).
+    const bool qwen = c.arch == eo::model::Arch::Qwen3Moe || c.arch == eo::model::Arch::Qwen2Moe;
+    if (qwen) EO_FUZZ_ASSERT(written_or_default(j, "decoder_sparse_step", c.decoder_sparse_step));
+    if (qwen && j.contains("mlp_only_layers") && j.at("mlp_only_layers").is_array() && !c.mlp_only_layers.empty()) {
       const auto& written = j.at("mlp_only_layers");
       EO_FUZZ_ASSERT(written.size() >= c.mlp_only_layers.size());
       for (std::size_t i = 0; i < c.mlp_only_layers.size(); ++i) EO_FUZZ_ASSERT(same_number(written.at(i), c.mlp_only_layers[i]));
