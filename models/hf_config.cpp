@@ -608,9 +608,12 @@ std::vector<std::string> ModelConfig::attention_linears() const {
 }
 
 const std::vector<std::string>& all_linear_modules() {
-  static const std::vector<std::string> names = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
-                                                 "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj",
-                                                 "w1", "w2", "w3"};
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                    "kv_b_proj"};
+    for (const auto& n : expert_linear_names()) out.push_back(n);  // the families' own (models/arch.cpp)
+    return out;
+  }();
   return names;
 }
 
