@@ -83,7 +83,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const eo::nf4::TensorExists has = [&](const std::string& name) { return tensors.count(name) != 0; };
   EO_FUZZ_ASSERT(eo::nf4::is_bitsandbytes_4bit(has, prefix));
   try {
-    const eo::nf4::QuantizedWeight q = eo::nf4::from_bitsandbytes(get, has, prefix);
+    const eo::QuantizedWeight q = eo::nf4::from_bitsandbytes(get, has, prefix);
     EO_FUZZ_ASSERT(q.shape.size() == 2 && q.shape[0] > 0 && q.shape[1] > 0);
     EO_FUZZ_ASSERT(q.packed.numel() == (q.numel() + 1) / 2);
     EO_FUZZ_ASSERT(q.nested ? q.nested->absmax_codes.numel() == q.nblocks() : q.absmax.numel() == q.nblocks());

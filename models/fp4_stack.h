@@ -30,12 +30,12 @@ namespace eo::fp4 {
 
 #ifdef EO_WITH_CUDA
 template <typename F>
-at::Tensor dequantize_cuda(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, const typename F::Window& w) {
+at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, const typename F::Window& w) {
   const at::Device dev = qs.front()->packed.device();
   c10::cuda::CUDAGuard guard(dev);
   std::vector<typename F::Source> sources;
   sources.reserve(qs.size());
-  for (const nf4::QuantizedWeight* q : qs) {
+  for (const QuantizedWeight* q : qs) {
     EO_CHECK(q->packed.is_contiguous() && q->scales.is_contiguous(), F::kName, "::dequantize: CUDA tensors must be contiguous");
     sources.push_back(F::source(*q));
   }
@@ -50,7 +50,7 @@ at::Tensor dequantize_cuda(const std::vector<const nf4::QuantizedWeight*>& qs, a
 #endif
 
 template <typename F>
-at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   EO_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, F::kName,
            "::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");

@@ -11,7 +11,7 @@
 
 namespace eo::model {
 
-const nf4::QuantizedWeight& WeightHandle::fetch() const {
+const QuantizedWeight& WeightHandle::fetch() const {
   if (owned) return *owned;
   EO_CHECK(provider != nullptr, "linear4bit: weight handle has neither a provider nor an owned weight");
   return provider->expert_weight(layer, expert, matrix);
@@ -27,7 +27,7 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
     ctx->saved_data["layer"] = static_cast<std::int64_t>(h.layer);
     ctx->saved_data["expert"] = static_cast<std::int64_t>(h.expert);
     ctx->saved_data["matrix"] = static_cast<std::int64_t>(h.matrix);
-    const at::Tensor w = nf4::dequantize(h.fetch(), x.scalar_type());
+    const at::Tensor w = eo::dequantize(h.fetch(), x.scalar_type());
     return at::linear(x, w);  // w is a temporary: freed when forward returns
   }
 
@@ -35,12 +35,12 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
                                                  torch::autograd::variable_list grads) {
     WeightHandle h;
     h.provider = reinterpret_cast<WeightProvider*>(static_cast<std::intptr_t>(ctx->saved_data["provider"].toInt()));
-    h.owned = reinterpret_cast<const nf4::QuantizedWeight*>(static_cast<std::intptr_t>(ctx->saved_data["owned"].toInt()));
+    h.owned = reinterpret_cast<const QuantizedWeight*>(static_cast<std::intptr_t>(ctx->saved_data["owned"].toInt()));
     h.layer = static_cast<int>(ctx->saved_data["layer"].toInt());
     h.expert = static_cast<int>(ctx->saved_data["expert"].toInt());
     h.matrix = static_cast<ExpertMatrix>(ctx->saved_data["matrix"].toInt());
     const at::Tensor& dy = grads[0];
-    const at::Tensor w = nf4::dequantize(h.fetch(), dy.scalar_type());  // bytes current now
+    const at::Tensor w = eo::dequantize(h.fetch(), dy.scalar_type());  // bytes current now
     return {at::matmul(dy, w), at::Tensor()};
   }
 };
@@ -49,8 +49,8 @@ std::atomic<std::int64_t> g_bank_dequantisations{0};
 
 // The bank travels through saved_data like the handle above.
 struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFunction> {
-  static std::vector<const nf4::QuantizedWeight*> sources(const ExpertBank& bank) {
-    std::vector<const nf4::QuantizedWeight*> qs;
+  static std::vector<const QuantizedWeight*> sources(const ExpertBank& bank) {
+    std::vector<const QuantizedWeight*> qs;
     qs.reserve(bank.experts);
     for (int e = 0; e < bank.experts; ++e) qs.push_back(&bank.provider->expert_weight(bank.layer, e, bank.matrix));
     return qs;
@@ -58,7 +58,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   static at::Tensor weights(const ExpertBank& bank, at::ScalarType dtype) {
     if (bank.dense.defined()) return bank.dense.to(dtype);
     ++g_bank_dequantisations;
-    return nf4::dequantize_stack(sources(bank), dtype);  // [E, out, in]
+    return eo::dequantize_stack(sources(bank), dtype);  // [E, out, in]
   }
   // [out, in] of the bank's matrices, and the slice length along `dim` (1 rows, 2 columns) that
   // max_bytes allows; the full length when the bank is dense or unlimited.
@@ -90,7 +90,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     for (std::int64_t o0 = 0; o0 < shape[0]; o0 += rows) {
       const std::int64_t n = std::min(rows, shape[0] - o0);
       ++g_bank_dequantisations;
-      const at::Tensor w = nf4::dequantize_stack_window(qs, x.scalar_type(), o0, n, 0, shape[1]);  // [E, n, in]
+      const at::Tensor w = eo::dequantize_stack_window(qs, x.scalar_type(), o0, n, 0, shape[1]);  // [E, n, in]
       y.narrow(1, o0, n).copy_(grouped_mm_product(x, w.transpose(1, 2), offsets));
     }
     return y;
@@ -121,7 +121,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     for (std::int64_t c0 = 0; c0 < shape[1]; c0 += cols) {
       const std::int64_t n = std::min(cols, shape[1] - c0);
       ++g_bank_dequantisations;
-      const at::Tensor w = nf4::dequantize_stack_window(qs, dy.scalar_type(), 0, shape[0], c0, n);  // [E, out, n]
+      const at::Tensor w = eo::dequantize_stack_window(qs, dy.scalar_type(), 0, shape[0], c0, n);  // [E, out, n]
       dx.narrow(1, c0, n).copy_(grouped_mm_product(dy, w, offsets));
     }
     return {dx, at::Tensor(), at::Tensor()};

@@ -9,7 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "models/nf4.h"
+#include "models/quantized_weight.h"
 #include "models/weights.h"
 
 namespace eo::model {
@@ -18,9 +18,9 @@ struct WeightHandle {
   WeightProvider* provider = nullptr;        // experts: fetched through the provider
   int layer = -1, expert = -1;
   ExpertMatrix matrix = ExpertMatrix::Gate;
-  const nf4::QuantizedWeight* owned = nullptr;  // resident linears: owned by the module
+  const QuantizedWeight* owned = nullptr;  // resident linears: owned by the module
 
-  const nf4::QuantizedWeight& fetch() const;
+  const QuantizedWeight& fetch() const;
 };
 
 // y = x · W^T with W = dequantize(handle.fetch()) in x's dtype.

@@ -33,6 +33,7 @@
 #include "common/log.h"
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
+#include "models/nf4.h"
 #include "models/nf4_bnb.h"
 #include "models/nvfp4.h"
 #include "models/safetensors.h"
@@ -48,7 +49,7 @@ std::string shape_str(at::IntArrayRef s) {
   return os.str() + "]";
 }
 
-nf4::QuantizedWeight to_device(nf4::QuantizedWeight q, const at::Device& d) {
+QuantizedWeight to_device(QuantizedWeight q, const at::Device& d) {
   q.packed = q.packed.to(d);
   if (q.absmax.defined()) q.absmax = q.absmax.to(d);
   if (q.scales.defined()) q.scales = q.scales.to(d);
@@ -87,11 +88,11 @@ class RandomWeights {
   }
   // Uniform NF4 codes; absmax varies ±25% around the value that gives the weights a standard
   // deviation of init_range (the codes' RMS is about 0.52).
-  nf4::QuantizedWeight nf4(const std::vector<std::int64_t>& shape, int blocksize, at::ScalarType dtype) {
+  QuantizedWeight nf4(const std::vector<std::int64_t>& shape, int blocksize, at::ScalarType dtype) {
     double sq = 0;
     for (float c : nf4::kCode) sq += double(c) * c;
     const double scale = init_range_ / std::sqrt(sq / 16.0);
-    nf4::QuantizedWeight q;
+    QuantizedWeight q;
     q.shape = shape;
     q.blocksize = blocksize;
     q.dtype = dtype;
@@ -103,7 +104,7 @@ class RandomWeights {
   // Uniform MXFP4 codes; per group a scale 2^(s - 127) of the nearest power of two to the one that
   // gives the weights a standard deviation of init_range (the codes' RMS is sqrt(8.5625)), or half
   // of it (one random bit per group).
-  nf4::QuantizedWeight mxfp4(const std::vector<std::int64_t>& shape) {
+  QuantizedWeight mxfp4(const std::vector<std::int64_t>& shape) {
     const std::int64_t groups = shape[1] / mxfp4::kGroup;
     const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
     const int top = std::clamp(127 + static_cast<int>(std::lround(std::log2(init_range_ / std::sqrt(8.5625)))), 1, 254);
@@ -113,7 +114,7 @@ class RandomWeights {
   }
   // Uniform NVFP4 codes; a global scale of 1/448 and per 16 values an E4M3 scale within ±25% of
   // the one that gives the weights a standard deviation of init_range (the codes' RMS is sqrt(8.5625)).
-  nf4::QuantizedWeight nvfp4(const std::vector<std::int64_t>& shape) {
+  QuantizedWeight nvfp4(const std::vector<std::int64_t>& shape) {
     const auto u8 = at::TensorOptions().dtype(at::kByte).device(device_);
     const double scale = init_range_ * 448.0 / std::sqrt(8.5625);
     const at::Tensor codes = at::randint(0, 256, {shape[0], shape[1] / 2}, gen_, u8);
@@ -158,11 +159,11 @@ struct ModelLoader {
 
   // Module `prefix` as stored by bitsandbytes (CPU tensors), or nullopt when its weight is a
   // plain float tensor. fp4 and damaged quant states throw (nf4_bnb names the module).
-  std::optional<nf4::QuantizedWeight> stored_4bit(const std::string& prefix, const std::vector<std::int64_t>& shape) const {
+  std::optional<QuantizedWeight> stored_4bit(const std::string& prefix, const std::vector<std::int64_t>& shape) const {
     if (!ck) return std::nullopt;
     const nf4::TensorExists has = [this](const std::string& n) { return ck->has(n); };
     if (!nf4::is_bitsandbytes_4bit(has, prefix)) return std::nullopt;
-    nf4::QuantizedWeight q = nf4::from_bitsandbytes([this](const std::string& n) { return ck->load(n); }, has, prefix);
+    QuantizedWeight q = nf4::from_bitsandbytes([this](const std::string& n) { return ck->load(n); }, has, prefix);
     if (q.shape != shape)
       throw Error("checkpoint " + ck->folder() + ": bitsandbytes module '" + prefix + "' has shape " + shape_str(q.shape) +
                   ", expected " + shape_str(shape) + "; does config.json match the weights?");
@@ -171,7 +172,7 @@ struct ModelLoader {
 
   // Module `prefix` as modelopt stores an NVFP4 linear (CPU tensors, shapes checked), or nullopt
   // when it has no `prefix.weight_scale_2`.
-  std::optional<nf4::QuantizedWeight> stored_nvfp4(const std::string& prefix, const std::vector<std::int64_t>& shape) const {
+  std::optional<QuantizedWeight> stored_nvfp4(const std::string& prefix, const std::vector<std::int64_t>& shape) const {
     if (!ck || !ck->has(prefix + ".weight_scale_2")) return std::nullopt;
     const std::int64_t out = shape[0], in = shape[1];
     auto load = [&](const std::string& n, at::ScalarType dt, const std::vector<std::int64_t>& want) {
@@ -204,15 +205,15 @@ struct ModelLoader {
     if (name.size() > kWeight.size() && name.compare(name.size() - kWeight.size(), kWeight.size(), kWeight) == 0)
       if (auto q = stored_4bit(name.substr(0, name.size() - kWeight.size()), shape)) {
         ++stored_dequantised;
-        return nf4::dequantize(*q, dt).to(opts.device).contiguous();
+        return eo::dequantize(*q, dt).to(opts.device).contiguous();
       } else if (auto n = stored_nvfp4(name.substr(0, name.size() - kWeight.size()), shape)) {
         ++nvfp4_dequantised;
-        return nf4::dequantize(*n, dt).to(opts.device).contiguous();
+        return eo::dequantize(*n, dt).to(opts.device).contiguous();
       }
     if (!ck) return random->dense(name, shape, dt);
     return raw(name, std::move(shape)).to(opts.device, dt).contiguous();
   }
-  nf4::QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
+  QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
     // On the target device: a GPU quantises with the CUDA kernel (same bytes as the CPU path).
     return to_device(nf4::quantize(w.to(opts.device, opts.dtype).contiguous(), opts.blocksize, opts.double_quant),
                      on_host ? at::Device(at::kCPU) : opts.device);
@@ -220,7 +221,7 @@ struct ModelLoader {
   // The NF4 weight of decoder-block linear `prefix`: the stored bitsandbytes bytes as they are,
   // else the float weight quantised with LoadOptions' settings.
   // A stored NVFP4 linear keeps its bytes (the 4-bit weight eo-ddp holds may be NVFP4).
-  nf4::QuantizedWeight nf4_weight(const std::string& prefix, const std::vector<std::int64_t>& shape, bool on_host = false) const {
+  QuantizedWeight nf4_weight(const std::string& prefix, const std::vector<std::int64_t>& shape, bool on_host = false) const {
     if (auto q = stored_nvfp4(prefix, shape)) {
       ++nvfp4_kept;
       return to_device(std::move(*q), on_host ? at::Device(at::kCPU) : opts.device);
@@ -238,7 +239,7 @@ struct ModelLoader {
     l.in = in;
     l.out = out;
     if (opts.load_in_4bit && quantizable) {
-      l.q = std::make_unique<nf4::QuantizedWeight>(nf4_weight(prefix, {out, in}));
+      l.q = std::make_unique<QuantizedWeight>(nf4_weight(prefix, {out, in}));
     } else {
       l.weight = get(prefix + ".weight", {out, in});
       // Decoded from NVFP4: its global scale is the grid nvfp4_merge_aware snaps to.
@@ -371,10 +372,10 @@ struct ModelLoader {
   // Layer i's experts as the checkpoint's MXFP4 bytes, re-arranged losslessly into eo-ddp's
   // [out, in] matrices (models/mxfp4.h): gate = the even rows of gate_up_proj, up = the odd rows,
   // down = down_proj; each row keeps its 32-groups along `in`.
-  std::vector<std::array<nf4::QuantizedWeight, 3>> mxfp4_bank(int i) const {
+  std::vector<std::array<QuantizedWeight, 3>> mxfp4_bank(int i) const {
     const auto E = cfg.experts, H = cfg.hidden, I = cfg.expert_width;
     const at::Device home = opts.experts_on_host ? at::Device(at::kCPU) : opts.device;
-    std::vector<std::array<nf4::QuantizedWeight, 3>> out(E);
+    std::vector<std::array<QuantizedWeight, 3>> out(E);
     if (!ck) {
       if (H % mxfp4::kGroup || I % mxfp4::kGroup)
         throw UsageError("synthetic MXFP4 experts need hidden_size and intermediate_size multiples of 32, got " +
@@ -405,10 +406,10 @@ struct ModelLoader {
   }
   // Layer i's experts as the checkpoint's NVFP4 bytes, on their home (the device, or host RAM with
   // expert offload); expert_quant: nf4 re-quantises them from their fp32 values.
-  std::vector<std::array<nf4::QuantizedWeight, 3>> nvfp4_bank(int i) const {
+  std::vector<std::array<QuantizedWeight, 3>> nvfp4_bank(int i) const {
     const at::Device home = opts.experts_on_host ? at::Device(at::kCPU) : opts.device;
     const bool requantise = opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4;
-    std::vector<std::array<nf4::QuantizedWeight, 3>> out(cfg.experts);
+    std::vector<std::array<QuantizedWeight, 3>> out(cfg.experts);
     for (int e = 0; e < cfg.experts; ++e)
       for (int mi = 0; mi < 3; ++mi) {
         const std::string prefix = expert_prefix(i, e, mi);
@@ -424,7 +425,7 @@ struct ModelLoader {
           throw Error("checkpoint " + ck->folder() + ": layer " + std::to_string(i) + "'s experts are NVFP4 ('" +
                       expert_prefix(i, 0, 0) + ".weight_scale_2'), but '" + prefix + "' is not (no '.weight_scale_2')");
         if (requantise) {
-          out[e][mi] = quantize(nf4::dequantize(*q, at::kFloat), opts.experts_on_host);
+          out[e][mi] = quantize(eo::dequantize(*q, at::kFloat), opts.experts_on_host);
           ++nvfp4_requantised;
         } else {
           out[e][mi] = to_device(std::move(*q), home);

@@ -41,7 +41,7 @@ at::Tensor FrozenLinear::forward(const at::Tensor& x, bool training) const {
   if (lora && merge_aware && merge_aware->load(std::memory_order_relaxed)) {
     // axolotl's merge_aware_linear.py: the delta in the LoRA's dtype (fp32 masters), cast to the
     // weight's, scaled there; the GEMM on the snapped weight (dX through it), A and B through W_eff.
-    const at::Tensor w = q ? nf4::dequantize(*q, x.scalar_type()) : weight;
+    const at::Tensor w = q ? eo::dequantize(*q, x.scalar_type()) : weight;
     const at::Tensor w_eff = w + at::matmul(lora->B(), lora->A()).to(w.scalar_type()) * lora->scaling();
     at::Tensor y = at::linear(x, snap_nvfp4_ste(w_eff, nvfp4_grid()).to(x.scalar_type()));
     if (bias.defined()) y = y + bias;
@@ -260,13 +260,13 @@ at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const a
   const at::ScalarType dt = x_sorted.scalar_type();
   // Each matrix's bank [E, out, in] in the compute dtype and its per-expert global scales [E].
   auto bank = [&](ExpertMatrix m) {
-    std::vector<const nf4::QuantizedWeight*> qs;
+    std::vector<const QuantizedWeight*> qs;
     std::vector<at::Tensor> globals;
     for (int e = 0; e < E; ++e) {
       qs.push_back(&provider_->expert_weight(w_.index, e, m));
       globals.push_back(qs.back()->global_scale.reshape({1}));
     }
-    return std::make_pair(nf4::dequantize_stack(qs, dt), at::cat(globals).to(x_sorted.device()));
+    return std::make_pair(eo::dequantize_stack(qs, dt), at::cat(globals).to(x_sorted.device()));
   };
   // axolotl's _merge_aware_wfq: A and B cast to the weight's dtype, the scaling folded into A,
   // W + bmm(B, A · scaling), then Q on the base's per-expert global scales.

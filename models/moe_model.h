@@ -60,7 +60,7 @@ struct LoadOptions {
 // A frozen linear: dense or module-owned NF4 weight, optional bias, optional LoRA.
 struct FrozenLinear {
   at::Tensor weight;                           // dense [out, in]; undefined when quantised
-  std::unique_ptr<nf4::QuantizedWeight> q;     // NF4; heap-held so handles stay valid
+  std::unique_ptr<QuantizedWeight> q;     // NF4; heap-held so handles stay valid
   at::Tensor bias;
   std::shared_ptr<LoraAdapter> lora;
   std::int64_t in = 0, out = 0;

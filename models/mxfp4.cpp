@@ -43,7 +43,7 @@ void decode_groups(const std::uint8_t* codes, const std::uint8_t* scales, std::i
   });
 }
 
-void check_weight(const nf4::QuantizedWeight& q) {
+void check_weight(const QuantizedWeight& q) {
   EO_CHECK(q.format == QuantFormat::Mxfp4 && q.shape.size() == 2 && q.shape[1] % kGroup == 0 && q.packed.defined() &&
                q.scales.defined(),
            "mxfp4: not an MXFP4 weight (format ", quant_format_name(q.format), ")");
@@ -53,9 +53,9 @@ void check_weight(const nf4::QuantizedWeight& q) {
            " scales, expected ", q.numel() / 2, " and ", q.numel() / kGroup);
 }
 
-void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) {
+void check_stack(const std::vector<const QuantizedWeight*>& qs) {
   EO_CHECK(!qs.empty(), "mxfp4::dequantize_stack: no weights");
-  for (const nf4::QuantizedWeight* q : qs) {
+  for (const QuantizedWeight* q : qs) {
     check_weight(*q);
     EO_CHECK(q->shape == qs.front()->shape && q->packed.device() == qs.front()->packed.device() &&
                  q->scales.device() == q->packed.device(),
@@ -68,15 +68,15 @@ struct Mxfp4 {
   static constexpr const char* kName = "mxfp4";
   static constexpr int kGroup = mxfp4::kGroup;
   static constexpr at::ScalarType kDecoded = at::kBFloat16;  // every MXFP4 value is exact in bf16
-  static void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) { mxfp4::check_stack(qs); }
-  static void decode(const nf4::QuantizedWeight&, const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t groups,
+  static void check_stack(const std::vector<const QuantizedWeight*>& qs) { mxfp4::check_stack(qs); }
+  static void decode(const QuantizedWeight&, const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t groups,
                      void* out) {
     decode_groups(codes, scales, groups, static_cast<std::uint16_t*>(out));
   }
 #ifdef EO_WITH_CUDA
   using Window = cuda::Mxfp4Window;
   using Source = cuda::Mxfp4Source;
-  static Source source(const nf4::QuantizedWeight& q) { return {q.packed.data_ptr<std::uint8_t>(), q.scales.data_ptr<std::uint8_t>()}; }
+  static Source source(const QuantizedWeight& q) { return {q.packed.data_ptr<std::uint8_t>(), q.scales.data_ptr<std::uint8_t>()}; }
   static constexpr auto dequantize = cuda::dequantize;
 #endif
 };
@@ -96,12 +96,12 @@ at::Tensor dequantize(const at::Tensor& blocks, const at::Tensor& scales) {
   return out.to(blocks.device());
 }
 
-nf4::QuantizedWeight weight(const at::Tensor& blocks, const at::Tensor& scales) {
+QuantizedWeight weight(const at::Tensor& blocks, const at::Tensor& scales) {
   EO_CHECK(blocks.dim() == 3 && blocks.size(2) == 16 && scales.dim() == 2 && blocks.size(0) == scales.size(0) &&
                blocks.size(1) == scales.size(1) && blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte,
            "mxfp4::weight: expected uint8 blocks [rows, G, 16] and scales [rows, G], got ", blocks.sizes(), " and ",
            scales.sizes());
-  nf4::QuantizedWeight q;
+  QuantizedWeight q;
   q.format = QuantFormat::Mxfp4;
   q.shape = {blocks.size(0), blocks.size(1) * kGroup};
   q.blocksize = kGroup;
@@ -113,13 +113,13 @@ nf4::QuantizedWeight weight(const at::Tensor& blocks, const at::Tensor& scales) 
   return q;
 }
 
-at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype) {
+at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
   check_stack(qs);
   const auto& shape = qs.front()->shape;
   return mxfp4::dequantize_stack_window(qs, dtype, 0, shape[0], 0, shape[1]);
 }
 
-at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   return fp4::dequantize_stack_window<Mxfp4>(qs, dtype, r0, rows, c0, cols);
 }

@@ -7,7 +7,7 @@
 // result is bf16; other dtypes are that bf16 value converted (mxfp4_decode.h has the one decode
 // the CPU and the CUDA kernel share).
 //
-// The experts can stay in this format (nf4::QuantizedWeight with format MXFP4, 4.25 bits per
+// The experts can stay in this format (QuantizedWeight with format MXFP4, 4.25 bits per
 // weight, lossless with respect to the checkpoint), dequantised on the fly into the grouped GEMM's
 // bf16 bank: weight() rebuilds one expert matrix [out, in] from the checkpoint's rows. The Hub
 // layout needs no transposition for that: `gate_up_proj_blocks` [E, 2I, H/32, 16] holds row r of
@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "models/nf4.h"
+#include "models/quantized_weight.h"
 
 namespace eo::mxfp4 {
 
@@ -34,14 +34,14 @@ at::Tensor dequantize(const at::Tensor& blocks, const at::Tensor& scales);
 
 // One matrix held in MXFP4: blocks [rows, G, 16] and scales [rows, G] (any strides, any device)
 // → a QuantizedWeight of shape [rows, G·32] with contiguous copies of the bytes, on their device.
-nf4::QuantizedWeight weight(const at::Tensor& blocks, const at::Tensor& scales);
+QuantizedWeight weight(const at::Tensor& blocks, const at::Tensor& scales);
 
 // MXFP4 weights of one shape on one device → [count, out, in] (one CUDA kernel pass on a GPU, no
 // host synchronisation), and the window rows [r0, r0 + rows) x columns [c0, c0 + cols) of each
 // ([count, rows, cols], the same bits as the slice; on a GPU c0 and cols multiples of 8).
-// nf4::dequantize* call these for MXFP4 weights.
-at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype);
-at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+// eo::dequantize* call these for MXFP4 weights.
+at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
+at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
 }  // namespace eo::mxfp4

@@ -37,8 +37,6 @@
 #include <vector>
 
 #include "common/error.h"
-#include "models/mxfp4.h"
-#include "models/nvfp4.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -48,11 +46,6 @@
 #include "models/nf4_cuda.h"
 #endif
 
-namespace eo {
-const char* quant_format_name(QuantFormat f) {
-  return f == QuantFormat::Mxfp4 ? "MXFP4" : f == QuantFormat::Nvfp4 ? "NVFP4" : "NF4";
-}
-}  // namespace eo
 
 namespace eo::nf4 {
 
@@ -176,41 +169,6 @@ at::Tensor dynamic_map_signed() {
   EO_CHECK(data.size() == 256, "internal: dynamic map has ", data.size(), " entries, expected 256");
   std::sort(data.begin(), data.end());
   return at::tensor(data, at::kFloat);
-}
-
-std::int64_t QuantizedWeight::numel() const {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
-
-std::int64_t QuantizedWeight::nblocks() const { return (numel() + blocksize - 1) / blocksize; }
-
-at::Tensor QuantizedWeight::absmax_fp32() const {
-  EO_CHECK(format == QuantFormat::Nf4, "nf4: an ", quant_format_name(format), " weight has scale bytes, not absmax");
-  if (!nested) return absmax;
-  // bnb dequantize_blockwise: code[q] * nested_absmax[i / 256] in fp32, then += offset. Two
-  // tensor ops, so no fused multiply-add can change the rounding.
-  const DoubleQuant& dq = *nested;
-  const std::int64_t n = dq.absmax_codes.numel();
-  const std::int64_t nb = dq.nested_absmax.numel();
-  at::Tensor values = dq.nested_code.index_select(0, dq.absmax_codes.reshape({-1}).to(at::kLong));
-  values = at::constant_pad_nd(values, {0, nb * dq.nested_blocksize - n}, 0);
-  values = (values.view({nb, dq.nested_blocksize}) * dq.nested_absmax.view({nb, 1})).reshape({-1});
-  return values.slice(0, 0, n) + dq.offset;
-}
-
-const at::Tensor& QuantizedWeight::stats() const {
-  return format != QuantFormat::Nf4 ? scales : nested ? nested->absmax_codes : absmax;
-}
-
-std::int64_t QuantizedWeight::bytes() const {
-  std::int64_t total = packed.defined() ? packed.nbytes() : 0;
-  if (absmax.defined()) total += absmax.nbytes();
-  if (scales.defined()) total += scales.nbytes();
-  if (global_scale.defined()) total += global_scale.nbytes();
-  if (nested) total += nested->absmax_codes.nbytes() + nested->nested_absmax.nbytes() + nested->nested_code.nbytes();
-  return total;
 }
 
 #ifdef EO_WITH_CUDA
@@ -383,8 +341,7 @@ at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
   EO_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
            "nf4::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");
   EO_CHECK(q.packed.defined() && q.shape.size() == 2, "nf4::dequantize: the quantised weight is empty.");
-  if (q.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack({&q}, dtype)[0];
-  if (q.format == QuantFormat::Nvfp4) return nvfp4::dequantize_stack({&q}, dtype)[0];
+  EO_CHECK(q.format == QuantFormat::Nf4, "nf4::dequantize: an ", quant_format_name(q.format), " weight");
   // Tensor ops only, so this runs on whatever device the packed bytes live on.
   const std::int64_t n = q.numel(), nb = q.nblocks();
   EO_CHECK(q.packed.numel() == (n + 1) / 2, "nf4::dequantize: packed has ", q.packed.numel(),
@@ -408,13 +365,9 @@ at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
   return values.slice(0, 0, n).view({q.shape[0], q.shape[1]}).to(dtype);
 }
 
-at::Tensor dequantize(const QuantizedWeight& q) { return dequantize(q, q.dtype); }
-
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
   EO_CHECK(!qs.empty(), "nf4::dequantize_stack: no weights");
   const QuantizedWeight& first = *qs.front();
-  if (first.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack(qs, dtype);
-  if (first.format == QuantFormat::Nvfp4) return nvfp4::dequantize_stack(qs, dtype);
   for (const QuantizedWeight* q : qs)
     EO_CHECK(q->format == QuantFormat::Nf4 && q->shape == first.shape && q->blocksize == first.blocksize && q->nested.has_value() == first.nested.has_value() &&
                  q->packed.device() == first.packed.device(),
@@ -423,7 +376,7 @@ at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::S
   if (first.packed.is_cuda()) return dequantize_cuda(qs, dtype, nullptr);
 #endif
   std::vector<at::Tensor> parts;
-  for (const QuantizedWeight* q : qs) parts.push_back(dequantize(*q, dtype));
+  for (const QuantizedWeight* q : qs) parts.push_back(nf4::dequantize(*q, dtype));
   return at::stack(parts);
 }
 
@@ -431,8 +384,6 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   EO_CHECK(!qs.empty(), "nf4::dequantize_stack_window: no weights");
   const QuantizedWeight& first = *qs.front();
-  if (first.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
-  if (first.format == QuantFormat::Nvfp4) return nvfp4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
   const std::int64_t out = first.shape[0], in = first.shape[1];
   EO_CHECK(r0 >= 0 && rows > 0 && r0 + rows <= out && c0 >= 0 && cols > 0 && c0 + cols <= in,
            "nf4::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols,
@@ -447,7 +398,26 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
     return dequantize_cuda(qs, dtype, &w);
   }
 #endif
-  return dequantize_stack(qs, dtype).narrow(1, r0, rows).narrow(2, c0, cols).contiguous();
+  return nf4::dequantize_stack(qs, dtype).narrow(1, r0, rows).narrow(2, c0, cols).contiguous();
 }
 
 }  // namespace eo::nf4
+
+namespace eo {
+
+// NF4 statistics: bnb's nested map lives here.
+at::Tensor QuantizedWeight::absmax_fp32() const {
+  EO_CHECK(format == QuantFormat::Nf4, "nf4: an ", quant_format_name(format), " weight has scale bytes, not absmax");
+  if (!nested) return absmax;
+  // bnb dequantize_blockwise: code[q] * nested_absmax[i / 256] in fp32, then += offset. Two
+  // tensor ops, so no fused multiply-add can change the rounding.
+  const DoubleQuant& dq = *nested;
+  const std::int64_t n = dq.absmax_codes.numel();
+  const std::int64_t nb = dq.nested_absmax.numel();
+  at::Tensor values = dq.nested_code.index_select(0, dq.absmax_codes.reshape({-1}).to(at::kLong));
+  values = at::constant_pad_nd(values, {0, nb * dq.nested_blocksize - n}, 0);
+  values = (values.view({nb, dq.nested_blocksize}) * dq.nested_absmax.view({nb, 1})).reshape({-1});
+  return values.slice(0, 0, n) + dq.offset;
+}
+
+}  // namespace eo

@@ -1,4 +1,4 @@
-// bitsandbytes' pre-quantised 4-bit checkpoint format <-> eo::nf4::QuantizedWeight.
+// bitsandbytes' pre-quantised 4-bit checkpoint format <-> eo::QuantizedWeight.
 //
 // transformers saves a Linear4bit module `P` as Params4bit + QuantState.as_dict(packed=True):
 //   P.weight                                   U8 [(n+1)/2, 1] packed nibbles

@@ -44,7 +44,7 @@ void decode_groups(const std::uint8_t* codes, const std::uint8_t* scales, float 
   });
 }
 
-void check_weight(const nf4::QuantizedWeight& q) {
+void check_weight(const QuantizedWeight& q) {
   EO_CHECK(q.format == QuantFormat::Nvfp4 && q.shape.size() == 2 && q.shape[1] % kGroup == 0 && q.packed.defined() &&
                q.scales.defined() && q.global_scale.defined(),
            "nvfp4: not an NVFP4 weight (format ", quant_format_name(q.format), ")");
@@ -54,9 +54,9 @@ void check_weight(const nf4::QuantizedWeight& q) {
            " scales and ", q.global_scale.numel(), " global scales, expected ", q.numel() / 2, ", ", q.numel() / kGroup, " and 1");
 }
 
-void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) {
+void check_stack(const std::vector<const QuantizedWeight*>& qs) {
   EO_CHECK(!qs.empty(), "nvfp4::dequantize_stack: no weights");
-  for (const nf4::QuantizedWeight* q : qs) {
+  for (const QuantizedWeight* q : qs) {
     check_weight(*q);
     EO_CHECK(q->shape == qs.front()->shape && q->packed.device() == qs.front()->packed.device() &&
                  q->scales.device() == q->packed.device() && q->global_scale.device() == q->packed.device(),
@@ -78,15 +78,15 @@ struct Nvfp4 {
   static constexpr int kGroup = nvfp4::kGroup;
   // fp32: e2m1 * e4m3 * global rounded once (nvfp4_decode.h); other dtypes round that value.
   static constexpr at::ScalarType kDecoded = at::kFloat;
-  static void check_stack(const std::vector<const nf4::QuantizedWeight*>& qs) { nvfp4::check_stack(qs); }
-  static void decode(const nf4::QuantizedWeight& q, const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t groups,
+  static void check_stack(const std::vector<const QuantizedWeight*>& qs) { nvfp4::check_stack(qs); }
+  static void decode(const QuantizedWeight& q, const std::uint8_t* codes, const std::uint8_t* scales, std::int64_t groups,
                      void* out) {
     decode_groups(codes, scales, q.global_scale.item<float>(), groups, static_cast<float*>(out));
   }
 #ifdef EO_WITH_CUDA
   using Window = cuda::Nvfp4Window;
   using Source = cuda::Nvfp4Source;
-  static Source source(const nf4::QuantizedWeight& q) {
+  static Source source(const QuantizedWeight& q) {
     return {q.packed.data_ptr<std::uint8_t>(), q.scales.data_ptr<std::uint8_t>(), q.global_scale.data_ptr<float>()};
   }
   static constexpr auto dequantize = cuda::dequantize;
@@ -95,12 +95,12 @@ struct Nvfp4 {
 
 }  // namespace
 
-nf4::QuantizedWeight weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global) {
+QuantizedWeight weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global) {
   EO_CHECK(codes.dim() == 2 && scales.dim() == 2 && codes.size(0) == scales.size(0) && codes.size(1) * 2 == scales.size(1) * kGroup &&
                codes.scalar_type() == at::kByte && global.numel() == 1 && global.scalar_type() == at::kFloat,
            "nvfp4::weight: expected uint8 codes [out, in / 2], scales [out, in / 16] and one fp32 global scale, got ",
            codes.sizes(), " ", codes.scalar_type(), ", ", scales.sizes(), " and ", global.sizes(), " ", global.scalar_type());
-  nf4::QuantizedWeight q;
+  QuantizedWeight q;
   q.format = QuantFormat::Nvfp4;
   q.shape = {codes.size(0), codes.size(1) * 2};
   q.blocksize = kGroup;
@@ -117,17 +117,17 @@ nf4::QuantizedWeight weight(const at::Tensor& codes, const at::Tensor& scales, c
 }
 
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global, at::ScalarType dtype) {
-  const nf4::QuantizedWeight q = weight(codes, scales, global.to(codes.device()));
+  const QuantizedWeight q = weight(codes, scales, global.to(codes.device()));
   return dequantize_stack({&q}, dtype)[0];
 }
 
-at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype) {
+at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
   check_stack(qs);
   const auto& shape = qs.front()->shape;
   return nvfp4::dequantize_stack_window(qs, dtype, 0, shape[0], 0, shape[1]);
 }
 
-at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   return fp4::dequantize_stack_window<Nvfp4>(qs, dtype, r0, rows, c0, cols);
 }

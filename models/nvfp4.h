@@ -8,7 +8,7 @@
 //                     computes in bf16 / fp32, as weight-only dequantisation does)
 // value = e2m1 * e4m3 * weight_scale_2 (nvfp4_decode.h has the decode and its rounding).
 //
-// Experts stay in this format (nf4::QuantizedWeight with format NVFP4, 4.5 bits per weight,
+// Experts stay in this format (QuantizedWeight with format NVFP4, 4.5 bits per weight,
 // lossless with respect to the checkpoint), dequantised on the fly into the grouped GEMM's bank;
 // every other NVFP4 linear is dequantised to the compute dtype when it is loaded.
 #pragma once
@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "models/nf4.h"
+#include "models/quantized_weight.h"
 
 namespace eo::nvfp4 {
 
@@ -30,14 +30,14 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const a
 
 // The same tensors as a QuantizedWeight of shape [out, in] (contiguous copies of the bytes, on
 // their device): packed [out * in / 2, 1], scales uint8 [out * in / 16], global_scale fp32 [1].
-nf4::QuantizedWeight weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global);
+QuantizedWeight weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& global);
 
 // NVFP4 weights of one shape on one device → [count, out, in] (one CUDA kernel pass on a GPU, no
 // host synchronisation), and the window rows [r0, r0 + rows) x columns [c0, c0 + cols) of each
 // ([count, rows, cols], the same bits as the slice; on a GPU c0 and cols multiples of 8).
-// nf4::dequantize* call these for NVFP4 weights.
-at::Tensor dequantize_stack(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype);
-at::Tensor dequantize_stack_window(const std::vector<const nf4::QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
+// eo::dequantize* call these for NVFP4 weights.
+at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
+at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
 // axolotl's merge-aware quantiser (nvfp4_merge_aware; axolotl 0.19.0 nvfp4_quant.py

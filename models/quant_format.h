@@ -1,4 +1,4 @@
-// The 4-bit formats a frozen weight is held in (nf4::QuantizedWeight's tag), and each format's
+// The 4-bit formats a frozen weight is held in (QuantizedWeight's tag), and each format's
 // sizes: the one table the memory plan (runtime/plan.h), the offload arenas (offload/layout.h) and
 // the host-RAM check read. A header of its own so that sizes can be planned without libtorch.
 #pragma once

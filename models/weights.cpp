@@ -13,7 +13,7 @@ const char* expert_matrix_name(ExpertMatrix m) {
   return "?";
 }
 
-const nf4::QuantizedWeight& ResidentWeights::expert_weight(int layer, int expert, ExpertMatrix m) {
+const QuantizedWeight& ResidentWeights::expert_weight(int layer, int expert, ExpertMatrix m) {
   EO_CHECK(layer >= 0 && layer < static_cast<int>(bank_.size()) && expert >= 0 &&
                expert < static_cast<int>(bank_[layer].size()),
            "ResidentWeights: no expert ", expert, " in layer ", layer);

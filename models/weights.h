@@ -13,7 +13,7 @@
 #include <mutex>
 #include <vector>
 
-#include "models/nf4.h"
+#include "models/quantized_weight.h"
 
 namespace eo::model {
 
@@ -33,7 +33,7 @@ class WeightProvider {
     stage_block(layer);
   }
   // The packed weight, valid until the next stage() call that may reuse its slot.
-  virtual const nf4::QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) = 0;
+  virtual const QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) = 0;
   // The order of stage() calls in one optimizer step, repeating every step (an offloader prefetches
   // and evicts along it). Memory-resident stores ignore it.
   virtual void set_schedule(const std::vector<int>& /*staging_order*/) {}
@@ -68,9 +68,9 @@ class WeightProvider {
 class ResidentWeights : public WeightProvider {
  public:
   // experts[layer][expert][matrix]; layers without experts have an empty entry.
-  using Bank = std::vector<std::vector<std::array<nf4::QuantizedWeight, 3>>>;
+  using Bank = std::vector<std::vector<std::array<QuantizedWeight, 3>>>;
   explicit ResidentWeights(Bank bank) : bank_(std::move(bank)) {}
-  const nf4::QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) override;
+  const QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) override;
   Bank& bank() { return bank_; }  // the offload engine moves the bytes out of here
 
  protected:

@@ -37,16 +37,16 @@ struct ExpertOffloader::Block {
   // Where the block sits in one contiguous, page-aligned copy of every arena (ArenaExtent::offset).
   std::int64_t copy_offset = 0;
   // Per expert and matrix: the metadata (shape, blocksize, ...) and where its tensors live.
-  std::vector<std::array<nf4::QuantizedWeight, 3>> meta;  // tensors undefined; filled into views
+  std::vector<std::array<QuantizedWeight, 3>> meta;  // tensors undefined; filled into views
   std::vector<std::array<std::array<Piece, 3>, 3>> pieces;  // [expert][matrix][packed|absmax|nested_absmax]
   at::Tensor resident;  // device arena when budget-resident
-  std::vector<std::array<nf4::QuantizedWeight, 3>> resident_views;
+  std::vector<std::array<QuantizedWeight, 3>> resident_views;
 };
 
 struct ExpertOffloader::Slot {
   at::Tensor arena;  // device bytes, allocated once
   int layer = -1;
-  std::vector<std::array<nf4::QuantizedWeight, 3>> views;
+  std::vector<std::array<QuantizedWeight, 3>> views;
   bool copy_pending = false;  // a copy was enqueued and compute has not waited for it yet
 #ifdef EO_WITH_CUDA
   cudaEvent_t ready = nullptr, released = nullptr;
@@ -108,7 +108,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     std::int64_t off = 0;
     for (std::size_t e = 0; e < experts.size(); ++e)
       for (int m = 0; m < 3; ++m) {
-        const nf4::QuantizedWeight& q = experts[e][m];
+        const QuantizedWeight& q = experts[e][m];
         auto& p = b->pieces[e][m];
         const at::Tensor& stats = q.stats();
         PieceBytes bytes;  // from the tensors themselves: a stored bitsandbytes layout is kept as it is
@@ -122,13 +122,13 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
         if (q.nested) {
           if (!nested_code_.defined()) nested_code_ = q.nested->nested_code.to(opt_.device, at::kFloat).contiguous();
         }
-        nf4::QuantizedWeight meta;
+        QuantizedWeight meta;
         meta.format = q.format;
         meta.shape = q.shape;
         meta.blocksize = q.blocksize;
         meta.dtype = q.dtype;
         if (q.nested) {
-          meta.nested = nf4::DoubleQuant{};
+          meta.nested = DoubleQuant{};
           meta.nested->offset = q.nested->offset;
           meta.nested->nested_blocksize = q.nested->nested_blocksize;
         }
@@ -189,7 +189,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
 }
 
 void ExpertOffloader::fill_arena(std::uint8_t* dst, const Block& b,
-                                 const std::vector<std::array<nf4::QuantizedWeight, 3>>& experts) const {
+                                 const std::vector<std::array<QuantizedWeight, 3>>& experts) const {
   auto put = [&](const Piece& p, const at::Tensor& t) {
     const at::Tensor c = t.to(at::kCPU).contiguous();
     EO_CHECK(c.numel() * static_cast<std::int64_t>(c.element_size()) == p.bytes, "offload: size mismatch in layout");
@@ -197,7 +197,7 @@ void ExpertOffloader::fill_arena(std::uint8_t* dst, const Block& b,
   };
   for (std::size_t e = 0; e < experts.size(); ++e)
     for (int m = 0; m < 3; ++m) {
-      const nf4::QuantizedWeight& q = experts[e][m];
+      const QuantizedWeight& q = experts[e][m];
       put(b.pieces[e][m][0], q.packed);
       put(b.pieces[e][m][1], q.stats());
       if (q.nested) put(b.pieces[e][m][2], q.nested->nested_absmax);
@@ -262,12 +262,12 @@ ExpertOffloader::~ExpertOffloader() {
 #endif
 }
 
-void ExpertOffloader::build_views(std::vector<std::array<nf4::QuantizedWeight, 3>>& views, const Block& block,
+void ExpertOffloader::build_views(std::vector<std::array<QuantizedWeight, 3>>& views, const Block& block,
                                   const at::Tensor& arena) const {
   views = block.meta;
   for (std::size_t e = 0; e < views.size(); ++e)
     for (int m = 0; m < 3; ++m) {
-      nf4::QuantizedWeight& q = views[e][m];
+      QuantizedWeight& q = views[e][m];
       const auto& p = block.pieces[e][m];
       q.packed = arena.narrow(0, p[0].offset, p[0].bytes).view({p[0].bytes, 1});
       if (q.nested) {
@@ -408,7 +408,7 @@ void ExpertOffloader::stage_block(int layer) {
   plan_reads();
 }
 
-const nf4::QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert, model::ExpertMatrix m) {
+const QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert, model::ExpertMatrix m) {
   EO_CHECK(layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer], "offload: layer ", layer,
            " has no offloaded experts");
   Block& b = *blocks_[layer];

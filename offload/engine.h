@@ -94,7 +94,7 @@ class ExpertOffloader : public model::WeightProvider {
   ExpertOffloader(model::ResidentWeights::Bank bank, const OffloadOptions& options);
   ~ExpertOffloader() override;
 
-  const nf4::QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override;
+  const QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override;
   // 0 for a budget-resident block, 1 + its slot's index for a staged one, -1 when not staged.
   std::int64_t placement(int layer) override;
   // The order of stage() calls of one optimizer step (MoE layers; repeats every step). Replaces
@@ -144,10 +144,10 @@ class ExpertOffloader : public model::WeightProvider {
 
   void copy_into(Slot& slot, int layer);
   void wait_ready(Slot& slot);
-  void build_views(std::vector<std::array<nf4::QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena) const;
+  void build_views(std::vector<std::array<QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena) const;
   Slot* slot_holding(int layer);
   // One block's arena bytes from the checkpoint's tensors into `dst` (zeroed, b.bytes long).
-  void fill_arena(std::uint8_t* dst, const Block& b, const std::vector<std::array<nf4::QuantizedWeight, 3>>& experts) const;
+  void fill_arena(std::uint8_t* dst, const Block& b, const std::vector<std::array<QuantizedWeight, 3>>& experts) const;
   void plan_reads();  // homes that read ahead (disk): the copies the policy will make next
 
   OffloadOptions opt_;

@@ -67,8 +67,8 @@ int expect_experts_hold_file_bytes(MoeModel& m, const std::string& model_dir) {
         const std::string prefix = "model.layers." + std::to_string(i) + "." + m.config().moe_prefix() + ".experts." +
                                    std::to_string(e) + "." + (mix ? kMix : kQwen)[mi];
         SCOPED_TRACE(prefix);
-        const nf4::QuantizedWeight& q = m.weight_provider().expert_weight(i, e, static_cast<ExpertMatrix>(mi));
-        const nf4::QuantizedWeight file = nf4::from_bitsandbytes([&](const std::string& n) { return ck.load(n); },
+        const QuantizedWeight& q = m.weight_provider().expert_weight(i, e, static_cast<ExpertMatrix>(mi));
+        const QuantizedWeight file = nf4::from_bitsandbytes([&](const std::string& n) { return ck.load(n); },
                                                                  [&](const std::string& n) { return ck.has(n); }, prefix);
         EXPECT_EQ(q.blocksize, file.blocksize);
         EXPECT_EQ(q.shape, file.shape);

@@ -126,7 +126,7 @@ TEST(Cuda, OffloadKeepsOnlyTheSlotsOnTheDevice) {
   const at::Device dev(at::kCUDA, 0);
   auto bank = big_bank(6, 16, 512, 256);
   std::vector<at::Tensor> ref;  // layer 3, every expert's down matrix, dequantised on the CPU
-  for (int e = 0; e < 16; ++e) ref.push_back(nf4::dequantize(bank[3][e][2], at::kFloat));
+  for (int e = 0; e < 16; ++e) ref.push_back(eo::dequantize(bank[3][e][2], at::kFloat));
   synchronize(dev);
   const std::int64_t before = allocated_now(0);
   for (bool prefetch : {false, true}) {
@@ -144,7 +144,7 @@ TEST(Cuda, OffloadKeepsOnlyTheSlotsOnTheDevice) {
     for (int e = 0; e < 16; ++e) {
       const auto& q = off.expert_weight(3, e, model::ExpertMatrix::Down);
       ASSERT_TRUE(q.packed.is_cuda());
-      ASSERT_TRUE(at::equal(nf4::dequantize(q, at::kFloat).cpu(), ref[e])) << "expert " << e;
+      ASSERT_TRUE(at::equal(eo::dequantize(q, at::kFloat).cpu(), ref[e])) << "expert " << e;
     }
     const auto s = off.take_step_stats();
     EXPECT_GT(s.copy_seconds, 0);
@@ -239,8 +239,8 @@ TEST(Cuda, Nf4KernelsAreBitIdenticalToTheCpuPath) {
                        Case{64, 4096, 4096, false}, Case{300, 200, 128, true}, Case{7, 9, 64, true}}) {
     at::Tensor w = at::randn({c.out, c.in}) * 0.05;
     w.index_put_({0, 0}, 3.0);  // an outlier block
-    const nf4::QuantizedWeight cpu = nf4::quantize(w, c.bs, c.dq);
-    const nf4::QuantizedWeight gpu = nf4::quantize(w.to(dev), c.bs, c.dq);
+    const QuantizedWeight cpu = nf4::quantize(w, c.bs, c.dq);
+    const QuantizedWeight gpu = nf4::quantize(w.to(dev), c.bs, c.dq);
     ASSERT_TRUE(gpu.packed.is_cuda());
     EXPECT_TRUE(at::equal(gpu.packed.cpu(), cpu.packed)) << c.out << "x" << c.in << " bs " << c.bs;
     if (c.dq) {
@@ -251,14 +251,14 @@ TEST(Cuda, Nf4KernelsAreBitIdenticalToTheCpuPath) {
       EXPECT_TRUE(at::equal(gpu.absmax.cpu(), cpu.absmax));
     }
     for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
-      const at::Tensor ref = nf4::dequantize(cpu, dt);
-      EXPECT_TRUE(at::equal(nf4::dequantize(gpu, dt).cpu(), ref)) << c.out << "x" << c.in << " " << dt;
-      const nf4::QuantizedWeight* two[] = {&gpu, &gpu};
-      const at::Tensor stacked = nf4::dequantize_stack({two[0], two[1]}, dt).cpu();
+      const at::Tensor ref = eo::dequantize(cpu, dt);
+      EXPECT_TRUE(at::equal(eo::dequantize(gpu, dt).cpu(), ref)) << c.out << "x" << c.in << " " << dt;
+      const QuantizedWeight* two[] = {&gpu, &gpu};
+      const at::Tensor stacked = eo::dequantize_stack({two[0], two[1]}, dt).cpu();
       EXPECT_TRUE(at::equal(stacked[1], ref)) << "stacked " << dt;
       if (c.in % 16 == 0) {  // a window of rows and of columns (multiples of 8), as the sliced bank reads it
         const std::int64_t r0 = c.out / 3, rows = c.out / 2, c0 = 8 * (c.in / 32), cols = 8 * (c.in / 16);
-        const at::Tensor win = nf4::dequantize_stack_window({two[0], two[1]}, dt, r0, rows, c0, cols).cpu();
+        const at::Tensor win = eo::dequantize_stack_window({two[0], two[1]}, dt, r0, rows, c0, cols).cpu();
         EXPECT_TRUE(at::equal(win[1], ref.narrow(0, r0, rows).narrow(1, c0, cols))) << "window " << dt;
       }
     }
@@ -272,7 +272,7 @@ TEST(Cuda, Nf4DequantBandwidth) {
   const at::Device dev(at::kCUDA, 0);
   const int experts = 128;
   const std::int64_t out = 768, in = 2048;  // Qwen3-30B-A3B expert gate/up
-  std::vector<nf4::QuantizedWeight> qs(experts);
+  std::vector<QuantizedWeight> qs(experts);
   for (int e = 0; e < experts; ++e) {
     qs[e].shape = {out, in};
     qs[e].blocksize = 64;
@@ -280,9 +280,9 @@ TEST(Cuda, Nf4DequantBandwidth) {
     qs[e].packed = at::randint(0, 256, {out * in / 2, 1}, at::TensorOptions().dtype(at::kByte).device(dev));
     qs[e].absmax = at::rand({out * in / 64}, at::TensorOptions().device(dev));
   }
-  std::vector<const nf4::QuantizedWeight*> ptrs;
+  std::vector<const QuantizedWeight*> ptrs;
   for (auto& q : qs) ptrs.push_back(&q);
-  at::Tensor w = nf4::dequantize_stack(ptrs, at::kBFloat16);  // warm-up
+  at::Tensor w = eo::dequantize_stack(ptrs, at::kBFloat16);  // warm-up
   const double bytes = double(experts) * out * in * (0.5 + 4.0 / 64 + 2);  // packed + absmax read, bf16 written
 #ifdef EO_WITH_CUDA
   cudaEvent_t a, b;
@@ -290,7 +290,7 @@ TEST(Cuda, Nf4DequantBandwidth) {
   cudaEventCreate(&b);
   const int reps = 20;
   cudaEventRecord(a, c10::cuda::getCurrentCUDAStream(0).stream());
-  for (int i = 0; i < reps; ++i) w = nf4::dequantize_stack(ptrs, at::kBFloat16);
+  for (int i = 0; i < reps; ++i) w = eo::dequantize_stack(ptrs, at::kBFloat16);
   cudaEventRecord(b, c10::cuda::getCurrentCUDAStream(0).stream());
   cudaEventSynchronize(b);
   float ms = 0;
@@ -538,7 +538,7 @@ TEST(Cuda, GroupedExpertSlicesMatchTheWholeBank) {
   const std::int64_t h = 256, i = 192;
   model::ResidentWeights::Bank bank = big_bank(1, E, h, i);
   for (auto& e : bank[0])
-    for (auto& q : e) q = nf4::quantize(nf4::dequantize(q, at::kFloat).to(dev), 64, /*double_quant=*/true);
+    for (auto& q : e) q = nf4::quantize(eo::dequantize(q, at::kFloat).to(dev), 64, /*double_quant=*/true);
   model::ResidentWeights provider(std::move(bank));
   const std::vector<std::int64_t> counts = {37, 0, 64, 27};
   const at::Tensor offsets = at::tensor(counts, at::kLong).cumsum(0).to(at::kInt).to(dev);
@@ -892,21 +892,21 @@ TEST(Cuda, Mxfp4KernelIsBitIdenticalToTheCpuPath) {
   for (const auto& [rows, groups] : std::vector<std::pair<std::int64_t, std::int64_t>>{{96, 90}, {33, 2}, {7, 1}})
     cases.push_back({at::randint(0, 256, {rows, groups, 16}, u8), at::randint(110, 140, {rows, groups}, u8)});
   for (const Case& c : cases) {
-    const nf4::QuantizedWeight cpu = mxfp4::weight(c.blocks, c.scales);
-    const nf4::QuantizedWeight gpu = mxfp4::weight(c.blocks.to(dev), c.scales.to(dev));
+    const QuantizedWeight cpu = mxfp4::weight(c.blocks, c.scales);
+    const QuantizedWeight gpu = mxfp4::weight(c.blocks.to(dev), c.scales.to(dev));
     ASSERT_TRUE(gpu.packed.is_cuda() && gpu.scales.is_cuda());
     const std::int64_t rows = cpu.shape[0], cols = cpu.shape[1];
     for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
       SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " " + std::string(at::toString(dt)));
-      const at::Tensor ref = nf4::dequantize(cpu, dt);
-      EXPECT_TRUE(same_bits(nf4::dequantize(gpu, dt).cpu(), ref)) << "whole";
-      std::vector<const nf4::QuantizedWeight*> many(70, &gpu);  // two launches
-      const at::Tensor stacked = nf4::dequantize_stack(many, dt).cpu();
+      const at::Tensor ref = eo::dequantize(cpu, dt);
+      EXPECT_TRUE(same_bits(eo::dequantize(gpu, dt).cpu(), ref)) << "whole";
+      std::vector<const QuantizedWeight*> many(70, &gpu);  // two launches
+      const at::Tensor stacked = eo::dequantize_stack(many, dt).cpu();
       EXPECT_TRUE(same_bits(stacked[0], ref) && same_bits(stacked[69], ref)) << "stacked";
       const std::int64_t r0 = rows / 3, nr = std::max<std::int64_t>(1, rows / 2), c0 = 8 * (cols / 32), nc = 8 * std::max<std::int64_t>(1, cols / 16);
-      const at::Tensor win = nf4::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
+      const at::Tensor win = eo::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
       EXPECT_TRUE(same_bits(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
-      EXPECT_TRUE(same_bits(win[1], nf4::dequantize_stack_window({&cpu}, dt, r0, nr, c0, nc)[0])) << "window vs CPU window";
+      EXPECT_TRUE(same_bits(win[1], eo::dequantize_stack_window({&cpu}, dt, r0, nr, c0, nc)[0])) << "window vs CPU window";
     }
   }
 }
@@ -934,20 +934,20 @@ TEST(Cuda, Nvfp4KernelIsBitIdenticalToTheCpuPath) {
     cases.push_back({at::randint(0, 256, {rows, in / 2}, u8), at::randint(0, 127, {rows, in / 16}, u8), 2.5e-3f});
   for (const Case& c : cases) {
     const at::Tensor global = at::full({1}, c.global, at::TensorOptions().dtype(at::kFloat));
-    const nf4::QuantizedWeight cpu = nvfp4::weight(c.codes, c.scales, global);
-    const nf4::QuantizedWeight gpu = nvfp4::weight(c.codes.to(dev), c.scales.to(dev), global.to(dev));
+    const QuantizedWeight cpu = nvfp4::weight(c.codes, c.scales, global);
+    const QuantizedWeight gpu = nvfp4::weight(c.codes.to(dev), c.scales.to(dev), global.to(dev));
     ASSERT_TRUE(gpu.packed.is_cuda() && gpu.scales.is_cuda() && gpu.global_scale.is_cuda());
     const std::int64_t rows = cpu.shape[0], cols = cpu.shape[1];
     for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
       SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(cols) + " global " + std::to_string(c.global) + " " +
                    std::string(at::toString(dt)));
-      const at::Tensor ref = nf4::dequantize(cpu, dt);
-      EXPECT_TRUE(same(nf4::dequantize(gpu, dt).cpu(), ref)) << "whole";
-      std::vector<const nf4::QuantizedWeight*> many(70, &gpu);  // two launches
-      const at::Tensor stacked = nf4::dequantize_stack(many, dt).cpu();
+      const at::Tensor ref = eo::dequantize(cpu, dt);
+      EXPECT_TRUE(same(eo::dequantize(gpu, dt).cpu(), ref)) << "whole";
+      std::vector<const QuantizedWeight*> many(70, &gpu);  // two launches
+      const at::Tensor stacked = eo::dequantize_stack(many, dt).cpu();
       EXPECT_TRUE(same(stacked[0], ref) && same(stacked[69], ref)) << "stacked";
       const std::int64_t r0 = rows / 3, nr = std::max<std::int64_t>(1, rows / 2), c0 = 8 * (cols / 32), nc = 8 * std::max<std::int64_t>(1, cols / 16);
-      const at::Tensor win = nf4::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
+      const at::Tensor win = eo::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
       EXPECT_TRUE(same(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
     }
   }
@@ -980,8 +980,8 @@ TEST(Cuda, Fp16DequantisationMatchesFloat64WithinRounding) {
             const double v = e2m1[code & 7] * std::ldexp(1.0, int(sc[r][g]) - 127);
             w[r][g * 32 + 2 * j + half] = code & 8 ? -v : v;
           }
-    const nf4::QuantizedWeight q = mxfp4::weight(blocks.to(dev), scales.to(dev));
-    const at::Tensor got = nf4::dequantize(q, at::kHalf).cpu();
+    const QuantizedWeight q = mxfp4::weight(blocks.to(dev), scales.to(dev));
+    const at::Tensor got = eo::dequantize(q, at::kHalf).cpu();
     ASSERT_EQ(got.sizes(), want.sizes());
     EXPECT_TRUE(same_bits(got, want.to(at::kHalf))) << "MXFP4 -> fp16";
     EXPECT_GT(at::isinf(got).sum().item<std::int64_t>(), 0) << "the largest scales overflow fp16 (inf, as the rounding does)";
@@ -990,9 +990,9 @@ TEST(Cuda, Fp16DequantisationMatchesFloat64WithinRounding) {
     at::Tensor w = at::randn({96, 256}) * 0.05;
     w.index_put_({0, 0}, 3.0);
     w.index_put_({1, 5}, 1e-3);
-    const nf4::QuantizedWeight gpu = nf4::quantize(w.to(dev), 64, dq);
-    const at::Tensor want = nf4::dequantize(gpu, at::kFloat).cpu().to(at::kDouble);
-    const at::Tensor got = nf4::dequantize(gpu, at::kHalf).cpu().to(at::kDouble);
+    const QuantizedWeight gpu = nf4::quantize(w.to(dev), 64, dq);
+    const at::Tensor want = eo::dequantize(gpu, at::kFloat).cpu().to(at::kDouble);
+    const at::Tensor got = eo::dequantize(gpu, at::kHalf).cpu().to(at::kDouble);
     // fp16's ulp at each value: 2^(exponent - 10) for normals, 2^-24 below 2^-14.
     const at::Tensor e = at::floor(at::log2(want.abs().clamp_min(std::ldexp(1.0, -14))));
     const at::Tensor ulp = at::exp2(e - 10);

@@ -27,6 +27,7 @@
 #include "models/linear4bit.h"
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
+#include "models/nf4.h"
 #include "models/nvfp4.h"
 #include "models/safetensors.h"
 #include "offload/engine.h"
@@ -865,22 +866,22 @@ TEST(Mxfp4, DequantisationIsBitExactAgainstTransformers) {
     EXPECT_TRUE(same_bits(got, want)) << "bf16 bit patterns differ";
     // Each expert's matrix held in MXFP4: the dispatching dequantisers give the same bits (fp32:
     // the same values; fp16: those values rounded), whole, stacked and windowed.
-    std::vector<nf4::QuantizedWeight> qs;
+    std::vector<QuantizedWeight> qs;
     for (std::int64_t e = 0; e < blocks.size(0); ++e) qs.push_back(mxfp4::weight(blocks[e], scales[e]));
-    std::vector<const nf4::QuantizedWeight*> ptrs;
+    std::vector<const QuantizedWeight*> ptrs;
     for (const auto& q : qs) ptrs.push_back(&q);
     EXPECT_EQ(qs[0].format, QuantFormat::Mxfp4);
     EXPECT_EQ(qs[0].shape, (std::vector<std::int64_t>{want.size(1), want.size(2)}));
     EXPECT_EQ(qs[0].bytes(), want.size(1) * want.size(2) / 2 + want.size(1) * want.size(2) / 32);
     for (std::int64_t e = 0; e < blocks.size(0); ++e) {
-      EXPECT_TRUE(same_bits(nf4::dequantize(qs[e]), want[e])) << "expert " << e;
-      EXPECT_TRUE(same_bits(nf4::dequantize(qs[e], at::kFloat), want[e].to(at::kFloat))) << "expert " << e;
-      EXPECT_TRUE(same_bits(nf4::dequantize(qs[e], at::kHalf), want[e].to(at::kHalf))) << "expert " << e;
+      EXPECT_TRUE(same_bits(eo::dequantize(qs[e]), want[e])) << "expert " << e;
+      EXPECT_TRUE(same_bits(eo::dequantize(qs[e], at::kFloat), want[e].to(at::kFloat))) << "expert " << e;
+      EXPECT_TRUE(same_bits(eo::dequantize(qs[e], at::kHalf), want[e].to(at::kHalf))) << "expert " << e;
     }
-    EXPECT_TRUE(same_bits(nf4::dequantize_stack(ptrs, at::kBFloat16), want));
+    EXPECT_TRUE(same_bits(eo::dequantize_stack(ptrs, at::kBFloat16), want));
     const std::int64_t rows = want.size(1), cols = want.size(2);
     const std::int64_t r0 = rows / 3, nr = rows / 2, c0 = 8, nc = cols - 16;
-    EXPECT_TRUE(same_bits(nf4::dequantize_stack_window(ptrs, at::kBFloat16, r0, nr, c0, nc),
+    EXPECT_TRUE(same_bits(eo::dequantize_stack_window(ptrs, at::kBFloat16, r0, nr, c0, nc),
                           want.narrow(1, r0, nr).narrow(2, c0, nc).contiguous()));
   }
   // The extremes are covered: every scale byte with every code, so ±inf (2^128 and beyond),
@@ -899,11 +900,11 @@ void expect_experts_are_transformers(MoeModel& m, const Ref& r) {
   for (int e = 0; e < m.config().experts; ++e) {
     const auto& gate = m.weight_provider().expert_weight(0, e, ExpertMatrix::Gate);
     ASSERT_EQ(gate.format, QuantFormat::Mxfp4);
-    EXPECT_TRUE(same_bits(nf4::dequantize(gate, at::kBFloat16), gu[e].slice(0, 0, 2 * I, 2).contiguous())) << "gate " << e;
-    EXPECT_TRUE(same_bits(nf4::dequantize(m.weight_provider().expert_weight(0, e, ExpertMatrix::Up), at::kBFloat16),
+    EXPECT_TRUE(same_bits(eo::dequantize(gate, at::kBFloat16), gu[e].slice(0, 0, 2 * I, 2).contiguous())) << "gate " << e;
+    EXPECT_TRUE(same_bits(eo::dequantize(m.weight_provider().expert_weight(0, e, ExpertMatrix::Up), at::kBFloat16),
                           gu[e].slice(0, 1, 2 * I, 2).contiguous()))
         << "up " << e;
-    EXPECT_TRUE(same_bits(nf4::dequantize(m.weight_provider().expert_weight(0, e, ExpertMatrix::Down), at::kBFloat16), down[e]))
+    EXPECT_TRUE(same_bits(eo::dequantize(m.weight_provider().expert_weight(0, e, ExpertMatrix::Down), at::kBFloat16), down[e]))
         << "down " << e;
   }
 }
@@ -1075,24 +1076,24 @@ TEST(Nvfp4, DecodeIsTheFloat64DefinitionBitForBit) {
   const Ref r = load_ref(nvfp4_dir());
   const at::Tensor codes = r["grid.codes"], scales = r["grid.scales"], globals = r["grid.globals"];
   const at::Tensor f32 = r["grid.expected_f32"], bf16 = r["grid.expected_bf16"], f16 = r["grid.expected_f16"];
-  std::vector<nf4::QuantizedWeight> qs;
+  std::vector<QuantizedWeight> qs;
   for (std::int64_t i = 0; i < globals.size(0); ++i) {
     SCOPED_TRACE("global scale " + std::to_string(globals[i].item<float>()));
     qs.push_back(nvfp4::weight(codes, scales, globals[i]));
-    const nf4::QuantizedWeight& q = qs.back();
+    const QuantizedWeight& q = qs.back();
     EXPECT_EQ(q.format, QuantFormat::Nvfp4);
     EXPECT_EQ(q.shape, (std::vector<std::int64_t>{256, 128}));
     EXPECT_EQ(q.bytes(), 256 * 128 / 2 + 256 * 128 / 16 + 4);
-    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(q, at::kFloat), f32[i])) << "fp32";
-    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(q, at::kBFloat16), bf16[i])) << "bf16";
-    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(q, at::kHalf), f16[i])) << "fp16";
+    EXPECT_TRUE(same_bits_or_nan(eo::dequantize(q, at::kFloat), f32[i])) << "fp32";
+    EXPECT_TRUE(same_bits_or_nan(eo::dequantize(q, at::kBFloat16), bf16[i])) << "bf16";
+    EXPECT_TRUE(same_bits_or_nan(eo::dequantize(q, at::kHalf), f16[i])) << "fp16";
     // The checkpoint's own dtypes (scales as float8_e4m3fn, a 0-dim global) give the same.
     EXPECT_TRUE(same_bits_or_nan(nvfp4::dequantize(codes, scales.view(at::kFloat8_e4m3fn), globals[i].reshape({}), at::kFloat), f32[i]));
   }
-  std::vector<const nf4::QuantizedWeight*> ptrs;
+  std::vector<const QuantizedWeight*> ptrs;
   for (const auto& q : qs) ptrs.push_back(&q);
-  EXPECT_TRUE(same_bits_or_nan(nf4::dequantize_stack(ptrs, at::kBFloat16), bf16));
-  EXPECT_TRUE(same_bits_or_nan(nf4::dequantize_stack_window(ptrs, at::kFloat, 37, 100, 24, 72),
+  EXPECT_TRUE(same_bits_or_nan(eo::dequantize_stack(ptrs, at::kBFloat16), bf16));
+  EXPECT_TRUE(same_bits_or_nan(eo::dequantize_stack_window(ptrs, at::kFloat, 37, 100, 24, 72),
                                f32.narrow(1, 37, 100).narrow(2, 24, 72).contiguous()));
   // The reference covers what it claims: NaN scale bytes, inf (overflow), fp32 subnormals, -0.
   EXPECT_TRUE(f32.isnan().any().item<bool>());
@@ -1122,8 +1123,8 @@ TEST(Nvfp4, CheckpointLoadsAsTransformersOnTheDecodedWeights) {
     // The experts keep the checkpoint's NVFP4, which decodes to the reference's fp32.
     const auto& gate = m->weight_provider().expert_weight(1, 0, ExpertMatrix::Gate);
     ASSERT_EQ(gate.format, QuantFormat::Nvfp4);
-    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(gate, at::kFloat), r["tensor.model.layers.1.mlp.experts.0.gate_proj.weight.expected_f32"]));
-    EXPECT_TRUE(same_bits_or_nan(nf4::dequantize(m->weight_provider().expert_weight(2, 5, ExpertMatrix::Down), at::kFloat),
+    EXPECT_TRUE(same_bits_or_nan(eo::dequantize(gate, at::kFloat), r["tensor.model.layers.1.mlp.experts.0.gate_proj.weight.expected_f32"]));
+    EXPECT_TRUE(same_bits_or_nan(eo::dequantize(m->weight_provider().expert_weight(2, 5, ExpertMatrix::Down), at::kFloat),
                                  r["tensor.model.layers.2.mlp.experts.5.down_proj.weight.expected_f32"]));
     const auto out = m->forward(ref_batch(r));
     RecordProperty(four_bit ? "logits_rel_err_4bit" : "logits_rel_err", std::to_string(rel_err(out.logits, r["logits"])));
@@ -1364,8 +1365,8 @@ TEST(Nvfp4, MalformedCheckpointsAreRefusedPrecisely) {
 // A provider whose bytes can be swapped, as the offload engine reuses slots.
 class SwappableProvider : public WeightProvider {
  public:
-  nf4::QuantizedWeight w;
-  const nf4::QuantizedWeight& expert_weight(int, int, ExpertMatrix) override { return w; }
+  QuantizedWeight w;
+  const QuantizedWeight& expert_weight(int, int, ExpertMatrix) override { return w; }
 
  protected:
   void stage_block(int) override {}
@@ -1376,7 +1377,7 @@ TEST(Linear4bit, BackwardUsesTheBytesCurrentAtBackwardTimeAndHoldsNoReference) {
   const at::Tensor w1 = at::randn({24, 16}), w2 = at::randn({24, 16});
   SwappableProvider prov;
   prov.w = nf4::quantize(w1);
-  const nf4::QuantizedWeight q2 = nf4::quantize(w2);
+  const QuantizedWeight q2 = nf4::quantize(w2);
   const at::Tensor x = at::randn({5, 16}).set_requires_grad(true);
   const auto storage_refs = prov.w.packed.storage().use_count();
   const auto absmax_refs = prov.w.absmax.storage().use_count();
@@ -1385,14 +1386,14 @@ TEST(Linear4bit, BackwardUsesTheBytesCurrentAtBackwardTimeAndHoldsNoReference) {
   EXPECT_EQ(prov.w.packed.storage().use_count(), storage_refs) << "the autograd node must not hold the packed bytes";
   EXPECT_EQ(prov.w.absmax.storage().use_count(), absmax_refs);
   // Forward used the first bytes (float reference: x · dequant(W1)^T).
-  const at::Tensor w1_deq = nf4::dequantize(prov.w, at::kFloat);
+  const at::Tensor w1_deq = eo::dequantize(prov.w, at::kFloat);
   EXPECT_LT(rel_err(y, at::matmul(x.detach(), w1_deq.t())), 1e-6);
   // The "offloader" reuses the slot: overwrite the bytes in place, then run backward.
   prov.w.packed.copy_(q2.packed);
   prov.w.absmax.copy_(q2.absmax);
   const at::Tensor dy = at::randn({5, 24});
   y.backward(dy);
-  const at::Tensor want = at::matmul(dy, nf4::dequantize(q2, at::kFloat));
+  const at::Tensor want = at::matmul(dy, eo::dequantize(q2, at::kFloat));
   EXPECT_LT(rel_err(x.grad(), want), 1e-6);
   EXPECT_GT(rel_err(x.grad(), at::matmul(dy, w1_deq)), 1e-2);
   EXPECT_EQ(prov.stage_count(3), 1);
@@ -1601,7 +1602,7 @@ TEST_P(Parity, Nf4QuantisationOfCheckpointWeightsEqualsBitsandbytes) {
     if (t.name.rfind("nf4_packed.", 0) != 0) continue;
     const std::string key = t.name.substr(11);
     SCOPED_TRACE(key);
-    const nf4::QuantizedWeight q = nf4::quantize(ck.load(key));
+    const QuantizedWeight q = nf4::quantize(ck.load(key));
     const at::Tensor want = r[t.name].reshape({-1});
     EXPECT_EQ(q.packed.reshape({-1}).ne(want).sum().item<std::int64_t>(), 0) << "bytes differing from bitsandbytes";
     EXPECT_TRUE(q.absmax.equal(r["nf4_absmax." + key]));

@@ -236,7 +236,7 @@ TEST(SyntheticWeights, RealShapesFromConfigAloneSeededAndScaled) {
   EXPECT_FALSE(at::equal(other->forward(batch).logits, oa.logits)) << "another seed, another model";
   // The experts' dequantised weights have the config's initializer_range as standard deviation.
   const auto& q = a->weight_provider().expert_weight(0, 0, ExpertMatrix::Gate);
-  const double sd = nf4::dequantize(q, at::kFloat).std().item<double>();
+  const double sd = eo::dequantize(q, at::kFloat).std().item<double>();
   EXPECT_NEAR(sd, c.initializer_range, 0.15 * c.initializer_range);
   eo::remove_tree(dir);
 }

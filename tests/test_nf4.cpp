@@ -16,7 +16,7 @@
 
 namespace {
 
-using eo::nf4::QuantizedWeight;
+using eo::QuantizedWeight;
 
 // The NF4 table as written in design.md §3.1 (independent of eo::nf4::kCode).
 const double kTable[16] = {-1.0,
@@ -52,7 +52,7 @@ void check_against_model(const at::Tensor& weight, int blocksize) {
   const QuantizedWeight q = eo::nf4::quantize(weight, blocksize);
   const at::Tensor x = weight.to(at::kDouble).reshape({-1});
   const at::Tensor codes = nibbles(q).to(at::kLong);
-  const at::Tensor deq = eo::nf4::dequantize(q, at::kFloat).to(at::kDouble).reshape({-1});
+  const at::Tensor deq = eo::dequantize(q, at::kFloat).to(at::kDouble).reshape({-1});
   const at::Tensor absmax = q.absmax;
   const std::int64_t n = x.numel();
   ASSERT_EQ(absmax.numel(), (n + blocksize - 1) / blocksize);
@@ -157,7 +157,7 @@ TEST(Nf4Bnb, QuantiseAndDequantiseMatchBitsandbytes) {
     } else {
       EXPECT_TRUE(same_bits(q.absmax, get("absmax"))) << "absmax differs";
     }
-    const at::Tensor deq = eo::nf4::dequantize(q);
+    const at::Tensor deq = eo::dequantize(q);
     EXPECT_EQ(deq.scalar_type(), x.scalar_type());
     EXPECT_TRUE(same_bits(deq, get("deq"))) << "dequantised weight differs";
   }
@@ -177,7 +177,7 @@ TEST(Nf4Bnb, ReadsBitsandbytesModuleState) {
     EXPECT_EQ(q.blocksize, c["blocksize"].get<int>());
     EXPECT_EQ(q.dtype, dtype_of(c["dtype"]));
     EXPECT_EQ(q.nested.has_value(), c["double_quant"].get<bool>());
-    EXPECT_TRUE(same_bits(eo::nf4::dequantize(q), fx.file->load(name + ".deq"))) << "dequantised weight differs";
+    EXPECT_TRUE(same_bits(eo::dequantize(q), fx.file->load(name + ".deq"))) << "dequantised weight differs";
 
     // Writing it back gives bitsandbytes' tensors (JSON compared as parsed objects).
     const auto written = eo::nf4::to_bitsandbytes(eo::nf4::quantize(fx.file->load(name + ".x"), c["blocksize"],
@@ -234,7 +234,7 @@ TEST(Nf4Format, RoundTrip) {
     EXPECT_EQ(r.dtype, at::kBFloat16);
     EXPECT_TRUE(same_bits(r.packed, q.packed));
     EXPECT_TRUE(same_bits(r.absmax_fp32(), q.absmax_fp32()));
-    EXPECT_TRUE(same_bits(eo::nf4::dequantize(r), eo::nf4::dequantize(q)));
+    EXPECT_TRUE(same_bits(eo::dequantize(r), eo::dequantize(q)));
     EXPECT_EQ(r.bytes(), q.bytes());
   }
 }

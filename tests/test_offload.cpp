@@ -63,15 +63,15 @@ model::ResidentWeights::Bank make_bank(int layers, int experts, std::vector<int>
 std::vector<std::vector<std::array<at::Tensor, 3>>> reference(const model::ResidentWeights::Bank& bank) {
   std::vector<std::vector<std::array<at::Tensor, 3>>> out(bank.size());
   for (std::size_t l = 0; l < bank.size(); ++l)
-    for (const auto& ex : bank[l]) out[l].push_back({nf4::dequantize(ex[0], at::kFloat), nf4::dequantize(ex[1], at::kFloat),
-                                                     nf4::dequantize(ex[2], at::kFloat)});
+    for (const auto& ex : bank[l]) out[l].push_back({eo::dequantize(ex[0], at::kFloat), eo::dequantize(ex[1], at::kFloat),
+                                                     eo::dequantize(ex[2], at::kFloat)});
   return out;
 }
 
 void expect_layer_readable(offload::ExpertOffloader& off, int layer, const std::vector<std::vector<std::array<at::Tensor, 3>>>& ref) {
   for (std::size_t e = 0; e < ref[layer].size(); ++e)
     for (int m = 0; m < 3; ++m)
-      ASSERT_TRUE(at::equal(nf4::dequantize(off.expert_weight(layer, int(e), ExpertMatrix(m)), at::kFloat), ref[layer][e][m]))
+      ASSERT_TRUE(at::equal(eo::dequantize(off.expert_weight(layer, int(e), ExpertMatrix(m)), at::kFloat), ref[layer][e][m]))
           << "layer " << layer << " expert " << e << " matrix " << m;
 }
 
