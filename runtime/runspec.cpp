@@ -25,7 +25,8 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
   s.order = step_order_in_effect(s.checkpointing, cfg.step_order == "micro_batch_major" ? StepOrder::MicroBatchMajor
                                                                                       : StepOrder::LayerMajor);
   s.cuda_graphs = cfg.cuda_graphs == "true" ? Setting::On : cfg.cuda_graphs == "false" ? Setting::Off : Setting::Auto;
-  s.graphs_blocked = why_uses_cannot_replay(s.checkpointing, cfg.lora_dropout > 0);
+  s.random_blocks = cfg.lora_dropout > 0;
+  s.graphs_blocked = why_uses_cannot_replay(s.checkpointing, s.random_blocks);
   s.expert_gemm = cfg.expert_gemm == "torch"      ? ExpertGemmSetting::Torch
                   : cfg.expert_gemm == "portable" ? ExpertGemmSetting::Portable
                                                   : ExpertGemmSetting::Auto;

@@ -46,6 +46,7 @@ struct RunSpec {
   model::BankReuse bank_reuse = model::BankReuse::None;  // in effect (see resolve_run_spec)
   bool bank_reuse_auto = false;      // expert_bank_reuse: auto (all, or down when only that fits)
   bool checkpointing = true;
+  bool random_blocks = false;        // blocks draw random numbers (lora_dropout > 0)
   StepOrder order = StepOrder::LayerMajor;  // in effect: micro-batch-major without checkpointing
   Setting cuda_graphs = Setting::Auto;
   std::string graphs_blocked;        // why block uses cannot replay as graphs here; empty: they can

@@ -452,17 +452,16 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, di
   run.device = pick_device(wi.local_rank, wi.local_size);
   const ComputeChoice compute = resolve_compute(cfg, run.device.is_cuda(), device_has_bf16(run.device));
   check_gpu_served(run.device, compute);
-  run.compute = compute.dtype;
   if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
   const RunSpec asked = resolve_run_spec(cfg, model_config, compute.dtype, run.device.is_cuda(), wi.local_size);
   run.expert_gemm_why = resolve_expert_gemm(asked, run.device);
   size_thread_pool(wi.local_size);
   const at::Device device = run.device;
-  const bool bf16 = run.compute == Compute::Bf16;
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
   const PlanFit fit = check_memory_plan(asked, device);
   run.spec = fit.spec;
   const RunSpec& spec = run.spec;
+  const bool bf16 = spec.compute == Compute::Bf16;
   run.cuda_graphs = fit.cuda_graphs;
   run.cuda_graphs_why = fit.cuda_graphs_why;
   const auto t_load = Clock::now();
@@ -513,7 +512,7 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, di
 
   // ---- model
   model::LoadOptions lo;
-  lo.dtype = bf16 ? at::kBFloat16 : run.compute == Compute::Fp16 ? at::kHalf : at::kFloat;
+  lo.dtype = bf16 ? at::kBFloat16 : spec.compute == Compute::Fp16 ? at::kHalf : at::kFloat;
   lo.load_in_4bit = cfg.load_in_4bit;
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
@@ -523,7 +522,7 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, di
   lo.experts_on_host = cfg.expert_offload;
   if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
-            describe_device(device) + ", " + compute_name(run.compute) + " compute");
+            describe_device(device) + ", " + compute_name(spec.compute) + " compute");
   run.model = model::MoeModel::load(cfg.base_model, spec.model, lo);
   auto& model = run.model;
   const auto& mc = model->config();
@@ -561,7 +560,7 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, di
   const bool grouped = device.is_cuda() && model::grouped_expert_gemm_runs(lo.dtype, device);
   if (device.is_cuda() && !grouped && run.cuda_graphs) {
     run.cuda_graphs = false;
-    run.cuda_graphs_why = std::string("off (the expert GEMMs run expert by expert in ") + compute_name(run.compute) +
+    run.cuda_graphs_why = std::string("off (the expert GEMMs run expert by expert in ") + compute_name(spec.compute) +
                           ", reading the routing counts on the host)";
   }
   if (grouped && !model->expert_lora_grouped_ok()) {

@@ -52,7 +52,7 @@ StepOptions step_options(const TrainConfig& cfg, const Run& run) {
   o.activation_offloading = cfg.activation_offloading;
   o.aux_loss = cfg.output_router_logits;
   o.aux_coef = run.aux_coef / double(run.accum * std::max(1, run.comm->size()));
-  o.random_blocks = cfg.lora_dropout > 0;
+  o.random_blocks = run.spec.random_blocks;
   o.cuda_graphs = run.cuda_graphs;
   o.bank_reuse = run.spec.bank_reuse;
   return o;
@@ -141,7 +141,7 @@ TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, dist:
   std::int64_t nonfinite_streak = run.resumed_extra.value("nonfinite_streak", std::int64_t(0));
   // fp16: the loss scale (restored from the checkpoint, so a resumed run scales exactly as an
   // uninterrupted one), and the steps it skipped on a gradient overflow.
-  LossScaler scaler(run.compute == Compute::Fp16, device, cfg.loss_scale_growth_interval);
+  LossScaler scaler(run.spec.compute == Compute::Fp16, device, cfg.loss_scale_growth_interval);
   scaler.load_state(run.resumed_extra);
   std::int64_t skipped_overflow = run.resumed_extra.value("skipped_overflow", std::int64_t(0));
   // The run's first step skipped for NaN/Inf (-1: none): the newest checkpoint before it is never
