@@ -877,21 +877,22 @@ TEST(Config, ExpertQuantIsCheckedAgainstTheCheckpoint) {
   eo::remove_tree(dir);
 }
 
-// cuda_graphs: the decision table of runtime/setup.h (no GPU needed: a CUDA device is a value here).
+// cuda_graphs: the decision table of runtime/runspec.h (no GPU needed: a CUDA device is a value here).
 TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   TrainConfig cfg;
   cfg.gradient_checkpointing = true;
   cfg.lora_dropout = 0;
   const at::Device cuda(at::kCUDA, 0);
-  PlanFit room;
-  room.graphs_extra = 1.5 * double(1 << 30);
-  room.graphs_fit = true;
+  eo::GraphFacts room;
+  room.pool_bytes = 1.5 * double(1 << 30);
+  room.pool_fits = true;
   room.available = "80 GiB free";
-  PlanFit tight = room;
-  tight.graphs_fit = false;
-  auto on = [&](const TrainConfig& c, PlanFit f, const at::Device& d) {
-    f.spec = resolve_run_spec(c, eo::model::ModelConfig{}, eo::Compute::Bf16, d.is_cuda(), 1);
-    return resolve_cuda_graphs(f);
+  eo::GraphFacts tight = room;
+  tight.pool_fits = false;
+  auto on = [&](const TrainConfig& c, const eo::GraphFacts& f, const at::Device& d) {
+    RunSpec spec = resolve_run_spec(c, eo::model::ModelConfig{}, eo::Compute::Bf16, d.is_cuda(), 1);
+    decide_cuda_graphs(spec, f);
+    return std::make_pair(spec.graphs, spec.graphs_why);
   };
 
   EXPECT_EQ(cfg.cuda_graphs, "auto");
@@ -920,6 +921,19 @@ TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   TrainConfig no_ckpt = offload;
   no_ckpt.gradient_checkpointing = false;
   EXPECT_FALSE(on(no_ckpt, room, cuda).first);
+
+  // The model's facts: expert GEMMs that read the routing counts on the host turn them off, even
+  // when asked for; merge-aware training rules them out before any memory is planned for them.
+  eo::GraphFacts host_counts = room;
+  host_counts.counts_on_host = "lora_r 12 is not a multiple of 8";
+  const auto [counts_on, counts_why] = on(offload, host_counts, cuda);
+  EXPECT_FALSE(counts_on);
+  EXPECT_NE(counts_why.find("lora_r 12"), std::string::npos) << counts_why;
+  TrainConfig merge = cfg;
+  merge.nvfp4_merge_aware = true;
+  const RunSpec merge_spec = resolve_run_spec(merge, eo::model::ModelConfig{}, eo::Compute::Bf16, true, 1);
+  EXPECT_NE(merge_spec.graphs_blocked.find("nvfp4_merge_aware"), std::string::npos) << "the plan budgets no graphs for it";
+  EXPECT_FALSE(on(merge, room, cuda).first);
 }
 
 // Ranks compare their resolved configs key by key: equal configs agree; one --set on one rank is
