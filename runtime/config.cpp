@@ -21,6 +21,7 @@
 #include "common/error.h"
 #include "common/text.h"
 #include "models/hf_config.h"
+#include "runtime/key_aliases.h"
 
 namespace eo {
 namespace {
@@ -1836,8 +1837,10 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
           if (std::string(a.key).rfind("datasets[].", 0) != 0) candidates.push_back(a.key);
       }
       std::optional<std::string> m;
-      if (suggested++ < kSuggestedKeys) m = closest_match(key, candidates);
-      if (m) msg += "; did you mean '" + *m + "'?";
+      const std::optional<KeyAlias> alias = key_alias(key);
+      if (!alias && suggested++ < kSuggestedKeys) m = closest_match(key, candidates);
+      if (alias) msg += "; " + spelled_here(*alias);
+      else if (m) msg += "; did you mean '" + *m + "'?";
       else msg += "; `eo-ddp --help-config` lists every key";
       issues.push_back({key, msg});
       continue;
@@ -1891,6 +1894,12 @@ std::vector<std::string> config_known_keys() {
   std::vector<std::string> k;
   for (const auto& s : schema()) k.push_back(s.key);
   return k;
+}
+
+std::vector<ConfigKeyDoc> config_key_docs() {
+  std::vector<ConfigKeyDoc> out;
+  for (const auto& s : schema()) out.push_back({s.key, s.type, s.default_text, s.doc});
+  return out;
 }
 
 std::string config_reference_markdown() {

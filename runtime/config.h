@@ -192,6 +192,11 @@ std::string config_to_yaml(const TrainConfig& cfg);
 
 // Markdown table of every key: name, type, default, meaning. Printed by --help-config.
 std::string config_reference_markdown();
+// Every key of the schema, in its order, with its documentation (runtime/config_help.h prints them).
+struct ConfigKeyDoc {
+  std::string key, type, default_text, doc;
+};
+std::vector<ConfigKeyDoc> config_key_docs();
 // Every key the schema accepts (dotted names).
 std::vector<std::string> config_known_keys();
 // axolotl's config keys and what eo-ddp does with each: class "implemented", "noted" (accepted,
