@@ -37,7 +37,7 @@ struct Change {
   Sets sets;
   std::string what;
 };
-using Step = std::function<std::optional<Change>(const TrainConfig&, const Replanner&)>;
+using ChangeFn = std::function<std::optional<Change>(const TrainConfig&, const Replanner&)>;
 
 // The keys expert_offload and activation_offloading need beside them (config.cpp's check_rules).
 void add_checkpointing(Change& c) {
@@ -105,49 +105,62 @@ std::optional<Change> micro_batch_major(const TrainConfig& cfg, const Replanner&
   return c;
 }
 
-// A value lowered: the largest of `values` (descending) that fits, else the smallest of them.
-template <typename Set>
-std::optional<Change> lowered(const TrainConfig& cfg, const Replanner& r, const std::vector<int>& values, const std::string& key,
-                              const std::string& what, Set set) {
-  if (values.empty()) return std::nullopt;
-  auto made = [&](int v) {
-    Change c{cfg, {{key, std::to_string(v)}}, what};
-    set(c.cfg, v);
-    return c;
-  };
-  // The peak grows with each of these values: a binary search for the largest that fits.
-  std::size_t lo = 0, hi = values.size();  // values[hi - 1] is the smallest
-  while (lo < hi) {
-    const std::size_t mid = (lo + hi) / 2;
-    const Change c = made(values[mid]);
-    if (r.plan(c.cfg, {}, "").fits) hi = mid;
-    else lo = mid + 1;
-  }
-  return made(values[std::min(lo, values.size() - 1)]);
-}
+// A number the user can lower: micro_batch_size, sequence_len, lora_r, through `values` (descending,
+// all below the current value).
+struct Lowering {
+  const char* key;
+  const char* what;
+  int TrainConfig::*field;
+  std::function<std::vector<int>(int)> values;
 
-std::vector<int> below(int from, int to, int step) {
+  Change made(const TrainConfig& cfg, int v) const {
+    Change c{cfg, {{key, std::to_string(v)}}, what};
+    c.cfg.*field = v;
+    return c;
+  }
+  // Alone: the largest value that fits, else the smallest. The peak grows with each of these
+  // values, so a binary search finds it.
+  std::optional<Change> largest_fitting(const TrainConfig& cfg, const Replanner& r) const {
+    const std::vector<int> v = values(cfg.*field);
+    if (v.empty()) return std::nullopt;
+    std::size_t lo = 0, hi = v.size();
+    while (lo < hi) {
+      const std::size_t mid = (lo + hi) / 2;
+      if (r.plan(made(cfg, v[mid]).cfg, {}, "").fits) hi = mid;
+      else lo = mid + 1;
+    }
+    return made(cfg, v[std::min(lo, v.size() - 1)]);
+  }
+  // Among others: one notch down, to half the value or the next below it.
+  std::optional<Change> halved(const TrainConfig& cfg) const {
+    const std::vector<int> v = values(cfg.*field);
+    if (v.empty()) return std::nullopt;
+    for (int x : v)
+      if (x <= cfg.*field / 2) return made(cfg, x);
+    return made(cfg, v.back());
+  }
+};
+
+std::vector<int> multiples_below(int from, int step) {
   std::vector<int> v;
-  for (int x = (from - 1) / step * step; x >= to; x -= step) v.push_back(x);
+  for (int x = (from - 1) / step * step; x >= step; x -= step) v.push_back(x);
   return v;
 }
 
-std::optional<Change> micro_batch(const TrainConfig& cfg, const Replanner& r) {
-  return lowered(cfg, r, below(cfg.micro_batch_size, 1, 1), "micro_batch_size",
-                 "fewer sequences per micro-step: a smaller batch per optimizer step",
-                 [](TrainConfig& c, int v) { c.micro_batch_size = v; });
-}
-
-std::optional<Change> sequence(const TrainConfig& cfg, const Replanner& r) {
-  return lowered(cfg, r, below(cfg.sequence_len, 128, 128), "sequence_len", "shorter sequences: longer documents are cut",
-                 [](TrainConfig& c, int v) { c.sequence_len = v; });
-}
-
-std::optional<Change> rank(const TrainConfig& cfg, const Replanner& r) {
-  std::vector<int> ranks;
-  for (int x = cfg.lora_r / 2; x >= 1; x /= 2) ranks.push_back(x);
-  return lowered(cfg, r, ranks, "lora_r", "a smaller LoRA rank: fewer trainable parameters",
-                 [](TrainConfig& c, int v) { c.lora_r = v; });
+const std::vector<Lowering>& lowerings() {
+  static const std::vector<Lowering> l = {
+      {"micro_batch_size", "fewer sequences per micro-step: a smaller batch per optimizer step", &TrainConfig::micro_batch_size,
+       [](int from) { return multiples_below(from, 1); }},
+      {"sequence_len", "shorter sequences: longer documents are cut", &TrainConfig::sequence_len,
+       [](int from) { return multiples_below(from, 128); }},
+      {"lora_r", "a smaller LoRA rank: fewer trainable parameters", &TrainConfig::lora_r,
+       [](int from) {
+         std::vector<int> v;
+         for (int x = from / 2; x >= 1; x /= 2) v.push_back(x);
+         return v;
+       }},
+  };
+  return l;
 }
 
 std::optional<Change> attention_only(const TrainConfig& cfg, const Replanner& r) {
@@ -170,10 +183,23 @@ std::optional<Change> attention_only(const TrainConfig& cfg, const Replanner& r)
   return c;
 }
 
-// Cheapest first (the header says why this order).
+// Cheapest first (the header says why this order). The first ones change how the run is done,
+// the others (with a notch) what is trained.
+struct Step {
+  ChangeFn alone;
+  ChangeFn notch;  // a notch down among other changes; null for the changes to how the run is done
+};
+
 const std::vector<Step>& steps() {
-  static const std::vector<Step> s = {expert_offload, checkpointing, activation_offloading, micro_batch_major,
-                                      homes_on_disk, micro_batch, sequence, rank, attention_only};
+  static const std::vector<Step> s = [] {
+    std::vector<Step> v = {{expert_offload, nullptr}, {checkpointing, nullptr}, {activation_offloading, nullptr},
+                           {micro_batch_major, nullptr}, {homes_on_disk, nullptr}};
+    for (const Lowering& l : lowerings())
+      v.push_back({[&l](const TrainConfig& c, const Replanner& r) { return l.largest_fitting(c, r); },
+                   [&l](const TrainConfig& c, const Replanner&) { return l.halved(c); }});
+    v.push_back({attention_only, attention_only});
+    return v;
+  }();
   return s;
 }
 
@@ -186,13 +212,15 @@ std::string yaml_line(const std::string& key, const std::string& value) {
 
 void describe_one(std::ostringstream& os, const PlanFix& f, const std::string& label) {
   const std::string indent(label.size(), ' ');
-  os << label << "peak " << human_bytes(f.peak) << ", " << human_bytes(f.peak + f.margin) << " with margin";
-  if (f.host_pinned_per_node > 0) os << ", " << human_bytes(f.host_pinned_per_node) << " pinned host RAM per node";
-  os << ": " << f.what << "\n" << indent << "  ";
+  os << label << f.what << "\n" << indent << "peak " << human_bytes(f.peak) << ", " << human_bytes(f.peak + f.margin)
+     << " with margin";
+  if (f.host_pinned_per_node > 0) os << "; " << human_bytes(f.host_pinned_per_node) << " pinned host RAM per node";
+  os << "\n" << indent << "  ";
   for (std::size_t i = 0; i < f.sets.size(); ++i) os << (i ? " " : "") << "--set " << f.sets[i].first << "=" << f.sets[i].second;
   os << "\n";
+  const std::string yaml = "  in YAML: ";
   for (std::size_t i = 0; i < f.sets.size(); ++i)
-    os << indent << (i ? "             " : "  or in YAML: ") << yaml_line(f.sets[i].first, f.sets[i].second) << "\n";
+    os << indent << (i ? std::string(yaml.size(), ' ') : yaml) << yaml_line(f.sets[i].first, f.sets[i].second) << "\n";
 }
 
 }  // namespace
@@ -207,25 +235,44 @@ FixPlan plan_fixes(const RunSpec& spec, double available, double host_ram) {
   const TrainConfig& cfg = *spec.cfg;
   FixPlan out;
   for (const Step& step : steps())
-    if (const auto c = step(cfg, r))
+    if (const auto c = step.alone(cfg, r))
       if (PlanFix f = r.plan(c->cfg, c->sets, c->what); f.fits) out.singles.push_back(std::move(f));
   if (!out.singles.empty()) return out;
-  // Together, in the same order: each change kept while it lowers the peak, until the run fits.
+
+  // Together: every change to how the run is done that lowers the peak (or the pinned host RAM);
+  // then the cheapest single change to what is trained that fits on top; else those changes a
+  // notch at a time, in turn, until the run fits.
   TrainConfig cur = cfg;
   PlanFix now = r.plan(cur, {}, "");
+  Sets sets;
   std::vector<std::string> whats;
-  for (const Step& step : steps()) {
-    if (now.fits) break;
-    const auto c = step(cur, r);
-    if (!c) continue;
-    PlanFix f = r.plan(c->cfg, {}, "");
-    if (f.peak >= now.peak && f.host_pinned_per_node >= now.host_pinned_per_node) continue;
-    cur = c->cfg;
-    out.combined.sets.insert(out.combined.sets.end(), c->sets.begin(), c->sets.end());
-    whats.push_back(c->what);
+  auto take = [&](const Change& c) {
+    const PlanFix f = r.plan(c.cfg, {}, "");
+    if (f.peak >= now.peak && f.host_pinned_per_node >= now.host_pinned_per_node) return false;
+    cur = c.cfg;
+    for (const auto& kv : c.sets) {  // a key lowered again keeps its first place
+      auto it = std::find_if(sets.begin(), sets.end(), [&](const auto& s) { return s.first == kv.first; });
+      if (it == sets.end()) sets.push_back(kv);
+      else it->second = kv.second;
+    }
+    if (std::find(whats.begin(), whats.end(), c.what) == whats.end()) whats.push_back(c.what);
     now = f;
+    return true;
+  };
+  for (const Step& step : steps())
+    if (!step.notch && !now.fits)
+      if (const auto c = step.alone(cur, r)) take(*c);
+  for (const Step& step : steps()) {
+    if (!step.notch || now.fits) continue;
+    if (const auto c = step.alone(cur, r); c && r.plan(c->cfg, {}, "").fits) take(*c);
   }
-  const Sets sets = out.combined.sets;
+  for (bool progress = true; progress && !now.fits;) {
+    progress = false;
+    for (const Step& step : steps()) {
+      if (!step.notch || now.fits) continue;
+      if (const auto c = step.notch(cur, r)) progress |= take(*c);
+    }
+  }
   out.combined = now;
   out.combined.sets = sets;
   out.combined.what = join(whats, "; ");
