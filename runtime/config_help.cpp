@@ -47,8 +47,13 @@ std::string wrap(const std::string& text, const std::string& indent, int width) 
 
 namespace {
 
+// "  key  (type; default X)" on one line (the type and default below it when too long), then the
+// description indented under it.
 std::string entry(const ConfigKeyDoc& d, int width) {
-  return wrap(d.key + "  (" + d.type + "; default " + d.default_text + ")", "  ", width) + wrap(d.doc, "      ", width);
+  const std::string kind = "(" + d.type + "; default " + d.default_text + ")";
+  std::string head = "  " + d.key + "  " + kind + "\n";
+  if (head.size() > static_cast<std::size_t>(width) + 1) head = "  " + d.key + "\n" + wrap(kind, "      ", width);
+  return head + wrap(d.doc, "      ", width);
 }
 
 }  // namespace

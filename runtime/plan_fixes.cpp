@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/text.h"
+#include "runtime/config_help.h"
 #include "runtime/plan.h"
 
 namespace eo {
@@ -212,7 +213,8 @@ std::string yaml_line(const std::string& key, const std::string& value) {
 
 void describe_one(std::ostringstream& os, const PlanFix& f, const std::string& label) {
   const std::string indent(label.size(), ' ');
-  os << label << f.what << "\n" << indent << "peak " << human_bytes(f.peak) << ", " << human_bytes(f.peak + f.margin)
+  const std::string what = wrap(f.what, indent, kHelpWidth);
+  os << label << what.substr(indent.size()) << indent << "peak " << human_bytes(f.peak) << ", " << human_bytes(f.peak + f.margin)
      << " with margin";
   if (f.host_pinned_per_node > 0) os << "; " << human_bytes(f.host_pinned_per_node) << " pinned host RAM per node";
   os << "\n" << indent << "  ";
