@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -161,6 +162,9 @@ struct TrainConfig {
   // Where the file came from, and what the loader wants the user to know (ignored keys, ...).
   std::string source;
   std::vector<std::string> warnings;
+  // A relative input path found nowhere, as written -> the folder it was resolved against (for
+  // messages; runtime/config_paths.h).
+  std::map<std::string, std::string> path_bases;
 };
 
 struct ConfigIssue {
@@ -178,6 +182,9 @@ struct ConfigLoadOptions {
   // Where base_model's config.json is handed back, parsed once for the whole run (by the checks
   // above, or else here; one that cannot be read is then an error).
   model::ModelConfig* model_out = nullptr;
+  // The config file's folder, against which its relative paths are resolved (runtime/config_paths.h);
+  // empty: paths as written. load_config_file sets it.
+  std::string config_dir;
 };
 
 // Reads YAML text (a file's contents) plus `--set key=value` overrides, validates and

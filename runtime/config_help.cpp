@@ -62,7 +62,8 @@ std::string config_reference_text(int width) {
   std::ostringstream os;
   os << wrap("eo-ddp's config keys (YAML, as axolotl names them; --set key=value overrides one). One key: eo-ddp "
              "--help-config KEY. The table as markdown: eo-ddp --help-config --markdown. axolotl's other keys: eo-ddp "
-             "--help-axolotl-keys.",
+             "--help-axolotl-keys. Relative paths in a config file are relative to the file's folder; given with --set, to "
+             "the current folder.",
              "", width);
   const auto& sections = config_sections();
   for (const auto& d : config_key_docs()) {

@@ -23,8 +23,10 @@ struct Result {
   std::string out;
 };
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(EO_BINARY_DIR) + "/eo-ddp " + args + " 2>&1";
+// eo-ddp with `args`, run by the shell from the folder `from` (empty: this test's).
+Result run(const std::string& args, const fs::path& from = {}) {
+  const std::string cmd = (from.empty() ? "" : "cd '" + from.string() + "' && ") + std::string(EO_BINARY_DIR) + "/eo-ddp " +
+                          args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;
@@ -137,6 +139,38 @@ TEST_F(Cli, CheckOfARunThatDoesNotFitExits2WithTheChanges) {
   const Result ok = run("--check --config " + f + " --set device_memory_limit=1GiB");
   EXPECT_EQ(ok.code, 0) << ok.out;
   EXPECT_NE(ok.out.find("config ok"), std::string::npos) << ok.out;
+}
+
+// One rule for relative paths: a config's are relative to its folder (so it runs from any folder),
+// --set ones to the current folder; one found only under the current folder is used from there
+// with a warning; a path error names the folder it was resolved against.
+TEST_F(Cli, RelativePathsInAConfigAreRelativeToItsFolder) {
+  fs::create_directories(dir_ / "elsewhere");
+  std::ofstream(dir_ / "rel.yaml") << "base_model: model\ndatasets: [{path: ./train.jsonl}]\nload_in_4bit: true\nadapter: qlora\n"
+                                      "output_dir: out\n";
+  const std::string check = " --check --config " + (dir_ / "rel.yaml").string();
+  Result r = run(check, dir_ / "elsewhere");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("base_model: " + (dir_ / "model").string() + "\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("output_dir: " + (dir_ / "out").string() + "\n"), std::string::npos) << r.out;
+  // --set: the current folder.
+  r = run(check + " --set datasets.0.path=elsewhere/none.jsonl", dir_);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("file 'elsewhere/none.jsonl' (resolved against " + dir_.string() + ") not found"), std::string::npos) << r.out;
+  // Written for the folder it is run from: found there, with a warning.
+  fs::create_directories(dir_ / "configs");
+  std::ofstream(dir_ / "configs" / "old.yaml") << "base_model: model\ndatasets: [{path: train.jsonl}]\nload_in_4bit: true\n"
+                                                  "adapter: qlora\noutput_dir: " << (dir_ / "out").string() << "\n";
+  r = run("--check --config configs/old.yaml", dir_);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("base_model: 'model' is not under the config's folder " + (dir_ / "configs").string()), std::string::npos)
+      << r.out;
+  // Found nowhere: the message names the config's folder.
+  r = run("--check --config ../configs/old.yaml", dir_ / "elsewhere");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("base_model: 'model' (resolved against " + (dir_ / "configs").string() + ") is not a folder"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST_F(Cli, CheckOfBadConfigNamesEveryProblemAndExits2) {
