@@ -228,6 +228,7 @@ TEST_F(Cli, RunThatCannotFitStopsAtStartWithThePlan) {
   EXPECT_NE(r.out.find("memory plan (per rank"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("checkpoints"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("device_memory_limit 2.00 MiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--set sequence_len="), std::string::npos) << "what to change: " << r.out;
   EXPECT_EQ(r.out.find("loading "), std::string::npos) << "must stop before loading: " << r.out;
   EXPECT_FALSE(fs::exists(dir_ / "out" / "adapter_model.safetensors"));
   // A VRAM budget for resident expert blocks larger than the card.
