@@ -232,18 +232,19 @@ bool plan_fits(const RunSpec& spec, double available) {
   return f.plan.device_peak + f.plan.margin <= available;
 }
 
-FixPlan plan_fixes(const RunSpec& spec, double available, double host_ram) {
-  const Replanner r{spec, available, host_ram};
-  const TrainConfig& cfg = *spec.cfg;
-  FixPlan out;
-  for (const Step& step : steps())
-    if (const auto c = step.alone(cfg, r))
-      if (PlanFix f = r.plan(c->cfg, c->sets, c->what); f.fits) out.singles.push_back(std::move(f));
-  if (!out.singles.empty()) return out;
+namespace {
 
-  // Together: every change to how the run is done that lowers the peak (or the pinned host RAM);
-  // then the cheapest single change to what is trained that fits on top; else those changes a
-  // notch at a time, in turn, until the run fits.
+// The changes together, leaving out the steps in `skip`: every change to how the run is done that
+// lowers the peak (or the pinned host RAM); then the cheapest single change to what is trained that
+// fits on top; else those changes a notch at a time, in turn, until the run fits.
+struct Combined {
+  PlanFix fix;
+  std::vector<std::size_t> how_taken;  // the steps that change how the run is done, taken
+  Sets trained;                        // the changes to what is trained
+};
+
+Combined combine(const TrainConfig& cfg, const Replanner& r, const std::vector<std::size_t>& skip) {
+  Combined out;
   TrainConfig cur = cfg;
   PlanFix now = r.plan(cur, {}, "");
   Sets sets;
@@ -261,23 +262,50 @@ FixPlan plan_fixes(const RunSpec& spec, double available, double host_ram) {
     now = f;
     return true;
   };
-  for (const Step& step : steps())
-    if (!step.notch && !now.fits)
-      if (const auto c = step.alone(cur, r)) take(*c);
-  for (const Step& step : steps()) {
+  const auto& all = steps();
+  for (std::size_t i = 0; i < all.size(); ++i)
+    if (!all[i].notch && !now.fits && std::find(skip.begin(), skip.end(), i) == skip.end())
+      if (const auto c = all[i].alone(cur, r); c && take(*c)) out.how_taken.push_back(i);
+  const Sets how = sets;
+  for (const Step& step : all) {
     if (!step.notch || now.fits) continue;
     if (const auto c = step.alone(cur, r); c && r.plan(c->cfg, {}, "").fits) take(*c);
   }
   for (bool progress = true; progress && !now.fits;) {
     progress = false;
-    for (const Step& step : steps()) {
+    for (const Step& step : all) {
       if (!step.notch || now.fits) continue;
       if (const auto c = step.notch(cur, r)) progress |= take(*c);
     }
   }
-  out.combined = now;
-  out.combined.sets = sets;
-  out.combined.what = join(whats, "; ");
+  out.trained.assign(sets.begin() + static_cast<std::ptrdiff_t>(how.size()), sets.end());
+  out.fix = now;
+  out.fix.sets = sets;
+  out.fix.what = join(whats, "; ");
+  return out;
+}
+
+}  // namespace
+
+FixPlan plan_fixes(const RunSpec& spec, double available, double host_ram) {
+  const Replanner r{spec, available, host_ram};
+  const TrainConfig& cfg = *spec.cfg;
+  FixPlan out;
+  for (const Step& step : steps())
+    if (const auto c = step.alone(cfg, r))
+      if (PlanFix f = r.plan(c->cfg, c->sets, c->what); f.fits) out.singles.push_back(std::move(f));
+  if (!out.singles.empty()) return out;
+  // A change to how the run is done that the rest fits without, giving up nothing more of what is
+  // trained, is left out (the dearest first).
+  std::vector<std::size_t> skip;
+  Combined best = combine(cfg, r, skip);
+  for (auto it = best.how_taken.rbegin(); best.fix.fits && it != best.how_taken.rend(); ++it) {
+    skip.push_back(*it);
+    const Combined without = combine(cfg, r, skip);
+    if (without.fix.fits && without.trained == best.trained) best = without;
+    else skip.pop_back();
+  }
+  out.combined = best.fix;
   return out;
 }
 
