@@ -227,11 +227,6 @@ void describe_one(std::ostringstream& os, const PlanFix& f, const std::string& l
 
 }  // namespace
 
-bool plan_fits(const RunSpec& spec, double available) {
-  const FittedPlan f = fit_plan(spec, available);
-  return f.plan.device_peak + f.plan.margin <= available;
-}
-
 namespace {
 
 // The changes together, leaving out the steps in `skip`: every change to how the run is done that

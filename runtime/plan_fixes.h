@@ -43,7 +43,4 @@ FixPlan plan_fixes(const RunSpec& spec, double available, double host_ram = 0);
 // `limit` names what was fitted ("a 24.00 GiB card", "device_memory_limit 8.00 GiB").
 std::string describe_fixes(const FixPlan& fixes, const std::string& limit);
 
-// Whether a spec's fitted plan (auto's alternatives taken) fits `available` device bytes.
-bool plan_fits(const RunSpec& spec, double available);
-
 }  // namespace eo
