@@ -3,8 +3,8 @@
 // Keys follow axolotl's names wherever axolotl has the concept, so a user's axolotl QLoRA
 // config needs few edits. Every key is declared once in the schema (config.cpp): its type,
 // default, range and documentation; the README's reference table is printed from it
-// (`eo-ddp --help-config`). Validation collects every problem before raising, and runs
-// before any weight is read.
+// (`eo-ddp --help-config --markdown`; grouped for a terminal: runtime/config_help.h). Validation
+// collects every problem before raising, and runs before any weight is read.
 #pragma once
 
 #include <cstdint>
@@ -197,7 +197,7 @@ TrainConfig load_config_text(const std::string& yaml_text, const std::string& so
 // The resolved config as YAML (every key, defaults filled in).
 std::string config_to_yaml(const TrainConfig& cfg);
 
-// Markdown table of every key: name, type, default, meaning. Printed by --help-config.
+// Markdown table of every key: name, type, default, meaning. Printed by --help-config --markdown.
 std::string config_reference_markdown();
 // Every key of the schema, in its order, with its documentation (runtime/config_help.h prints them).
 struct ConfigKeyDoc {
