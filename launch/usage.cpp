@@ -34,12 +34,14 @@ changes that make it fit, each with its predicted peak.)"},
 dataset_prepared_path with the model's tokenizer (Python transformers); train does it too when the
 cache is missing or stale.)"},
       {"score",
-       "eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit | --no-load-in-4bit]\n"
-       "             [--window N] [--json]",
+       "eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--[no-]load-in-4bit] [--window N]",
        R"(Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL; the
 base is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a flag says otherwise.
-  --window N   rows longer than N tokens (default 8192) are scored in windows sharing one token
-  --json       print the result as one JSON object)"},
+  --dtype fp32|bf16                  the compute dtype
+  --load-in-4bit, --no-load-in-4bit  score on the NF4 base, or on the stored weights
+  --window N                         rows longer than N tokens (default 8192) are scored in windows
+                                     sharing one token
+  --json                             print the result as one JSON object)"},
       {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).
@@ -57,7 +59,7 @@ the drive reads per step, from config.json and the config alone (nothing is load
 std::string overall_usage() {
   std::string s = "usage:\n";
   for (const auto& c : commands()) s += std::string("  ") + c.synopsis + "\n";
-  s += R"(  eo-ddp COMMAND --help          that command's options
+  s += R"(  eo-ddp COMMAND --help           that command's options
   eo-ddp --help-config [KEY]      the config keys, grouped (one key: KEY; markdown: --markdown)
   eo-ddp --help-axolotl-keys      what eo-ddp does with each of axolotl's keys
   eo-ddp --version

@@ -77,6 +77,8 @@ TEST_F(Cli, EveryCommandHasItsOwnHelp) {
       const Result r = run(form);
       EXPECT_EQ(r.code, 0) << form << "\n" << r.out;
       EXPECT_EQ(r.out.rfind("usage: eo-ddp " + std::string(cmd == "train" ? "[train]" : cmd), 0), 0u) << form << "\n" << r.out;
+      std::istringstream lines(r.out);
+      for (std::string line; std::getline(lines, line);) EXPECT_LE(line.size(), 120u) << form << ": " << line;
     }
   }
   EXPECT_NE(run("plan --help").out.find("--vram SIZE"), std::string::npos);
