@@ -38,6 +38,7 @@
 #include "runtime/dist/world.h"
 #include "runtime/optimizer.h"
 #include "runtime/plan.h"
+#include "runtime/plan_fixes.h"
 #include "runtime/setup_data.h"
 #include "runtime/train_state.h"
 
@@ -225,12 +226,10 @@ PlanFit check_memory_plan(const RunSpec& spec, const at::Device& device) {
   log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
             (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
   if (fits) return fit;
-  std::string fixes;
-  if (!spec.offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
-  fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
   throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " + a margin of " +
-                   human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) + "Try " +
-                   fixes + ". (eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
+                   human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) +
+                   describe_fixes(plan_fixes(spec, available), what) +
+                   "(eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
 }
 
 // Each rank's intra-op thread pool (host-side tensor work: the embedding gather, data, CPU
