@@ -84,6 +84,8 @@ check "the plot is a PNG" sh -c "ls '$out'/*.png >/dev/null 2>&1 || ls '$work'/*
 run "build/eo-ddp score --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --data fixtures/tiny-data/train.jsonl"
 python_block docs/quickstart.md 1
 
+covered "cmake --install build --prefix ~/.local" "install_mission installs to a temporary prefix and trains from another folder"
+
 # docs/runs.md
 run "build/eo-ddp score --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --data fixtures/tiny-data/train.jsonl --json"
 # A QLoRA adapter is scored on the NF4 base it was trained on, unless told otherwise.
