@@ -84,7 +84,7 @@ int eo::launch::run_main(int argc, char** argv) {
     return kExitOk;
   }
   if (args[0] == "--version") {
-    std::printf("eo-ddp %s\n", EO_DDP_VERSION);
+    std::printf("eo-ddp %s (%s)\n", EO_DDP_VERSION, EO_DDP_BUILD);
     return kExitOk;
   }
   if (args[0] == "--help-config") return print_config_help(launch::Args(args.begin() + 1, args.end()));

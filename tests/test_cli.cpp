@@ -60,6 +60,13 @@ TEST_F(Cli, VersionAndHelp) {
   auto v = run("--version");
   EXPECT_EQ(v.code, 0);
   EXPECT_EQ(v.out.rfind("eo-ddp ", 0), 0u) << v.out;
+  // The build says what it is: CUDA with its architectures, or a CPU build.
+#ifdef EO_WITH_CUDA
+  EXPECT_NE(v.out.find("(CUDA "), std::string::npos) << v.out;
+  EXPECT_NE(v.out.find(" sm_"), std::string::npos) << v.out;
+#else
+  EXPECT_NE(v.out.find("(CPU build, libtorch "), std::string::npos) << v.out;
+#endif
   auto h = run("--help");
   EXPECT_EQ(h.code, 0);
   EXPECT_NE(h.out.find("--config FILE"), std::string::npos);
