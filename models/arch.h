@@ -8,11 +8,27 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 namespace eo::model {
+
+struct ConfigFields;
+struct ModelConfig;
+struct MultimodalWrapper;
+
+// How q and k rotate their RoPE pairs: the two halves of the rotated dims (x_i, x_{i+d/2}), or
+// adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek-V2 always; the others' rope_interleave, default true).
+enum class RopePairs { Halves, Interleaved, InterleavedByDefault };
+// How the family's checkpoints store the routed experts: per expert (experts.{e}.gate_proj ...)
+// or fused as transformers 5 holds them, or gpt-oss's own: gate_up_proj transposed [E, H, 2I]
+// with gate and up interleaved, down_proj [E, I, H], float or MXFP4 as the Hub ships it (never
+// per expert).
+enum class ExpertStorage { Standard, GptOss };
 
 enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4, Llama4 };
 
@@ -21,6 +37,7 @@ struct Family {
   const char* model_type;  // config.json's model_type of the text model
   // The HF module names, under a decoder layer's prefix.
   const char* moe_block;      // the MoE block ("mlp", Mixtral's "block_sparse_moe", Llama 4's "feed_forward")
+  const char* dense_mlp;      // a dense layer's MLP, and Gemma 4's beside its experts ("mlp", Llama 4's "feed_forward")
   const char* experts;        // the routed experts' module
   const char* router;         // the router
   const char* shared_expert;  // the shared expert(s), under the MoE block (where the config has any)
@@ -37,6 +54,25 @@ struct Family {
   // whose transformers classes read them); the others refuse a scaling type or a partial rotation.
   bool rope_scaling;
   bool latent_attention;  // DeepSeek's multi-head latent attention (MLA)
+  // config.json read as the family's transformers config class reads it: its defaults where a
+  // key is absent, and what it reads at all.
+  double rms_eps;               // rms_norm_eps
+  std::int64_t head_dim;        // head_dim (0: hidden_size / num_attention_heads)
+  double router_aux_loss_coef;  // router_aux_loss_coef
+  bool reads_hidden_act;        // hidden_act (silu only); gpt-oss's experts have their own activation
+  double partial_rotary;        // partial_rotary_factor
+  // Latent attention whose partial_rotary_factor applies to the whole (nope + rope) qk head
+  // (Mistral 4; its default then rotates qk_rope_head_dim), not to qk_rope_head_dim.
+  bool rotary_over_qk_head;
+  RopePairs rope_pairs;
+  // Mistral 4: its queries scaled by rope_parameters' llama_4_scaling_beta (transformers'
+  // get_llama_4_attn_scale), with the YaRN RoPE it ships, which its config must spell out.
+  bool query_position_scaling;
+  ExpertStorage expert_storage;
+  // The family's own reading (models/family_config.h): the MoE block's fields after the shared
+  // attention reading, or (parse_whole, then read_moe is null) the whole config.
+  void (*read_moe)(const ConfigFields& f, ModelConfig& c);
+  ModelConfig (*parse_whole)(const nlohmann::json& j, const std::string& source, const MultimodalWrapper* wrapper);
 };
 
 const std::vector<Family>& families();

@@ -10,87 +10,13 @@
 
 #include "common/error.h"
 #include "common/json_depth.h"
+#include "models/config_fields.h"
+#include "models/family_config.h"
 
 namespace eo::model {
 namespace {
 
 using nlohmann::json;
-
-// Typed field access with errors naming the key and file.
-struct Fields {
-  const json& j;
-  const std::string& source;
-
-  bool has(const char* key) const { return j.contains(key) && !j.at(key).is_null(); }
-  std::int64_t integer(const char* key) const {
-    if (!has(key)) throw UsageError(source + ": required field '" + key + "' is missing");
-    const json& v = j.at(key);
-    if (!v.is_number_integer()) throw UsageError(source + ": field '" + key + "' must be an integer, got " + v.dump());
-    if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
-      throw UsageError(source + ": field '" + key + "' is too large, got " + v.dump());
-    return v.get<std::int64_t>();
-  }
-  // An integer that must fit in an int (layer indices and counts used as int).
-  int small_integer(const char* key, std::int64_t fallback) const {
-    const std::int64_t v = integer(key, fallback);
-    if (v < INT_MIN || v > INT_MAX) throw UsageError(source + ": field '" + key + "' is out of range, got " + std::to_string(v));
-    return static_cast<int>(v);
-  }
-  std::int64_t integer(const char* key, std::int64_t fallback) const { return has(key) ? integer(key) : fallback; }
-  double number(const char* key) const {
-    if (!has(key)) throw UsageError(source + ": required field '" + key + "' is missing");
-    const json& v = j.at(key);
-    if (!v.is_number()) throw UsageError(source + ": field '" + key + "' must be a number, got " + v.dump());
-    return v.get<double>();
-  }
-  double number(const char* key, double fallback) const { return has(key) ? number(key) : fallback; }
-  bool boolean(const char* key, bool fallback) const {
-    if (!has(key)) return fallback;
-    const json& v = j.at(key);
-    if (!v.is_boolean()) throw UsageError(source + ": field '" + key + "' must be true or false, got " + v.dump());
-    return v.get<bool>();
-  }
-  std::vector<int> int_list(const char* key) const {
-    std::vector<int> out;
-    if (!has(key)) return out;
-    const json& v = j.at(key);
-    if (!v.is_array()) throw UsageError(source + ": field '" + key + "' must be a list of integers, got " + v.dump());
-    for (const auto& x : v) {
-      if (!x.is_number_integer()) throw UsageError(source + ": field '" + key + "' must be a list of integers, got " + v.dump());
-      // Out-of-int values would wrap into valid-looking indices; report them as they are.
-      if (x.is_number_unsigned() ? x.get<std::uint64_t>() > static_cast<std::uint64_t>(INT_MAX)
-                                 : (x.get<std::int64_t>() < INT_MIN || x.get<std::int64_t>() > INT_MAX))
-        throw UsageError(source + ": field '" + key + "' entry " + x.dump() + " is out of range");
-      out.push_back(x.get<int>());
-    }
-    return out;
-  }
-};
-
-void require_positive(std::int64_t v, const char* what, const std::string& source) {
-  if (v <= 0) throw UsageError(source + ": '" + what + "' must be positive, got " + std::to_string(v));
-  // Products of two sizes (vocab x hidden, heads x head_dim, ...) must not overflow int64 in the
-  // model builder; no real dimension comes near 2^31.
-  if (v > INT32_MAX)
-    throw UsageError(source + ": '" + what + "' is " + std::to_string(v) + ", over 2^31 - 1; the file is damaged");
-}
-
-// String field: absent/null → fallback; anything but a string is an error naming the key.
-std::string text(const Fields& f, const char* key, const std::string& fallback) {
-  if (!f.has(key)) return fallback;
-  const json& v = f.j.at(key);
-  if (!v.is_string()) throw UsageError(f.source + ": field '" + key + "' must be a string, got " + v.dump());
-  return v.get<std::string>();
-}
-
-// A key whose only supported value is `want`, as JSON text (absent is fine): anything else is named
-// in the error.
-void require_value(const Fields& f, const char* key, const std::string& want, const std::string& why) {
-  if (!f.has(key)) return;
-  const json& v = f.j.at(key);
-  if (v.dump() == want) return;
-  throw UsageError(f.source + ": " + key + " " + v.dump() + " is not supported (only " + want + "): " + why);
-}
 
 // yarn_get_mscale of transformers (DeepSeek and the YaRN attention factor).
 double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0; }
@@ -98,7 +24,8 @@ double yarn_mscale(double scale, double mscale) { return scale <= 1 ? 1.0 : 0.1 
 // RoPE: rope_parameters (transformers 5 saves) or the Hub's rope_theta / rope_scaling /
 // partial_rotary_factor, read the way transformers' standardize_rope_params merges them.
 // `mscale_all_dim` (DeepSeek) is returned for the softmax scale.
-void parse_rope(const Fields& f, ModelConfig& c, bool scaling_ok, double default_partial, double& mscale_all_dim) {
+void parse_rope(const ConfigFields& f, ModelConfig& c, const Family& fam, double default_partial, double& mscale_all_dim) {
+  const bool scaling_ok = fam.rope_scaling;
   const std::string& source = f.source;
   const json* rp = nullptr;
   if (f.has("rope_parameters")) {
@@ -109,7 +36,7 @@ void parse_rope(const Fields& f, ModelConfig& c, bool scaling_ok, double default
     if (!rp->is_object()) throw UsageError(source + ": field 'rope_scaling' must be an object or null");
   }
   const json empty = json::object();
-  const Fields r{rp ? *rp : empty, source};
+  const ConfigFields r{rp ? *rp : empty, source};
   if (r.has("rope_theta")) c.rope_theta = r.number("rope_theta");
   else if (f.has("rope_theta")) c.rope_theta = f.number("rope_theta");
   else throw UsageError(source + ": neither 'rope_theta' nor 'rope_parameters.rope_theta' is present");
@@ -124,21 +51,18 @@ void parse_rope(const Fields& f, ModelConfig& c, bool scaling_ok, double default
   // factor; GLM-4.7-Flash's and Mistral 4's apply it to head_dim (qk_rope_head_dim; Mistral 4:
   // qk_nope + qk_rope), which must then give qk_rope_head_dim.
   if (c.mla) {
-    const bool deepseek = c.arch == Arch::DeepseekV2 || c.arch == Arch::DeepseekV3;
-    const std::int64_t base = c.arch == Arch::Mistral4 ? c.mla->qk_dim() : c.mla->rope_dim;
+    const std::int64_t base = fam.rotary_over_qk_head ? c.mla->qk_dim() : c.mla->rope_dim;
     const auto dim = static_cast<std::int64_t>(static_cast<double>(base) * partial);  // int() as transformers
-    if (deepseek ? partial != 1 : dim != c.mla->rope_dim)
+    if (dim != c.mla->rope_dim)
       throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type + " (got " +
-                       std::to_string(partial) + ")" +
-                       (deepseek ? "" : ": it rotates " + std::to_string(dim) + " dims of " + std::to_string(base) +
-                                            ", but the latent attention rotates qk_rope_head_dim (" +
-                                            std::to_string(c.mla->rope_dim) + ")"));
+                       std::to_string(partial) + "): it rotates " + std::to_string(dim) + " dims of " + std::to_string(base) +
+                       ", but the latent attention rotates qk_rope_head_dim (" + std::to_string(c.mla->rope_dim) + ")");
   } else {
     c.rope.dim = static_cast<std::int64_t>(static_cast<double>(c.head_dim) * partial);  // int() as transformers
   }
   if (c.rope.dim <= 0 || c.rope.dim % 2 != 0)
     throw UsageError(source + ": the rotary dimension (" + std::to_string(c.rope.dim) + ") must be positive and even");
-  if (c.arch == Arch::Mistral4) {
+  if (fam.query_position_scaling) {
     // Mistral4Attention reads both from rope_parameters (yarn: the pretraining length resolved below).
     if (!r.has("llama_4_scaling_beta"))
       throw UsageError(source + ": mistral4 needs " + where + ".llama_4_scaling_beta (transformers' Mistral4Attention "
@@ -173,7 +97,7 @@ void parse_rope(const Fields& f, ModelConfig& c, bool scaling_ok, double default
 }
 
 // DeepSeek's latent attention dims; head_dim becomes the RoPE dims (as transformers sets it).
-void parse_mla(const Fields& f, ModelConfig& c) {
+void parse_mla(const ConfigFields& f, ModelConfig& c) {
   Mla m;
   if (!f.j.contains("q_lora_rank"))
     throw UsageError(f.source + ": required field 'q_lora_rank' is missing (null for a full q_proj)");
@@ -195,55 +119,7 @@ void parse_mla(const Fields& f, ModelConfig& c) {
   c.mla = m;
 }
 
-// The group-limited top-k parameters (n_group, topk_group) of a router that has them.
-void parse_groups(const Fields& f, ModelConfig& c, std::int64_t n_group, std::int64_t topk_group, GroupScore score) {
-  Router& r = c.router;
-  r.n_group = f.integer("n_group", n_group);
-  r.topk_group = f.integer("topk_group", topk_group);
-  require_positive(r.n_group, "n_group", f.source);
-  require_positive(r.topk_group, "topk_group", f.source);
-  if (c.experts % r.n_group != 0 || r.topk_group > r.n_group)
-    throw UsageError(f.source + ": n_group (" + std::to_string(r.n_group) + ") must divide the number of experts (" +
-                     std::to_string(c.experts) + ") and be at least topk_group (" + std::to_string(r.topk_group) + ")");
-  if (score == GroupScore::TopTwoSum && c.experts / r.n_group < 2)
-    throw UsageError(f.source + ": each of the n_group groups needs at least two experts (the group score sums its best two)");
-  // One group is every expert: the mask selects all of them, so skip the work.
-  r.group = r.n_group > 1 ? score : GroupScore::None;
-}
-
-// glm4_moe_lite's layer kinds: mlp_layer_types ("dense" / "sparse" per layer; transformers' default
-// is layer 0 dense, the rest sparse). Its config class has no first_k_dense_replace, so one that
-// disagrees with the layers transformers builds is refused rather than followed.
-void parse_mlp_layer_types(const Fields& f, ModelConfig& c) {
-  std::vector<bool> dense;
-  if (f.has("mlp_layer_types")) {
-    const json& lt = f.j.at("mlp_layer_types");
-    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
-      throw UsageError(f.source + ": mlp_layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) +
-                       ") strings, \"dense\" or \"sparse\"");
-    for (const auto& t : lt) {
-      if (t != "dense" && t != "sparse")
-        throw UsageError(f.source + ": mlp_layer_types entry " + t.dump() + " is not supported (dense, sparse)");
-      dense.push_back(t == "dense");
-    }
-  } else {
-    for (int l = 0; l < c.layers; ++l) dense.push_back(l == 0);
-  }
-  if (f.has("first_k_dense_replace")) {
-    const int k = f.small_integer("first_k_dense_replace", 0);
-    int leading = 0;
-    while (leading < c.layers && dense[leading]) ++leading;
-    bool rest_sparse = true;
-    for (int l = leading; l < c.layers; ++l) rest_sparse = rest_sparse && !dense[l];
-    if (k != leading || !rest_sparse)
-      throw UsageError(f.source + ": first_k_dense_replace " + std::to_string(k) + " disagrees with the dense layers "
-                       "transformers builds for glm4_moe_lite (from " +
-                       std::string(f.has("mlp_layer_types") ? "mlp_layer_types" : "its default: layer 0 only") +
-                       "); set mlp_layer_types to the layers the checkpoint has");
-  }
-  for (int l = 0; l < c.layers; ++l)
-    if (dense[l]) c.mlp_only_layers.push_back(l);
-}
+}  // namespace
 
 // Gemma 4's MoE text model (gemma4_text), read as transformers 5.24's Gemma4TextConfig reads it
 // (its defaults where a key is absent). The options eo-ddp does not train (the dense Gemma 4
@@ -255,7 +131,7 @@ ModelConfig parse_gemma4(const json& j, const std::string& source, const Multimo
   c.model_type = j.at("model_type").get<std::string>();
   const json* tj = &j;
   const std::string& where = source;
-  const Fields f{*tj, where};
+  const ConfigFields f{*tj, where};
   c.hidden = f.integer("hidden_size", 2304);
   c.layers = f.integer("num_hidden_layers", 30);
   c.heads = f.integer("num_attention_heads", 8);
@@ -304,7 +180,7 @@ ModelConfig parse_gemma4(const json& j, const std::string& source, const Multimo
         continue;
       }
       if (!plc.at(key).is_object()) throw UsageError(where + ": per_layer_config." + key + " must be an object");
-      const Fields lf{plc.at(key), where + " per_layer_config." + key};
+      const ConfigFields lf{plc.at(key), where + " per_layer_config." + key};
       const std::int64_t d = lf.integer("head_dim", full[l] ? g.full_head_dim : c.head_dim);
       const std::int64_t kv = lf.integer("num_key_value_heads", full[l] ? g.full_kv_heads : c.kv_heads);
       if (!full[l]) {
@@ -348,7 +224,7 @@ ModelConfig parse_gemma4(const json& j, const std::string& source, const Multimo
     if (!rp.contains(type) || !rp.at(type).is_object())
       throw UsageError(where + ": rope_parameters." + type + " (an object) is missing");
     const std::string at_key = where + " rope_parameters." + type;
-    const Fields r{rp.at(type), at_key};
+    const ConfigFields r{rp.at(type), at_key};
     theta = r.number("rope_theta");
     const std::string t = text(r, "rope_type", "default");
     rope.dim = dim;
@@ -406,7 +282,7 @@ ModelConfig parse_llama4(const json& j, const std::string& source, const Multimo
   const json* tj = &j;
   const std::string& where = source;
   const json empty = json::object();
-  const Fields f{*tj, where};
+  const ConfigFields f{*tj, where};
   c.hidden = f.integer("hidden_size", 5120);
   c.layers = f.integer("num_hidden_layers", 48);
   c.heads = f.integer("num_attention_heads", 40);
@@ -513,7 +389,7 @@ ModelConfig parse_llama4(const json& j, const std::string& source, const Multimo
   else if (f.has("rope_scaling")) rp = &tj->at("rope_scaling");
   if (rp && !rp->is_object()) throw UsageError(where + ": field '" + std::string(f.has("rope_parameters") ? "rope_parameters" : "rope_scaling") + "' must be an object");
   const std::string rwhere = where + (f.has("rope_parameters") ? " rope_parameters" : " rope_scaling");
-  const Fields r{rp ? *rp : empty, rwhere};
+  const ConfigFields r{rp ? *rp : empty, rwhere};
   c.rope_theta = r.has("rope_theta") ? r.number("rope_theta") : f.number("rope_theta", 500000.0);
   const std::string type = text(r, "rope_type", text(r, "type", "default"));
   if (r.number("partial_rotary_factor", f.number("partial_rotary_factor", 1.0)) != 1.0)
@@ -539,8 +415,6 @@ ModelConfig parse_llama4(const json& j, const std::string& source, const Multimo
   c.llama4 = b;
   return c;
 }
-
-}  // namespace
 
 const std::string& supported_model_types() {
   // Each family's model_type; a text model that a wrapper holds under its own name is listed as
@@ -667,7 +541,7 @@ ModelConfig parse_wrapped(const json& j, const std::string& source, const Multim
     throw UsageError(source + ": field 'text_config' must be an object");
   json tj = j.contains("text_config") && j.at("text_config").is_object() ? j.at("text_config") : json::object();
   const std::string where = source + " text_config";
-  const std::string inner = text(Fields{tj, where}, "model_type", w.text_type_default);
+  const std::string inner = text(ConfigFields{tj, where}, "model_type", w.text_type_default);
   if (inner != w.text_model_type)
     throw UsageError(where + ": model_type '" + inner + "' is not supported (eo-ddp trains " + w.model_type + " around a " +
                      w.text_model_type + " text model: " + w.class_name + " with text_config.model_type '" +
@@ -676,7 +550,7 @@ ModelConfig parse_wrapped(const json& j, const std::string& source, const Multim
   ModelConfig c = parse_text(tj, where, &w);
   c.model_type = w.model_type;
   c.multimodal = w;
-  c.tie_word_embeddings = Fields{j, source}.boolean("tie_word_embeddings", w.tie_default);
+  c.tie_word_embeddings = ConfigFields{j, source}.boolean("tie_word_embeddings", w.tie_default);
   return c;
 }
 }  // namespace
@@ -692,12 +566,11 @@ ModelConfig parse_config(const json& j, const std::string& source) {
 
 namespace {
 ModelConfig parse_text(const json& j, const std::string& source, const MultimodalWrapper* wrapper) {
-  Fields f{j, source};
+  ConfigFields f{j, source};
   ModelConfig c;
   c.model_type = j.at("model_type").get<std::string>();
   const Family* fam = find_family(c.model_type);
-  if (fam && fam->arch == Arch::Gemma4) return checked(parse_gemma4(j, source, wrapper), source);
-  if (fam && fam->arch == Arch::Llama4) return checked(parse_llama4(j, source, wrapper), source);
+  if (fam && fam->parse_whole) return checked(fam->parse_whole(j, source, wrapper), source);
   if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text")
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported: three of every four of its layers are "
                      "gated delta-rule linear attention (" +
@@ -711,14 +584,13 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
   c.arch = fam->arch;
   // The latent-attention families: DeepSeek's and the two built on it.
   const bool deepseek = fam->latent_attention;
-  const bool gpt_oss = c.arch == Arch::GptOss;
   // gpt-oss ships its experts as MXFP4 (quantization_config.quant_method "mxfp4"): the loader
   // keeps them so or dequantises them (models/mxfp4.h). Other families' checkpoints are float or
   // bitsandbytes.
   if (f.has("quantization_config") && j.at("quantization_config").is_object()) {
-    const Fields q{j.at("quantization_config"), source};
+    const ConfigFields q{j.at("quantization_config"), source};
     const std::string method = text(q, "quant_method", "");
-    if (method == "mxfp4" && !gpt_oss)
+    if (method == "mxfp4" && fam->expert_storage != ExpertStorage::GptOss)
       throw UsageError(source + ": quantization_config.quant_method 'mxfp4' is supported for gpt_oss experts only, not for " +
                        c.model_type);
     c.mxfp4_experts = method == "mxfp4";
@@ -756,185 +628,42 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
     parse_mla(f, c);
   } else if (f.has("head_dim")) {
     c.head_dim = f.integer("head_dim");
-  } else if (gpt_oss) {
-    c.head_dim = 64;  // GptOssConfig's default
+  } else if (fam->head_dim > 0) {
+    c.head_dim = fam->head_dim;
   } else {
     if (c.hidden % c.heads != 0) throw UsageError(source + ": hidden_size must be divisible by num_attention_heads when head_dim is absent");
     c.head_dim = c.hidden / c.heads;
   }
   require_positive(c.head_dim, "head_dim", source);
   if (c.head_dim % 2 != 0) throw UsageError(source + ": head_dim must be even for RoPE");
-  c.rms_eps = f.number("rms_norm_eps", c.arch == Arch::Olmoe || c.arch == Arch::Glm4Moe || c.arch == Arch::Glm4MoeLite || gpt_oss
-                                          ? 1e-5 : 1e-6);
-  if (!gpt_oss) {  // gpt-oss's experts have their own activation; transformers ignores hidden_act
+  c.rms_eps = f.number("rms_norm_eps", fam->rms_eps);
+  if (fam->reads_hidden_act) {
     const std::string act = text(f, "hidden_act", "silu");
     if (act != "silu") throw UsageError(source + ": hidden_act '" + act + "' is not supported (only silu)");
   }
 
   double mscale_all_dim = 0;
   // Mistral4Config fills in its own YaRN parameters when none are given; eo-ddp reads them only.
-  if (c.arch == Arch::Mistral4 && !f.has("rope_parameters") && !f.has("rope_scaling"))
-    throw UsageError(source + ": mistral4 needs 'rope_parameters' (transformers' Mistral4Config would substitute its "
+  if (fam->query_position_scaling && !f.has("rope_parameters") && !f.has("rope_scaling"))
+    throw UsageError(source + ": " + c.model_type + " needs 'rope_parameters' (transformers' Mistral4Config would substitute its "
                      "own YaRN defaults); copy them from the model's config.json");
   // Mistral4Config's default rotates the qk_rope_head_dim of each (nope + rope) head.
-  const double default_partial = c.arch == Arch::Glm4Moe ? 0.5
-                                 : c.arch == Arch::Mistral4 ? static_cast<double>(c.mla->rope_dim) / static_cast<double>(c.mla->qk_dim())
-                                                            : 1.0;
-  parse_rope(f, c, /*scaling_ok=*/fam->rope_scaling, default_partial, mscale_all_dim);
+  const double default_partial = fam->rotary_over_qk_head ? static_cast<double>(c.mla->rope_dim) / static_cast<double>(c.mla->qk_dim())
+                                                          : fam->partial_rotary;
+  parse_rope(f, c, *fam, default_partial, mscale_all_dim);
   if (!fam->rope_scaling && c.rope.dim != c.head_dim)
     throw UsageError(source + ": partial_rotary_factor is not supported for " + c.model_type);
-  c.rope.interleaved = c.arch == Arch::DeepseekV2 || (deepseek && f.boolean("rope_interleave", true));
+  c.rope.interleaved = fam->rope_pairs == RopePairs::Interleaved ||
+                       (fam->rope_pairs == RopePairs::InterleavedByDefault && f.boolean("rope_interleave", true));
   c.attn_scale = 1.0 / std::sqrt(static_cast<double>(c.mla ? c.mla->qk_dim() : c.head_dim));
   // DeepSeek's softmax scale carries YaRN's mscale twice (q and k), as yarn_apply_mscale does.
   if (deepseek && c.rope.yarn && mscale_all_dim != 0) c.attn_scale *= std::pow(yarn_mscale(c.rope.factor, mscale_all_dim), 2);
 
   c.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
   c.initializer_range = f.number("initializer_range", 0.02);
-  c.router_aux_loss_coef = f.number("router_aux_loss_coef", gpt_oss ? 0.001 : 0.0);
+  c.router_aux_loss_coef = f.number("router_aux_loss_coef", fam->router_aux_loss_coef);
 
-  switch (c.arch) {
-    case Arch::Qwen3Moe:
-      // transformers 5 writes num_local_experts for qwen3_moe; Hub configs have num_experts.
-      c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts");
-      c.top_k = f.integer("num_experts_per_tok");
-      c.expert_width = f.integer("moe_intermediate_size");
-      c.dense_width = f.integer("intermediate_size", 0);
-      c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-      c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
-      c.mlp_only_layers = f.int_list("mlp_only_layers");
-      c.qkv_bias = f.boolean("attention_bias", false);
-      c.qk_norm = QkNorm::PerHead;
-      break;
-    case Arch::Olmoe:
-      c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts");
-      c.top_k = f.integer("num_experts_per_tok");
-      c.expert_width = f.integer("intermediate_size");
-      c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-      c.qkv_bias = f.boolean("attention_bias", false);
-      if (f.has("clip_qkv")) c.clip_qkv = f.number("clip_qkv");
-      c.qk_norm = QkNorm::Whole;
-      break;
-    case Arch::Mixtral:
-      c.experts = f.integer("num_local_experts");
-      c.top_k = f.integer("num_experts_per_tok");
-      c.expert_width = f.integer("intermediate_size");
-      c.norm_topk_prob = true;  // Mixtral always renormalises the top-k
-      c.router_jitter_noise = f.number("router_jitter_noise", 0.0);
-      break;
-    case Arch::Qwen2Moe:
-      c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts");
-      c.top_k = f.integer("num_experts_per_tok");
-      c.expert_width = f.integer("moe_intermediate_size");
-      c.dense_width = f.integer("intermediate_size", 0);
-      c.shared_expert_width = f.integer("shared_expert_intermediate_size", 0);
-      c.shared_expert_gated = true;
-      c.norm_topk_prob = f.boolean("norm_topk_prob", false);
-      c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
-      c.mlp_only_layers = f.int_list("mlp_only_layers");
-      c.qkv_bias = f.boolean("qkv_bias", true);
-      break;
-    case Arch::Glm4Moe:
-    case Arch::DeepseekV2:
-    case Arch::DeepseekV3:
-    case Arch::Glm4MoeLite:
-    case Arch::Mistral4: {
-      // The defaults are transformers' config classes' (used when a key is absent), one row per family.
-      struct Defaults {
-        std::int64_t experts, top_k, shared;
-        int first_k_dense;
-        double scaling;
-        std::int64_t n_group, topk_group;
-      };
-      const Defaults d = c.arch == Arch::Glm4Moe      ? Defaults{128, 8, 1, 1, 1.0, 1, 1}
-                         : c.arch == Arch::DeepseekV2  ? Defaults{64, 0, 2, 0, 1.0, 1, 1}
-                         : c.arch == Arch::DeepseekV3  ? Defaults{256, 8, 1, 3, 2.5, 8, 4}
-                         : c.arch == Arch::Glm4MoeLite ? Defaults{64, 4, 1, 1, 1.8, 1, 1}
-                                                       : Defaults{128, 4, 1, 0, 1.0, 1, 1};  // Mistral4
-      const bool v2 = c.arch == Arch::DeepseekV2, glm = c.arch == Arch::Glm4Moe, lite = c.arch == Arch::Glm4MoeLite;
-      const bool mistral = c.arch == Arch::Mistral4;
-      // transformers 5 saves n_routed_experts; num_local_experts / num_experts are its aliases.
-      c.experts = f.has("n_routed_experts") ? f.integer("n_routed_experts")
-                  : f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", d.experts);
-      c.top_k = f.integer("num_experts_per_tok", d.top_k);
-      c.expert_width = f.integer("moe_intermediate_size");
-      c.dense_width = f.integer("intermediate_size", 0);
-      c.shared_expert_width = c.expert_width * f.integer("n_shared_experts", d.shared);
-      if (lite) {
-        parse_mlp_layer_types(f, c);
-      } else {
-        c.first_k_dense = f.small_integer("first_k_dense_replace", d.first_k_dense);
-        if (c.first_k_dense < 0) throw UsageError(source + ": first_k_dense_replace must be >= 0");
-      }
-      require_value(f, "moe_layer_freq", "1", "transformers makes every layer from first_k_dense_replace on sparse");
-      c.has_aux_loss = false;
-      c.router.fp32 = !mistral;  // Mistral4's router runs in the compute dtype (no fp32-kept modules)
-      c.router.scaling = f.number("routed_scaling_factor", d.scaling);
-      if (v2) {
-        // transformers' DeepseekV2 router never renormalises; DeepSeek's own code does when
-        // norm_topk_prob is set. The two disagree, so a config asking for it is refused.
-        if (f.boolean("norm_topk_prob", false))
-          throw UsageError(source + ": norm_topk_prob true is not supported for deepseek_v2 (transformers ignores it, "
-                           "DeepSeek's reference code renormalises; the weights would differ)");
-        require_value(f, "scoring_func", "\"softmax\"", "deepseek_v2 routes on softmax scores");
-        const std::string method = text(f, "topk_method", "greedy");
-        c.router.score = RouterScore::Softmax;
-        if (method == "group_limited_greedy") parse_groups(f, c, 1, 1, GroupScore::Max);
-        else if (method != "greedy")
-          throw UsageError(source + ": topk_method '" + method + "' is not supported for deepseek_v2 (greedy, group_limited_greedy)");
-        c.mlp_bias = f.boolean("mlp_bias", false);
-      } else if (mistral) {
-        // Mistral4TopkRouter: softmax scores, groups by their best two, no correction bias.
-        c.norm_topk_prob = f.boolean("norm_topk_prob", true);
-        require_value(f, "scoring_func", "\"softmax\"", "mistral4 routes on softmax scores");
-        c.router.score = RouterScore::Softmax;
-        parse_groups(f, c, d.n_group, d.topk_group, GroupScore::TopTwoSum);
-      } else {
-        c.norm_topk_prob = f.boolean("norm_topk_prob", true);
-        require_value(f, "scoring_func", "\"sigmoid\"", c.model_type + " routes on sigmoid scores");
-        require_value(f, "topk_method", "\"noaux_tc\"", c.model_type + " routes with the correction bias (noaux_tc)");
-        c.router.score = RouterScore::Sigmoid;
-        c.router.correction_bias = true;
-        parse_groups(f, c, d.n_group, d.topk_group, GroupScore::TopTwoSum);
-      }
-      if (glm) {
-        c.qkv_bias = f.boolean("attention_bias", false);
-        if (f.boolean("use_qk_norm", false)) c.qk_norm = QkNorm::PerHead;
-      } else {
-        c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
-      }
-      break;
-    }
-    case Arch::GptOss: {
-      c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", 128);
-      c.top_k = f.integer("num_experts_per_tok", 4);
-      c.expert_width = f.integer("intermediate_size");
-      c.qkv_bias = c.o_bias = f.boolean("attention_bias", true);
-      c.router.score = RouterScore::SoftmaxTopK;
-      c.router.bias = true;
-      c.expert_bias = true;
-      c.swiglu_clamp = SwigluClamp{f.number("swiglu_alpha", 1.702), f.number("swiglu_limit", 7.0)};
-      if (!(c.swiglu_clamp->limit > 0)) throw UsageError(source + ": swiglu_limit must be positive");
-      c.attention_sinks = true;
-      c.sliding_window = f.integer("sliding_window", f.j.contains("sliding_window") ? 0 : 128);  // null: no window
-      if (c.sliding_window < 0) throw UsageError(source + ": sliding_window must be positive or null");
-      if (f.has("layer_types")) {
-        const json& lt = j.at("layer_types");
-        if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
-          throw UsageError(source + ": layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) + ") strings");
-        for (const auto& t : lt) {
-          if (t == "sliding_attention") c.sliding_layers.push_back(true);
-          else if (t == "full_attention") c.sliding_layers.push_back(false);
-          else throw UsageError(source + ": layer_types entry " + t.dump() + " is not supported (sliding_attention, full_attention)");
-        }
-      } else {
-        for (int l = 0; l < c.layers; ++l) c.sliding_layers.push_back(l % 2 == 0);  // transformers' default: even layers slide
-      }
-      break;
-    }
-    case Arch::Gemma4:
-    case Arch::Llama4:
-      break;  // read whole by parse_gemma4 / parse_llama4 (returned above)
-  }
+  fam->read_moe(f, c);
   return checked(std::move(c), source);
 }
 

@@ -227,7 +227,7 @@ struct ModelConfig {
   // The HF name prefix of a layer's MoE block: "mlp", Mixtral's "block_sparse_moe", Llama 4's "feed_forward".
   std::string moe_prefix() const { return family().moe_block; }
   // The HF name of a layer's dense MLP: "mlp", Llama 4 "feed_forward" (its MoE block too).
-  std::string mlp_prefix() const { return llama4 ? "feed_forward" : "mlp"; }
+  std::string mlp_prefix() const { return family().dense_mlp; }
   // Where the routed experts are under a layer's prefix: "<moe prefix>.experts", Gemma 4 "experts".
   std::string experts_path() const { return family().experts; }
   // The module transformers 5 holds the fused expert parameters in, under a layer's prefix (peft's

@@ -360,7 +360,7 @@ struct ModelLoader {
   bool keep_mxfp4(int i) const {
     if (!opts.load_in_4bit || opts.expert_quant == ExpertQuant::Nf4) return false;
     const std::string p = experts_prefix(i);
-    const bool stored = cfg.arch == Arch::GptOss &&
+    const bool stored = cfg.family().expert_storage == ExpertStorage::GptOss &&
                         (ck ? ck->has(p + ".gate_up_proj_blocks") && ck->has(p + ".down_proj_blocks") : cfg.mxfp4_experts);
     if (!stored && opts.expert_quant == ExpertQuant::Mxfp4)
       throw UsageError((ck ? "checkpoint " + ck->folder() : std::string("the synthetic weights")) +
@@ -402,7 +402,7 @@ struct ModelLoader {
   // Synthetic weights: NVFP4 when config.json says so.
   bool stored_nvfp4_experts(int i) const {
     if (!ck) return cfg.nvfp4 && !(opts.load_in_4bit && opts.expert_quant == ExpertQuant::Nf4);
-    return cfg.arch != Arch::GptOss && ck->has(expert_prefix(i, 0, 0) + ".weight_scale_2");
+    return cfg.family().expert_storage != ExpertStorage::GptOss && ck->has(expert_prefix(i, 0, 0) + ".weight_scale_2");
   }
   // Layer i's experts as the checkpoint's NVFP4 bytes, on their home (the device, or host RAM with
   // expert offload); expert_quant: nf4 re-quantises them from their fp32 values.
@@ -441,7 +441,7 @@ struct ModelLoader {
     const ModelConfig& c = cfg;
     const auto E = c.experts, H = c.hidden, I = c.expert_width;
     const std::string p = experts_prefix(i);
-    if (cfg.arch == Arch::GptOss) {
+    if (cfg.family().expert_storage == ExpertStorage::GptOss) {
       // gpt-oss's own layout, the only one it has: transposed [E, H, 2I] with gate and up
       // interleaved (gate = columns 0, 2, 4, ...), down [E, I, H]; or MXFP4 as the Hub ships it.
       if (!ck) return {};

@@ -21,6 +21,7 @@
 #include "common/error.h"
 #include "common/text.h"
 #include "models/hf_config.h"
+#include "models/module_names.h"
 #include "runtime/config_paths.h"
 #include "runtime/key_aliases.h"
 
@@ -1347,49 +1348,6 @@ std::string fused_expert_lora_families() {
   return out;
 }
 
-// The linear modules of the architecture by their full names, as the checkpoint's tensors name
-// them (routed experts one module per expert), and the linears eo-ddp cannot adapt (routers,
-// lm_head, embeddings) that a pattern might also reach.
-std::vector<std::pair<std::string, bool>> module_names(const model::ModelConfig& mc) {
-  std::vector<std::pair<std::string, bool>> out;  // name, adaptable
-  const std::vector<std::string> linears = mc.linear_modules();
-  auto adaptable = [&](const std::string& s) { return std::find(linears.begin(), linears.end(), s) != linears.end(); };
-  const std::vector<std::string> mlp = {"gate_proj", "up_proj", "down_proj"};
-  for (int i = 0; i < mc.layers; ++i) {
-    const std::string p = mc.decoder_prefix() + "layers." + std::to_string(i) + ".";
-    for (const auto& a : mc.attention_shapes(i)) out.emplace_back(p + "self_attn." + a.name, true);
-    if (mc.dense_beside_experts()) {  // Gemma 4: the dense MLP, the router; its experts exist only fused
-      for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
-      out.emplace_back(p + "router.proj", false);
-      continue;
-    }
-    if (mc.llama4) {  // Llama 4: feed_forward.*; its routed experts exist only fused
-      const std::string ff = p + "feed_forward.";
-      if (!mc.is_moe_layer(i)) {
-        for (const auto& m : mlp) out.emplace_back(ff + m, adaptable(m));
-        continue;
-      }
-      out.emplace_back(ff + "router", false);
-      for (const auto& m : mlp) out.emplace_back(ff + "shared_expert." + m, adaptable(m));
-      continue;
-    }
-    if (!mc.is_moe_layer(i)) {
-      for (const auto& m : mlp) out.emplace_back(p + "mlp." + m, adaptable(m));
-      continue;
-    }
-    const std::string moe = p + mc.moe_prefix() + ".";
-    out.emplace_back(p + mc.router_path(), false);
-    for (std::int64_t e = 0; e < mc.experts; ++e)
-      for (const auto& m : mc.expert_linears())
-        out.emplace_back(p + mc.experts_path() + "." + std::to_string(e) + "." + m, adaptable(m));
-    if (mc.shared_expert_width > 0)
-      for (const auto& m : mlp) out.emplace_back(moe + mc.shared_expert_name() + "." + m, adaptable(m));
-    if (mc.shared_expert_gated) out.emplace_back(moe + "shared_expert_gate", false);
-  }
-  out.emplace_back("lm_head", false);
-  return out;
-}
-
 // peft's lora_target_modules forms against the architecture's module names: a regular expression
 // (one string) must match a whole name, a list entry equal the name or a dotted suffix of it.
 // eo-ddp adapts a linear by its short name in every layer and expert, so the selection must take
@@ -1409,7 +1367,7 @@ void resolve_target_forms(TrainConfig& c, const model::ModelConfig& mc, const st
   const std::string what = c.lora_target_regex ? "'" + c.lora_target_modules[0] + "'" : "[" + join(c.lora_target_modules, ", ") + "]";
   std::map<std::string, std::pair<std::vector<std::string>, std::vector<std::string>>> by_short;  // selected, not
   std::vector<std::string> refused;
-  for (const auto& [name, ok] : module_names(mc)) {
+  for (const auto& [name, ok] : model::hf_linear_modules(mc)) {
     const std::string short_name = name.substr(name.rfind('.') + 1);
     const bool sel = selected(name);
     if (sel && !ok) refused.push_back(name);

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "common/text.h"
+#include "models/block_memory.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
 #include "offload/disk_homes.h"
@@ -52,16 +53,14 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     kvd = std::max(kvd, double(c.kv_heads_at(i) * c.head_dim_at(i)));
   }
   const double qd = double(c.heads) * D;
-  // Columns of the RoPE tables (cos, sin) each micro-batch keeps: Gemma 4 has one per layer type.
-  const double rope_cols = c.gemma ? double(c.rope.dim + c.gemma->full_rope.dim) : double(c.head_dim);
+  const double rope_cols = model::rope_table_columns(c);
   const double E = double(c.experts), K = double(c.top_k), I = double(c.expert_width);
   const bool q4 = cfg.load_in_4bit;
   auto linear = [&](double out, double in) { return q4 ? nf4_bytes(out, in, bs) : out * in * d; };
 
   const int moe_layers = static_cast<int>(spec.moe_layers.size());
   const int dense_layers = int(c.layers) - moe_layers;
-  // Layers with a dense MLP: the dense layers, and every layer of Gemma 4 (beside its experts).
-  const int mlp_layers = c.dense_beside_experts() ? int(c.layers) : dense_layers;
+  const int mlp_layers = model::dense_mlp_layers(c, moe_layers);
 
   // ---- frozen weights on the device (on a GPU the untied input embedding table stays in host
   // memory: model::LoadOptions::embeddings_on_host)
@@ -74,13 +73,12 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   }
   double norms = 2 * H * d;
   if (c.qk_norm == model::QkNorm::Whole) norms += (qd + kvd) * d;
-  if (c.gemma) norms += 5 * H * d + H * d + E * d + d;  // feed-forward norms, router scales, layer scalar
+  norms += model::extra_layer_params(c) * d;
   weights += attn + double(c.layers) * norms;
   weights += double(moe_layers) * E * H * d;  // routers
   weights += double(mlp_layers) * 3 * linear(double(c.dense_width), H);
-  // (+ H: the shared expert's gate, which Llama 4 lacks)
   if (c.shared_expert_width > 0)
-    weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + (c.llama4 ? 0.0 : H * d));
+    weights += double(moe_layers) * (3 * linear(double(c.shared_expert_width), H) + model::shared_expert_gate_params(c) * d);
   p.device.push_back({"weights", weights,
                       std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
                           ", norms, routers, attention" + (q4 ? " (NF4)" : "")});
@@ -186,17 +184,9 @@ MemoryPlan plan_memory(const RunSpec& spec) {
                           std::to_string(static_cast<long long>(g)) + " micro-batch(es) + gradients" +
                           (cfg.activation_offloading ? " (the rest parked in host RAM)" : "")});
   if (cfg.activation_offloading) p.host_pinned += g * double(c.layers) * N * H * d;
-  // Llama 4's chunked layers: a bool [T, T] mask per row of each micro-batch kept (BlockContext),
-  // when the sequence is longer than a chunk (plus q_scale's fp32 per token for the NoPE layers).
-  if (c.llama4) {
-    bool chunked = false;
-    for (int i = 0; i < c.layers; ++i) chunked = chunked || c.is_chunked_layer(i);
-    const double T = double(cfg.sequence_len);
-    const double masks = chunked && cfg.sequence_len > c.llama4->chunk ? g * double(cfg.micro_batch_size) * T * T : 0;
-    const double scales = c.llama4->temperature_tuning ? g * N * 4 : 0;
-    if (masks + scales > 0)
-      p.device.push_back({"llama4 context", masks + scales, "chunked-attention masks and NoPE query scales of the micro-batches"});
-  }
+  if (const model::BlockContextBytes ctx = model::block_context_bytes(c, double(cfg.micro_batch_size), double(cfg.sequence_len), g);
+      ctx.bytes > 0)
+    p.device.push_back({ctx.name, ctx.bytes, ctx.what});
 
   // ---- one block under backward: its recompute graph's saved tensors plus, op by op, what the
   // backward holds at once (models/moe_model.cpp, linear4bit.cpp; GPU path: grouped experts).
@@ -237,12 +227,11 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   const bool lora_up = per_module ? targets(cfg, expert[1]) : fused_gate_up;
   const bool lora_down = per_module ? targets(cfg, expert[2]) : fused_down;
   const bool le = moe_layers > 0 && (lora_gate || lora_up || lora_down);
-  // Llama 4 scales the experts' input rows by their routing weights: the unscaled rows are saved too.
-  const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8 + (c.llama4 ? NK * H * d : 0);
+  const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8 + model::routed_input_saved_bytes(c, NK, d);
   const double gate_up = 2 * NK * I * d, routed_out = NK * H * d;
   // With LoRA on both gate and up (or on gate_up_proj) the GPU's SwiGLU adds their deltas itself,
-  // so it keeps the two deltas beside gate and up (models/fused.h); gpt-oss's clamps sum first.
-  const double gate_up_deltas = on_gpu && lora_gate && lora_up && !c.swiglu_clamp ? gate_up : 0;
+  // so it keeps the two deltas beside gate and up (models/fused.h).
+  const double gate_up_deltas = on_gpu && lora_gate && lora_up && model::fused_swiglu_lora(c) ? gate_up : 0;
   // With LoRA on down (down_proj or the fused down parameter) the GPU's combine adds its delta and
   // keeps it for the weights' gradient, beside the routed outputs.
   const double down_delta = on_gpu && moe_layers > 0 && lora_down ? NK * H * d : 0;
@@ -253,10 +242,8 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   // kernels sum them: one more [pairs, hidden] through gate/up's backward and one more
   // [pairs, I] from down's backward to SwiGLU's.
   const double lora_dx = on_gpu && moe_layers > 0 && (lora_gate || lora_up) ? NK * H * d : 0;
-  const double lora_dact = on_gpu && moe_layers > 0 && lora_down && !c.swiglu_clamp ? NK * I * d : 0;
-  double shared = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
-  // Gemma 4: the dense MLP beside the experts (gate, up, act) and its five norms' outputs.
-  if (c.dense_beside_experts()) shared += N * (3 * double(c.dense_width) + 5 * H) * d;
+  const double lora_dact = on_gpu && moe_layers > 0 && lora_down && model::fused_swiglu_lora(c) ? NK * I * d : 0;
+  const double shared = model::beside_experts_saved_bytes(c, N, d);
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
   double bank = moe_layers > 0 && fmt ? E * I * H * d : 0;  // held 4-bit (NVFP4 without load_in_4bit too)

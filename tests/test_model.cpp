@@ -25,6 +25,7 @@
 #include "tests/ref_support.h"
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
+#include "models/module_names.h"
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
 #include "models/nf4.h"
@@ -233,6 +234,40 @@ INSTANTIATE_TEST_SUITE_P(Arch, Parity,
 
 // The architecture table: one row per family, found by its model_type, named in the supported
 // list; its module paths are checked against transformers' own checkpoints by the parity tests.
+// The Hugging Face module paths lora_target_modules' regular expressions and dotted suffixes see,
+// against transformers 5.24's modules of layer 0 (named_modules() of the *ForCausalLM on the meta
+// device): qwen2_moe's shared expert and its gate, Llama 4's router and shared expert under
+// feed_forward with no per-expert modules, gpt-oss's experts fused only, Mixtral's w1 / w3 / w2.
+TEST(ArchTable, ModuleNamesAreTransformers) {
+  auto layer0 = [](const std::string& shape) {
+    std::vector<std::string> out;
+    for (const auto& m : model::hf_linear_modules(load_config(std::string(EO_SOURCE_DIR) + "/configs/models/" + shape))) {
+      const bool first = m.name.find(".layers.0.") != std::string::npos;
+      if (first && m.name.find(".experts.") != std::string::npos && m.name.find(".experts.0.") == std::string::npos) continue;
+      if (first || m.name == "lm_head") out.push_back(m.name + (m.adaptable ? "" : " (not adapted)"));
+    }
+    return out;
+  };
+  const std::string a = "model.layers.0.self_attn.";
+  EXPECT_EQ(layer0("gpt-oss-20b"), (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj",
+                                                               "model.layers.0.mlp.router (not adapted)", "lm_head (not adapted)"}));
+  const std::string ff = "language_model.model.layers.0.feed_forward.", la = "language_model.model.layers.0.self_attn.";
+  EXPECT_EQ(layer0("llama-4-scout-17b-16e"),
+            (std::vector<std::string>{la + "q_proj", la + "k_proj", la + "v_proj", la + "o_proj", ff + "router (not adapted)",
+                                      ff + "shared_expert.gate_proj", ff + "shared_expert.up_proj", ff + "shared_expert.down_proj",
+                                      "lm_head (not adapted)"}));
+  const std::string m = "model.layers.0.mlp.";
+  EXPECT_EQ(layer0("qwen1.5-moe-a2.7b"),
+            (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj", m + "gate (not adapted)",
+                                      m + "experts.0.gate_proj", m + "experts.0.up_proj", m + "experts.0.down_proj",
+                                      m + "shared_expert.gate_proj", m + "shared_expert.up_proj", m + "shared_expert.down_proj",
+                                      m + "shared_expert_gate (not adapted)", "lm_head (not adapted)"}));
+  const std::string b = "model.layers.0.block_sparse_moe.";
+  EXPECT_EQ(layer0("mixtral-8x7b"), (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj",
+                                                                b + "gate (not adapted)", b + "experts.0.w1", b + "experts.0.w3",
+                                                                b + "experts.0.w2", "lm_head (not adapted)"}));
+}
+
 TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
   std::set<int> archs;
   std::set<std::string> types;

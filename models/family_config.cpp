@@ -1,0 +1,229 @@
+#include "models/family_config.h"
+
+namespace eo::model {
+namespace {
+
+// The group-limited top-k parameters (n_group, topk_group) of a router that has them.
+void parse_groups(const ConfigFields& f, ModelConfig& c, std::int64_t n_group, std::int64_t topk_group, GroupScore score) {
+  Router& r = c.router;
+  r.n_group = f.integer("n_group", n_group);
+  r.topk_group = f.integer("topk_group", topk_group);
+  require_positive(r.n_group, "n_group", f.source);
+  require_positive(r.topk_group, "topk_group", f.source);
+  if (c.experts % r.n_group != 0 || r.topk_group > r.n_group)
+    throw UsageError(f.source + ": n_group (" + std::to_string(r.n_group) + ") must divide the number of experts (" +
+                     std::to_string(c.experts) + ") and be at least topk_group (" + std::to_string(r.topk_group) + ")");
+  if (score == GroupScore::TopTwoSum && c.experts / r.n_group < 2)
+    throw UsageError(f.source + ": each of the n_group groups needs at least two experts (the group score sums its best two)");
+  // One group is every expert: the mask selects all of them, so skip the work.
+  r.group = r.n_group > 1 ? score : GroupScore::None;
+}
+
+// glm4_moe_lite's layer kinds: mlp_layer_types ("dense" / "sparse" per layer; transformers' default
+// is layer 0 dense, the rest sparse). Its config class has no first_k_dense_replace, so one that
+// disagrees with the layers transformers builds is refused rather than followed.
+void parse_mlp_layer_types(const ConfigFields& f, ModelConfig& c) {
+  std::vector<bool> dense;
+  if (f.has("mlp_layer_types")) {
+    const nlohmann::json& lt = f.j.at("mlp_layer_types");
+    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+      throw UsageError(f.source + ": mlp_layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) +
+                       ") strings, \"dense\" or \"sparse\"");
+    for (const auto& t : lt) {
+      if (t != "dense" && t != "sparse")
+        throw UsageError(f.source + ": mlp_layer_types entry " + t.dump() + " is not supported (dense, sparse)");
+      dense.push_back(t == "dense");
+    }
+  } else {
+    for (int l = 0; l < c.layers; ++l) dense.push_back(l == 0);
+  }
+  if (f.has("first_k_dense_replace")) {
+    const int k = f.small_integer("first_k_dense_replace", 0);
+    int leading = 0;
+    while (leading < c.layers && dense[leading]) ++leading;
+    bool rest_sparse = true;
+    for (int l = leading; l < c.layers; ++l) rest_sparse = rest_sparse && !dense[l];
+    if (k != leading || !rest_sparse)
+      throw UsageError(f.source + ": first_k_dense_replace " + std::to_string(k) + " disagrees with the dense layers "
+                       "transformers builds for glm4_moe_lite (from " +
+                       std::string(f.has("mlp_layer_types") ? "mlp_layer_types" : "its default: layer 0 only") +
+                       "); set mlp_layer_types to the layers the checkpoint has");
+  }
+  for (int l = 0; l < c.layers; ++l)
+    if (dense[l]) c.mlp_only_layers.push_back(l);
+}
+
+}  // namespace
+
+namespace {
+
+// transformers 5 writes num_local_experts for qwen3_moe and olmoe; Hub configs have num_experts.
+std::int64_t experts_count(const ConfigFields& f) {
+  return f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts");
+}
+
+// The latent-attention families and GLM-4.5: transformers' config classes' defaults (used when a
+// key is absent).
+struct LatentDefaults {
+  std::int64_t experts, top_k, shared;
+  int first_k_dense;
+  double scaling;
+  std::int64_t n_group, topk_group;
+};
+
+// What DeepSeek-V2/V3, GLM-4.5 (-Air), GLM-4.7-Flash and Mistral 4 read alike; each reads its
+// router after it.
+void read_deepseek_like(const ConfigFields& f, ModelConfig& c, const LatentDefaults& d, bool layer_types) {
+  // transformers 5 saves n_routed_experts; num_local_experts / num_experts are its aliases.
+  c.experts = f.has("n_routed_experts") ? f.integer("n_routed_experts")
+              : f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", d.experts);
+  c.top_k = f.integer("num_experts_per_tok", d.top_k);
+  c.expert_width = f.integer("moe_intermediate_size");
+  c.dense_width = f.integer("intermediate_size", 0);
+  c.shared_expert_width = c.expert_width * f.integer("n_shared_experts", d.shared);
+  if (layer_types) {
+    parse_mlp_layer_types(f, c);
+  } else {
+    c.first_k_dense = f.small_integer("first_k_dense_replace", d.first_k_dense);
+    if (c.first_k_dense < 0) throw UsageError(f.source + ": first_k_dense_replace must be >= 0");
+  }
+  require_value(f, "moe_layer_freq", "1", "transformers makes every layer from first_k_dense_replace on sparse");
+  c.has_aux_loss = false;
+  c.router.fp32 = true;
+  c.router.scaling = f.number("routed_scaling_factor", d.scaling);
+}
+
+// DeepSeek-V3's router (noaux_tc): sigmoid scores with the correction bias, groups by their best two.
+void read_noaux_router(const ConfigFields& f, ModelConfig& c, const LatentDefaults& d) {
+  c.norm_topk_prob = f.boolean("norm_topk_prob", true);
+  require_value(f, "scoring_func", "\"sigmoid\"", c.model_type + " routes on sigmoid scores");
+  require_value(f, "topk_method", "\"noaux_tc\"", c.model_type + " routes with the correction bias (noaux_tc)");
+  c.router.score = RouterScore::Sigmoid;
+  c.router.correction_bias = true;
+  parse_groups(f, c, d.n_group, d.topk_group, GroupScore::TopTwoSum);
+}
+
+}  // namespace
+
+void read_qwen3_moe(const ConfigFields& f, ModelConfig& c) {
+  c.experts = experts_count(f);
+  c.top_k = f.integer("num_experts_per_tok");
+  c.expert_width = f.integer("moe_intermediate_size");
+  c.dense_width = f.integer("intermediate_size", 0);
+  c.norm_topk_prob = f.boolean("norm_topk_prob", false);
+  c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
+  c.mlp_only_layers = f.int_list("mlp_only_layers");
+  c.qkv_bias = f.boolean("attention_bias", false);
+  c.qk_norm = QkNorm::PerHead;
+}
+
+void read_olmoe(const ConfigFields& f, ModelConfig& c) {
+  c.experts = experts_count(f);
+  c.top_k = f.integer("num_experts_per_tok");
+  c.expert_width = f.integer("intermediate_size");
+  c.norm_topk_prob = f.boolean("norm_topk_prob", false);
+  c.qkv_bias = f.boolean("attention_bias", false);
+  if (f.has("clip_qkv")) c.clip_qkv = f.number("clip_qkv");
+  c.qk_norm = QkNorm::Whole;
+}
+
+void read_mixtral(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.integer("num_local_experts");
+  c.top_k = f.integer("num_experts_per_tok");
+  c.expert_width = f.integer("intermediate_size");
+  c.norm_topk_prob = true;  // Mixtral always renormalises the top-k
+  c.router_jitter_noise = f.number("router_jitter_noise", 0.0);
+}
+
+void read_qwen2_moe(const ConfigFields& f, ModelConfig& c) {
+  c.experts = experts_count(f);
+  c.top_k = f.integer("num_experts_per_tok");
+  c.expert_width = f.integer("moe_intermediate_size");
+  c.dense_width = f.integer("intermediate_size", 0);
+  c.shared_expert_width = f.integer("shared_expert_intermediate_size", 0);
+  c.shared_expert_gated = true;
+  c.norm_topk_prob = f.boolean("norm_topk_prob", false);
+  c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
+  c.mlp_only_layers = f.int_list("mlp_only_layers");
+  c.qkv_bias = f.boolean("qkv_bias", true);
+}
+
+void read_glm4_moe(const ConfigFields& f, ModelConfig& c) {
+  const LatentDefaults d{128, 8, 1, 1, 1.0, 1, 1};
+  read_deepseek_like(f, c, d, /*layer_types=*/false);
+  read_noaux_router(f, c, d);
+  c.qkv_bias = f.boolean("attention_bias", false);
+  if (f.boolean("use_qk_norm", false)) c.qk_norm = QkNorm::PerHead;
+}
+
+void read_deepseek_v2(const ConfigFields& f, ModelConfig& c) {
+  read_deepseek_like(f, c, {64, 0, 2, 0, 1.0, 1, 1}, /*layer_types=*/false);
+  // transformers' DeepseekV2 router never renormalises; DeepSeek's own code does when
+  // norm_topk_prob is set. The two disagree, so a config asking for it is refused.
+  if (f.boolean("norm_topk_prob", false))
+    throw UsageError(f.source + ": norm_topk_prob true is not supported for deepseek_v2 (transformers ignores it, "
+                     "DeepSeek's reference code renormalises; the weights would differ)");
+  require_value(f, "scoring_func", "\"softmax\"", "deepseek_v2 routes on softmax scores");
+  const std::string method = text(f, "topk_method", "greedy");
+  c.router.score = RouterScore::Softmax;
+  if (method == "group_limited_greedy") parse_groups(f, c, 1, 1, GroupScore::Max);
+  else if (method != "greedy")
+    throw UsageError(f.source + ": topk_method '" + method + "' is not supported for deepseek_v2 (greedy, group_limited_greedy)");
+  c.mlp_bias = f.boolean("mlp_bias", false);
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+}
+
+void read_deepseek_v3(const ConfigFields& f, ModelConfig& c) {
+  const LatentDefaults d{256, 8, 1, 3, 2.5, 8, 4};
+  read_deepseek_like(f, c, d, /*layer_types=*/false);
+  read_noaux_router(f, c, d);
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+}
+
+void read_glm4_moe_lite(const ConfigFields& f, ModelConfig& c) {
+  const LatentDefaults d{64, 4, 1, 1, 1.8, 1, 1};
+  read_deepseek_like(f, c, d, /*layer_types=*/true);
+  read_noaux_router(f, c, d);
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+}
+
+void read_mistral4(const ConfigFields& f, ModelConfig& c) {
+  const LatentDefaults d{128, 4, 1, 0, 1.0, 1, 1};
+  read_deepseek_like(f, c, d, /*layer_types=*/false);
+  c.router.fp32 = false;  // Mistral4's router runs in the compute dtype (no fp32-kept modules)
+  // Mistral4TopkRouter: softmax scores, groups by their best two, no correction bias.
+  c.norm_topk_prob = f.boolean("norm_topk_prob", true);
+  require_value(f, "scoring_func", "\"softmax\"", "mistral4 routes on softmax scores");
+  c.router.score = RouterScore::Softmax;
+  parse_groups(f, c, d.n_group, d.topk_group, GroupScore::TopTwoSum);
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+}
+
+void read_gpt_oss(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", 128);
+  c.top_k = f.integer("num_experts_per_tok", 4);
+  c.expert_width = f.integer("intermediate_size");
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", true);
+  c.router.score = RouterScore::SoftmaxTopK;
+  c.router.bias = true;
+  c.expert_bias = true;
+  c.swiglu_clamp = SwigluClamp{f.number("swiglu_alpha", 1.702), f.number("swiglu_limit", 7.0)};
+  if (!(c.swiglu_clamp->limit > 0)) throw UsageError(f.source + ": swiglu_limit must be positive");
+  c.attention_sinks = true;
+  c.sliding_window = f.integer("sliding_window", f.j.contains("sliding_window") ? 0 : 128);  // null: no window
+  if (c.sliding_window < 0) throw UsageError(f.source + ": sliding_window must be positive or null");
+  if (f.has("layer_types")) {
+    const nlohmann::json& lt = f.j.at("layer_types");
+    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+      throw UsageError(f.source + ": layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) + ") strings");
+    for (const auto& t : lt) {
+      if (t == "sliding_attention") c.sliding_layers.push_back(true);
+      else if (t == "full_attention") c.sliding_layers.push_back(false);
+      else throw UsageError(f.source + ": layer_types entry " + t.dump() + " is not supported (sliding_attention, full_attention)");
+    }
+  } else {
+    for (int l = 0; l < c.layers; ++l) c.sliding_layers.push_back(l % 2 == 0);  // transformers' default: even layers slide
+  }
+}
+
+}  // namespace eo::model
