@@ -1,10 +1,18 @@
 # All third-party dependencies, found the standard way.
 
-# ccache, when present, for fast rebuilds.
+# ccache, when present, for fast rebuilds. Unless the machine's ccache configuration names a
+# base_dir, paths inside the source folder are hashed relative to it (and not the build folder):
+# a copy of the tree elsewhere (another clone, scripts/pip-check's) reuses these objects.
 find_program(EO_CCACHE ccache)
 if(EO_CCACHE)
-  set(CMAKE_CXX_COMPILER_LAUNCHER ${EO_CCACHE})
-  set(CMAKE_CUDA_COMPILER_LAUNCHER ${EO_CCACHE})
+  set(_eo_launcher ${EO_CCACHE})
+  execute_process(COMMAND ${EO_CCACHE} -k base_dir OUTPUT_VARIABLE _eo_ccache_base
+                  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(NOT _eo_ccache_base)
+    set(_eo_launcher ${CMAKE_COMMAND} -E env CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1 ${EO_CCACHE})
+  endif()
+  set(CMAKE_CXX_COMPILER_LAUNCHER ${_eo_launcher})
+  set(CMAKE_CUDA_COMPILER_LAUNCHER ${_eo_launcher})
 endif()
 
 # EO_DDP_PYTHON: the Python environment eo-ddp is built for: its torch is the libtorch linked, and
