@@ -1,9 +1,11 @@
 # All third-party dependencies, found the standard way.
 
-# ccache, when present, for fast rebuilds.
+# ccache, when present, for fast rebuilds. The sloppiness lets it cache the translation units that
+# use the precompiled <ATen/ATen.h> (cmake/EoCompileTime.cmake), as ccache's manual asks.
 find_program(EO_CCACHE ccache)
 if(EO_CCACHE)
-  set(CMAKE_CXX_COMPILER_LAUNCHER ${EO_CCACHE})
+  set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env
+      CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime ${EO_CCACHE})
   set(CMAKE_CUDA_COMPILER_LAUNCHER ${EO_CCACHE})
 endif()
 
