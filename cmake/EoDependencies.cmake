@@ -1,18 +1,19 @@
 # All third-party dependencies, found the standard way.
 
-# ccache, when present, for fast rebuilds. Unless the machine's ccache configuration names a
-# base_dir, paths inside the source folder are hashed relative to it (and not the build folder):
-# a copy of the tree elsewhere (another clone, scripts/pip-check's) reuses these objects.
+# ccache, when present, for fast rebuilds. The sloppiness lets it cache the translation units that
+# use the precompiled <ATen/ATen.h> (cmake/EoCompileTime.cmake), as ccache's manual asks. Unless the
+# machine's ccache configuration names a base_dir, paths inside the source folder are hashed relative
+# to it: a copy of the tree elsewhere (another clone, scripts/pip-check's) reuses these objects.
 find_program(EO_CCACHE ccache)
 if(EO_CCACHE)
-  set(_eo_launcher ${EO_CCACHE})
+  set(_eo_ccache_env CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime)
   execute_process(COMMAND ${EO_CCACHE} -k base_dir OUTPUT_VARIABLE _eo_ccache_base
                   OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
   if(NOT _eo_ccache_base)
-    set(_eo_launcher ${CMAKE_COMMAND} -E env CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1 ${EO_CCACHE})
+    list(APPEND _eo_ccache_env CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1)
   endif()
-  set(CMAKE_CXX_COMPILER_LAUNCHER ${_eo_launcher})
-  set(CMAKE_CUDA_COMPILER_LAUNCHER ${_eo_launcher})
+  set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env ${_eo_ccache_env} ${EO_CCACHE})
+  set(CMAKE_CUDA_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env ${_eo_ccache_env} ${EO_CCACHE})
 endif()
 
 # EO_DDP_PYTHON: the Python environment eo-ddp is built for: its torch is the libtorch linked, and
