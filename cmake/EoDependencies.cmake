@@ -1,17 +1,14 @@
 # All third-party dependencies, found the standard way.
 
 # ccache, when present, for fast rebuilds. The sloppiness lets it cache the translation units that
-# use the precompiled <ATen/ATen.h> (cmake/EoCompileTime.cmake), as ccache's manual asks. Unless the
-# machine's ccache configuration names a base_dir, paths inside the source folder are hashed relative
-# to it: a copy of the tree elsewhere (another clone, scripts/pip-check's) reuses these objects.
+# use the precompiled <ATen/ATen.h> (cmake/EoCompileTime.cmake), as ccache's manual asks. Paths inside
+# the source folder are hashed relative to it, whatever base_dir the machine's ccache configuration
+# names: a copy of the tree elsewhere (CI's fresh clone, another worktree, scripts/pip-check's) reuses
+# these objects.
 find_program(EO_CCACHE ccache)
 if(EO_CCACHE)
-  set(_eo_ccache_env CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime)
-  execute_process(COMMAND ${EO_CCACHE} -k base_dir OUTPUT_VARIABLE _eo_ccache_base
-                  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-  if(NOT _eo_ccache_base)
-    list(APPEND _eo_ccache_env CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1)
-  endif()
+  set(_eo_ccache_env CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+                     CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1)
   set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env ${_eo_ccache_env} ${EO_CCACHE})
   set(CMAKE_CUDA_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env ${_eo_ccache_env} ${EO_CCACHE})
 endif()
