@@ -32,6 +32,7 @@
 #include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/model_identity.h"
+#include "runtime/runspec.h"
 
 namespace eo {
 namespace fs = std::filesystem;
@@ -324,19 +325,6 @@ std::string first_nonfinite(const NamedTensors& tensors) {
 }
 
 std::string checkpoint_damage(const std::string& folder) { return damage(folder, /*state_only=*/false); }
-
-model::LoraSpec lora_spec(const TrainConfig& cfg) {
-  model::LoraSpec spec;
-  spec.r = cfg.lora_r;
-  spec.alpha = cfg.lora_alpha;
-  spec.dropout = cfg.lora_dropout;
-  spec.use_rslora = cfg.peft_use_rslora;
-  spec.targets = cfg.lora_target_modules;
-  spec.target_parameters = cfg.lora_target_parameters;
-  spec.layers = cfg.peft_layers_to_transform;
-  spec.seed = static_cast<std::uint64_t>(cfg.seed);
-  return spec;
-}
 
 std::int64_t merge_aware_first_step(const TrainConfig& cfg, std::int64_t total_steps) {
   const double v = cfg.nvfp4_merge_aware_start_step.value_or(0);

@@ -55,8 +55,6 @@ std::int64_t merge_aware_first_step(const TrainConfig& cfg, std::int64_t total_s
 std::string merge_aware_start_text(const TrainConfig& cfg);  // for the log: "0", "5", "0.25"
 // TrainingState::extra's key for "the snapped forward was on" (a checkpoint's adapter is stamped).
 inline constexpr const char* kMergeAwareOnKey = "nvfp4_merge_aware_on";
-// The LoRA `cfg` trains: what setup adds to the model and what the adapter's config records.
-model::LoraSpec lora_spec(const TrainConfig& cfg);
 inline constexpr const char* kAdapterBaseFile = "eo_ddp_base.json";
 // Copies the base model's tokenizer files (tokenizer.json, tokenizer_config.json with its chat
 // template, chat_template.jinja, special_tokens_map.json, vocabularies ...) beside the adapter, as

@@ -25,6 +25,7 @@
 #include "runtime/config.h"
 #include "runtime/metrics.h"
 #include "runtime/model_identity.h"
+#include "runtime/runspec.h"
 #include "runtime/train_state.h"
 #include "tests/temp_dir_test.h"
 
