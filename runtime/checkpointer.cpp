@@ -5,6 +5,7 @@
 
 #include "common/log.h"
 #include "models/moe_model.h"
+#include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
 #include "runtime/dist/world.h"
 #include "runtime/loss_scale.h"

@@ -28,6 +28,7 @@
 #include "offload/engine.h"
 #include "offload/homes.h"
 #include "offload/host_memory.h"
+#include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
 #include "runtime/data/tokens.h"

@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "models/moe_model.h"
 #include "offload/engine.h"
+#include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
 #include "runtime/dist/comm.h"
 #include "runtime/dist/reducer.h"
