@@ -34,11 +34,15 @@ void error(const std::string& msg) {
   std::lock_guard<std::mutex> lock(g_mutex);
   std::fprintf(stderr, "%serror: %s\n", prefix().c_str(), msg.c_str());
 }
+bool progress_rewrites() {
+  static const bool tty = isatty(fileno(stderr));
+  return tty;
+}
+
 void progress(const std::string& msg, bool final_line) {
   if (g_quiet || g_rank != 0) return;
   std::lock_guard<std::mutex> lock(g_mutex);
-  static const bool tty = isatty(fileno(stderr));
-  if (tty)
+  if (progress_rewrites())
     std::fprintf(stderr, "\r\033[K%s%s", msg.c_str(), final_line ? "\n" : "");
   else
     std::fprintf(stderr, "%s\n", msg.c_str());

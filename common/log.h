@@ -13,5 +13,7 @@ void warn(const std::string& msg);
 void error(const std::string& msg);
 // A progress line that rewrites itself on a terminal and prints plainly otherwise.
 void progress(const std::string& msg, bool final_line);
+// Whether progress lines rewrite themselves (stderr is a terminal).
+bool progress_rewrites();
 
 }  // namespace eo::log

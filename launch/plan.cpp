@@ -74,7 +74,7 @@ int run_plan(const Args& args) {
     if (vram > 0) limits.push_back("a " + human_bytes(vram) + " card");
     if (!host_text.empty()) limits.push_back(human_bytes(host_ram) + " of host RAM per node");
     const std::string limit = join(limits, " and ");
-    std::fputs(describe_fixes(plan_fixes(spec, vram > 0 ? vram : HUGE_VAL, host_text.empty() ? 0 : host_ram), limit).c_str(),
+    std::fputs(describe_fixes(plan_fixes(cfg, spec, vram > 0 ? vram : HUGE_VAL, host_text.empty() ? 0 : host_ram), limit).c_str(),
                stdout);
   }
   return vram_short || host_short ? kExitRuntime : kExitOk;

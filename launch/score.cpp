@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "launch/commands.h"
 #include "models/moe_model.h"
+#include "runtime/adapter_files.h"
 #include "runtime/data/jsonl.h"
 #include "runtime/train_state.h"
 

@@ -77,7 +77,7 @@ std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, c
   fits = fitted.device_peak + fitted.margin <= available;
   os << describe_plan(fitted, double(cfg.device_memory_limit));
   if (!fits && cfg.device_memory_limit <= 0) os << "  does NOT fit " << limit << " (margin included)\n";
-  if (!fits) os << describe_fixes(plan_fixes(spec, available), limit);
+  if (!fits) os << describe_fixes(plan_fixes(cfg, spec, available), limit);
   return os.str();
 }
 

@@ -26,11 +26,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <sstream>
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/progress_meter.h"
+#include "common/text.h"
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
 #include "models/nf4.h"
@@ -140,6 +143,28 @@ struct ModelLoader {
   // Stored bitsandbytes modules seen, for the summary log lines at the end.
   mutable int stored_nf4 = 0, stored_dequantised = 0, stored_other_layout = 0, mxfp4_dequantised = 0, mxfp4_kept = 0;
   mutable int nvfp4_kept = 0, nvfp4_dequantised = 0, nvfp4_requantised = 0;
+  // The loading line: layers done, matrices quantised to NF4 so far.
+  mutable ProgressMeter meter{ProgressMeter::kPlainEvery};
+  mutable int layers_done = 0, quantised = 0;
+  std::uint64_t checkpoint_bytes = 0;  // every tensor's bytes, all shards (ck->total_bytes())
+
+  // "loading  layer 12/48  shard 3/13  read 9.80 GiB of 57.00 GiB  2.1 GB/s  quantised 1536 matrices to NF4"
+  std::string progress_line(bool done) const {
+    std::string line = std::string(done ? "loaded " : "loading") + "  layer " + std::to_string(layers_done) + "/" +
+                       std::to_string(cfg.layers);
+    if (ck) {
+      const double read = double(ck->bytes_read());
+      line += "  shard " + std::to_string(ck->shards_read()) + "/" + std::to_string(ck->shards()) + "  read " +
+              human_bytes(read) + " of " + human_bytes(double(checkpoint_bytes)) + "  " + rate_text(read, meter.elapsed_s());
+    } else {
+      line += "  synthetic weights";
+    }
+    if (quantised > 0) line += "  quantised " + std::to_string(quantised) + " matrices to NF4";
+    return line;
+  }
+  void show_progress() const {
+    if (meter.due()) meter.show(progress_line(false));
+  }
 
   at::Tensor raw(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!ck) return random->dense(name, shape, opts.dtype);
@@ -214,6 +239,8 @@ struct ModelLoader {
     return raw(name, std::move(shape)).to(opts.device, dt).contiguous();
   }
   QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
+    ++quantised;
+    show_progress();
     // On the target device: a GPU quantises with the CUDA kernel (same bytes as the CPU path).
     return to_device(nf4::quantize(w.to(opts.device, opts.dtype).contiguous(), opts.blocksize, opts.double_quant),
                      on_host ? at::Device(at::kCPU) : opts.device);
@@ -507,6 +534,7 @@ struct ModelLoader {
                 c.multimodal->class_name + "); its " + c.multimodal->text_model_type + " text model (" + mp +
                 "*) is loaded and trained, its " + (c.llama4 ? "vision tower is" : "vision and audio towers are") +
                 " not loaded and not trained (the adapter covers the text model only)");
+    if (ck) checkpoint_bytes = ck->total_bytes();
     ModelWeights w;
     w.embed = get(mp + "embed_tokens.weight", {c.vocab, H});
     if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) w.embed = w.embed.to(at::kCPU);
@@ -572,7 +600,12 @@ struct ModelLoader {
         }
       }
       w.blocks.push_back(std::move(b));
+      ++layers_done;
+      show_progress();
     }
+    char took[32];
+    std::snprintf(took, sizeof took, "  in %.1f s", meter.elapsed_s());
+    meter.finish(progress_line(true) + took);
     w.provider = std::make_shared<ResidentWeights>(std::move(bank));
     const std::string source = ck ? ck->folder() : std::string("synthetic weights");
     if (mxfp4_kept > 0 && !ck)

@@ -452,8 +452,23 @@ const TensorInfo& Checkpoint::info(const std::string& name) const {
 }
 
 at::Tensor Checkpoint::load(const std::string& name) const {
-  info(name);  // throws naming the tensor when missing
-  return files_[where_.at(name)]->load(name);
+  const TensorInfo& t = info(name);  // throws naming the tensor when missing
+  const std::size_t shard = where_.at(name);
+  at::Tensor out = files_[shard]->load(name);
+  read_.touched.resize(files_.size());
+  if (!read_.touched[shard]) {
+    read_.touched[shard] = true;
+    ++read_.shards;
+  }
+  read_.bytes += t.end - t.begin;
+  return out;
+}
+
+std::uint64_t Checkpoint::total_bytes() const {
+  std::uint64_t n = 0;
+  for (const auto& f : files_)
+    for (const auto& t : f->tensors()) n += t.end - t.begin;
+  return n;
 }
 
 std::vector<std::string> Checkpoint::names() const {

@@ -67,10 +67,23 @@ class Checkpoint {
   std::vector<std::string> names() const;  // sorted
   const std::string& folder() const { return folder_; }
 
+  // What load() has read so far, for a progress line: the tensors' bytes (a tensor loaded twice
+  // counts twice) and the shards touched; and what there is in all.
+  std::uint64_t bytes_read() const { return read_.bytes; }
+  std::size_t shards_read() const { return read_.shards; }
+  std::size_t shards() const { return files_.size(); }
+  std::uint64_t total_bytes() const;
+
  private:
+  struct ReadTally {
+    std::uint64_t bytes = 0;
+    std::size_t shards = 0;
+    std::vector<bool> touched;  // per shard
+  };
   std::string folder_;
   std::vector<std::shared_ptr<File>> files_;
   std::map<std::string, std::size_t> where_;  // tensor name -> index into files_
+  mutable ReadTally read_;
 };
 
 // Writes tensors (any device; contiguous copies are made on the CPU) to `path` atomically:

@@ -13,6 +13,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/progress_meter.h"
 #include "common/text.h"
 
 #ifdef EO_WITH_CUDA
@@ -145,9 +146,33 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   std::vector<ArenaExtent> extents;
   for (const auto& b : blocks_)
     if (b) extents.push_back({b->layer, b->bytes, b->copy_offset});
+  // The homes' progress line (rank 0): blocks filled, bytes, rate. Homes that need no filling (a
+  // follower's shared copy, a disk file already right) show none; disk homes fill every block
+  // twice (checksums, then the write), so a block filled again starts the count anew.
+  ProgressMeter meter;
+  std::int64_t all_bytes = 0, filled_bytes = 0;
+  int filled = 0;
+  for (const ArenaExtent& e : extents) all_bytes += e.bytes;
+  std::vector<bool> seen(blocks_.size());
+  auto pass_start = std::chrono::steady_clock::now();
+  auto homes_line = [&](bool done) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - pass_start).count();
+    return std::string(done ? "filled " : "filling") + "  expert homes  block " + std::to_string(filled) + "/" +
+           std::to_string(extents.size()) + "  " + human_bytes(double(filled_bytes)) + " of " +
+           human_bytes(double(all_bytes)) + "  " + rate_text(double(filled_bytes), s);
+  };
   ArenaSource source;
   source.fill = [&](int layer, std::uint8_t* dst) {
-    fill_arena(dst, *blocks_[static_cast<std::size_t>(layer)], bank[static_cast<std::size_t>(layer)]);
+    const auto i = static_cast<std::size_t>(layer);
+    if (seen[i]) {
+      seen.assign(seen.size(), false);
+      filled = 0, filled_bytes = 0, pass_start = std::chrono::steady_clock::now();
+    }
+    seen[i] = true;
+    fill_arena(dst, *blocks_[i], bank[i]);
+    ++filled;
+    filled_bytes += blocks_[i]->bytes;
+    if (meter.due()) meter.show(homes_line(false));
   };
   source.drop = [&](int layer) {
     auto& experts = bank[static_cast<std::size_t>(layer)];
@@ -161,6 +186,7 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     homes_ = make_node_shared_homes(extents, shared_bytes, source, node_, pin, *opt_.sharing);
   else
     homes_ = make_per_rank_homes(extents, source, node_, pin);
+  if (filled > 0) meter.finish(homes_line(true));
 
   // Budget-resident blocks: the first blocks (in layer order) that fit the budget beside the slots.
   promote_resident(opt_.vram_budget_bytes);

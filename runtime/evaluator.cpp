@@ -18,7 +18,7 @@ namespace eo {
 Evaluator::Evaluator(const TrainConfig& cfg, Run& run, const StepRunner& runner, dist::World& world)
     : cfg_(cfg), run_(run), runner_(runner), world_(world) {
   if (!run.eval_rows) return;
-  const double steps_per_epoch = double(run.batcher->num_batches_per_epoch()) / double(run.accum);
+  const double steps_per_epoch = double(run.batcher->num_batches_per_epoch()) / double(run.spec.accum);
   every_ = step_interval(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch, run.total_steps);
   for (int i = 0; i < run.model->num_layers(); ++i) moe_blocks_.push_back(run.model->block(i).is_moe());
   if (world.info().rank == 0) {

@@ -24,9 +24,9 @@ double nf4_bytes(double out, double in, int blocksize) {
 
 
 
-bool targets(const TrainConfig& cfg, const std::string& name) {
-  if (cfg.lora_target_linear) return true;
-  return std::find(cfg.lora_target_modules.begin(), cfg.lora_target_modules.end(), name) != cfg.lora_target_modules.end();
+bool targets(const RunSpec& spec, const std::string& name) {
+  if (spec.lora_all_linear) return true;
+  return std::find(spec.lora.targets.begin(), spec.lora.targets.end(), name) != spec.lora.targets.end();
 }
 
 }  // namespace
@@ -36,7 +36,6 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, Com
 }
 
 MemoryPlan plan_memory(const RunSpec& spec) {
-  const TrainConfig& cfg = *spec.cfg;
   const model::ModelConfig& c = spec.model;
   const bool on_gpu = spec.on_gpu;
   MemoryPlan p;
@@ -44,7 +43,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   p.compute = spec.compute;
   p.ranks_per_node = spec.ranks_per_node;
   const double d = spec.compute == Compute::Fp32 ? 4 : 2;  // compute dtype bytes
-  const int bs = cfg.bnb_4bit_blocksize;
+  const int bs = spec.blocksize;
   const double H = double(c.hidden), V = double(c.vocab);
   // The widest layer's attention (Gemma 4's full layers have their own head_dim and kv heads).
   double D = 0, kvd = 0;
@@ -55,7 +54,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   const double qd = double(c.heads) * D;
   const double rope_cols = model::rope_table_columns(c);
   const double E = double(c.experts), K = double(c.top_k), I = double(c.expert_width);
-  const bool q4 = cfg.load_in_4bit;
+  const bool q4 = spec.load_in_4bit;
   auto linear = [&](double out, double in) { return q4 ? nf4_bytes(out, in, bs) : out * in * d; };
 
   const int moe_layers = static_cast<int>(spec.moe_layers.size());
@@ -90,7 +89,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
                            : *fmt == QuantFormat::Nf4 ? std::string(" (NF4)")
                                                         : std::string(" (") + quant_format_name(*fmt) + ", the checkpoint's own bytes)";
   // One MoE block's experts exactly as the offload engine lays them out (offload/layout.h).
-  p.block_bytes = double(offload::expert_block_bytes(c, bs, cfg.bnb_4bit_use_double_quant, p.expert_format));
+  p.block_bytes = double(offload::expert_block_bytes(c, bs, spec.double_quant, p.expert_format));
   p.expert_bytes = p.block_bytes * moe_layers;
   if (spec.offload) {
     const int slots = spec.slots;
@@ -110,11 +109,11 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     const int resident_blocks = p.block_bytes > 0 ? int(budget / p.block_bytes) : 0;
     const std::vector<int> resident(moe_list.begin(), moe_list.begin() + std::min<std::size_t>(moe_list.size(), resident_blocks));
     const int streamed = moe_layers - int(resident.size());
-    const std::vector<int> order = make_step_schedule(int(c.layers), cfg.gradient_accumulation_steps, spec.order).staging_order(is_moe);
+    const std::vector<int> order = make_step_schedule(int(c.layers), spec.accum, spec.order).staging_order(is_moe);
     if (!moe_list.empty())
       p.copies_per_step = offload::steady_copies_per_step(order, int(c.layers), std::min(slots, streamed), spec.prefetch, resident);
     if (spec.homes == offload::HomesKind::Disk) {
-      const offload::DiskHomesSize z = offload::estimate_disk_homes(c, bs, cfg.bnb_4bit_use_double_quant, slots, p.expert_format);
+      const offload::DiskHomesSize z = offload::estimate_disk_homes(c, bs, spec.double_quant, slots, p.expert_format);
       p.disk_homes = true;
       p.disk_file_bytes = double(z.file_bytes);
       p.disk_ring = z.ring;
@@ -132,10 +131,10 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   }
 
   // ---- LoRA: fp32 parameter, gradient and two AdamW moments
-  const double r = cfg.lora_r;
+  const double r = spec.lora.r;
   double lora_params = 0;
   auto site = [&](const std::string& name, double in, double out, double count) {
-    if (targets(cfg, name)) lora_params += count * r * (in + out);
+    if (targets(spec, name)) lora_params += count * r * (in + out);
   };
   for (int i = 0; i < c.layers; ++i)
     for (const auto& l : c.attention_shapes(i)) site(l.name, double(l.in), double(l.out), 1);
@@ -143,11 +142,11 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   // lora_target_parameters: peft's ParamWrapper per fused parameter, A [r·E, in], B [out, r·E]
   // (gate_up_proj: in H, out 2I, one A for gate and up); target_modules then reach no expert.
   auto fused = [&](const char* param) {
-    return std::find(cfg.lora_target_parameters.begin(), cfg.lora_target_parameters.end(), param) !=
-           cfg.lora_target_parameters.end();
+    return std::find(spec.lora.target_parameters.begin(), spec.lora.target_parameters.end(), param) !=
+           spec.lora.target_parameters.end();
   };
   const bool fused_gate_up = fused("mlp.experts.gate_up_proj"), fused_down = fused("mlp.experts.down_proj");
-  if (!cfg.lora_target_parameters.empty()) {
+  if (!spec.lora.target_parameters.empty()) {
     if (fused_gate_up) lora_params += moe_layers * E * r * (H + 2 * I);
     if (fused_down) lora_params += moe_layers * E * r * (I + H);
   } else if (c.experts_lora_ok()) {  // per-expert modules (gpt-oss, Gemma 4 and Llama 4 have none: experts fused only)
@@ -169,22 +168,22 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   p.device.push_back({"lora", lora_params * 16, std::to_string(static_cast<long long>(lora_params)) + " parameters x 16 bytes"});
 
   // ---- activations of one micro-batch
-  const double N = double(cfg.micro_batch_size) * double(cfg.sequence_len);
+  const double N = double(spec.micro_batch_size) * double(spec.sequence_len);
   // Block inputs kept by checkpointing (embedding output .. last block) and the RoPE tables of
   // every micro-batch of the step (the layer-major step keeps all g until backward; micro-batch-
   // major, one), the hidden state or incoming gradient of each, and the outgoing gradient of the
   // block under backward. With activation_offloading the inputs wait in pinned host RAM and about
   // two blocks' worth are on the device (the one in backward and the one being copied back).
   const bool layer_major = spec.order == StepOrder::LayerMajor;
-  const double g = layer_major ? double(cfg.gradient_accumulation_steps) : 1.0;
-  const double kept = cfg.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
+  const double g = layer_major ? double(spec.accum) : 1.0;
+  const double kept = spec.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
   const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * rope_cols * d;
   p.device.push_back({"checkpoints", checkpoints,
                       std::to_string(static_cast<long long>(kept)) + " block inputs of [tokens, hidden] x " +
                           std::to_string(static_cast<long long>(g)) + " micro-batch(es) + gradients" +
-                          (cfg.activation_offloading ? " (the rest parked in host RAM)" : "")});
-  if (cfg.activation_offloading) p.host_pinned += g * double(c.layers) * N * H * d;
-  if (const model::BlockContextBytes ctx = model::block_context_bytes(c, double(cfg.micro_batch_size), double(cfg.sequence_len), g);
+                          (spec.activation_offloading ? " (the rest parked in host RAM)" : "")});
+  if (spec.activation_offloading) p.host_pinned += g * double(c.layers) * N * H * d;
+  if (const model::BlockContextBytes ctx = model::block_context_bytes(c, double(spec.micro_batch_size), double(spec.sequence_len), g);
       ctx.bytes > 0)
     p.device.push_back({ctx.name, ctx.bytes, ctx.what});
 
@@ -192,8 +191,8 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   // backward holds at once (models/moe_model.cpp, linear4bit.cpp; GPU path: grouped experts).
   // Nothing here is fitted: each term names a tensor of the code.
   const double NK = N * double(c.top_k);
-  const bool lq = targets(cfg, "q_proj"), lk = targets(cfg, "k_proj"), lv = targets(cfg, "v_proj"),
-             lo = targets(cfg, "o_proj");
+  const bool lq = targets(spec, "q_proj"), lk = targets(spec, "k_proj"), lv = targets(spec, "v_proj"),
+             lo = targets(spec, "o_proj");
   const double heads = double(c.heads), r_bytes = r * d;
   // Attention, saved until its own backward: the normed input (for the q/k/v LoRA A), the q/k
   // norm inputs and statistics, SDPA's q, k, v, output and log-sum-exp, the post-norm input and
@@ -211,7 +210,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   double attn_math_saved = 0, attn_math_backward = 0;
   for (int i = 0; on_gpu && i < c.layers; ++i) {
     if (c.head_dim_at(i) <= 256) continue;
-    const double probs = double(cfg.micro_batch_size) * heads * double(cfg.sequence_len) * double(cfg.sequence_len) * 4;
+    const double probs = double(spec.micro_batch_size) * heads * double(spec.sequence_len) * double(spec.sequence_len) * 4;
     attn_math_saved = std::max(attn_math_saved, 3 * N * heads * double(c.head_dim_at(i)) * 4 + probs);
     attn_math_backward = std::max(attn_math_backward, 2 * probs);
   }
@@ -222,10 +221,10 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   // gate/up deltas and down's delta (the combine's too).
   // Which expert matrices get LoRA: by module name, or as peft's fused parameters (gate and up
   // share gate_up_proj's).
-  const bool per_module = cfg.lora_target_parameters.empty();
-  const bool lora_gate = per_module ? targets(cfg, expert[0]) : fused_gate_up;
-  const bool lora_up = per_module ? targets(cfg, expert[1]) : fused_gate_up;
-  const bool lora_down = per_module ? targets(cfg, expert[2]) : fused_down;
+  const bool per_module = spec.lora.target_parameters.empty();
+  const bool lora_gate = per_module ? targets(spec, expert[0]) : fused_gate_up;
+  const bool lora_up = per_module ? targets(spec, expert[1]) : fused_gate_up;
+  const bool lora_down = per_module ? targets(spec, expert[2]) : fused_down;
   const bool le = moe_layers > 0 && (lora_gate || lora_up || lora_down);
   const double moe_small = N * E * 4 + NK * (8 + 4 + d) + 3 * NK * 8 + model::routed_input_saved_bytes(c, NK, d);
   const double gate_up = 2 * NK * I * d, routed_out = NK * H * d;
@@ -302,7 +301,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   // logits in flight (forward: the GEMM's output, its fp32 copy and logsumexp's fp32 temporary;
   // backward: the GEMM's output, its fp32 softmax gradient and that cast back), the hidden's
   // gradient. It runs before the blocks' backward, so the peak holds the larger of head and block.
-  const double rows = double(cfg.micro_batch_size) * double(std::max(1, cfg.sequence_len - 1));
+  const double rows = double(spec.micro_batch_size) * double(std::max(1, spec.sequence_len - 1));
   const double chunk = double(model::loss_chunk_rows(std::int64_t(rows), std::int64_t(V)));
   const double head = rows * (H * d + 4 + 8) + std::max(chunk * V * (d + 4 + 4), chunk * V * (d + 4 + d) + rows * H * d) +
                       rows * H * d;

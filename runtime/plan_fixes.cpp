@@ -282,9 +282,8 @@ Combined combine(const TrainConfig& cfg, const Replanner& r, const std::vector<s
 
 }  // namespace
 
-FixPlan plan_fixes(const RunSpec& spec, double available, double host_ram) {
+FixPlan plan_fixes(const TrainConfig& cfg, const RunSpec& spec, double available, double host_ram) {
   const Replanner r{spec, available, host_ram};
-  const TrainConfig& cfg = *spec.cfg;
   FixPlan out;
   for (const Step& step : steps())
     if (const auto c = step.alone(cfg, r))

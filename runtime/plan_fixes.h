@@ -34,10 +34,11 @@ struct FixPlan {
   bool need_combination() const { return singles.empty() && !combined.sets.empty(); }
 };
 
+// `spec`: the run as `cfg` resolves it (each change is a changed copy of `cfg`, resolved again);
 // `available`: the device bytes the run may use (the card, or device_memory_limit); `host_ram`:
 // pinned host bytes per node a change may take (0: not checked), else the expert homes are put on
 // a drive (expert_offload_disk_path must then be chosen by the user).
-FixPlan plan_fixes(const RunSpec& spec, double available, double host_ram = 0);
+FixPlan plan_fixes(const TrainConfig& cfg, const RunSpec& spec, double available, double host_ram = 0);
 
 // The list for a person: each change as `--set key=value ...` and as YAML lines, with its peak.
 // `limit` names what was fitted ("a 24.00 GiB card", "device_memory_limit 8.00 GiB").

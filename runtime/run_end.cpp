@@ -5,6 +5,7 @@
 #include "common/log.h"
 #include "common/text.h"
 #include "models/moe_model.h"
+#include "runtime/adapter_files.h"
 #include "runtime/checkpointer.h"
 #include "runtime/dist/comm.h"
 #include "runtime/dist/reducer.h"

@@ -19,6 +19,19 @@ std::string why_uses_cannot_replay(const RunSpec& s, bool merge_aware) {
 
 }  // namespace
 
+model::LoraSpec lora_spec(const TrainConfig& cfg) {
+  model::LoraSpec spec;
+  spec.r = cfg.lora_r;
+  spec.alpha = cfg.lora_alpha;
+  spec.dropout = cfg.lora_dropout;
+  spec.use_rslora = cfg.peft_use_rslora;
+  spec.targets = cfg.lora_target_modules;
+  spec.target_parameters = cfg.lora_target_parameters;
+  spec.layers = cfg.peft_layers_to_transform;
+  spec.seed = static_cast<std::uint64_t>(cfg.seed);
+  return spec;
+}
+
 model::BankReuse bank_reuse_in_effect(bool on_gpu, std::int64_t bank_bytes, bool checkpointing, model::BankReuse asked) {
   return on_gpu && bank_bytes == 0 && checkpointing ? asked : model::BankReuse::None;
 }
@@ -27,13 +40,22 @@ model::BankReuse bank_reuse_in_effect(bool on_gpu, std::int64_t bank_bytes, bool
 // here each becomes its enum, once. The byte sizes are read last.
 RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compute compute, bool on_gpu, int ranks_per_node) {
   RunSpec s;
-  s.cfg = &cfg;
   s.on_gpu = on_gpu;
   s.ranks_per_node = ranks_per_node;
   s.compute = compute;
   s.expert_format = expert_format(cfg, model);
   s.moe_layers = model.moe_layer_ids();
   s.model = std::move(model);
+
+  s.load_in_4bit = cfg.load_in_4bit;
+  s.blocksize = cfg.bnb_4bit_blocksize;
+  s.double_quant = cfg.bnb_4bit_use_double_quant;
+
+  s.sequence_len = cfg.sequence_len;
+  s.micro_batch_size = cfg.micro_batch_size;
+  s.accum = cfg.gradient_accumulation_steps;
+  s.lora = lora_spec(cfg);
+  s.lora_all_linear = cfg.lora_target_linear;
 
   s.checkpointing = cfg.gradient_checkpointing;
   s.order = step_order_in_effect(s.checkpointing, cfg.step_order == "micro_batch_major" ? StepOrder::MicroBatchMajor

@@ -2,7 +2,7 @@
 // device: enums instead of the config's strings, every `auto` that can be decided before a weight
 // is read decided here (with the reason the log gives), and the counts the rest of start-up needs.
 // The memory plan, setup, the step's options and the trainer read this; none of them re-derives a
-// rule. What the plan decides later (bank reuse or 64 MiB slices when only they fit) is a changed
+// rule, and the spec holds no pointer back to the config: what they read from it is a field here. What the plan decides later (bank reuse or 64 MiB slices when only they fit) is a changed
 // copy of the spec (PlanFit in runtime/setup.h), never a changed config; whether CUDA graphs run is
 // decided last, once the loaded model's facts are known (decide_cuda_graphs), into the spec too.
 #pragma once
@@ -14,6 +14,7 @@
 
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
+#include "models/lora.h"
 #include "models/quant_format.h"
 #include "offload/host_memory.h"
 #include "runtime/config.h"
@@ -25,13 +26,24 @@ enum class Setting { Auto, On, Off };  // auto | true | false keys
 enum class ExpertGemmSetting { Auto, Torch, Portable };
 
 struct RunSpec {
-  const TrainConfig* cfg = nullptr;  // the keys the spec does not resolve (shapes, LoRA, data)
   model::ModelConfig model;          // config.json, parsed once for the run
   bool on_gpu = true;
   int ranks_per_node = 1;
   Compute compute = Compute::Bf16;
   std::optional<QuantFormat> expert_format;  // how the routed experts are held; nullopt: unquantised
   std::vector<int> moe_layers;               // decoder layers with routed experts
+
+  // 4-bit weights: load_in_4bit, bnb_4bit_blocksize, bnb_4bit_use_double_quant
+  bool load_in_4bit = false;
+  int blocksize = 64;
+  bool double_quant = false;
+
+  // a step's shape and what it trains
+  int sequence_len = 0;
+  int micro_batch_size = 1;
+  int accum = 1;                     // gradient_accumulation_steps: micro-batches per optimizer step
+  model::LoraSpec lora;              // the adapter (lora_spec)
+  bool lora_all_linear = false;      // lora_target_linear: every linear, whatever lora.targets names
 
   // expert offload
   bool offload = false;
@@ -85,5 +97,8 @@ void decide_cuda_graphs(RunSpec& spec, const GraphFacts& facts);
 // with checkpointing (a slice is cut differently in forward and backward; the CPU runs the
 // per-expert loop, with no bank), else none.
 model::BankReuse bank_reuse_in_effect(bool on_gpu, std::int64_t bank_bytes, bool checkpointing, model::BankReuse asked);
+
+// The LoRA `cfg` trains: what setup adds to the model and what the adapter's config records.
+model::LoraSpec lora_spec(const TrainConfig& cfg);
 
 }  // namespace eo

@@ -28,6 +28,7 @@
 #include "offload/engine.h"
 #include "offload/homes.h"
 #include "offload/host_memory.h"
+#include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
 #include "runtime/data/tokens.h"
@@ -66,8 +67,7 @@ int block_of_parameter(const std::string& name) {
 // What disk homes are made from, for their header: a file made from another checkpoint or with
 // other quantisation settings is rebuilt, naming the key that differs. (Every block's checksum is
 // compared too; these say why in words.)
-std::map<std::string, std::string> disk_homes_identity(const RunSpec& spec) {
-  const TrainConfig& cfg = *spec.cfg;
+std::map<std::string, std::string> disk_homes_identity(const TrainConfig& cfg, const RunSpec& spec) {
   std::error_code ec;
   const std::filesystem::path model = std::filesystem::weakly_canonical(cfg.base_model, ec);
   std::string config_json;
@@ -82,14 +82,13 @@ std::map<std::string, std::string> disk_homes_identity(const RunSpec& spec) {
           {"experts", spec.expert_format == QuantFormat::Mxfp4   ? "MXFP4 (the checkpoint's)"
                       : spec.expert_format == QuantFormat::Nvfp4 ? "NVFP4 (the checkpoint's)"
                                                                  : "NF4"},
-          {"bnb_4bit_blocksize", std::to_string(cfg.bnb_4bit_blocksize)},
-          {"bnb_4bit_use_double_quant", cfg.bnb_4bit_use_double_quant ? "true" : "false"}};
+          {"bnb_4bit_blocksize", std::to_string(spec.blocksize)},
+          {"bnb_4bit_use_double_quant", spec.double_quant ? "true" : "false"}};
 }
 
 // Moves the model's NF4 experts into this rank's homes and streams them from there.
-std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const RunSpec& spec, const at::Device& device,
-                                                        dist::World& world) {
-  const TrainConfig& cfg = *spec.cfg;
+std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const TrainConfig& cfg, const RunSpec& spec,
+                                                        const at::Device& device, dist::World& world) {
   auto* resident = dynamic_cast<model::ResidentWeights*>(&model.weight_provider());
   EO_CHECK(resident, "expert_offload: the model's experts are not held by a ResidentWeights store");
   bool any = false;
@@ -120,7 +119,7 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
     oo.sharing = dist::make_home_sharing(world, g);
     oo.disk = offload::DiskHomesOptions{};
     oo.disk->dir = cfg.expert_offload_disk_path;
-    oo.disk->identity = disk_homes_identity(spec);
+    oo.disk->identity = disk_homes_identity(cfg, spec);
     log::info("expert homes: on disk in " + cfg.expert_offload_disk_path + ", one file for this host's " + std::to_string(g.size) +
               " rank(s) (written or checked by rank " + std::to_string(g.leader) + ")");
   }
@@ -152,14 +151,12 @@ void check_disk_space_for_homes(const TrainConfig& cfg, const offload::DiskHomes
 // Before any weight is read: the homes of every rank on this node must fit in the host RAM (and
 // cgroup limit) available. Every rank measures, then the job takes the smallest measurement — an
 // all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
-void check_host_memory_for_homes(const RunSpec& spec, dist::World& world, const at::Device& device) {
-  const TrainConfig& cfg = *spec.cfg;
+void check_host_memory_for_homes(const TrainConfig& cfg, const RunSpec& spec, dist::World& world, const at::Device& device) {
   const QuantFormat format = spec.expert_format.value_or(QuantFormat::Nf4);
-  const std::int64_t per_rank =
-      offload::estimate_home_bytes(spec.model, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant, format);
+  const std::int64_t per_rank = offload::estimate_home_bytes(spec.model, spec.blocksize, spec.double_quant, format);
   // The ring as the engine sizes it (offload/engine.cpp: the slots asked for).
   const offload::DiskHomesSize disk =
-      offload::estimate_disk_homes(spec.model, cfg.bnb_4bit_blocksize, cfg.bnb_4bit_use_double_quant,
+      offload::estimate_disk_homes(spec.model, spec.blocksize, spec.double_quant,
                                    offload::slots_asked(spec.prefetch, cfg.expert_offload_prefetch_depth), format);
   offload::HostMemory mem = offload::host_memory_available();
   double v[2] = {-(mem.available < 0 ? 1e18 : double(mem.available)),
@@ -198,8 +195,7 @@ void check_host_memory_for_homes(const RunSpec& spec, dist::World& world, const 
 // Where the plan does not fit, auto's alternatives are tried (fit_plan). Every decision is taken
 // before any is logged; the room the plan leaves for CUDA graphs' pool is one of the facts they are
 // decided from once the model is loaded (decide_cuda_graphs).
-PlanFit check_memory_plan(const RunSpec& spec, const at::Device& device) {
-  const TrainConfig& cfg = *spec.cfg;
+PlanFit check_memory_plan(const TrainConfig& cfg, const RunSpec& spec, const at::Device& device) {
   const bool gpu = device.is_cuda();
   if (gpu) set_device_memory_limit(device, cfg.device_memory_limit);
   const bool limited = cfg.device_memory_limit > 0;
@@ -228,7 +224,7 @@ PlanFit check_memory_plan(const RunSpec& spec, const at::Device& device) {
   if (fits) return fit;
   throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " + a margin of " +
                    human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) +
-                   describe_fixes(plan_fixes(spec, available), what) +
+                   describe_fixes(plan_fixes(cfg, spec, available), what) +
                    "(eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
 }
 
@@ -363,9 +359,9 @@ std::string load_model(const TrainConfig& cfg, Run& run, dist::World& world) {
   const auto t_load = Clock::now();
   model::LoadOptions lo;
   lo.dtype = spec.compute == Compute::Bf16 ? at::kBFloat16 : spec.compute == Compute::Fp16 ? at::kHalf : at::kFloat;
-  lo.load_in_4bit = cfg.load_in_4bit;
-  lo.blocksize = cfg.bnb_4bit_blocksize;
-  lo.double_quant = cfg.bnb_4bit_use_double_quant;
+  lo.load_in_4bit = spec.load_in_4bit;
+  lo.blocksize = spec.blocksize;
+  lo.double_quant = spec.double_quant;
   lo.expert_quant = model::expert_quant_named(cfg.expert_quant);  // the loader logs the experts' format
   lo.expert_bank_bytes = spec.bank_bytes;
   lo.device = device;
@@ -375,8 +371,8 @@ std::string load_model(const TrainConfig& cfg, Run& run, dist::World& world) {
             describe_device(device) + ", " + compute_name(spec.compute) + " compute");
   run.model = model::MoeModel::load(cfg.base_model, spec.model, lo);
   model::MoeModel& model = *run.model;
-  if (spec.offload) run.offloader = start_offload(model, spec, device, world);
-  model.add_lora(lora_spec(cfg));
+  if (spec.offload) run.offloader = start_offload(model, cfg, spec, device, world);
+  model.add_lora(spec.lora);
   run.lora = model.lora_parameters();
   EO_CHECK(!run.lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
            join(cfg.lora_target_modules, ", "), "]");
@@ -488,9 +484,9 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, di
   run.expert_gemm_why = resolve_expert_gemm(asked, run.device);
   size_thread_pool(wi.local_size);
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
-  PlanFit fit = check_memory_plan(asked, run.device);
+  PlanFit fit = check_memory_plan(cfg, asked, run.device);
   run.spec = fit.spec;
-  if (run.spec.offload) check_host_memory_for_homes(run.spec, world, run.device);
+  if (run.spec.offload) check_host_memory_for_homes(cfg, run.spec, world, run.device);
   load_run_data(cfg, run, wi);
   fit.graphs.counts_on_host = load_model(cfg, run, world);
   decide_cuda_graphs(run.spec, fit.graphs);

@@ -54,7 +54,6 @@ std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device);
 struct Run {
   RunSpec spec;                  // the settings resolved, as the memory plan decided them
   at::Device device = at::kCPU;
-  std::int64_t accum = 1;        // micro-batches per optimizer step (gradient_accumulation_steps)
   std::int64_t total_steps = 0;  // optimizer steps of the whole run
   std::int64_t warmup = 0;       // LR warm-up steps
   std::unique_ptr<data::Batcher> batcher;

@@ -121,8 +121,7 @@ void load_run_data(const TrainConfig& cfg, Run& run, const dist::WorldInfo& wi) 
   run.batcher = std::make_unique<data::Batcher>(docs, bo);
   data::Batcher& batcher = *run.batcher;
   const std::int64_t per_epoch = batcher.num_batches_per_epoch();
-  const std::int64_t accum = cfg.gradient_accumulation_steps;
-  run.accum = accum;
+  const std::int64_t accum = run.spec.accum;
   if (per_epoch < accum)  // one optimizer step would see some sequences twice
     throw UsageError("dataset " + docs->name() + " has " + std::to_string(batcher.num_sequences()) + " sequences of " +
                      std::to_string(cfg.sequence_len) + " tokens; one optimizer step needs " +

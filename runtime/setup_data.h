@@ -11,7 +11,7 @@ namespace dist {
 struct WorldInfo;
 }
 
-// Fills run.batcher, run.eval_rows, run.accum, run.total_steps and run.warmup (run.spec is set).
+// Fills run.batcher, run.eval_rows, run.total_steps and run.warmup (run.spec is set).
 void load_run_data(const TrainConfig& cfg, Run& run, const dist::WorldInfo& wi);
 
 }  // namespace eo

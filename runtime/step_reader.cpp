@@ -42,7 +42,7 @@ void StepReader::read(QueuedStep q, bool eval_now) {
   r.tokens_per_sec = double(q.tokens) / std::max(1e-9, r.step_time_s);
   r.peak_mem_bytes = peak_memory_bytes(run_.device);
   r.elapsed_s = clock_.elapsed_s();
-  if (cfg_.output_router_logits) r.extra["aux_loss"] = v.aux_sum / double(run_.accum * world_size_);
+  if (run_.spec.aux_loss) r.extra["aux_loss"] = v.aux_sum / double(run_.spec.accum * world_size_);
   if (run_.offloader) r.extra.update(run_.offloader->take_step_stats().to_metrics());
   guard_.add_metrics(r.extra, v);
   eta_.add(r.step_time_s);

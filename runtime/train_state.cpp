@@ -30,8 +30,10 @@
 #include "common/text.h"
 #include "models/lora.h"
 #include "models/safetensors.h"
+#include "runtime/adapter_files.h"
 #include "runtime/config.h"
 #include "runtime/model_identity.h"
+#include "runtime/resume_check.h"
 
 namespace eo {
 namespace fs = std::filesystem;
@@ -325,83 +327,6 @@ std::string first_nonfinite(const NamedTensors& tensors) {
 
 std::string checkpoint_damage(const std::string& folder) { return damage(folder, /*state_only=*/false); }
 
-model::LoraSpec lora_spec(const TrainConfig& cfg) {
-  model::LoraSpec spec;
-  spec.r = cfg.lora_r;
-  spec.alpha = cfg.lora_alpha;
-  spec.dropout = cfg.lora_dropout;
-  spec.use_rslora = cfg.peft_use_rslora;
-  spec.targets = cfg.lora_target_modules;
-  spec.target_parameters = cfg.lora_target_parameters;
-  spec.layers = cfg.peft_layers_to_transform;
-  spec.seed = static_cast<std::uint64_t>(cfg.seed);
-  return spec;
-}
-
-std::int64_t merge_aware_first_step(const TrainConfig& cfg, std::int64_t total_steps) {
-  const double v = cfg.nvfp4_merge_aware_start_step.value_or(0);
-  return v > 0 && v < 1 ? static_cast<std::int64_t>(v * static_cast<double>(total_steps)) : static_cast<std::int64_t>(v);
-}
-
-std::string merge_aware_start_text(const TrainConfig& cfg) {
-  std::ostringstream o;
-  o << cfg.nvfp4_merge_aware_start_step.value_or(0);
-  return o.str();
-}
-
-void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg, bool merge_aware_trained) {
-  // An adapter with NaN/Inf would load and generate garbage: never written.
-  if (const std::string bad = first_nonfinite(lora); !bad.empty())
-    EO_FAIL("not writing the adapter to ", dir, ": ", bad, " holds NaN/Inf values");
-  fs::create_directories(dir);
-  // peft's names and shapes: a stacked expert LoRA is written as its per-expert slices (cut on
-  // the host, after one device copy per stacked tensor).
-  NamedTensors stacked, cpu;
-  for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
-  for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
-  st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
-  model::write_adapter_config(dir, lora_spec(cfg), cfg.base_model, model::lora_decoder_prefix(cpu),
-                              model::lora_fused_experts_path(cpu));
-  if (merge_aware_trained) {
-    // axolotl's write_merge_aware_metadata; peft ignores the key. encoder null: eo-ddp's quantiser is
-    // torchao's algorithm (tests/ref/nvfp4_merge_ref.py) but not torchao, whose version axolotl
-    // merge-lora would otherwise compare with its own.
-    const std::string path = (fs::path(dir) / "adapter_config.json").string();
-    std::string text;
-    EO_CHECK(read_file_nofollow(path, text), "cannot read ", path, " to record nvfp4_merge_aware in it");
-    json j = json::parse(text);
-    json start = nullptr;
-    if (const auto& v = cfg.nvfp4_merge_aware_start_step) start = *v >= 1 || *v == 0 ? json(static_cast<std::int64_t>(*v)) : json(*v);
-    j["nvfp4_merge_aware"] = {{"scale_mode", "fresh"}, {"pts_policy", "base_fused_max"}, {"encoder", nullptr}, {"start_step", start}};
-    write_file_atomic(path, j.dump(2) + "\n");
-  }
-  // What the adapter was trained on top of (peft's config has no place for it): `eo-ddp score
-  // --adapter` evaluates on the same base unless told otherwise.
-  nlohmann::json base;
-  base["base_model"] = cfg.base_model;
-  base["load_in_4bit"] = cfg.load_in_4bit;
-  base["bnb_4bit_blocksize"] = cfg.bnb_4bit_blocksize;
-  base["bnb_4bit_use_double_quant"] = cfg.bnb_4bit_use_double_quant;
-  base["expert_quant"] = cfg.expert_quant;
-  write_file_atomic((fs::path(dir) / kAdapterBaseFile).string(), base.dump(2) + "\n");
-}
-
-std::vector<std::string> copy_tokenizer_files(const std::string& base_model, const std::string& dir) {
-  static const char* const kNames[] = {"tokenizer.json",     "tokenizer_config.json", "special_tokens_map.json",
-                                       "added_tokens.json",  "chat_template.jinja",   "chat_template.json",
-                                       "tokenizer.model",    "vocab.json",            "merges.txt",
-                                       "vocab.txt",          "spiece.model"};
-  std::vector<std::string> copied;
-  for (const char* name : kNames) {
-    const fs::path from = fs::path(base_model) / name;
-    if (!fs::is_regular_file(from)) continue;
-    std::string bytes;
-    EO_CHECK(read_file_nofollow(from.string(), bytes), "cannot read ", from.string(), " to copy it beside the adapter");
-    write_file_atomic((fs::path(dir) / name).string(), bytes);
-    copied.push_back(name);
-  }
-  return copied;
-}
 
 std::string save_checkpoint(const std::string& output_dir, const TrainingState& s, const TrainConfig& cfg, int keep,
                             std::int64_t keep_newest_before) {
@@ -532,144 +457,6 @@ TrainingState load_checkpoint(const std::string& folder, bool with_tensors) {
       EO_FAIL("checkpoint ", folder, ": ", bad, " holds NaN/Inf values; training from it cannot recover. Resume from an "
               "earlier checkpoint (resume_from_checkpoint: <folder>)");
   return s;
-}
-
-// ---- resume compatibility -------------------------------------------------------------------
-
-namespace {
-
-// FNV-1a, 64 bit: a content fingerprint, not a security hash.
-struct Fnv {
-  std::uint64_t h = 1469598103934665603ull;
-  void add(const void* p, std::size_t n) {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  }
-  void add(const std::string& s) { add(s.data(), s.size()); }
-};
-
-// The sampled fingerprint that checkpoints of earlier eo-ddp recorded (base_model_fingerprint):
-// config.json, then for every *.safetensors file its name, size and 16 windows of 4 KiB. Only
-// computed to resume such a checkpoint; base_model_identity replaced it.
-std::string legacy_sampled_fingerprint(const TrainConfig& cfg) {
-  Fnv f;
-  std::string text;
-  if (read_file_nofollow((fs::path(cfg.base_model) / "config.json").string(), text)) f.add(text);
-  if (cfg.synthetic_weights) {
-    f.add("synthetic seed " + std::to_string(cfg.seed));
-  } else {
-    std::vector<fs::path> files;
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(cfg.base_model, ec))
-      if (e.path().extension() == ".safetensors") files.push_back(e.path());
-    std::sort(files.begin(), files.end());
-    std::vector<char> buf(4096);
-    for (const auto& p : files) {
-      const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) continue;
-      struct stat st {};
-      ::fstat(fd, &st);
-      f.add(p.filename().string());
-      f.add(&st.st_size, sizeof st.st_size);
-      for (int w = 0; w < 16; ++w) {
-        const off_t off = st.st_size <= off_t(buf.size()) ? 0 : off_t((st.st_size - off_t(buf.size())) / 15 * w);
-        const ssize_t n = ::pread(fd, buf.data(), buf.size(), off);
-        if (n > 0) f.add(buf.data(), static_cast<std::size_t>(n));
-      }
-      ::close(fd);
-    }
-  }
-  char out[17];
-  std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(f.h));
-  return out;
-}
-
-std::string show(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
-
-}  // namespace
-
-json recorded_config(const TrainConfig& cfg) {
-  json datasets = json::array(), contents = json::array();
-  for (const auto& d : cfg.datasets) {
-    datasets.push_back(d.path);
-    struct stat st {};
-    contents.push_back(::stat(d.path.c_str(), &st) == 0 && S_ISREG(st.st_mode) ? json(file_content_hash(d.path)) : json());
-  }
-  return {{"base_model", cfg.base_model},
-          {"base_model_identity", base_model_identity(cfg)},
-          {"adapter", cfg.adapter},
-          {"lora_r", cfg.lora_r},
-          {"lora_alpha", cfg.lora_alpha},
-          {"peft_use_rslora", cfg.peft_use_rslora},
-          {"lora_target_modules", cfg.lora_target_modules},
-          {"lora_target_parameters", cfg.lora_target_parameters},
-          {"peft_layers_to_transform", cfg.peft_layers_to_transform},
-          {"lora_dropout", cfg.lora_dropout},
-          {"load_in_4bit", cfg.load_in_4bit},
-          {"bnb_4bit_blocksize", cfg.bnb_4bit_blocksize},
-          {"bnb_4bit_use_double_quant", cfg.bnb_4bit_use_double_quant},
-          {"expert_quant", cfg.expert_quant},
-          {"sequence_len", cfg.sequence_len},
-          {"sample_packing", cfg.sample_packing},
-          {"datasets", datasets},
-          {"dataset_contents", contents},
-          {"micro_batch_size", cfg.micro_batch_size},
-          {"gradient_accumulation_steps", cfg.gradient_accumulation_steps},
-          {"learning_rate", cfg.learning_rate},
-          {"lr_scheduler", cfg.lr_scheduler},
-          {"weight_decay", cfg.weight_decay},
-          {"seed", cfg.seed}};
-}
-
-std::vector<std::string> check_resume_compatible(const TrainingState& s, const TrainConfig& cfg) {
-  std::vector<std::string> warnings;
-  if (!s.recorded.is_object())
-    return {"the checkpoint records no config (written by an older eo-ddp): cannot check that base_model, lora_r, "
-            "lora_alpha, target modules and sequence_len match it"};
-  const json now = recorded_config(cfg);
-  // Keys whose change makes the saved adapter or the data cursor mean something else.
-  static const char* kRefuse[] = {"adapter",        "lora_r",          "lora_alpha",         "peft_use_rslora",
-                                  "lora_target_modules", "lora_target_parameters", "peft_layers_to_transform",
-                                  "load_in_4bit", "bnb_4bit_blocksize",
-                                  "bnb_4bit_use_double_quant", "expert_quant", "sequence_len",   "sample_packing"};
-  std::vector<std::string> problems;
-  auto differs = [&](const char* key) { return s.recorded.contains(key) && s.recorded[key] != now[key]; };
-  // Checkpoints of earlier eo-ddp recorded a sampled fingerprint instead of the full identity.
-  const bool legacy = !s.recorded.contains("base_model_identity") && s.recorded.contains("base_model_fingerprint");
-  const std::string id_key = legacy ? "base_model_fingerprint" : "base_model_identity";
-  const json id_now = legacy ? json(legacy_sampled_fingerprint(cfg)) : now["base_model_identity"];
-  if (s.recorded.contains(id_key) && s.recorded[id_key] != id_now) {
-    problems.push_back("base_model: the checkpoint was trained on " + show(s.recorded.value("base_model", json("?"))) +
-                       " (contents " + show(s.recorded[id_key]) + "), this config's " + cfg.base_model +
-                       " has other contents (" + show(id_now) + ")");
-  } else if (differs("base_model")) {
-    warnings.push_back("base_model moved from " + show(s.recorded["base_model"]) + " to " + cfg.base_model +
-                       " (same contents); resuming");
-  }
-  for (const char* key : kRefuse)
-    if (differs(key))
-      problems.push_back(std::string(key) + ": the checkpoint has " + show(s.recorded[key]) + ", this config " + show(now[key]));
-  if (!problems.empty()) {
-    std::string msg = "cannot resume from checkpoint at step " + std::to_string(s.step) + ": the config differs from the one "
-                      "it was trained with in " + std::to_string(problems.size()) + (problems.size() == 1 ? " key" : " keys") + ":";
-    for (const auto& p : problems) msg += "\n  - " + p;
-    msg += "\nSet those keys back to the checkpoint's values, or start a fresh run (another output_dir, without "
-           "resume_from_checkpoint).";
-    throw UsageError(msg);
-  }
-  if (differs("dataset_contents") && !differs("datasets"))
-    warnings.push_back("a dataset was edited since the checkpoint (its contents differ; datasets: " + show(now["datasets"]) +
-                       "): the data cursor continues at the same rows of the new data, so this is not the run the "
-                       "checkpoint continued exactly");
-  for (auto it = now.begin(); it != now.end(); ++it) {
-    const std::string& key = it.key();
-    if (key == "base_model" || key == "base_model_identity" || key == "dataset_contents" || !s.recorded.contains(key)) continue;
-    if (std::find(std::begin(kRefuse), std::end(kRefuse), key) != std::end(kRefuse)) continue;
-    if (s.recorded[key] != it.value())
-      warnings.push_back(key + " changed since the checkpoint (" + show(s.recorded[key]) + " -> " + show(it.value()) +
-                         "); resuming with the new value");
-  }
-  return warnings;
 }
 
 // ---- output_dir ownership ---------------------------------------------------------------------

@@ -40,28 +40,6 @@ struct LoraSpec;
 }
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
-// adapter_model.safetensors + adapter_config.json in `dir` (created), as peft writes them.
-// `lora` holds peft-named tensors (base_model.model.....lora_A.weight).
-// Writes a peft adapter folder (adapter_model.safetensors, adapter_config.json) and kAdapterBaseFile,
-// which records the base the adapter was trained on (NF4 or not, blocksize, double quantisation).
-// `merge_aware_trained`: the adapter trained through nvfp4_merge_aware's snapped forward; its
-// adapter_config.json then records the quantiser as axolotl's merge_aware_callback.py does
-// (nvfp4_merge_aware: {scale_mode fresh, pts_policy base_fused_max, encoder, start_step}), which
-// axolotl merge-lora reads to merge onto fresh block scales.
-void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg, bool merge_aware_trained = false);
-// nvfp4_merge_aware_start_step as the optimizer step from which the snapped forward runs (axolotl's
-// MergeAwareScheduleCallback: a fraction f in (0, 1) is int(f * total_steps)); 0 when unset.
-std::int64_t merge_aware_first_step(const TrainConfig& cfg, std::int64_t total_steps);
-std::string merge_aware_start_text(const TrainConfig& cfg);  // for the log: "0", "5", "0.25"
-// TrainingState::extra's key for "the snapped forward was on" (a checkpoint's adapter is stamped).
-inline constexpr const char* kMergeAwareOnKey = "nvfp4_merge_aware_on";
-// The LoRA `cfg` trains: what setup adds to the model and what the adapter's config records.
-model::LoraSpec lora_spec(const TrainConfig& cfg);
-inline constexpr const char* kAdapterBaseFile = "eo_ddp_base.json";
-// Copies the base model's tokenizer files (tokenizer.json, tokenizer_config.json with its chat
-// template, chat_template.jinja, special_tokens_map.json, vocabularies ...) beside the adapter, as
-// axolotl does, so the output folder stands alone. Returns the names copied.
-std::vector<std::string> copy_tokenizer_files(const std::string& base_model, const std::string& dir);
 
 struct TrainingState {
   std::int64_t step = 0;         // optimizer steps completed
@@ -109,16 +87,6 @@ std::string first_nonfinite(const NamedTensors& tensors);
 // with_tensors = false then reads trainer_state.json only (for checks before loading). Tensors
 // with NaN/Inf are refused (eo::Error).
 TrainingState load_checkpoint(const std::string& folder, bool with_tensors = true);
-
-// The config keys a checkpoint records, and the comparison on resume: a changed base model
-// (base_model_identity, runtime/model_identity.h: every byte of its weights), lora_r, lora_alpha, peft_use_rslora,
-// target modules, sequence_len, sample_packing, NF4 settings or datasets are refused (one
-// UsageError listing every key, what the checkpoint has and what the config has); changes that
-// only alter the rest of the run (learning rate, schedule, dropout, a moved base_model folder
-// with the same contents, ...) return warnings. A checkpoint that recorded nothing (older
-// eo-ddp) gives one warning.
-nlohmann::json recorded_config(const TrainConfig& cfg);
-std::vector<std::string> check_resume_compatible(const TrainingState& checkpoint, const TrainConfig& cfg);
 
 // Probes that output_dir (or another folder the run writes, named `key` in messages) can be created and written (a file created and removed in it), without
 // loading anything. Throws UsageError naming the folder and the reason (read-only file system,

@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "models/moe_model.h"
 #include "offload/engine.h"
+#include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
 #include "runtime/dist/comm.h"
 #include "runtime/dist/reducer.h"
@@ -52,7 +53,7 @@ QueuedStep TrainStep::queue() {
   if (hooks_.step_work) hooks_.step_work(step + 1, true);
   std::vector<data::MicroBatch> micro;
   std::int64_t tokens[1] = {0};
-  for (std::int64_t m = 0; m < run_.accum; ++m) {
+  for (std::int64_t m = 0; m < run_.spec.accum; ++m) {
     micro.push_back(run_.batcher->next());
     tokens[0] += micro.back().num_target_tokens;
   }

@@ -22,13 +22,13 @@
 namespace eo {
 namespace {
 
-StepOptions step_options(const RunSpec& spec, std::int64_t accum, int ranks) {
+StepOptions step_options(const RunSpec& spec, int ranks) {
   StepOptions o;
   o.checkpointing = spec.checkpointing;
   o.order = spec.order;
   o.activation_offloading = spec.activation_offloading;
   o.aux_loss = spec.aux_loss;
-  o.aux_coef = spec.aux_coef / double(accum * std::max(1, ranks));
+  o.aux_coef = spec.aux_coef / double(spec.accum * std::max(1, ranks));
   o.random_blocks = spec.random_blocks;
   o.cuda_graphs = spec.graphs;
   o.bank_reuse = spec.bank_reuse;
@@ -50,7 +50,7 @@ void log_step_choices(const TrainConfig& cfg, const Run& run) {
             (spec.graphs ? ": each block's forward, recompute + backward and the loss replay as graphs from their second use"
                          : std::string()));
   log::info("expert GEMMs: " + run.expert_gemm_why);
-  if (cfg.load_in_4bit && spec.bank_reuse != model::BankReuse::None)
+  if (spec.load_in_4bit && spec.bank_reuse != model::BankReuse::None)
     log::info(std::string("expert banks: each block's recompute keeps ") +
               (spec.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +
               " dequantised experts for its backward (expert_bank_reuse: " + cfg.expert_bank_reuse + ")");
@@ -79,7 +79,7 @@ TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, dist:
     return stopped;
   }
   if (wi.rank == 0) log_step_choices(cfg, run);
-  StepRunner runner(*run.model, step_options(run.spec, run.accum, run.comm->size()), static_cast<int>(run.accum),
+  StepRunner runner(*run.model, step_options(run.spec, run.comm->size()), run.spec.accum,
                     run.reducer.get());
   Evaluator evaluator(cfg, run, runner, world);
   // fp16: the loss scale, restored from the checkpoint, so a resumed run scales exactly as an

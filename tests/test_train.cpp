@@ -160,6 +160,31 @@ TEST_F(Train, LossFallsAndWritesAdapterAndMetrics) {
     EXPECT_NE(block.find(field), std::string::npos) << field << " in\n" << block;
 }
 
+// Loading shows its progress (a plain line when stderr is no terminal, as here): every layer,
+// the checkpoint's one shard read whole, and the matrices quantised to NF4: 4 attention linears
+// and 8 experts x 3 per layer (config.json); then the expert homes, every MoE block filled.
+TEST_F(Train, LoadingShowsProgressInTheLog) {
+  const fs::path out = dir_ / "run";
+  const Outcome o = run(eo_ddp_command({"--config", "configs/tiny-qwen3-moe-offload.yaml", "--set", "output_dir=" + out.string(),
+                                        "--set", "max_steps=1", "--set", "save_steps=0", "--set",
+                                        "dataset_prepared_path=" + (dir_ / "prepared").string()}),
+                        out.string() + ".log");
+  ASSERT_TRUE(o.exited && o.code == 0) << o.describe();
+  EXPECT_EQ(o.log.find('\r'), std::string::npos) << "no terminal: plain lines only";
+  const json mc = json::parse(read_text(fs::path(EO_SOURCE_DIR) / "fixtures/tiny-qwen3-moe/config.json"));
+  const int layers = mc.at("num_hidden_layers"), experts = mc.at("num_local_experts");
+  const auto at = o.log.find("\nloaded   layer " + std::to_string(layers) + "/" + std::to_string(layers) + "  shard 1/1  read ");
+  ASSERT_NE(at, std::string::npos) << o.log;
+  const std::string line = o.log.substr(at + 1, o.log.find('\n', at + 1) - at - 1);
+  const auto read = line.find("read "), of = line.find(" of "), rate = line.find("  ", of);
+  EXPECT_EQ(line.substr(read + 5, of - read - 5), line.substr(of + 4, rate - of - 4)) << "the whole checkpoint read: " << line;
+  EXPECT_NE(line.find(" GB/s  quantised " + std::to_string(layers * (4 + experts * 3)) + " matrices to NF4  in "),
+            std::string::npos) << line;
+  EXPECT_NE(o.log.find("\nfilled   expert homes  block " + std::to_string(layers) + "/" + std::to_string(layers) + "  "),
+            std::string::npos) << o.log;
+  EXPECT_LT(at, o.log.find("step 1/1")) << "loading comes before the first step";
+}
+
 // 2. Activation checkpointing recomputes the same forward (dropout masks included, via the RNG
 //    replay), so per-step grad norms and the final adapter are bitwise those of a plain run.
 TEST_F(Train, CheckpointedAndPlainTrainingAreBitwiseEqual) {

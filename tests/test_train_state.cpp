@@ -22,9 +22,12 @@
 #include "common/files.h"
 #include "models/lora.h"
 #include "models/safetensors.h"
+#include "runtime/adapter_files.h"
 #include "runtime/config.h"
 #include "runtime/metrics.h"
 #include "runtime/model_identity.h"
+#include "runtime/resume_check.h"
+#include "runtime/runspec.h"
 #include "runtime/train_state.h"
 #include "tests/temp_dir_test.h"
 
