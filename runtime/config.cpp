@@ -296,9 +296,9 @@ void apply_axolotl_key(const AxolotlKey& a, const std::string& where, const YAML
   else warnings.push_back("config key '" + where + "' is ignored by eo-ddp: " + a.text);
 }
 
-// chat_template values: eo-ddp's own, the axolotl named templates eo-ddp ships (rendered from
-// tools/chat_templates, copied from axolotl, on any model as axolotl does; the family each is the
-// own template of, for a note elsewhere), and the other axolotl names, refused with the fix.
+// chat_template values: eo-ddp's own, and axolotl's named templates, every one eo-ddp ships in
+// tools/chat_templates (copied from axolotl; rendered on any model as axolotl does). The families
+// a template is the own template of, for a note elsewhere.
 const std::vector<std::string>& chat_templates() {
   static const std::vector<std::string> t = {"tokenizer_default", "tokenizer_default_fallback_chatml", "jinja"};
   return t;
@@ -306,37 +306,24 @@ const std::vector<std::string>& chat_templates() {
 const std::map<std::string, std::vector<std::string>>& shipped_templates() {  // tools/chat_templates/<name>.jinja
   static const std::map<std::string, std::vector<std::string>> m = {
       {"chatml", {}}, {"qwen3", {"qwen3_moe"}}, {"deepseek_v2", {"deepseek_v2"}}, {"deepseek_v3", {"deepseek_v3"}},
-      {"gemma4", {"gemma4", "gemma4_text"}}, {"llama4", {"llama4", "llama4_text"}}};
+      {"gemma4", {"gemma4", "gemma4_text"}}, {"llama4", {"llama4", "llama4_text"}},
+      {"alpaca", {}}, {"aya", {}}, {"cohere", {}}, {"command_a", {}}, {"command_a_rag", {}}, {"command_a_tool_use", {}},
+      {"exaone", {}}, {"exaone4", {}}, {"falcon_h1", {}}, {"gemma", {}}, {"gemma3", {}}, {"gemma3n", {}},
+      {"gemma4_unified", {}}, {"inst", {}}, {"jamba", {}}, {"llama3", {}}, {"llama3_2_vision", {}}, {"llava", {}},
+      {"metharme", {}}, {"mistral_v1", {}}, {"mistral_v2v3", {}}, {"mistral_v3_tekken", {}}, {"mistral_v7_tekken", {}},
+      {"nemotron_h", {}}, {"phi_3", {}}, {"phi_35", {}}, {"phi_4", {}}, {"pixtral", {}}, {"qwen2_vl", {}},
+      {"qwen3_5", {}}, {"qwen_25", {}}};
   return m;
-}
-const std::vector<std::string>& other_axolotl_templates() {
-  static const std::vector<std::string> t = {
-      "alpaca", "mistral_v1", "mistral_v2v3", "mistral_v3_tekken", "mistral_v7_tekken", "gemma", "cohere", "llama3",
-      "llama3_2_vision", "phi_3", "phi_35", "phi_4", "jamba", "qwen_25", "qwen3_5", "falcon_h1", "nemotron_h", "exaone",
-      "exaone4", "metharme", "pixtral", "llava", "qwen2_vl", "gemma3", "gemma3n", "gemma4_unified", "command_a",
-      "command_a_tool_use", "command_a_rag", "aya"};
-  return t;
-}
-std::vector<std::string> shipped_template_names() {
-  std::vector<std::string> v;
-  for (const auto& [k, fams] : shipped_templates()) v.push_back(k);
-  return v;
 }
 // What is wrong with chat_template value V, or nothing.
 std::optional<std::string> template_problem(const std::string& v) {
-  const std::vector<std::string> shipped = shipped_template_names();
-  const auto& o = other_axolotl_templates();
   if (std::find(chat_templates().begin(), chat_templates().end(), v) != chat_templates().end() || shipped_templates().count(v))
     return std::nullopt;
-  if (std::find(o.begin(), o.end(), v) != o.end())
-    return "eo-ddp does not ship axolotl's " + v + " template (it ships " + join(shipped, ", ") +
-           "); use chat_template: tokenizer_default (the model's own template), or chat_template: jinja with "
-           "chat_template_jinja for another one";
   std::vector<std::string> all = chat_templates();
-  all.insert(all.end(), shipped.begin(), shipped.end());
-  all.insert(all.end(), o.begin(), o.end());
-  std::string msg = "unknown value '" + v + "'; eo-ddp knows " + join(chat_templates(), ", ") + " and axolotl's " +
-                    join(shipped, ", ") + " (another template: chat_template: jinja with chat_template_jinja)";
+  for (const auto& [name, fams] : shipped_templates()) all.push_back(name);
+  std::string msg = "unknown value '" + v + "'; eo-ddp knows " + join(chat_templates(), ", ") +
+                    " and axolotl's named templates (" + join(std::vector<std::string>(all.begin() + 3, all.end()), ", ") +
+                    "; another template: chat_template: jinja with chat_template_jinja)";
   if (auto m = closest_match(v, all)) msg += " (did you mean '" + *m + "'?)";
   return msg;
 }
@@ -747,9 +734,8 @@ const std::vector<KeySpec>& schema() {
     k.push_back({"chat_template", "string", "tokenizer_default",
                  "Template for type: chat_template: tokenizer_default (the tokenizer's own), "
                  "tokenizer_default_fallback_chatml (the tokenizer's, else ChatML), jinja (chat_template_jinja), or "
-                 "one of axolotl's named templates eo-ddp ships, copied from axolotl 0.19.0 and rendered as axolotl "
-                 "does on any model: chatml, qwen3, deepseek_v2, deepseek_v3, gemma4, llama4 (axolotl's other names "
-                 "are refused: use tokenizer_default).",
+                 "one of axolotl's named templates (every one axolotl 0.19.0 ships, and inst of older releases), "
+                 "copied unchanged and rendered as axolotl does on any model: chatml, llama3, mistral_v2v3, qwen3, ...",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
                    if (auto why = template_problem(v)) issues.push_back({"chat_template", *why});

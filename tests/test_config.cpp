@@ -745,16 +745,25 @@ TEST(Config, ArchitectureProblemsAreListedWithKeyProblems) {
   ASSERT_FALSE(g.warnings.empty());
   EXPECT_NE(g.warnings.back().find("chat_template: gemma4 is axolotl's template for gemma4, rendered on mixtral's tokenizer"),
             std::string::npos) << g.warnings.back();
+  // Every other axolotl name (and inst of axolotl before 0.5) is kept by name too; an unknown one
+  // is refused wherever it is set, with the names eo-ddp knows.
+  const TrainConfig l = load_config_text(yaml("mixtral-8x7b", "chat_template: llama3\n") + "test_datasets: [{path: " +
+                                             (dir / "train.jsonl").string() + ", type: chat_template, chat_template: inst}]\n",
+                                         "t.yaml", {});
+  EXPECT_EQ(l.chat_template, "llama3");
+  EXPECT_EQ(l.test_datasets.at(0).chat_template, "inst");
+  for (const char* name : {"mistral_v2v3", "qwen_25", "phi_3", "gemma", "cohere"})
+    EXPECT_EQ(load_config_text(yaml("mixtral-8x7b", std::string("chat_template: ") + name + "\n"), "t.yaml", {}).chat_template,
+              name);
   try {
-    load_config_text(yaml("mixtral-8x7b", "chat_template: llama3\n") + "test_datasets: [{path: " + (dir / "train.jsonl").string() +
-                         ", type: chat_template, chat_template: qwen_25}]\n",
+    load_config_text(yaml("mixtral-8x7b", "") + "test_datasets: [{path: " + (dir / "train.jsonl").string() +
+                         ", type: chat_template, chat_template: llama2}]\n",
                      "t.yaml", {});
-    ADD_FAILURE() << "llama3 / qwen_25, which eo-ddp does not ship, were accepted";
+    ADD_FAILURE() << "llama2, which axolotl has no template of, was accepted";
   } catch (const UsageError& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("chat_template: eo-ddp does not ship axolotl's llama3 template (it ships chatml, deepseek_v2, "
-                     "deepseek_v3, gemma4, llama4, qwen3); use chat_template: tokenizer_default"), std::string::npos) << m;
-    EXPECT_NE(m.find("test_datasets.0.chat_template: eo-ddp does not ship axolotl's qwen_25 template"), std::string::npos) << m;
+    EXPECT_NE(m.find("test_datasets.0.chat_template: unknown value 'llama2'"), std::string::npos) << m;
+    EXPECT_NE(m.find("mistral_v2v3"), std::string::npos) << m;
   }
   // On Gemma 4 itself (the Hub's multimodal gemma4 wrapper) its template draws no note.
   const TrainConfig own = load_config_text(yaml("gemma-4-26b-a4b", "chat_template: gemma4\n"), "t.yaml", {});
