@@ -31,6 +31,7 @@
 #include "models/lora.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
+#include "runtime/hub.h"
 #include "runtime/model_identity.h"
 
 namespace eo {
@@ -360,7 +361,7 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
   for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
-  model::write_adapter_config(dir, lora_spec(cfg), cfg.base_model, model::lora_decoder_prefix(cpu),
+  model::write_adapter_config(dir, lora_spec(cfg), hub::adapter_base_name(cfg), model::lora_decoder_prefix(cpu),
                               model::lora_fused_experts_path(cpu));
   if (merge_aware_trained) {
     // axolotl's write_merge_aware_metadata; peft ignores the key. encoder null: eo-ddp's quantiser is
