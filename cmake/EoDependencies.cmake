@@ -7,12 +7,25 @@ if(EO_CCACHE)
   set(CMAKE_CUDA_COMPILER_LAUNCHER ${EO_CCACHE})
 endif()
 
-# libtorch: Torch_DIR / CMAKE_PREFIX_PATH win; else the prefix of the Python torch
-# (the project venv first, then python3 on PATH).
+# EO_DDP_PYTHON: the Python environment eo-ddp is built for: its torch is the libtorch linked, and
+# the built binary runs tools/*.py with it. A pip install (scikit-build-core) builds for the
+# interpreter running pip; scripts/quickstart passes the environment it was pointed at.
+if(SKBUILD AND NOT EO_DDP_PYTHON)
+  set(EO_DDP_PYTHON "${Python_EXECUTABLE}")
+endif()
+set(EO_DDP_PYTHON "${EO_DDP_PYTHON}" CACHE FILEPATH "Python whose torch eo-ddp links and whose tools it runs (empty: .venv, then python3)")
+
+# libtorch: Torch_DIR / CMAKE_PREFIX_PATH win; else the prefix of the Python torch (EO_DDP_PYTHON's
+# alone when it is set; else the project venv first, then python3 on PATH).
 if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
-  find_package(Torch QUIET CONFIG)
+  if(EO_DDP_PYTHON)
+    set(_eo_pythons "${EO_DDP_PYTHON}")
+  else()
+    find_package(Torch QUIET CONFIG)
+    set(_eo_pythons "${CMAKE_SOURCE_DIR}/.venv/bin/python" python3)
+  endif()
   if(NOT Torch_FOUND)
-    foreach(py "${CMAKE_SOURCE_DIR}/.venv/bin/python" python3)
+    foreach(py ${_eo_pythons})
       execute_process(COMMAND ${py} -c "import torch;print(torch.utils.cmake_prefix_path)"
                       OUTPUT_VARIABLE _torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE
                       RESULT_VARIABLE _rc ERROR_QUIET)
@@ -20,6 +33,9 @@ if(NOT Torch_DIR AND NOT DEFINED ENV{Torch_DIR})
         list(APPEND CMAKE_PREFIX_PATH "${_torch_prefix}")
         message(STATUS "eo-ddp: libtorch from ${py}: ${_torch_prefix}")
         break()
+      elseif(EO_DDP_PYTHON)
+        message(FATAL_ERROR "EO_DDP_PYTHON=${EO_DDP_PYTHON} cannot import torch: install torch into that "
+                            "environment (pip install torch) or point EO_DDP_PYTHON at one that has it")
       endif()
     endforeach()
   endif()
@@ -41,10 +57,13 @@ if(EO_WITH_CUDA)
   # Machine code for every card the project serves: SASS for each of EO_CUDA_ARCHS that this nvcc
   # knows (T4 75, in fp16; A100 80, RTX 30xx / A-series 86, RTX 40xx 89, H100/H200 90, B200 100,
   # RTX 50xx 120) and PTX of the newest, so a card newer than all of them still JIT-compiles.
-  # -DCMAKE_CUDA_ARCHITECTURES (e.g. 86, or native) overrides it: a build for one card is several
-  # times faster.
+  # -DCMAKE_CUDA_ARCHITECTURES (e.g. 86, or native) or the environment's CUDAARCHS overrides it: a
+  # build for one card is several times faster.
   set(EO_CUDA_ARCHS "75;80;86;89;90;100;120" CACHE STRING "CUDA architectures of the default build (SASS each, PTX of the last)")
   set(_eo_user_archs "${CMAKE_CUDA_ARCHITECTURES}")
+  if(NOT _eo_user_archs AND DEFINED ENV{CUDAARCHS})
+    set(_eo_user_archs "$ENV{CUDAARCHS}")  # CMake's own environment default (e.g. for a pip install)
+  endif()
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
   if(NOT _eo_user_archs)

@@ -1,4 +1,5 @@
 // eo-ddp: QLoRA fine-tuning of Mixture-of-Experts models with experts streamed from host RAM.
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -7,36 +8,44 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "launch/commands.h"
+#include "launch/usage.h"
 #include "runtime/config.h"
+#include "runtime/config_help.h"
 #include "runtime/dist/world.h"
 #include "runtime/signals.h"
 
 namespace {
 
-const char* kUsage = R"(usage:
-  eo-ddp [train] --config FILE [--set key=value ...] [--check]
-      Train (or with --check: validate, print the resolved config and the plan, load nothing).
-      --set overrides a config key (dotted for nested keys, values are YAML scalars), e.g.
-      --set gradient_checkpointing_kwargs.use_reentrant=false --set learning_rate=1e-4
-  eo-ddp preprocess --config FILE [--set key=value ...]
-      Tokenise the chat_template / alpaca / completion / input_output datasets into
-      dataset_prepared_path with the model's tokenizer (Python transformers); train does it too
-      when the cache is missing or stale.
-  eo-ddp score --model DIR [--adapter DIR] --data FILE [--dtype fp32|bf16] [--load-in-4bit | --no-load-in-4bit] [--window N] [--json]
-      Mean next-token loss of a checkpoint (and optional peft adapter) on tokenized JSONL; the base
-      is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a flag says otherwise.
-      Rows longer than --window tokens (default 8192) are scored in windows sharing one token.
-  eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]
-      Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
-      the drive reads per step, from config.json and the config alone (nothing is loaded); with
-      --vram / --host-ram, say whether it fits such a card / node (exit 1 if not); without
-      --host-ram the pinned RAM is set against this machine's available RAM.
-  eo-ddp --help | --help-config | --help-axolotl-keys | --version
 
-Multi-GPU / multi-node: mpirun -np N eo-ddp --config FILE (one rank per GPU).
-Exit codes: 0 success, 1 runtime failure, 2 bad usage or config, 3 stopped by SIGTERM, SIGINT,
-SIGUSR1 or SIGHUP with nothing lost (a checkpoint saved, or stopped before training began).
-)";
+// --help-config [--markdown] [KEY]: the keys grouped for a terminal, one key, or the markdown table.
+int print_config_help(const eo::launch::Args& args) {
+  using namespace eo;
+  bool markdown = false;
+  std::string key;
+  for (const auto& a : args) {
+    if (a == "--markdown") markdown = true;
+    else if (key.empty() && a.rfind("--", 0) != 0) key = a;
+    else {
+      std::fprintf(stderr, "eo-ddp: --help-config takes [--markdown] or one KEY, got '%s'\n", a.c_str());
+      return kExitUsage;
+    }
+  }
+  if (markdown && !key.empty()) {
+    std::fprintf(stderr, "eo-ddp: --help-config takes --markdown or a KEY, not both\n");
+    return kExitUsage;
+  }
+  if (markdown) {
+    std::fputs(config_reference_markdown().c_str(), stdout);
+    return kExitOk;
+  }
+  if (key.empty()) {
+    std::fputs(config_reference_text().c_str(), stdout);
+    return kExitOk;
+  }
+  const KeyHelp help = config_key_help(key);
+  std::fputs(help.text.c_str(), help.found ? stdout : stderr);
+  return help.found ? kExitOk : kExitUsage;
+}
 
 // An error on any rank ends every rank now, with the exit code a single process would give:
 // the peers may be waiting in a collective (or MPI_Finalize) for this rank, which would never come.
@@ -56,18 +65,29 @@ int eo::launch::run_main(int argc, char** argv) {
   // First: a signal from here on asks for a stop (runtime/signals.h) instead of killing the process.
   install_stop_signals();
   launch::Args args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    std::fputs(kUsage, args.empty() ? stderr : stdout);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || (args[0] == "help" && args.size() == 1)) {
+    std::fputs(launch::overall_usage().c_str(), args.empty() ? stderr : stdout);
     return args.empty() ? kExitUsage : kExitOk;
   }
+  // `eo-ddp help CMD`, and `eo-ddp [CMD] ... --help` (or -h) anywhere on the line: CMD's usage.
+  const bool help_asked = args[0] == "help" || std::find(args.begin(), args.end(), "--help") != args.end() ||
+                          std::find(args.begin(), args.end(), "-h") != args.end();
+  if (help_asked && args[0] != "--help-config") {
+    const std::string cmd = args[0] == "help" ? args[1] : args[0].rfind("--", 0) == 0 ? "train" : args[0];
+    const std::string usage = launch::command_usage(cmd);
+    if (usage.empty()) {
+      std::fprintf(stderr, "eo-ddp: unknown command '%s' (commands: train, preprocess, score, plan)\n%s", cmd.c_str(),
+                   launch::overall_usage().c_str());
+      return kExitUsage;
+    }
+    std::fputs(usage.c_str(), stdout);
+    return kExitOk;
+  }
   if (args[0] == "--version") {
-    std::printf("eo-ddp %s\n", EO_DDP_VERSION);
+    std::printf("eo-ddp %s (%s)\n", EO_DDP_VERSION, EO_DDP_BUILD);
     return kExitOk;
   }
-  if (args[0] == "--help-config") {
-    std::fputs(config_reference_markdown().c_str(), stdout);
-    return kExitOk;
-  }
+  if (args[0] == "--help-config") return print_config_help(launch::Args(args.begin() + 1, args.end()));
   if (args[0] == "--help-axolotl-keys") {
     std::fputs(axolotl_keys_markdown().c_str(), stdout);
     return kExitOk;

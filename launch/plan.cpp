@@ -2,6 +2,7 @@
 // the memory plan from config.json and the training config alone (nothing is loaded), whether it
 // fits the card, and whether the pinned host RAM per node fits (--host-ram, else this machine's
 // available RAM), with what the other expert homes would take when it does not.
+#include <cmath>
 #include <cstdio>
 
 #include "common/error.h"
@@ -11,6 +12,7 @@
 #include "offload/host_memory.h"
 #include "runtime/config.h"
 #include "runtime/plan.h"
+#include "runtime/plan_fixes.h"
 
 namespace eo::launch {
 
@@ -51,18 +53,30 @@ int run_plan(const Args& args) {
   // A plan is for a GPU: with bf16: auto one with bf16 (fp16 takes the same bytes).
   const RunSpec spec = resolve_run_spec(cfg, std::move(mc), resolve_compute(cfg, /*on_cuda=*/true, /*cuda_has_bf16=*/true).dtype,
                                         /*on_gpu=*/true, ranks);
-  const MemoryPlan plan = plan_memory(spec);
+  // Against a card: the plan the start-up check would take (auto's alternatives where only they fit).
+  const FittedPlan fitted = vram > 0 ? fit_plan(spec, vram) : FittedPlan{spec, plan_memory(spec)};
+  const MemoryPlan& plan = fitted.plan;
   std::fputs(describe_plan(plan, vram).c_str(), stdout);
+  if (fitted.down_from > 0) std::printf("  (expert_bank_reuse: auto -> down, as training would take it: all did not fit)\n");
+  if (fitted.sliced_from > 0) std::printf("  (expert_dequant_chunk: auto -> 64 MiB slices, as training would take it: whole banks did not fit)\n");
   std::string source = "--host-ram";
   if (host_ram <= 0) {
     const offload::HostMemory m = offload::host_memory_available();
     host_ram = double(m.available);
     source = "available on this machine: " + m.source;
   }
-  const HostRamFit host = describe_host_ram(spec, plan, host_ram, source);
+  const HostRamFit host = describe_host_ram(fitted.spec, plan, host_ram, source);
   std::fputs(host.text.c_str(), stdout);
   const bool vram_short = vram > 0 && plan.device_peak + plan.margin > vram;
   const bool host_short = !host_text.empty() && !host.fits;  // only a limit given explicitly fails the command
+  if (vram_short || host_short) {
+    std::vector<std::string> limits;
+    if (vram > 0) limits.push_back("a " + human_bytes(vram) + " card");
+    if (!host_text.empty()) limits.push_back(human_bytes(host_ram) + " of host RAM per node");
+    const std::string limit = join(limits, " and ");
+    std::fputs(describe_fixes(plan_fixes(spec, vram > 0 ? vram : HUGE_VAL, host_text.empty() ? 0 : host_ram), limit).c_str(),
+               stdout);
+  }
   return vram_short || host_short ? kExitRuntime : kExitOk;
 }
 

@@ -17,13 +17,16 @@
 #include "runtime/device.h"
 #include "runtime/dist/world.h"
 #include "runtime/plan.h"
+#include "runtime/plan_fixes.h"
 #include "runtime/train_state.h"
 #include "runtime/trainer.h"
 
 namespace eo::launch {
 namespace {
 
-std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, const dist::WorldInfo& w) {
+// The run as --check sees it; `fits` is false when the plan does not fit device_memory_limit or,
+// on a GPU without one, the free memory of the first device (as the start-up check sees them).
+std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, const dist::WorldInfo& w, bool& fits) {
   std::ostringstream os;
   os << "plan:\n";
   os << "  ranks: " << w.world_size << " (launcher: " << w.launcher << "; " << w.local_size << " on " << w.hostname << ")\n";
@@ -61,7 +64,20 @@ std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, c
     os << "  expert offload: off (all weights on the device)\n";
   os << "  batch: " << w.world_size << " rank(s) x " << cfg.micro_batch_size << " sequence(s) x "
      << cfg.gradient_accumulation_steps << " accumulation step(s) of " << cfg.sequence_len << " tokens\n";
-  os << describe_plan(plan, double(cfg.device_memory_limit));
+  const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  const double available = cfg.device_memory_limit > 0 ? double(cfg.device_memory_limit) : double(free_device_memory(device));
+  const std::string limit = cfg.device_memory_limit > 0 ? "device_memory_limit " + human_bytes(available)
+                                                        : human_bytes(available) + " free on " + describe_device(device);
+  if (available <= 0) {  // the CPU without device_memory_limit: nothing to fit
+    os << describe_plan(plan, 0);
+    return os.str();
+  }
+  // The plan the start-up check takes (auto's alternatives where only they fit).
+  const MemoryPlan fitted = fit_plan(spec, available).plan;
+  fits = fitted.device_peak + fitted.margin <= available;
+  os << describe_plan(fitted, double(cfg.device_memory_limit));
+  if (!fits && cfg.device_memory_limit <= 0) os << "  does NOT fit " << limit << " (margin included)\n";
+  if (!fits) os << describe_fixes(plan_fixes(spec, available), limit);
   return os.str();
 }
 
@@ -98,8 +114,14 @@ int run_train(const Args& args) {
   if (world.rank == 0) check_output_dir_writable(cfg.output_dir);  // rank 0 writes output_dir
   if (check) {
     if (world.rank == 0) {
+      bool fits = true;
       std::printf("# resolved config (%s)\n%s\n\n%s", config_path.c_str(), config_to_yaml(cfg).c_str(),
-                  describe_run(cfg, mc, world).c_str());
+                  describe_run(cfg, mc, world, fits).c_str());
+      if (!fits) {
+        std::fflush(stdout);
+        throw UsageError("the config is valid but the run does not fit (training would stop at start): make one of the "
+                         "changes listed above");
+      }
       // The axolotl-format datasets: cached already, or to be tokenised by rank 0 at start.
       const data::PreparePlan prep = data::plan_preparation(cfg);
       if (prep.missing() > 0) check_output_dir_writable(cfg.dataset_prepared_path, "dataset_prepared_path");

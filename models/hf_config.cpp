@@ -703,7 +703,7 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
                      "gated delta-rule linear attention (" +
                      (c.model_type == "qwen3_next" ? "Qwen3NextGatedDeltaNet" : "Qwen3_5MoeGatedDeltaNet") +
                      "), for which eo-ddp has no kernel yet (a chunked delta-rule forward and backward recomputed in the "
-                     "block schedule, its short causal conv1d, the gated output norm; README: Qwen3-Next / Qwen3.5-MoE); "
+                     "block schedule, its short causal conv1d, the gated output norm; docs/models.md: Refused, and why); "
                      "supported model types: " + supported_model_types());
   if (!fam)
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +

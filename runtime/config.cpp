@@ -21,8 +21,10 @@
 #include "common/error.h"
 #include "common/text.h"
 #include "models/hf_config.h"
+#include "runtime/config_paths.h"
 #include "runtime/datasets_legacy.h"
 #include "runtime/hub.h"
+#include "runtime/key_aliases.h"
 
 namespace eo {
 namespace {
@@ -1309,7 +1311,7 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     if (!fs::is_directory(p) && hub::is_repo_id(c.base_model)) {
       // A Hub name: runtime/hub.h reported why it is not here, or resolves it once the others are fixed.
     } else if (!fs::is_directory(p))
-      issues.push_back({"base_model", "'" + c.base_model + "' is not a folder (eo-ddp reads local Hugging Face checkpoint folders; "
+      issues.push_back({"base_model", shown_path(c, c.base_model) + " is not a folder (eo-ddp reads local Hugging Face checkpoint folders; "
                                                            "download one with `huggingface-cli download`)"});
     else if (!fs::exists(p / "config.json"))
       issues.push_back({"base_model", "'" + c.base_model + "' has no config.json"});
@@ -1328,7 +1330,7 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
                               "; give the data file itself"});
       else if (!d.path.empty() && !fs::is_regular_file(d.path))
         issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
-                          "file '" + d.path + "' not found" +
+                          "file " + shown_path(c, d.path) + " not found" +
                               (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
                                                            "hub dataset first, e.g. huggingface-cli download --repo-type "
                                                            "dataset NAME --local-dir DIR)")
@@ -1344,7 +1346,7 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
                              "alpaca, completion and input_output datasets are tokenised with; download the model's tokenizer "
                              "files into it or set tokenizer_config to a tokenizer folder"});
     else if (!c.tokenizer_config.empty() && !fs::is_directory(tok))
-      issues.push_back({"tokenizer_config", "'" + tok + "' is not a folder"});
+      issues.push_back({"tokenizer_config", shown_path(c, tok) + " is not a folder"});
   }
   // The disk homes' directory: one that exists, or that can be created (its nearest existing
   // ancestor is a writable directory). It is created when the homes are written.
@@ -1363,7 +1365,7 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
   }
   if (!c.resume_from_checkpoint.empty() && c.resume_from_checkpoint != "auto" &&
       !fs::is_directory(c.resume_from_checkpoint))
-    issues.push_back({"resume_from_checkpoint", "'" + c.resume_from_checkpoint + "' is not a folder (use a checkpoint folder or auto)"});
+    issues.push_back({"resume_from_checkpoint", shown_path(c, c.resume_from_checkpoint) + " is not a folder (use a checkpoint folder or auto)"});
   // The run's adapter would become part of the base model's identity (and its weights folder).
   if (std::error_code ec1, ec2; !c.output_dir.empty() && fs::exists(c.base_model, ec1) && fs::exists(c.output_dir, ec2) &&
                                 fs::equivalent(c.output_dir, c.base_model, ec1))
@@ -1482,7 +1484,7 @@ void check_lora_model_dir(const TrainConfig& c, Issues& issues) {
   const fs::path dir(c.lora_model_dir);
   const fs::path json_path = dir / "adapter_config.json";
   if (!fs::is_regular_file(json_path) || !fs::is_regular_file(dir / "adapter_model.safetensors"))
-    return issues.push_back({"lora_model_dir", "'" + c.lora_model_dir + "' is not a peft adapter folder (adapter_config.json and "
+    return issues.push_back({"lora_model_dir", shown_path(c, c.lora_model_dir) + " is not a peft adapter folder (adapter_config.json and "
                                                "adapter_model.safetensors)"});
   nlohmann::json j;
   try {
@@ -1874,8 +1876,10 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
           if (std::string(a.key).rfind("datasets[].", 0) != 0) candidates.push_back(a.key);
       }
       std::optional<std::string> m;
-      if (suggested++ < kSuggestedKeys) m = closest_match(key, candidates);
-      if (m) msg += "; did you mean '" + *m + "'?";
+      const std::optional<KeyAlias> alias = key_alias(key);
+      if (!alias && suggested++ < kSuggestedKeys) m = closest_match(key, candidates);
+      if (alias) msg += "; " + spelled_here(*alias);
+      else if (m) msg += "; did you mean '" + *m + "'?";
       else msg += "; `eo-ddp --help-config` lists every key";
       issues.push_back({key, msg});
       continue;
@@ -1884,6 +1888,7 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
     present.insert(key);
     spec->read(node, cfg, issues);
   }
+  resolve_config_paths(cfg, options.config_dir, present, overrides);
   if (cfg.lora_target_linear)
     cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   check_rules(cfg, present, issues);
@@ -1929,13 +1934,21 @@ TrainConfig load_config_file(const std::string& path, const std::vector<std::str
   if (!in) throw UsageError("cannot read config file '" + path + "'");
   std::stringstream ss;
   ss << in.rdbuf();
-  return load_config_text(ss.str(), path, overrides, options);
+  ConfigLoadOptions with_dir = options;
+  with_dir.config_dir = fs::absolute(path).parent_path().string();
+  return load_config_text(ss.str(), path, overrides, with_dir);
 }
 
 std::vector<std::string> config_known_keys() {
   std::vector<std::string> k;
   for (const auto& s : schema()) k.push_back(s.key);
   return k;
+}
+
+std::vector<ConfigKeyDoc> config_key_docs() {
+  std::vector<ConfigKeyDoc> out;
+  for (const auto& s : schema()) out.push_back({s.key, s.type, s.default_text, s.doc});
+  return out;
 }
 
 std::string config_reference_markdown() {
@@ -1960,7 +1973,7 @@ std::string axolotl_keys_markdown() {
   std::ostringstream os;
   os << "# axolotl's config keys in eo-ddp\n\n"
         "Every key of axolotl 0.19.0's config schema (with its bundled plugins' keys, and a `datasets` entry's keys "
-        "as `datasets[].KEY`), as eo-ddp takes it: **implemented** (read; see the README's config reference), "
+        "as `datasets[].KEY`), as eo-ddp takes it: **implemented** (read; see docs/configuration.md), "
         "**noted** (accepted; when set, the log says what eo-ddp does instead) or **rejected** (an error naming the "
         "reason unless the value is off: null, false, empty, 0, or 1 for a parallel size). A key in neither this "
         "table nor the config reference is an error with a \"did you mean\". Printed by `eo-ddp --help-axolotl-keys` "

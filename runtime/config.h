@@ -2,12 +2,13 @@
 //
 // Keys follow axolotl's names wherever axolotl has the concept, so a user's axolotl QLoRA
 // config needs few edits. Every key is declared once in the schema (config.cpp): its type,
-// default, range and documentation; the README's reference table is printed from it
-// (`eo-ddp --help-config`). Validation collects every problem before raising, and runs
-// before any weight is read.
+// default, range and documentation; docs/configuration.md's reference table is printed from it
+// (`eo-ddp --help-config --markdown`; grouped for a terminal: runtime/config_help.h). Validation
+// collects every problem before raising, and runs before any weight is read.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -171,6 +172,9 @@ struct TrainConfig {
   // Where the file came from, and what the loader wants the user to know (ignored keys, ...).
   std::string source;
   std::vector<std::string> warnings;
+  // A relative input path found nowhere, as written -> the folder it was resolved against (for
+  // messages; runtime/config_paths.h).
+  std::map<std::string, std::string> path_bases;
 };
 
 struct ConfigIssue {
@@ -188,6 +192,9 @@ struct ConfigLoadOptions {
   // Where base_model's config.json is handed back, parsed once for the whole run (by the checks
   // above, or else here; one that cannot be read is then an error).
   model::ModelConfig* model_out = nullptr;
+  // The config file's folder, against which its relative paths are resolved (runtime/config_paths.h);
+  // empty: paths as written. load_config_file sets it.
+  std::string config_dir;
 };
 
 // Reads YAML text (a file's contents) plus `--set key=value` overrides, validates and
@@ -200,8 +207,13 @@ TrainConfig load_config_text(const std::string& yaml_text, const std::string& so
 // The resolved config as YAML (every key, defaults filled in).
 std::string config_to_yaml(const TrainConfig& cfg);
 
-// Markdown table of every key: name, type, default, meaning. Printed by --help-config.
+// Markdown table of every key: name, type, default, meaning. Printed by --help-config --markdown.
 std::string config_reference_markdown();
+// Every key of the schema, in its order, with its documentation (runtime/config_help.h prints them).
+struct ConfigKeyDoc {
+  std::string key, type, default_text, doc;
+};
+std::vector<ConfigKeyDoc> config_key_docs();
 // Every key the schema accepts (dotted names).
 std::vector<std::string> config_known_keys();
 // axolotl's config keys and what eo-ddp does with each: class "implemented", "noted" (accepted,

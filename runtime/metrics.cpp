@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/text.h"
+#include "runtime/progress.h"
 
 namespace eo {
 
@@ -69,14 +70,12 @@ void MetricsLog::write(const StepReport& r) {
   }
 }
 
-std::string progress_line(const StepReport& r) {
-  const double remaining = r.step_time_s * double(std::max<std::int64_t>(0, r.total_steps - r.step));
-  char eta[32];
-  std::snprintf(eta, sizeof eta, "%d:%02d", int(remaining) / 60, int(remaining) % 60);
+std::string progress_line(const StepReport& r, double eta_s) {
+  const std::string eta = clock_time(eta_s);
   char buf[512];
   std::snprintf(buf, sizeof buf, "step %lld/%lld  loss %.4f  lr %.3g  |g| %.3g  %.0f tok/s  %.3f s/step  eta %s  peak %s",
                 static_cast<long long>(r.step), static_cast<long long>(r.total_steps), r.loss, r.lr, r.grad_norm,
-                r.tokens_per_sec, r.step_time_s, eta, human_bytes(double(r.peak_mem_bytes)).c_str());
+                r.tokens_per_sec, r.step_time_s, eta.c_str(), human_bytes(double(r.peak_mem_bytes)).c_str());
   std::string line = buf;
   if (r.extra.contains("eval_loss")) {
     char ev[96];

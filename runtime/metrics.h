@@ -43,7 +43,8 @@ class MetricsLog {
 };
 
 nlohmann::json to_json(const StepReport& r);
-std::string progress_line(const StepReport& r);
+// The live line of step r; `eta_s`: the estimated seconds left (runtime/progress.h).
+std::string progress_line(const StepReport& r, double eta_s);
 
 // Peak resident memory of this process (CPU runs).
 std::int64_t peak_rss_bytes();

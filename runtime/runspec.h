@@ -2,8 +2,9 @@
 // device: enums instead of the config's strings, every `auto` that can be decided before a weight
 // is read decided here (with the reason the log gives), and the counts the rest of start-up needs.
 // The memory plan, setup, the step's options and the trainer read this; none of them re-derives a
-// rule. What the plan decides later (bank reuse or 64 MiB slices when only they fit, CUDA graphs'
-// room) is a changed copy of the spec (PlanFit in runtime/setup.h), never a changed config.
+// rule. What the plan decides later (bank reuse or 64 MiB slices when only they fit) is a changed
+// copy of the spec (PlanFit in runtime/setup.h), never a changed config; whether CUDA graphs run is
+// decided last, once the loaded model's facts are known (decide_cuda_graphs), into the spec too.
 #pragma once
 
 #include <cstdint>
@@ -48,14 +49,37 @@ struct RunSpec {
   bool checkpointing = true;
   bool random_blocks = false;        // blocks draw random numbers (lora_dropout > 0)
   StepOrder order = StepOrder::LayerMajor;  // in effect: micro-batch-major without checkpointing
-  Setting cuda_graphs = Setting::Auto;
-  std::string graphs_blocked;        // why block uses cannot replay as graphs here; empty: they can
+  bool activation_offloading = false;  // checkpointed block inputs parked in pinned host RAM
+  bool aux_loss = false;             // the router's load-balancing loss (output_router_logits)
+  double aux_coef = 0;               // its weight: router_aux_loss_coef, else config.json's
   ExpertGemmSetting expert_gemm = ExpertGemmSetting::Auto;
+
+  // CUDA graphs (runtime/block_graphs.h): asked, what rules them out whatever the memory (the plan
+  // budgets their buffers wherever they may run), and the decision (decide_cuda_graphs).
+  Setting cuda_graphs = Setting::Auto;
+  std::string graphs_blocked;        // why the step's uses cannot replay as graphs; empty: they may
+  bool graphs = false;               // the step replays its uses as CUDA graphs
+  std::string graphs_why;            // ... and why, for the log
 };
 
 // `on_gpu`: the run (or the plan) is for a GPU; `ranks_per_node`: ranks sharing a host.
 RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compute compute, bool on_gpu,
                          int ranks_per_node);
+
+// What decides CUDA graphs besides the spec: the memory plan's room for the graphs' pool, and the
+// loaded model's expert GEMMs.
+struct GraphFacts {
+  double pool_bytes = 0;       // what the graphs' own pool keeps besides: one more working set
+  bool pool_fits = false;      // ... and whether the plan has room for it
+  std::string available;       // what the plan was checked against, in words
+  std::string counts_on_host;  // why the expert GEMMs read the routing counts on the host (no graph
+                               // can capture that), or empty where they read them on the device
+};
+
+// cuda_graphs: auto | true | false decided into spec.graphs and spec.graphs_why, once, with the
+// model loaded. auto: on a GPU where the plan has room for the graphs' pool, experts resident or
+// offloaded.
+void decide_cuda_graphs(RunSpec& spec, const GraphFacts& facts);
 
 // The banks a recompute keeps for its backward, as the step can keep them: whole banks on a GPU
 // with checkpointing (a slice is cut differently in forward and backward; the CPU runs the

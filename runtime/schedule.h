@@ -60,13 +60,4 @@ inline StepOrder step_order_in_effect(bool checkpointing, StepOrder asked) {
   return checkpointing ? asked : StepOrder::MicroBatchMajor;
 }
 
-// Why block uses cannot replay as CUDA graphs (runtime/block_graphs.h), or "" when they can: the
-// graphs replay checkpointed uses (without checkpointing a block's autograd graph outlives its
-// use), and per-use dropout seeds are set on the host, which a replay would not see.
-inline const char* why_uses_cannot_replay(bool checkpointing, bool random_blocks) {
-  if (!checkpointing) return "they replay checkpointed block uses; gradient_checkpointing is off";
-  if (random_blocks) return "lora_dropout > 0: each use's dropout seed is set on the host";
-  return "";
-}
-
 }  // namespace eo

@@ -38,6 +38,8 @@
 #include "runtime/dist/world.h"
 #include "runtime/optimizer.h"
 #include "runtime/plan.h"
+#include "runtime/plan_fixes.h"
+#include "runtime/setup_data.h"
 #include "runtime/train_state.h"
 
 #ifdef EO_WITH_CUDA
@@ -59,80 +61,6 @@ int block_of_parameter(const std::string& name) {
   const auto at = name.find(key);
   EO_CHECK(at != std::string::npos, "LoRA parameter ", name, " names no decoder layer (.layers.<i>.)");
   return std::stoi(name.substr(at + key.size()));
-}
-
-// One list of datasets (datasets or test_datasets) as one document source; token ids are checked
-// against the vocabulary here, before training starts, with the file and line that is wrong. The
-// axolotl formats are read from their prepared cache and, as axolotl does, a completion text is
-// cut into sequence_len pieces while a longer row of the other formats is dropped (and counted).
-std::shared_ptr<const data::DocumentSource> load_documents(const TrainConfig& cfg, const std::vector<DatasetSpec>& list,
-                                                           std::int64_t vocab) {
-  std::vector<std::shared_ptr<const data::DocumentSource>> parts;
-  const std::size_t L = static_cast<std::size_t>(cfg.sequence_len);
-  for (const auto& d : list) {
-    if (d.type == "tokens") {
-      parts.push_back(std::make_shared<data::TokenFileDocuments>(d.path, data::parse_token_dtype(d.dtype, d.path),
-                                                                 d.eos_token_id, cfg.sequence_len, vocab));
-      continue;
-    }
-    EO_CHECK(!d.formatted() || !d.prepared.empty(), "dataset ", d.path, " (type ", d.type, ") was not tokenised");
-    std::vector<data::Example> examples;
-    std::size_t rows = 0, dropped = 0;
-    for (auto& line : data::read_tokenized_jsonl(d.formatted() ? d.prepared : d.path, vocab)) {
-      ++rows;
-      const std::size_t n = line.input_ids.size();
-      if (d.formatted() && d.type != "completion" && n > L) {
-        ++dropped;
-        continue;
-      }
-      for (std::size_t at = 0; at < n; at += (d.type == "completion" ? L : n)) {
-        const std::size_t e = d.type == "completion" ? std::min(n, at + L) : n;
-        data::Example ex;
-        ex.input_ids.assign(line.input_ids.begin() + at, line.input_ids.begin() + e);
-        ex.labels.assign(line.labels.begin() + at, line.labels.begin() + e);
-        examples.push_back(std::move(ex));
-      }
-    }
-    if (dropped > 0)
-      log::info("dataset " + d.path + ": " + std::to_string(dropped) + " of " + std::to_string(rows) +
-                " rows are longer than sequence_len " + std::to_string(L) + " tokens and are dropped (as axolotl does)");
-    if (examples.empty())
-      throw UsageError("dataset " + d.path + ": every row is longer than sequence_len " + std::to_string(L) +
-                       " tokens; raise sequence_len");
-    // In a mix, a dataset that trains nothing would hide behind the others (the Batcher checks
-    // the mix as a whole): each must have a target token (a label past its sequence's first).
-    if (list.size() > 1 &&
-        std::none_of(examples.begin(), examples.end(), [&](const data::Example& ex) {
-          for (std::size_t t = 1; t < ex.labels.size() && t < L; ++t)
-            if (ex.labels[t] != data::kIgnoreIndex) return true;
-          return false;
-        }))
-      throw UsageError("dataset " + d.path + " (type " + d.type + ", one of " + std::to_string(list.size()) +
-                       " in datasets) has no trainable token: every label is " + std::to_string(data::kIgnoreIndex) +
-                       (d.formatted() ? " (roles_to_train / train_on_inputs / train_on_eos mark no token of it for training)"
-                                      : "") + ". Fix its labels or remove it from the mix.");
-    parts.push_back(std::make_shared<data::InMemoryDocuments>(std::move(examples), d.path));
-  }
-  if (parts.size() == 1) return parts[0];
-  return std::make_shared<data::ConcatDocuments>(std::move(parts));
-}
-
-// val_set_size: a seeded shuffle of the training documents (epoch_permutation(n, seed, -1)); the
-// last ones are held out. Both parts keep the documents' original order.
-std::pair<std::shared_ptr<const data::DocumentSource>, std::shared_ptr<const data::DocumentSource>> split_documents(
-    const std::shared_ptr<const data::DocumentSource>& docs, double val_set_size, std::int64_t seed) {
-  const std::size_t n = docs->num_documents();
-  const auto held = static_cast<std::size_t>(val_set_size < 1 ? std::ceil(val_set_size * double(n)) : val_set_size);
-  if (held == 0 || held >= n)
-    throw UsageError("val_set_size " + std::to_string(val_set_size) + " holds out " + std::to_string(held) + " of " +
-                     std::to_string(n) + " documents; it must leave at least one for training and one for evaluation");
-  const std::vector<std::size_t> perm = data::epoch_permutation(n, seed, -1);
-  std::vector<std::size_t> train(perm.begin(), perm.end() - static_cast<std::ptrdiff_t>(held));
-  std::vector<std::size_t> eval(perm.end() - static_cast<std::ptrdiff_t>(held), perm.end());
-  std::sort(train.begin(), train.end());
-  std::sort(eval.begin(), eval.end());
-  return {std::make_shared<data::SubsetDocuments>(docs, std::move(train), docs->name()),
-          std::make_shared<data::SubsetDocuments>(docs, std::move(eval), docs->name() + " (val_set_size)")};
 }
 
 // What disk homes are made from, for their header: a file made from another checkpoint or with
@@ -268,17 +196,14 @@ void check_host_memory_for_homes(const RunSpec& spec, dist::World& world, const 
 // planned peak cannot fit, with the plan's numbers instead of an out-of-memory error mid-step.
 // On the CPU only an explicit device_memory_limit is checked (host RAM is the "device").
 // Where the plan does not fit, auto's alternatives are tried (fit_plan). Every decision is taken
-// before any is logged; CUDA graphs are decided last, from the room the plan leaves.
+// before any is logged; the room the plan leaves for CUDA graphs' pool is one of the facts they are
+// decided from once the model is loaded (decide_cuda_graphs).
 PlanFit check_memory_plan(const RunSpec& spec, const at::Device& device) {
   const TrainConfig& cfg = *spec.cfg;
   const bool gpu = device.is_cuda();
   if (gpu) set_device_memory_limit(device, cfg.device_memory_limit);
   const bool limited = cfg.device_memory_limit > 0;
-  if (!limited && !gpu) {
-    PlanFit fit{spec, 0, false, "the CPU"};
-    std::tie(fit.cuda_graphs, fit.cuda_graphs_why) = resolve_cuda_graphs(fit);
-    return fit;
-  }
+  if (!limited && !gpu) return PlanFit{spec, GraphFacts{0, false, "the CPU", ""}};
   const double available = limited ? double(cfg.device_memory_limit) : double(free_device_memory(device));
   const FittedPlan fitted = fit_plan(spec, available);
   const MemoryPlan& plan = fitted.plan;
@@ -290,8 +215,7 @@ PlanFit check_memory_plan(const RunSpec& spec, const at::Device& device) {
     if (part.name == "block" || part.name == "head") extra = std::max(extra, part.bytes);
   const std::string what = limited ? "device_memory_limit " + human_bytes(available)
                                    : human_bytes(available) + " free on " + describe_device(device);
-  PlanFit fit{fitted.spec, extra, fits && plan.device_peak + plan.margin + extra <= available, what};
-  std::tie(fit.cuda_graphs, fit.cuda_graphs_why) = resolve_cuda_graphs(fit);
+  const PlanFit fit{fitted.spec, GraphFacts{extra, fits && plan.device_peak + plan.margin + extra <= available, what, ""}};
 
   if (fitted.down_from > 0)
     log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
@@ -302,12 +226,10 @@ PlanFit check_memory_plan(const RunSpec& spec, const at::Device& device) {
   log::info("memory plan: peak " + human_bytes(plan.device_peak) + " + margin " + human_bytes(plan.margin) + " of " + what +
             (plan.host_pinned > 0 ? "; " + human_bytes(plan.host_pinned) + " pinned host RAM per rank" : std::string()));
   if (fits) return fit;
-  std::string fixes;
-  if (!spec.offload) fixes += "expert_offload: true (experts " + human_bytes(plan.expert_bytes) + " to host RAM), ";
-  fixes += "a smaller micro_batch_size or sequence_len (activations scale with tokens per micro-batch)";
   throw UsageError("this run does not fit: the plan needs " + human_bytes(plan.device_peak) + " + a margin of " +
-                   human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) + "Try " +
-                   fixes + ". (eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
+                   human_bytes(plan.margin) + " of device memory, " + what + ".\n" + describe_plan(plan, available) +
+                   describe_fixes(plan_fixes(spec, available), what) +
+                   "(eo-ddp plan --config F --vram SIZE shows the plan without starting.)");
 }
 
 // Each rank's intra-op thread pool (host-side tensor work: the embedding gather, data, CPU
@@ -326,22 +248,6 @@ void size_thread_pool(int local_size) {
 }
 
 }  // namespace
-
-std::pair<bool, std::string> resolve_cuda_graphs(const PlanFit& fit) {
-  const RunSpec& spec = fit.spec;
-  if (!spec.on_gpu) return {false, "off (a CPU run)"};
-  if (spec.cuda_graphs == Setting::Off) return {false, "off (cuda_graphs: false)"};
-  if (!spec.graphs_blocked.empty()) return {false, "off (" + spec.graphs_blocked + ")"};
-  const std::string extra = human_bytes(fit.graphs_extra) + " more device memory for their pool";
-  if (spec.cuda_graphs == Setting::On) return {true, "on (cuda_graphs: true; up to " + extra + ")"};
-  // Offloaded runs too: their step is transfer-bound, but each copy waits for the slot's last
-  // reader, so a late kernel launch delays the copy stream. Measured (Qwen3-30B-A3B, mb 1, H200,
-  // every host core kept busy by another process): eager 1.012x / 1.062x its idle step, graphs
-  // 0.996x / 0.998x, idle step times equal. Graphs cost device memory only where the plan has it.
-  if (!fit.graphs_fit)
-    return {false, "off (auto: " + extra + " does not fit in " + fit.available + "; cuda_graphs: true forces them)"};
-  return {true, "on (auto; " + extra + ")"};
-}
 
 void check_gpu_served(const at::Device& device, const ComputeChoice& compute) {
   if (!device.is_cuda()) return;
@@ -446,73 +352,17 @@ void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, s
             std::to_string(off.resident_layers().size()) + " in all)");
 }
 
-Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, dist::World& world) {
-  Run run;
-  const auto& wi = world.info();
-  run.device = pick_device(wi.local_rank, wi.local_size);
-  const ComputeChoice compute = resolve_compute(cfg, run.device.is_cuda(), device_has_bf16(run.device));
-  check_gpu_served(run.device, compute);
-  if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
-  const RunSpec asked = resolve_run_spec(cfg, model_config, compute.dtype, run.device.is_cuda(), wi.local_size);
-  run.expert_gemm_why = resolve_expert_gemm(asked, run.device);
-  size_thread_pool(wi.local_size);
-  const at::Device device = run.device;
-  at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
-  const PlanFit fit = check_memory_plan(asked, device);
-  run.spec = fit.spec;
+namespace {
+
+// The model on the device (its experts in this rank's homes with expert_offload), its LoRA, and
+// nvfp4_merge_aware's snapped weights. Returns why the expert GEMMs read the routing counts on the
+// host (no CUDA graph can capture that), or "" where they read them on the device.
+std::string load_model(const TrainConfig& cfg, Run& run, dist::World& world) {
   const RunSpec& spec = run.spec;
-  const bool bf16 = spec.compute == Compute::Bf16;
-  run.cuda_graphs = fit.cuda_graphs;
-  run.cuda_graphs_why = fit.cuda_graphs_why;
+  const at::Device device = run.device;
   const auto t_load = Clock::now();
-  if (spec.offload) check_host_memory_for_homes(spec, world, device);
-
-  // ---- data: read and checked before any weight, so a bad file costs no loading time
-  const std::int64_t vocab = spec.model.vocab;
-  auto docs = load_documents(cfg, cfg.datasets, vocab);
-  std::shared_ptr<const data::DocumentSource> eval_docs;
-  if (cfg.val_set_size) std::tie(docs, eval_docs) = split_documents(docs, *cfg.val_set_size, cfg.seed);
-  if (!cfg.test_datasets.empty()) eval_docs = load_documents(cfg, cfg.test_datasets, vocab);
-  if (eval_docs) {
-    data::BatcherOptions eo;
-    eo.sequence_len = cfg.sequence_len;
-    eo.sample_packing = cfg.eval_sample_packing.value_or(cfg.sample_packing);
-    eo.shuffle = false;
-    run.eval_rows = std::make_unique<data::Batcher>(eval_docs, eo);
-    log::info("evaluation: " + std::to_string(eval_docs->num_documents()) + " documents -> " +
-              std::to_string(run.eval_rows->num_sequences()) + " sequences of " + std::to_string(cfg.sequence_len) +
-              " tokens (" + eval_docs->name() + ")");
-  }
-  data::BatcherOptions bo;
-  bo.sequence_len = cfg.sequence_len;
-  bo.sample_packing = cfg.sample_packing;
-  bo.micro_batch_size = cfg.micro_batch_size;
-  bo.seed = cfg.seed;
-  bo.rank = wi.rank;
-  bo.world_size = wi.world_size;
-  run.batcher = std::make_unique<data::Batcher>(docs, bo);
-  data::Batcher& batcher = *run.batcher;
-  const std::int64_t per_epoch = batcher.num_batches_per_epoch();
-  const std::int64_t accum = cfg.gradient_accumulation_steps;
-  run.accum = accum;
-  if (per_epoch < accum)  // one optimizer step would see some sequences twice
-    throw UsageError("dataset " + docs->name() + " has " + std::to_string(batcher.num_sequences()) + " sequences of " +
-                     std::to_string(cfg.sequence_len) + " tokens; one optimizer step needs " +
-                     std::to_string(cfg.micro_batch_size * accum * wi.world_size) + " (micro_batch_size " +
-                     std::to_string(cfg.micro_batch_size) + " x gradient_accumulation_steps " + std::to_string(accum) + " x " +
-                     std::to_string(wi.world_size) + " ranks). Add data or lower micro_batch_size, gradient_accumulation_steps "
-                     "or the number of ranks.");
-  const std::int64_t total_steps = run.total_steps =
-      cfg.max_steps ? *cfg.max_steps
-                    : std::max<std::int64_t>(1, static_cast<std::int64_t>(std::ceil(cfg.num_epochs * double(per_epoch) / double(accum))));
-  run.warmup = resolve_warmup_steps(cfg, total_steps);
-  log::info("data: " + std::to_string(docs->num_documents()) + " documents -> " + std::to_string(batcher.num_sequences()) +
-            " sequences of " + std::to_string(cfg.sequence_len) + " tokens; " + std::to_string(per_epoch) +
-            " micro-batches per epoch; " + std::to_string(total_steps) + " optimizer steps");
-
-  // ---- model
   model::LoadOptions lo;
-  lo.dtype = bf16 ? at::kBFloat16 : spec.compute == Compute::Fp16 ? at::kHalf : at::kFloat;
+  lo.dtype = spec.compute == Compute::Bf16 ? at::kBFloat16 : spec.compute == Compute::Fp16 ? at::kHalf : at::kFloat;
   lo.load_in_4bit = cfg.load_in_4bit;
   lo.blocksize = cfg.bnb_4bit_blocksize;
   lo.double_quant = cfg.bnb_4bit_use_double_quant;
@@ -524,115 +374,128 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, di
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
             describe_device(device) + ", " + compute_name(spec.compute) + " compute");
   run.model = model::MoeModel::load(cfg.base_model, spec.model, lo);
-  auto& model = run.model;
-  const auto& mc = model->config();
-  if (spec.offload) run.offloader = start_offload(*model, spec, device, world);
-  const auto& offloader = run.offloader;
-  model->add_lora(lora_spec(cfg));
-  run.lora = model->lora_parameters();
-  const NamedTensors& lora = run.lora;
-  EO_CHECK(!lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
+  model::MoeModel& model = *run.model;
+  if (spec.offload) run.offloader = start_offload(model, spec, device, world);
+  model.add_lora(lora_spec(cfg));
+  run.lora = model.lora_parameters();
+  EO_CHECK(!run.lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
            join(cfg.lora_target_modules, ", "), "]");
   std::int64_t trainable = 0;
-  for (const auto& [n, p] : lora) {
+  for (const auto& [n, p] : run.lora) {
     trainable += p.numel();
     run.lora_blocks.push_back(block_of_parameter(n));
   }
-  log::info("model " + mc.model_type + ": " + std::to_string(model->num_layers()) + " layers, LoRA r=" +
-            std::to_string(cfg.lora_r) + " on " + std::to_string(lora.size() / 2) + " modules (" +
+  log::info("model " + model.config().model_type + ": " + std::to_string(model.num_layers()) + " layers, LoRA r=" +
+            std::to_string(cfg.lora_r) + " on " + std::to_string(run.lora.size() / 2) + " modules (" +
             std::to_string(trainable) + " trainable parameters); loaded in " + std::to_string(seconds_since(t_load)).substr(0, 5) + " s");
   if (cfg.nvfp4_merge_aware) {
-    const auto [linears, experts] = model->enable_merge_aware();
+    const auto [linears, experts] = model.enable_merge_aware();
     log::info("nvfp4_merge_aware: " + std::to_string(linears) + " NVFP4 linears and " + std::to_string(experts) +
               " NVFP4 expert matrices (per MoE block) train through their NVFP4-snapped effective weight, from step " +
               merge_aware_start_text(cfg) +
               " on; each snapped bank is dense in the compute dtype, kept for its backward");
-    if (run.cuda_graphs) {
-      run.cuda_graphs = false;
-      run.cuda_graphs_why = "off (nvfp4_merge_aware forms its snapped weights anew in every forward)";
-    }
   }
   // The grouped expert GEMMs read the routing counts on the device; where they do not run (fp32
   // compute, fp16 without the portable kernel) or the experts' LoRA cannot join them (r not a
   // multiple of 8: its [rows, r] operands must be 16-byte aligned), the GPU runs each MoE block
-  // expert by expert, reading the counts on the host, which no CUDA graph can capture. Said once,
-  // with the fix.
-  const bool grouped = device.is_cuda() && model::grouped_expert_gemm_runs(lo.dtype, device);
-  if (device.is_cuda() && !grouped && run.cuda_graphs) {
-    run.cuda_graphs = false;
-    run.cuda_graphs_why = std::string("off (the expert GEMMs run expert by expert in ") + compute_name(spec.compute) +
-                          ", reading the routing counts on the host)";
-  }
-  if (grouped && !model->expert_lora_grouped_ok()) {
-    const std::string r = std::to_string(cfg.lora_r);
-    log::warn("lora_r " + r + " is not a multiple of 8, so the experts' LoRA cannot run as grouped GEMMs: each MoE block "
-              "runs expert by expert with a host read of its routing counts, several times slower; lora_r 8, 16, 32 or 64 avoids it");
-    if (run.cuda_graphs) {
-      run.cuda_graphs = false;
-      run.cuda_graphs_why = "off (lora_r " + r + " is not a multiple of 8: the per-expert path reads counts on the host)";
-    }
-  }
+  // expert by expert, reading the counts on the host. Said once, with the fix.
+  if (!device.is_cuda()) return "";
+  if (!model::grouped_expert_gemm_runs(lo.dtype, device))
+    return std::string("the expert GEMMs run expert by expert in ") + compute_name(spec.compute) +
+           ", reading the routing counts on the host";
+  if (model.expert_lora_grouped_ok()) return "";
+  const std::string r = std::to_string(cfg.lora_r);
+  log::warn("lora_r " + r + " is not a multiple of 8, so the experts' LoRA cannot run as grouped GEMMs: each MoE block "
+            "runs expert by expert with a host read of its routing counts, several times slower; lora_r 8, 16, 32 or 64 avoids it");
+  return "lora_r " + r + " is not a multiple of 8: the per-expert path reads counts on the host";
+}
 
-  // ---- optimizer and resume
-  run.optimizer = std::make_unique<Optimizer>(lora, cfg);
+// The optimizer, and the state a run resumes from: a checkpoint's (LoRA, AdamW, RNG, data
+// cursor, the trainer's counters), or lora_model_dir's LoRA weights.
+void start_or_resume(const TrainConfig& cfg, Run& run) {
+  run.optimizer = std::make_unique<Optimizer>(run.lora, cfg);
   const std::string resume = resume_folder(cfg);
   if (resume.empty() && !cfg.lora_model_dir.empty()) {
-    model->load_adapter_weights(cfg.lora_model_dir);  // its config was checked against this one's
+    run.model->load_adapter_weights(cfg.lora_model_dir);  // its config was checked against this one's
     log::info("LoRA weights from " + cfg.lora_model_dir + " (lora_model_dir); fresh optimizer state");
   }
-  if (!resume.empty()) {
-    TrainingState s = resume_lora(resume, lora);
-    run.optimizer->load_state(std::map<std::string, at::Tensor>(s.optimizer.begin(), s.optimizer.end()));
-    restore_rng(s.rng, device);
-    batcher.restore(s.data_cursor);
-    run.step = s.step;
-    run.resumed_from = resume;
-    run.resumed_extra = s.extra.is_object() ? s.extra : nlohmann::json::object();
-    log::info("resumed from " + resume + " at step " + std::to_string(run.step));
-  }
+  if (resume.empty()) return;
+  TrainingState s = resume_lora(resume, run.lora);
+  run.optimizer->load_state(std::map<std::string, at::Tensor>(s.optimizer.begin(), s.optimizer.end()));
+  restore_rng(s.rng, run.device);
+  run.batcher->restore(s.data_cursor);
+  run.step = s.step;
+  run.resumed_from = resume;
+  run.resumed_extra = s.extra.is_object() ? s.extra : nlohmann::json::object();
+  log::info("resumed from " + resume + " at step " + std::to_string(run.step));
+}
 
-  // ---- data parallel: rank 0's LoRA everywhere, homes checked equal, gradients in buckets.
-  // The expert homes are never sent: each rank loaded them itself; a checksum proves they agree.
-  run.comm = std::make_unique<dist::Communicator>(world, device, cfg.ddp_timeout);
-  dist::Communicator& comm = *run.comm;
-  if (wi.world_size > 1) {
-    {
-      at::NoGradGuard ng;
-      dist::broadcast_parameters(lora, comm, 0);
-    }
-    if (offloader) {
-      std::vector<dist::HostBytes> homes;
-      for (const auto& [ptr, n] : offloader->home_ranges()) homes.push_back({ptr, n});
-      dist::check_same_bytes(homes, comm, "expert homes (did every rank load the same checkpoint?)");
-    }
-    std::string homes;
-    if (offloader && offloader->homes_on_disk()) {
-      const auto [dev, ino] = offloader->homes_file_id();
-      const auto ids = world.allgather(wi.hostname + " " + std::to_string(dev) + ":" + std::to_string(ino));
-      const std::set<std::string> distinct(ids.begin(), ids.end());
-      homes = ", expert homes identical on every rank: " + std::to_string(distinct.size()) + " disk file(s) of " +
-              human_bytes(double(offloader->home_bytes())) + " read by " + std::to_string(wi.world_size) + " ranks, " +
-              human_bytes(double(offloader->host_ram_bytes())) + " of read buffers per rank";
-    } else if (offloader && offloader->homes_shared()) {
-      // RAM accounting: the ranks that share a copy must map one and the same memory file.
-      const auto [dev, ino] = offloader->homes_file_id();
-      const auto ids = world.allgather(wi.hostname + " " + std::to_string(dev) + ":" + std::to_string(ino));
-      const std::set<std::string> distinct(ids.begin(), ids.end());
-      homes = ", expert homes identical on every rank: " + std::to_string(distinct.size()) + " shared cop" +
-              (distinct.size() == 1 ? "y" : "ies") + " of " + human_bytes(double(offloader->home_bytes())) + " mapped by " +
-              std::to_string(wi.world_size) + " ranks";
-    } else if (offloader) {
-      homes = ", expert homes identical on every rank (" + human_bytes(double(offloader->home_bytes())) +
-              (device.is_cuda() && cfg.expert_offload_pin_memory ? " pinned" : " pageable") + " per rank, " +
-              human_bytes(double(offloader->home_bytes()) * wi.local_size) + " on this node)";
-    }
-    log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" + homes);
+// The expert homes proven identical on every rank (never sent: each rank loaded them itself; a
+// checksum proves they agree), and how the ranks hold them, for the log.
+std::string check_homes_agree(const TrainConfig& cfg, const Run& run, dist::World& world) {
+  const auto& wi = world.info();
+  const offload::ExpertOffloader& off = *run.offloader;
+  std::vector<dist::HostBytes> ranges;
+  for (const auto& [ptr, n] : off.home_ranges()) ranges.push_back({ptr, n});
+  dist::check_same_bytes(ranges, *run.comm, "expert homes (did every rank load the same checkpoint?)");
+  auto distinct_files = [&] {
+    const auto [dev, ino] = off.homes_file_id();
+    const auto ids = world.allgather(wi.hostname + " " + std::to_string(dev) + ":" + std::to_string(ino));
+    return std::set<std::string>(ids.begin(), ids.end()).size();
+  };
+  if (off.homes_on_disk())
+    return ", expert homes identical on every rank: " + std::to_string(distinct_files()) + " disk file(s) of " +
+           human_bytes(double(off.home_bytes())) + " read by " + std::to_string(wi.world_size) + " ranks, " +
+           human_bytes(double(off.host_ram_bytes())) + " of read buffers per rank";
+  if (off.homes_shared()) {
+    // RAM accounting: the ranks that share a copy must map one and the same memory file.
+    const std::size_t copies = distinct_files();
+    return ", expert homes identical on every rank: " + std::to_string(copies) + " shared cop" + (copies == 1 ? "y" : "ies") +
+           " of " + human_bytes(double(off.home_bytes())) + " mapped by " + std::to_string(wi.world_size) + " ranks";
   }
+  return ", expert homes identical on every rank (" + human_bytes(double(off.home_bytes())) +
+         (run.device.is_cuda() && cfg.expert_offload_pin_memory ? " pinned" : " pageable") + " per rank, " +
+         human_bytes(double(off.home_bytes()) * wi.local_size) + " on this node)";
+}
+
+// Data parallel: rank 0's LoRA everywhere, the homes checked equal, gradients in buckets.
+void start_data_parallel(const TrainConfig& cfg, Run& run, dist::World& world) {
+  const auto& wi = world.info();
+  run.comm = std::make_unique<dist::Communicator>(world, run.device, cfg.ddp_timeout);
+  if (wi.world_size == 1) return;
+  {
+    at::NoGradGuard ng;
+    dist::broadcast_parameters(run.lora, *run.comm, 0);
+  }
+  const std::string homes = run.offloader ? check_homes_agree(cfg, run, world) : std::string();
+  log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" + homes);
   dist::ReducerOptions ro;
   ro.bucket_cap_bytes = static_cast<std::int64_t>(cfg.ddp_bucket_cap_mb) << 20;
   ro.op = dist::ReduceOp::kSum;  // the loss is already normalised by the global token count
-  if (wi.world_size > 1) run.reducer = std::make_unique<dist::GradReducer>(lora, comm, ro, run.lora_blocks);
-  run.aux_coef = cfg.router_aux_loss_coef.value_or(mc.router_aux_loss_coef);
+  run.reducer = std::make_unique<dist::GradReducer>(run.lora, *run.comm, ro, run.lora_blocks);
+}
+
+}  // namespace
+
+Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, dist::World& world) {
+  Run run;
+  const auto& wi = world.info();
+  run.device = pick_device(wi.local_rank, wi.local_size);
+  const ComputeChoice compute = resolve_compute(cfg, run.device.is_cuda(), device_has_bf16(run.device));
+  check_gpu_served(run.device, compute);
+  if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
+  const RunSpec asked = resolve_run_spec(cfg, model_config, compute.dtype, run.device.is_cuda(), wi.local_size);
+  run.expert_gemm_why = resolve_expert_gemm(asked, run.device);
+  size_thread_pool(wi.local_size);
+  at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
+  PlanFit fit = check_memory_plan(asked, run.device);
+  run.spec = fit.spec;
+  if (run.spec.offload) check_host_memory_for_homes(run.spec, world, run.device);
+  load_run_data(cfg, run, wi);
+  fit.graphs.counts_on_host = load_model(cfg, run, world);
+  decide_cuda_graphs(run.spec, fit.graphs);
+  start_or_resume(cfg, run);
+  start_data_parallel(cfg, run, world);
   return run;
 }
 

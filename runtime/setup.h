@@ -40,16 +40,8 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 // The memory plan checked against the device at start-up, and what is decided from it.
 struct PlanFit {
   RunSpec spec;                 // with expert_dequant_chunk and expert_bank_reuse's auto decided
-  double graphs_extra = 0;      // what CUDA graphs would keep besides: one more working set
-  bool graphs_fit = false;      // ... and whether the plan has room for it
-  std::string available;        // what was checked against, in words
-  bool cuda_graphs = false;     // resolve_cuda_graphs of the above
-  std::string cuda_graphs_why;
+  GraphFacts graphs;            // the plan's room for CUDA graphs' pool (decide_cuda_graphs)
 };
-
-// cuda_graphs: auto | true | false resolved for this run (fit.spec), and why (for the log). auto:
-// on a GPU when the plan has room for the graphs' pool, experts resident or offloaded.
-std::pair<bool, std::string> resolve_cuda_graphs(const PlanFit& fit);
 
 // A GPU eo-ddp cannot run on (bf16 or fp32 compute on a card without bf16 tensor cores; no
 // machine code for it in this build) is a UsageError naming the card and the fix.
@@ -77,9 +69,6 @@ struct Run {
   nlohmann::json resumed_extra = nlohmann::json::object();  // counters saved in the checkpoint
   std::unique_ptr<dist::Communicator> comm;
   std::unique_ptr<dist::GradReducer> reducer;  // null in a world of one
-  double aux_coef = 0;           // router_aux_loss_coef in effect
-  bool cuda_graphs = false;      // step uses replay as CUDA graphs (cuda_graphs resolved at start)
-  std::string cuda_graphs_why;   // the reason, for the log
   std::string expert_gemm_why;   // the experts' grouped GEMM kernel and why, for the log
 
   Run();

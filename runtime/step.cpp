@@ -17,6 +17,7 @@
 #include "runtime/block_graphs.h"
 #include "runtime/data/batcher.h"
 #include "runtime/dist/reducer.h"
+#include "runtime/use_inputs.h"
 
 namespace eo {
 namespace {
@@ -103,8 +104,7 @@ StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int m
   model_.weight_provider().set_schedule(schedule_.staging_order(moe));
   const at::Device device = model_.options().device;
   store_ = std::make_unique<offload::ActivationStore>(device, options_.activation_offloading);
-  graphs_ = std::make_unique<BlockGraphs>(
-      device, options_.cuda_graphs && *why_uses_cannot_replay(options_.checkpointing, options_.random_blocks) == '\0');
+  graphs_ = std::make_unique<BlockGraphs>(device, options_.cuda_graphs);
   // Kept banks live from a recompute to its backward, which follows at once; without
   // checkpointing a forward's graph outlives it, and every block's banks would be kept.
   model_.set_bank_reuse(options_.checkpointing ? options_.bank_reuse : model::BankReuse::None);
@@ -172,17 +172,6 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
     const std::int64_t where = model_.block(i).is_moe() ? model_.weight_provider().placement(i) : 0;
     return std::string(kind) + std::to_string(i) + "@" + std::to_string(where);
   };
-  // The micro-batch's context with the RoPE tables and mask given as a use's inputs 1..3, and
-  // the chunked layers' mask (Llama 4) and the query scale (Mistral 4, Llama 4) as its last two.
-  auto with_tables = [](model::BlockContext c, const std::vector<at::Tensor>& in) {
-    c.cos = in[1];
-    c.sin = in[2];
-    c.attn_mask = in[3];
-    c.chunk_mask = in[in.size() - 2];
-    c.q_scale = in.back();
-    return c;
-  };
-
   int staged_last = -1;  // the block of the previous use: consecutive uses of a block stage it once
   for (std::size_t k = 0; k < schedule_.uses.size(); ++k) {
     const BlockUse& u = schedule_.uses[k];
@@ -197,11 +186,12 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
       case Kind::Forward: {
         if (options_.checkpointing) {
           store_->put(i, m, hidden[m]);
-          const auto outs = graphs_->run(use_key("F", i), {hidden[m], ctx[m].cos, ctx[m].sin, ctx[m].attn_mask, ctx[m].chunk_mask, ctx[m].q_scale},
-                                         [&](const std::vector<at::Tensor>& in) {
+          const auto outs = graphs_->run(use_key("F", i), BlockUseInputs(hidden[m], ctx[m]).pack(),
+                                         [&](const std::vector<at::Tensor>& packed) {
                                            at::NoGradGuard no_grad;
+                                           const BlockUseInputs in = BlockUseInputs::unpack(packed);
                                            at::Tensor r;
-                                           at::Tensor y = run_block(i, m, in[0], with_tables(ctx[m], in), router ? &r : nullptr);
+                                           at::Tensor y = run_block(i, m, in.x, in.context(ctx[m]), router ? &r : nullptr);
                                            return std::vector<at::Tensor>{y, r};
                                          });
           hidden[m] = outs[0];
@@ -216,36 +206,34 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
         break;
       }
       case Kind::Loss: {
-        // Inputs: h, labels, the token count, the poison factor, the loss scale, then every block's
-        // router logits (aux loss; undefined for dense blocks). Outputs: dL/dh, ce, aux, then
-        // d aux / d logits (all of the scaled loss).
-        std::vector<at::Tensor> in{hidden[m], labels[m], tokens_t, poison && poison(m) ? nan_t : one_t, scale_t};
+        LossUseInputs in{hidden[m], labels[m], tokens_t, poison && poison(m) ? nan_t : one_t, scale_t, {}};
         hidden[m] = at::Tensor();
         if (options_.aux_loss)
-          for (int b = 0; b < n; ++b) in.push_back(std::exchange(logits[b][m], at::Tensor()));
-        const auto outs = graphs_->run("L", in, [&](const std::vector<at::Tensor>& x) {
-          const at::Tensor h = x[0].detach().requires_grad_(true);
-          const at::Tensor ce = model_.loss_sum(h, x[1]) * x[3];
-          at::Tensor loss = ce / x[2];
-          std::vector<at::Tensor> leaves(x.size() - 5);  // the router logits, as leaves
+          for (int b = 0; b < n; ++b) in.router_logits.push_back(std::exchange(logits[b][m], at::Tensor()));
+        const auto out = LossUseOutputs::unpack(graphs_->run("L", in.pack(), [&](const std::vector<at::Tensor>& packed) {
+          const LossUseInputs x = LossUseInputs::unpack(packed);
+          const at::Tensor h = x.h.detach().requires_grad_(true);
+          const at::Tensor ce = model_.loss_sum(h, x.labels) * x.poison;
+          at::Tensor loss = ce / x.tokens;
+          std::vector<at::Tensor> leaves(x.router_logits.size());  // the router logits, as leaves
           std::vector<at::Tensor> present;
           for (std::size_t b = 0; b < leaves.size(); ++b)
-            if (x[5 + b].defined()) present.push_back(leaves[b] = x[5 + b].detach().requires_grad_(true));
+            if (x.router_logits[b].defined()) present.push_back(leaves[b] = x.router_logits[b].detach().requires_grad_(true));
           at::Tensor aux;
           if (!present.empty()) {
             aux = model::load_balancing_loss(present, mc.experts, mc.top_k, at::Tensor());
             loss = loss + aux * options_.aux_coef;
           }
           // × the loss scale (1 unless fp16): a power of two, so this only shifts exponents.
-          (loss * x[4]).backward();
-          std::vector<at::Tensor> out{h.grad(), ce.detach(), aux.defined() ? aux.detach() : at::Tensor()};
-          for (const auto& l : leaves) out.push_back(l.defined() ? l.grad() : at::Tensor());
-          return out;
-        });
-        dh[m] = outs[0];
-        ce_sum.add_(outs[1].to(at::kDouble));
-        if (outs[2].defined()) aux_sum.add_(outs[2].to(at::kDouble));
-        for (int b = 0; b + 3 < static_cast<int>(outs.size()); ++b) dlogits[b][m] = outs[3 + b];
+          (loss * x.scale).backward();
+          LossUseOutputs o{h.grad(), ce.detach(), aux.defined() ? aux.detach() : at::Tensor(), {}};
+          for (const auto& l : leaves) o.drouter.push_back(l.defined() ? l.grad() : at::Tensor());
+          return o.pack();
+        }));
+        dh[m] = out.dh;
+        ce_sum.add_(out.ce.to(at::kDouble));
+        if (out.aux.defined()) aux_sum.add_(out.aux.to(at::kDouble));
+        for (std::size_t b = 0; b < out.drouter.size(); ++b) dlogits[b][m] = out.drouter[b];
         break;
       }
       case Kind::Backward: {
@@ -265,13 +253,13 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
         if (options_.checkpointing) {
           const at::Tensor x = store_->take(i, m);
           const auto outs = graphs_->run(
-              use_key("B", i), {x, ctx[m].cos, ctx[m].sin, ctx[m].attn_mask, dh[m], dlogits[i][m], ctx[m].chunk_mask, ctx[m].q_scale},
-              [&](const std::vector<at::Tensor>& in) {
-                const at::Tensor input = i > 0 ? in[0].detach().requires_grad_(true) : in[0];
+              use_key("B", i), BlockUseInputs(x, ctx[m], dh[m], dlogits[i][m]).pack(), [&](const std::vector<at::Tensor>& packed) {
+                const BlockUseInputs in = BlockUseInputs::unpack(packed);
+                const at::Tensor input = i > 0 ? in.x.detach().requires_grad_(true) : in.x;
                 at::Tensor r;
-                std::vector<at::Tensor> roots{run_block(i, m, input, with_tables(ctx[m], in), router ? &r : nullptr)};
+                std::vector<at::Tensor> roots{run_block(i, m, input, in.context(ctx[m]), router ? &r : nullptr)};
                 if (r.defined()) roots.push_back(r);
-                return std::vector<at::Tensor>{backward(input, roots, in[4], in[5])};
+                return std::vector<at::Tensor>{backward(input, roots, in.dy, in.drouter)};
               });
           dh[m] = outs[0];
         } else {

@@ -49,7 +49,9 @@ struct StepOptions {
   bool aux_loss = false;               // router load-balancing loss (output_router_logits)
   double aux_coef = 0;                 // its weight per micro-batch: coef / (g x ranks)
   bool random_blocks = false;          // blocks draw random numbers (LoRA dropout): seed per use
-  bool cuda_graphs = true;             // replay checkpointed block uses as CUDA graphs (runtime/block_graphs.h)
+  // Replay the uses as CUDA graphs (runtime/block_graphs.h): the run's decision (RunSpec::graphs),
+  // taken where uses can replay (checkpointing, no random blocks).
+  bool cuda_graphs = true;
   model::BankReuse bank_reuse = model::BankReuse::None;  // banks a recompute keeps for its backward (with checkpointing)
 };
 

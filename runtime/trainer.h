@@ -9,11 +9,14 @@
 // sequences compute the gradient of the same global batch as 1 rank × N·b.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/config.h"
 
@@ -31,9 +34,12 @@ struct TrainResult {
   std::string adapter_dir;
 };
 
-// Observation points for benchmarks (a production run passes none; fault injection for tests
-// is common/fault_seam.h).
+// Observation points for benchmarks and tests (a production run passes none). Fault injection
+// reaches the loop here too: train() adds the test binaries' plan (common/fault_seam.h) to these
+// hooks (runtime/fault_hooks.h), so the loop itself has no test seam of its own.
 struct TrainHooks {
+  // After setup, just before the check that ends a run stopped while loading.
+  std::function<void()> before_training;
   // At the start of optimizer step `step` (1-based), before its batches are read.
   std::function<void(std::int64_t step)> before_step;
   // After step `step` has been applied and reported (a benchmark stops its profiler here). With
@@ -45,6 +51,18 @@ struct TrainHooks {
   // where its end is marked, before the host reads any earlier step (a test turns CUDA's sync
   // debug mode on inside it).
   std::function<void(std::int64_t step, bool entering)> step_work;
+  // Tests: true turns this rank's loss of step `step` into NaN (it may also throw or end the
+  // process: a failing rank); true from overflow makes the rank's loss scale infinite for the step
+  // (its gradients overflow, its loss stays finite: fp16's skipped step).
+  std::function<bool(std::int64_t step, int rank)> poison_loss, overflow;
+  // Tests: while step `step`'s device work is queued (after its micro-batches, before the
+  // reduction and the optimizer), where a test adds device work of a known length.
+  std::function<void(std::int64_t step)> in_step_work;
+  // Tests: after step `step`'s optimizer update, with the trainable parameters (a test corrupts one
+  // as a bad update would).
+  std::function<void(std::int64_t step, const std::vector<at::Tensor>& params)> after_update;
+  // Tests: after step `step` is queued, before the step before it is read (a test makes the host late).
+  std::function<void(std::int64_t step)> after_queue;
 };
 
 // `model`: base_model's config.json as the config's checks parsed it (ConfigLoadOptions::model_out).

@@ -2,12 +2,14 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 
 #include "common/files.h"
@@ -21,8 +23,10 @@ struct Result {
   std::string out;
 };
 
-Result run(const std::string& args) {
-  const std::string cmd = std::string(EO_BINARY_DIR) + "/eo-ddp " + args + " 2>&1";
+// eo-ddp with `args`, run by the shell from the folder `from` (empty: this test's).
+Result run(const std::string& args, const fs::path& from = {}) {
+  const std::string cmd = (from.empty() ? "" : "cd '" + from.string() + "' && ") + std::string(EO_BINARY_DIR) + "/eo-ddp " +
+                          args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;
@@ -56,6 +60,13 @@ TEST_F(Cli, VersionAndHelp) {
   auto v = run("--version");
   EXPECT_EQ(v.code, 0);
   EXPECT_EQ(v.out.rfind("eo-ddp ", 0), 0u) << v.out;
+  // The build says what it is: CUDA with its architectures, or a CPU build.
+#ifdef EO_WITH_CUDA
+  EXPECT_NE(v.out.find("(CUDA "), std::string::npos) << v.out;
+  EXPECT_NE(v.out.find(" sm_"), std::string::npos) << v.out;
+#else
+  EXPECT_NE(v.out.find("(CPU build, libtorch "), std::string::npos) << v.out;
+#endif
   auto h = run("--help");
   EXPECT_EQ(h.code, 0);
   EXPECT_NE(h.out.find("--config FILE"), std::string::npos);
@@ -63,6 +74,112 @@ TEST_F(Cli, VersionAndHelp) {
   auto bad = run("frobnicate");
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.out.find("unknown command 'frobnicate'"), std::string::npos) << bad.out;
+}
+
+// Every command explains itself: `eo-ddp CMD --help` (or -h, or `eo-ddp help CMD`) prints that
+// command's usage and exits 0.
+TEST_F(Cli, EveryCommandHasItsOwnHelp) {
+  for (const std::string cmd : {"train", "preprocess", "score", "plan"}) {
+    for (const std::string form : {cmd + " --help", cmd + " -h", "help " + cmd}) {
+      const Result r = run(form);
+      EXPECT_EQ(r.code, 0) << form << "\n" << r.out;
+      EXPECT_EQ(r.out.rfind("usage: eo-ddp " + std::string(cmd == "train" ? "[train]" : cmd), 0), 0u) << form << "\n" << r.out;
+      std::istringstream lines(r.out);
+      for (std::string line; std::getline(lines, line);) EXPECT_LE(line.size(), 120u) << form << ": " << line;
+    }
+  }
+  EXPECT_NE(run("plan --help").out.find("--vram SIZE"), std::string::npos);
+  EXPECT_NE(run("score --help").out.find("--window N"), std::string::npos);
+  // Train's options after --config, as users type them, are train's help too.
+  const Result t = run("--config x.yaml --help");
+  EXPECT_EQ(t.code, 0) << t.out;
+  EXPECT_NE(t.out.find("--check"), std::string::npos) << t.out;
+  EXPECT_EQ(run("frobnicate --help").code, 2);
+}
+
+// --help-config for a terminal: grouped, no line over 120 columns; one key; the markdown table.
+TEST_F(Cli, HelpConfigIsReadableInATerminal) {
+  const Result r = run("--help-config");
+  EXPECT_EQ(r.code, 0);
+  std::istringstream lines(r.out);
+  std::string line;
+  std::size_t widest = 0;
+  while (std::getline(lines, line)) widest = std::max(widest, line.size());
+  EXPECT_LE(widest, 120u) << r.out;
+  EXPECT_NE(r.out.find("\nModel and adapter\n  base_model  ("), std::string::npos) << r.out;
+  const Result md = run("--help-config --markdown");
+  EXPECT_EQ(md.code, 0);
+  EXPECT_EQ(md.out.rfind("| key | type | default | meaning |", 0), 0u) << md.out.substr(0, 200);
+  const Result one = run("--help-config micro_batch_size");
+  EXPECT_EQ(one.code, 0);
+  EXPECT_EQ(one.out, "  micro_batch_size  (int; default 1)\n      Sequences per rank per micro-step.\n");
+  const Result foreign = run("--help-config max_seq_length");
+  EXPECT_EQ(foreign.code, 0);
+  EXPECT_NE(foreign.out.find("'max_seq_length' is spelled 'sequence_len' here"), std::string::npos) << foreign.out;
+  const Result typo = run("--help-config micro_bach_size");
+  EXPECT_EQ(typo.code, 2);
+  EXPECT_NE(typo.out.find("unknown config key 'micro_bach_size'; did you mean 'micro_batch_size'?"), std::string::npos)
+      << typo.out;
+}
+
+// The names users bring from other tools, given with --set.
+TEST_F(Cli, SetWithAnotherToolsNameSaysHowItIsSpelledHere) {
+  const std::string f = write("ok.yaml", "");
+  const Result r = run("--check --config " + f + " --set lr=1 --set lora_rank=16 --set max_seq_length=512 --set epochs=2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  for (const std::string s : {"'lr' is spelled 'learning_rate' here", "'lora_rank' is spelled 'lora_r' here",
+                              "'max_seq_length' is spelled 'sequence_len' here", "'epochs' is spelled 'num_epochs' here"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s << "\n" << r.out;
+  EXPECT_EQ(r.out.find("did you mean"), std::string::npos) << r.out;
+}
+
+// --check of a run that does not fit device_memory_limit fails as training would (exit 2), with
+// the changes that make it fit, instead of "does NOT fit" followed by "config ok".
+TEST_F(Cli, CheckOfARunThatDoesNotFitExits2WithTheChanges) {
+  const std::string f = write("big.yaml", "device_memory_limit: 3MiB\nsequence_len: 4096\nmicro_batch_size: 4\n"
+                                          "output_dir: " + (dir_ / "out").string() + "\n");
+  const Result r = run("--check --config " + f);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(r.out.find("config ok"), std::string::npos) << r.out;
+  EXPECT_TRUE(r.out.find("what to change to fit device_memory_limit 3.00 MiB") != std::string::npos ||
+              r.out.find("no single change fits device_memory_limit 3.00 MiB; these together do") != std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("--set micro_batch_size="), std::string::npos) << r.out;
+  const Result ok = run("--check --config " + f + " --set device_memory_limit=1GiB");
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  EXPECT_NE(ok.out.find("config ok"), std::string::npos) << ok.out;
+}
+
+// One rule for relative paths: a config's are relative to its folder (so it runs from any folder),
+// --set ones to the current folder; one found only under the current folder is used from there
+// with a warning; a path error names the folder it was resolved against.
+TEST_F(Cli, RelativePathsInAConfigAreRelativeToItsFolder) {
+  fs::create_directories(dir_ / "elsewhere");
+  std::ofstream(dir_ / "rel.yaml") << "base_model: model\ndatasets: [{path: ./train.jsonl}]\nload_in_4bit: true\nadapter: qlora\n"
+                                      "output_dir: out\n";
+  const std::string check = " --check --config " + (dir_ / "rel.yaml").string();
+  Result r = run(check, dir_ / "elsewhere");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("base_model: " + (dir_ / "model").string() + "\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("output_dir: " + (dir_ / "out").string() + "\n"), std::string::npos) << r.out;
+  // --set: the current folder.
+  r = run(check + " --set datasets.0.path=elsewhere/none.jsonl", dir_);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("file 'elsewhere/none.jsonl' (resolved against " + dir_.string() + ") not found"), std::string::npos) << r.out;
+  // Written for the folder it is run from: found there, with a warning.
+  fs::create_directories(dir_ / "configs");
+  std::ofstream(dir_ / "configs" / "old.yaml") << "base_model: model\ndatasets: [{path: train.jsonl}]\nload_in_4bit: true\n"
+                                                  "adapter: qlora\noutput_dir: " << (dir_ / "out").string() << "\n";
+  r = run("--check --config configs/old.yaml", dir_);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("base_model: 'model' is not under the config's folder " + (dir_ / "configs").string()), std::string::npos)
+      << r.out;
+  // Found nowhere: the message names the config's folder.
+  r = run("--check --config ../configs/old.yaml", dir_ / "elsewhere");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("base_model: 'model' (resolved against " + (dir_ / "configs").string() + ") is not a folder"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST_F(Cli, CheckOfBadConfigNamesEveryProblemAndExits2) {
@@ -120,6 +237,7 @@ TEST_F(Cli, RunThatCannotFitStopsAtStartWithThePlan) {
   EXPECT_NE(r.out.find("memory plan (per rank"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("checkpoints"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("device_memory_limit 2.00 MiB"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--set sequence_len="), std::string::npos) << "what to change: " << r.out;
   EXPECT_EQ(r.out.find("loading "), std::string::npos) << "must stop before loading: " << r.out;
   EXPECT_FALSE(fs::exists(dir_ / "out" / "adapter_model.safetensors"));
   // A VRAM budget for resident expert blocks larger than the card.

@@ -9,12 +9,15 @@
 #include <random>
 #include <iterator>
 #include <set>
+#include <sstream>
 
 #include "common/files.h"
 #include "common/error.h"
 #include "common/text.h"
 #include "models/hf_config.h"
 #include "runtime/config.h"
+#include "runtime/config_help.h"
+#include "runtime/key_aliases.h"
 #include "runtime/setup.h"
 #include "runtime/rank_agreement.h"
 
@@ -110,6 +113,60 @@ TEST(Config, UnknownKeySuggestsClosest) {
   EXPECT_NE(e2.find("did you mean 'learning_rate'"), std::string::npos) << e2;
   const std::string e3 = error_of(std::string(kValid) + "completely_unrelated_thing: 1\n");
   EXPECT_NE(e3.find("completely_unrelated_thing: unknown key; `eo-ddp --help-config`"), std::string::npos) << e3;
+}
+
+// The names transformers' Trainer, TRL / Unsloth and peft use are named with eo-ddp's spelling,
+// before any edit-distance guess (which offered 'rl' for lr and 'local_rank' for lora_rank).
+TEST(Config, ForeignKeyNamesAreSpelledAsHere) {
+  for (const auto& [foreign, key] : std::vector<std::pair<std::string, std::string>>{
+           {"lr", "learning_rate"}, {"lora_rank", "lora_r"}, {"max_seq_length", "sequence_len"}, {"epochs", "num_epochs"},
+           {"num_train_epochs", "num_epochs"}, {"per_device_train_batch_size", "micro_batch_size"},
+           {"gradient_accumulation", "gradient_accumulation_steps"}, {"target_modules", "lora_target_modules"}, {"r", "lora_r"}}) {
+    const std::string e = error_of(kValid, {foreign + "=1"});
+    EXPECT_NE(e.find(foreign + ": unknown key; '" + foreign + "' is spelled '" + key + "' here ("), std::string::npos) << e;
+    EXPECT_EQ(e.find("did you mean"), std::string::npos) << e;
+  }
+  // The table's own rules: every target is a key of the schema, and no foreign name is one of
+  // eo-ddp's or axolotl's keys (it would never be reached).
+  const std::vector<std::string> known = config_known_keys();
+  std::set<std::string> axolotl;
+  for (const auto& a : axolotl_keys()) axolotl.insert(a.key);
+  for (const auto& a : key_aliases()) {
+    EXPECT_NE(std::find(known.begin(), known.end(), a.key), known.end()) << a.foreign << " -> " << a.key;
+    EXPECT_EQ(std::find(known.begin(), known.end(), a.foreign), known.end()) << a.foreign;
+    EXPECT_EQ(axolotl.count(a.foreign), 0u) << a.foreign;
+  }
+  // Keys that are the same everywhere are no alias.
+  EXPECT_NO_THROW(load(kValid, {"weight_decay=0.01", "warmup_ratio=0.1", "max_grad_norm=0.5", "lora_alpha=8"}));
+}
+
+// --help-config: grouped by section (each section starts at a key of the schema), every key once,
+// no line over 120 columns.
+TEST(Config, HelpConfigIsGroupedAndFitsATerminal) {
+  const std::vector<std::string> known = config_known_keys();
+  for (const auto& s : config_sections())
+    EXPECT_NE(std::find(known.begin(), known.end(), s.first_key), known.end()) << s.first_key;
+  const std::string text = config_reference_text();
+  std::istringstream lines(text);
+  std::string line;
+  std::set<std::string> listed;
+  while (std::getline(lines, line)) {
+    EXPECT_LE(line.size(), std::size_t(kHelpWidth)) << line;
+    if (line.rfind("  ", 0) == 0 && line[2] != ' ') listed.insert(line.substr(2, line.find(' ', 2) - 2));
+  }
+  for (const auto& k : known) EXPECT_EQ(listed.count(k), 1u) << k;
+  for (const auto& s : config_sections()) EXPECT_NE(text.find(std::string("\n") + s.title + "\n"), std::string::npos) << s.title;
+  const KeyHelp one = config_key_help("lora_r");
+  EXPECT_TRUE(one.found);
+  EXPECT_EQ(one.text.rfind("  lora_r  (int; default 8)", 0), 0u) << one.text;
+  const KeyHelp alias = config_key_help("lr");
+  EXPECT_TRUE(alias.found);
+  EXPECT_NE(alias.text.find("'lr' is spelled 'learning_rate' here"), std::string::npos) << alias.text;
+  EXPECT_NE(alias.text.find("  learning_rate  ("), std::string::npos) << alias.text;
+  const KeyHelp typo = config_key_help("lerning_rate");
+  EXPECT_FALSE(typo.found);
+  EXPECT_NE(typo.text.find("did you mean 'learning_rate'?"), std::string::npos) << typo.text;
+  EXPECT_EQ(wrap("aaa bbb ccc", "  ", 9), "  aaa bbb\n  ccc\n");
 }
 
 TEST(Config, NestedUnknownKeyIsNamedWithItsPath) {
@@ -422,13 +479,15 @@ TEST(Config, ResolvedYamlRoundTrips) {
   EXPECT_EQ(load(yaml).learning_rate, 3.0e-4);
 }
 
-TEST(Config, ReadmeDocumentsEveryKey) {
-  std::ifstream in(std::string(EO_SOURCE_DIR) + "/README.md");
-  ASSERT_TRUE(in) << "README.md missing";
-  const std::string readme((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+// docs/configuration.md is the config reference: every key of the schema is in it (its table is
+// `eo-ddp --help-config` as printed, which tests/docs_check.py compares whole).
+TEST(Config, DocsDocumentEveryKey) {
+  std::ifstream in(std::string(EO_SOURCE_DIR) + "/docs/configuration.md");
+  ASSERT_TRUE(in) << "docs/configuration.md missing";
+  const std::string page((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   for (const auto& k : config_known_keys())
-    EXPECT_NE(readme.find("`" + k + "`"), std::string::npos) << "README.md does not document " << k
-                                                             << " (paste `eo-ddp --help-config`)";
+    EXPECT_NE(page.find("`" + k + "`"), std::string::npos) << "docs/configuration.md does not document " << k
+                                                           << " (paste `eo-ddp --help-config` into it)";
 }
 
 TEST(Text, BytesAndSuggestions) {
@@ -886,21 +945,22 @@ TEST(Config, ExpertQuantIsCheckedAgainstTheCheckpoint) {
   eo::remove_tree(dir);
 }
 
-// cuda_graphs: the decision table of runtime/setup.h (no GPU needed: a CUDA device is a value here).
+// cuda_graphs: the decision table of runtime/runspec.h (no GPU needed: a CUDA device is a value here).
 TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   TrainConfig cfg;
   cfg.gradient_checkpointing = true;
   cfg.lora_dropout = 0;
   const at::Device cuda(at::kCUDA, 0);
-  PlanFit room;
-  room.graphs_extra = 1.5 * double(1 << 30);
-  room.graphs_fit = true;
+  eo::GraphFacts room;
+  room.pool_bytes = 1.5 * double(1 << 30);
+  room.pool_fits = true;
   room.available = "80 GiB free";
-  PlanFit tight = room;
-  tight.graphs_fit = false;
-  auto on = [&](const TrainConfig& c, PlanFit f, const at::Device& d) {
-    f.spec = resolve_run_spec(c, eo::model::ModelConfig{}, eo::Compute::Bf16, d.is_cuda(), 1);
-    return resolve_cuda_graphs(f);
+  eo::GraphFacts tight = room;
+  tight.pool_fits = false;
+  auto on = [&](const TrainConfig& c, const eo::GraphFacts& f, const at::Device& d) {
+    RunSpec spec = resolve_run_spec(c, eo::model::ModelConfig{}, eo::Compute::Bf16, d.is_cuda(), 1);
+    decide_cuda_graphs(spec, f);
+    return std::make_pair(spec.graphs, spec.graphs_why);
   };
 
   EXPECT_EQ(cfg.cuda_graphs, "auto");
@@ -929,6 +989,19 @@ TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   TrainConfig no_ckpt = offload;
   no_ckpt.gradient_checkpointing = false;
   EXPECT_FALSE(on(no_ckpt, room, cuda).first);
+
+  // The model's facts: expert GEMMs that read the routing counts on the host turn them off, even
+  // when asked for; merge-aware training rules them out before any memory is planned for them.
+  eo::GraphFacts host_counts = room;
+  host_counts.counts_on_host = "lora_r 12 is not a multiple of 8";
+  const auto [counts_on, counts_why] = on(offload, host_counts, cuda);
+  EXPECT_FALSE(counts_on);
+  EXPECT_NE(counts_why.find("lora_r 12"), std::string::npos) << counts_why;
+  TrainConfig merge = cfg;
+  merge.nvfp4_merge_aware = true;
+  const RunSpec merge_spec = resolve_run_spec(merge, eo::model::ModelConfig{}, eo::Compute::Bf16, true, 1);
+  EXPECT_NE(merge_spec.graphs_blocked.find("nvfp4_merge_aware"), std::string::npos) << "the plan budgets no graphs for it";
+  EXPECT_FALSE(on(merge, room, cuda).first);
 }
 
 // Ranks compare their resolved configs key by key: equal configs agree; one --set on one rank is

@@ -347,23 +347,24 @@ TEST(MemoryPlan, GraphsStaticBuffersWhereverGraphsMayRun) {
       if (part.name == "graphs") return part.bytes;
     return 0.0;
   };
-  PlanFit room;
-  room.graphs_fit = true;
+  eo::GraphFacts room;
+  room.pool_fits = true;
   auto may_run = [&](const TrainConfig& c) {
-    PlanFit f = room;
-    f.spec = resolve_run_spec(c, mc, eo::Compute::Bf16, /*on_gpu=*/true, 1);
-    return resolve_cuda_graphs(f).first;
+    RunSpec spec = resolve_run_spec(c, mc, eo::Compute::Bf16, /*on_gpu=*/true, 1);
+    decide_cuda_graphs(spec, room);
+    return spec.graphs;
   };
   // OLMoE-1B-7B, 2048 x 1, bf16: 3 x 2048 x 2048 x 2 + 2 x 2048 x 128 x 2 bytes.
   EXPECT_EQ(graphs_part(base, true), 3.0 * 2048 * 2048 * 2 + 2.0 * 2048 * 128 * 2);
   EXPECT_EQ(graphs_part(base, false), 0) << "a CPU run has no graphs";
-  TrainConfig off = base, dropout = base, eager = base, forced = base, offload = base;
+  TrainConfig off = base, dropout = base, eager = base, forced = base, offload = base, merge = base;
+  merge.nvfp4_merge_aware = true;
   off.cuda_graphs = "false";
   dropout.lora_dropout = 0.05;
   eager.gradient_checkpointing = false;
   forced.cuda_graphs = "true";
   offload.expert_offload = true;
-  for (const TrainConfig* c : std::vector<const TrainConfig*>{&base, &off, &dropout, &eager, &forced, &offload})
+  for (const TrainConfig* c : std::vector<const TrainConfig*>{&base, &off, &dropout, &eager, &forced, &offload, &merge})
     EXPECT_EQ(graphs_part(*c, true) > 0, may_run(*c))
         << "cuda_graphs " << c->cuda_graphs << ", dropout " << c->lora_dropout << ", checkpointing "
         << c->gradient_checkpointing << ", offload " << c->expert_offload;

@@ -22,6 +22,7 @@
 #include "offload/engine.h"
 #include "runtime/data/batcher.h"
 #include "runtime/schedule.h"
+#include "runtime/progress.h"
 #include "runtime/step.h"
 
 using namespace eo;
@@ -358,4 +359,26 @@ TEST(ActivationStore, HostRoundTripAndBookkeeping) {
   EXPECT_TRUE(at::equal(store.take(1, 1), b));
   EXPECT_TRUE(at::equal(store.take(0, 0), a * 2));  // not prefetched: brought back on demand
   EXPECT_THROW(store.take(0, 0), std::exception);
+}
+
+// The ETA is the mean time of the last steps (16 by default) times the steps left, so one slow
+// step (an evaluation's neighbour, a host hiccup) moves it by 1/16th of its excess, not all of it.
+TEST(StepProgress, EtaIsTheMeanOfTheLastStepsTimesTheStepsLeft) {
+  eo::EtaWindow w(4);
+  EXPECT_EQ(w.seconds_left(10), 0) << "no step yet";
+  w.add(1.0);
+  EXPECT_DOUBLE_EQ(w.seconds_left(10), 10.0);
+  w.add(3.0);
+  EXPECT_DOUBLE_EQ(w.seconds_left(10), 20.0);  // mean 2 s
+  for (double t : {2.0, 2.0, 2.0, 2.0}) w.add(t);  // the first two fall out of the window of 4
+  EXPECT_DOUBLE_EQ(w.seconds_left(5), 10.0);
+  w.add(10.0);  // one slow step: mean (2 + 2 + 2 + 10) / 4 = 4
+  EXPECT_DOUBLE_EQ(w.seconds_left(5), 20.0);
+  EXPECT_EQ(w.seconds_left(0), 0) << "nothing left";
+  eo::EtaWindow standard;
+  for (int i = 0; i < 15; ++i) standard.add(1.0);
+  standard.add(17.0);  // 16 steps: (15 + 17) / 16 = 2 s
+  EXPECT_DOUBLE_EQ(standard.seconds_left(100), 200.0);
+  EXPECT_EQ(eo::clock_time(3725), "1:02:05");
+  EXPECT_EQ(eo::clock_time(65), "1:05");
 }

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -141,6 +142,21 @@ TEST_F(Train, LossFallsAndWritesAdapterAndMetrics) {
   const json cfg = json::parse(read_text(out / "adapter_config.json"));
   EXPECT_EQ(cfg.at("peft_type"), "LORA");
   EXPECT_EQ(cfg.at("r"), 8);
+  // The summary block that ends the run, its losses those of metrics.jsonl's first and last step.
+  auto loss_text = [&](std::int64_t step) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.4f", m.at(step)["loss"].get<double>());
+    return std::string(buf);
+  };
+  const auto summary = o.log.find("run summary:");
+  ASSERT_NE(summary, std::string::npos) << o.log;
+  const std::string block = o.log.substr(summary);
+  for (const std::string& line : {std::string("  steps        60 of 60\n"), "  loss         " + loss_text(1) + " first, " +
+                                  loss_text(60) + " last\n", std::string("  eval loss    - (no evaluation rows)\n"),
+                                  "  adapter      " + out.string()})
+    EXPECT_NE(block.find(line), std::string::npos) << "no '" << line << "' in\n" << block;
+  for (const char* field : {"  wall time    ", "  throughput   ", " tok/s", "  peak RSS     "})
+    EXPECT_NE(block.find(field), std::string::npos) << field << " in\n" << block;
 }
 
 // 2. Activation checkpointing recomputes the same forward (dropout masks included, via the RNG

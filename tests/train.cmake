@@ -47,10 +47,12 @@ endforeach()
 add_test(NAME schedule_train COMMAND ${PROJECT_SOURCE_DIR}/tests/schedule_train.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(schedule_train PROPERTIES LABELS unit TIMEOUT 900
                      PASS_REGULAR_EXPRESSION "schedule_train: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
-# Every command the README shows, run as written on the tiny model (tests/readme_commands.sh).
-add_test(NAME readme_commands COMMAND ${PROJECT_SOURCE_DIR}/tests/readme_commands.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
-set_tests_properties(readme_commands PROPERTIES LABELS unit TIMEOUT 900
-                     PASS_REGULAR_EXPRESSION "readme_commands: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# Every command README.md and docs/*.md show, run as shown on the tiny model or listed with the test
+# that covers it; the pages' lengths, widths, links and generated reference (tests/docs_commands.sh,
+# tests/docs_check.py).
+add_test(NAME docs_commands COMMAND ${PROJECT_SOURCE_DIR}/tests/docs_commands.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(docs_commands PROPERTIES LABELS unit TIMEOUT 900 ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1"
+                     PASS_REGULAR_EXPRESSION "docs_commands: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
 # The mission's command (issue #16): cmake --install to a temporary prefix, then from another folder
 # mpirun -np 2 eo-ddp --config qwen3-moe.yaml (a copy pointed at the tiny model and a chat JSONL).
 add_test(NAME install_mission COMMAND ${PROJECT_SOURCE_DIR}/tests/install_mission.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})

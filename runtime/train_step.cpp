@@ -1,0 +1,131 @@
+#include "runtime/train_step.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "common/log.h"
+#include "models/moe_model.h"
+#include "offload/engine.h"
+#include "runtime/data/batcher.h"
+#include "runtime/dist/comm.h"
+#include "runtime/dist/reducer.h"
+#include "runtime/dist/world.h"
+#include "runtime/loss_scale.h"
+#include "runtime/optimizer.h"
+#include "runtime/setup.h"
+#include "runtime/step.h"
+#include "runtime/train_state.h"
+#include "runtime/trainer.h"
+
+namespace eo {
+
+StepValues QueuedStep::read() {
+  const double* v = values.get().data_ptr<double>();
+  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+}
+
+TrainStep::TrainStep(const TrainConfig& cfg, Run& run, StepRunner& runner, LossScaler& scaler, dist::World& world,
+                     const TrainHooks& hooks)
+    : cfg_(cfg), run_(run), runner_(runner), scaler_(scaler), world_(world), hooks_(hooks) {
+  for (const auto& [n, p] : run.lora) params_.push_back(p);
+  // nvfp4_merge_aware from its first step on (axolotl's MergeAwareScheduleCallback, on_step_begin
+  // with global_step = the steps completed; a resumed run turns it on at once when past it). Once
+  // on it stays on, so the saved adapter's last forward is the snapped one.
+  if (cfg.nvfp4_merge_aware) merge_aware_from_ = merge_aware_first_step(cfg, run.total_steps);
+}
+
+QueuedStep TrainStep::queue() {
+  const at::Device device = run_.device;
+  const int rank = world_.info().rank;
+  std::int64_t& step = run_.step;
+  if (merge_aware_from_ >= 0 && step >= merge_aware_from_ && !run_.model->merge_aware_active()) {
+    run_.model->set_merge_aware_active(true);
+    if (rank == 0) log::info("nvfp4_merge_aware: the NVFP4-snapped forward is on from step " + std::to_string(step + 1));
+  }
+  if (hooks_.before_step) hooks_.before_step(step + 1);
+  const bool poison = hooks_.poison_loss && hooks_.poison_loss(step + 1, rank);
+  const bool overflow = hooks_.overflow && hooks_.overflow(step + 1, rank);
+  QueuedStep q;
+  q.start_allocated = allocated_memory_bytes(device);
+  q.begin = DeviceMark::record(device);
+  if (hooks_.step_work) hooks_.step_work(step + 1, true);
+  std::vector<data::MicroBatch> micro;
+  std::int64_t tokens[1] = {0};
+  for (std::int64_t m = 0; m < run_.accum; ++m) {
+    micro.push_back(run_.batcher->next());
+    tokens[0] += micro.back().num_target_tokens;
+  }
+  world_.allreduce_sum(tokens, 1);
+  const double global_tokens = double(std::max<std::int64_t>(1, tokens[0]));
+  // fp16: this step's loss scale (an overflow injected by a test: infinite on this rank).
+  at::Tensor loss_scale = scaler_.scale();
+  if (overflow) loss_scale = at::full({}, INFINITY, at::TensorOptions().dtype(at::kFloat).device(device));
+  const StepLosses sl = runner_.run(micro, global_tokens, [&](int) { return poison; }, loss_scale);
+  if (hooks_.in_step_work) hooks_.in_step_work(step + 1);
+  if (run_.reducer) run_.reducer->finalize();
+  // Clipping rides in AdamW: it divides each gradient by the divisor as it reads it (1 when the
+  // norm is within max_grad_norm or not finite).
+  // With fp16 the gradients are the scaled loss's: the norm (reported, and clipped against) is
+  // theirs divided by the scale, and AdamW divides each by scale × the clip divisor (powers of
+  // two times the divisor: the same as unscaling first, as GradScaler.unscale_ does).
+  const at::Tensor scaled_norm = grad_norm_on_device(params_);
+  const at::Tensor norm = scaler_.enabled() ? scaled_norm / scaler_.scale().to(at::kDouble) : scaled_norm;
+  const double lr = cfg_.learning_rate * lr_multiplier(cfg_.lr_scheduler, step, run_.warmup, run_.total_steps);
+  // Non-finite guard, decided on the device (fp16's overflow check is this guard: the norm is of
+  // the all-reduced gradients, so every rank finds the same overflow). The gradients are all-reduced but the loss is not,
+  // so each rank adds a flag and every rank takes the same decision from the summed flags (the
+  // norm, of all-reduced gradients, is the same everywhere). A skipped step leaves the LoRA and
+  // the optimizer state (AdamW's step count included) untouched; it still counts as a step (its
+  // batch is consumed and the LR schedule, a function of the step, moves on), as transformers'
+  // Trainer does when the AMP grad scaler skips an update.
+  const at::Tensor ce = sl.ce_sum.to(at::kDouble);
+  const at::Tensor aux = sl.aux_sum.defined() ? sl.aux_sum.to(ce.device(), at::kDouble) : at::zeros_like(ce);
+  const at::Tensor sums = at::stack({ce, aux, at::logical_not(at::isfinite(ce) & at::isfinite(aux)).to(at::kDouble)});
+  run_.comm->allreduce(sums, dist::ReduceOp::kSum, "the step's losses");
+  const at::Tensor grad_norm = norm.to(sums.device(), at::kDouble);
+  const at::Tensor skip = ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat);
+  const at::Tensor divisor = clip_divisor(norm, cfg_.max_grad_norm);
+  run_.optimizer->step(lr, skip, scaler_.enabled() ? divisor * scaler_.scale() : divisor);
+  const at::Tensor scale_used =
+      scaler_.enabled() ? scaler_.scale().to(sums.device(), at::kDouble).reshape({1}) : at::ones({1}, sums.options());
+  scaler_.update(skip);  // GradScaler.update: back off on the skip, else count towards growth
+  // Graphs accumulate into the gradients at fixed addresses: zero them in place.
+  run_.optimizer->zero_grad(/*set_to_none=*/!runner_.graphs_enabled());
+  if (hooks_.after_update) hooks_.after_update(step + 1, params_);
+  const at::Tensor bad_state = run_.optimizer->state_nonfinite().to(sums.device());
+  if (run_.offloader) run_.offloader->end_step();
+  ++step;
+  q.step = step;
+  q.tokens = tokens[0];
+  q.lr = lr;
+  q.epoch = run_.batcher->epochs_after(micro.back());
+  q.end = DeviceMark::record(device);
+  if (hooks_.step_work) hooks_.step_work(step, false);
+  q.values = HostCopy(at::cat({sums, grad_norm.reshape({1}), bad_state.reshape({1}), scale_used}));
+  return q;
+}
+
+StepClock::StepClock(const at::Device& device)
+    : t_start_(Clock::now()), t_last_(t_start_), run_start_(DeviceMark::record(device)) {
+  reset_peak_memory(device);
+}
+
+void StepClock::queued(QueuedStep& q) {
+  q.since = last_end_.defined() ? last_end_ : q.begin;
+  last_end_ = q.end;
+}
+
+void StepClock::other_work() {
+  t_last_ = Clock::now();
+  last_end_ = DeviceMark();
+}
+
+double StepClock::host_interval() {
+  const auto now = Clock::now();
+  const double s = std::chrono::duration<double>(now - t_last_).count();
+  t_last_ = now;
+  return s;
+}
+
+}  // namespace eo
