@@ -181,7 +181,8 @@ std::vector<std::string> dataset_files(const std::string& snapshot, const std::v
   std::vector<std::string> all, trains;
   bool named = false;
   for (auto it = fs::recursive_directory_iterator(snapshot, ec); !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    const fs::path rel = fs::relative(it->path(), snapshot, ec);
+    // Lexically: a snapshot's files are links into blobs/, which fs::relative would follow.
+    const fs::path rel = it->path().lexically_relative(snapshot);
     if (rel.empty() || rel.string()[0] == '.' || !is_data_file(it->path()) || !fs::is_regular_file(it->path(), ec)) continue;
     all.push_back(it->path().string());
     named |= std::regex_search(rel.string(), split);

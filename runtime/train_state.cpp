@@ -397,7 +397,7 @@ std::vector<std::string> copy_tokenizer_files(const std::string& base_model, con
     const fs::path from = fs::path(base_model) / name;
     if (!fs::is_regular_file(from)) continue;
     std::string bytes;
-    EO_CHECK(read_file_nofollow(from.string(), bytes), "cannot read ", from.string(), " to copy it beside the adapter");
+    EO_CHECK(read_model_file(from.string(), bytes), "cannot read ", from.string(), " to copy it beside the adapter");
     write_file_atomic((fs::path(dir) / name).string(), bytes);
     copied.push_back(name);
   }
@@ -555,7 +555,7 @@ struct Fnv {
 std::string legacy_sampled_fingerprint(const TrainConfig& cfg) {
   Fnv f;
   std::string text;
-  if (read_file_nofollow((fs::path(cfg.base_model) / "config.json").string(), text)) f.add(text);
+  if (read_model_file((fs::path(cfg.base_model) / "config.json").string(), text)) f.add(text);
   if (cfg.synthetic_weights) {
     f.add("synthetic seed " + std::to_string(cfg.seed));
   } else {
