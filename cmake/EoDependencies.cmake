@@ -1,10 +1,16 @@
 # All third-party dependencies, found the standard way.
 
-# ccache, when present, for fast rebuilds.
+# ccache, when present, for fast rebuilds. The sloppiness lets it cache the translation units that
+# use the precompiled <ATen/ATen.h> (cmake/EoCompileTime.cmake), as ccache's manual asks. Paths inside
+# the source folder are hashed relative to it, whatever base_dir the machine's ccache configuration
+# names: a copy of the tree elsewhere (CI's fresh clone, another worktree, scripts/pip-check's) reuses
+# these objects.
 find_program(EO_CCACHE ccache)
 if(EO_CCACHE)
-  set(CMAKE_CXX_COMPILER_LAUNCHER ${EO_CCACHE})
-  set(CMAKE_CUDA_COMPILER_LAUNCHER ${EO_CCACHE})
+  set(_eo_ccache_env CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+                     CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1)
+  set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env ${_eo_ccache_env} ${EO_CCACHE})
+  set(CMAKE_CUDA_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env ${_eo_ccache_env} ${EO_CCACHE})
 endif()
 
 # EO_DDP_PYTHON: the Python environment eo-ddp is built for: its torch is the libtorch linked, and

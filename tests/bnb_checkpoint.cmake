@@ -2,7 +2,6 @@
 # (quantised tiny checkpoints and transformers' reference logits) are generated at test time by
 # tests/ref/bnb_checkpoint_ref.py into ${PROJECT_BINARY_DIR}/tests/bnb_checkpoint_ref/<arch>/.
 eo_unit_test(test_bnb_checkpoint SOURCES test_bnb_checkpoint.cpp LIBS eo_models)
-target_compile_definitions(test_bnb_checkpoint PRIVATE EO_PYTHON="${EO_PYTHON}")
 
 set(EO_BNB_REF_ROOT ${PROJECT_BINARY_DIR}/tests/bnb_checkpoint_ref)
 file(MAKE_DIRECTORY ${EO_BNB_REF_ROOT})  # flock needs the folder for its lock file

@@ -18,8 +18,10 @@ for d in configs fixtures tools scripts launch; do ln -s "$src/$d" "$work/$d"; d
 ln -s "$build" "$work/build"
 for name in python3 python; do printf '#!/bin/sh\nexec "%s" "$@"\n' "$py" >"$tmp/bin/$name"; chmod +x "$tmp/bin/$name"; done
 export PATH="$tmp/bin:$PATH"
-# my.yaml, as the README's "your config on your card" uses it: the tiny default under another name.
-sed -e 's#^output_dir: .*#output_dir: ./model-out/my-run#' configs/tiny-qwen3-moe.yaml >"$work/my.yaml"
+# my.yaml, as the README's "your config on your card" uses it: the tiny default under another name,
+# moved beside the fixtures folder (its relative paths are relative to its own folder).
+sed -e 's#^output_dir: .*#output_dir: ./model-out/my-run#' -e 's#\.\./fixtures/#fixtures/#' \
+  configs/tiny-qwen3-moe.yaml >"$work/my.yaml"
 accounted="$tmp/accounted.tsv"
 : >"$accounted"
 

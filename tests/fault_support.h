@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/temp_dir_test.h"
+#include "tests/test_paths.h"
 
 #include <chrono>
 #include <cstdlib>

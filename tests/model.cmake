@@ -1,7 +1,6 @@
 # Decoder parity against transformers / peft / bitsandbytes (tests/test_model.cpp).
 # The reference fixtures (tiny checkpoints, adapters, expected outputs) are generated at test
 # time by tests/ref/model_ref.py into ${PROJECT_BINARY_DIR}/tests/model_ref/<arch>/.
-target_compile_definitions(test_model PRIVATE EO_PYTHON="${EO_PYTHON}")
 target_link_libraries(test_model PRIVATE eo_runtime nlohmann_json::nlohmann_json)  # runtime/data/jsonl
 add_dependencies(test_model eo-ddp)  # the score tests run the binary
 

@@ -4,9 +4,19 @@ add_test(NAME offload_train COMMAND ${PROJECT_SOURCE_DIR}/tests/offload_train.sh
 set_tests_properties(offload_train PROPERTIES LABELS unit TIMEOUT 600
                      PASS_REGULAR_EXPRESSION "offload_train: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
 # The same equality for glm4_moe and DeepSeek (tests/offload_arch.sh).
-add_test(NAME offload_arch COMMAND ${PROJECT_SOURCE_DIR}/tests/offload_arch.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
-set_tests_properties(offload_arch PROPERTIES LABELS unit TIMEOUT 900
-                     PASS_REGULAR_EXPRESSION "offload_arch: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# Three tests of a few families each, so that ctest -j spreads them over the cores; COST starts
+# them first (they are the longest unit tests).
+set(EO_OFFLOAD_ARCH_GROUPS
+    "glm_deepseek=glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped"
+    "mistral_gemma=mistral4_scaled mistral4_mm gemma4 gemma4_params"
+    "llama_gpt_oss=llama4 gpt_oss gpt_oss_mxfp4")
+foreach(group ${EO_OFFLOAD_ARCH_GROUPS})
+  string(REGEX MATCH "^[a-z_]+" name "${group}")
+  string(REGEX REPLACE "^[a-z_]+=" "" archs "${group}")
+  add_test(NAME offload_arch_${name} COMMAND ${PROJECT_SOURCE_DIR}/tests/offload_arch.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+  set_tests_properties(offload_arch_${name} PROPERTIES LABELS unit TIMEOUT 900 COST 100 ENVIRONMENT "EO_OFFLOAD_ARCHS=${archs}"
+                       PASS_REGULAR_EXPRESSION "offload_arch: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+endforeach()
 # Disk homes below the engine: the file, its checks, a full drive, the read ring (test_disk_homes.cpp).
 eo_unit_test(test_disk_homes SOURCES test_disk_homes.cpp LIBS eo_runtime)
 # expert_offload_homes: disk end to end, one rank: bitwise, reuse, rebuilds, full and read-only

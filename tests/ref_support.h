@@ -2,6 +2,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include "tests/test_paths.h"
 #include <sys/wait.h>
 
 #include <ATen/ATen.h>

@@ -1,3 +1,2 @@
 # test_safetensors extras: the Python reference stack for interchange tests. (The sanitizer run,
 # every unit and mpi test under ASan + UBSan, is scripts/sanitize, called by CI after the tests.)
-target_compile_definitions(test_safetensors PRIVATE EO_PYTHON="${EO_PYTHON}")

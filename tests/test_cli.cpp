@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/files.h"
+#include "tests/test_paths.h"
 
 namespace fs = std::filesystem;
 

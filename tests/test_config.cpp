@@ -20,6 +20,7 @@
 #include "runtime/key_aliases.h"
 #include "runtime/setup.h"
 #include "runtime/rank_agreement.h"
+#include "tests/test_paths.h"
 
 using namespace eo;
 

@@ -30,6 +30,7 @@
 #include "runtime/dist/world.h"
 #include "runtime/optimizer.h"
 #include "runtime/trainer.h"
+#include "tests/test_paths.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

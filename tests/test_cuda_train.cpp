@@ -57,6 +57,7 @@
 #include "runtime/device.h"
 #include "common/fault_seam.h"
 #include "models/grouped_mm.h"
+#include "tests/test_paths.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>

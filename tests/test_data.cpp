@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "runtime/data/batcher.h"
 #include "runtime/data/tokens.h"
+#include "tests/test_paths.h"
 
 using namespace eo::data;
 namespace fs = std::filesystem;

@@ -36,6 +36,7 @@
 #include "offload/host_memory.h"
 #include "runtime/schedule.h"
 #include "runtime/train_state.h"
+#include "tests/test_paths.h"
 
 using namespace eo::faults;
 

@@ -7,6 +7,7 @@
 #include "fault_support.h"
 #include "runtime/config.h"
 #include "runtime/train_state.h"
+#include "tests/test_paths.h"
 
 #include <csignal>
 

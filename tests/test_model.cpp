@@ -37,6 +37,7 @@
 #include "runtime/data/jsonl.h"
 #include "runtime/plan.h"
 #include "runtime/step.h"
+#include "tests/test_paths.h"
 
 namespace fs = std::filesystem;
 using namespace eo;

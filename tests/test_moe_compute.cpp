@@ -29,6 +29,7 @@
 #include "runtime/setup.h"
 #include "tests/bf16_yardstick.h"
 #include "tests/grouped_mm_ref.h"
+#include "tests/test_paths.h"
 
 namespace fs = std::filesystem;
 using namespace eo;

@@ -13,6 +13,7 @@
 #include "models/nf4.h"
 #include "models/nf4_bnb.h"
 #include "models/safetensors.h"
+#include "tests/test_paths.h"
 
 namespace {
 

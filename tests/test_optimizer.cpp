@@ -17,6 +17,7 @@
 #include "runtime/loss_scale.h"
 #include "runtime/optimizer.h"
 #include "tests/grad_scaler_rule.h"
+#include "tests/test_paths.h"
 
 using namespace eo;
 

@@ -6,6 +6,7 @@
 #include "models/safetensors.h"
 
 #include "common/error.h"
+#include "tests/test_paths.h"
 
 #include <ATen/ops/empty.h>
 #include <gtest/gtest.h>

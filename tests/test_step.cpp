@@ -24,6 +24,7 @@
 #include "runtime/schedule.h"
 #include "runtime/progress.h"
 #include "runtime/step.h"
+#include "tests/test_paths.h"
 
 using namespace eo;
 

@@ -31,6 +31,7 @@
 #include "runtime/train_state.h"
 #include "tests/fault_support.h"
 #include "tests/temp_dir_test.h"
+#include "tests/test_paths.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;

@@ -1,5 +1,6 @@
 // Cache keys, the Python run and the cache folders of the axolotl formats. See prepare.h.
 #include "runtime/data/prepare.h"
+#include "runtime/data/build_paths.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -295,9 +296,7 @@ std::size_t PreparePlan::missing() const {
 
 std::string find_python() {
   if (const char* env = std::getenv("EO_DDP_PYTHON"); env && *env) return env;
-#ifdef EO_DDP_PYTHON_DEFAULT
-  if (executable(EO_DDP_PYTHON_DEFAULT)) return EO_DDP_PYTHON_DEFAULT;
-#endif
+  if (const std::string built = build_python(); !built.empty() && executable(built)) return built;
   return "python3";
 }
 
@@ -305,9 +304,7 @@ std::string find_tool(const std::string& name) {
   std::vector<std::string> looked;
   if (const char* env = std::getenv("EO_DDP_TOOLS_DIR"); env && *env) looked.push_back(std::string(env) + "/" + name);
   if (const std::string d = exe_dir(); !d.empty()) looked.push_back(d + "/../share/eo-ddp/tools/" + name);
-#ifdef EO_DDP_SOURCE_DIR
-  looked.push_back(std::string(EO_DDP_SOURCE_DIR) + "/tools/" + name);
-#endif
+  looked.push_back(std::string(build_source_dir()) + "/tools/" + name);
   for (const auto& p : looked)
     if (fs::is_regular_file(p)) return fs::weakly_canonical(p).string();
   std::string where;
