@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <random>
 
 #include "common/error.h"
@@ -117,6 +119,14 @@ bool read_file_nofollow(const std::string& path, std::string& out) {
     out.append(buf, static_cast<std::size_t>(n));
   }
   ::close(fd);
+  return true;
+}
+
+bool read_model_file(const std::string& path, std::string& out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  out.assign(std::istreambuf_iterator<char>(in), {});
+  if (in.bad()) EO_FAIL("reading ", path, " failed");
   return true;
 }
 

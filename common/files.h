@@ -35,4 +35,8 @@ int open_nofollow(const std::string& path, int flags, mode_t mode = 0644);
 // Reads a whole file without following a link at `path`; nullopt-like empty + false if missing.
 bool read_file_nofollow(const std::string& path, std::string& out);
 
+// Reads a whole file of the base model, following links (a Hugging Face cache's snapshot files
+// are links into its blobs/); false if missing.
+bool read_model_file(const std::string& path, std::string& out);
+
 }  // namespace eo

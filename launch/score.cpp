@@ -16,6 +16,7 @@
 #include "models/moe_model.h"
 #include "runtime/adapter_files.h"
 #include "runtime/data/jsonl.h"
+#include "runtime/hub.h"
 #include "runtime/train_state.h"
 
 #include <nlohmann/json.hpp>
@@ -32,7 +33,7 @@ constexpr std::int64_t kDefaultScoreWindow = 8192;
 
 int run_score(const Args& args) {
   ArgReader reader(args);
-  const std::string model_dir = reader.value("--model");
+  std::string model_dir = reader.value("--model");
   const std::string adapter_dir = reader.value("--adapter");
   const std::string data_path = reader.value("--data");
   const std::string dtype = reader.value("--dtype", "fp32");
@@ -53,6 +54,11 @@ int run_score(const Args& args) {
   if (model_dir.empty()) throw UsageError("score: --model DIR is required (see eo-ddp --help)");
   if (data_path.empty()) throw UsageError("score: --data FILE is required (see eo-ddp --help)");
   if (dtype != "fp32" && dtype != "bf16") throw UsageError("score: --dtype must be fp32 or bf16, got '" + dtype + "'");
+  // A model named as on the Hub: its Hugging Face cache folder (downloaded when missing).
+  if (const hub::Resolution r = hub::resolve(hub::Repo::Model, model_dir, "", hub::Need::Everything, true, "score: --model");
+      !r.problem.empty())
+    throw UsageError("score: --model " + r.problem);
+  else model_dir = r.path;
   if (!std::filesystem::is_directory(model_dir)) throw UsageError("score: --model " + model_dir + " is not a folder");
   if (!adapter_dir.empty() && !std::filesystem::is_directory(adapter_dir))
     throw UsageError("score: --adapter " + adapter_dir + " is not a folder");

@@ -11,6 +11,7 @@
 #include "models/lora.h"
 #include "models/safetensors.h"
 #include "runtime/config.h"
+#include "runtime/hub.h"
 #include "runtime/runspec.h"
 #include "runtime/train_state.h"
 
@@ -40,7 +41,7 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
   for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
-  model::write_adapter_config(dir, lora_spec(cfg), cfg.base_model, model::lora_decoder_prefix(cpu),
+  model::write_adapter_config(dir, lora_spec(cfg), hub::adapter_base_name(cfg), model::lora_decoder_prefix(cpu),
                               model::lora_fused_experts_path(cpu));
   if (merge_aware_trained) {
     // axolotl's write_merge_aware_metadata; peft ignores the key. encoder null: eo-ddp's quantiser is
@@ -76,7 +77,7 @@ std::vector<std::string> copy_tokenizer_files(const std::string& base_model, con
     const fs::path from = fs::path(base_model) / name;
     if (!fs::is_regular_file(from)) continue;
     std::string bytes;
-    EO_CHECK(read_file_nofollow(from.string(), bytes), "cannot read ", from.string(), " to copy it beside the adapter");
+    EO_CHECK(read_model_file(from.string(), bytes), "cannot read ", from.string(), " to copy it beside the adapter");
     write_file_atomic((fs::path(dir) / name).string(), bytes);
     copied.push_back(name);
   }

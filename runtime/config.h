@@ -47,13 +47,23 @@ struct DatasetSpec {
   std::string field_thinking, template_thinking_key;
   bool fields_mapped = false;  // message_property_mappings / message_field_role / _content given
 
+  // A dataset named as on the Hugging Face Hub (runtime/hub.h): its name and revision; the data
+  // files read (its snapshot's, or a local dataset folder's; empty = path itself); data_files
+  // picks them within the repository.
+  std::string hub_name, revision;
+  std::vector<std::string> data_files, files;
+  // axolotl's shards / shards_idx: the rows of shard shards_idx of `shards`, after a seeded shuffle.
+  std::int64_t shards = 0, shards_idx = 0;
+
   std::string prepared;  // set before training: the tokenized JSONL made from `path`
   bool formatted() const { return type != "tokenized" && type != "tokens"; }
 };
 
 struct TrainConfig {
   // Model and adapter.
-  std::string base_model;
+  std::string base_model;      // the model folder (a Hub name's cache snapshot once resolved)
+  std::string base_model_hub;  // the Hub name base_model was given as (runtime/hub.h), else empty
+  std::string base_model_revision;  // revision_of_model: a branch, tag or commit of base_model_hub
   bool synthetic_weights = false;  // random base weights from config.json (benchmarks)
   bool load_in_4bit = false;
   std::string adapter;  // "qlora" | "lora"

@@ -141,7 +141,7 @@ std::string file_content_hash(const std::string& path) {
 std::string base_model_identity(const TrainConfig& cfg) {
   std::string desc;
   std::string text;
-  if (read_file_nofollow((fs::path(cfg.base_model) / "config.json").string(), text))
+  if (read_model_file((fs::path(cfg.base_model) / "config.json").string(), text))
     desc += "config.json " + hex64(hash_bytes(text.data(), text.size())) + "\n";
   if (cfg.synthetic_weights) {
     desc += "synthetic seed " + std::to_string(cfg.seed) + "\n";

@@ -35,7 +35,7 @@ struct Fnv {
 std::string legacy_sampled_fingerprint(const TrainConfig& cfg) {
   Fnv f;
   std::string text;
-  if (read_file_nofollow((fs::path(cfg.base_model) / "config.json").string(), text)) f.add(text);
+  if (read_model_file((fs::path(cfg.base_model) / "config.json").string(), text)) f.add(text);
   if (cfg.synthetic_weights) {
     f.add("synthetic seed " + std::to_string(cfg.seed));
   } else {

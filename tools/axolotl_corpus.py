@@ -8,10 +8,13 @@
         model_type error comes with the key problems), into OUT_DIR/<path under examples/>, and
         writes OUT_DIR/expect.tsv: path, the architecture of the tiny stand-in checkpoint, and the
         outcome axolotl's own keys call for (see expectation()).
-    axolotl_corpus.py templates SDIST_DIR OUT_DIR
-        Copies, unchanged, the named chat templates eo-ddp ships (SHIPPED_TEMPLATES) from the
-        release's src/axolotl/utils/chat_templates/templates/ into OUT_DIR (tools/chat_templates),
-        and writes OUT_DIR/VERSION: the release and each file's sha256.
+    axolotl_corpus.py templates SDIST_DIR OUT_DIR [LEGACY_CHAT_TEMPLATES_PY]
+        Copies, unchanged, every named chat template of the release's
+        src/axolotl/utils/chat_templates/templates/ into OUT_DIR (tools/chat_templates), and writes
+        OUT_DIR/VERSION: the release and each file's sha256. LEGACY_CHAT_TEMPLATES_PY: axolotl's
+        src/axolotl/utils/chat_templates.py of a release before 0.5 (git show
+        6d3caadf9:src/axolotl/utils/chat_templates.py), whose LEGACY_TEMPLATES (names later releases
+        dropped, which older configs still use) are written from its CHAT_TEMPLATES dict, unchanged.
     axolotl_corpus.py model ARCH OUT_DIR
         The tiny stand-in checkpoint of an expect.tsv architecture (tools/make_tiny_model.py, the tiny
         tokenizer; gpt_oss with the harmony tokens, gemma4 with its turn markers; qwen3_moe_nvfp4
@@ -129,13 +132,13 @@ def expectation(rel, cfg, arch):
     return ("refused" if reasons else "ok"), reasons
 
 
-# axolotl's named chat templates eo-ddp renders as axolotl does (tools/prepare_data.py; the config
-# check's named_templates lists the same names): ChatML and the own templates of the families the
-# issue names. The others are refused with a pointer to tokenizer_default.
-SHIPPED_TEMPLATES = ["chatml", "deepseek_v2", "deepseek_v3", "gemma4", "llama4", "qwen3"]
+# Named templates of axolotl before 0.5 that later releases dropped (inst became mistral_v1 with
+# other spacing); older configs still name them.
+LEGACY_TEMPLATES = ["inst"]
 
 
-def templates(sdist, out):
+def templates(sdist, out, legacy_py=None):
+    import ast
     import hashlib
     src = os.path.join(sdist, "src", "axolotl", "utils", "chat_templates", "templates")
     version = os.path.basename(os.path.normpath(sdist))  # axolotl-X.Y.Z, as the sdist unpacks
@@ -143,11 +146,24 @@ def templates(sdist, out):
     shutil.copyfile(os.path.join(sdist, "LICENSE"), os.path.join(out, "LICENSE"))  # Apache-2.0
     lines = ["# axolotl's named chat templates, copied unchanged by tools/axolotl_corpus.py templates from",
              "# %s (src/axolotl/utils/chat_templates/templates/; Apache-2.0): file, sha256" % version]
-    for name in SHIPPED_TEMPLATES:
-        dest = os.path.join(out, name + ".jinja")
-        shutil.copyfile(os.path.join(src, name + ".jinja"), dest)
-        with open(dest, "rb") as fh:
+
+    def record(name):
+        with open(os.path.join(out, name + ".jinja"), "rb") as fh:
             lines.append("%s.jinja\t%s" % (name, hashlib.sha256(fh.read()).hexdigest()))
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".jinja"):
+            shutil.copyfile(os.path.join(src, f), os.path.join(out, f))
+            record(f[:-6])
+    if legacy_py:
+        # The dict literal, read without importing axolotl.
+        tree = ast.parse(open(legacy_py, encoding="utf-8").read())
+        table = next(ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                     and any(getattr(t, "id", None) == "CHAT_TEMPLATES" for t in n.targets))
+        lines.append("# from axolotl before 0.5 (src/axolotl/utils/chat_templates.py at 6d3caadf9, CHAT_TEMPLATES):")
+        for name in LEGACY_TEMPLATES:
+            with open(os.path.join(out, name + ".jinja"), "w", encoding="utf-8") as fh:
+                fh.write(table[name])
+            record(name)
     with open(os.path.join(out, "VERSION"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
@@ -338,8 +354,8 @@ if __name__ == "__main__":
     cmd = sys.argv[1:2]
     if cmd == ["select"] and len(sys.argv) == 4:
         select(sys.argv[2], sys.argv[3])
-    elif cmd == ["templates"] and len(sys.argv) == 4:
-        templates(sys.argv[2], sys.argv[3])
+    elif cmd == ["templates"] and len(sys.argv) in (4, 5):
+        templates(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) == 5 else None)
     elif cmd == ["model"] and len(sys.argv) == 4:
         make_model(sys.argv[2], sys.argv[3], here)
     elif cmd == ["prepare"] and len(sys.argv) == 6:

@@ -8,7 +8,11 @@ written by eo-ddp,
   {"tokenizer": DIR, "tokenizer_type": null|"AutoTokenizer"|..., "trust_remote_code": false,
    "special_tokens": {"pad_token": ...}, "train_on_inputs": false, "chat_template": NAME,
    "chat_template_jinja": null|TEXT,
-   "datasets": [{"path": F, "type": T, "output": OUT.jsonl, ...per-type keys...}, ...]}
+   "datasets": [{"path": F, "files": [F, ...], "type": T, "output": OUT.jsonl, "shards": N, "shards_idx": I,
+                 "seed": S, ...per-type keys...}, ...]}
+
+Rows are read from `files` in order (a Hub dataset's data files; else path): JSON lines, a JSON
+array, or parquet (through pyarrow); then the split's slice, then axolotl's shards.
 
 Output: one tokenized JSONL per dataset, {"input_ids": [...], "labels": [...]}, labels -100 where
 axolotl masks. The rules follow axolotl's prompt strategies:
@@ -339,11 +343,27 @@ class InputOutput:
 FORMATS = {"chat_template": ChatTemplate, "alpaca": Alpaca, "completion": Completion, "input_output": InputOutput}
 
 
+def parquet_rows(path):
+    """(row count, iterator of (row number, JSON text)) of a parquet file, through pyarrow."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow in this Python (pip install pyarrow)")
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow's own errors name the problem
+        raise DataError(f"{path}: not a readable parquet file ({e})")
+    rows = table.to_pylist()
+    return len(rows), ((i + 1, json.dumps(r, ensure_ascii=False, default=str)) for i, r in enumerate(rows))
+
+
 def rows_of(path):
-    """(row count, iterator of (line number, JSON text)): JSON lines, streamed, or one JSON array
-    (axolotl reads both)."""
-    if path.endswith((".parquet", ".arrow", ".csv")):
-        raise DataError(f"{path}: eo-ddp reads JSON lines (or a JSON array); convert it, e.g. "
+    """(row count, iterator of (line number, JSON text)): JSON lines, streamed, one JSON array
+    (axolotl reads both), or a parquet file's rows."""
+    if path.endswith(".parquet"):
+        return parquet_rows(path)
+    if path.endswith((".arrow", ".csv")):
+        raise DataError(f"{path}: eo-ddp reads JSON lines, a JSON array or parquet; convert it, e.g. "
                         "datasets.load_dataset(...).to_json('data.jsonl')")
     with open(path, encoding="utf-8", errors="replace") as f:
         is_array = f.read(4096).lstrip().startswith("[")
@@ -401,19 +421,44 @@ def split_bounds(split, n):
     return min(lo, n), min(hi, n)
 
 
+def rows_of_files(files):
+    """(row count, iterator of (where, JSON text)) over a dataset's files in order (a Hub dataset's
+    shards, as datasets concatenates them)."""
+    parts = [(f, rows_of(f)) for f in files]
+
+    def rows():
+        for f, (_, it) in parts:
+            for n, line in it:
+                yield f"{f}:{n}", line
+    return sum(n for _, (n, _) in parts), rows()
+
+
+def shard_rows(rows, total, shards, index, seed):
+    """axolotl's shards: datasets' Dataset.shuffle(seed) (numpy's default_rng(seed).permutation)
+    then .shard(shards, index) (contiguous: the index-th of `shards` nearly equal runs)."""
+    import numpy as np
+    order = np.random.default_rng(seed).permutation(total)
+    div, mod = divmod(total, shards)
+    start = div * index + min(index, mod)
+    picked = order[start:start + div + (1 if index < mod else 0)]
+    rows = list(rows)
+    return len(picked), (rows[int(i)] for i in picked)
+
+
 def prepare(tok, spec, ds):
     fmt = FORMATS[ds["type"]](tok, spec, ds)
     path = ds["path"]
-    total, rows = rows_of(path)
+    total, rows = rows_of_files(ds.get("files") or [path])
     lo, hi = split_bounds(ds.get("split"), total)
     if (lo, hi) != (0, total):
         rows = (r for i, r in enumerate(rows) if lo <= i < hi)
         total = max(hi - lo, 0)
+    if ds.get("shards"):
+        total, rows = shard_rows(rows, total, int(ds["shards"]), int(ds.get("shards_idx") or 0), int(ds["seed"]))
     done = kept = tokens = trained = 0
     t0 = last = time.monotonic()
     with open(ds["output"], "w", encoding="utf-8") as out:
-        for line_no, line in rows:
-            where = f"{path}:{line_no}"
+        for where, line in rows:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

@@ -109,6 +109,16 @@ nlohmann::json dataset_shape(const DatasetSpec& d) {
   return j;
 }
 
+// The data files a dataset's rows are read from, in order (a Hub dataset's snapshot files).
+std::vector<std::string> files_of(const DatasetSpec& d) { return d.files.empty() ? std::vector<std::string>{d.path} : d.files; }
+
+// The keys that pick a dataset's rows, beyond its files (seed only where shards shuffles).
+nlohmann::json rows_shape(const DatasetSpec& d, std::int64_t seed) {
+  nlohmann::json j = nlohmann::json::object();
+  if (d.shards > 0) j = {{"shards", d.shards}, {"shards_idx", d.shards_idx}, {"seed", seed}};
+  return j;
+}
+
 // The top-level keys the tool reads (the same for every dataset).
 nlohmann::json global_shape(const TrainConfig& cfg, const std::string& tokenizer) {
   nlohmann::json special = nlohmann::json::object();
@@ -150,11 +160,45 @@ std::string resolve_program(const std::string& name) {
   return name;
 }
 
-// Runs argv, stdout to `stdout_path`, stderr line by line to our log; returns the exit status
-// and the tool's last error line. The tool runs in its own process group, so a terminal's
-// Ctrl-C reaches eo-ddp alone, which ends the whole group on a stop request (Stopped) and on
-// any failure; it also gets SIGTERM if eo-ddp dies without that chance (PR_SET_PDEATHSIG).
-int run_tool(const std::vector<std::string>& argv, const std::string& stdout_path, std::string& error_line) {
+// What the manifest records of data.jsonl: its hash, bytes and rows (and the tool's token count).
+nlohmann::json describe_cache_file(const std::string& file) {
+  std::uint64_t h = 0, bytes = 0;
+  if (!eo::hash_file(file, h, bytes)) EO_FAIL("cannot read ", file, ": ", std::strerror(errno));
+  std::ifstream in(file, std::ios::binary);
+  std::int64_t rows = 0;
+  for (std::string line; std::getline(in, line);) rows += line.empty() ? 0 : 1;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return {{"hash", hex}, {"bytes", bytes}, {"rows", rows}};
+}
+
+// Why the cache folder `dir` cannot be used as it is ("" when it can): data.jsonl must be a plain
+// file (not a link to something else) with the hash and size its manifest recorded when it was
+// built. A cache of an older eo-ddp (no record) is rebuilt too.
+std::string cache_problem(const std::string& dir) {
+  const std::string file = dir + "/data.jsonl";
+  struct stat st {};
+  if (::lstat(file.c_str(), &st) != 0) return "no data.jsonl";
+  if (!S_ISREG(st.st_mode)) return "data.jsonl is not a plain file (a link?)";
+  std::string text;
+  if (!read_file_nofollow(dir + "/manifest.json", text)) return "no manifest.json";
+  const nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
+  if (!m.is_object() || !m.contains("data") || !m["data"].is_object()) return "its manifest records no hash of data.jsonl (an older eo-ddp)";
+  const nlohmann::json now = describe_cache_file(file);
+  for (const char* k : {"bytes", "hash", "rows"})
+    if (m["data"].value(k, nlohmann::json()) != now[k])
+      return "data.jsonl changed after it was built (" + std::string(k) + " " + now[k].dump() + ", the manifest has " +
+             m["data"].value(k, nlohmann::json()).dump() + ")";
+  return "";
+}
+
+}  // namespace
+
+// The tool runs in its own process group, so a terminal's Ctrl-C reaches eo-ddp alone, which
+// ends the whole group on a stop request (Stopped) and on any failure; it also gets SIGTERM if
+// eo-ddp dies without that chance (PR_SET_PDEATHSIG).
+int run_tool(const std::vector<std::string>& argv, const std::string& stdout_path, std::string& error_line,
+             const char* what) {
   const std::string program = resolve_program(argv[0]);
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -176,7 +220,7 @@ int run_tool(const std::vector<std::string>& argv, const std::string& stdout_pat
     ::dup2(out_fd, 1);
     ::dup2(pipe_fd[1], 2);
     ::execv(program.c_str(), args.data());
-    const char msg[] = "error: cannot start the tokeniser's Python\n";
+    const char msg[] = "error: cannot start eo-ddp's Python tool\n";
     ssize_t ignored = ::write(2, msg, sizeof msg - 1);
     (void)ignored;
     _exit(127);
@@ -216,15 +260,17 @@ int run_tool(const std::vector<std::string>& argv, const std::string& stdout_pat
       // Polled, so a stop request is seen within 0.2 s whichever thread took the signal.
       struct pollfd pfd {pipe_fd[0], POLLIN, 0};
       const int ready = ::poll(&pfd, 1, 200);
-      throw_if_stopped("while tokenising the datasets");
+      throw_if_stopped(what);
       if (ready <= 0) continue;
       const ssize_t n = ::read(pipe_fd[0], buf, sizeof buf);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
       pending.append(buf, static_cast<std::size_t>(n));
-      for (std::size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
+      // A progress bar redraws its line after a carriage return: each redraw is a line here.
+      for (std::size_t nl; (nl = pending.find_first_of("\r\n")) != std::string::npos;) {
         const std::string line = pending.substr(0, nl);
         pending.erase(0, nl + 1);
+        if (line.empty()) continue;
         if (line.find("error:") != std::string::npos) error_line = line;
         log::info(line);
       }
@@ -243,40 +289,6 @@ int run_tool(const std::vector<std::string>& argv, const std::string& stdout_pat
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
-
-// What the manifest records of data.jsonl: its hash, bytes and rows (and the tool's token count).
-nlohmann::json describe_cache_file(const std::string& file) {
-  std::uint64_t h = 0, bytes = 0;
-  if (!eo::hash_file(file, h, bytes)) EO_FAIL("cannot read ", file, ": ", std::strerror(errno));
-  std::ifstream in(file, std::ios::binary);
-  std::int64_t rows = 0;
-  for (std::string line; std::getline(in, line);) rows += line.empty() ? 0 : 1;
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-  return {{"hash", hex}, {"bytes", bytes}, {"rows", rows}};
-}
-
-// Why the cache folder `dir` cannot be used as it is ("" when it can): data.jsonl must be a plain
-// file (not a link to something else) with the hash and size its manifest recorded when it was
-// built. A cache of an older eo-ddp (no record) is rebuilt too.
-std::string cache_problem(const std::string& dir) {
-  const std::string file = dir + "/data.jsonl";
-  struct stat st {};
-  if (::lstat(file.c_str(), &st) != 0) return "no data.jsonl";
-  if (!S_ISREG(st.st_mode)) return "data.jsonl is not a plain file (a link?)";
-  std::string text;
-  if (!read_file_nofollow(dir + "/manifest.json", text)) return "no manifest.json";
-  const nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
-  if (!m.is_object() || !m.contains("data") || !m["data"].is_object()) return "its manifest records no hash of data.jsonl (an older eo-ddp)";
-  const nlohmann::json now = describe_cache_file(file);
-  for (const char* k : {"bytes", "hash", "rows"})
-    if (m["data"].value(k, nlohmann::json()) != now[k])
-      return "data.jsonl changed after it was built (" + std::string(k) + " " + now[k].dump() + ", the manifest has " +
-             m["data"].value(k, nlohmann::json()).dump() + ")";
-  return "";
-}
-
-}  // namespace
 
 std::size_t PreparePlan::missing() const {
   return static_cast<std::size_t>(std::count_if(datasets.begin(), datasets.end(), [](const auto& d) { return !d.ready; }));
@@ -326,7 +338,12 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
                                  {"keys", global_shape(cfg, "")}};
   for (auto& p : items) {
     const DatasetSpec& d = spec_of(cfg, p);
-    const nlohmann::json material = {{"common", common}, {"data", hash_file(d.path)}, {"dataset", dataset_shape(d)}};
+    nlohmann::json data = nlohmann::json::array();
+    for (const auto& f : files_of(d)) data.push_back(hash_file(f));
+    if (data.size() == 1) data = data[0];  // the key of a one-file dataset as before
+    nlohmann::json shape = dataset_shape(d);
+    shape.update(rows_shape(d, cfg.seed));
+    const nlohmann::json material = {{"common", common}, {"data", data}, {"dataset", shape}};
     Fnv f;
     f.add(material.dump());
     p.key = f.hex();
@@ -356,7 +373,9 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
     if (p.ready) continue;
     const DatasetSpec& d = spec_of(cfg, p);
     nlohmann::json e = dataset_shape(d);
+    e.update(rows_shape(d, cfg.seed));
     e["path"] = d.path;
+    e["files"] = files_of(d);
     fs::create_directories(tmp + "/" + p.key);
     e["output"] = tmp + "/" + p.key + "/data.jsonl";
     spec["datasets"].push_back(e);
@@ -369,7 +388,7 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   std::string error_line;
   int rc = 0;
   try {
-    rc = run_tool(argv, tmp + "/stats.json", error_line);
+    rc = run_tool(argv, tmp + "/stats.json", error_line, "while tokenising the datasets");
   } catch (...) {  // a stop request: no half-written cache left behind
     remove_tree(tmp);
     throw;

@@ -53,6 +53,11 @@ void apply_preparation(TrainConfig& cfg, const PreparePlan& plan);
 // The Python interpreter: $EO_DDP_PYTHON, else the interpreter the build was configured with
 // (the source tree's .venv), else python3 on the PATH.
 std::string find_python();
+// Runs one of eo-ddp's Python tools (argv), stdout to `stdout_path`, stderr line by line to the
+// log (a progress bar's redraws too); returns the exit status and the tool's last "error:" line.
+// A stop request ends it and throws Stopped (`what` says during what).
+int run_tool(const std::vector<std::string>& argv, const std::string& stdout_path, std::string& error_line,
+             const char* what);
 // A file of eo-ddp's tools/: $EO_DDP_TOOLS_DIR, else <prefix>/share/eo-ddp/tools beside the
 // installed binary, else the source tree the binary was built from.
 std::string find_tool(const std::string& name);
