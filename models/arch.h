@@ -3,8 +3,9 @@
 // peft gives it, whether its config may scale RoPE). runtime/ asks ModelConfig, which reads its
 // row; nothing outside models/ names an Arch.
 //
-// Adding a family: a row in families() (models/arch.cpp), its config.json fields in
-// models/hf_config.cpp, and its block code where it differs from the shared decoder.
+// Adding a family (docs/contributing.md lists every file): a row in families() (models/arch.cpp),
+// its config reader in models/family_config.cpp, its block code where it differs from the shared
+// decoder (models/moe_model.cpp) and that block's extra bytes in models/block_memory.cpp.
 #pragma once
 
 #include <array>
