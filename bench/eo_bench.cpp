@@ -66,7 +66,7 @@
 #include "models/hf_config.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/plan.h"
 #include "runtime/trainer.h"
 #include "offload/disk_homes.h"
@@ -206,7 +206,7 @@ const Card* find_card(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  dist::World& world = dist::World::init(&argc, &argv);
+  ddp::World& world = ddp::World::init(&argc, &argv);
   const std::string model_dir = arg(argc, argv, "--model", "");
   if (model_dir.empty()) {
     std::fprintf(stderr, "usage: eo-bench --model DIR [--points 2048x1,2048x4] [--steps N] [--warmup N] [--modes ...]\n");

@@ -22,7 +22,7 @@
 #include "models/grouped_mm.h"
 #include "models/hf_config.h"
 #include "runtime/device.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 
 using namespace eo;
 
@@ -66,7 +66,7 @@ at::Tensor route_counts(std::int64_t tokens, std::int64_t experts, std::int64_t 
 }  // namespace
 
 int main(int argc, char** argv) {
-  dist::World& world = dist::World::init(&argc, &argv);
+  ddp::World& world = ddp::World::init(&argc, &argv);
   const std::string model_dir = arg(argc, argv, "--model", "configs/models/qwen3-30b-a3b");
   const int iters = std::atoi(arg(argc, argv, "--iters", "20").c_str());
   const model::ModelConfig mc = model::load_config(model_dir);

@@ -1,5 +1,5 @@
 // One 64-bit checksum of byte ranges, shared by the cross-rank check of the expert homes
-// (runtime/dist) and the disk homes file (offload/disk_homes). Not cryptographic: it catches
+// (runtime/ddp) and the disk homes file (offload/disk_homes). Not cryptographic: it catches
 // different checkpoints, torn or corrupted files, not an adversary.
 #pragma once
 

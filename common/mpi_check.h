@@ -1,5 +1,5 @@
 // The one MPI error check: EO_MPI_CHECK(MPI_Xxx(...), "what", ...) throws eo::Error with the call,
-// what it was for, MPI's own message and file:line. Only for code that links MPI (runtime/dist).
+// what it was for, MPI's own message and file:line. Only for code that links MPI (runtime/ddp).
 #pragma once
 
 #include <mpi.h>

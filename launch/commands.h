@@ -7,7 +7,7 @@
 
 namespace eo {
 struct TrainConfig;
-namespace dist {
+namespace ddp {
 class World;
 }
 }  // namespace eo
@@ -26,7 +26,7 @@ int run_preprocess(const Args& args);  // eo-ddp preprocess --config F [--set k=
 
 // Before training: the axolotl-format datasets tokenised into dataset_prepared_path (rank 0; the
 // others wait, bounded by dataset_prepare_timeout) and cfg pointed at the cached files. Collective.
-void prepare_datasets(TrainConfig& cfg, dist::World& world);
+void prepare_datasets(TrainConfig& cfg, ddp::World& world);
 
 // Small argument reader shared by the subcommands: --flag, --key value, --key=value.
 class ArgReader {

@@ -11,7 +11,7 @@
 #include "launch/usage.h"
 #include "runtime/config.h"
 #include "runtime/config_help.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/signals.h"
 
 namespace {
@@ -51,9 +51,9 @@ int print_config_help(const eo::launch::Args& args) {
 // the peers may be waiting in a collective (or MPI_Finalize) for this rank, which would never come.
 int fail(const std::string& message, int code) {
   eo::log::error(message);
-  if (eo::dist::World::initialized() && eo::dist::World::get().size() > 1) {
-    std::fprintf(stderr, "eo-ddp: rank %d failed (exit %d); ending every rank\n", eo::dist::World::get().rank(), code);
-    eo::dist::World::get().abort(code);
+  if (eo::ddp::World::initialized() && eo::ddp::World::get().size() > 1) {
+    std::fprintf(stderr, "eo-ddp: rank %d failed (exit %d); ending every rank\n", eo::ddp::World::get().rank(), code);
+    eo::ddp::World::get().abort(code);
   }
   return code;
 }
@@ -99,7 +99,7 @@ int eo::launch::run_main(int argc, char** argv) {
       args.erase(args.begin());
     }
     if (cmd == "train") {
-      dist::World& world = dist::World::init(&argc, &argv);
+      ddp::World& world = ddp::World::init(&argc, &argv);
       log::set_rank(world.rank(), world.size());
       const int rc = launch::run_train(args);
       world.finalize();

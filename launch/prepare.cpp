@@ -11,12 +11,12 @@
 #include "launch/commands.h"
 #include "runtime/config.h"
 #include "runtime/data/prepare.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/signals.h"
 
 namespace eo::launch {
 
-void prepare_datasets(TrainConfig& cfg, dist::World& world) {
+void prepare_datasets(TrainConfig& cfg, ddp::World& world) {
   // Rank 0 -> all: the prepared files as JSON ([test, index, file] each), or "error: ...".
   if (world.rank() == 0) {
     data::PreparePlan plan = data::plan_preparation(cfg);

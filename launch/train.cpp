@@ -15,7 +15,7 @@
 #include "runtime/signals.h"
 #include "runtime/data/prepare.h"
 #include "runtime/device.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/plan.h"
 #include "runtime/plan_fixes.h"
 #include "runtime/train_state.h"
@@ -26,7 +26,7 @@ namespace {
 
 // The run as --check sees it; `fits` is false when the plan does not fit device_memory_limit or,
 // on a GPU without one, the free memory of the first device (as the start-up check sees them).
-std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, const dist::WorldInfo& w, bool& fits) {
+std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, const ddp::WorldInfo& w, bool& fits) {
   std::ostringstream os;
   os << "plan:\n";
   os << "  ranks: " << w.world_size << " (launcher: " << w.launcher << "; " << w.local_size << " on " << w.hostname << ")\n";
@@ -82,7 +82,7 @@ std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, c
 }
 
 // A stop requested on any rank before training stops every rank here, together (Stopped: exit 3).
-void stop_point(dist::World& w, const std::string& during) {
+void stop_point(ddp::World& w, const std::string& during) {
   double stop[1] = {stop_requested() ? double(stop_signal()) : 0.0};
   if (w.size() > 1) w.allreduce_max(stop, 1);
   if (stop[0] > 0 && !stop_requested())
@@ -106,7 +106,7 @@ int run_train(const Args& args) {
   lo.model_out = &mc;
   TrainConfig cfg = load_config_file(config_path, overrides, lo);
   for (const auto& w : cfg.warnings) log::warn(w);
-  dist::World& w = dist::World::get();
+  ddp::World& w = ddp::World::get();
   const auto& world = w.info();
   w.set_timeout(cfg.ddp_timeout);  // every host collective from here on is bounded
   check_ranks_agree(cfg, w);  // before anything is loaded or written

@@ -7,7 +7,7 @@
 #include "models/moe_model.h"
 #include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/loss_scale.h"
 #include "runtime/nonfinite_guard.h"
 #include "runtime/optimizer.h"
@@ -17,7 +17,7 @@
 
 namespace eo {
 
-Checkpointer::Checkpointer(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, const LossScaler& scaler, dist::World& world)
+Checkpointer::Checkpointer(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, const LossScaler& scaler, ddp::World& world)
     : cfg_(cfg), run_(run), guard_(guard), scaler_(scaler), rank_(world.info().rank), world_size_(world.info().world_size) {
   const double steps_per_epoch = double(run.batcher->num_batches_per_epoch()) / double(run.spec.accum);
   every_ = cfg.saves_per_epoch ? step_interval(std::nullopt, cfg.saves_per_epoch, steps_per_epoch, run.total_steps) : cfg.save_steps;

@@ -12,13 +12,13 @@ struct TrainConfig;
 struct Run;
 class NonfiniteGuard;
 class LossScaler;
-namespace dist {
+namespace ddp {
 class World;
 }
 
 class Checkpointer {
  public:
-  Checkpointer(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, const LossScaler& scaler, dist::World& world);
+  Checkpointer(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, const LossScaler& scaler, ddp::World& world);
   // Whether step `step` (1-based) is saved on the schedule (the last is saved by the end of the run).
   bool due(std::int64_t step) const;
   // The key that schedules the saves, for the log.

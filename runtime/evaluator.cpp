@@ -7,7 +7,7 @@
 #include "models/moe_model.h"
 #include "offload/engine.h"
 #include "runtime/data/batcher.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/evaluate.h"
 #include "runtime/setup.h"
 #include "runtime/step.h"
@@ -15,7 +15,7 @@
 
 namespace eo {
 
-Evaluator::Evaluator(const TrainConfig& cfg, Run& run, const StepRunner& runner, dist::World& world)
+Evaluator::Evaluator(const TrainConfig& cfg, Run& run, const StepRunner& runner, ddp::World& world)
     : cfg_(cfg), run_(run), runner_(runner), world_(world) {
   if (!run.eval_rows) return;
   const double steps_per_epoch = double(run.batcher->num_batches_per_epoch()) / double(run.spec.accum);

@@ -11,14 +11,14 @@ namespace eo {
 struct TrainConfig;
 struct Run;
 class StepRunner;
-namespace dist {
+namespace ddp {
 class World;
 }
 
 class Evaluator {
  public:
   // Writes the rows to output_dir/eval.jsonl (rank 0) and says when they are evaluated.
-  Evaluator(const TrainConfig& cfg, Run& run, const StepRunner& runner, dist::World& world);
+  Evaluator(const TrainConfig& cfg, Run& run, const StepRunner& runner, ddp::World& world);
   // Whether step `step` (1-based) ends with an evaluation.
   bool due(std::int64_t step) const;
   // The loss over all ranks and the target tokens it counts.
@@ -28,7 +28,7 @@ class Evaluator {
   const TrainConfig& cfg_;
   Run& run_;
   const StepRunner& runner_;
-  dist::World& world_;
+  ddp::World& world_;
   std::int64_t every_ = 0;  // steps between evaluations, 0: at the end only
   std::vector<bool> moe_blocks_;
 };

@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "common/error.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/model_identity.h"
 
 namespace eo {
@@ -76,7 +76,7 @@ std::vector<std::string> rank_disagreements(const std::vector<std::map<std::stri
   return out;
 }
 
-void check_ranks_agree(const TrainConfig& cfg, const dist::World& world) {
+void check_ranks_agree(const TrainConfig& cfg, const ddp::World& world) {
   if (world.size() <= 1) return;
   std::vector<std::map<std::string, std::string>> per_rank;
   for (const auto& s : world.allgather(encode(run_identity(cfg)))) per_rank.push_back(decode(s));

@@ -12,7 +12,7 @@
 #include "runtime/config.h"
 
 namespace eo {
-namespace dist {
+namespace ddp {
 class World;
 }
 
@@ -25,6 +25,6 @@ std::map<std::string, std::string> run_identity(const TrainConfig& cfg);
 std::vector<std::string> rank_disagreements(const std::vector<std::map<std::string, std::string>>& per_rank);
 
 // Gathers every rank's run_identity and throws UsageError listing rank_disagreements. World of one: no-op.
-void check_ranks_agree(const TrainConfig& cfg, const dist::World& world);
+void check_ranks_agree(const TrainConfig& cfg, const ddp::World& world);
 
 }  // namespace eo

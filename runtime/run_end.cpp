@@ -7,9 +7,9 @@
 #include "models/moe_model.h"
 #include "runtime/adapter_files.h"
 #include "runtime/checkpointer.h"
-#include "runtime/dist/comm.h"
-#include "runtime/dist/reducer.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/comm.h"
+#include "runtime/ddp/reducer.h"
+#include "runtime/ddp/world.h"
 #include "runtime/progress.h"
 #include "runtime/setup.h"
 #include "runtime/train_state.h"
@@ -21,11 +21,11 @@ namespace {
 // Every rank must end with the same adapter; a difference is a bug worth failing loudly on.
 void check_ranks_hold_one_adapter(const Run& run, int world_size) {
   std::vector<at::Tensor> host;
-  std::vector<dist::HostBytes> ranges;
+  std::vector<ddp::HostBytes> ranges;
   for (const auto& [n, p] : run.lora) host.push_back(p.detach().to(at::kCPU).contiguous());
   for (const auto& t : host) ranges.push_back({t.data_ptr(), static_cast<std::size_t>(t.numel() * t.element_size())});
-  const dist::CommStats cs = run.comm->stats();
-  dist::check_same_bytes(ranges, *run.comm, "LoRA parameters after training");
+  const ddp::CommStats cs = run.comm->stats();
+  ddp::check_same_bytes(ranges, *run.comm, "LoRA parameters after training");
   log::info("LoRA identical on all " + std::to_string(world_size) + " ranks; collectives: allreduce " +
             std::to_string(cs.allreduce_bytes) + " bytes, broadcast " + std::to_string(cs.broadcast_bytes) + " bytes");
 }
@@ -41,7 +41,7 @@ TrainResult result_so_far(const RunTally& tally) {
 }
 
 TrainResult end_run(const TrainConfig& cfg, Run& run, Checkpointer& checkpoints, const RunTally& tally, const StepClock& clock,
-                    dist::World& world) {
+                    ddp::World& world) {
   const auto& wi = world.info();
   checkpoints.save("end of training");
   if (wi.world_size > 1) check_ranks_hold_one_adapter(run, wi.world_size);

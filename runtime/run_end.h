@@ -16,6 +16,6 @@ TrainResult result_so_far(const RunTally& tally);
 
 // `tally`: the steps read; `clock`: the run's (its wall time).
 TrainResult end_run(const TrainConfig& cfg, Run& run, Checkpointer& checkpoints, const RunTally& tally, const StepClock& clock,
-                    dist::World& world);
+                    ddp::World& world);
 
 }  // namespace eo

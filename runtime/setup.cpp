@@ -33,10 +33,10 @@
 #include "runtime/data/jsonl.h"
 #include "runtime/data/tokens.h"
 #include "runtime/device.h"
-#include "runtime/dist/comm.h"
-#include "runtime/dist/home_sharing.h"
-#include "runtime/dist/reducer.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/comm.h"
+#include "runtime/ddp/home_sharing.h"
+#include "runtime/ddp/reducer.h"
+#include "runtime/ddp/world.h"
 #include "runtime/optimizer.h"
 #include "runtime/plan.h"
 #include "runtime/plan_fixes.h"
@@ -88,7 +88,7 @@ std::map<std::string, std::string> disk_homes_identity(const TrainConfig& cfg, c
 
 // Moves the model's NF4 experts into this rank's homes and streams them from there.
 std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, const TrainConfig& cfg, const RunSpec& spec,
-                                                        const at::Device& device, dist::World& world) {
+                                                        const at::Device& device, ddp::World& world) {
   auto* resident = dynamic_cast<model::ResidentWeights*>(&model.weight_provider());
   EO_CHECK(resident, "expert_offload: the model's experts are not held by a ResidentWeights store");
   bool any = false;
@@ -109,14 +109,14 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   if (!device.is_cuda() && oo.vram_budget_bytes > 0)
     log::info("expert_offload_vram_budget applies to GPU memory; on the CPU the 'device' slots are host memory too");
   if (spec.homes == offload::HomesKind::PerNumaNode) {
-    const dist::HomeGroup g = dist::home_group(world, device);
-    oo.sharing = dist::make_home_sharing(world, g);
+    const ddp::HomeGroup g = ddp::home_group(world, device);
+    oo.sharing = ddp::make_home_sharing(world, g);
     log::info("expert homes: one copy per NUMA node, shared by " + std::to_string(g.size) + " rank(s) (leader: rank " +
               std::to_string(g.leader) + ")");
   }
   if (spec.homes == offload::HomesKind::Disk) {
-    const dist::HomeGroup g = dist::home_group(world, device, /*by_numa_node=*/false);
-    oo.sharing = dist::make_home_sharing(world, g);
+    const ddp::HomeGroup g = ddp::home_group(world, device, /*by_numa_node=*/false);
+    oo.sharing = ddp::make_home_sharing(world, g);
     oo.disk = offload::DiskHomesOptions{};
     oo.disk->dir = cfg.expert_offload_disk_path;
     oo.disk->identity = disk_homes_identity(cfg, spec);
@@ -151,7 +151,7 @@ void check_disk_space_for_homes(const TrainConfig& cfg, const offload::DiskHomes
 // Before any weight is read: the homes of every rank on this node must fit in the host RAM (and
 // cgroup limit) available. Every rank measures, then the job takes the smallest measurement — an
 // all-reduce that is also a barrier, so no rank has started filling its homes while another measures.
-void check_host_memory_for_homes(const TrainConfig& cfg, const RunSpec& spec, dist::World& world, const at::Device& device) {
+void check_host_memory_for_homes(const TrainConfig& cfg, const RunSpec& spec, ddp::World& world, const at::Device& device) {
   const QuantFormat format = spec.expert_format.value_or(QuantFormat::Nf4);
   const std::int64_t per_rank = offload::estimate_home_bytes(spec.model, spec.blocksize, spec.double_quant, format);
   // The ring as the engine sizes it (offload/engine.cpp: the slots asked for).
@@ -171,7 +171,7 @@ void check_host_memory_for_homes(const TrainConfig& cfg, const RunSpec& spec, di
   // disk: a read ring per rank on the node.
   const bool shared = spec.homes == offload::HomesKind::PerNumaNode;
   const bool on_disk = spec.homes == offload::HomesKind::Disk;
-  const int copies = shared ? dist::home_group(world, device).copies_on_host : static_cast<int>(v[1]);
+  const int copies = shared ? ddp::home_group(world, device).copies_on_host : static_cast<int>(v[1]);
   const std::string available =
       mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")";
   if (on_disk) {
@@ -353,7 +353,7 @@ namespace {
 // The model on the device (its experts in this rank's homes with expert_offload), its LoRA, and
 // nvfp4_merge_aware's snapped weights. Returns why the expert GEMMs read the routing counts on the
 // host (no CUDA graph can capture that), or "" where they read them on the device.
-std::string load_model(const TrainConfig& cfg, Run& run, dist::World& world) {
+std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   const RunSpec& spec = run.spec;
   const at::Device device = run.device;
   const auto t_load = Clock::now();
@@ -428,12 +428,12 @@ void start_or_resume(const TrainConfig& cfg, Run& run) {
 
 // The expert homes proven identical on every rank (never sent: each rank loaded them itself; a
 // checksum proves they agree), and how the ranks hold them, for the log.
-std::string check_homes_agree(const TrainConfig& cfg, const Run& run, dist::World& world) {
+std::string check_homes_agree(const TrainConfig& cfg, const Run& run, ddp::World& world) {
   const auto& wi = world.info();
   const offload::ExpertOffloader& off = *run.offloader;
-  std::vector<dist::HostBytes> ranges;
+  std::vector<ddp::HostBytes> ranges;
   for (const auto& [ptr, n] : off.home_ranges()) ranges.push_back({ptr, n});
-  dist::check_same_bytes(ranges, *run.comm, "expert homes (did every rank load the same checkpoint?)");
+  ddp::check_same_bytes(ranges, *run.comm, "expert homes (did every rank load the same checkpoint?)");
   auto distinct_files = [&] {
     const auto [dev, ino] = off.homes_file_id();
     const auto ids = world.allgather(wi.hostname + " " + std::to_string(dev) + ":" + std::to_string(ino));
@@ -455,25 +455,25 @@ std::string check_homes_agree(const TrainConfig& cfg, const Run& run, dist::Worl
 }
 
 // Data parallel: rank 0's LoRA everywhere, the homes checked equal, gradients in buckets.
-void start_data_parallel(const TrainConfig& cfg, Run& run, dist::World& world) {
+void start_data_parallel(const TrainConfig& cfg, Run& run, ddp::World& world) {
   const auto& wi = world.info();
-  run.comm = std::make_unique<dist::Communicator>(world, run.device, cfg.ddp_timeout);
+  run.comm = std::make_unique<ddp::Communicator>(world, run.device, cfg.ddp_timeout);
   if (wi.world_size == 1) return;
   {
     at::NoGradGuard ng;
-    dist::broadcast_parameters(run.lora, *run.comm, 0);
+    ddp::broadcast_parameters(run.lora, *run.comm, 0);
   }
   const std::string homes = run.offloader ? check_homes_agree(cfg, run, world) : std::string();
   log::info("data parallel: " + std::to_string(wi.world_size) + " ranks, LoRA broadcast from rank 0" + homes);
-  dist::ReducerOptions ro;
+  ddp::ReducerOptions ro;
   ro.bucket_cap_bytes = static_cast<std::int64_t>(cfg.ddp_bucket_cap_mb) << 20;
-  ro.op = dist::ReduceOp::kSum;  // the loss is already normalised by the global token count
-  run.reducer = std::make_unique<dist::GradReducer>(run.lora, *run.comm, ro, run.lora_blocks);
+  ro.op = ddp::ReduceOp::kSum;  // the loss is already normalised by the global token count
+  run.reducer = std::make_unique<ddp::GradReducer>(run.lora, *run.comm, ro, run.lora_blocks);
 }
 
 }  // namespace
 
-Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, dist::World& world) {
+Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, ddp::World& world) {
   Run run;
   const auto& wi = world.info();
   run.device = pick_device(wi.local_rank, wi.local_size);

@@ -19,11 +19,11 @@
 
 namespace eo {
 
-namespace dist {
+namespace ddp {
 class World;
 class Communicator;
 class GradReducer;
-}  // namespace dist
+}  // namespace ddp
 namespace data {
 class Batcher;
 }
@@ -66,8 +66,8 @@ struct Run {
   std::int64_t step = 0;         // steps done (a resumed run starts after its checkpoint)
   std::string resumed_from;      // checkpoint folder, or empty
   nlohmann::json resumed_extra = nlohmann::json::object();  // counters saved in the checkpoint
-  std::unique_ptr<dist::Communicator> comm;
-  std::unique_ptr<dist::GradReducer> reducer;  // null in a world of one
+  std::unique_ptr<ddp::Communicator> comm;
+  std::unique_ptr<ddp::GradReducer> reducer;  // null in a world of one
   std::string expert_gemm_why;   // the experts' grouped GEMM kernel and why, for the log
 
   Run();
@@ -76,7 +76,7 @@ struct Run {
 };
 
 // `model`: base_model's config.json, parsed once for the run.
-Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model, dist::World& world);
+Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model, ddp::World& world);
 
 // The RNG state a checkpoint saves, and its restore.
 NamedTensors rng_state(const at::Device& device);

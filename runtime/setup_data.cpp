@@ -12,7 +12,7 @@
 #include "runtime/data/batcher.h"
 #include "runtime/data/jsonl.h"
 #include "runtime/data/tokens.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/optimizer.h"
 #include "runtime/setup.h"
 
@@ -95,7 +95,7 @@ std::pair<std::shared_ptr<const data::DocumentSource>, std::shared_ptr<const dat
 
 }  // namespace
 
-void load_run_data(const TrainConfig& cfg, Run& run, const dist::WorldInfo& wi) {
+void load_run_data(const TrainConfig& cfg, Run& run, const ddp::WorldInfo& wi) {
   const std::int64_t vocab = run.spec.model.vocab;
   auto docs = load_documents(cfg, cfg.datasets, vocab);
   std::shared_ptr<const data::DocumentSource> eval_docs;

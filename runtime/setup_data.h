@@ -7,11 +7,11 @@ namespace eo {
 
 struct TrainConfig;
 struct Run;
-namespace dist {
+namespace ddp {
 struct WorldInfo;
 }
 
 // Fills run.batcher, run.eval_rows, run.total_steps and run.warmup (run.spec is set).
-void load_run_data(const TrainConfig& cfg, Run& run, const dist::WorldInfo& wi);
+void load_run_data(const TrainConfig& cfg, Run& run, const ddp::WorldInfo& wi);
 
 }  // namespace eo

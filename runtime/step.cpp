@@ -16,7 +16,7 @@
 #include "offload/activations.h"
 #include "runtime/block_graphs.h"
 #include "runtime/data/batcher.h"
-#include "runtime/dist/reducer.h"
+#include "runtime/ddp/reducer.h"
 #include "runtime/use_inputs.h"
 
 namespace eo {
@@ -92,7 +92,7 @@ struct KeptGraph {
 
 }  // namespace
 
-StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int micro_batches, dist::GradReducer* reducer)
+StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int micro_batches, ddp::GradReducer* reducer)
     : model_(model), options_(options), reducer_(reducer) {
   const StepOrder order = step_order_in_effect(options_.checkpointing, options_.order);
   EO_CHECK(options_.checkpointing || !options_.activation_offloading,

@@ -34,7 +34,7 @@ class MoeModel;
 namespace data {
 struct MicroBatch;
 }
-namespace dist {
+namespace ddp {
 class GradReducer;
 }
 namespace offload {
@@ -64,7 +64,7 @@ struct StepLosses {
 
 class StepRunner {
  public:
-  StepRunner(model::MoeModel& model, const StepOptions& options, int micro_batches, dist::GradReducer* reducer);
+  StepRunner(model::MoeModel& model, const StepOptions& options, int micro_batches, ddp::GradReducer* reducer);
   ~StepRunner();
   StepRunner(const StepRunner&) = delete;
   StepRunner& operator=(const StepRunner&) = delete;
@@ -89,7 +89,7 @@ class StepRunner {
   StepOptions options_;
   StepSchedule schedule_;
   std::vector<std::size_t> last_backward_;
-  dist::GradReducer* reducer_;
+  ddp::GradReducer* reducer_;
   std::unique_ptr<offload::ActivationStore> store_;
   std::unique_ptr<BlockGraphs> graphs_;
 };

@@ -6,7 +6,7 @@
 #include "common/log.h"
 #include "offload/engine.h"
 #include "runtime/device.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/evaluator.h"
 #include "runtime/metrics.h"
 #include "runtime/nonfinite_guard.h"
@@ -17,7 +17,7 @@
 namespace eo {
 
 StepReader::StepReader(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, Evaluator& eval, StepClock& clock,
-                       const TrainHooks& hooks, dist::World& world)
+                       const TrainHooks& hooks, ddp::World& world)
     : cfg_(cfg), run_(run), guard_(guard), eval_(eval), clock_(clock), hooks_(hooks), rank_(world.info().rank),
       world_size_(world.info().world_size) {
   if (rank_ == 0) metrics_ = std::make_unique<MetricsLog>(cfg.output_dir, run.resumed_from.empty() ? 0 : run.step);

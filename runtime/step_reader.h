@@ -17,14 +17,14 @@ class NonfiniteGuard;
 class Evaluator;
 class StepClock;
 class MetricsLog;
-namespace dist {
+namespace ddp {
 class World;
 }
 
 class StepReader {
  public:
   StepReader(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, Evaluator& eval, StepClock& clock, const TrainHooks& hooks,
-             dist::World& world);
+             ddp::World& world);
   ~StepReader();
   // Waits for step q's values only, then reports it; `eval_now`: the step ends with an evaluation.
   void read(QueuedStep q, bool eval_now);

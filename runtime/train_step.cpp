@@ -9,9 +9,9 @@
 #include "offload/engine.h"
 #include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
-#include "runtime/dist/comm.h"
-#include "runtime/dist/reducer.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/comm.h"
+#include "runtime/ddp/reducer.h"
+#include "runtime/ddp/world.h"
 #include "runtime/loss_scale.h"
 #include "runtime/optimizer.h"
 #include "runtime/setup.h"
@@ -26,7 +26,7 @@ StepValues QueuedStep::read() {
   return {v[0], v[1], v[2], v[3], v[4], v[5]};
 }
 
-TrainStep::TrainStep(const TrainConfig& cfg, Run& run, StepRunner& runner, LossScaler& scaler, dist::World& world,
+TrainStep::TrainStep(const TrainConfig& cfg, Run& run, StepRunner& runner, LossScaler& scaler, ddp::World& world,
                      const TrainHooks& hooks)
     : cfg_(cfg), run_(run), runner_(runner), scaler_(scaler), world_(world), hooks_(hooks) {
   for (const auto& [n, p] : run.lora) params_.push_back(p);
@@ -83,7 +83,7 @@ QueuedStep TrainStep::queue() {
   const at::Tensor ce = sl.ce_sum.to(at::kDouble);
   const at::Tensor aux = sl.aux_sum.defined() ? sl.aux_sum.to(ce.device(), at::kDouble) : at::zeros_like(ce);
   const at::Tensor sums = at::stack({ce, aux, at::logical_not(at::isfinite(ce) & at::isfinite(aux)).to(at::kDouble)});
-  run_.comm->allreduce(sums, dist::ReduceOp::kSum, "the step's losses");
+  run_.comm->allreduce(sums, ddp::ReduceOp::kSum, "the step's losses");
   const at::Tensor grad_norm = norm.to(sums.device(), at::kDouble);
   const at::Tensor skip = ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat);
   const at::Tensor divisor = clip_divisor(norm, cfg_.max_grad_norm);

@@ -30,7 +30,7 @@ struct TrainHooks;
 struct Run;
 class StepRunner;
 class LossScaler;
-namespace dist {
+namespace ddp {
 class World;
 }
 
@@ -47,7 +47,7 @@ struct QueuedStep {
 
 class TrainStep {
  public:
-  TrainStep(const TrainConfig& cfg, Run& run, StepRunner& runner, LossScaler& scaler, dist::World& world,
+  TrainStep(const TrainConfig& cfg, Run& run, StepRunner& runner, LossScaler& scaler, ddp::World& world,
             const TrainHooks& hooks);
   // Queues optimizer step run.step + 1 and counts it done (run.step).
   QueuedStep queue();
@@ -57,7 +57,7 @@ class TrainStep {
   Run& run_;
   StepRunner& runner_;
   LossScaler& scaler_;
-  dist::World& world_;
+  ddp::World& world_;
   const TrainHooks& hooks_;
   std::vector<at::Tensor> params_;
   std::int64_t merge_aware_from_ = -1;  // nvfp4_merge_aware's first step (0-based steps done), -1: never

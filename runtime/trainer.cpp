@@ -5,8 +5,8 @@
 #include "common/log.h"
 #include "models/moe_model.h"
 #include "runtime/checkpointer.h"
-#include "runtime/dist/comm.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/comm.h"
+#include "runtime/ddp/world.h"
 #include "runtime/evaluator.h"
 #include "runtime/fault_hooks.h"
 #include "runtime/loss_scale.h"
@@ -36,7 +36,7 @@ StepOptions step_options(const RunSpec& spec, int ranks) {
 }
 
 // A stop requested on any rank (a signal) stops every rank at the same point.
-bool stop_requested_anywhere(dist::World& world) {
+bool stop_requested_anywhere(ddp::World& world) {
   double stop[1] = {stop_requested() ? 1.0 : 0.0};
   world.allreduce_max(stop, 1);
   return stop[0] > 0;
@@ -58,11 +58,11 @@ void log_step_choices(const TrainConfig& cfg, const Run& run) {
 
 }  // namespace
 
-TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks) {
+TrainResult train(const TrainConfig& cfg, ddp::World& world, const TrainHooks& hooks) {
   return train(cfg, model::load_config(cfg.base_model), world, hooks);
 }
 
-TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, dist::World& world, const TrainHooks& given_hooks) {
+TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, ddp::World& world, const TrainHooks& given_hooks) {
   install_stop_signals();
   // A write past RLIMIT_FSIZE (ulimit -f) must fail with EFBIG and a message, like a full disk,
   // instead of killing the process with SIGXFSZ in the middle of a checkpoint.

@@ -22,7 +22,7 @@
 
 namespace eo {
 
-namespace dist {
+namespace ddp {
 class World;
 }
 
@@ -66,8 +66,8 @@ struct TrainHooks {
 };
 
 // `model`: base_model's config.json as the config's checks parsed it (ConfigLoadOptions::model_out).
-TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, dist::World& world, const TrainHooks& hooks = {});
+TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, ddp::World& world, const TrainHooks& hooks = {});
 // The same, parsing config.json here.
-TrainResult train(const TrainConfig& cfg, dist::World& world, const TrainHooks& hooks = {});
+TrainResult train(const TrainConfig& cfg, ddp::World& world, const TrainHooks& hooks = {});
 
 }  // namespace eo

@@ -1,4 +1,4 @@
-# Data-parallel reduction (runtime/dist/comm, reducer): the gtest suite under mpirun with 2 and 3
+# Data-parallel reduction (runtime/ddp/comm, reducer): the gtest suite under mpirun with 2 and 3
 # (oversubscribed) ranks and as a world of one, plus fault runs that must end the whole job.
 eo_mpi_test(test_ddp 2 SOURCES test_ddp.cpp LIBS eo_runtime)
 eo_mpi_test(test_ddp 3 SOURCES test_ddp.cpp LIBS eo_runtime)

@@ -27,7 +27,7 @@
 #include "offload/engine.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/optimizer.h"
 #include "runtime/trainer.h"
 #include "tests/test_paths.h"
@@ -168,7 +168,7 @@ TEST(Cuda, OffloadTrainingMatchesResidentOnGpu) {
                                         std::string("expert_offload=") + (offload ? "true" : "false"),
                                         std::string("expert_offload_prefetch=") + (prefetch ? "true" : "false")});
     remove_tree(out);
-    train(cfg, dist::World::get());
+    train(cfg, ddp::World::get());
     std::vector<double> losses;
     std::ifstream in(out + "/metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
@@ -205,7 +205,7 @@ TEST(Cuda, OffloadPeakIsBelowResidentByTheExperts) {
                                         std::string("expert_offload=") + (offload ? "true" : "false"),
                                         std::string("expert_offload_prefetch=") + (prefetch ? "true" : "false")});
     remove_tree(out);
-    train(cfg, dist::World::get());
+    train(cfg, ddp::World::get());
     std::ifstream in(out + "/metrics.jsonl");
     std::int64_t peak = 0;
     for (std::string line; std::getline(in, line);) {
@@ -1045,7 +1045,7 @@ TEST(Cuda, Mxfp4OffloadTrainingMatchesResident) {
                                         std::string("expert_offload_prefetch=") + (prefetch ? "true" : "false")});
     EXPECT_TRUE(experts_in_mxfp4(cfg, model::load_config(model_dir)));
     remove_tree(out);
-    train(cfg, dist::World::get());
+    train(cfg, ddp::World::get());
     std::vector<double> losses;
     std::ifstream in(out + "/metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
@@ -1071,6 +1071,6 @@ TEST(Cuda, Mxfp4OffloadTrainingMatchesResident) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  eo::dist::World::init(&argc, &argv);
+  eo::ddp::World::init(&argc, &argv);
   return RUN_ALL_TESTS();
 }

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "models/grouped_mm.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 
 #ifdef EO_WITH_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -454,6 +454,6 @@ TEST(CudaExpertGemm, Fp16RunsWithoutHostSyncAndReplaysInAGraphWithNewGroups) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  eo::dist::World::init(&argc, &argv);
+  eo::ddp::World::init(&argc, &argv);
   return RUN_ALL_TESTS();
 }

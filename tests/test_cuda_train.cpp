@@ -51,7 +51,7 @@
 #include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/data/batcher.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 #include "runtime/step.h"
 #include "runtime/trainer.h"
 #include "runtime/device.h"
@@ -164,7 +164,7 @@ fs::path train_run(const fs::path& root, const fs::path& model, const fs::path& 
        << "gradient_checkpointing_kwargs: {use_reentrant: false}\nsave_steps: 0\n"
        << "output_dir: " << (root / name).string() << "\n";
   TrainConfig cfg = load_config_text(yaml.str(), "test_cuda_train", extra);
-  train(cfg, dist::World::get(), hooks);
+  train(cfg, ddp::World::get(), hooks);
   return root / name;
 }
 
@@ -485,7 +485,7 @@ TEST(CudaTrain, KeptExpertBanksTrainBitwiseAndDequantiseLess) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  eo::dist::World::init(&argc, &argv);
+  eo::ddp::World::init(&argc, &argv);
   return RUN_ALL_TESTS();
 }
 

@@ -1,4 +1,4 @@
-// Data-parallel gradient reduction (runtime/dist/reducer.h, comm.h), run under mpirun with 2 and
+// Data-parallel gradient reduction (runtime/ddp/reducer.h, comm.h), run under mpirun with 2 and
 // 3 ranks and as a world of one. The reference is independent of the code under test: each rank
 // computes its own local gradients on separate leaf copies, the ranks exchange them with
 // World::allgather (not the Communicator), and the expected result is their sum in float64.
@@ -19,9 +19,9 @@
 #include <thread>
 
 #include "common/error.h"
-#include "runtime/dist/comm.h"
-#include "runtime/dist/reducer.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/comm.h"
+#include "runtime/ddp/reducer.h"
+#include "runtime/ddp/world.h"
 
 using namespace eo::dist;
 

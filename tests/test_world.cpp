@@ -7,9 +7,9 @@
 #include <set>
 #include <string>
 
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 
-using eo::dist::World;
+using eo::ddp::World;
 
 TEST(World, RanksAreAConsistentPermutation) {
   const World& w = World::get();

@@ -57,7 +57,7 @@ class World {
   // Ends every rank now: MPI_Abort under MPI, exit otherwise.
   [[noreturn]] void abort(int code) const;
 
-  // For other communicators' polling loops (runtime/dist/comm.cpp): count a collective entered
+  // For other communicators' polling loops (runtime/ddp/comm.cpp): count a collective entered
   // (returns its number), answer peers' probes, and end the job on a timeout naming the ranks
   // that did not arrive at collective `seq`.
   std::uint64_t enter_collective() const { return ++collectives_; }

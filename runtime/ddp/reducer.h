@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/dist/comm.h"
+#include "runtime/ddp/comm.h"
 
 namespace eo::dist {
 

@@ -1,4 +1,4 @@
-#include "runtime/dist/home_sharing.h"
+#include "runtime/ddp/home_sharing.h"
 
 #include <set>
 #include <sstream>
@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "offload/homes.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 
 namespace eo::dist {
 

@@ -1,4 +1,4 @@
-#include "runtime/dist/reducer.h"
+#include "runtime/ddp/reducer.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>

@@ -1,4 +1,4 @@
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 
 #include <mpi.h>
 #include <unistd.h>

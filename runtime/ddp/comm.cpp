@@ -1,4 +1,4 @@
-#include "runtime/dist/comm.h"
+#include "runtime/ddp/comm.h"
 
 #include <mpi.h>
 
@@ -11,7 +11,7 @@
 
 #include "common/error.h"
 #include "common/mpi_check.h"
-#include "runtime/dist/world.h"
+#include "runtime/ddp/world.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
