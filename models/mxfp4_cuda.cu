@@ -33,7 +33,7 @@ struct Store<__half> {
 struct Mxfp4 {  // fp4_cuda.cuh's format struct
   using Source = Mxfp4Source;
   using Window = Mxfp4Window;
-  static constexpr int kGroup = stored_format_bytes(QuantFormat::Mxfp4).group;
+  static constexpr int kGroup = quant_format_traits(QuantFormat::Mxfp4).group;
   static constexpr int kMaxSources = kMaxSourcesPerLaunch;
   struct Matrix {};  // no per-matrix state
   static bool usable(const Source&) { return true; }

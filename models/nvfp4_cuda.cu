@@ -33,7 +33,7 @@ struct Store<__half> {
 struct Nvfp4 {  // fp4_cuda.cuh's format struct
   using Source = Nvfp4Source;
   using Window = Nvfp4Window;
-  static constexpr int kGroup = stored_format_bytes(QuantFormat::Nvfp4).group;
+  static constexpr int kGroup = quant_format_traits(QuantFormat::Nvfp4).group;
   static constexpr int kMaxSources = kMaxSourcesPerLaunch;
   struct Matrix {
     float global;

@@ -1,5 +1,7 @@
 #include "models/quantized_weight.h"
 
+#include <iterator>
+
 #include "common/error.h"
 #include "models/mxfp4.h"
 #include "models/nf4.h"
@@ -7,9 +9,25 @@
 
 namespace eo {
 
-const char* quant_format_name(QuantFormat f) {
-  return f == QuantFormat::Mxfp4 ? "MXFP4" : f == QuantFormat::Nvfp4 ? "NVFP4" : "NF4";
-}
+namespace {
+
+// Each format's dequantisers, one row per QuantFormat in its order (models/quant_format.h): a
+// stack of same-shaped weights into one [count, rows, cols] tensor, or a window of its rows and
+// columns.
+struct Dequantizers {
+  at::Tensor (*stack)(const std::vector<const QuantizedWeight*>&, at::ScalarType);
+  at::Tensor (*window)(const std::vector<const QuantizedWeight*>&, at::ScalarType, std::int64_t, std::int64_t,
+                       std::int64_t, std::int64_t);
+};
+const Dequantizers kDequantizers[] = {
+    {nf4::dequantize_stack, nf4::dequantize_stack_window},
+    {mxfp4::dequantize_stack, mxfp4::dequantize_stack_window},
+    {nvfp4::dequantize_stack, nvfp4::dequantize_stack_window},
+};
+static_assert(std::size(kDequantizers) == std::size(kQuantFormats), "one dequantiser row per QuantFormat");
+const Dequantizers& dequantizers(QuantFormat f) { return kDequantizers[static_cast<int>(f)]; }
+
+}  // namespace
 
 std::int64_t QuantizedWeight::numel() const {
   std::int64_t n = 1;
@@ -33,28 +51,21 @@ std::int64_t QuantizedWeight::bytes() const {
 }
 
 at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype) {
-  if (q.format == QuantFormat::Mxfp4) return mxfp4::dequantize_stack({&q}, dtype)[0];
-  if (q.format == QuantFormat::Nvfp4) return nvfp4::dequantize_stack({&q}, dtype)[0];
-  return nf4::dequantize(q, dtype);
+  if (q.format == QuantFormat::Nf4) return nf4::dequantize(q, dtype);  // keeps the weight's own shape
+  return dequantizers(q.format).stack({&q}, dtype)[0];
 }
 
 at::Tensor dequantize(const QuantizedWeight& q) { return dequantize(q, q.dtype); }
 
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype) {
   EO_CHECK(!qs.empty(), "dequantize_stack: no weights");
-  const QuantFormat f = qs.front()->format;
-  if (f == QuantFormat::Mxfp4) return mxfp4::dequantize_stack(qs, dtype);
-  if (f == QuantFormat::Nvfp4) return nvfp4::dequantize_stack(qs, dtype);
-  return nf4::dequantize_stack(qs, dtype);
+  return dequantizers(qs.front()->format).stack(qs, dtype);
 }
 
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
                                    std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   EO_CHECK(!qs.empty(), "dequantize_stack_window: no weights");
-  const QuantFormat f = qs.front()->format;
-  if (f == QuantFormat::Mxfp4) return mxfp4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
-  if (f == QuantFormat::Nvfp4) return nvfp4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
-  return nf4::dequantize_stack_window(qs, dtype, r0, rows, c0, cols);
+  return dequantizers(qs.front()->format).window(qs, dtype, r0, rows, c0, cols);
 }
 
 }  // namespace eo

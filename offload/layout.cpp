@@ -35,7 +35,7 @@ PieceBytes nf4_piece_bytes(std::int64_t numel, int blocksize, bool double_quant)
 }
 
 PieceBytes stored_piece_bytes(QuantFormat format, std::int64_t numel) {
-  const StoredFormatBytes f = stored_format_bytes(format);
+  const QuantFormatTraits& f = quant_format_traits(format);
   PieceBytes b;
   b.packed = numel / 2;
   b.stats = numel / f.group;  // one scale byte per group

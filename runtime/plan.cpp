@@ -86,8 +86,8 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   const std::optional<QuantFormat> fmt = spec.expert_format;
   p.expert_format = fmt.value_or(QuantFormat::Nf4);
   const std::string held = !fmt                         ? std::string()
-                           : *fmt == QuantFormat::Nf4 ? std::string(" (NF4)")
-                                                        : std::string(" (") + quant_format_name(*fmt) + ", the checkpoint's own bytes)";
+                           : std::string(" (") + quant_format_name(*fmt) +
+                                 (quant_format_traits(*fmt).checkpoint_own ? ", the checkpoint's own bytes)" : ")");
   // One MoE block's experts exactly as the offload engine lays them out (offload/layout.h).
   p.block_bytes = double(offload::expert_block_bytes(c, bs, spec.double_quant, p.expert_format));
   p.expert_bytes = p.block_bytes * moe_layers;
@@ -123,7 +123,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     }
   } else {
     // Resident experts are separate tensors (no arena alignment).
-    const StoredFormatBytes sf = stored_format_bytes(p.expert_format);
+    const QuantFormatTraits& sf = quant_format_traits(p.expert_format);
     const double matrix = !fmt                        ? I * H * d
                           : *fmt == QuantFormat::Nf4 ? nf4_bytes(I, H, bs)
                                                        : I * H / 2 + I * H / sf.group + sf.per_matrix;

@@ -27,9 +27,6 @@ MAX_WIDTH = 120
 WIDE_PAGES = {"architecture.md", "design.md", "benchmarks.md", "benchmarks-history.md", "axolotl-keys.md"}
 GENERATED_BEGIN = "<!-- begin: the output of build/eo-ddp --help-config --markdown -->"
 GENERATED_END = "<!-- end: the output of build/eo-ddp --help-config --markdown -->"
-# A page the README links that is written with the installer; until it exists, a link to it is
-# reported without failing.
-PENDING_PAGES = {"docs/install.md"}
 FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)")
 
 
@@ -94,7 +91,7 @@ def anchors(path):
 
 
 def check(src, accounted_path, help_config_path):
-    problems, notes = [], []
+    problems = []
     rel = lambda p: os.path.relpath(p, src)
     accounted = {}
     with open(accounted_path, encoding="utf-8") as f:
@@ -145,7 +142,7 @@ def check(src, accounted_path, help_config_path):
             file_part, _, anchor = target.partition("#")
             dest = os.path.normpath(os.path.join(os.path.dirname(path), file_part)) if file_part else path
             if not os.path.exists(dest):
-                (notes if rel(dest) in PENDING_PAGES else problems).append(f"{rel(path)}: link {target}: no such file")
+                problems.append(f"{rel(path)}: link {target}: no such file")
             elif anchor and dest.endswith(".md") and anchor not in anchors(dest):
                 problems.append(f"{rel(path)}: link {target}: no heading '{anchor}' in {rel(dest)}")
 
@@ -157,8 +154,6 @@ def check(src, accounted_path, help_config_path):
         problems.append("docs/configuration.md does not hold the output of `eo-ddp --help-config --markdown` between its markers: "
                         "paste it again")
 
-    for n in notes:
-        print(f"note: {n}")
     for p in problems:
         print(f"docs_check: {p}")
     print(f"docs_check: {len(shown)} commands and blocks shown, {len(problems)} problem(s)")

@@ -73,6 +73,17 @@ run "build/eo-ddp --config my.yaml" "${short[@]}"
 check "my.yaml's adapter" test -s "$work/model-out/my-run/adapter_model.safetensors"
 python_block README.md 1
 
+# docs/install.md: the GPU paths run on a GPU machine (scripts/device-install-check), pip on the CPU in CI
+# (scripts/pip-check); the CPU quickstart's training command is run above.
+covered "EO_DDP_PYTHON=~/venvs/axolotl/bin/python scripts/quickstart" "a GPU: scripts/device-install-check runs it with python3"
+covered "EO_CUDA_ARCHS=default scripts/quickstart" "the default architecture list: scripts/device-install-check's pip build; CI's scripts/cuda-check reads it back"
+covered "scripts/bootstrap" "CI: scripts/test runs it first on a fresh machine"
+covered "python -m pip install --no-build-isolation ." "scripts/pip-check (fresh venv, CPU; in CI) and scripts/device-install-check (GPU)"
+covered "eo-ddp --version" "scripts/pip-check and scripts/device-install-check run the installed one"
+covered "CUDAARCHS=native python -m pip install --no-build-isolation ." "CUDAARCHS is CMake's: scripts/device-install-check builds the default list; quickstart builds native"
+covered "cmake -S . -B build-cuda -G Ninja -DEO_WITH_CUDA=ON -DEO_DDP_PYTHON=\"\$(command -v python)\" -DCMAKE_CUDA_ARCHITECTURES=86" "scripts/device-install-check (by-hand, for sm_90)"
+covered "ninja -C build-cuda eo-ddp" "scripts/device-install-check (by-hand)"
+
 # docs/quickstart.md
 run "build/eo-ddp --config configs/tiny-qwen3-moe.yaml --check"
 run "build/eo-ddp --config configs/tiny-qwen3-moe-offload.yaml" "${short[@]}"
