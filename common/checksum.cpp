@@ -1,5 +1,7 @@
 #include "common/checksum.h"
 
+#include <cstdio>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -65,6 +67,17 @@ bool hash_file(const std::string& path, std::uint64_t& hash, std::uint64_t& byte
   hash = mix64(h ^ total);
   bytes = total;
   return true;
+}
+
+void Fnv1a64::add(const void* data, std::size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+}
+
+std::string Fnv1a64::hex() const {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
 }
 
 }  // namespace eo

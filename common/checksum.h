@@ -21,4 +21,14 @@ std::uint64_t mix64(std::uint64_t x);
 // is followed (the base model's files may be links into a cache).
 bool hash_file(const std::string& path, std::uint64_t& hash, std::uint64_t& bytes);
 
+// FNV-1a, 64 bits, byte by byte: the fingerprint the dataset cache's keys and earlier checkpoints'
+// base_model_fingerprint are made of, kept bit for bit so that those still match. Slow for large
+// data: new fingerprints use hash_bytes.
+struct Fnv1a64 {
+  std::uint64_t h = 1469598103934665603ull;
+  void add(const void* data, std::size_t n);
+  void add(const std::string& s) { add(s.data(), s.size()); }
+  std::string hex() const;  // 16 lower-case hex digits
+};
+
 }  // namespace eo

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "common/checksum.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "runtime/config.h"
@@ -19,21 +20,12 @@ using json = nlohmann::json;
 
 namespace {
 
-// FNV-1a, 64 bit: a content fingerprint, not a security hash.
-struct Fnv {
-  std::uint64_t h = 1469598103934665603ull;
-  void add(const void* p, std::size_t n) {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  }
-  void add(const std::string& s) { add(s.data(), s.size()); }
-};
 
 // The sampled fingerprint that checkpoints of earlier eo-ddp recorded (base_model_fingerprint):
 // config.json, then for every *.safetensors file its name, size and 16 windows of 4 KiB. Only
 // computed to resume such a checkpoint; base_model_identity replaced it.
 std::string legacy_sampled_fingerprint(const TrainConfig& cfg) {
-  Fnv f;
+  Fnv1a64 f;
   std::string text;
   if (read_model_file((fs::path(cfg.base_model) / "config.json").string(), text)) f.add(text);
   if (cfg.synthetic_weights) {

@@ -33,26 +33,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// FNV-1a, 64 bits: a stable content fingerprint (not a defence against crafted collisions; the
-// cache is the user's own).
-struct Fnv {
-  std::uint64_t h = 1469598103934665603ull;
-  void add(const void* data, std::size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  }
-  void add(const std::string& s) { add(s.data(), s.size()); }
-  std::string hex() const {
-    char buf[17];
-    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
-    return buf;
-  }
-};
 
 std::string hash_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UsageError("cannot read '" + path + "'");
-  Fnv f;
+  Fnv1a64 f;
   std::vector<char> buf(1 << 20);
   while (in) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
@@ -344,7 +329,7 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
     nlohmann::json shape = dataset_shape(d);
     shape.update(rows_shape(d, cfg.seed));
     const nlohmann::json material = {{"common", common}, {"data", data}, {"dataset", shape}};
-    Fnv f;
+    Fnv1a64 f;
     f.add(material.dump());
     p.key = f.hex();
     p.dir = (fs::path(cfg.dataset_prepared_path) / p.key).string();
