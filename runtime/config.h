@@ -1,7 +1,7 @@
 // The training configuration: an axolotl-style YAML file, validated all at once.
 //
 // Keys follow axolotl's names wherever axolotl has the concept, so a user's axolotl QLoRA
-// config needs few edits. Every key is declared once in the schema (config.cpp): its type,
+// config needs few edits. Every key is declared once in the schema (config_keys.cpp): its type,
 // default, range and documentation; docs/configuration.md's reference table is printed from it
 // (`eo-ddp --help-config --markdown`; grouped for a terminal: runtime/config_help.h). Validation
 // collects every problem before raising, and runs before any weight is read.

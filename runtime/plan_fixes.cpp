@@ -40,7 +40,7 @@ struct Change {
 };
 using ChangeFn = std::function<std::optional<Change>(const TrainConfig&, const Replanner&)>;
 
-// The keys expert_offload and activation_offloading need beside them (config.cpp's check_rules).
+// The keys expert_offload and activation_offloading need beside them (config_checks.cpp's check_rules).
 void add_checkpointing(Change& c) {
   if (!c.cfg.gradient_checkpointing) {
     c.cfg.gradient_checkpointing = true;

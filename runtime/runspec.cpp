@@ -36,7 +36,7 @@ model::BankReuse bank_reuse_in_effect(bool on_gpu, std::int64_t bank_bytes, bool
   return on_gpu && bank_bytes == 0 && checkpointing ? asked : model::BankReuse::None;
 }
 
-// The config's strings were checked against their values when it was read (runtime/config.cpp);
+// The config's strings were checked against their values when it was read (runtime/config_keys.cpp);
 // here each becomes its enum, once. The byte sizes are read last.
 RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compute compute, bool on_gpu, int ranks_per_node) {
   RunSpec s;

@@ -163,7 +163,7 @@ TEST_P(Parity, LoraLogitsAndGradientsMatchPeft) {
 
 // lora_target_parameters: peft's own ParamWrapper adapter (fused gate_up_proj / down_proj,
 // made and saved by peft in model_ref.py) loads, and gives peft's logits, loss and gradients.
-// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config.cpp says so); Gemma 4's
+// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config_checks.cpp says so); Gemma 4's
 // under layers.{i}.experts.
 class FusedParity : public Parity {};
 TEST_P(FusedParity, FusedExpertLoraMatchesPeftParamWrapper) {
