@@ -11,7 +11,7 @@ namespace {
 
 // chat_template values: eo-ddp's own, and axolotl's named templates, every one eo-ddp ships in
 // tools/chat_templates (copied from axolotl; rendered on any model as axolotl does). The families
-// a template is the own template of, for a note elsewhere.
+// a template is the own template of, for note_named_template.
 const std::vector<std::string>& chat_templates() {
   static const std::vector<std::string> t = {"tokenizer_default", "tokenizer_default_fallback_chatml", "jinja"};
   return t;
