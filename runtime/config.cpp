@@ -301,7 +301,6 @@ std::optional<std::string> template_problem(const std::string& v) {
 const std::vector<std::string> kPreTokenized = {"tokenized", "tokens"};
 const std::vector<std::string> kFormatted = {"chat_template", "alpaca", "completion", "input_output"};
 
-
 void read_datasets(const YAML::Node& n, const std::string& key, std::vector<DatasetSpec>& out, std::vector<std::string>& warnings,
                    Issues& issues) {
   if (!n.IsSequence() || n.size() == 0)
@@ -332,7 +331,7 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
     }
     DatasetSpec s;
     if (!d["path"].IsDefined() || !d["path"].IsScalar() || d["path"].Scalar().empty())
-      issues.push_back({where + ".path", "required: the dataset file (a local JSONL file)"});
+      issues.push_back({where + ".path", "required: the data file, or a dataset named as on the Hub (org/name)"});
     else s.path = d["path"].Scalar();
     s.type = scalar_or_empty(d["type"]);  // upgrade_legacy_dataset gives an omitted type its meaning
     if (std::find(types.begin(), types.end(), s.type) == types.end()) {
@@ -1245,8 +1244,8 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     if (!fs::is_directory(p) && hub::is_repo_id(c.base_model)) {
       // A Hub name: runtime/hub.h reported why it is not here, or resolves it once the others are fixed.
     } else if (!fs::is_directory(p))
-      issues.push_back({"base_model", shown_path(c, c.base_model) + " is not a folder (eo-ddp reads local Hugging Face checkpoint folders; "
-                                                           "download one with `huggingface-cli download`)"});
+      issues.push_back({"base_model", shown_path(c, c.base_model) + " is not a folder (a Hugging Face checkpoint folder, or a "
+                                                           "model named as on the Hub: org/name)"});
     else if (!fs::exists(p / "config.json"))
       issues.push_back({"base_model", "'" + c.base_model + "' has no config.json"});
   }
@@ -1265,9 +1264,8 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
       else if (!d.path.empty() && !fs::is_regular_file(d.path))
         issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
                           "file " + shown_path(c, d.path) + " not found" +
-                              (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
-                                                           "hub dataset first, e.g. huggingface-cli download --repo-type "
-                                                           "dataset NAME --local-dir DIR)")
+                              (d.formatted() ? std::string(" (a JSON lines, JSON or parquet file, or a dataset named as "
+                                                           "on the Hub: org/name)")
                                              : std::string())});
     }
   // The axolotl formats are tokenised with the model's tokenizer: it must be there.
