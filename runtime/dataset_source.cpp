@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "runtime/hub.h"
 #include "runtime/yaml_values.h"
 
 namespace eo {
@@ -12,7 +13,12 @@ void read_dataset_source(const YAML::Node& d, const std::string& where, DatasetS
   if (d["ds_type"].IsDefined() && !is_null(d["ds_type"]) && ds_type != "json" && ds_type != "parquet")
     issues.push_back({where + ".ds_type", "eo-ddp reads JSON lines / JSON and parquet files: ds_type json or parquet (or "
                                           "leave it out: the file's extension decides)"});
-  const bool parquet = ds_type == "parquet" || (s.path.size() > 8 && s.path.compare(s.path.size() - 8, 8, ".parquet") == 0);
+  const bool named_parquet = s.path.size() > 8 && s.path.compare(s.path.size() - 8, 8, ".parquet") == 0;
+  const bool parquet = ds_type == "parquet" || named_parquet;
+  // tools/prepare_data.py reads a file as parquet by its name; a local file named otherwise would be read as JSON.
+  if (ds_type == "parquet" && !named_parquet && !s.path.empty() && !hub::is_repo_id(s.path))
+    issues.push_back({where + ".ds_type", "parquet, but '" + s.path + "' is not named .parquet: rename the file to "
+                                          "end in .parquet (eo-ddp reads a data file by its extension)"});
   if (parquet && !s.formatted())
     issues.push_back({where + ".path", "a pre-tokenized dataset (type " + s.type + ") is read from JSON lines; parquet "
                                        "files are read for the axolotl formats (chat_template, alpaca, completion, input_output)"});

@@ -153,3 +153,11 @@ TEST(ConfigOlderForms, ModelConfigOverridesReplaceConfigJsonValues) {
             std::string::npos);
   fs::remove_all(dir);
 }
+
+// ds_type: parquet on a file not named .parquet would be read as JSON by the data tool: refused.
+TEST(ConfigOlderForms, DsTypeParquetNeedsAParquetName) {
+  const std::string e = error_of(std::string(kModel) + "datasets: [{path: rows.bin, ds_type: parquet, type: alpaca}]\n");
+  EXPECT_NE(e.find("datasets.0.ds_type: parquet, but 'rows.bin' is not named .parquet"), std::string::npos) << e;
+  EXPECT_EQ(error_of(std::string(kModel) + "datasets: [{path: rows.parquet, ds_type: parquet, type: alpaca}]\n"), "accepted");
+  EXPECT_EQ(error_of(std::string(kModel) + "datasets: [{path: org/rows, ds_type: parquet, type: alpaca}]\n"), "accepted");
+}
