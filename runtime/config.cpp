@@ -20,6 +20,7 @@
 #include "runtime/config_schema.h"
 #include "runtime/hub.h"
 #include "runtime/key_aliases.h"
+#include "runtime/model_overrides.h"
 #include "runtime/yaml_values.h"
 
 namespace eo {
@@ -138,6 +139,13 @@ void place_override(YAML::Node& root, const std::string& key, const std::vector<
   }
 }
 
+// axolotl's older names of its keys, read as the current key.
+const std::map<std::string, std::string>& older_key_names() {
+  static const std::map<std::string, std::string> m = {{"model_revision", "revision_of_model"},
+                                                       {"model_config", "overrides_of_model_config"}};
+  return m;
+}
+
 // A message that echoes a huge value is cut in its middle (its start names the value, its end the fix).
 std::string shorten(const std::string& m) {
   if (m.size() <= 1200) return m;
@@ -233,6 +241,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
     leaf_keys.insert(s.key);
     known.push_back(s.key);
   }
+  for (const auto& [older, key] : older_key_names())
+    if (leaf_keys.count(key)) leaf_keys.insert(older);
   std::vector<std::pair<std::string, YAML::Node>> entries;
   flatten(root, "", entries, leaf_keys, source);
 
@@ -244,19 +254,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   int suggested = 0;
   for (const auto& [key_in, node] : entries) {
     std::string key = key_in;
-    // axolotl's overrides of transformers' config: eo-ddp reads the one that changes the loss.
-    for (const std::string prefix : {"model_config.", "overrides_of_model_config."})
-      if (key.rfind(prefix, 0) == 0) {
-        if (key.substr(prefix.size()) == "output_router_logits") {
-          key = "output_router_logits";
-        } else {
-          issues.push_back({key, "overriding config.json is not implemented (eo-ddp reads " + prefix +
-                                     "output_router_logits only); edit base_model/config.json instead"});
-          key.clear();
-        }
-      }
-    if (key == "model_revision") key = "revision_of_model";  // axolotl's older name
-    if (key.empty() || read_axolotl_special(key, node, cfg, issues)) continue;
+    if (const auto older = older_key_names().find(key); older != older_key_names().end()) key = older->second;
+    if (read_axolotl_special(key, node, cfg, issues)) continue;
     const AxolotlKey* axo = axolotl_key(key);
     if (axo && axo->cls != AxolotlKey::Implemented) {
       apply_axolotl_key(*axo, key, node, cfg.warnings, issues);
@@ -314,7 +313,7 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (options.check_files || options.check_architecture) check_targets(cfg, present, issues, &parsed);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
   if (options.model_out)
-    *options.model_out = !parsed.model_type.empty() ? std::move(parsed) : model::load_config(cfg.base_model);
+    *options.model_out = !parsed.model_type.empty() ? std::move(parsed) : load_model_config(cfg);
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))
     cfg.warnings.push_back("expert_offload_prefetch_depth is ignored: it needs expert_offload: true and "

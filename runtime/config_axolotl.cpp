@@ -133,7 +133,7 @@ std::string axolotl_keys_markdown() {
   std::ostringstream os;
   os << "# axolotl's config keys in eo-ddp\n\n"
         "Every key of axolotl 0.19.0's config schema (with its bundled plugins' keys, and a `datasets` entry's keys "
-        "as `datasets[].KEY`), as eo-ddp takes it: **implemented** (read; see docs/configuration.md), "
+        "as `datasets[].KEY`), and the older axolotl / transformers' Trainer keys configs still carry, as eo-ddp takes it: **implemented** (read; see docs/configuration.md), "
         "**noted** (accepted; when set, the log says what eo-ddp does instead) or **rejected** (an error naming the "
         "reason unless the value is off: null, false, empty, 0, or 1 for a parallel size). A key in neither this "
         "table nor the config reference is an error with a \"did you mean\". Printed by `eo-ddp --help-axolotl-keys` "

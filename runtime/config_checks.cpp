@@ -18,6 +18,7 @@
 #include "runtime/config_chat_templates.h"
 #include "runtime/config_paths.h"
 #include "runtime/hub.h"
+#include "runtime/model_overrides.h"
 #include "runtime/yaml_values.h"
 
 namespace eo::config_detail {
@@ -93,7 +94,7 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
     issues.push_back({"val_set_size", "set either val_set_size (held out from datasets) or test_datasets, not both"});
   if (c.eval_steps && c.evals_per_epoch)
     issues.push_back({"evals_per_epoch", "set either eval_steps or evals_per_epoch, not both"});
-  if (c.saves_per_epoch && present.count("save_steps") && c.save_steps > 0)
+  if (c.saves_per_epoch && c.save_steps.value_or(0) > 0)
     issues.push_back({"saves_per_epoch", "set either save_steps or saves_per_epoch, not both"});
   if (c.chat_template == "jinja" && c.chat_template_jinja.empty())
     issues.push_back({"chat_template_jinja", "chat_template: jinja needs the template text in chat_template_jinja"});
@@ -136,8 +137,8 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     if (!fs::is_directory(p) && hub::is_repo_id(c.base_model)) {
       // A Hub name: runtime/hub.h reported why it is not here, or resolves it once the others are fixed.
     } else if (!fs::is_directory(p))
-      issues.push_back({"base_model", shown_path(c, c.base_model) + " is not a folder (eo-ddp reads local Hugging Face checkpoint folders; "
-                                                           "download one with `huggingface-cli download`)"});
+      issues.push_back({"base_model", shown_path(c, c.base_model) + " is not a folder (a Hugging Face checkpoint folder, or a "
+                                                           "model named as on the Hub: org/name)"});
     else if (!fs::exists(p / "config.json"))
       issues.push_back({"base_model", "'" + c.base_model + "' has no config.json"});
   }
@@ -156,9 +157,8 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
       else if (!d.path.empty() && !fs::is_regular_file(d.path))
         issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
                           "file " + shown_path(c, d.path) + " not found" +
-                              (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
-                                                           "hub dataset first, e.g. huggingface-cli download --repo-type "
-                                                           "dataset NAME --local-dir DIR)")
+                              (d.formatted() ? std::string(" (a JSON lines, JSON or parquet file, or a dataset named as "
+                                                           "on the Hub: org/name)")
                                              : std::string())});
     }
   // The axolotl formats are tokenised with the model's tokenizer: it must be there.
@@ -332,8 +332,11 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   if (!present.count("base_model") || c.base_model.empty()) return;
   model::ModelConfig mc;
   try {
-    mc = model::load_config(c.base_model);
+    mc = load_model_config(c, &c.warnings);
     if (parsed) *parsed = mc;
+  } catch (const ModelOverrideError& e) {
+    issues.push_back({"overrides_of_model_config", e.what()});
+    return;
   } catch (const std::exception& e) {
     // An unsupported or malformed config.json is listed with the key problems, so one --check
     // names them all; a missing folder or config.json is check_files' to report.

@@ -7,6 +7,7 @@
 #include "common/text.h"
 #include "runtime/config_axolotl.h"
 #include "runtime/config_chat_templates.h"
+#include "runtime/dataset_source.h"
 #include "runtime/datasets_legacy.h"
 #include "runtime/yaml_values.h"
 
@@ -16,41 +17,6 @@ namespace {
 // The types a datasets entry may have: pre-tokenized, and the axolotl formats (tokenised through transformers).
 const std::vector<std::string> kPreTokenized = {"tokenized", "tokens"};
 const std::vector<std::string> kFormatted = {"chat_template", "alpaca", "completion", "input_output"};
-
-// Where a dataset's rows come from, beyond path: a Hub dataset's revision and data_files, the file
-// format (ds_type), and axolotl's shards.
-void read_dataset_source(const YAML::Node& d, const std::string& where, DatasetSpec& s, Issues& issues) {
-  const std::string ds_type = scalar_or_empty(d["ds_type"]);
-  if (d["ds_type"].IsDefined() && !is_null(d["ds_type"]) && ds_type != "json" && ds_type != "parquet")
-    issues.push_back({where + ".ds_type", "eo-ddp reads JSON lines / JSON and parquet files: ds_type json or parquet (or "
-                                          "leave it out: the file's extension decides)"});
-  const bool parquet = ds_type == "parquet" || (s.path.size() > 8 && s.path.compare(s.path.size() - 8, 8, ".parquet") == 0);
-  if (parquet && !s.formatted())
-    issues.push_back({where + ".path", "a pre-tokenized dataset (type " + s.type + ") is read from JSON lines; parquet "
-                                       "files are read for the axolotl formats (chat_template, alpaca, completion, input_output)"});
-  if (d["revision"].IsDefined() && !is_null(d["revision"])) s.revision = scalar_or_empty(d["revision"]);
-  if (d["data_files"].IsDefined() && !is_null(d["data_files"])) {
-    const YAML::Node f = d["data_files"];
-    if (f.IsScalar()) s.data_files.push_back(f.Scalar());
-    else if (f.IsSequence())
-      for (const auto& x : f) s.data_files.push_back(scalar_or_empty(x));
-    if (s.data_files.empty() || std::count(s.data_files.begin(), s.data_files.end(), std::string()))
-      issues.push_back({where + ".data_files", "expected a file of the Hub dataset (or a list of them)"});
-  }
-  for (const char* k : {"shards", "shards_idx"}) {
-    if (!d[k].IsDefined() || is_null(d[k])) continue;
-    const auto v = as_int(d[k]);
-    if (!v || *v < (std::string(k) == "shards" ? 1 : 0)) issues.push_back({where + "." + k, "expected a whole number"});
-    else (std::string(k) == "shards" ? s.shards : s.shards_idx) = *v;
-  }
-  if (d["shards_idx"].IsDefined() && !d["shards"].IsDefined())
-    issues.push_back({where + ".shards_idx", "needs shards (the number of shards the rows are cut into)"});
-  else if (s.shards > 0 && s.shards_idx >= s.shards)
-    issues.push_back({where + ".shards_idx", "must be below shards (" + std::to_string(s.shards) + ")"});
-  if (s.shards > 0 && !s.formatted())
-    issues.push_back({where + ".shards", "applies to the axolotl formats (chat_template, alpaca, completion, input_output); "
-                                         "cut a pre-tokenized file itself"});
-}
 
 }  // namespace
 
@@ -84,9 +50,9 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
     }
     DatasetSpec s;
     if (!d["path"].IsDefined() || !d["path"].IsScalar() || d["path"].Scalar().empty())
-      issues.push_back({where + ".path", "required: the dataset file (a local JSONL file)"});
+      issues.push_back({where + ".path", "required: the data file, or a dataset named as on the Hub (org/name)"});
     else s.path = d["path"].Scalar();
-    s.type = d["type"].IsDefined() ? scalar_or_empty(d["type"]) : "tokenized";
+    s.type = scalar_or_empty(d["type"]);  // upgrade_legacy_dataset gives an omitted type its meaning
     if (std::find(types.begin(), types.end(), s.type) == types.end()) {
       std::string msg = "unknown type '" + s.type + "'; eo-ddp reads " + join(kFormatted, ", ") +
                         " (tokenised through transformers) and the pre-tokenized tokenized (JSONL) and tokens (binary)";

@@ -10,6 +10,7 @@
 #include "runtime/config_chat_templates.h"
 #include "runtime/config_datasets.h"
 #include "runtime/config_schema.h"
+#include "runtime/model_overrides.h"
 #include "runtime/yaml_values.h"
 
 namespace eo::config_detail {
@@ -186,6 +187,18 @@ const std::vector<KeySpec>& schema() {
                        "mxfp4 requires an MXFP4 checkpoint."));
     k.push_back(boolean("output_router_logits", &TrainConfig::output_router_logits,
                         "Add the router load-balancing auxiliary loss (coefficient from config.json or router_aux_loss_coef)."));
+    k.push_back({"overrides_of_model_config", "map", "(none)",
+                 "Values that replace base_model/config.json's top-level keys (rope_scaling, rope_theta, "
+                 "max_position_embeddings, ...), as axolotl sets them; ones that change the weights' shapes are refused. "
+                 "Older configs: model_config.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   read_model_config_overrides(n, "overrides_of_model_config", c, issues);
+                 },
+                 [](const TrainConfig& c) {
+                   YAML::Node m;
+                   for (const auto& [k, v] : c.model_config_overrides) m[k] = YAML::Load(v);  // JSON is YAML
+                   return m;
+                 }});
     k.push_back({"router_aux_loss_coef", "float", "(from config.json)", "Overrides the checkpoint's router auxiliary loss coefficient.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    auto v = as_double(n);
@@ -478,7 +491,9 @@ const std::vector<KeySpec>& schema() {
                         "Seconds a collective may take before every rank is aborted with a message naming the stuck rank."));
     // --- outputs
     k.push_back(text("output_dir", &TrainConfig::output_dir, "Where adapters, checkpoints and metrics.jsonl go."));
-    k.push_back(integer("save_steps", &TrainConfig::save_steps, 0, 1 << 30, "Save an adapter + training state every N steps; 0 = only at the end."));
+    k.push_back(steps_or_fraction("save_steps", &TrainConfig::save_steps, true,
+                                  "Save an adapter + training state every N steps (>= 1), or every fraction of the run "
+                                  "(< 1); 0 = only at the end."));
     k.push_back(integer("save_total_limit", &TrainConfig::save_total_limit, 1, 1 << 20,
                         "Training-state checkpoints of this run to keep (another run's are never deleted)."));
     k.push_back(boolean("overwrite_output_dir", &TrainConfig::overwrite_output_dir,
@@ -499,16 +514,8 @@ const std::vector<KeySpec>& schema() {
                    if (*v > 0) c.val_set_size = *v;
                  },
                  writer(&TrainConfig::val_set_size)});
-    k.push_back({"eval_steps", "float", "(none)",
-                 "Evaluate every N optimizer steps (>= 1), or every fraction of the run (< 1), and at the end.",
-                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-                   auto v = as_double(n);
-                   if (!v || *v <= 0 || (*v >= 1 && *v != std::floor(*v)))
-                     return issues.push_back({"eval_steps", "expected a whole number of steps or a fraction in (0, 1), got '" +
-                                                                yaml_text(n) + "'"});
-                   c.eval_steps = *v;
-                 },
-                 writer(&TrainConfig::eval_steps)});
+    k.push_back(steps_or_fraction("eval_steps", &TrainConfig::eval_steps, false,
+                                  "Evaluate every N optimizer steps (>= 1), or every fraction of the run (< 1), and at the end."));
     k.push_back(integer("evals_per_epoch", &TrainConfig::evals_per_epoch, 1, 1 << 20,
                         "Evaluate this many times per epoch, evenly (exclusive with eval_steps). With eval data and "
                         "neither key, eo-ddp evaluates once at the end."));

@@ -95,6 +95,18 @@ KeySpec integer(std::string key, std::optional<int> TrainConfig::*field, std::in
           writer(field)};
 }
 
+KeySpec steps_or_fraction(std::string key, std::optional<double> TrainConfig::*field, bool zero_ok, std::string doc) {
+  return {key, "float", zero_ok ? "0" : "(none)", std::move(doc),
+          [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            const auto v = as_double(n);
+            if (!v || *v < 0 || (*v == 0 && !zero_ok) || (*v >= 1 && *v != std::floor(*v)) || *v > (1 << 30))
+              return issues.push_back({key, std::string("expected a whole number of steps or a fraction in (0, 1)") +
+                                                (zero_ok ? " (0: never)" : "") + ", got '" + yaml_text(n) + "'"});
+            c.*field = *v;
+          },
+          writer(field)};
+}
+
 KeySpec real(std::string key, double TrainConfig::*field, double lo, bool lo_open, double hi, std::string doc) {
   TrainConfig defaults;
   return {key, "float", fmt_double(defaults.*field), std::move(doc),

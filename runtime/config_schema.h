@@ -61,6 +61,9 @@ KeySpec integer(std::string key, std::optional<int> TrainConfig::*field, std::in
 KeySpec real(std::string key, double TrainConfig::*field, double lo, bool lo_open, double hi, std::string doc);
 KeySpec choice(std::string key, std::string TrainConfig::*field, std::vector<std::string> allowed, std::string doc);
 KeySpec text(std::string key, std::string TrainConfig::*field, std::string doc);
+// How often, in optimizer steps: a whole number, or a fraction in (0, 1) of the run's steps (as
+// axolotl and transformers read it; step_interval resolves it); 0 = never where zero_ok.
+KeySpec steps_or_fraction(std::string key, std::optional<double> TrainConfig::*field, bool zero_ok, std::string doc);
 
 // A scalar or a list of scalars as strings; else an issue naming the key.
 std::optional<std::vector<std::string>> string_list(const std::string& key, const YAML::Node& n, const std::string& what,
