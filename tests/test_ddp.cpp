@@ -23,7 +23,7 @@
 #include "runtime/ddp/reducer.h"
 #include "runtime/ddp/world.h"
 
-using namespace eo::dist;
+using namespace eo::ddp;
 
 namespace {
 std::unique_ptr<Communicator> g_comm;

@@ -26,7 +26,7 @@
 #include <future>
 #endif
 
-namespace eo::dist {
+namespace eo::ddp {
 namespace {
 using Clock = std::chrono::steady_clock;
 
@@ -331,4 +331,4 @@ void Communicator::reset_stats() {
   stats_ = CommStats{};
 }
 
-}  // namespace eo::dist
+}  // namespace eo::ddp

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace eo::dist {
+namespace eo::ddp {
 
 class World;
 
@@ -81,4 +81,4 @@ class Communicator {
   std::unique_ptr<Nccl> nccl_;  // only for CUDA devices in a world of more than one
 };
 
-}  // namespace eo::dist
+}  // namespace eo::ddp

@@ -8,7 +8,7 @@
 #include "offload/homes.h"
 #include "runtime/ddp/world.h"
 
-namespace eo::dist {
+namespace eo::ddp {
 
 HomeGroup home_group(World& world, const at::Device& device, bool by_numa_node) {
   std::string mine = world.info().hostname;
@@ -47,4 +47,4 @@ offload::HomeSharing make_home_sharing(World& world, const HomeGroup& group) {
   return s;
 }
 
-}  // namespace eo::dist
+}  // namespace eo::ddp

@@ -6,7 +6,7 @@
 
 #include "offload/home_store.h"
 
-namespace eo::dist {
+namespace eo::ddp {
 
 class World;
 
@@ -23,4 +23,4 @@ HomeGroup home_group(World& world, const at::Device& device, bool by_numa_node =
 // allgather; a barrier once all have mapped. `world` must outlive the returned functions.
 offload::HomeSharing make_home_sharing(World& world, const HomeGroup& group);
 
-}  // namespace eo::dist
+}  // namespace eo::ddp

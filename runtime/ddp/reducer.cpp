@@ -12,7 +12,7 @@
 #include "common/checksum.h"
 #include "common/error.h"
 
-namespace eo::dist {
+namespace eo::ddp {
 
 std::vector<BucketPlan> assign_buckets(const std::vector<std::int64_t>& sizes, const std::vector<int>& blocks,
                                        std::int64_t cap_bytes) {
@@ -217,4 +217,4 @@ void check_same_bytes(const std::vector<HostBytes>& ranges, Communicator& comm, 
   EO_CHECK(rep.agree, rep.message);
 }
 
-}  // namespace eo::dist
+}  // namespace eo::ddp

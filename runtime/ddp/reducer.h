@@ -26,7 +26,7 @@
 
 #include "runtime/ddp/comm.h"
 
-namespace eo::dist {
+namespace eo::ddp {
 
 using NamedTensor = std::pair<std::string, at::Tensor>;
 
@@ -108,4 +108,4 @@ ChecksumReport checksum_allreduce(const std::vector<HostBytes>& ranges, Communic
 // Throws eo::Error naming the differing ranks unless every rank holds the same bytes.
 void check_same_bytes(const std::vector<HostBytes>& ranges, Communicator& comm, const std::string& what);
 
-}  // namespace eo::dist
+}  // namespace eo::ddp

@@ -14,7 +14,7 @@
 #include "common/error.h"
 #include "common/mpi_check.h"
 
-namespace eo::dist {
+namespace eo::ddp {
 namespace {
 using Clock = std::chrono::steady_clock;
 std::unique_ptr<World> g_world;
@@ -273,4 +273,4 @@ void World::finalize() {
 
 World::~World() { finalize(); }
 
-}  // namespace eo::dist
+}  // namespace eo::ddp

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace eo::dist {
+namespace eo::ddp {
 
 struct WorldInfo {
   int rank = 0;
@@ -83,4 +83,4 @@ class World {
 // Which launcher, if any, started this process (from its environment).
 std::string detect_launcher();
 
-}  // namespace eo::dist
+}  // namespace eo::ddp
