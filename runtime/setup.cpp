@@ -79,8 +79,8 @@ std::map<std::string, std::string> disk_homes_identity(const TrainConfig& cfg, c
           {"config.json", sum},
           {"model_type", spec.model.model_type},
           {"weights", cfg.synthetic_weights ? "synthetic, seed " + std::to_string(cfg.seed) : "checkpoint"},
-          {"experts", std::string(quant_format_name(spec.expert_format)) +
-                          (quant_format_traits(spec.expert_format).checkpoint_own ? " (the checkpoint's)" : "")},
+          {"experts", std::string(quant_format_name(spec.expert_format.value_or(QuantFormat::Nf4))) +
+                          (spec.expert_format && quant_format_traits(*spec.expert_format).checkpoint_own ? " (the checkpoint's)" : "")},
           {"bnb_4bit_blocksize", std::to_string(spec.blocksize)},
           {"bnb_4bit_use_double_quant", spec.double_quant ? "true" : "false"}};
 }
