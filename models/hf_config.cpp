@@ -696,7 +696,9 @@ ModelConfig checked(ModelConfig c, const std::string& source) {
 
 }  // namespace
 
-ModelConfig load_config(const std::string& model_dir) {
+ModelConfig load_config(const std::string& model_dir) { return parse_config(read_config_json(model_dir), model_dir + "/config.json"); }
+
+json read_config_json(const std::string& model_dir) {
   const std::string path = model_dir + "/config.json";
   std::ifstream in(path);
   if (!in) throw UsageError(path + ": cannot open (is --model a Hugging Face checkpoint folder?)");
@@ -721,7 +723,7 @@ ModelConfig load_config(const std::string& model_dir) {
       j["quantization_config"] = q;
     }
   }
-  return parse_config(j, path);
+  return j;
 }
 
 }  // namespace eo::model

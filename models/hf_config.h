@@ -268,5 +268,8 @@ const std::vector<std::string>& all_linear_modules();
 // `source` names the file in error messages.
 ModelConfig parse_config(const nlohmann::json& j, const std::string& source);
 ModelConfig load_config(const std::string& model_dir);  // reads DIR/config.json
+// DIR/config.json as load_config reads it (with a modelopt export's hf_quant_config.json folded in
+// as quantization_config), before parse_config.
+nlohmann::json read_config_json(const std::string& model_dir);
 
 }  // namespace eo::model

@@ -20,7 +20,8 @@ namespace eo {
 Checkpointer::Checkpointer(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, const LossScaler& scaler, ddp::World& world)
     : cfg_(cfg), run_(run), guard_(guard), scaler_(scaler), rank_(world.info().rank), world_size_(world.info().world_size) {
   const double steps_per_epoch = double(run.batcher->num_batches_per_epoch()) / double(run.spec.accum);
-  every_ = cfg.saves_per_epoch ? step_interval(std::nullopt, cfg.saves_per_epoch, steps_per_epoch, run.total_steps) : cfg.save_steps;
+  const auto save_steps = cfg.save_steps.value_or(0) > 0 ? cfg.save_steps : std::nullopt;
+  every_ = step_interval(save_steps, cfg.saves_per_epoch, steps_per_epoch, run.total_steps);
 }
 
 bool Checkpointer::due(std::int64_t step) const { return every_ > 0 && step % every_ == 0 && step < run_.total_steps; }

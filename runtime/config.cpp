@@ -23,9 +23,12 @@
 #include "models/hf_config.h"
 #include "models/module_names.h"
 #include "runtime/config_paths.h"
+#include "runtime/dataset_source.h"
 #include "runtime/datasets_legacy.h"
 #include "runtime/hub.h"
 #include "runtime/key_aliases.h"
+#include "runtime/model_overrides.h"
+#include "runtime/yaml_values.h"
 
 namespace eo {
 namespace {
@@ -67,60 +70,6 @@ std::function<YAML::Node(const TrainConfig&)> writer(T TrainConfig::*field) {
 template <typename T>
 std::function<YAML::Node(const TrainConfig&)> writer(std::optional<T> TrainConfig::*field) {
   return [field](const TrainConfig& c) { return (c.*field) ? value_node(*(c.*field)) : YAML::Node(); };
-}
-
-std::string yaml_text(const YAML::Node& n) {
-  YAML::Emitter out;
-  out << YAML::Flow << n;
-  return out.c_str();
-}
-
-bool is_null(const YAML::Node& n) { return !n.IsDefined() || n.IsNull(); }
-
-// A mapping key as text. A sequence or map used as a key ("? [a, b]: 1") is shown as YAML, so it
-// is reported as an unknown key instead of escaping as yaml-cpp's BadConversion.
-std::string key_text(const YAML::Node& k) { return k.IsScalar() ? k.Scalar() : yaml_text(k); }
-
-// Scalars: yaml-cpp converts leniently ("1.0" as int fails, "yes" as bool works); we check
-// the scalar's shape ourselves for a precise message.
-std::optional<bool> as_bool(const YAML::Node& n) {
-  if (!n.IsScalar()) return std::nullopt;
-  const std::string s = n.Scalar();
-  if (s == "true" || s == "True" || s == "TRUE") return true;
-  if (s == "false" || s == "False" || s == "FALSE") return false;
-  return std::nullopt;
-}
-
-std::optional<std::int64_t> as_int(const YAML::Node& n) {
-  if (!n.IsScalar()) return std::nullopt;
-  const std::string s = n.Scalar();
-  try {
-    std::size_t pos = 0;
-    const long long v = std::stoll(s, &pos, 10);
-    if (pos == s.size()) return v;
-  } catch (...) {
-  }
-  // Accept integral floats written as 1e3.
-  try {
-    std::size_t pos = 0;
-    const double d = std::stod(s, &pos);
-    if (pos == s.size() && std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9e18)
-      return static_cast<std::int64_t>(d);
-  } catch (...) {
-  }
-  return std::nullopt;
-}
-
-std::optional<double> as_double(const YAML::Node& n) {
-  if (!n.IsScalar()) return std::nullopt;
-  const std::string s = n.Scalar();
-  try {
-    std::size_t pos = 0;
-    const double d = std::stod(s, &pos);
-    if (pos == s.size() && std::isfinite(d)) return d;
-  } catch (...) {
-  }
-  return std::nullopt;
 }
 
 KeySpec boolean(std::string key, bool TrainConfig::*field, std::string doc) {
@@ -191,6 +140,20 @@ KeySpec integer(std::string key, std::optional<int> TrainConfig::*field, std::in
   return {key, "int", "(none)", std::move(doc),
           [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
             if (auto v = int_in_range(key, n, lo, hi, issues)) c.*field = static_cast<int>(*v);
+          },
+          writer(field)};
+}
+
+// How often, in optimizer steps: a whole number, or a fraction in (0, 1) of the run's steps (as
+// axolotl and transformers read it; step_interval resolves it); 0 = never where zero_ok.
+KeySpec steps_or_fraction(std::string key, std::optional<double> TrainConfig::*field, bool zero_ok, std::string doc) {
+  return {key, "float", zero_ok ? "0" : "(none)", std::move(doc),
+          [=](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+            const auto v = as_double(n);
+            if (!v || *v < 0 || (*v == 0 && !zero_ok) || (*v >= 1 && *v != std::floor(*v)) || *v > (1 << 30))
+              return issues.push_back({key, std::string("expected a whole number of steps or a fraction in (0, 1)") +
+                                                (zero_ok ? " (0: never)" : "") + ", got '" + yaml_text(n) + "'"});
+            c.*field = *v;
           },
           writer(field)};
 }
@@ -338,43 +301,6 @@ std::optional<std::string> template_problem(const std::string& v) {
 const std::vector<std::string> kPreTokenized = {"tokenized", "tokens"};
 const std::vector<std::string> kFormatted = {"chat_template", "alpaca", "completion", "input_output"};
 
-std::string scalar_or_empty(const YAML::Node& n) { return n.IsDefined() && n.IsScalar() ? n.Scalar() : ""; }
-
-// Where a dataset's rows come from, beyond path: a Hub dataset's revision and data_files, the file
-// format (ds_type), and axolotl's shards.
-void read_dataset_source(const YAML::Node& d, const std::string& where, DatasetSpec& s, Issues& issues) {
-  const std::string ds_type = scalar_or_empty(d["ds_type"]);
-  if (d["ds_type"].IsDefined() && !is_null(d["ds_type"]) && ds_type != "json" && ds_type != "parquet")
-    issues.push_back({where + ".ds_type", "eo-ddp reads JSON lines / JSON and parquet files: ds_type json or parquet (or "
-                                          "leave it out: the file's extension decides)"});
-  const bool parquet = ds_type == "parquet" || (s.path.size() > 8 && s.path.compare(s.path.size() - 8, 8, ".parquet") == 0);
-  if (parquet && !s.formatted())
-    issues.push_back({where + ".path", "a pre-tokenized dataset (type " + s.type + ") is read from JSON lines; parquet "
-                                       "files are read for the axolotl formats (chat_template, alpaca, completion, input_output)"});
-  if (d["revision"].IsDefined() && !is_null(d["revision"])) s.revision = scalar_or_empty(d["revision"]);
-  if (d["data_files"].IsDefined() && !is_null(d["data_files"])) {
-    const YAML::Node f = d["data_files"];
-    if (f.IsScalar()) s.data_files.push_back(f.Scalar());
-    else if (f.IsSequence())
-      for (const auto& x : f) s.data_files.push_back(scalar_or_empty(x));
-    if (s.data_files.empty() || std::count(s.data_files.begin(), s.data_files.end(), std::string()))
-      issues.push_back({where + ".data_files", "expected a file of the Hub dataset (or a list of them)"});
-  }
-  for (const char* k : {"shards", "shards_idx"}) {
-    if (!d[k].IsDefined() || is_null(d[k])) continue;
-    const auto v = as_int(d[k]);
-    if (!v || *v < (std::string(k) == "shards" ? 1 : 0)) issues.push_back({where + "." + k, "expected a whole number"});
-    else (std::string(k) == "shards" ? s.shards : s.shards_idx) = *v;
-  }
-  if (d["shards_idx"].IsDefined() && !d["shards"].IsDefined())
-    issues.push_back({where + ".shards_idx", "needs shards (the number of shards the rows are cut into)"});
-  else if (s.shards > 0 && s.shards_idx >= s.shards)
-    issues.push_back({where + ".shards_idx", "must be below shards (" + std::to_string(s.shards) + ")"});
-  if (s.shards > 0 && !s.formatted())
-    issues.push_back({where + ".shards", "applies to the axolotl formats (chat_template, alpaca, completion, input_output); "
-                                         "cut a pre-tokenized file itself"});
-}
-
 void read_datasets(const YAML::Node& n, const std::string& key, std::vector<DatasetSpec>& out, std::vector<std::string>& warnings,
                    Issues& issues) {
   if (!n.IsSequence() || n.size() == 0)
@@ -405,9 +331,9 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
     }
     DatasetSpec s;
     if (!d["path"].IsDefined() || !d["path"].IsScalar() || d["path"].Scalar().empty())
-      issues.push_back({where + ".path", "required: the dataset file (a local JSONL file)"});
+      issues.push_back({where + ".path", "required: the data file, or a dataset named as on the Hub (org/name)"});
     else s.path = d["path"].Scalar();
-    s.type = d["type"].IsDefined() ? scalar_or_empty(d["type"]) : "tokenized";
+    s.type = scalar_or_empty(d["type"]);  // upgrade_legacy_dataset gives an omitted type its meaning
     if (std::find(types.begin(), types.end(), s.type) == types.end()) {
       std::string msg = "unknown type '" + s.type + "'; eo-ddp reads " + join(kFormatted, ", ") +
                         " (tokenised through transformers) and the pre-tokenized tokenized (JSONL) and tokens (binary)";
@@ -747,6 +673,18 @@ const std::vector<KeySpec>& schema() {
                        "mxfp4 requires an MXFP4 checkpoint."));
     k.push_back(boolean("output_router_logits", &TrainConfig::output_router_logits,
                         "Add the router load-balancing auxiliary loss (coefficient from config.json or router_aux_loss_coef)."));
+    k.push_back({"overrides_of_model_config", "map", "(none)",
+                 "Values that replace base_model/config.json's top-level keys (rope_scaling, rope_theta, "
+                 "max_position_embeddings, ...), as axolotl sets them; ones that change the weights' shapes are refused. "
+                 "Older configs: model_config.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   read_model_config_overrides(n, "overrides_of_model_config", c, issues);
+                 },
+                 [](const TrainConfig& c) {
+                   YAML::Node m;
+                   for (const auto& [k, v] : c.model_config_overrides) m[k] = YAML::Load(v);  // JSON is YAML
+                   return m;
+                 }});
     k.push_back({"router_aux_loss_coef", "float", "(from config.json)", "Overrides the checkpoint's router auxiliary loss coefficient.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    auto v = as_double(n);
@@ -1039,7 +977,9 @@ const std::vector<KeySpec>& schema() {
                         "Seconds a collective may take before every rank is aborted with a message naming the stuck rank."));
     // --- outputs
     k.push_back(text("output_dir", &TrainConfig::output_dir, "Where adapters, checkpoints and metrics.jsonl go."));
-    k.push_back(integer("save_steps", &TrainConfig::save_steps, 0, 1 << 30, "Save an adapter + training state every N steps; 0 = only at the end."));
+    k.push_back(steps_or_fraction("save_steps", &TrainConfig::save_steps, true,
+                                  "Save an adapter + training state every N steps (>= 1), or every fraction of the run "
+                                  "(< 1); 0 = only at the end."));
     k.push_back(integer("save_total_limit", &TrainConfig::save_total_limit, 1, 1 << 20,
                         "Training-state checkpoints of this run to keep (another run's are never deleted)."));
     k.push_back(boolean("overwrite_output_dir", &TrainConfig::overwrite_output_dir,
@@ -1060,16 +1000,8 @@ const std::vector<KeySpec>& schema() {
                    if (*v > 0) c.val_set_size = *v;
                  },
                  writer(&TrainConfig::val_set_size)});
-    k.push_back({"eval_steps", "float", "(none)",
-                 "Evaluate every N optimizer steps (>= 1), or every fraction of the run (< 1), and at the end.",
-                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
-                   auto v = as_double(n);
-                   if (!v || *v <= 0 || (*v >= 1 && *v != std::floor(*v)))
-                     return issues.push_back({"eval_steps", "expected a whole number of steps or a fraction in (0, 1), got '" +
-                                                                yaml_text(n) + "'"});
-                   c.eval_steps = *v;
-                 },
-                 writer(&TrainConfig::eval_steps)});
+    k.push_back(steps_or_fraction("eval_steps", &TrainConfig::eval_steps, false,
+                                  "Evaluate every N optimizer steps (>= 1), or every fraction of the run (< 1), and at the end."));
     k.push_back(integer("evals_per_epoch", &TrainConfig::evals_per_epoch, 1, 1 << 20,
                         "Evaluate this many times per epoch, evenly (exclusive with eval_steps). With eval data and "
                         "neither key, eo-ddp evaluates once at the end."));
@@ -1269,7 +1201,7 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
     issues.push_back({"val_set_size", "set either val_set_size (held out from datasets) or test_datasets, not both"});
   if (c.eval_steps && c.evals_per_epoch)
     issues.push_back({"evals_per_epoch", "set either eval_steps or evals_per_epoch, not both"});
-  if (c.saves_per_epoch && present.count("save_steps") && c.save_steps > 0)
+  if (c.saves_per_epoch && c.save_steps.value_or(0) > 0)
     issues.push_back({"saves_per_epoch", "set either save_steps or saves_per_epoch, not both"});
   if (c.chat_template == "jinja" && c.chat_template_jinja.empty())
     issues.push_back({"chat_template_jinja", "chat_template: jinja needs the template text in chat_template_jinja"});
@@ -1312,8 +1244,8 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
     if (!fs::is_directory(p) && hub::is_repo_id(c.base_model)) {
       // A Hub name: runtime/hub.h reported why it is not here, or resolves it once the others are fixed.
     } else if (!fs::is_directory(p))
-      issues.push_back({"base_model", shown_path(c, c.base_model) + " is not a folder (eo-ddp reads local Hugging Face checkpoint folders; "
-                                                           "download one with `huggingface-cli download`)"});
+      issues.push_back({"base_model", shown_path(c, c.base_model) + " is not a folder (a Hugging Face checkpoint folder, or a "
+                                                           "model named as on the Hub: org/name)"});
     else if (!fs::exists(p / "config.json"))
       issues.push_back({"base_model", "'" + c.base_model + "' has no config.json"});
   }
@@ -1332,9 +1264,8 @@ void check_files(const TrainConfig& c, const std::set<std::string>& present, Iss
       else if (!d.path.empty() && !fs::is_regular_file(d.path))
         issues.push_back({std::string(list == &c.datasets ? "datasets." : "test_datasets.") + std::to_string(i) + ".path",
                           "file " + shown_path(c, d.path) + " not found" +
-                              (d.formatted() ? std::string(" (eo-ddp reads local JSON lines files; download a Hugging Face "
-                                                           "hub dataset first, e.g. huggingface-cli download --repo-type "
-                                                           "dataset NAME --local-dir DIR)")
+                              (d.formatted() ? std::string(" (a JSON lines, JSON or parquet file, or a dataset named as "
+                                                           "on the Hub: org/name)")
                                              : std::string())});
     }
   // The axolotl formats are tokenised with the model's tokenizer: it must be there.
@@ -1522,8 +1453,11 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
   if (!present.count("base_model") || c.base_model.empty()) return;
   model::ModelConfig mc;
   try {
-    mc = model::load_config(c.base_model);
+    mc = load_model_config(c, &c.warnings);
     if (parsed) *parsed = mc;
+  } catch (const ModelOverrideError& e) {
+    issues.push_back({"overrides_of_model_config", e.what()});
+    return;
   } catch (const std::exception& e) {
     // An unsupported or malformed config.json is listed with the key problems, so one --check
     // names them all; a missing folder or config.json is check_files' to report.
@@ -1694,6 +1628,13 @@ bool read_axolotl_special(const std::string& key, const YAML::Node& n, TrainConf
   return false;
 }
 
+// axolotl's older names of its keys, read as the current key.
+const std::map<std::string, std::string>& older_key_names() {
+  static const std::map<std::string, std::string> m = {{"model_revision", "revision_of_model"},
+                                                       {"model_config", "overrides_of_model_config"}};
+  return m;
+}
+
 // A message that echoes a huge value is cut in its middle (its start names the value, its end the fix).
 std::string shorten(const std::string& m) {
   if (m.size() <= 1200) return m;
@@ -1789,6 +1730,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
     leaf_keys.insert(s.key);
     known.push_back(s.key);
   }
+  for (const auto& [older, key] : older_key_names())
+    if (leaf_keys.count(key)) leaf_keys.insert(older);
   std::vector<std::pair<std::string, YAML::Node>> entries;
   flatten(root, "", entries, leaf_keys, source);
 
@@ -1800,19 +1743,8 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   int suggested = 0;
   for (const auto& [key_in, node] : entries) {
     std::string key = key_in;
-    // axolotl's overrides of transformers' config: eo-ddp reads the one that changes the loss.
-    for (const std::string prefix : {"model_config.", "overrides_of_model_config."})
-      if (key.rfind(prefix, 0) == 0) {
-        if (key.substr(prefix.size()) == "output_router_logits") {
-          key = "output_router_logits";
-        } else {
-          issues.push_back({key, "overriding config.json is not implemented (eo-ddp reads " + prefix +
-                                     "output_router_logits only); edit base_model/config.json instead"});
-          key.clear();
-        }
-      }
-    if (key == "model_revision") key = "revision_of_model";  // axolotl's older name
-    if (key.empty() || read_axolotl_special(key, node, cfg, issues)) continue;
+    if (const auto older = older_key_names().find(key); older != older_key_names().end()) key = older->second;
+    if (read_axolotl_special(key, node, cfg, issues)) continue;
     const AxolotlKey* axo = axolotl_key(key);
     if (axo && axo->cls != AxolotlKey::Implemented) {
       apply_axolotl_key(*axo, key, node, cfg.warnings, issues);
@@ -1870,7 +1802,7 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
   if (options.check_files || options.check_architecture) check_targets(cfg, present, issues, &parsed);
   if (!issues.empty()) throw UsageError(format_issues(source, issues));
   if (options.model_out)
-    *options.model_out = !parsed.model_type.empty() ? std::move(parsed) : model::load_config(cfg.base_model);
+    *options.model_out = !parsed.model_type.empty() ? std::move(parsed) : load_model_config(cfg);
   // A depth other than the default with staging that never prefetches is most likely a mistake.
   if (cfg.expert_offload_prefetch_depth != 1 && !(cfg.expert_offload && cfg.expert_offload_prefetch))
     cfg.warnings.push_back("expert_offload_prefetch_depth is ignored: it needs expert_offload: true and "
@@ -1931,7 +1863,7 @@ std::string axolotl_keys_markdown() {
   std::ostringstream os;
   os << "# axolotl's config keys in eo-ddp\n\n"
         "Every key of axolotl 0.19.0's config schema (with its bundled plugins' keys, and a `datasets` entry's keys "
-        "as `datasets[].KEY`), as eo-ddp takes it: **implemented** (read; see docs/configuration.md), "
+        "as `datasets[].KEY`), and the older axolotl / transformers' Trainer keys configs still carry, as eo-ddp takes it: **implemented** (read; see docs/configuration.md), "
         "**noted** (accepted; when set, the log says what eo-ddp does instead) or **rejected** (an error naming the "
         "reason unless the value is off: null, false, empty, 0, or 1 for a parallel size). A key in neither this "
         "table nor the config reference is an error with a \"did you mean\". Printed by `eo-ddp --help-axolotl-keys` "

@@ -90,6 +90,9 @@ struct TrainConfig {
   std::string expert_quant = "auto";  // "auto" | "nf4" | "mxfp4": experts_in_mxfp4()
   bool output_router_logits = false;
   std::optional<double> router_aux_loss_coef;
+  // axolotl's overrides_of_model_config: config.json's top-level keys replaced, each value as JSON
+  // text (runtime/model_overrides.h).
+  std::vector<std::pair<std::string, std::string>> model_config_overrides;
 
   // Data.
   std::vector<DatasetSpec> datasets;
@@ -161,7 +164,7 @@ struct TrainConfig {
 
   // Outputs.
   std::string output_dir = "./model-out";
-  int save_steps = 0;
+  std::optional<double> save_steps;  // >= 1: every N steps; < 1: a fraction of the total steps; unset or 0: only at the end
   std::optional<int> saves_per_epoch;
   int save_total_limit = 3;
   int logging_steps = 1;

@@ -3,10 +3,10 @@
 
 #include <map>
 
+#include "runtime/yaml_values.h"
+
 namespace eo {
 namespace {
-
-std::string scalar(const YAML::Node& n) { return n.IsDefined() && n.IsScalar() ? n.Scalar() : ""; }
 
 // FastChat's conversation names (axolotl's sharegpt `conversation:`), as axolotl's named chat
 // templates: the ones whose turns those templates write.
@@ -28,17 +28,25 @@ std::string names(const std::map<std::string, std::string>& m) {
 YAML::Node upgrade_legacy_dataset(const YAML::Node& d, const std::string& where, std::vector<std::string>& notes,
                                   std::vector<std::pair<std::string, std::string>>& problems) {
   if (!d.IsMap()) return d;
-  const std::string type = scalar(d["type"]);
+  const std::string type = scalar_or_empty(d["type"]);
   const bool sharegpt = type.rfind("sharegpt", 0) == 0;
-  const std::string path = scalar(d["path"]);
+  const std::string path = scalar_or_empty(d["path"]);
   const bool loader_path = (path == "json" || path == "parquet") && d["data_files"].IsDefined();
-  if (!sharegpt && !loader_path) return d;
+  const bool untyped = !d["type"].IsDefined() || d["type"].IsNull();
+  if (!sharegpt && !loader_path && !untyped) return d;
   YAML::Node out = YAML::Clone(d);
+  if (untyped) {
+    // axolotl takes a dataset without a type as already tokenized (input_ids, attention_mask,
+    // labels), used as is; any other rows are its "unhandled prompt tokenization strategy" error.
+    out["type"] = "tokenized";
+    notes.push_back(where + ": no type: read as pre-tokenized rows (input_ids, labels), as axolotl reads a dataset "
+                            "without a type; written today as type: tokenized");
+  }
   if (loader_path) {
     // axolotl before 0.5: path names the datasets loader, data_files the local file(s).
     const YAML::Node files = d["data_files"];
     if (files.IsScalar() || (files.IsSequence() && files.size() == 1)) {
-      const std::string file = files.IsScalar() ? files.Scalar() : scalar(files[0]);
+      const std::string file = files.IsScalar() ? files.Scalar() : scalar_or_empty(files[0]);
       out["path"] = file;
       out.remove("data_files");
       if (!out["ds_type"].IsDefined()) out["ds_type"] = path;
@@ -71,7 +79,7 @@ YAML::Node upgrade_legacy_dataset(const YAML::Node& d, const std::string& where,
     change += ", message_property_mappings: {role: " + variant->second + ", content: value}";
   }
   // The legacy roles: human (or field_human) is the user, gpt (or field_model) the assistant.
-  const std::string human = scalar(d["field_human"]), model = scalar(d["field_model"]);
+  const std::string human = scalar_or_empty(d["field_human"]), model = scalar_or_empty(d["field_model"]);
   if (!human.empty() || !model.empty() || type == "sharegpt.load_guanaco") {
     if (d["roles"].IsDefined()) {
       problems.emplace_back(where + ".roles", "give either roles or field_human / field_model");
@@ -81,7 +89,7 @@ YAML::Node upgrade_legacy_dataset(const YAML::Node& d, const std::string& where,
       roles["assistant"].push_back(!model.empty() ? model : type == "sharegpt.load_guanaco" ? "assistant" : "gpt");
       roles["system"].push_back("system");
       out["roles"] = roles;
-      change += ", roles: {user: [" + scalar(roles["user"][0]) + "], assistant: [" + scalar(roles["assistant"][0]) +
+      change += ", roles: {user: [" + scalar_or_empty(roles["user"][0]) + "], assistant: [" + scalar_or_empty(roles["assistant"][0]) +
                 "], system: [system]}";
     }
   }
@@ -92,7 +100,7 @@ YAML::Node upgrade_legacy_dataset(const YAML::Node& d, const std::string& where,
                                             "map the data's roles with roles: {user: [...], assistant: [...]} and choose "
                                             "the trained ones with roles_to_train");
   if (d["conversation"].IsDefined() && !d["conversation"].IsNull()) {
-    const std::string conv = scalar(d["conversation"]);
+    const std::string conv = scalar_or_empty(d["conversation"]);
     const auto it = fastchat_templates().find(conv);
     if (it == fastchat_templates().end()) {
       problems.emplace_back(where + ".conversation", "'" + conv + "': the FastChat templates eo-ddp converts are " +

@@ -4,7 +4,8 @@
 //     a FastChat template name, field_human / field_model  ->  type: chat_template with
 //     field_messages: conversations, message_property_mappings {role: from, content: value} and
 //     the named template, as axolotl's migration guide writes it;
-//   path: json (or parquet) with data_files: FILE  ->  path: FILE.
+//   path: json (or parquet) with data_files: FILE  ->  path: FILE;
+//   no type (or type: with no value)  ->  type: tokenized, as axolotl reads such rows.
 #pragma once
 
 #include <yaml-cpp/yaml.h>

@@ -10,6 +10,7 @@
 #include "runtime/evaluator.h"
 #include "runtime/fault_hooks.h"
 #include "runtime/loss_scale.h"
+#include "runtime/model_overrides.h"
 #include "runtime/nonfinite_guard.h"
 #include "runtime/one_step_behind.h"
 #include "runtime/run_end.h"
@@ -59,7 +60,7 @@ void log_step_choices(const TrainConfig& cfg, const Run& run) {
 }  // namespace
 
 TrainResult train(const TrainConfig& cfg, ddp::World& world, const TrainHooks& hooks) {
-  return train(cfg, model::load_config(cfg.base_model), world, hooks);
+  return train(cfg, load_model_config(cfg), world, hooks);
 }
 
 TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, ddp::World& world, const TrainHooks& given_hooks) {

@@ -22,3 +22,11 @@ add_test(NAME chat_templates_ref
 set_tests_properties(chat_templates_ref PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1"
                      PASS_REGULAR_EXPRESSION "chat_templates_ref: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# A parquet dataset gives the same token ids and labels as the same rows in JSON lines (and as
+# transformers' own tokenisation), and trains (tests/parquet_jsonl.py).
+add_test(NAME parquet_jsonl
+         COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/parquet_jsonl.py $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR}
+                 ${CMAKE_CURRENT_BINARY_DIR}/parquet_jsonl)
+set_tests_properties(parquet_jsonl PROPERTIES LABELS unit TIMEOUT 600
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1"
+                     PASS_REGULAR_EXPRESSION "parquet_jsonl: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

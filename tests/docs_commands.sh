@@ -123,6 +123,8 @@ done
 # docs/datasets.md
 run "python3 tools/tokenize_data.py --tokenizer fixtures/tiny-qwen3-moe --input fixtures/tiny-chat/chat.jsonl --output chat.tok.jsonl"
 check "tokenize_data wrote tokenized rows" grep -q input_ids "$work/chat.tok.jsonl"
+covered "hf download Qwen/Qwen3-30B-A3B" "needs the Hub: hub_cache trains from a cache laid out as it fills one, offline"
+covered "hf download --repo-type dataset mlabonne/FineTome-100k" "needs the Hub: hub_cache reads a dataset from such a cache"
 
 # docs/memory-and-offload.md
 run "build/eo-ddp plan --config configs/bench/qwen3-30b-a3b-offload.yaml --vram 24GiB --host-ram 64GiB"

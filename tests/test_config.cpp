@@ -371,7 +371,8 @@ special_tokens: {sep_token: x}
   EXPECT_NE(e.find("lora_fan_in_fan_out:"), std::string::npos) << e;
   EXPECT_NE(e.find("special_tokens.sep_token: unknown"), std::string::npos) << e;
   // As axolotl: evaluation keys without evaluation data (val_set_size 0) run no evaluation.
-  const TrainConfig no_eval = load("base_model: /m\nadapter: lora\ndatasets: [{path: a}]\neval_steps: 5\nval_set_size: 0\n");
+  const TrainConfig no_eval =
+      load("base_model: /m\nadapter: lora\ndatasets: [{path: a, type: tokenized}]\neval_steps: 5\nval_set_size: 0\n");
   ASSERT_EQ(no_eval.warnings.size(), 1u);
   EXPECT_NE(no_eval.warnings[0].find("'eval_steps' has no effect: there is no evaluation data"), std::string::npos)
       << no_eval.warnings[0];
@@ -701,7 +702,7 @@ excess_length_strategy: drop
   EXPECT_NE(all.find("'evals_per_epoch' has no effect"), std::string::npos) << all;
   const std::string e = error_of(std::string(kValid) + R"(
 plugins: [axolotl.integrations.expert_parallel.ExpertParallelPlugin, my.Plugin]
-model_config: {rope_theta: 10000}
+model_config: [rope_theta]
 optimizer: lion_8bit
 excess_length_strategy: truncate
 gradient_checkpointing: sometimes
@@ -709,7 +710,7 @@ gradient_checkpointing: sometimes
   EXPECT_NE(e.find("plugins: 'axolotl.integrations.expert_parallel.ExpertParallelPlugin' not supported: expert parallelism"),
             std::string::npos) << e;
   EXPECT_NE(e.find("plugins: unknown plugin 'my.Plugin'"), std::string::npos) << e;
-  EXPECT_NE(e.find("model_config.rope_theta: overriding config.json is not implemented"), std::string::npos) << e;
+  EXPECT_NE(e.find("overrides_of_model_config: expected a map of config.json keys"), std::string::npos) << e;
   EXPECT_NE(e.find("optimizer: unknown value 'lion_8bit'; eo-ddp's optimizer is AdamW"), std::string::npos) << e;
   EXPECT_NE(e.find("excess_length_strategy: 'truncate'"), std::string::npos) << e;
   EXPECT_NE(e.find("gradient_checkpointing: expected true, false, offload or offload_disk"), std::string::npos) << e;

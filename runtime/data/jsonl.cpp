@@ -47,7 +47,9 @@ std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::in
       throw UsageError(where + ": invalid JSON (" + e.what() + ")");
     }
     if (!j.is_object()) throw UsageError(where + ": expected one JSON object per line");
-    if (!j.contains("input_ids")) throw UsageError(where + ": 'input_ids' is missing (expected tokenized data)");
+    if (!j.contains("input_ids"))
+      throw UsageError(where + ": 'input_ids' is missing (expected tokenized rows, as type: tokenized and a dataset "
+                               "without a type are read; other rows need their type, e.g. chat_template or alpaca)");
     TokenizedLine l;
     l.line = lineno;
     l.input_ids = int_array(j, "input_ids", where);
