@@ -18,6 +18,7 @@
 #include "runtime/config_checks.h"
 #include "runtime/config_paths.h"
 #include "runtime/config_schema.h"
+#include "runtime/dataset_keys.h"
 #include "runtime/hub.h"
 #include "runtime/key_aliases.h"
 #include "runtime/model_overrides.h"
@@ -354,9 +355,14 @@ std::vector<ConfigKeyDoc> config_key_docs() {
 
 std::string config_reference_markdown() {
   std::ostringstream os;
-  os << "| key | type | default | meaning |\n|---|---|---|---|\n";
-  for (const auto& s : schema())
-    os << "| `" << s.key << "` | " << s.type << " | " << s.default_text << " | " << s.doc << " |\n";
+  const char* head = "| key | type | default | meaning |\n|---|---|---|---|\n";
+  auto row = [&](const ConfigKeyDoc& d) {
+    os << "| `" << d.key << "` | " << d.type << " | " << d.default_text << " | " << d.doc << " |\n";
+  };
+  os << head;
+  for (const auto& d : config_key_docs()) row(d);
+  os << "\nThe keys of each `datasets` / `test_datasets` entry:\n\n" << head;
+  for (const auto& d : dataset_key_docs()) row(d);
   os << "\nEvery other key of axolotl's schema is accepted with a note in the log or refused with a reason: "
         "docs/axolotl-keys.md (`eo-ddp --help-axolotl-keys`). Any other key is an error.\n";
   return os.str();

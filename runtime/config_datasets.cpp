@@ -2,11 +2,13 @@
 #include "runtime/config_datasets.h"
 
 #include <algorithm>
+#include <optional>
 #include <regex>
 
 #include "common/text.h"
 #include "runtime/config_axolotl.h"
 #include "runtime/config_chat_templates.h"
+#include "runtime/dataset_keys.h"
 #include "runtime/dataset_source.h"
 #include "runtime/datasets_legacy.h"
 #include "runtime/yaml_values.h"
@@ -18,24 +20,85 @@ namespace {
 const std::vector<std::string> kPreTokenized = {"tokenized", "tokens"};
 const std::vector<std::string> kFormatted = {"chat_template", "alpaca", "completion", "input_output"};
 
+// One row per key of a datasets entry: the type that takes it (every type where empty), its value and
+// default for the help, its meaning, and for a plain string the DatasetSpec field the table itself reads
+// and writes back. Keys whose values need more (split's slices, the Hub source's keys, lists and maps)
+// are read by their own code below; their row still decides where they apply and documents them.
+struct DatasetKey {
+  const char* key;
+  const char* takes;
+  const char* value;
+  const char* default_text;
+  const char* doc;
+  std::string DatasetSpec::*text = nullptr;
+  bool own_reader = false;  // a string read by its own code, written back by the table
+};
+
+const std::vector<DatasetKey>& dataset_keys() {
+  static const std::vector<DatasetKey> k = {
+      {"path", "", "string", "(required)", "The data file (JSON lines, JSON or parquet), or a dataset named as on the "
+       "Hub (org/name), read from the Hugging Face cache."},
+      {"type", "", "string", "(required)", "chat_template, alpaca, completion or input_output (tokenised through "
+       "transformers), or the pre-tokenized tokenized (JSONL) and tokens (binary)."},
+      {"ds_type", "", "string", "(from the file)", "json or parquet, as axolotl writes it; left out, the file's extension "
+       "decides (a parquet file must be named .parquet)."},
+      {"split", "", "string", "train", "The split of a local file (train) or one slice of it as Hugging Face's datasets "
+       "cut it: train[:20%], train[10:50], train[-10%:] (the axolotl formats only).", &DatasetSpec::split, true},
+      {"revision", "", "string", "main", "The branch, tag or commit of a dataset named as on the Hub.",
+       &DatasetSpec::revision, true},
+      {"data_files", "", "string or list", "(every data file)", "The files of a Hub dataset to read."},
+      {"shards", "", "int", "(none)", "Train on one of this many shards of the rows, after a shuffle seeded by seed, "
+       "as axolotl."},
+      {"shards_idx", "", "int", "0", "Which shard (with shards)."},
+      {"dtype", "tokens", "string", "uint16", "The token file's element type: uint16 or uint32."},
+      {"eos_token_id", "tokens", "int", "(none)", "The token that ends each document in the token file."},
+      {"field_messages", "chat_template", "string", "messages", "The row's field holding the list of messages.",
+       &DatasetSpec::field_messages},
+      {"message_field_role", "chat_template", "string", "role", "Each message's field holding its role.",
+       &DatasetSpec::message_field_role},
+      {"message_field_content", "chat_template", "string", "content", "Each message's field holding its text.",
+       &DatasetSpec::message_field_content},
+      {"message_property_mappings", "chat_template", "map", "(none)", "Newer axolotl's spelling of the two above: "
+       "{role: FIELD, content: FIELD}."},
+      {"message_field_training", "chat_template", "string", "(none)", "Each message's field that says whether it is "
+       "trained (overrides roles_to_train for that message).", &DatasetSpec::message_field_training},
+      {"roles_to_train", "chat_template", "list", "[assistant]", "The roles whose turns are trained."},
+      {"train_on_eos", "chat_template", "string", "turn", "Which end-of-sequence tokens are trained: all, turn (of "
+       "trained turns), last or none.", &DatasetSpec::train_on_eos},
+      {"roles", "chat_template", "map", "(none)", "The data's role names for each role, e.g. {assistant: [gpt], user: "
+       "[human]}."},
+      {"drop_system_message", "chat_template", "bool", "false", "Drop a leading system message."},
+      {"chat_template", "chat_template", "string", "(the top-level key)", "This dataset's chat template (as the "
+       "top-level chat_template).", &DatasetSpec::chat_template},
+      {"chat_template_jinja", "chat_template", "string", "(the top-level key)", "This dataset's Jinja template (with "
+       "chat_template: jinja).", &DatasetSpec::chat_template_jinja},
+      {"train_on_eot", "chat_template", "string", "(train_on_eos)", "Which end-of-turn tokens are trained: all, turn, "
+       "last or none.", &DatasetSpec::train_on_eot},
+      {"field_thinking", "chat_template", "string", "reasoning_content", "The message field holding its reasoning, "
+       "rendered as template_thinking_key.", &DatasetSpec::field_thinking},
+      {"template_thinking_key", "chat_template", "string", "reasoning_content", "The name the chat template reads a "
+       "message's reasoning under.", &DatasetSpec::template_thinking_key},
+      {"field", "completion", "string", "text", "The row's field holding the text.", &DatasetSpec::field},
+  };
+  return k;
+}
+
+bool takes(const DatasetKey& k, const std::string& type) { return !*k.takes || type == k.takes; }
+
+std::vector<std::string> keys_taken_by(const std::optional<std::string>& type) {
+  std::vector<std::string> out;
+  for (const auto& k : dataset_keys())
+    if (!type || takes(k, *type)) out.push_back(k.key);
+  return out;
+}
+
 }  // namespace
 
 void read_datasets(const YAML::Node& n, const std::string& key, std::vector<DatasetSpec>& out, std::vector<std::string>& warnings,
                    Issues& issues) {
   if (!n.IsSequence() || n.size() == 0)
     return issues.push_back({key, "expected a non-empty list, e.g. " + key + ": [{path: data.jsonl, type: chat_template}]"});
-  static const std::vector<std::string> common = {"path", "type", "ds_type", "split", "revision", "data_files", "shards",
-                                                  "shards_idx"};
-  static const std::vector<std::string> tokens_keys = {"dtype", "eos_token_id"};
-  static const std::vector<std::string> chat_keys = {"field_messages", "message_field_role", "message_field_content",
-                                                     "message_property_mappings",
-                                                     "message_field_training", "roles_to_train", "train_on_eos", "roles",
-                                                     "drop_system_message", "chat_template", "chat_template_jinja",
-                                                     "train_on_eot", "field_thinking", "template_thinking_key"};
-  std::vector<std::string> all = common;
-  all.insert(all.end(), tokens_keys.begin(), tokens_keys.end());
-  all.insert(all.end(), chat_keys.begin(), chat_keys.end());
-  all.push_back("field");
+  const std::vector<std::string> all = keys_taken_by(std::nullopt);
   std::vector<std::string> types = kPreTokenized;
   types.insert(types.end(), kFormatted.begin(), kFormatted.end());
   out.clear();
@@ -81,10 +144,7 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
     }
     read_dataset_source(d, where, s, issues);
     // Which keys this type takes.
-    std::vector<std::string> allowed = common;
-    if (s.type == "tokens") allowed.insert(allowed.end(), tokens_keys.begin(), tokens_keys.end());
-    if (s.type == "chat_template") allowed.insert(allowed.end(), chat_keys.begin(), chat_keys.end());
-    if (s.type == "completion") allowed.push_back("field");
+    const std::vector<std::string> allowed = keys_taken_by(s.type);
     for (const auto& kv : d) {
       const std::string kk = key_text(kv.first);
       if (std::find(allowed.begin(), allowed.end(), kk) != allowed.end()) continue;
@@ -110,16 +170,13 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
         else s.eos_token_id = *v;
       }
     }
-    auto str = [&](const char* k, std::string& field) {
-      if (!d[k].IsDefined() || is_null(d[k])) return;
-      if (!d[k].IsScalar() || d[k].Scalar().empty()) issues.push_back({where + "." + k, "expected a non-empty string"});
-      else field = d[k].Scalar();
-    };
+    for (const auto& k : dataset_keys()) {
+      if (!k.text || k.own_reader || !takes(k, s.type) || !d[k.key].IsDefined() || is_null(d[k.key])) continue;
+      if (!d[k.key].IsScalar() || d[k.key].Scalar().empty())
+        issues.push_back({where + "." + k.key, "expected a non-empty string"});
+      else s.*k.text = d[k.key].Scalar();
+    }
     if (s.type == "chat_template") {
-      str("field_messages", s.field_messages);
-      str("message_field_role", s.message_field_role);
-      str("message_field_content", s.message_field_content);
-      str("message_field_training", s.message_field_training);
       // Newer axolotl spells the two field names as one map.
       if (d["message_property_mappings"].IsDefined()) {
         const YAML::Node m = d["message_property_mappings"];
@@ -134,12 +191,6 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
             else *field = kv.second.Scalar();
           }
       }
-      str("chat_template", s.chat_template);
-      str("chat_template_jinja", s.chat_template_jinja);
-      str("train_on_eos", s.train_on_eos);
-      str("train_on_eot", s.train_on_eot);
-      str("field_thinking", s.field_thinking);
-      str("template_thinking_key", s.template_thinking_key);
       s.fields_mapped = d["message_property_mappings"].IsDefined() || d["message_field_role"].IsDefined() ||
                         d["message_field_content"].IsDefined();
       if (!s.chat_template.empty())
@@ -181,7 +232,6 @@ void read_datasets(const YAML::Node& n, const std::string& key, std::vector<Data
         else issues.push_back({where + ".drop_system_message", "expected true or false"});
       }
     }
-    if (s.type == "completion") str("field", s.field);
     out.push_back(s);
   }
 }
@@ -194,14 +244,8 @@ YAML::Node write_datasets(const std::vector<DatasetSpec>& list_in) {
     e["type"] = d.type;
     if (!d.dtype.empty()) e["dtype"] = d.dtype;
     if (d.eos_token_id) e["eos_token_id"] = *d.eos_token_id;
-    for (const auto& [k, v] : std::vector<std::pair<const char*, std::string>>{
-             {"field_messages", d.field_messages}, {"message_field_role", d.message_field_role},
-             {"message_field_content", d.message_field_content}, {"message_field_training", d.message_field_training},
-             {"train_on_eos", d.train_on_eos}, {"chat_template", d.chat_template},
-             {"chat_template_jinja", d.chat_template_jinja}, {"field", d.field}, {"split", d.split},
-             {"train_on_eot", d.train_on_eot}, {"field_thinking", d.field_thinking},
-             {"template_thinking_key", d.template_thinking_key}, {"revision", d.revision}})
-      if (!v.empty()) e[k] = v;
+    for (const auto& k : dataset_keys())
+      if (k.text && !(d.*k.text).empty()) e[k.key] = d.*k.text;
     for (const auto& f : d.data_files) e["data_files"].push_back(f);
     if (d.shards > 0) {
       e["shards"] = d.shards;
@@ -221,3 +265,17 @@ YAML::Node write_datasets(const std::vector<DatasetSpec>& list_in) {
 }
 
 }  // namespace eo::config_detail
+
+namespace eo {
+
+std::vector<ConfigKeyDoc> dataset_key_docs() {
+  std::vector<ConfigKeyDoc> out;
+  for (const auto& k : config_detail::dataset_keys()) {
+    std::string value = k.value;
+    if (*k.takes) value += " (type " + std::string(k.takes) + ")";
+    out.push_back({std::string("datasets[].") + k.key, value, k.default_text, k.doc});
+  }
+  return out;
+}
+
+}  // namespace eo

@@ -4,6 +4,7 @@
 
 #include "common/text.h"
 #include "runtime/config.h"
+#include "runtime/dataset_keys.h"
 #include "runtime/key_aliases.h"
 
 namespace eo {
@@ -71,11 +72,14 @@ std::string config_reference_text(int width) {
       if (d.key == s.first_key) os << "\n" << s.title << "\n";
     os << entry(d, width);
   }
+  os << "\nKeys of each datasets / test_datasets entry (eo-ddp --help-config datasets[].KEY)\n";
+  for (const auto& d : dataset_key_docs()) os << entry(d, width);
   return os.str();
 }
 
 KeyHelp config_key_help(const std::string& key, int width) {
-  const auto docs = config_key_docs();
+  auto docs = config_key_docs();
+  for (auto& d : dataset_key_docs()) docs.push_back(std::move(d));
   for (const auto& d : docs)
     if (d.key == key) return {true, entry(d, width)};
   if (const auto alias = key_alias(key)) {

@@ -208,15 +208,11 @@ const std::vector<KeySpec>& schema() {
                  writer(&TrainConfig::router_aux_loss_coef)});
     // --- data
     k.push_back({"datasets", "list of datasets", "(required)",
-                 "Training data, as axolotl writes it: `- path: F.jsonl` with `type:` chat_template (messages, "
-                 "rendered with the chat template; keys field_messages, message_field_role, message_field_content "
-                 "(or message_property_mappings), "
-                 "message_field_training, roles_to_train, train_on_eos, roles, drop_system_message, chat_template, "
-                 "chat_template_jinja), alpaca (instruction/input/output), completion (text; key field) or "
-                 "input_output (segments of text/label) -- tokenised once with the model's tokenizer through "
-                 "transformers into dataset_prepared_path -- or pre-tokenized: tokenized (JSONL with input_ids, "
-                 "optional labels and attention_mask) or tokens (flat binary token file; dtype uint16 or uint32; "
-                 "eos_token_id marks document ends), read with no Python.",
+                 "Training data, as axolotl writes it: a list of `- path: F.jsonl` entries with `type:` chat_template "
+                 "(messages rendered with the chat template), alpaca, completion or input_output -- tokenised once "
+                 "with the model's tokenizer through transformers into dataset_prepared_path -- or the pre-tokenized "
+                 "tokenized (JSONL with input_ids, optional labels) and tokens (a flat binary token file), read with "
+                 "no Python. Each entry's keys: the datasets[] table (eo-ddp --help-config datasets[].KEY).",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) { read_datasets(n, "datasets", c.datasets, c.warnings, issues); },
                  [](const TrainConfig& c) { return write_datasets(c.datasets); }});
     k.push_back({"test_datasets", "list of datasets", "(none)",

@@ -17,6 +17,7 @@
 #include "models/hf_config.h"
 #include "runtime/config.h"
 #include "runtime/config_help.h"
+#include "runtime/dataset_keys.h"
 #include "runtime/key_aliases.h"
 #include "runtime/setup.h"
 #include "runtime/rank_agreement.h"
@@ -168,6 +169,60 @@ TEST(Config, HelpConfigIsGroupedAndFitsATerminal) {
   EXPECT_FALSE(typo.found);
   EXPECT_NE(typo.text.find("did you mean 'learning_rate'?"), std::string::npos) << typo.text;
   EXPECT_EQ(wrap("aaa bbb ccc", "  ", 9), "  aaa bbb\n  ccc\n");
+}
+
+// A datasets entry's keys are one table: axolotl's implemented dataset keys are exactly its rows (plus
+// eo-ddp's own keys of the binary token files), each has help, and every string key set in a config
+// comes back in the resolved config and reads back the same.
+TEST(Config, DatasetKeysAreOneTable) {
+  std::set<std::string> table, implemented;
+  for (const auto& d : dataset_key_docs()) {
+    table.insert(d.key);
+    EXPECT_TRUE(config_key_help(d.key).found) << d.key;
+    EXPECT_FALSE(d.doc.empty()) << d.key;
+  }
+  for (const auto& a : axolotl_keys())
+    if (a.key.rfind("datasets[].", 0) == 0 && a.cls == "implemented") implemented.insert(a.key);
+  implemented.insert({"datasets[].dtype", "datasets[].eos_token_id"});
+  EXPECT_EQ(table, implemented);
+  const std::string text = std::string(kValid) + R"(test_datasets:
+  - path: chat.jsonl
+    type: chat_template
+    field_messages: conversations
+    message_field_role: from
+    message_field_content: value
+    message_field_training: train
+    train_on_eos: all
+    train_on_eot: last
+    chat_template: chatml
+    field_thinking: thoughts
+    template_thinking_key: reasoning
+    split: train[:50%]
+  - path: text.jsonl
+    type: completion
+    field: body
+)";
+  const TrainConfig c = load(text);
+  ASSERT_EQ(c.test_datasets.size(), 2u);
+  const DatasetSpec& chat = c.test_datasets[0];
+  EXPECT_EQ(chat.field_messages, "conversations");
+  EXPECT_EQ(chat.message_field_role, "from");
+  EXPECT_EQ(chat.message_field_content, "value");
+  EXPECT_EQ(chat.message_field_training, "train");
+  EXPECT_EQ(chat.train_on_eos, "all");
+  EXPECT_EQ(chat.train_on_eot, "last");
+  EXPECT_EQ(chat.chat_template, "chatml");
+  EXPECT_EQ(chat.field_thinking, "thoughts");
+  EXPECT_EQ(chat.template_thinking_key, "reasoning");
+  EXPECT_EQ(chat.split, "train[:50%]");
+  EXPECT_EQ(c.test_datasets[1].field, "body");
+  const std::string yaml = config_to_yaml(c);
+  for (const char* v : {"field_messages: conversations", "message_field_training: train", "train_on_eot: last",
+                        "template_thinking_key: reasoning", "field: body", "split: train[:50%]"})
+    EXPECT_NE(yaml.find(v), std::string::npos) << v << "\n" << yaml;
+  EXPECT_EQ(config_to_yaml(load(yaml)), yaml);
+  const std::string e = error_of(std::string(kValid) + "test_datasets:\n  - path: t.jsonl\n    type: completion\n    field_messages: m\n");
+  EXPECT_NE(e.find("test_datasets.0.field_messages: does not apply to type: completion"), std::string::npos) << e;
 }
 
 TEST(Config, NestedUnknownKeyIsNamedWithItsPath) {
