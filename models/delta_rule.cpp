@@ -236,6 +236,7 @@ struct GatedDeltaRuleFunction : public torch::autograd::Function<GatedDeltaRuleF
     d_decay_d.select(-2, C - 1).add_((d_k_end * c.k).sum(-1) * c.to_end);
     const at::Tensor d_b = c.gamma * d_gamma + d_decay_d.sum(-1) - d_decay_d.sum(-2);
     at::Tensor d_g = reverse_cumsum(d_b);
+    // A document start's g is unused: exactly zero rather than a sum that cancels to rounding.
     if (c.starts.defined()) d_g = d_g.masked_fill(c.starts, 0);
 
     // Back to the callers' layout: unscale q, sum the value heads of each key head, undo the L2 norm.
