@@ -7,6 +7,7 @@
 //   S ← S + k_t · (β_t · (v_t − Sᵀ k_t))ᵀ   (the delta rule: write the part of v_t S does not predict)
 //   o_t = Sᵀ q_t                            (q_t scaled by 1/sqrt(dk), after the optional L2 norm)
 // In packed rows the state is zeroed where a new document starts, as fla does for cu_seqlens.
+// Saved for backward: the inputs only; the backward recomputes the chunks and their entry states.
 //
 // The op is plain ATen: it runs on CUDA as it is, batched matmuls per chunk and one short loop over
 // chunks for the state, with no host read of device data (graph-capturable). A fused kernel would
