@@ -79,10 +79,11 @@ const std::vector<KeySpec>& schema() {
                  "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
                  "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; their dotted "
                  "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them; "
-                 "Gemma 4's are experts.gate_up_proj / experts.down_proj, as the adapter says). The adapter loads in peft on transformers 5, whose "
+                 "Gemma 4's are experts.gate_up_proj / experts.down_proj and Llama 4's feed_forward.experts.gate_up_proj / "
+                 "feed_forward.experts.down_proj, as the adapter says). The adapter loads in peft on transformers 5, whose "
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
-                 "lora_target_linear: peft would load those as the fused parameters at rank 2r; on Gemma 4 they are its "
-                 "dense MLP, which peft keeps); needs lora_dropout: 0.",
+                 "lora_target_linear: peft would load those as the fused parameters at rank 2r; on Gemma 4 and Llama 4 they "
+                 "are the dense MLP and shared expert, which peft keeps); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    const auto parsed = string_list("lora_target_parameters", n, "parameter names", issues);
                    if (!parsed) return;
@@ -91,6 +92,9 @@ const std::vector<KeySpec>& schema() {
                    // (Kept here rather than in models/lora.cpp: the config parser is fuzzed alone.)
                    static const std::vector<std::string> accepted = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
                                                                      "gate_up_proj", "down_proj"};
+                   // Llama 4's module path for the same two parameters (peft's own example spells them so).
+                   static const std::vector<std::string> llama4 = {"feed_forward.experts.gate_up_proj",
+                                                                   "feed_forward.experts.down_proj"};
                    std::vector<std::string> canonical;
                    // peft matches a parameter name by its dotted suffix: experts.gate_up_proj too.
                    auto suffix_of = [](const std::string& full, const std::string& m) {
@@ -98,8 +102,8 @@ const std::vector<KeySpec>& schema() {
                    };
                    for (const auto& m : v) {
                      std::string cm;
-                     if (suffix_of(accepted[0], m)) cm = accepted[0];
-                     else if (suffix_of(accepted[1], m)) cm = accepted[1];
+                     if (suffix_of(accepted[0], m) || suffix_of(llama4[0], m)) cm = accepted[0];
+                     else if (suffix_of(accepted[1], m) || suffix_of(llama4[1], m)) cm = accepted[1];
                      if (cm.empty()) {
                        std::string msg = "unknown parameter '" + m + "'; eo-ddp can adapt the fused expert parameters " +
                                          join(accepted, ", ");

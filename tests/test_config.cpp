@@ -847,6 +847,10 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   // Issue #31: any dotted suffix, as peft matches parameter names (axolotl's experts.gate_up_proj).
   EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n").lora_target_parameters,
             (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  // Llama 4's module path (feed_forward.experts), as its adapters and peft's docs spell it.
+  EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [feed_forward.experts.down_proj, "
+                                       "feed_forward.experts.gate_up_proj]\n").lora_target_parameters,
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
   EXPECT_NE(error_of(std::string(kValid) + "lora_target_parameters: [s.gate_up_proj]\n").find("unknown parameter 's.gate_up_proj'"),
             std::string::npos);
   const std::string bad = error_of(std::string(kValid) + "lora_target_parameters: [mlp.experts.gate_proj]\n");
@@ -883,6 +887,12 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   EXPECT_EQ(on("gemma-4-26b-a4b", "lora_target_modules: [q_proj, gate_proj, up_proj, down_proj]\n"
                                   "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n"), "accepted");
   EXPECT_EQ(on("gemma-4-26b-a4b", "lora_target_linear: true\nlora_target_parameters: [experts.gate_up_proj]\n"), "accepted");
+  // gpt-oss and Llama 4 were never per-expert: peft keeps Llama 4's shared expert and dense MLP.
+  EXPECT_EQ(on("gpt-oss-20b", "lora_target_linear: true\nlora_target_parameters: [gate_up_proj, down_proj]\n"), "accepted");
+  EXPECT_EQ(on("llama-4-scout-17b-16e", "lora_target_modules: [q_proj, shared_expert.gate_proj, down_proj]\n"
+                                        "lora_target_parameters: [feed_forward.experts.gate_up_proj, "
+                                        "feed_forward.experts.down_proj]\n"),
+            "accepted");
 }
 
 // expert_quant: one of auto / nf4 / mxfp4, needs load_in_4bit when not auto, and mxfp4 needs a
