@@ -32,6 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_dir  # noqa: E402
+import param_wrapper_run  # noqa: E402
 
 import torch
 import torch.nn.functional as F
@@ -251,17 +252,7 @@ fused = "experts" if ARCH.startswith("gemma4") else "feed_forward.experts" if LL
 pm = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
                                        target_modules=ATTN, **EXCLUDE,
                                        target_parameters=[fused + ".gate_up_proj", fused + ".down_proj"]))
-with torch.no_grad():
-    for n, p in pm.named_parameters():
-        if "lora_B" in n:
-            p.copy_(0.3 * torch.randn(p.shape, generator=gl))
-o = pm(input_ids=ids, labels=labels)
-o.loss.backward()
-ref["logits_params"], ref["loss_params"] = o.logits.detach(), o.loss.detach().reshape(1)
-for n, p in pm.named_parameters():
-    if "lora_" in n:
-        ref["grad_params." + n.replace(".default", "")] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-pm.save_pretrained(params_dir)
+param_wrapper_run.record(pm, ids, labels, gl, ref, params_dir)
 del pm
 
 # ---- NF4: bitsandbytes quantise → dequantise every decoder-block linear, then transformers
