@@ -100,11 +100,29 @@ const std::vector<KeySpec>& schema() {
                    auto suffix_of = [](const std::string& full, const std::string& m) {
                      return full == m || (full.size() > m.size() && ends_with(full, m) && full[full.size() - m.size() - 1] == '.');
                    };
+                   auto canonical_of = [&](const std::string& m) -> std::string {
+                     if (suffix_of(accepted[0], m) || suffix_of(llama4[0], m)) return accepted[0];
+                     if (suffix_of(accepted[1], m) || suffix_of(llama4[1], m)) return accepted[1];
+                     return "";
+                   };
+                   // axolotl's gpt-oss examples name the experts of single layers, under its checkpointing
+                   // wrapper ("22._checkpoint_wrapped_module.mlp.experts.gate_up_proj"): peft adapts those
+                   // layers only, which eo-ddp does with peft_layers_to_transform.
+                   std::vector<std::string> one_layer, layers;
+                   auto layer_of = [&](const std::string& m) -> std::string {
+                     const auto dot = m.find('.');
+                     if (dot == 0 || dot == std::string::npos || m.find_first_not_of("0123456789") != dot) return "";
+                     std::string rest = m.substr(dot + 1);
+                     static const std::string wrapper = "_checkpoint_wrapped_module.";
+                     if (rest.rfind(wrapper, 0) == 0) rest = rest.substr(wrapper.size());
+                     return canonical_of(rest).empty() ? "" : m.substr(0, dot);
+                   };
                    for (const auto& m : v) {
-                     std::string cm;
-                     if (suffix_of(accepted[0], m) || suffix_of(llama4[0], m)) cm = accepted[0];
-                     else if (suffix_of(accepted[1], m) || suffix_of(llama4[1], m)) cm = accepted[1];
-                     if (cm.empty()) {
+                     const std::string cm = canonical_of(m);
+                     if (const std::string layer = cm.empty() ? layer_of(m) : ""; !layer.empty()) {
+                       one_layer.push_back(m);
+                       if (std::find(layers.begin(), layers.end(), layer) == layers.end()) layers.push_back(layer);
+                     } else if (cm.empty()) {
                        std::string msg = "unknown parameter '" + m + "'; eo-ddp can adapt the fused expert parameters " +
                                          join(accepted, ", ");
                        if (auto s = closest_match(m, accepted)) msg += " (did you mean '" + *s + "'?)";
@@ -113,6 +131,12 @@ const std::vector<KeySpec>& schema() {
                        canonical.push_back(cm);
                      }
                    }
+                   if (!one_layer.empty())
+                     issues.push_back({"lora_target_parameters",
+                                       join(one_layer, ", ") + " name the parameters of single layers; eo-ddp adapts a "
+                                       "parameter in every adapted layer: name it without the layer (gate_up_proj, down_proj) "
+                                       "and, to adapt those layers only, set peft_layers_to_transform: [" + join(layers, ", ") +
+                                           "] (which limits lora_target_modules to them too)"});
                    // One order (gate_up_proj, down_proj) whatever the user's: resume compares it.
                    std::sort(canonical.begin(), canonical.end(), [&](const std::string& a, const std::string& b) {
                      return (a == accepted[0]) > (b == accepted[0]);

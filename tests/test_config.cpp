@@ -853,6 +853,18 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
             (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
   EXPECT_NE(error_of(std::string(kValid) + "lora_target_parameters: [s.gate_up_proj]\n").find("unknown parameter 's.gate_up_proj'"),
             std::string::npos);
+  // axolotl's gpt-oss examples name single layers' experts (under its checkpointing wrapper): one
+  // problem, which says how eo-ddp adapts some layers only.
+  const std::string layered = error_of(std::string(kValid) +
+                                       "lora_target_parameters: [22._checkpoint_wrapped_module.mlp.experts.gate_up_proj, "
+                                       "23._checkpoint_wrapped_module.mlp.experts.down_proj, 22.mlp.experts.down_proj]\n");
+  EXPECT_NE(layered.find("lora_target_parameters: 22._checkpoint_wrapped_module.mlp.experts.gate_up_proj, "
+                         "23._checkpoint_wrapped_module.mlp.experts.down_proj, 22.mlp.experts.down_proj name the parameters "
+                         "of single layers"),
+            std::string::npos)
+      << layered;
+  EXPECT_NE(layered.find("peft_layers_to_transform: [22, 23]"), std::string::npos) << layered;
+  EXPECT_EQ(layered.find("unknown parameter"), std::string::npos) << layered;
   const std::string bad = error_of(std::string(kValid) + "lora_target_parameters: [mlp.experts.gate_proj]\n");
   EXPECT_NE(bad.find("lora_target_parameters: unknown parameter 'mlp.experts.gate_proj'"), std::string::npos) << bad;
   EXPECT_NE(bad.find("mlp.experts.gate_up_proj, mlp.experts.down_proj, gate_up_proj, down_proj"), std::string::npos) << bad;
