@@ -12,50 +12,52 @@ const std::vector<Family>& families() {
   // families stores experts.{e}.<linear>; transformers 5 loads it fused (gate_up_proj, down_proj).
   static const std::vector<Family> rows = {
       // arch, model_type, moe_block, dense_mlp, experts, router, shared_expert, expert_linears,
-      //   per_expert_lora, fused_expert_lora, fused_experts, rope_scaling, latent_attention,
+      //   per_expert_lora, fused_expert_lora, fused_experts, fused_layout, rope_scaling, latent_attention,
       //   rms_eps, head_dim, router_aux_loss_coef, reads_hidden_act, partial_rotary, rotary_over_qk_head, rope_pairs,
       //   query_position_scaling, expert_storage, read_moe, parse_whole
       {Arch::Qwen3Moe, "qwen3_moe", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       true, true, "mlp.experts", false, false,
+       true, true, "mlp.experts", {}, false, false,
        1e-6, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_qwen3_moe, nullptr},
       {Arch::Olmoe, "olmoe", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       true, true, "mlp.experts", false, false,
+       true, true, "mlp.experts", {}, false, false,
        1e-5, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_olmoe, nullptr},
       // Mixtral's checkpoints name the block block_sparse_moe and its experts' linears w1 / w3 / w2;
       // transformers 5 holds the fused parameters under mlp.experts.
       {Arch::Mixtral, "mixtral", "block_sparse_moe", "mlp", "block_sparse_moe.experts", "block_sparse_moe.gate", "shared_experts",
-       {"w1", "w3", "w2"}, true, true, "mlp.experts", false, false,
+       {"w1", "w3", "w2"}, true, true, "mlp.experts", {}, false, false,
        1e-6, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_mixtral, nullptr},
       {Arch::Qwen2Moe, "qwen2_moe", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_expert", {"gate_proj", "up_proj", "down_proj"},
-       true, true, "mlp.experts", false, false,
+       true, true, "mlp.experts", {}, false, false,
        1e-6, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_qwen2_moe, nullptr},
       {Arch::Glm4Moe, "glm4_moe", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       true, false, "mlp.experts", true, false,
+       true, true, "mlp.experts", {}, true, false,
        1e-5, 0, 0.0, true, 0.5, false, RopePairs::Halves, false, ExpertStorage::Standard, read_glm4_moe, nullptr},
       {Arch::DeepseekV2, "deepseek_v2", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       true, false, "mlp.experts", true, true,
+       true, true, "mlp.experts", {}, true, true,
        1e-6, 0, 0.0, true, 1.0, false, RopePairs::Interleaved, false, ExpertStorage::Standard, read_deepseek_v2, nullptr},
       {Arch::DeepseekV3, "deepseek_v3", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       true, false, "mlp.experts", true, true,
+       true, true, "mlp.experts", {}, true, true,
        1e-6, 0, 0.0, true, 1.0, false, RopePairs::InterleavedByDefault, false, ExpertStorage::Standard, read_deepseek_v3, nullptr},
-      // gpt-oss: experts only ever fused, with biases and the clamped activation.
+      // gpt-oss: experts only ever fused, with biases and the clamped activation; gate_up_proj
+      // [E, H, 2I] (is_transposed) with gate and up interleaved.
       {Arch::GptOss, "gpt_oss", "mlp", "mlp", "mlp.experts", "mlp.router", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       false, false, "mlp.experts", true, false,
+       false, true, "mlp.experts", {/*factors_swapped=*/false, /*gate_up_interleaved=*/true}, true, false,
        1e-5, 64, 0.001, false, 1.0, false, RopePairs::Halves, false, ExpertStorage::GptOss, read_gpt_oss, nullptr},
       {Arch::Glm4MoeLite, "glm4_moe_lite", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       true, true, "mlp.experts", true, true,
+       true, true, "mlp.experts", {}, true, true,
        1e-5, 0, 0.0, true, 1.0, false, RopePairs::InterleavedByDefault, false, ExpertStorage::Standard, read_glm4_moe_lite, nullptr},
       {Arch::Mistral4, "mistral4", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       true, true, "mlp.experts", true, true,
+       true, true, "mlp.experts", {}, true, true,
        1e-6, 0, 0.0, true, 1.0, true, RopePairs::InterleavedByDefault, true, ExpertStorage::Standard, read_mistral4, nullptr},
       // Gemma 4: the experts and their router beside the layer's dense mlp, not inside it.
       {Arch::Gemma4, "gemma4_text", "mlp", "mlp", "experts", "router.proj", "shared_experts", {"gate_proj", "up_proj", "down_proj"},
-       false, true, "experts", true, false,
+       false, true, "experts", {}, true, false,
        1e-6, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, nullptr, parse_gemma4},
-      // Llama 4: feed_forward holds the router, the shared expert and the fused experts (peft's
-      // ParamWrapper would take their [E, H, 2I] as [E, out, in], so lora_target_parameters is refused there).
+      // Llama 4: feed_forward holds the router, the shared expert and the fused experts, whose
+      // [E, H, 2I] peft's ParamWrapper takes as [E, out, in] (no is_transposed flag).
       {Arch::Llama4, "llama4_text", "feed_forward", "feed_forward", "feed_forward.experts", "feed_forward.router", "shared_expert",
-       {"gate_proj", "up_proj", "down_proj"}, false, false, "feed_forward.experts", true, false,
+       {"gate_proj", "up_proj", "down_proj"}, false, true, "feed_forward.experts",
+       {/*factors_swapped=*/true, /*gate_up_interleaved=*/false}, true, false,
        1e-5, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, nullptr, parse_llama4},
   };
   return rows;

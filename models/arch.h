@@ -16,6 +16,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "models/fused_expert_layout.h"
+
 namespace eo::model {
 
 struct ConfigFields;
@@ -47,10 +49,13 @@ struct Family {
   // peft reaches the routed experts as modules, one per expert (experts.{e}.gate_proj ...): not
   // where transformers 5 holds the experts only fused (gpt-oss, Gemma 4, Llama 4).
   bool per_expert_lora;
-  // lora_target_parameters is implemented: the experts fused as transformers 5 holds them,
-  // gate_up_proj [E, 2I, H] and down_proj [E, H, I], under fused_experts.
+  // lora_target_parameters is implemented: peft's ParamWrapper on the experts' gate_up_proj and
+  // down_proj as transformers 5 holds them, under fused_experts, in fused_layout.
   bool fused_expert_lora;
   const char* fused_experts;  // the module peft's ParamWrapper adapts ("mlp.experts", Gemma 4's "experts")
+  // Where peft's lora_A / lora_B sit on those parameters: {} for transformers' [E, 2I, H] /
+  // [E, H, I] (gate the first half of 2I); gpt-oss's and Llama 4's differ (fused_expert_layout.h).
+  FusedExpertLayout fused_layout;
   // config.json's rope_scaling / rope_parameters and partial_rotary_factor are read (the families
   // whose transformers classes read them); the others refuse a scaling type or a partial rotation.
   bool rope_scaling;

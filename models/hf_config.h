@@ -239,7 +239,7 @@ struct ModelConfig {
   // Whether peft names the routed experts per expert (experts.{e}.gate_proj ...): not for gpt-oss,
   // Gemma 4 and Llama 4, whose experts exist only fused.
   bool experts_lora_ok() const { return family().per_expert_lora; }
-  // Whether lora_target_parameters reaches the fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]).
+  // Whether lora_target_parameters reaches the fused experts (gate_up_proj, down_proj; Family::fused_layout).
   bool fused_expert_lora_ok() const { return family().fused_expert_lora; }
   // The routed experts' per-expert linears as peft names them: gate, up, down (Mixtral's w1, w3, w2).
   std::array<std::string, 3> expert_linears() const {

@@ -39,8 +39,12 @@ bool LoraSpec::targets_parameter(const std::string& canonical) const {
 }
 
 std::string canonical_target_parameter(const std::string& name) {
-  if (name == kGateUpParam || name == "experts.gate_up_proj" || name == "gate_up_proj") return kGateUpParam;
-  if (name == kDownParam || name == "experts.down_proj" || name == "down_proj") return kDownParam;
+  // Llama 4's experts are feed_forward.experts (what its adapters' target_parameters say).
+  if (name == kGateUpParam || name == "experts.gate_up_proj" || name == "gate_up_proj" ||
+      name == "feed_forward.experts.gate_up_proj")
+    return kGateUpParam;
+  if (name == kDownParam || name == "experts.down_proj" || name == "down_proj" || name == "feed_forward.experts.down_proj")
+    return kDownParam;
   return "";
 }
 
@@ -119,9 +123,11 @@ at::Tensor LoraAdapter::add_to(const at::Tensor& y, const at::Tensor& x, bool tr
   return lora_add(y, x, a_, b_, scaling_, dropout_, training);
 }
 
-ExpertLora::ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device)
-    : scaling_(spec.scaling()), dropout_(spec.dropout) {
+ExpertLora::ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device,
+                       FusedExpertLayout layout)
+    : scaling_(spec.scaling()), dropout_(spec.dropout), layout_(layout) {
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  if (layout_.factors_swapped) std::swap(in, out);  // peft's in and out
   a_ = at::zeros({experts, spec.r, in}, opts).set_requires_grad(true);
   b_ = at::zeros({experts, out, spec.r}, opts).set_requires_grad(true);
 }
@@ -137,7 +143,26 @@ void ExpertLora::init_fused(std::uint64_t gen_seed) {
   a_.copy_(peft_init_a(E * r, in, gen_seed).view({E, r, in}));
 }
 
-ExpertLora::Slices ExpertLora::slices() const { return {a_.unbind(0), b_.unbind(0)}; }
+std::pair<at::Tensor, at::Tensor> ExpertLora::factors(at::ScalarType dtype, double b_scale) const {
+  if (!layout_.factors_swapped && !layout_.gate_up_interleaved) return {compute_copy(a_, dtype), compute_copy(b_, dtype, b_scale)};
+  at::Tensor a = layout_.factors_swapped ? compute_copy(b_, dtype).transpose(1, 2) : compute_copy(a_, dtype);
+  at::Tensor b = layout_.factors_swapped ? compute_copy(a_, dtype, b_scale).transpose(1, 2) : compute_copy(b_, dtype, b_scale);
+  if (layout_.gate_up_interleaved) {  // rows (gate 0, up 0, gate 1, ...) → (gate 0, gate 1, ..., up 0, ...)
+    const auto E = b.size(0), out = b.size(1), r = b.size(2);
+    b = b.reshape({E, out / 2, 2, r}).transpose(1, 2).reshape({E, out, r});
+  }
+  return {a.contiguous(), b.contiguous()};
+}
+
+ExpertLora::Slices ExpertLora::slices() const {
+  const auto [a, b] = factors(at::kFloat);
+  return {a.unbind(0), b.unbind(0)};
+}
+
+at::Tensor ExpertLora::delta_weight(at::ScalarType dtype) const {
+  const auto [a, b] = factors(at::kFloat);
+  return at::bmm(b.to(dtype), a.to(dtype) * scaling_);
+}
 
 at::Tensor ExpertLora::add_to(const Slices& s, int e, const at::Tensor& y, const at::Tensor& x, bool training) const {
   return lora_add(y, x, s.a.at(e), s.b.at(e), scaling_, dropout_, training);
@@ -147,13 +172,14 @@ namespace {
 // The fp32 masters are cast once per forward (compute_copy: the gradients land in fp32);
 // grouped_mm's backward gives dX (2-D x 3-D) and dA, dB (2-D x 2-D over the same offsets), so no
 // count reaches the host. Its small-K kernel runs the B GEMM forward and the A GEMM's dX.
+// `a` [E, r, in] in x's dtype.
 at::Tensor grouped_down(const at::Tensor& x, const at::Tensor& a, const at::Tensor& offsets) {
-  return grouped_mm(x, compute_copy(a, x.scalar_type()).transpose(1, 2), offsets);  // [N, r]
+  return grouped_mm(x, a.transpose(1, 2), offsets);  // [N, r]
 }
 // The scaling rides in B's cast (B is [E, out, r], small), not in a pass over the [N, out] delta:
-// the delta leaves the GEMM scaled, and its gradient reaches the GEMM as it is.
-at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& b, const at::Tensor& offsets, double scaling) {
-  const at::Tensor bs = compute_copy(b, down.scalar_type(), scaling);
+// the delta leaves the GEMM scaled, and its gradient reaches the GEMM as it is. `bs` [E, out, r]
+// scaled, in down's dtype.
+at::Tensor grouped_up(const at::Tensor& down, const at::Tensor& bs, const at::Tensor& offsets) {
   return grouped_mm(down, bs.transpose(1, 2), offsets);  // [N, out]
 }
 // The paired A's output [N, r1 + r2] as its two column blocks, one per B GEMM, each copied
@@ -189,13 +215,17 @@ at::Tensor ExpertLora::delta_grouped(const at::Tensor& x_sorted, const at::Tenso
   // Dropout on the whole sorted input: each row still gets its own mask, as peft's per-module
   // dropout gives it (gate and up draw independent masks, as their two peft modules do).
   const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;
-  return grouped_up(grouped_down(h, a_, offsets), b_, offsets, scaling_);
+  const auto [a, bs] = factors(x.scalar_type(), scaling_);
+  return grouped_up(grouped_down(h, a, offsets), bs, offsets);
 }
 
 bool ExpertLora::can_pair_with(const ExpertLora& other, bool training) const {
   const bool masks = training && (dropout_ > 0 || other.dropout_ > 0);
-  return !masks && grouped_ok() && other.grouped_ok() && a_.size(0) == other.a_.size(0) && a_.size(2) == other.a_.size(2) &&
-         a_.device() == other.a_.device();
+  // Per-expert adapters only (the fused ones have no partner), so A is [E, r, in] in both.
+  const bool plain = !layout_.factors_swapped && !layout_.gate_up_interleaved && !other.layout_.factors_swapped &&
+                     !other.layout_.gate_up_interleaved;
+  return !masks && plain && grouped_ok() && other.grouped_ok() && a_.size(0) == other.a_.size(0) &&
+         a_.size(2) == other.a_.size(2) && a_.device() == other.a_.device();
 }
 
 std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_pair(const ExpertLora& l1, const ExpertLora& l2,
@@ -209,7 +239,8 @@ std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_pair(const ExpertLor
   const at::Tensor down = grouped_down(x, a, offsets);  // [N, r1 + r2]
   EO_CHECK(down.size(1) == r1 + r2, "delta_grouped_pair: A GEMM gave ", down.size(1), " columns for r ", r1, " + ", r2);
   const torch::autograd::variable_list halves = SplitColumnsFunction::apply(down, r1);
-  return {grouped_up(halves[0], l1.b_, offsets, l1.scaling_), grouped_up(halves[1], l2.b_, offsets, l2.scaling_)};
+  return {grouped_up(halves[0], compute_copy(l1.b_, dt, l1.scaling_), offsets),
+          grouped_up(halves[1], compute_copy(l2.b_, dt, l2.scaling_), offsets)};
 }
 
 std::string stacked_lora_name(const std::string& experts_prefix, const std::string& matrix, char ab) {

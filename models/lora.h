@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "models/fused_expert_layout.h"
+
 namespace eo::model {
 
 struct LoraSpec {
@@ -36,12 +38,12 @@ struct LoraSpec {
   bool targets_parameter(const std::string& canonical) const;
 };
 
-// The fused expert parameters peft's ParamWrapper adapts ([E, out, in] in transformers 5 for
-// Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral alike).
+// The fused expert parameters peft's ParamWrapper adapts (transformers 5's gate_up_proj and
+// down_proj; their layout per family: Family::fused_layout).
 inline constexpr const char* kGateUpParam = "mlp.experts.gate_up_proj";
 inline constexpr const char* kDownParam = "mlp.experts.down_proj";
-// "mlp.experts.gate_up_proj", "experts.gate_up_proj" or "gate_up_proj" → kGateUpParam (likewise
-// down); others: "".
+// "mlp.experts.gate_up_proj", "experts.gate_up_proj", "gate_up_proj" or Llama 4's
+// "feed_forward.experts.gate_up_proj" → kGateUpParam (likewise down); others: "".
 std::string canonical_target_parameter(const std::string& name);
 
 class LoraAdapter {
@@ -70,19 +72,24 @@ class LoraAdapter {
 // run as two grouped GEMMs beside the base grouped GEMM: A [E, r, in], B [E, out, r], fp32
 // master leaves. Slice e is exactly peft's per-expert adapter `experts.{e}.<matrix>` (same
 // init, same math); peft_lora_tensors() gives those names back.
+// On a fused parameter (lora_target_parameters) the leaves are peft's ParamWrapper factors in
+// the family's `layout`: swapped, A [E, r, out] and B [E, in, r] (y += x·Bᵉ·Aᵉ); gate_up
+// interleaved, B's rows alternate gate and up. The forward reads A [E, r, in] and B [E, out, r]
+// (gate rows first) out of them.
 class ExpertLora {
  public:
   // A and B zero; init_expert fills expert e's A as a LoraAdapter seeded `gen_seed` would.
-  ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device);
+  ExpertLora(int experts, std::int64_t in, std::int64_t out, const LoraSpec& spec, const at::Device& device,
+             FusedExpertLayout layout = {});
   void init_expert(int e, std::uint64_t gen_seed);
   // peft's ParamWrapper init: its lora_A is one Linear(in, r·E) whose weight [r·E, in] is A
   // viewed as [E·r, in] (expert e = rows [e·r, (e+1)·r)), drawn as one kaiming_uniform(a=√5)
-  // = U(±1/√in) tensor from a generator seeded `gen_seed`.
+  // = U(±1/√in) tensor from a generator seeded `gen_seed` (swapped: peft's in is the output).
   void init_fused(std::uint64_t gen_seed);
 
-  // Per-expert views for one forward (the loop path). unbind is one autograd node whose backward
-  // stacks the experts' gradients into one [E, ...] gradient (zeros for experts without rows),
-  // instead of E full-size select gradients.
+  // Per-expert views for one forward (the loop path), A [r, in] and B [out, r] each. unbind is
+  // one autograd node whose backward stacks the experts' gradients into one [E, ...] gradient
+  // (zeros for experts without rows), instead of E full-size select gradients.
   struct Slices {
     std::vector<at::Tensor> a, b;
   };
@@ -105,6 +112,9 @@ class ExpertLora {
   // Whether the grouped forms can run: the grouped GEMM needs 16-byte aligned rows, so r must be a
   // multiple of 8 in bf16 (in and out are the base GEMM's, already aligned).
   bool grouped_ok() const { return a_.size(1) % 8 == 0; }
+  // Every expert's ΔW [E, out, in] in `dtype`: B·(A·scaling), both cast first (axolotl's merge-aware
+  // delta), gate rows first.
+  at::Tensor delta_weight(at::ScalarType dtype) const;
 
   int experts() const { return static_cast<int>(a_.size(0)); }
   at::Tensor& A() { return a_; }
@@ -115,9 +125,15 @@ class ExpertLora {
   double dropout() const { return dropout_; }
 
  private:
+  // The forward's A [E, r, in] and B·b_scale [E, out, r] (gate rows first) in `dtype`: the
+  // masters' compute copies, rearranged from the layout's leaves (contiguous then, as the
+  // grouped GEMM reads plain leaves).
+  std::pair<at::Tensor, at::Tensor> factors(at::ScalarType dtype, double b_scale = 1.0) const;
+
   at::Tensor a_, b_;
   double scaling_;
   double dropout_;
+  FusedExpertLayout layout_;
 };
 
 // Stacked expert LoRA under internal names: `<P>.experts.<matrix>.lora_{A,B}.stacked`, with P

@@ -270,7 +270,7 @@ at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const a
   };
   // axolotl's _merge_aware_wfq: A and B cast to the weight's dtype, the scaling folded into A,
   // W + bmm(B, A · scaling), then Q on the base's per-expert global scales.
-  auto delta = [&](const ExpertLora& l) { return at::bmm(l.B().to(dt), l.A().to(dt) * l.scaling()); };
+  auto delta = [&](const ExpertLora& l) { return l.delta_weight(dt); };
   auto [gate, g_gate] = bank(ExpertMatrix::Gate);
   auto [up, g_up] = bank(ExpertMatrix::Up);
   auto [down, g_down] = bank(ExpertMatrix::Down);

@@ -116,12 +116,8 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     if (canonical_target_parameter(p) != p)
       throw UsageError("LoRA target parameter '" + p + "' is not " + kGateUpParam + " or " + kDownParam);
   const bool moe = std::any_of(blocks_.begin(), blocks_.end(), [](const auto& b) { return b->is_moe(); });
-  // peft's ParamWrapper takes Llama4TextExperts' [E, H, 2I] parameters as [E, out, in] (they lack
-  // transformers' is_transposed flag), a layout eo-ddp's fused LoRA does not implement.
-  if (!spec.target_parameters.empty() && cfg_.llama4)
-    throw UsageError("lora_target_parameters is not implemented for " + cfg_.model_type + " yet (peft's ParamWrapper "
-                     "adapts its feed_forward.experts.* with in and out swapped); use lora_target_modules, which "
-                     "adapt the attention, the shared expert and the dense MLP layers");
+  if (!spec.target_parameters.empty() && !cfg_.fused_expert_lora_ok())
+    throw UsageError("lora_target_parameters is not implemented for " + cfg_.model_type + "; use lora_target_modules");
   if (!spec.target_parameters.empty() && !moe)
     throw UsageError("lora_target_parameters needs MoE blocks with fused experts; this " + cfg_.model_type +
                      " model has none");
@@ -140,8 +136,11 @@ void MoeModel::add_lora(const LoraSpec& spec) {
     const auto& s = sites[i];
     if (!s.param.empty()) {
       if (!spec.targets_parameter(s.param) || !spec.targets_layer(s.layer)) continue;
-      // One generator per fused parameter, as peft draws one lora_A per ParamWrapper.
-      *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device);
+      // In peft's layout for this family; one generator per fused parameter, as peft draws one
+      // lora_A per ParamWrapper.
+      FusedExpertLayout layout = cfg_.family().fused_layout;
+      layout.gate_up_interleaved &= s.param == kGateUpParam;
+      *s.stack = std::make_shared<ExpertLora>(s.experts, s.in, s.out, spec, opts_.device, layout);
       (*s.stack)->init_fused(spec.seed * 1000003ULL + i);
       continue;
     }
@@ -170,7 +169,7 @@ void MoeModel::add_lora(const LoraSpec& spec) {
       for (const auto& n : cfg_.linear_modules()) names += (names.empty() ? "" : ", ") + n;
       throw UsageError("LoRA target module '" + t + "' matches no linear of this " + cfg_.model_type + " model (" + names + ")" +
                        (cfg_.experts_lora_ok() ? "" : "; its experts exist only fused, which peft adapts through "
-                                                      "target_parameters, a format eo-ddp implements for the [E, 2I, H] layout only"));
+                                                      "target_parameters (lora_target_parameters)"));
     }
 }
 

@@ -376,15 +376,15 @@ void check_targets(TrainConfig& c, const std::set<std::string>& present, Issues&
                                                   "so no fused expert parameter to adapt"});
     else if (!mc.fused_expert_lora_ok())
       issues.push_back({"lora_target_parameters", "implemented for " + fused_expert_lora_families() +
-                                                  " (experts fused as gate_up_proj [E, 2I, H] and down_proj [E, H, I]); "
-                                                  "not yet for " + mc.model_type + ": use lora_target_modules"});
+                                                  "; not for " + mc.model_type + ": use lora_target_modules"});
   }
-  if (!c.lora_target_parameters.empty() && !mc.dense_beside_experts()) {
+  if (!c.lora_target_parameters.empty() && mc.experts_lora_ok()) {
     // peft 0.21 on transformers 5 rewrites expert names in target_modules (gate_proj, up_proj,
     // down_proj, w1, w2, w3) into target_parameters, gate_up_proj at rank 2r, when it loads an
-    // adapter: beside lora_target_parameters the adapter would not load as trained. Not for
-    // Gemma 4: its gate/up/down_proj are the dense MLP beside the experts, which peft keeps
-    // (transformers maps gemma4 to no MoE conversion).
+    // adapter: beside lora_target_parameters the adapter would not load as trained. Only for the
+    // families whose experts were per-expert linears before transformers 5 fused them: gpt-oss,
+    // Gemma 4 and Llama 4 were always fused (transformers maps them to no MoE conversion), and
+    // their gate/up/down_proj are a shared expert or dense MLP, which peft keeps.
     static const char* kWhy = "peft 0.21 on transformers 5 maps these names onto the fused expert parameters "
                               "(gate_up_proj at rank 2r) when it loads the adapter, so together with "
                               "lora_target_parameters it would not load as trained";

@@ -79,10 +79,11 @@ const std::vector<KeySpec>& schema() {
                  "peft's target_parameters: LoRA on the fused expert parameters as peft's ParamWrapper defines it "
                  "(mlp.experts.gate_up_proj: gate and up share one A per expert; mlp.experts.down_proj; their dotted "
                  "suffixes experts.gate_up_proj, gate_up_proj, ... are the same parameters, as peft matches them; "
-                 "Gemma 4's are experts.gate_up_proj / experts.down_proj, as the adapter says). The adapter loads in peft on transformers 5, whose "
+                 "Gemma 4's are experts.gate_up_proj / experts.down_proj and Llama 4's feed_forward.experts.gate_up_proj / "
+                 "feed_forward.experts.down_proj, as the adapter says). The adapter loads in peft on transformers 5, whose "
                  "experts are fused. Beside it lora_target_modules names attention modules only (no expert names, no "
-                 "lora_target_linear: peft would load those as the fused parameters at rank 2r; on Gemma 4 they are its "
-                 "dense MLP, which peft keeps); needs lora_dropout: 0.",
+                 "lora_target_linear: peft would load those as the fused parameters at rank 2r; on Gemma 4 and Llama 4 they "
+                 "are the dense MLP and shared expert, which peft keeps); needs lora_dropout: 0.",
                  [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
                    const auto parsed = string_list("lora_target_parameters", n, "parameter names", issues);
                    if (!parsed) return;
@@ -91,16 +92,37 @@ const std::vector<KeySpec>& schema() {
                    // (Kept here rather than in models/lora.cpp: the config parser is fuzzed alone.)
                    static const std::vector<std::string> accepted = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj",
                                                                      "gate_up_proj", "down_proj"};
+                   // Llama 4's module path for the same two parameters (peft's own example spells them so).
+                   static const std::vector<std::string> llama4 = {"feed_forward.experts.gate_up_proj",
+                                                                   "feed_forward.experts.down_proj"};
                    std::vector<std::string> canonical;
                    // peft matches a parameter name by its dotted suffix: experts.gate_up_proj too.
                    auto suffix_of = [](const std::string& full, const std::string& m) {
                      return full == m || (full.size() > m.size() && ends_with(full, m) && full[full.size() - m.size() - 1] == '.');
                    };
+                   auto canonical_of = [&](const std::string& m) -> std::string {
+                     if (suffix_of(accepted[0], m) || suffix_of(llama4[0], m)) return accepted[0];
+                     if (suffix_of(accepted[1], m) || suffix_of(llama4[1], m)) return accepted[1];
+                     return "";
+                   };
+                   // axolotl's gpt-oss examples name the experts of single layers, under its checkpointing
+                   // wrapper ("22._checkpoint_wrapped_module.mlp.experts.gate_up_proj"): peft adapts those
+                   // layers only, which eo-ddp does with peft_layers_to_transform.
+                   std::vector<std::string> one_layer, layers;
+                   auto layer_of = [&](const std::string& m) -> std::string {
+                     const auto dot = m.find('.');
+                     if (dot == 0 || dot == std::string::npos || m.find_first_not_of("0123456789") != dot) return "";
+                     std::string rest = m.substr(dot + 1);
+                     static const std::string wrapper = "_checkpoint_wrapped_module.";
+                     if (rest.rfind(wrapper, 0) == 0) rest = rest.substr(wrapper.size());
+                     return canonical_of(rest).empty() ? "" : m.substr(0, dot);
+                   };
                    for (const auto& m : v) {
-                     std::string cm;
-                     if (suffix_of(accepted[0], m)) cm = accepted[0];
-                     else if (suffix_of(accepted[1], m)) cm = accepted[1];
-                     if (cm.empty()) {
+                     const std::string cm = canonical_of(m);
+                     if (const std::string layer = cm.empty() ? layer_of(m) : ""; !layer.empty()) {
+                       one_layer.push_back(m);
+                       if (std::find(layers.begin(), layers.end(), layer) == layers.end()) layers.push_back(layer);
+                     } else if (cm.empty()) {
                        std::string msg = "unknown parameter '" + m + "'; eo-ddp can adapt the fused expert parameters " +
                                          join(accepted, ", ");
                        if (auto s = closest_match(m, accepted)) msg += " (did you mean '" + *s + "'?)";
@@ -109,6 +131,12 @@ const std::vector<KeySpec>& schema() {
                        canonical.push_back(cm);
                      }
                    }
+                   if (!one_layer.empty())
+                     issues.push_back({"lora_target_parameters",
+                                       join(one_layer, ", ") + " name the parameters of single layers; eo-ddp adapts a "
+                                       "parameter in every adapted layer: name it without the layer (gate_up_proj, down_proj) "
+                                       "and, to adapt those layers only, set peft_layers_to_transform: [" + join(layers, ", ") +
+                                           "] (which limits lora_target_modules to them too)"});
                    // One order (gate_up_proj, down_proj) whatever the user's: resume compares it.
                    std::sort(canonical.begin(), canonical.end(), [&](const std::string& a, const std::string& b) {
                      return (a == accepted[0]) > (b == accepted[0]);

@@ -902,8 +902,24 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   // Issue #31: any dotted suffix, as peft matches parameter names (axolotl's experts.gate_up_proj).
   EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n").lora_target_parameters,
             (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  // Llama 4's module path (feed_forward.experts), as its adapters and peft's docs spell it.
+  EXPECT_EQ(load(std::string(kValid) + "lora_target_parameters: [feed_forward.experts.down_proj, "
+                                       "feed_forward.experts.gate_up_proj]\n").lora_target_parameters,
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
   EXPECT_NE(error_of(std::string(kValid) + "lora_target_parameters: [s.gate_up_proj]\n").find("unknown parameter 's.gate_up_proj'"),
             std::string::npos);
+  // axolotl's gpt-oss examples name single layers' experts (under its checkpointing wrapper): one
+  // problem, which says how eo-ddp adapts some layers only.
+  const std::string layered = error_of(std::string(kValid) +
+                                       "lora_target_parameters: [22._checkpoint_wrapped_module.mlp.experts.gate_up_proj, "
+                                       "23._checkpoint_wrapped_module.mlp.experts.down_proj, 22.mlp.experts.down_proj]\n");
+  EXPECT_NE(layered.find("lora_target_parameters: 22._checkpoint_wrapped_module.mlp.experts.gate_up_proj, "
+                         "23._checkpoint_wrapped_module.mlp.experts.down_proj, 22.mlp.experts.down_proj name the parameters "
+                         "of single layers"),
+            std::string::npos)
+      << layered;
+  EXPECT_NE(layered.find("peft_layers_to_transform: [22, 23]"), std::string::npos) << layered;
+  EXPECT_EQ(layered.find("unknown parameter"), std::string::npos) << layered;
   const std::string bad = error_of(std::string(kValid) + "lora_target_parameters: [mlp.experts.gate_proj]\n");
   EXPECT_NE(bad.find("lora_target_parameters: unknown parameter 'mlp.experts.gate_proj'"), std::string::npos) << bad;
   EXPECT_NE(bad.find("mlp.experts.gate_up_proj, mlp.experts.down_proj, gate_up_proj, down_proj"), std::string::npos) << bad;
@@ -938,6 +954,12 @@ TEST(Config, LoraTargetParametersAreTheFusedExpertParameters) {
   EXPECT_EQ(on("gemma-4-26b-a4b", "lora_target_modules: [q_proj, gate_proj, up_proj, down_proj]\n"
                                   "lora_target_parameters: [experts.gate_up_proj, experts.down_proj]\n"), "accepted");
   EXPECT_EQ(on("gemma-4-26b-a4b", "lora_target_linear: true\nlora_target_parameters: [experts.gate_up_proj]\n"), "accepted");
+  // gpt-oss and Llama 4 were never per-expert: peft keeps Llama 4's shared expert and dense MLP.
+  EXPECT_EQ(on("gpt-oss-20b", "lora_target_linear: true\nlora_target_parameters: [gate_up_proj, down_proj]\n"), "accepted");
+  EXPECT_EQ(on("llama-4-scout-17b-16e", "lora_target_modules: [q_proj, shared_expert.gate_proj, down_proj]\n"
+                                        "lora_target_parameters: [feed_forward.experts.gate_up_proj, "
+                                        "feed_forward.experts.down_proj]\n"),
+            "accepted");
 }
 
 // expert_quant: one of auto / nf4 / mxfp4, needs load_in_4bit when not auto, and mxfp4 needs a

@@ -163,8 +163,8 @@ TEST_P(Parity, LoraLogitsAndGradientsMatchPeft) {
 
 // lora_target_parameters: peft's own ParamWrapper adapter (fused gate_up_proj / down_proj,
 // made and saved by peft in model_ref.py) loads, and gives peft's logits, loss and gradients.
-// The families with transformers 5's [E, 2I, H] gate_up_proj (runtime/config_checks.cpp says so); Gemma 4's
-// under layers.{i}.experts.
+// Every family: transformers 5's [E, 2I, H] gate_up_proj, gpt-oss's [E, H, 2I] with gate and up
+// interleaved, Llama 4's with peft's factors on swapped sides; Gemma 4's under layers.{i}.experts.
 class FusedParity : public Parity {};
 TEST_P(FusedParity, FusedExpertLoraMatchesPeftParamWrapper) {
   const std::string dir = ref_dir(GetParam());
@@ -196,6 +196,44 @@ TEST_P(FusedParity, FusedExpertLoraMatchesPeftParamWrapper) {
   EXPECT_GT(fused, 0u);
 }
 
+// The GPU's grouped expert path (run on fp32 CPU tensors, NF4 experts) reads the same factors out of
+// peft's layout as the per-expert loop held to peft above: the loss and every LoRA gradient.
+TEST_P(FusedParity, GroupedPathMatchesTheLoop) {
+  const std::string dir = ref_dir(GetParam());
+  const Ref r = load_ref(dir);
+  LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = MoeModel::load(dir + "/model", lo);
+  LoraSpec spec;
+  spec.r = 8;  // the grouped form needs r % 8 == 0
+  spec.alpha = 12;
+  spec.target_parameters = {kGateUpParam, kDownParam};
+  m->add_lora(spec);
+  {
+    at::NoGradGuard ng;  // non-zero B so every factor gets a gradient
+    at::manual_seed(3);
+    for (auto& [n, p] : m->lora_parameters()) p.normal_(0, 0.05);
+  }
+  auto run = [&](bool grouped) {
+    for (auto& [n, p] : m->lora_parameters()) p.mutable_grad() = at::Tensor();
+    set_grouped_gemm_on_cpu(grouped);
+    const auto out = m->forward(ref_batch(r));
+    set_grouped_gemm_on_cpu(false);
+    const at::Tensor loss = out.loss_sum / static_cast<double>(out.tokens);
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (auto& [n, p] : m->lora_parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+    return std::make_pair(loss.item<double>(), grads);
+  };
+  const auto [loop_loss, loop_grads] = run(false);
+  const std::int64_t banks_before = grouped_bank_dequantisations();
+  const auto [grouped_loss, grouped_grads] = run(true);
+  EXPECT_GT(grouped_bank_dequantisations(), banks_before) << "the grouped path did not run";
+  EXPECT_NEAR(grouped_loss, loop_loss, 1e-5 * loop_loss);
+  ASSERT_EQ(grouped_grads.size(), loop_grads.size());
+  for (std::size_t i = 0; i < loop_grads.size(); ++i) EXPECT_LT(rel_err(grouped_grads[i], loop_grads[i]), 1e-4) << i;
+}
+
 TEST_P(Parity, Nf4ModelMatchesBitsandbytesDequantisedTransformers) {
   const std::string dir = ref_dir(GetParam());
   const Ref r = load_ref(dir);
@@ -222,8 +260,11 @@ TEST_P(Parity, ScoreCommandMatchesTransformersLoss) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, FusedParity, ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe_lite_grouped",
-                                                               "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv"));
+INSTANTIATE_TEST_SUITE_P(Arch, FusedParity,
+                         ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
+                                           "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
+                                           "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv",
+                                           "llama4"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
@@ -578,34 +619,29 @@ TEST(Model, Llama4GroupedDispatchMatchesTransformers) {
   EXPECT_LT(rel_err(logits, r["logits_nf4"]), 1e-4);
 }
 
-// peft adapts Llama 4's fused experts only through a ParamWrapper layout eo-ddp does not implement:
-// refused by name; the shared expert and the dense layers take target_modules.
-TEST(Lora, Llama4RefusesTargetParametersAndAdaptsItsSharedExpert) {
+// Llama 4: lora_target_parameters adapts feed_forward.experts with peft's factors on swapped sides
+// (lora_A [r·E, out of x @ W], lora_B [in, r·E]: down_proj's A [16, H 64], B [I 32, 16] as peft
+// saves them, not [16, 32] and [64, 16]), beside target_modules on the shared expert and dense layers.
+TEST(Lora, Llama4TargetParametersBesideItsSharedExpert) {
   auto m = MoeModel::load(ref_dir("llama4") + "/model", LoadOptions{});
   LoraSpec spec;
   spec.r = 4;
   spec.alpha = 8;
   spec.targets = {"gate_proj"};
-  spec.target_parameters = {kGateUpParam};
-  try {
-    m->add_lora(spec);
-    ADD_FAILURE() << "lora_target_parameters accepted on llama4";
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("lora_target_parameters is not implemented for llama4_text"), std::string::npos) << e.what();
-  }
-  spec.target_parameters.clear();
+  spec.target_parameters = {kDownParam};
   m->add_lora(spec);
   std::vector<std::string> names;
-  for (const auto& [n, t] : m->lora_parameters()) names.push_back(n);
+  for (const auto& [n, t] : peft_lora_tensors(m->lora_parameters())) names.push_back(n + " " + c10::str(t.sizes()));
+  const std::string l1 = "base_model.model.model.layers.1.feed_forward.", l3 = "base_model.model.model.layers.3.feed_forward.";
   EXPECT_EQ(names, (std::vector<std::string>{
-                       "base_model.model.model.layers.0.feed_forward.gate_proj.lora_A.weight",
-                       "base_model.model.model.layers.0.feed_forward.gate_proj.lora_B.weight",
-                       "base_model.model.model.layers.1.feed_forward.shared_expert.gate_proj.lora_A.weight",
-                       "base_model.model.model.layers.1.feed_forward.shared_expert.gate_proj.lora_B.weight",
-                       "base_model.model.model.layers.2.feed_forward.gate_proj.lora_A.weight",
-                       "base_model.model.model.layers.2.feed_forward.gate_proj.lora_B.weight",
-                       "base_model.model.model.layers.3.feed_forward.shared_expert.gate_proj.lora_A.weight",
-                       "base_model.model.model.layers.3.feed_forward.shared_expert.gate_proj.lora_B.weight"}));
+                       "base_model.model.model.layers.0.feed_forward.gate_proj.lora_A.weight [4, 64]",
+                       "base_model.model.model.layers.0.feed_forward.gate_proj.lora_B.weight [48, 4]",
+                       l1 + "experts.lora_A.weight [16, 64]", l1 + "experts.lora_B.weight [32, 16]",
+                       l1 + "shared_expert.gate_proj.lora_A.weight [4, 64]", l1 + "shared_expert.gate_proj.lora_B.weight [32, 4]",
+                       "base_model.model.model.layers.2.feed_forward.gate_proj.lora_A.weight [4, 64]",
+                       "base_model.model.model.layers.2.feed_forward.gate_proj.lora_B.weight [48, 4]",
+                       l3 + "experts.lora_A.weight [16, 64]", l3 + "experts.lora_B.weight [32, 16]",
+                       l3 + "shared_expert.gate_proj.lora_A.weight [4, 64]", l3 + "shared_expert.gate_proj.lora_B.weight [32, 4]"}));
 }
 
 TEST(HfConfig, GatedDeltaRuleFamiliesAreRefusedWithTheReason) {

@@ -300,6 +300,31 @@ TEST_F(Train, FusedExpertLoraWritesPeftParamWrapperAndResumesExactly) {
   expect_same_adapter(a, b);
 }
 
+// 4d. The same on the fused layouts peft gives gpt-oss (gate and up interleaved in [E, H, 2I]) and
+//     Llama 4 (its factors on swapped sides), on their tiny checkpoints: resuming continues bitwise.
+TEST_F(Train, FusedExpertLoraInTheirLayoutsResumesExactly) {
+  for (const std::string arch : {"gpt_oss", "llama4"}) {
+    SCOPED_TRACE(arch);
+    const fs::path model = dir_ / ("model_" + arch);
+    const std::string make = std::string(EO_PYTHON) + " " + EO_SOURCE_DIR + "/tools/make_tiny_model.py --arch " + arch +
+                             " --out " + model.string() + " >/dev/null 2>&1";
+    ASSERT_EQ(std::system(make.c_str()), 0) << make;
+    const std::vector<std::string> sets = {"base_model=" + model.string(), "sequence_len=64", "lora_dropout=0",
+                                           "lora_target_modules=[q_proj]", "lora_target_parameters=[gate_up_proj, down_proj]"};
+    auto with = [&](std::vector<std::string> v) {
+      v.insert(v.end(), sets.begin(), sets.end());
+      return v;
+    };
+    const fs::path a = dir_ / (arch + "_a"), b = dir_ / (arch + "_b");
+    const Outcome ra = train(a, with({"max_steps=6", "save_steps=3", "save_total_limit=10"}));
+    ASSERT_TRUE(ra.exited && ra.code == 0) << ra.describe();
+    const Outcome rb = train(b, with({"max_steps=6", "save_steps=0", "resume_from_checkpoint=" + (a / "checkpoint-3").string()}));
+    ASSERT_TRUE(rb.exited && rb.code == 0) << rb.describe();
+    expect_same_steps(read_metrics(a), read_metrics(b), 4, 6);
+    expect_same_adapter(a, b);
+  }
+}
+
 // 5. SIGTERM: the run saves a checkpoint at the end of the current step and exits 3; resuming
 //    with `auto` gives the losses of an uninterrupted run. (Constant lr: the interrupted run was
 //    planned for 400 steps, the others for fewer, and a cosine schedule depends on the total.)

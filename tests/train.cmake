@@ -34,8 +34,9 @@ add_test(NAME train_peft_fused_check
 set_tests_properties(train_peft_fused_check PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
 # The same on Gemma 4 (its experts are layers.{i}.experts: target_parameters experts.*) and Mistral
-# Small 4, both as the Hub ships them (multimodal wrappers).
-foreach(arch gemma4_mm mistral4_mm)
+# Small 4, both as the Hub ships them (multimodal wrappers), GLM-4.5, DeepSeek V2 / V3, gpt-oss
+# (gate and up interleaved in [E, H, 2I]) and Llama 4 (peft's factors on swapped sides).
+foreach(arch gemma4_mm mistral4_mm glm4_moe deepseek_v2 deepseek_v3 gpt_oss llama4)
   add_test(NAME train_peft_fused_check_${arch}
            COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_fused_check.py
                    $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_fused_${arch} ${arch})

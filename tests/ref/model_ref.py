@@ -32,6 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_dir  # noqa: E402
+import param_wrapper_run  # noqa: E402
 
 import torch
 import torch.nn.functional as F
@@ -242,27 +243,17 @@ del peft_model
 
 # ---- fused expert LoRA (lora_target_parameters): peft's own ParamWrapper on transformers 5's
 # gate_up_proj / down_proj (nested wrappers), non-zero B; logits, loss, every gradient, and the
-# adapter exactly as peft saves it.
-# the [E, 2I, H] gate_up_proj families; Gemma 4's experts are layers.{i}.experts (beside its dense mlp)
-if ARCH in ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe") or ARCH.startswith(("glm4_moe_lite", "mistral4", "gemma4")):
-    params_dir = os.path.join(out, "adapter_params")
-    torch.manual_seed(11)
-    fused = "experts" if ARCH.startswith("gemma4") else "mlp.experts"
-    pm = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
-                                           target_modules=ATTN, **EXCLUDE,
-                                           target_parameters=[fused + ".gate_up_proj", fused + ".down_proj"]))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gl))
-    o = pm(input_ids=ids, labels=labels)
-    o.loss.backward()
-    ref["logits_params"], ref["loss_params"] = o.logits.detach(), o.loss.detach().reshape(1)
-    for n, p in pm.named_parameters():
-        if "lora_" in n:
-            ref["grad_params." + n.replace(".default", "")] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-    pm.save_pretrained(params_dir)
-    del pm
+# adapter exactly as peft saves it. Every family: [E, 2I, H] gate_up_proj, gpt-oss's [E, H, 2I]
+# (is_transposed, gate / up interleaved, biases), Llama 4's [E, H, 2I] (taken as [E, out, in]).
+# Gemma 4's experts are layers.{i}.experts (beside its dense mlp), Llama 4's feed_forward.experts.
+params_dir = os.path.join(out, "adapter_params")
+torch.manual_seed(11)
+fused = "experts" if ARCH.startswith("gemma4") else "feed_forward.experts" if LLAMA4 else "mlp.experts"
+pm = get_peft_model(load(), LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
+                                       target_modules=ATTN, **EXCLUDE,
+                                       target_parameters=[fused + ".gate_up_proj", fused + ".down_proj"]))
+param_wrapper_run.record(pm, ids, labels, gl, ref, params_dir)
+del pm
 
 # ---- NF4: bitsandbytes quantise → dequantise every decoder-block linear, then transformers
 import bitsandbytes.functional as bnbf  # noqa: E402

@@ -39,6 +39,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_dir  # noqa: E402
+import param_wrapper_run  # noqa: E402
 
 import torch
 import transformers
@@ -169,16 +170,5 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 torch.manual_seed(11)
 pm = get_peft_model(load(), LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-gl = torch.Generator().manual_seed(5)
-with torch.no_grad():
-    for n, p in pm.named_parameters():
-        if "lora_B" in n:
-            p.copy_(0.3 * torch.randn(p.shape, generator=gl))
-o = pm(input_ids=ids, labels=labels)
-o.loss.backward()
-ref["logits_params"], ref["loss_params"] = o.logits.detach(), o.loss.detach().reshape(1)
-for n, p in pm.named_parameters():
-    if "lora_" in n:
-        ref["grad_params." + n.replace(".default", "")] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-pm.save_pretrained(params_dir)
+param_wrapper_run.record(pm, ids, labels, torch.Generator().manual_seed(5), ref, params_dir)
 fixture_dir.finish(out, ref)

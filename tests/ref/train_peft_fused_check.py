@@ -6,8 +6,10 @@ and means the same thing there.
 
 ARCH (a tools/make_tiny_model.py --arch name) runs the same on that family's tiny checkpoint:
 gemma4 / gemma4_mm (Gemma 4's experts are layers.{i}.experts: target_parameters experts.gate_up_proj /
-experts.down_proj, as the adapter writes them), mistral4_mm (Mistral Small 4 as the Hub ships it);
-a multimodal one loads in peft onto its *ForConditionalGeneration class.
+experts.down_proj, as the adapter writes them), mistral4_mm (Mistral Small 4 as the Hub ships it),
+gpt_oss (gate_up_proj [E, H, 2I], gate and up interleaved), llama4 (feed_forward.experts, whose
+[E, H, 2I] peft takes as [E, out, in]); a multimodal one loads in peft onto its
+*ForConditionalGeneration class.
 
 1. eo-ddp trains a short LoRA run of the bundled tiny Qwen3-MoE (configs/tiny-qwen3-moe.yaml) on
    the attention projections and the fused expert parameters
@@ -60,6 +62,9 @@ if ARCH:
             ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
     if ARCH.startswith("gemma4"):
         PARAMS = ["experts.gate_up_proj", "experts.down_proj"]
+    if ARCH.startswith("llama4"):  # its shared expert and dense MLPs beside the experts, as peft keeps them
+        PARAMS = ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]
+        ATTN = ATTN + ["gate_proj", "up_proj", "down_proj"]
     EXTRA = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 
 
