@@ -7,6 +7,7 @@
 #include "models/moe_model.h"
 #include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
+#include "runtime/expert_lora_offload.h"
 #include "runtime/ddp/world.h"
 #include "runtime/loss_scale.h"
 #include "runtime/nonfinite_guard.h"
@@ -35,6 +36,8 @@ void Checkpointer::save(const std::string& why) {
   s.world_size = world_size_;
   s.lora = run_.model->lora_parameters();
   s.optimizer = run_.optimizer->state();
+  if (run_.expert_lora)  // the same names as a resident run's: one file either way
+    for (auto& entry : run_.expert_lora->optimizer_state()) s.optimizer.push_back(std::move(entry));
   s.rng = rng_state(run_.device);
   s.extra = guard_.checkpoint_state(run_.step);
   // A checkpoint from before nvfp4_merge_aware_start_step is an unprepared adapter: not stamped.
