@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "common/error.h"
 #include "models/lora.h"
@@ -30,6 +31,7 @@ struct ExpertLoraOffload::Param {
 struct ExpertLoraOffload::Block {
   std::vector<Param> params;
   bool staged = false;
+  std::size_t index = 0;  // its optimizer in optimizers_
 };
 
 namespace {
@@ -96,10 +98,20 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
   EO_CHECK(flat_.size() == params_.size(), "expert LoRA offload: ", params_.size(), " named host masters for ",
            flat_.size(), " leaves");
   for (Param* p : flat_) *p->leaf = p->master;
-  if (!params_.empty()) optimizer_ = std::make_unique<Optimizer>(params_, cfg);
+  for (auto& b : blocks_) {
+    if (!b) continue;
+    NamedTensors mine;  // the block's masters under their names, in the model's order
+    for (std::size_t k = 0; k < params_.size(); ++k)
+      for (const Param& p : b->params)
+        if (&p == by_order_[k]) mine.push_back(params_[k]);
+    b->index = optimizers_.size();
+    optimizers_.push_back(std::make_unique<Optimizer>(mine, cfg));
+  }
 }
 
-ExpertLoraOffload::~ExpertLoraOffload() = default;
+ExpertLoraOffload::~ExpertLoraOffload() {
+  if (worker_.joinable()) worker_.join();
+}
 
 bool ExpertLoraOffload::holds(const at::Tensor& param) const {
   return std::any_of(params_.begin(), params_.end(), [&](const auto& p) { return p.second.is_same(param); });
@@ -122,6 +134,14 @@ std::shared_ptr<model::WeightProvider> ExpertLoraOffload::wrap(std::shared_ptr<m
 void ExpertLoraOffload::stage(int layer) {
   if (layer < 0 || layer >= static_cast<int>(blocks_.size()) || !blocks_[layer]) return;
   Block& b = *blocks_[layer];
+  if (worker_.joinable()) {  // its masters only once the running update is done with them
+    std::unique_lock<std::mutex> lock(mutex_);
+    updated_.wait(lock, [&] { return blocks_updated_ > b.index || update_over_; });
+    if (update_error_) {
+      lock.unlock();
+      wait_update();
+    }
+  }
   staged_.erase(std::remove(staged_.begin(), staged_.end(), layer), staged_.end());
   staged_.push_back(layer);
   if (!b.staged) {
@@ -165,6 +185,7 @@ void ExpertLoraOffload::flush() {
 at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const at::Tensor& device_norms,
                                               ddp::Communicator* comm) {
   at::NoGradGuard ng;
+  wait_update();
   EO_CHECK(staged_.empty(), "expert LoRA offload: reduce_and_norm before flush()");
   if (comm && comm->size() > 1) {
     // As the GradReducer: every rank sends every gradient, zeros where it has none.
@@ -198,17 +219,54 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
   return combine_grad_norms(norms);
 }
 
-at::Tensor ExpertLoraOffload::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
-  if (!optimizer_) return at::zeros({}, at::kDouble);
-  optimizer_->step(lr, skip, grad_divisor);
-  optimizer_->zero_grad(/*set_to_none=*/true);
-  return optimizer_->state_nonfinite();
+std::shared_future<double> ExpertLoraOffload::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
+  wait_update();
+  auto done = std::make_shared<std::promise<double>>();
+  std::shared_future<double> flag = done->get_future().share();
+  blocks_updated_ = 0;
+  update_over_ = false;
+  // Block by block in layer order, the next step's forward order: stage(i) waits for block i only.
+  worker_ = std::thread([this, lr, skip, grad_divisor, done] {
+    double bad = 0;
+    try {
+      at::NoGradGuard ng;
+      for (std::size_t k = 0; k < optimizers_.size(); ++k) {
+        optimizers_[k]->step(lr, skip, grad_divisor);
+        optimizers_[k]->zero_grad(/*set_to_none=*/true);
+        bad = std::max(bad, optimizers_[k]->state_nonfinite().item<double>());
+        std::lock_guard<std::mutex> lock(mutex_);
+        blocks_updated_ = k + 1;
+        updated_.notify_all();
+      }
+      done->set_value(bad);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      update_error_ = std::current_exception();
+      done->set_exception(update_error_);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    update_over_ = true;
+    updated_.notify_all();
+  });
+  return flag;
 }
 
-NamedTensors ExpertLoraOffload::optimizer_state() const { return optimizer_ ? optimizer_->state() : NamedTensors{}; }
+void ExpertLoraOffload::wait_update() {
+  if (worker_.joinable()) worker_.join();
+  if (std::exception_ptr e = std::exchange(update_error_, nullptr)) std::rethrow_exception(e);
+}
+
+NamedTensors ExpertLoraOffload::optimizer_state() {
+  wait_update();
+  NamedTensors out;
+  for (const auto& o : optimizers_)
+    for (auto& entry : o->state()) out.push_back(std::move(entry));
+  return out;
+}
 
 void ExpertLoraOffload::load_optimizer_state(const std::map<std::string, at::Tensor>& state) {
-  if (optimizer_) optimizer_->load_state(state);
+  wait_update();
+  for (const auto& o : optimizers_) o->load_state(state);
 }
 
 }  // namespace eo

@@ -10,7 +10,10 @@
 //              resident training adds them.
 //   flush()    after the backward: every gradient home, no working copy left.
 //   step(...)  AdamW on the host (at::_fused_adamw_, the resident Optimizer's own code), with the
-//              step's skip flag and clip divisor read from the device once (TrainStep).
+//              step's skip flag and clip divisor read from the device once (TrainStep). It runs on a
+//              worker thread block by block in layer order, while the host queues the next step:
+//              stage(i) waits for block i's update only, so the update hides behind the next
+//              forward. wait_update() waits for all of it (checkpoints, the final adapter).
 // Why a host AdamW and not a deferred update on the device: the moments never cross the link
 // (16 bytes a parameter would cross twice per step instead of 4 + 4), and the update is exactly
 // the resident one (same kernel, same gradient norm, same decision), so a checkpoint is the same
@@ -24,8 +27,13 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <future>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <string>
 #include <utility>
@@ -81,10 +89,13 @@ class ExpertLoraOffload {
   // order (`order`: all parameters, the host ones this store's), fp64 [] on the host, computed as
   // grad_norm_on_device would over them all.
   at::Tensor reduce_and_norm(const NamedTensors& order, const at::Tensor& device_norms, ddp::Communicator* comm);
-  // AdamW over the host masters (skip and grad_divisor: fp32 [] on the host), then their
-  // gradients dropped. Returns fp64 []: 1 when a master or moment holds NaN/Inf.
-  at::Tensor step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
-  NamedTensors optimizer_state() const;
+  // Starts AdamW over the host masters (skip and grad_divisor: fp32 [] on the host), each block's
+  // gradients dropped after its update. The future gives 1 when a master or moment then holds
+  // NaN/Inf, else 0 (the step's reading waits for it).
+  std::shared_future<double> step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
+  // Waits for the update step() started (rethrowing its error); a no-op when none runs.
+  void wait_update();
+  NamedTensors optimizer_state();
   void load_optimizer_state(const std::map<std::string, at::Tensor>& state);
 
  private:
@@ -100,7 +111,14 @@ class ExpertLoraOffload {
   std::vector<Param*> by_order_;                // params_' leaves
   NamedTensors params_;
   std::int64_t block_params_max_ = 0;
-  std::unique_ptr<Optimizer> optimizer_;
+  // One optimizer per block holding LoRA, in layer order (Block::index): the worker's unit.
+  std::vector<std::unique_ptr<Optimizer>> optimizers_;
+  std::thread worker_;
+  std::mutex mutex_;
+  std::condition_variable updated_;
+  std::size_t blocks_updated_ = 0;  // optimizers_[0, this) are done with the running update
+  bool update_over_ = true;         // the worker finished (or failed)
+  std::exception_ptr update_error_;
 };
 
 }  // namespace eo

@@ -24,7 +24,8 @@ namespace eo {
 
 StepValues QueuedStep::read() {
   const double* v = values.get().data_ptr<double>();
-  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+  const double bad_state = host_bad_state.valid() ? std::max(v[4], host_bad_state.get()) : v[4];
+  return {v[0], v[1], v[2], v[3], bad_state, v[5]};
 }
 
 TrainStep::TrainStep(const TrainConfig& cfg, Run& run, StepRunner& runner, LossScaler& scaler, ddp::World& world,
@@ -94,8 +95,8 @@ QueuedStep TrainStep::queue() {
   // Graphs accumulate into the gradients at fixed addresses: zero them in place.
   run_.optimizer->zero_grad(/*set_to_none=*/!runner_.graphs_enabled());
   if (hooks_.after_update) hooks_.after_update(step + 1, params_);
-  at::Tensor bad_state = run_.optimizer->state_nonfinite().to(sums.device());
-  if (host.bad_state.defined()) bad_state = at::maximum(bad_state, host.bad_state);
+  const at::Tensor bad_state = run_.optimizer->state_nonfinite().to(sums.device());
+  q.host_bad_state = host.bad_state;  // the host's update runs on while the next step is queued
   if (run_.offloader) run_.offloader->end_step();
   ++step;
   q.step = step;
@@ -134,7 +135,7 @@ TrainStep::HostUpdate TrainStep::update_host_lora(const at::Tensor& sums, double
   const at::Tensor host_norm = run_.expert_lora->reduce_and_norm(run_.lora, norms, run_.comm.get());
   const at::Tensor host_scale = read[3].to(at::kFloat);
   const UpdateDecision d = decide_update(host_norm, read[2], scaler_.enabled() ? host_scale : at::Tensor());
-  h.bad_state = run_.expert_lora->step(lr, d.skip, d.grad_divisor).to(sums.device());
+  h.bad_state = run_.expert_lora->step(lr, d.skip, d.grad_divisor);
   h.scaled_norm = host_norm.to(sums.device());
   return h;
 }

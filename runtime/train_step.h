@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <vector>
 
 #include "runtime/device.h"
@@ -42,6 +43,9 @@ struct QueuedStep {
   DeviceMark begin, end;     // where the step's device work begins and ends
   DeviceMark since;          // what its time counts from (StepClock)
   HostCopy values;           // StepValues, in their order
+  // The host-held expert LoRA's state check (runtime/expert_lora_offload.h), its update still
+  // running when the step is queued; invalid without.
+  std::shared_future<double> host_bad_state;
   StepValues read();         // waits for this step's values only
 };
 
@@ -70,7 +74,8 @@ class TrainStep {
   // The host-held expert LoRA's update (runtime/expert_lora_offload.h): the global norm over every
   // parameter and the host state's non-finite flag, both on the device.
   struct HostUpdate {
-    at::Tensor scaled_norm, bad_state;
+    at::Tensor scaled_norm;
+    std::shared_future<double> bad_state;
   };
   HostUpdate update_host_lora(const at::Tensor& sums, double lr);
 
