@@ -143,8 +143,13 @@ void ExpertLoraOffload::stage(int layer) {
     }
   }
   staged_.erase(std::remove(staged_.begin(), staged_.end(), layer), staged_.end());
-  staged_.push_back(layer);
   if (!b.staged) {
+    // The least recent block leaves first, so the device never holds more working copies than
+    // the plan counts.
+    while (static_cast<int>(staged_.size()) >= kExpertLoraWorkingCopies) {
+      evict(*blocks_[staged_.front()]);
+      staged_.erase(staged_.begin());
+    }
     at::NoGradGuard ng;
     for (Param& p : b.params) {
       // Pinned masters copy without waiting for the device; the host touches them again only
@@ -155,10 +160,7 @@ void ExpertLoraOffload::stage(int layer) {
     }
     b.staged = true;
   }
-  while (static_cast<int>(staged_.size()) > kExpertLoraWorkingCopies) {
-    evict(*blocks_[staged_.front()]);
-    staged_.erase(staged_.begin());
-  }
+  staged_.push_back(layer);
 }
 
 void ExpertLoraOffload::evict(Block& b) {
