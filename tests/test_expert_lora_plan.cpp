@@ -1,6 +1,7 @@
 // The plan's expert-LoRA terms (expert_lora_offload) follow from the code's own sizes: the host
 // state and the device's working copies the plan counts are what ExpertLoraOffload holds on a
-// loaded model; the rule between parameters and bytes is expert_lora_bytes, checked by hand.
+// loaded model; the rule between parameters and bytes is expert_lora_bytes, checked by hand; and
+// the staging rule those bytes assume (two blocks at most, gradients travelling with the block).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -106,6 +107,50 @@ TEST(ExpertLoraPlan, Qwen3ThirtyBHostLora) {
     EXPECT_EQ(plan.host_lora, params * 16);
     EXPECT_NEAR(plan.host_lora / double(1 << 30), r == 16 ? 9.375 : 18.75, 1e-9);
   }
+}
+
+}  // namespace
+
+namespace {
+
+// The staging rule the plan counts: at most kExpertLoraWorkingCopies blocks' working copies at once,
+// the least recent leaving first and taking its gradient home; a block staged again brings that
+// gradient back; flush() leaves every block on its host master.
+TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
+  model::LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = model::MoeModel::load(cfg.base_model, lo);
+  m->add_lora(lora_spec(cfg));
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg);
+  ASSERT_GE(m->num_layers(), 3);
+  auto leaf = [&](int layer) { return m->expert_loras(layer).front()->A(); };
+  auto on_device = [&](int layer) { return !held.holds(leaf(layer)); };
+  std::vector<at::Tensor> masters;  // unstaged, a block reads its host master
+  for (int l = 0; l < m->num_layers(); ++l) masters.push_back(leaf(l));
+  auto master = [&](int layer) { return masters.at(static_cast<std::size_t>(layer)); };
+  for (int l = 0; l < m->num_layers(); ++l) EXPECT_FALSE(on_device(l)) << l;
+  held.stage(0);
+  held.stage(1);
+  EXPECT_TRUE(on_device(0) && on_device(1));
+  EXPECT_TRUE(leaf(0).equal(master(0)) && leaf(0).requires_grad());
+  leaf(1).mutable_grad() = at::full_like(leaf(1), 3.0);
+  held.stage(1);  // already there: nothing moves
+  held.stage(2);  // block 0, the least recent, leaves without a gradient
+  EXPECT_FALSE(on_device(0));
+  EXPECT_FALSE(master(0).grad().defined());
+  held.stage(0);  // block 1 leaves with its gradient
+  EXPECT_FALSE(on_device(1));
+  ASSERT_TRUE(master(1).grad().defined());
+  EXPECT_TRUE(master(1).grad().equal(at::full_like(master(1), 3.0)));
+  held.stage(1);  // ... and brings it back
+  ASSERT_TRUE(leaf(1).grad().defined());
+  EXPECT_TRUE(leaf(1).grad().equal(at::full_like(master(1), 3.0)));
+  int staged = 0;
+  for (int l = 0; l < m->num_layers(); ++l) staged += on_device(l);
+  EXPECT_EQ(staged, kExpertLoraWorkingCopies);
+  held.flush();
+  for (int l = 0; l < m->num_layers(); ++l) EXPECT_FALSE(on_device(l)) << l;
 }
 
 }  // namespace
