@@ -8,7 +8,8 @@
 #     reverse) ends bitwise where the uninterrupted run ends;
 #  3. micro-batch-major accumulation (a block leaves with part of its gradient and brings it
 #     back): bitwise too; the per-expert form (lora_target_modules on the experts) too;
-#  4. the log says it is on, and why CUDA graphs are off.
+#  4. fp16 loss scaling with injected overflows: the same skips and adapter;
+#  5. the log says where the state lives.
 # usage: expert_lora_offload.sh BUILD_DIR SOURCE_DIR PYTHON
 set -uo pipefail
 source "$2/tests/testlib.sh"
@@ -85,5 +86,17 @@ per_expert=(--set max_steps=4 --set save_steps=0 --set 'lora_target_parameters=[
 run expert_device 1 "${per_expert[@]}" "${device[@]}"
 run expert_host 1 "${per_expert[@]}"
 check "per-expert LoRA with dropout: offloaded == on the device" same "$tmp/expert_device" "$tmp/expert_host"
+# fp16 loss scaling with overflows injected at steps 2 and 3 (the fault seam's binary): the same
+# skips, scales and adapter.
+fp16=(--set max_steps=6 --set save_steps=0 --set fp16=true --set bf16=false --set loss_scale_growth_interval=2
+      --set max_nonfinite_steps=5)
+for kind in device host; do
+  extra=()
+  [ $kind = device ] && extra=("${device[@]}")
+  EO_DDP_FAULT_OVERFLOW=2,3 timeout 300 "$1/eo-ddp-faults" "${common[@]}" "${fp16[@]}" "${extra[@]}" \
+    --set output_dir="$tmp/fp16_$kind" >"$tmp/fp16_$kind.log" 2>&1 || { echo "run fp16_$kind failed"; fail=1; }
+done
+check "fp16 with overflows: offloaded == on the device" same "$tmp/fp16_device" "$tmp/fp16_host"
+check "fp16: the injected overflows were skipped" grep -q "step 3: the gradients overflowed fp16" "$tmp/fp16_host.log"
 [ $fail = 0 ] && echo "expert_lora_offload: all checks passed" || { echo "expert_lora_offload: FAILED"; for f in "$tmp"/*.log; do echo "== $f"; tail -3 "$f"; done; }
 exit $fail
