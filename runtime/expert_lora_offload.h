@@ -14,10 +14,10 @@
 //              worker thread block by block in layer order, while the host queues the next step:
 //              stage(i) waits for block i's update only, so the update hides behind the next
 //              forward. wait_update() waits for all of it (checkpoints, the final adapter).
-// Why a host AdamW and not a deferred update on the device: the moments never cross the link
-// (16 bytes a parameter would cross twice per step instead of 4 + 4), and the update is exactly
-// the resident one (same kernel, same gradient norm, same decision), so a checkpoint is the same
-// files either way.
+// Why a host AdamW and not a deferred update on the device: the moments never cross the link (a
+// deferred update carries master, gradient and moments both ways, 16 bytes a parameter each way;
+// here 4 up per stint and 4 home), and the update is exactly the resident one (same kernel, same
+// gradient norm, same decision), so a checkpoint is the same files either way (docs/design.md §2.4).
 //
 // The staging is driven through the model's WeightProvider (ExpertLoraOffload::wrap): whatever
 // stages a block's experts (the step runner, evaluation, scoring) stages its LoRA too.
@@ -32,10 +32,10 @@
 #include <exception>
 #include <future>
 #include <map>
-#include <mutex>
-#include <thread>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
