@@ -265,6 +265,9 @@ class MoeModel {
   // factor, base_model.model.model.layers.{i}.<moe>.experts.<matrix>.lora_{A,B}.stacked [E, ...]
   // (peft_lora_tensors() turns a list into peft's per-expert names; save_adapter writes those).
   std::vector<std::pair<std::string, at::Tensor>> lora_parameters() const;
+  // Block `layer`'s expert LoRA (per matrix, then the fused gate_up), for whoever holds its state
+  // elsewhere (runtime/expert_lora_offload.h): it may point their leaves at other tensors.
+  std::vector<std::shared_ptr<ExpertLora>> expert_loras(int layer) const;
 
   // axolotl's nvfp4_merge_aware: every LoRA-carrying NVFP4 weight (the NVFP4 experts' banks, the
   // linears decoded from NVFP4) then trains through Q(dequant(W) + scaling · B A), Q the NVFP4

@@ -198,6 +198,15 @@ std::vector<std::pair<std::string, at::Tensor>> MoeModel::lora_parameters() cons
   return out;
 }
 
+std::vector<std::shared_ptr<ExpertLora>> MoeModel::expert_loras(int layer) const {
+  const BlockWeights& w = blocks_.at(static_cast<std::size_t>(layer))->weights();
+  std::vector<std::shared_ptr<ExpertLora>> out;
+  for (const auto& l : w.expert_lora)
+    if (l) out.push_back(l);
+  if (w.gate_up_lora) out.push_back(w.gate_up_lora);
+  return out;
+}
+
 void MoeModel::load_adapter(const std::string& adapter_dir) {
   add_lora(read_adapter_config(adapter_dir));
   load_adapter_weights(adapter_dir);

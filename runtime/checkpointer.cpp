@@ -7,6 +7,7 @@
 #include "models/moe_model.h"
 #include "runtime/adapter_files.h"
 #include "runtime/data/batcher.h"
+#include "runtime/expert_lora_offload.h"
 #include "runtime/ddp/world.h"
 #include "runtime/loss_scale.h"
 #include "runtime/nonfinite_guard.h"
@@ -33,8 +34,11 @@ void Checkpointer::save(const std::string& why) {
   s.step = run_.step;
   s.data_cursor = run_.batcher->state();
   s.world_size = world_size_;
+  if (run_.expert_lora) run_.expert_lora->wait_update();  // its masters, updated on a worker
   s.lora = run_.model->lora_parameters();
   s.optimizer = run_.optimizer->state();
+  if (run_.expert_lora)  // the same names as a resident run's: one file either way
+    for (auto& entry : run_.expert_lora->optimizer_state()) s.optimizer.push_back(std::move(entry));
   s.rng = rng_state(run_.device);
   s.extra = guard_.checkpoint_state(run_.step);
   // A checkpoint from before nvfp4_merge_aware_start_step is an unprepared adapter: not stamped.

@@ -144,6 +144,7 @@ struct TrainConfig {
   std::optional<bool> use_reentrant;  // gradient_checkpointing_kwargs.use_reentrant
   bool expert_offload = false;
   bool expert_offload_pin_memory = true;
+  bool expert_lora_offload = true;  // with expert_offload: the experts' LoRA state in host RAM
   std::string expert_offload_homes = "per_rank";  // "per_rank" | "per_numa_node" | "disk"
   std::string expert_offload_disk_path;           // with disk: the directory of the homes file
   bool expert_offload_prefetch = true;

@@ -44,7 +44,17 @@ at::Tensor grad_norm_on_device(const std::vector<at::Tensor>& params) {
   if (grads.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble));
   // Per-tensor norms in one multi-tensor kernel (fp32, each reduced in a tree), combined in fp64
   // so the total does not depend on the order of ~37k tensors.
-  const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+  return combine_grad_norms(at::_foreach_norm(grads, 2));
+}
+
+at::Tensor grad_norms(const std::vector<at::Tensor>& params) {
+  const std::vector<at::Tensor> grads = defined_grads(params);
+  if (grads.empty()) return at::zeros({0}, at::TensorOptions().dtype(at::kFloat));
+  return at::stack(at::_foreach_norm(grads, 2));
+}
+
+at::Tensor combine_grad_norms(const std::vector<at::Tensor>& norms) {
+  if (norms.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble));
   return at::stack(norms).to(at::kDouble).pow(2).sum().sqrt();
 }
 

@@ -37,6 +37,11 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm);
 // Optimizer::step, the fused AdamW divides each gradient by it as it reads it, so clipping costs
 // no pass of its own over the gradients (clip_grad_norm_on_device scales them in one).
 at::Tensor grad_norm_on_device(const std::vector<at::Tensor>& params);
+// Its two halves, for gradients held in several places (runtime/expert_lora_offload.h): the
+// per-parameter norms (fp32 [k], the k parameters with a gradient, in order; on their device), and
+// the global norm from such norms (a list of fp32 [] on one device, in parameter order).
+at::Tensor grad_norms(const std::vector<at::Tensor>& params);
+at::Tensor combine_grad_norms(const std::vector<at::Tensor>& norms);
 at::Tensor clip_divisor(const at::Tensor& norm, double max_norm);
 
 // AdamW over named fp32 parameters with torch.optim.AdamW's math (decoupled decay

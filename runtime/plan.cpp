@@ -12,6 +12,7 @@
 #include "offload/disk_homes.h"
 #include "offload/layout.h"
 #include "offload/staging.h"
+#include "runtime/expert_lora_offload.h"
 #include "runtime/schedule.h"
 
 namespace eo {
@@ -132,10 +133,11 @@ MemoryPlan plan_memory(const RunSpec& spec) {
 
   // ---- LoRA: fp32 parameter, gradient and two AdamW moments
   const double r = spec.lora.r;
-  double lora_params = 0;
-  auto site = [&](const std::string& name, double in, double out, double count) {
-    if (targets(spec, name)) lora_params += count * r * (in + out);
+  double lora_params = 0, expert_lora_params = 0;  // the latter on the routed experts
+  auto site_into = [&](double& into, const std::string& name, double in, double out, double count) {
+    if (targets(spec, name)) into += count * r * (in + out);
   };
+  auto site = [&](const std::string& name, double in, double out, double count) { site_into(lora_params, name, in, out, count); };
   for (int i = 0; i < c.layers; ++i)
     for (const auto& l : c.attention_shapes(i)) site(l.name, double(l.in), double(l.out), 1);
   const std::array<std::string, 3> expert = c.expert_linears();  // gate, up, down as peft names them
@@ -147,12 +149,12 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   };
   const bool fused_gate_up = fused("mlp.experts.gate_up_proj"), fused_down = fused("mlp.experts.down_proj");
   if (!spec.lora.target_parameters.empty()) {
-    if (fused_gate_up) lora_params += moe_layers * E * r * (H + 2 * I);
-    if (fused_down) lora_params += moe_layers * E * r * (I + H);
+    if (fused_gate_up) expert_lora_params += moe_layers * E * r * (H + 2 * I);
+    if (fused_down) expert_lora_params += moe_layers * E * r * (I + H);
   } else if (c.experts_lora_ok()) {  // per-expert modules (gpt-oss, Gemma 4 and Llama 4 have none: experts fused only)
-    site(expert[0], H, I, moe_layers * E);
-    site(expert[1], H, I, moe_layers * E);
-    site(expert[2], I, H, moe_layers * E);
+    site_into(expert_lora_params, expert[0], H, I, moe_layers * E);
+    site_into(expert_lora_params, expert[1], H, I, moe_layers * E);
+    site_into(expert_lora_params, expert[2], I, H, moe_layers * E);
   }
   if (c.shared_expert_width > 0) {  // resident linears, adapted under the expert names
     const double S = double(c.shared_expert_width);
@@ -165,7 +167,21 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     site("up_proj", H, double(c.dense_width), mlp_layers);
     site("down_proj", double(c.dense_width), H, mlp_layers);
   }
-  p.device.push_back({"lora", lora_params * 16, std::to_string(static_cast<long long>(lora_params)) + " parameters x 16 bytes"});
+  const auto count = [](double n) { return std::to_string(static_cast<long long>(n)); };
+  if (spec.expert_lora_offload && expert_lora_params > 0) {
+    // The experts' LoRA state in host RAM (runtime/expert_lora_offload.h); on the device, the
+    // working copies of a few blocks with their gradients.
+    const double copies = std::min<double>(kExpertLoraWorkingCopies, moe_layers);
+    const ExpertLoraBytes b = expert_lora_bytes(expert_lora_params, expert_lora_params / moe_layers);
+    p.host_lora = b.host;
+    p.expert_lora_params = expert_lora_params;
+    p.device.push_back({"lora", lora_params * 16 + b.device * copies / kExpertLoraWorkingCopies,
+                        count(lora_params) + " parameters x 16 bytes + the experts' LoRA of " + count(copies) +
+                            " block(s) x 8 bytes (the rest in host RAM)"});
+  } else {
+    lora_params += expert_lora_params;
+    p.device.push_back({"lora", lora_params * 16, count(lora_params) + " parameters x 16 bytes"});
+  }
 
   // ---- activations of one micro-batch
   const double N = double(spec.micro_batch_size) * double(spec.sequence_len);
@@ -406,6 +422,12 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
                   plan.ranks_per_node);
     os << line;
   }
+  if (plan.host_lora > 0) {
+    std::snprintf(line, sizeof line, "  %-12s %10s  per rank: the experts' LoRA (%s parameters: fp32 master, gradient, AdamW moments)\n",
+                  "host LoRA", human_bytes(plan.host_lora).c_str(),
+                  std::to_string(static_cast<long long>(plan.expert_lora_params)).c_str());
+    os << line;
+  }
   if (vram > 0) {
     const double need = plan.device_peak + plan.margin;
     const bool fits = need <= vram;
@@ -415,12 +437,16 @@ std::string describe_plan(const MemoryPlan& plan, double vram) {
   return os.str();
 }
 
+double host_ram_per_node(const MemoryPlan& p) {
+  return (p.shared_homes ? p.host_pinned : p.host_pinned * p.ranks_per_node) + p.host_lora * p.ranks_per_node;
+}
+
 HostRamFit describe_host_ram(const RunSpec& spec, const MemoryPlan& plan, double host_ram, const std::string& source) {
   HostRamFit out;
   if (!spec.offload || host_ram <= 0) return out;
   // Pinned host RAM per node: a copy per rank (per_rank, and each rank's ring with disk), one per
   // NUMA node (counted as one here: the plan does not know the node's NUMA layout).
-  auto per_node = [&](const MemoryPlan& p) { return p.shared_homes ? p.host_pinned : p.host_pinned * p.ranks_per_node; };
+  auto per_node = [](const MemoryPlan& p) { return host_ram_per_node(p); };
   const double need = per_node(plan);
   out.fits = need <= host_ram;
   std::ostringstream os;

@@ -5,7 +5,8 @@
 // `peak VRAM` reports), broken into named parts so a user sees what to change:
 //   weights     resident frozen weights: embeddings, lm_head, norms, routers, NF4 attention
 //   experts     NF4 (or MXFP4) experts on the device: all of them, or the offload slots (+ budget blocks)
-//   lora        LoRA parameters, gradients and AdamW moments (fp32)
+//   lora        LoRA parameters, gradients and AdamW moments (fp32); with expert_lora_offload the
+//               experts' share only as working copies of a few blocks (the rest: host_lora)
 //   checkpoints block inputs kept by activation checkpointing (one [tokens, hidden] per block)
 //   block       one block's recompute + backward: its saved tensors plus the largest set that
 //               one backward op holds at once (the phase is named: down projection, gate/up,
@@ -43,6 +44,10 @@ struct MemoryPlan {
   QuantFormat expert_format = QuantFormat::Nf4;  // how load_in_4bit holds them (expert_quant)
   double block_bytes = 0;          // one MoE block's experts (a slot)
   double host_pinned = 0;          // per rank: the homes when offloading (disk: the read ring), else 0
+  // expert_lora_offload: the experts' LoRA parameters and their state in host RAM per rank
+  // (runtime/expert_lora_offload.h: fp32 master, gradient, two moments); 0 without.
+  double expert_lora_params = 0;
+  double host_lora = 0;
   int ranks_per_node = 1;
   bool shared_homes = false;       // expert_offload_homes: per_numa_node (one copy per NUMA node)
   // expert_offload_homes: disk: the homes file (one per host), its read ring per rank, and the
@@ -78,6 +83,10 @@ FittedPlan fit_plan(const RunSpec& spec, double available);
 
 // A table of the plan, and (when vram > 0) whether it fits a card of that many bytes.
 std::string describe_plan(const MemoryPlan& plan, double vram_bytes);
+
+// Host RAM a node gives the plan's ranks: the homes (a copy per rank, or one per NUMA node with
+// per_numa_node, counted as one; disk: each rank's ring) and every rank's host LoRA.
+double host_ram_per_node(const MemoryPlan& plan);
 
 // Whether the pinned host RAM per node of the spec's plan fits `host_ram` bytes per node; when not,
 // what the other expert_offload_homes would take (per_numa_node, disk), planned as copies of it.

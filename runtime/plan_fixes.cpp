@@ -26,7 +26,7 @@ struct Replanner {
     const RunSpec spec = resolve_run_spec(cfg, base.model, base.compute, base.on_gpu, base.ranks_per_node);
     const FittedPlan f = fit_plan(spec, available);
     PlanFix out{std::move(sets), std::move(what), f.plan.device_peak, f.plan.margin, 0, false};
-    if (spec.offload) out.host_pinned_per_node = f.plan.shared_homes ? f.plan.host_pinned : f.plan.host_pinned * f.plan.ranks_per_node;
+    if (spec.offload) out.host_pinned_per_node = host_ram_per_node(f.plan);
     out.fits = out.peak + out.margin <= available && (host_ram <= 0 || out.host_pinned_per_node <= host_ram);
     return out;
   }

@@ -10,6 +10,7 @@
 #include "runtime/ddp/comm.h"
 #include "runtime/ddp/reducer.h"
 #include "runtime/ddp/world.h"
+#include "runtime/expert_lora_offload.h"
 #include "runtime/progress.h"
 #include "runtime/setup.h"
 #include "runtime/train_state.h"
@@ -43,6 +44,7 @@ TrainResult result_so_far(const RunTally& tally) {
 TrainResult end_run(const TrainConfig& cfg, Run& run, Checkpointer& checkpoints, const RunTally& tally, const StepClock& clock,
                     ddp::World& world) {
   const auto& wi = world.info();
+  if (run.expert_lora) run.expert_lora->wait_update();  // the last update of its masters
   checkpoints.save("end of training");
   if (wi.world_size > 1) check_ranks_hold_one_adapter(run, wi.world_size);
   if (wi.rank == 0) {

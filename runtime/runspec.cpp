@@ -14,10 +14,23 @@ std::string why_uses_cannot_replay(const RunSpec& s, bool merge_aware) {
   if (!s.checkpointing) return "they replay checkpointed block uses; gradient_checkpointing is off";
   if (s.random_blocks) return "lora_dropout > 0: each use's dropout seed is set on the host";
   if (merge_aware) return "nvfp4_merge_aware forms its snapped weights anew in every forward";
+  if (s.expert_lora_offload)
+    return "the experts' LoRA is offloaded (expert_lora_offload): each staging gives its block new working copies";
   return "";
 }
 
 }  // namespace
+
+bool experts_carry_lora(const RunSpec& s) {
+  if (s.moe_layers.empty()) return false;
+  for (const auto& p : s.lora.target_parameters)
+    if (p == model::kGateUpParam || p == model::kDownParam) return true;
+  if (!s.lora.target_parameters.empty() || !s.model.experts_lora_ok()) return false;  // fused parameters only, then
+  if (s.lora_all_linear) return true;
+  for (const auto& name : s.model.expert_linears())
+    if (s.lora.targets_module(name)) return true;
+  return false;
+}
 
 model::LoraSpec lora_spec(const TrainConfig& cfg) {
   model::LoraSpec spec;
@@ -65,7 +78,7 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
   s.aux_loss = cfg.output_router_logits;
   s.aux_coef = cfg.router_aux_loss_coef.value_or(s.model.router_aux_loss_coef);
   s.cuda_graphs = cfg.cuda_graphs == "true" ? Setting::On : cfg.cuda_graphs == "false" ? Setting::Off : Setting::Auto;
-  s.graphs_blocked = why_uses_cannot_replay(s, cfg.nvfp4_merge_aware);
+
   s.expert_gemm = cfg.expert_gemm == "torch"      ? ExpertGemmSetting::Torch
                   : cfg.expert_gemm == "portable" ? ExpertGemmSetting::Portable
                                                   : ExpertGemmSetting::Auto;
@@ -78,6 +91,8 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
   s.slots = offload::device_slots(s.prefetch, cfg.expert_offload_prefetch_depth, static_cast<int>(s.moe_layers.size()));
   s.budget_auto = cfg.expert_offload_vram_budget == "auto";
   if (!s.budget_auto) s.budget_bytes = static_cast<std::int64_t>(parse_bytes(cfg.expert_offload_vram_budget).value_or(0));
+  s.expert_lora_offload = s.offload && cfg.expert_lora_offload && s.checkpointing && experts_carry_lora(s);
+  s.graphs_blocked = why_uses_cannot_replay(s, cfg.nvfp4_merge_aware);
 
   // expert_dequant_chunk: whole and auto are the whole bank (auto may become kAutoBankSliceBytes
   // when the plan needs it), else the slice's bytes.

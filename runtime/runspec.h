@@ -51,6 +51,9 @@ struct RunSpec {
   bool prefetch = true;
   int slots = 1;                     // device slots the engine makes (never more than blocks)
   bool budget_auto = false;          // expert_offload_vram_budget: auto (sized after step 1)
+  // The experts' LoRA state in host RAM (runtime/expert_lora_offload.h): expert_offload with LoRA
+  // on the experts, expert_lora_offload not false (and checkpointing, which expert_offload needs).
+  bool expert_lora_offload = false;
   std::int64_t budget_bytes = 0;     // else its bytes (0: every block streamed)
 
   // expert banks and the step
@@ -97,6 +100,9 @@ void decide_cuda_graphs(RunSpec& spec, const GraphFacts& facts);
 // with checkpointing (a slice is cut differently in forward and backward; the CPU runs the
 // per-expert loop, with no bank), else none.
 model::BankReuse bank_reuse_in_effect(bool on_gpu, std::int64_t bank_bytes, bool checkpointing, model::BankReuse asked);
+
+// Whether the run's LoRA reaches the routed experts (by module name or as fused parameters).
+bool experts_carry_lora(const RunSpec& spec);
 
 // The LoRA `cfg` trains: what setup adds to the model and what the adapter's config records.
 model::LoraSpec lora_spec(const TrainConfig& cfg);

@@ -37,6 +37,7 @@
 #include "runtime/ddp/home_sharing.h"
 #include "runtime/ddp/reducer.h"
 #include "runtime/ddp/world.h"
+#include "runtime/expert_lora_offload.h"
 #include "runtime/optimizer.h"
 #include "runtime/plan.h"
 #include "runtime/plan_fixes.h"
@@ -171,6 +172,12 @@ void check_host_memory_for_homes(const TrainConfig& cfg, const RunSpec& spec, dd
   const bool shared = spec.homes == offload::HomesKind::PerNumaNode;
   const bool on_disk = spec.homes == offload::HomesKind::Disk;
   const int copies = shared ? ddp::home_group(world, device).copies_on_host : static_cast<int>(v[1]);
+  // expert_lora_offload: every rank's experts' LoRA state comes out of the same RAM first.
+  const double host_lora = spec.expert_lora_offload ? plan_memory(spec).host_lora * v[1] : 0;
+  if (host_lora > 0 && mem.available >= 0) {
+    mem.available = std::max<std::int64_t>(0, mem.available - static_cast<std::int64_t>(host_lora));
+    mem.source += ", less " + human_bytes(host_lora) + " for the ranks' expert LoRA state";
+  }
   const std::string available =
       mem.available < 0 ? std::string("available unknown") : human_bytes(double(mem.available)) + " available (" + mem.source + ")";
   if (on_disk) {
@@ -349,6 +356,28 @@ void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, s
 
 namespace {
 
+// expert_lora_offload: the experts' LoRA state to the host, staged with its block; said in the log.
+void start_expert_lora_offload(const TrainConfig& cfg, Run& run) {
+  const RunSpec& spec = run.spec;
+  if (!spec.offload || !experts_carry_lora(spec)) return;
+  if (!spec.expert_lora_offload) {
+    log::info("expert LoRA: its masters, gradients and AdamW moments stay on the device (expert_lora_offload: false)");
+    return;
+  }
+  run.expert_lora = std::make_unique<ExpertLoraOffload>(*run.model, run.device, cfg.expert_offload_pin_memory, cfg);
+  if (run.expert_lora->params().empty()) {  // peft_layers_to_transform left every MoE block out
+    run.expert_lora.reset();
+    return;
+  }
+  run.model->set_weight_provider(run.expert_lora->wrap(run.offloader));
+  log::info("expert LoRA offloaded: " + std::to_string(run.expert_lora->params().size()) +
+            " tensors' fp32 masters, gradients and AdamW moments in host RAM (" +
+            human_bytes(double(run.expert_lora->host_bytes())) + "), working copies of " +
+            std::to_string(kExpertLoraWorkingCopies) + " blocks on the device (" +
+            human_bytes(double(run.expert_lora->device_bytes())) +
+            "); AdamW for them on the host; CUDA graphs off (each staging gives a block new working copies)");
+}
+
 // The model on the device (its experts in this rank's homes with expert_offload), its LoRA, and
 // nvfp4_merge_aware's snapped weights. Returns why the expert GEMMs read the routing counts on the
 // host (no CUDA graph can capture that), or "" where they read them on the device.
@@ -372,6 +401,7 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   model::MoeModel& model = *run.model;
   if (spec.offload) run.offloader = start_offload(model, cfg, spec, device, world);
   model.add_lora(spec.lora);
+  start_expert_lora_offload(cfg, run);
   run.lora = model.lora_parameters();
   EO_CHECK(!run.lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
            join(cfg.lora_target_modules, ", "), "]");
@@ -405,10 +435,21 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   return "lora_r " + r + " is not a multiple of 8: the per-expert path reads counts on the host";
 }
 
+// The LoRA parameters the device updates (all but the host-held experts'), and their blocks.
+NamedTensors device_lora(const Run& run, std::vector<int>* blocks = nullptr) {
+  NamedTensors out;
+  for (std::size_t k = 0; k < run.lora.size(); ++k) {
+    if (run.expert_lora && run.expert_lora->holds(run.lora[k].second)) continue;
+    out.push_back(run.lora[k]);
+    if (blocks) blocks->push_back(run.lora_blocks[k]);
+  }
+  return out;
+}
+
 // The optimizer, and the state a run resumes from: a checkpoint's (LoRA, AdamW, RNG, data
 // cursor, the trainer's counters), or lora_model_dir's LoRA weights.
 void start_or_resume(const TrainConfig& cfg, Run& run) {
-  run.optimizer = std::make_unique<Optimizer>(run.lora, cfg);
+  run.optimizer = std::make_unique<Optimizer>(device_lora(run), cfg);
   const std::string resume = resume_folder(cfg);
   if (resume.empty() && !cfg.lora_model_dir.empty()) {
     run.model->load_adapter_weights(cfg.lora_model_dir);  // its config was checked against this one's
@@ -416,7 +457,9 @@ void start_or_resume(const TrainConfig& cfg, Run& run) {
   }
   if (resume.empty()) return;
   TrainingState s = resume_lora(resume, run.lora);
-  run.optimizer->load_state(std::map<std::string, at::Tensor>(s.optimizer.begin(), s.optimizer.end()));
+  const std::map<std::string, at::Tensor> optimizer_state(s.optimizer.begin(), s.optimizer.end());
+  run.optimizer->load_state(optimizer_state);
+  if (run.expert_lora) run.expert_lora->load_optimizer_state(optimizer_state);
   restore_rng(s.rng, run.device);
   run.batcher->restore(s.data_cursor);
   run.step = s.step;
@@ -467,7 +510,9 @@ void start_data_parallel(const TrainConfig& cfg, Run& run, ddp::World& world) {
   ddp::ReducerOptions ro;
   ro.bucket_cap_bytes = static_cast<std::int64_t>(cfg.ddp_bucket_cap_mb) << 20;
   ro.op = ddp::ReduceOp::kSum;  // the loss is already normalised by the global token count
-  run.reducer = std::make_unique<ddp::GradReducer>(run.lora, *run.comm, ro, run.lora_blocks);
+  std::vector<int> blocks;
+  NamedTensors on_device = device_lora(run, &blocks);
+  run.reducer = std::make_unique<ddp::GradReducer>(std::move(on_device), *run.comm, ro, std::move(blocks));
 }
 
 }  // namespace

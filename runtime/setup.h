@@ -34,6 +34,7 @@ namespace offload {
 class ExpertOffloader;
 }
 class Optimizer;
+class ExpertLoraOffload;
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
@@ -62,7 +63,10 @@ struct Run {
   std::shared_ptr<offload::ExpertOffloader> offloader;  // null without expert_offload
   NamedTensors lora;             // trainable parameters in order of use
   std::vector<int> lora_blocks;  // the decoder block of each
-  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<Optimizer> optimizer;  // the parameters on the device
+  // With spec.expert_lora_offload: the experts' LoRA masters, gradients and AdamW state on the
+  // host (its masters are in `lora` too, under their names), else null.
+  std::unique_ptr<ExpertLoraOffload> expert_lora;
   std::int64_t step = 0;         // steps done (a resumed run starts after its checkpoint)
   std::string resumed_from;      // checkpoint folder, or empty
   nlohmann::json resumed_extra = nlohmann::json::object();  // counters saved in the checkpoint

@@ -12,6 +12,7 @@
 #include "runtime/ddp/comm.h"
 #include "runtime/ddp/reducer.h"
 #include "runtime/ddp/world.h"
+#include "runtime/expert_lora_offload.h"
 #include "runtime/loss_scale.h"
 #include "runtime/optimizer.h"
 #include "runtime/setup.h"
@@ -23,13 +24,15 @@ namespace eo {
 
 StepValues QueuedStep::read() {
   const double* v = values.get().data_ptr<double>();
-  return {v[0], v[1], v[2], v[3], v[4], v[5]};
+  const double bad_state = host_bad_state.valid() ? std::max(v[4], host_bad_state.get()) : v[4];
+  return {v[0], v[1], v[2], v[3], bad_state, v[5]};
 }
 
 TrainStep::TrainStep(const TrainConfig& cfg, Run& run, StepRunner& runner, LossScaler& scaler, ddp::World& world,
                      const TrainHooks& hooks)
     : cfg_(cfg), run_(run), runner_(runner), scaler_(scaler), world_(world), hooks_(hooks) {
-  for (const auto& [n, p] : run.lora) params_.push_back(p);
+  for (const auto& [n, p] : run.lora)
+    if (!run.expert_lora || !run.expert_lora->holds(p)) params_.push_back(p);  // the host's are its own
   // nvfp4_merge_aware from its first step on (axolotl's MergeAwareScheduleCallback, on_step_begin
   // with global_step = the steps completed; a resumed run turns it on at once when past it). Once
   // on it stays on, so the saved adapter's last forward is the snapped one.
@@ -64,14 +67,8 @@ QueuedStep TrainStep::queue() {
   if (overflow) loss_scale = at::full({}, INFINITY, at::TensorOptions().dtype(at::kFloat).device(device));
   const StepLosses sl = runner_.run(micro, global_tokens, [&](int) { return poison; }, loss_scale);
   if (hooks_.in_step_work) hooks_.in_step_work(step + 1);
+  if (run_.expert_lora) run_.expert_lora->flush();  // the host-held gradients start home
   if (run_.reducer) run_.reducer->finalize();
-  // Clipping rides in AdamW: it divides each gradient by the divisor as it reads it (1 when the
-  // norm is within max_grad_norm or not finite).
-  // With fp16 the gradients are the scaled loss's: the norm (reported, and clipped against) is
-  // theirs divided by the scale, and AdamW divides each by scale × the clip divisor (powers of
-  // two times the divisor: the same as unscaling first, as GradScaler.unscale_ does).
-  const at::Tensor scaled_norm = grad_norm_on_device(params_);
-  const at::Tensor norm = scaler_.enabled() ? scaled_norm / scaler_.scale().to(at::kDouble) : scaled_norm;
   const double lr = cfg_.learning_rate * lr_multiplier(cfg_.lr_scheduler, step, run_.warmup, run_.total_steps);
   // Non-finite guard, decided on the device (fp16's overflow check is this guard: the norm is of
   // the all-reduced gradients, so every rank finds the same overflow). The gradients are all-reduced but the loss is not,
@@ -84,10 +81,14 @@ QueuedStep TrainStep::queue() {
   const at::Tensor aux = sl.aux_sum.defined() ? sl.aux_sum.to(ce.device(), at::kDouble) : at::zeros_like(ce);
   const at::Tensor sums = at::stack({ce, aux, at::logical_not(at::isfinite(ce) & at::isfinite(aux)).to(at::kDouble)});
   run_.comm->allreduce(sums, ddp::ReduceOp::kSum, "the step's losses");
-  const at::Tensor grad_norm = norm.to(sums.device(), at::kDouble);
-  const at::Tensor skip = ((sums[2] > 0) | at::logical_not(at::isfinite(grad_norm))).to(at::kFloat);
-  const at::Tensor divisor = clip_divisor(norm, cfg_.max_grad_norm);
-  run_.optimizer->step(lr, skip, scaler_.enabled() ? divisor * scaler_.scale() : divisor);
+  // With the experts' LoRA on the host, its update is decided there from the same values, read
+  // once (the step's one synchronisation), before the device's update is queued.
+  const HostUpdate host = run_.expert_lora ? update_host_lora(sums, lr) : HostUpdate{};
+  const at::Tensor scaled_norm = host.scaled_norm.defined() ? host.scaled_norm : grad_norm_on_device(params_);
+  const UpdateDecision d = decide_update(scaled_norm, sums[2], scaler_.enabled() ? scaler_.scale() : at::Tensor());
+  const at::Tensor grad_norm = d.norm.to(sums.device(), at::kDouble);
+  const at::Tensor& skip = d.skip;
+  run_.optimizer->step(lr, skip, d.grad_divisor);
   const at::Tensor scale_used =
       scaler_.enabled() ? scaler_.scale().to(sums.device(), at::kDouble).reshape({1}) : at::ones({1}, sums.options());
   scaler_.update(skip);  // GradScaler.update: back off on the skip, else count towards growth
@@ -95,6 +96,7 @@ QueuedStep TrainStep::queue() {
   run_.optimizer->zero_grad(/*set_to_none=*/!runner_.graphs_enabled());
   if (hooks_.after_update) hooks_.after_update(step + 1, params_);
   const at::Tensor bad_state = run_.optimizer->state_nonfinite().to(sums.device());
+  q.host_bad_state = host.bad_state;  // the host's update runs on while the next step is queued
   if (run_.offloader) run_.offloader->end_step();
   ++step;
   q.step = step;
@@ -105,6 +107,37 @@ QueuedStep TrainStep::queue() {
   if (hooks_.step_work) hooks_.step_work(step, false);
   q.values = HostCopy(at::cat({sums, grad_norm.reshape({1}), bad_state.reshape({1}), scale_used}));
   return q;
+}
+
+TrainStep::UpdateDecision TrainStep::decide_update(const at::Tensor& scaled_norm, const at::Tensor& nonfinite_flags,
+                                                   const at::Tensor& scale) const {
+  // Clipping rides in AdamW: it divides each gradient by the divisor as it reads it (1 when the
+  // norm is within max_grad_norm or not finite). With fp16 the gradients are the scaled loss's:
+  // the norm (reported, and clipped against) is theirs divided by the scale, and AdamW divides
+  // each by scale × the clip divisor (powers of two times the divisor: the same as unscaling
+  // first, as GradScaler.unscale_ does).
+  UpdateDecision d;
+  d.norm = scale.defined() ? scaled_norm / scale.to(scaled_norm.device(), at::kDouble) : scaled_norm;
+  d.skip = ((nonfinite_flags.to(d.norm.device()) > 0) | at::logical_not(at::isfinite(d.norm))).to(at::kFloat);
+  const at::Tensor divisor = clip_divisor(d.norm, cfg_.max_grad_norm);
+  d.grad_divisor = scale.defined() ? divisor * scale.to(divisor.device()) : divisor;
+  return d;
+}
+
+TrainStep::HostUpdate TrainStep::update_host_lora(const at::Tensor& sums, double lr) {
+  // One read of the device: the flags, the device's per-parameter norms and the loss scale. The
+  // host-held gradients were queued home before these (flush), so they are home too.
+  const at::Tensor dev_norms = grad_norms(params_);
+  const at::Tensor scale = scaler_.enabled() ? scaler_.scale().reshape({1}).to(at::kDouble) : at::ones({1}, sums.options());
+  const at::Tensor read = at::cat({sums.reshape({-1}), scale.to(sums.device()), dev_norms.to(sums.device(), at::kDouble)}).to(at::kCPU);
+  const at::Tensor norms = read.narrow(0, 4, read.numel() - 4).to(at::kFloat);
+  HostUpdate h;
+  const at::Tensor host_norm = run_.expert_lora->reduce_and_norm(run_.lora, norms, run_.comm.get());
+  const at::Tensor host_scale = read[3].to(at::kFloat);
+  const UpdateDecision d = decide_update(host_norm, read[2], scaler_.enabled() ? host_scale : at::Tensor());
+  h.bad_state = run_.expert_lora->step(lr, d.skip, d.grad_divisor);
+  h.scaled_norm = host_norm.to(sums.device());
+  return h;
 }
 
 StepClock::StepClock(const at::Device& device)

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <vector>
 
 #include "runtime/device.h"
@@ -42,6 +43,9 @@ struct QueuedStep {
   DeviceMark begin, end;     // where the step's device work begins and ends
   DeviceMark since;          // what its time counts from (StepClock)
   HostCopy values;           // StepValues, in their order
+  // The host-held expert LoRA's state check (runtime/expert_lora_offload.h), its update still
+  // running when the step is queued; invalid without.
+  std::shared_future<double> host_bad_state;
   StepValues read();         // waits for this step's values only
 };
 
@@ -59,7 +63,23 @@ class TrainStep {
   LossScaler& scaler_;
   ddp::World& world_;
   const TrainHooks& hooks_;
-  std::vector<at::Tensor> params_;
+  // The step's update, decided from the gradient norm (fp64 []: the gradients' as they are, before
+  // any loss scale is divided out), the summed non-finite flags and fp16's loss scale (undefined
+  // without): the norm reported, the skip flag and the gradients' divisor, on the norm's device.
+  struct UpdateDecision {
+    at::Tensor norm, skip, grad_divisor;
+  };
+  UpdateDecision decide_update(const at::Tensor& scaled_norm, const at::Tensor& nonfinite_flags,
+                               const at::Tensor& scale) const;
+  // The host-held expert LoRA's update (runtime/expert_lora_offload.h): the global norm over every
+  // parameter and the host state's non-finite flag, both on the device.
+  struct HostUpdate {
+    at::Tensor scaled_norm;
+    std::shared_future<double> bad_state;
+  };
+  HostUpdate update_host_lora(const at::Tensor& sums, double lr);
+
+  std::vector<at::Tensor> params_;  // the parameters the device updates
   std::int64_t merge_aware_from_ = -1;  // nvfp4_merge_aware's first step (0-based steps done), -1: never
 };
 

@@ -24,3 +24,8 @@ eo_unit_test(test_disk_homes SOURCES test_disk_homes.cpp LIBS eo_runtime)
 add_test(NAME disk_homes COMMAND ${PROJECT_SOURCE_DIR}/tests/disk_homes.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(disk_homes PROPERTIES LABELS unit TIMEOUT 600
                      PASS_REGULAR_EXPRESSION "disk_homes: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# The experts' LoRA state on the host (expert_lora_offload) trains bitwise as on the device: 10
+# steps with clipping, resumes both ways, 1 and 2 ranks (tests/expert_lora_offload.sh).
+add_test(NAME expert_lora_offload COMMAND ${PROJECT_SOURCE_DIR}/tests/expert_lora_offload.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(expert_lora_offload PROPERTIES LABELS mpi TIMEOUT 900 PROCESSORS 2
+                     PASS_REGULAR_EXPRESSION "expert_lora_offload: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

@@ -60,12 +60,12 @@ case_ "$tmp/gpt-oss-120b" 12GiB ""
 
 # Host RAM too small for the pinned homes (--host-ram): the offload change puts them on a drive.
 config "$src/configs/models/qwen3-30b-a3b" "lora_target_linear: true" >"$tmp/host.yaml"
-"$bin" plan --config "$tmp/host.yaml" --vram 24GiB --host-ram 8GiB >"$tmp/host.log" 2>&1
-check "with --host-ram 8GiB: does not fit (exit 1)" test $? -eq 1
+"$bin" plan --config "$tmp/host.yaml" --vram 24GiB --host-ram 16GiB >"$tmp/host.log" 2>&1
+check "with --host-ram 16GiB: does not fit (exit 1)" test $? -eq 1
 first=$(grep -m1 -E '^ +--set ' "$tmp/host.log")
 check "the first change puts the homes on a drive" grep -q -- "--set expert_offload=true .*--set expert_offload_homes=disk" <<<"$first"
 # shellcheck disable=SC2086
-"$bin" plan --config "$tmp/host.yaml" --vram 24GiB --host-ram 8GiB $first >"$tmp/host2.log" 2>&1
+"$bin" plan --config "$tmp/host.yaml" --vram 24GiB --host-ram 16GiB $first >"$tmp/host2.log" 2>&1
 check "and with it card and host RAM fit (exit 0)" test $? -eq 0
 
 # --check against device_memory_limit: exit 2, the list, no "config ok".

@@ -1,0 +1,124 @@
+// The experts' LoRA state beside the streamed experts (expert_offload with expert LoRA): for every
+// offloaded MoE block the fp32 masters, their gradients and AdamW's moments live in host memory
+// (masters and gradients pinned), and the device holds only working copies of the blocks in use.
+//
+//   stage(i)   block i's masters (and the gradient it has gathered so far this step) are copied
+//              onto the device as fresh leaves, which the block's ExpertLora then reads; at most
+//              kExpertLoraWorkingCopies blocks are there at once (the one in use and the one
+//              before, so the forward/backward turn copies nothing). A block pushed out takes its
+//              gradient home; it comes back with the block, so micro-batches add in the order
+//              resident training adds them.
+//   flush()    after the backward: every gradient home, no working copy left.
+//   step(...)  AdamW on the host (at::_fused_adamw_, the resident Optimizer's own code), with the
+//              step's skip flag and clip divisor read from the device once (TrainStep). It runs on a
+//              worker thread block by block in layer order, while the host queues the next step:
+//              stage(i) waits for block i's update only, so the update hides behind the next
+//              forward. wait_update() waits for all of it (checkpoints, the final adapter).
+// Why a host AdamW and not a deferred update on the device: the moments never cross the link (a
+// deferred update carries master, gradient and moments both ways, 16 bytes a parameter each way;
+// here 4 up per stint and 4 home), and the update is exactly the resident one (same kernel, same
+// gradient norm, same decision), so a checkpoint is the same files either way (docs/design.md §2.4).
+//
+// The staging is driven through the model's WeightProvider (ExpertLoraOffload::wrap): whatever
+// stages a block's experts (the step runner, evaluation, scoring) stages its LoRA too.
+// Uses must be checkpointed (a kept autograd graph would hold a working copy past its stint), and
+// CUDA graphs are off (each stint's leaves are new tensors).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace eo {
+
+namespace model {
+class MoeModel;
+class WeightProvider;
+class ExpertLora;
+}  // namespace model
+namespace ddp {
+class Communicator;
+}
+struct TrainConfig;
+class Optimizer;
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Blocks whose working copies the device holds at once (the plan counts the same number).
+inline constexpr int kExpertLoraWorkingCopies = 2;
+
+// Bytes for `params` expert-LoRA parameters of which `block_params` belong to the largest block:
+// on the host fp32 master, gradient and two moments; on the device the working copies and their
+// gradients. One rule for the plan and the code.
+struct ExpertLoraBytes {
+  double host = 0, device = 0;
+};
+ExpertLoraBytes expert_lora_bytes(double params, double block_params);
+
+class ExpertLoraOffload {
+ public:
+  // Takes every MoE block's expert LoRA of `model` (already added) to host memory (pinned when
+  // `pin` and `device` is a GPU); the blocks' ExpertLora read the host masters until staged.
+  ExpertLoraOffload(model::MoeModel& model, const at::Device& device, bool pin, const TrainConfig& cfg);
+  ~ExpertLoraOffload();
+
+  bool holds(const at::Tensor& param) const;  // a host master of this store
+  const NamedTensors& params() const { return params_; }  // the host masters, in the model's order
+  std::int64_t host_bytes() const;    // masters, gradients, moments (as expert_lora_bytes counts them)
+  std::int64_t device_bytes() const;  // the working copies at most, with their gradients
+  std::int64_t block_params_max() const { return block_params_max_; }
+
+  // A WeightProvider that stages `inner`'s experts and this store's LoRA together.
+  std::shared_ptr<model::WeightProvider> wrap(std::shared_ptr<model::WeightProvider> inner);
+  void stage(int layer);
+  void flush();
+
+  // The step's host part, after flush() and the device's all-reduce, with `device_norms` the
+  // per-parameter gradient norms of `device_params` (fp32, those with a gradient, in order; read
+  // on the host). Across ranks the host gradients are all-reduced here (zeros where a rank has
+  // none, as the GradReducer sends). Returns the global norm over every parameter in the model's
+  // order (`order`: all parameters, the host ones this store's), fp64 [] on the host, computed as
+  // grad_norm_on_device would over them all.
+  at::Tensor reduce_and_norm(const NamedTensors& order, const at::Tensor& device_norms, ddp::Communicator* comm);
+  // Starts AdamW over the host masters (skip and grad_divisor: fp32 [] on the host), each block's
+  // gradients dropped after its update. The future gives 1 when a master or moment then holds
+  // NaN/Inf, else 0 (the step's reading waits for it).
+  std::shared_future<double> step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
+  // Waits for the update step() started (rethrowing its error); a no-op when none runs.
+  void wait_update();
+  NamedTensors optimizer_state();
+  void load_optimizer_state(const std::map<std::string, at::Tensor>& state);
+
+ private:
+  struct Param;
+  struct Block;
+  void evict(Block& b);
+
+  at::Device device_;
+  bool pin_;
+  std::vector<std::unique_ptr<Block>> blocks_;  // by layer; null where nothing is held
+  std::vector<int> staged_;                     // layers with working copies, least recent first
+  std::vector<Param*> flat_;                    // every leaf, by block
+  std::vector<Param*> by_order_;                // params_' leaves
+  NamedTensors params_;
+  std::int64_t block_params_max_ = 0;
+  // One optimizer per block holding LoRA, in layer order (Block::index): the worker's unit.
+  std::vector<std::unique_ptr<Optimizer>> optimizers_;
+  std::thread worker_;
+  std::mutex mutex_;
+  std::condition_variable updated_;
+  std::size_t blocks_updated_ = 0;  // optimizers_[0, this) are done with the running update
+  bool update_over_ = true;         // the worker finished (or failed)
+  std::exception_ptr update_error_;
+};
+
+}  // namespace eo
