@@ -42,6 +42,17 @@ base is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a fl
   --window N                         rows longer than N tokens (default 8192) are scored in windows
                                      sharing one token
   --json                             print the result as one JSON object)"},
+      {"merge",
+       "eo-ddp merge --model DIR --adapter DIR --output DIR [--base original|as-trained] [--dtype bf16|fp16|fp32]",
+       R"(Merge a peft adapter into its base: a checkpoint folder in the base's layout (sharded safetensors
+with an index, config.json, generation config, tokenizer files) that loads as the base does. Streams
+shard by shard: host memory stays near one input plus one output shard.
+  --base original      into the base's own weights, as peft's merge_and_unload (default)
+  --base as-trained    into the base the adapter was trained on (its eo_ddp_base.json): with QLoRA
+                       every decoder-block linear as its NF4 round trip, the model training ran
+  --dtype D            the written tensors' dtype (default: the base's config.json dtype); use fp32
+                       to keep an as-trained merge exact
+  --max-shard-size S   largest output shard (default 5GB))"},
       {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).
