@@ -251,7 +251,8 @@ class Merger {
     const bool gate_up = param == "gate_up_proj";
     const std::int64_t H = cfg_.hidden, I = cfg_.expert_width;
     const std::int64_t in = gate_up ? H : I, out = gate_up ? 2 * I : H;
-    const FusedExpertLayout layout = cfg_.family().fused_layout;
+    FusedExpertLayout layout = cfg_.family().fused_layout;
+    layout.gate_up_interleaved &= gate_up;  // down_proj's rows are H plain outputs (as MoeModel::add_lora)
     const int E = static_cast<int>(A.size(0));
     auto expert_delta = [A, B, spec, in, out, layout](int e) {
       ExpertLora l(1, in, out, spec, at::Device(at::kCPU), layout);
