@@ -52,6 +52,15 @@ void copy_side_files(const std::string& from, const std::string& to) {
   }
 }
 
+// This process's peak resident memory (VmHWM: its own address space since exec, the mapped
+// shards' pages included), 0 where /proc is not there.
+std::uint64_t peak_host_memory() {
+  std::string status;
+  if (!read_file_nofollow("/proc/self/status", status)) return 0;
+  const auto at = status.find("VmHWM:");
+  return at == std::string::npos ? 0 : std::stoull(status.substr(at + 6)) * 1024;
+}
+
 }  // namespace
 
 int run_merge(const Args& args) {
@@ -116,7 +125,8 @@ int run_merge(const Args& args) {
             std::string(at::toString(o.dtype)) + ") in " + std::to_string(sum.shards) + " shard(s); " +
             std::to_string(sum.deltas) + " LoRA matrices merged into " + std::to_string(sum.merged) + " tensors" +
             (o.as_trained ? ", " + std::to_string(sum.requantised) + " matrices as their NF4 round trip" : "") +
-            "; base: " + (o.as_trained ? "as trained (NF4)" : "original weights"));
+            "; base: " + (o.as_trained ? "as trained (NF4)" : "original weights") + "; peak host memory " +
+            std::to_string(peak_host_memory()) + " bytes");
   return kExitOk;
 }
 
