@@ -4,6 +4,9 @@
 #include <c10/core/GradMode.h>
 
 #include <cstdio>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -434,6 +437,9 @@ class Merger {
         st::save((fs::path(opts_.output_dir) / file_name(out_shard[i])).string(), batch);
         sum.tensors += batch.size();
         batch.clear();
+#if defined(__GLIBC__)
+        ::malloc_trim(0);  // the shard's freed buffers back to the system, not kept for the next one
+#endif
         ++sum.shards;
       }
     }
