@@ -53,6 +53,19 @@ shard by shard: host memory stays near one input plus one output shard.
   --dtype D            the written tensors' dtype (default: the base's config.json dtype); use fp32
                        to keep an as-trained merge exact
   --max-shard-size S   largest output shard (default 5GB))"},
+      {"generate",
+       "eo-ddp generate --model DIR [--adapter DIR] (--prompt TEXT | --chat FILE) [--temperature T] [--top-p P] ...",
+       R"(Continue a prompt with the model (and adapter): the prompt through the model's chat template (a
+user turn, or the messages of FILE: a JSON list of {"role", "content"}), tokens streamed to stdout
+until an end-of-turn token or --max-new-tokens, then the prefill and decode rates.
+  --temperature T      0 (default): greedy; above 0: sampled at that temperature
+  --top-p P            sample from the smallest set of tokens whose probability reaches P (default 1)
+  --max-new-tokens N   at most N new tokens (default 128)
+  --seed S             the sampler's seed (default 0)
+  --raw                the prompt as it is, without the chat template
+  --dtype fp32|bf16    the compute dtype (default fp32)
+  --load-in-4bit       on the NF4 base, as QLoRA trained
+  --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"})"},
       {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).
