@@ -106,6 +106,7 @@ int run_merge(const Args& args) {
       const auto j = nlohmann::json::parse(text);
       o.as_trained = j.value("load_in_4bit", false);
       o.blocksize = j.value("bnb_4bit_blocksize", 64);
+      o.expert_quant = j.value("expert_quant", std::string("auto"));
       o.double_quant = j.value("bnb_4bit_use_double_quant", false);
     } catch (const std::exception& e) {
       throw UsageError("merge: " + recorded.string() + " is not readable JSON (" + e.what() + ")");
@@ -125,6 +126,7 @@ int run_merge(const Args& args) {
             std::string(at::toString(o.dtype)) + ") in " + std::to_string(sum.shards) + " shard(s); " +
             std::to_string(sum.deltas) + " LoRA matrices merged into " + std::to_string(sum.merged) + " tensors" +
             (o.as_trained ? ", " + std::to_string(sum.requantised) + " matrices as their NF4 round trip" : "") +
+            (sum.mxfp4 ? ", " + std::to_string(sum.mxfp4) + " MXFP4 expert tensors dequantised" : "") +
             "; base: " + (o.as_trained ? "as trained (NF4)" : "original weights") + "; peak host memory " +
             std::to_string(peak_host_memory()) + " bytes");
   return kExitOk;

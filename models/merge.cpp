@@ -18,6 +18,7 @@
 #include "common/text.h"
 #include "models/hf_config.h"
 #include "models/lora.h"
+#include "models/mxfp4.h"
 #include "models/nf4.h"
 #include "models/safetensors.h"
 
@@ -57,6 +58,8 @@ struct Delta {
 struct TensorEntry {
   st::TensorInfo info;
   std::size_t shard = 0;  // index into the input shards
+  // MXFP4 experts: the stored `<name>_blocks` / `<name>_scales` this dequantised tensor comes from.
+  std::string blocks, scales;
 };
 
 class Merger {
@@ -112,6 +115,28 @@ class Merger {
         order_.push_back(t.name);
       }
     }
+    // gpt-oss's MXFP4 experts: `<name>_blocks` [E, rows, cols/32, 16] and `<name>_scales` become
+    // `<name>` [E, cols, rows] in bf16, where the blocks were.
+    for (auto it = order_.begin(); it != order_.end(); ++it) {
+      const std::string blocks = *it;
+      if (!ends_with(blocks, "_blocks")) continue;
+      const std::string name = blocks.substr(0, blocks.size() - 7), scales = name + "_scales";
+      const auto s = tensors_.find(scales);
+      const TensorEntry& b = tensors_.at(blocks);
+      if (s == tensors_.end() || b.info.dtype != st::DType::U8 || b.info.shape.size() != 4) continue;
+      if (s->second.shard != b.shard)
+        throw UsageError("merge: MXFP4 tensor '" + blocks + "' and its '" + scales + "' are in different shards");
+      TensorEntry v{b.info, b.shard, blocks, scales};
+      v.info.name = name;
+      v.info.dtype = st::DType::BF16;
+      v.info.shape = {b.info.shape[0], b.info.shape[2] * 32, b.info.shape[1]};
+      tensors_.erase(s);
+      tensors_.erase(blocks);
+      tensors_.emplace(name, v);
+      *it = name;
+    }
+    order_.erase(std::remove_if(order_.begin(), order_.end(), [&](const std::string& n) { return !tensors_.count(n); }),
+                 order_.end());
     decoder_ = "model.";
     if (cfg_.multimodal)
       for (const auto& l : cfg_.multimodal->layouts)
@@ -357,10 +382,15 @@ class Merger {
 
   // ---- the merged tensors, written shard by shard
   at::Tensor merged(const st::File& f, const std::string& name, MergeSummary& sum) const {
-    at::Tensor t = f.load(name);
+    const TensorEntry& entry = tensors_.at(name);
+    const bool mxfp4 = !entry.blocks.empty();
+    at::Tensor t = mxfp4 ? mxfp4::dequantize(f.load(entry.blocks), f.load(entry.scales)).transpose(1, 2).contiguous()
+                         : f.load(name);
+    sum.mxfp4 += mxfp4 ? 1 : 0;
     const bool floating = at::isFloatingType(t.scalar_type());
     const auto d = deltas_.find(name);
-    const bool requantise = opts_.as_trained && floating && block_linear(name);
+    // As trained, MXFP4 experts are their MXFP4 values unless expert_quant: nf4 re-quantised them.
+    const bool requantise = opts_.as_trained && floating && block_linear(name) && (!mxfp4 || opts_.expert_quant == "nf4");
     if (d == deltas_.end() && !requantise) return floating ? t.to(opts_.dtype).contiguous() : t;
     at::Tensor w = t.to(at::kFloat).contiguous();
     const Storage s = storage(name);

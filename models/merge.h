@@ -26,6 +26,9 @@ struct MergeOptions {
   bool as_trained = false;
   int blocksize = 64;
   bool double_quant = false;
+  // The run's expert_quant: MXFP4 experts (gpt-oss as the Hub ships it) stay MXFP4 in training
+  // unless "nf4", so as trained they are their MXFP4 values, else the NF4 round trip of those.
+  std::string expert_quant = "auto";
   at::ScalarType dtype = at::kBFloat16;     // of every floating tensor written
   std::uint64_t max_shard_bytes = 5000000000;  // transformers' default max_shard_size, "5GB"
 };
@@ -35,14 +38,17 @@ struct MergeSummary {
   std::size_t merged = 0;     // tensors a delta was added to
   std::size_t deltas = 0;     // LoRA matrices placed (an expert's gate, a q_proj, ...)
   std::size_t requantised = 0;  // matrices replaced by their NF4 round trip (as_trained)
+  std::size_t mxfp4 = 0;        // MXFP4 expert tensors written dequantised
   std::size_t shards = 0;     // written
   std::uint64_t bytes = 0;    // of tensor data written
 };
 
 // Writes the merged tensors (model.safetensors, or model-0000i-of-0000N.safetensors shards with
 // model.safetensors.index.json) and config.json (its dtype set, no quantization_config) into
-// options.output_dir. Throws UsageError for a quantised base and naming any adapter tensor it
-// cannot place; nothing of the adapter is dropped silently.
+// options.output_dir. gpt-oss's MXFP4 experts (`<name>_blocks` / `_scales`) are written dequantised
+// under `<name>`, as transformers' Mxfp4Config(dequantize=True) holds them. Throws UsageError for
+// another quantised base (bitsandbytes, NVFP4) and naming any adapter tensor it cannot place;
+// nothing of the adapter is dropped silently.
 MergeSummary merge_adapter(const MergeOptions& options);
 
 }  // namespace eo::model

@@ -8,7 +8,8 @@ FORM is the LoRA trained (QLoRA, NF4 base, a short eo-ddp run of configs/tiny-qw
   experts  every linear, the routed experts per expert (lora_target_linear), rsLoRA
   fused    the attention linears and the fused expert parameters (lora_target_parameters)
 ARCH (a tools/make_tiny_model.py --arch name) runs on that family's tiny checkpoint written by
-transformers; without it the bundled tiny Qwen3-MoE.
+transformers; without it the bundled tiny Qwen3-MoE; gpt_oss_mxfp4 is gpt-oss with MXFP4 experts as the Hub
+ships it (the reference loads it with Mxfp4Config(dequantize=True); the merge writes them dequantised).
 
 1. `eo-ddp merge --dtype fp32` writes a folder that the family's transformers class loads with no
    missing, unexpected or mismatched key, holding the base's tensor names; the log says which base.
@@ -56,7 +57,9 @@ params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 extra = []
 if ARCH:
     MODEL = os.path.join(WORK, "model")
-    subprocess.run([sys.executable, os.path.join(SRC, "tools", "make_tiny_model.py"), "--arch", ARCH, "--out", MODEL,
+    # gpt_oss_mxfp4: gpt-oss with its experts in MXFP4, as the Hub ships it
+    make = ["--arch", "gpt_oss", "--mxfp4-experts"] if ARCH == "gpt_oss_mxfp4" else ["--arch", ARCH]
+    subprocess.run([sys.executable, os.path.join(SRC, "tools", "make_tiny_model.py")] + make + ["--out", MODEL,
                     "--seed", "5"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
     cfg = cfg.get("text_config", cfg)
@@ -132,7 +135,10 @@ def loss(model):
 
 
 def load(folder):
-    model, info = CLS.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    # an MXFP4 base as transformers dequantises it (the merged folder is plain floats)
+    quant = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if folder == MODEL and ARCH == "gpt_oss_mxfp4" else {}
+    model, info = CLS.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
+                                      **quant)
     return model.eval(), info
 
 
@@ -153,7 +159,8 @@ check("into the original weights" in r.stderr, "the log says the original weight
 model, info = load(merged)
 bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
 check(not bad, f"{CLS.__name__}.from_pretrained(merged) reports no missing / unexpected / mismatched key {bad}")
-check(tensor_names(merged) == tensor_names(MODEL), "the merged folder holds exactly the base's tensor names")
+base_names = {n[:-len("_blocks")] if n.endswith("_blocks") else n for n in tensor_names(MODEL) if not n.endswith("_scales")}
+check(tensor_names(merged) == base_names, "the merged folder holds exactly the base's tensor names (MXFP4 ones dequantised)")
 for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
     if os.path.exists(os.path.join(MODEL, f)):
         check(os.path.exists(os.path.join(merged, f)), f"{f} is written")
