@@ -124,6 +124,7 @@ done
 covered "tensorboard --logdir model-out/tiny-qwen3-moe/runs" "trackers_ref reads the events back with tensorboard's own EventAccumulator"
 
 # docs/after-training.md
+run "build/eo-ddp generate --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --prompt \"Tell me about the sea.\"" --max-new-tokens 8
 run "build/eo-ddp merge --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --output model-out/tiny-merged"
 check "the merged folder has config.json and the tokenizer" test -s "$work/model-out/tiny-merged/config.json" \
   -a -s "$work/model-out/tiny-merged/tokenizer.json"
