@@ -84,6 +84,20 @@ for row in rows:
         if len(events) != 1 or np.float32(events[0].value) != np.float32(v):
             bad.append((tag, row["step"], v, [e.value for e in events]))
 check(not bad and len(rows) == 6, f"EventAccumulator reads every value of the {len(rows)} lines back (float32) {bad[:3]}")
+# The framing as TensorFlow's reader checks it (tensorboard's stub reads without checking): each record's
+# length and data carry TFRecord's masked CRC-32C, computed here by tensorboard's own crc32c.
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+events = glob.glob(os.path.join(out, "runs", "events.out.tfevents.*"))
+data, pos, records, crc_ok = open(events[0], "rb").read(), 0, 0, True
+while pos < len(data):
+    header = data[pos:pos + 8]
+    (length,) = struct.unpack("<Q", header)
+    crc_ok &= struct.unpack("<I", data[pos + 8:pos + 12])[0] == masked_crc32c(header)
+    body = data[pos + 12:pos + 12 + length]
+    crc_ok &= struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])[0] == masked_crc32c(body)
+    pos, records = pos + 16 + length, records + 1
+check(len(events) == 1 and crc_ok and pos == len(data) and records == len(rows) + 1,
+      f"{records} TFRecords (the file version, then one per line), every masked CRC-32C right")
 
 
 # ---- 2. W&B offline
