@@ -20,6 +20,8 @@
 #include "models/lora.h"
 #include "models/mxfp4.h"
 #include "models/nf4.h"
+#include "models/nf4_bnb.h"
+#include "models/quantized_weight.h"
 #include "models/safetensors.h"
 
 #include <nlohmann/json.hpp>
@@ -60,6 +62,8 @@ struct TensorEntry {
   std::size_t shard = 0;  // index into the input shards
   // MXFP4 experts: the stored `<name>_blocks` / `<name>_scales` this dequantised tensor comes from.
   std::string blocks, scales;
+  // A bitsandbytes NF4 module: its prefix (`<prefix>.weight` U8 and its quant state), dequantised.
+  std::string bnb;
 };
 
 class Merger {
@@ -134,6 +138,33 @@ class Merger {
       tensors_.erase(blocks);
       tensors_.emplace(name, v);
       *it = name;
+    }
+    // bitsandbytes NF4 modules (transformers' save of a 4-bit model, nf4_bnb.h): `P.weight` U8 and
+    // `P.weight.*` (absmax, code books, the quant state) become `P.weight` dequantised, where it was.
+    const std::string kState = ".quant_state.bitsandbytes__nf4";
+    for (const auto& name : order_) {
+      if (!ends_with(name, ".weight") || tensors_.at(name).info.dtype != st::DType::U8 || !tensors_.count(name + kState))
+        continue;
+      TensorEntry& w = tensors_.at(name);
+      const auto f = st::File::open(shards_[w.shard]);
+      const st::TensorInfo* state = f->find(name + kState);
+      if (!state)
+        throw UsageError("merge: bitsandbytes module '" + name + "' has its quant state in another shard; not supported");
+      const at::Tensor bytes = f->load(name + kState);
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(std::string(reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>()),
+                                              static_cast<std::size_t>(bytes.numel())));
+      } catch (const std::exception& e) {
+        throw UsageError("merge: the quant state of bitsandbytes module '" + name + "' is not JSON (" + e.what() + ")");
+      }
+      if (!j.contains("shape") || !j["shape"].is_array())
+        throw UsageError("merge: the quant state of bitsandbytes module '" + name + "' has no shape");
+      w.bnb = name.substr(0, name.size() - 7);
+      w.info.dtype = st::DType::F32;
+      w.info.shape = j["shape"].get<std::vector<std::int64_t>>();
+      for (auto it = tensors_.begin(); it != tensors_.end();)  // its quant state
+        it = it->first.rfind(name + ".", 0) == 0 ? tensors_.erase(it) : std::next(it);
     }
     order_.erase(std::remove_if(order_.begin(), order_.end(), [&](const std::string& n) { return !tensors_.count(n); }),
                  order_.end());
@@ -384,13 +415,23 @@ class Merger {
   at::Tensor merged(const st::File& f, const std::string& name, MergeSummary& sum) const {
     const TensorEntry& entry = tensors_.at(name);
     const bool mxfp4 = !entry.blocks.empty();
-    at::Tensor t = mxfp4 ? mxfp4::dequantize(f.load(entry.blocks), f.load(entry.scales)).transpose(1, 2).contiguous()
-                         : f.load(name);
+    const bool bnb = !entry.bnb.empty();
+    at::Tensor t;
+    if (mxfp4) {
+      t = mxfp4::dequantize(f.load(entry.blocks), f.load(entry.scales)).transpose(1, 2).contiguous();
+    } else if (bnb) {  // as the loader reads it: the stored bytes are the weight trained on, never re-quantised
+      const auto q = nf4::from_bitsandbytes([&f](const std::string& n) { return f.load(n); },
+                                            [&f](const std::string& n) { return f.find(n) != nullptr; }, entry.bnb);
+      t = eo::dequantize(q, at::kFloat).contiguous();
+    } else {
+      t = f.load(name);
+    }
     sum.mxfp4 += mxfp4 ? 1 : 0;
     const bool floating = at::isFloatingType(t.scalar_type());
     const auto d = deltas_.find(name);
     // As trained, MXFP4 experts are their MXFP4 values unless expert_quant: nf4 re-quantised them.
-    const bool requantise = opts_.as_trained && floating && block_linear(name) && (!mxfp4 || opts_.expert_quant == "nf4");
+    const bool requantise =
+        opts_.as_trained && floating && block_linear(name) && !bnb && (!mxfp4 || opts_.expert_quant == "nf4");
     if (d == deltas_.end() && !requantise) return floating ? t.to(opts_.dtype).contiguous() : t;
     at::Tensor w = t.to(at::kFloat).contiguous();
     const Storage s = storage(name);

@@ -46,8 +46,10 @@ struct MergeSummary {
 // Writes the merged tensors (model.safetensors, or model-0000i-of-0000N.safetensors shards with
 // model.safetensors.index.json) and config.json (its dtype set, no quantization_config) into
 // options.output_dir. gpt-oss's MXFP4 experts (`<name>_blocks` / `_scales`) are written dequantised
-// under `<name>`, as transformers' Mxfp4Config(dequantize=True) holds them. Throws UsageError for
-// another quantised base (bitsandbytes, NVFP4) and naming any adapter tensor it cannot place;
+// under `<name>`, as transformers' Mxfp4Config(dequantize=True) holds them, and bitsandbytes NF4
+// modules as bitsandbytes dequantises them (as trained too: their stored bytes are what trained).
+// Throws UsageError for another quantised base (NVFP4, bitsandbytes FP4) and naming any adapter
+// tensor it cannot place;
 // nothing of the adapter is dropped silently.
 MergeSummary merge_adapter(const MergeOptions& options);
 

@@ -29,3 +29,10 @@ add_test(NAME merge_streaming
                  ${CMAKE_CURRENT_BINARY_DIR}/merge_streaming)
 set_tests_properties(merge_streaming PROPERTIES LABELS ref TIMEOUT 600
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# A bitsandbytes pre-quantised base (tests/ref/bnb_checkpoint_ref.py's nf4 / nf4_dq): written dequantised as
+# bitsandbytes dequantises it, then merged (tests/ref/merge_bnb_ref.py).
+add_test(NAME merge_bnb_ref
+         COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/merge_bnb_ref.py $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR}
+                 ${CMAKE_CURRENT_BINARY_DIR}/merge_bnb_ref)
+set_tests_properties(merge_bnb_ref PROPERTIES LABELS ref TIMEOUT 900
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
