@@ -23,6 +23,8 @@ int run_train(const Args& args);  // eo-ddp [train] --config F [--set k=v ...] [
 int run_score(const Args& args);  // eo-ddp score --model DIR [--adapter DIR] --data FILE ...
 int run_plan(const Args& args);   // eo-ddp plan --config F [--vram SIZE] [--ranks-per-node N]
 int run_preprocess(const Args& args);  // eo-ddp preprocess --config F [--set k=v ...]
+int run_generate(const Args& args);  // eo-ddp generate --model DIR [--adapter DIR] --prompt TEXT | --chat FILE
+int run_merge(const Args& args);  // eo-ddp merge --model DIR --adapter DIR --output DIR ...
 
 // Before training: the axolotl-format datasets tokenised into dataset_prepared_path (rank 0; the
 // others wait, bounded by dataset_prepare_timeout) and cfg pointed at the cached files. Collective.

@@ -76,7 +76,7 @@ int eo::launch::run_main(int argc, char** argv) {
     const std::string cmd = args[0] == "help" ? args[1] : args[0].rfind("--", 0) == 0 ? "train" : args[0];
     const std::string usage = launch::command_usage(cmd);
     if (usage.empty()) {
-      std::fprintf(stderr, "eo-ddp: unknown command '%s' (commands: train, preprocess, score, plan)\n%s", cmd.c_str(),
+      std::fprintf(stderr, "eo-ddp: unknown command '%s' (commands: train, preprocess, score, plan, merge, generate)\n%s", cmd.c_str(),
                    launch::overall_usage().c_str());
       return kExitUsage;
     }
@@ -107,8 +107,10 @@ int eo::launch::run_main(int argc, char** argv) {
     }
     if (cmd == "score") return launch::run_score(args);  // single process, no MPI
     if (cmd == "plan") return launch::run_plan(args);
+    if (cmd == "merge") return launch::run_merge(args);  // single process, no MPI
+    if (cmd == "generate") return launch::run_generate(args);  // single process, no MPI
     if (cmd == "preprocess") return launch::run_preprocess(args);  // single process, no MPI
-    throw UsageError("unknown command '" + cmd + "' (commands: train, preprocess, score, plan; see eo-ddp --help)");
+    throw UsageError("unknown command '" + cmd + "' (commands: train, preprocess, score, plan, merge, generate; see eo-ddp --help)");
   } catch (const Stopped& e) {
     return fail(e.what(), kExitPreempted);
   } catch (const UsageError& e) {

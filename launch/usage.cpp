@@ -42,6 +42,30 @@ base is NF4 or not as the adapter was trained (its eo_ddp_base.json) unless a fl
   --window N                         rows longer than N tokens (default 8192) are scored in windows
                                      sharing one token
   --json                             print the result as one JSON object)"},
+      {"merge",
+       "eo-ddp merge --model DIR --adapter DIR --output DIR [--base original|as-trained] [--dtype bf16|fp16|fp32]",
+       R"(Merge a peft adapter into its base: a checkpoint folder in the base's layout (sharded safetensors
+with an index, config.json, generation config, tokenizer files) that loads as the base does. Streams
+shard by shard: host memory stays near one input plus one output shard.
+  --base original      into the base's own weights, as peft's merge_and_unload (default)
+  --base as-trained    into the base the adapter was trained on (its eo_ddp_base.json): with QLoRA
+                       every decoder-block linear as its NF4 round trip, the model training ran
+  --dtype D            the written tensors' dtype (default: the base's config.json dtype); use fp32
+                       to keep an as-trained merge exact
+  --max-shard-size S   largest output shard (default 5GB))"},
+      {"generate",
+       "eo-ddp generate --model DIR [--adapter DIR] (--prompt TEXT | --chat FILE) [--temperature T] [--top-p P] ...",
+       R"(Continue a prompt with the model (and adapter): the prompt through the model's chat template (a
+user turn, or the messages of FILE: a JSON list of {"role", "content"}), tokens streamed to stdout
+until an end-of-turn token or --max-new-tokens, then the prefill and decode rates.
+  --temperature T      0 (default): greedy; above 0: sampled at that temperature
+  --top-p P            sample from the smallest set of tokens whose probability reaches P (default 1)
+  --max-new-tokens N   at most N new tokens (default 128)
+  --seed S             the sampler's seed (default 0)
+  --raw                the prompt as it is, without the chat template
+  --dtype fp32|bf16    the compute dtype (default fp32)
+  --load-in-4bit       on the NF4 base, as QLoRA trained
+  --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"})"},
       {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).

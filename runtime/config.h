@@ -173,6 +173,12 @@ struct TrainConfig {
   std::string lora_model_dir;          // a peft adapter to start from (axolotl's); empty = fresh LoRA
   bool overwrite_output_dir = false;   // a fresh run may start beside another run's checkpoints
 
+  // Trackers (runtime/trackers.h): TensorBoard events under output_dir/runs/, and W&B through a
+  // side process that follows metrics.jsonl when wandb_project is set.
+  bool use_tensorboard = false;
+  std::string wandb_project, wandb_entity, wandb_name, wandb_run_id;
+  std::string wandb_mode = "online";  // online | offline | disabled
+
   // Where the file came from, and what the loader wants the user to know (ignored keys, ...).
   std::string source;
   std::vector<std::string> warnings;

@@ -529,6 +529,16 @@ const std::vector<KeySpec>& schema() {
                         "Start a fresh run in an output_dir that holds another run's checkpoints (they are left in place, "
                         "never pruned or resumed); without it such a run is refused."));
     k.push_back(integer("logging_steps", &TrainConfig::logging_steps, 1, 1 << 30, "Log and write metrics every N steps."));
+    k.push_back(boolean("use_tensorboard", &TrainConfig::use_tensorboard,
+                        "Write TensorBoard event files under output_dir/runs/: every metrics.jsonl field as a scalar."));
+    k.push_back(text("wandb_project", &TrainConfig::wandb_project,
+                     "Log every metrics.jsonl field to this Weights & Biases project (a side process running the wandb "
+                     "SDK follows metrics.jsonl; a failing or hanging tracker never stops or slows training)."));
+    k.push_back(text("wandb_entity", &TrainConfig::wandb_entity, "The W&B team or user of wandb_project."));
+    k.push_back(text("wandb_name", &TrainConfig::wandb_name, "The W&B run's display name."));
+    k.push_back(choice("wandb_mode", &TrainConfig::wandb_mode, {"online", "offline", "disabled"},
+                       "W&B's mode: offline writes the run under output_dir/wandb/ for `wandb sync`."));
+    k.push_back(text("wandb_run_id", &TrainConfig::wandb_run_id, "The W&B run id (resumes that run when it exists)."));
     k.push_back(integer("saves_per_epoch", &TrainConfig::saves_per_epoch, 1, 1 << 20,
                         "Save a checkpoint this many times per epoch, evenly (exclusive with save_steps)."));
     // --- evaluation

@@ -12,6 +12,7 @@
 #include "runtime/nonfinite_guard.h"
 #include "runtime/setup.h"
 #include "runtime/train_step.h"
+#include "runtime/trackers.h"
 #include "runtime/trainer.h"
 
 namespace eo {
@@ -20,7 +21,10 @@ StepReader::StepReader(const TrainConfig& cfg, Run& run, NonfiniteGuard& guard, 
                        const TrainHooks& hooks, ddp::World& world)
     : cfg_(cfg), run_(run), guard_(guard), eval_(eval), clock_(clock), hooks_(hooks), rank_(world.info().rank),
       world_size_(world.info().world_size) {
-  if (rank_ == 0) metrics_ = std::make_unique<MetricsLog>(cfg.output_dir, run.resumed_from.empty() ? 0 : run.step);
+  if (rank_ == 0) {
+    metrics_ = std::make_unique<MetricsLog>(cfg.output_dir, run.resumed_from.empty() ? 0 : run.step);
+    trackers_ = std::make_unique<Trackers>(cfg, metrics_->path());
+  }
 }
 
 StepReader::~StepReader() = default;
@@ -58,6 +62,7 @@ void StepReader::read(QueuedStep q, bool eval_now) {
   if (rank_ == 0 && (skipped || eval_now || q.step % cfg_.logging_steps == 0 || last)) {
     log::progress(progress_line(r, eta_.seconds_left(run_.total_steps - q.step)), last);
     metrics_->write(r);
+    trackers_->log(to_json(r));
   }
   if (hooks_.after_step) hooks_.after_step(q.step);
   guard_.check_streak(q.step);

@@ -17,6 +17,7 @@ class NonfiniteGuard;
 class Evaluator;
 class StepClock;
 class MetricsLog;
+class Trackers;
 namespace ddp {
 class World;
 }
@@ -39,6 +40,7 @@ class StepReader {
   const TrainHooks& hooks_;
   int rank_, world_size_;
   std::unique_ptr<MetricsLog> metrics_;  // rank 0
+  std::unique_ptr<Trackers> trackers_;   // rank 0
   EtaWindow eta_;
   RunTally tally_;
 };

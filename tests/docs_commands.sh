@@ -120,6 +120,21 @@ for f in tokenizer_config.json chat_template.jinja; do
   check "$f copied beside the adapter" cmp "$tmp/model-with-tokenizer/$f" "$tmp/with-tok/$f"
 done
 
+# docs/runs.md: trackers
+covered "tensorboard --logdir model-out/tiny-qwen3-moe/runs" "trackers_ref reads the events back with tensorboard's own EventAccumulator"
+
+# docs/after-training.md
+run "build/eo-ddp generate --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --prompt \"Tell me about the sea.\"" --max-new-tokens 8
+run "build/eo-ddp merge --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --output model-out/tiny-merged"
+check "the merged folder has config.json and the tokenizer" test -s "$work/model-out/tiny-merged/config.json" \
+  -a -s "$work/model-out/tiny-merged/tokenizer.json"
+run "build/eo-ddp merge --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --output model-out/tiny-merged-as-trained --base as-trained --dtype fp32"
+python_block docs/after-training.md 1
+python_block docs/after-training.md 2
+covered "vllm serve model-out/tiny-merged" "vLLM needs a GPU and is not installed on the test machines; merge_ref_* check the folder loads in transformers with no missing or unexpected key"
+covered "python -m sglang.launch_server --model-path model-out/tiny-merged" "SGLang: as vLLM; merge_ref_* check the folder transformers loads"
+covered "vllm serve fixtures/tiny-qwen3-moe --enable-lora --lora-modules tiny=model-out/tiny-qwen3-moe" "vLLM: as above; train_peft_check checks the attention adapter is peft's own"
+
 # docs/datasets.md
 run "python3 tools/tokenize_data.py --tokenizer fixtures/tiny-qwen3-moe --input fixtures/tiny-chat/chat.jsonl --output chat.tok.jsonl"
 check "tokenize_data wrote tokenized rows" grep -q input_ids "$work/chat.tok.jsonl"

@@ -13,6 +13,7 @@ py=$( [ -e "$py" ] && realpath -s "$py" || command -v "$py")
 prefix="$tmp/prefix"
 check "cmake --install build --prefix P" cmake --install "$build" --prefix "$prefix"
 for f in bin/eo-ddp bin/eo-mpirun share/eo-ddp/tools/prepare_data.py share/eo-ddp/tools/plot_metrics.py \
+         share/eo-ddp/tools/wandb_follow.py share/eo-ddp/tools/chat_io.py \
          share/eo-ddp/configs/qwen3-moe.yaml share/eo-ddp/configs/olmoe.yaml share/eo-ddp/configs/mixtral.yaml; do
   check "installed $f" test -s "$prefix/$f"
 done

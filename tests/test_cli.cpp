@@ -80,7 +80,7 @@ TEST_F(Cli, VersionAndHelp) {
 // Every command explains itself: `eo-ddp CMD --help` (or -h, or `eo-ddp help CMD`) prints that
 // command's usage and exits 0.
 TEST_F(Cli, EveryCommandHasItsOwnHelp) {
-  for (const std::string cmd : {"train", "preprocess", "score", "plan"}) {
+  for (const std::string cmd : {"train", "preprocess", "score", "plan", "merge", "generate"}) {
     for (const std::string form : {cmd + " --help", cmd + " -h", "help " + cmd}) {
       const Result r = run(form);
       EXPECT_EQ(r.code, 0) << form << "\n" << r.out;

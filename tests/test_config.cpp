@@ -456,7 +456,7 @@ TEST(Config, SetOverridesFileAndIsValidated) {
 
 TEST(Config, IgnoredAxolotlKeysWarn) {
   // A noted key set to nothing (strict: false) says nothing.
-  const TrainConfig c = load(std::string(kValid) + "strict: false\nwandb_project: x\nflash_attention: true\n");
+  const TrainConfig c = load(std::string(kValid) + "strict: false\nwandb_watch: gradients\nflash_attention: true\n");
   ASSERT_EQ(c.warnings.size(), 2u);
   EXPECT_NE(c.warnings[0].find("is ignored by eo-ddp"), std::string::npos);
   EXPECT_NE(error_of(std::string(kValid) + "load_in_8bit: true\n").find("load_in_8bit: not supported"), std::string::npos);

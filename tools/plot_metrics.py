@@ -1,11 +1,31 @@
 #!/usr/bin/env python3
-"""Plot an eo-ddp metrics.jsonl (training and eval loss, throughput per step) to a PNG.
+"""Plot an eo-ddp metrics.jsonl to a PNG: training loss (raw and smoothed) and eval loss, learning rate,
+gradient norm, throughput, peak memory, and the host-to-device expert copy rate of an offloaded run.
 
 usage: tools/plot_metrics.py OUTPUT_DIR/metrics.jsonl [-o metrics.png]
 """
 import argparse
 import json
 import sys
+
+
+def smoothed(values, weight=0.9):
+    """TensorBoard's smoothing: an exponential moving average, debiased at the start."""
+    out, ema = [], 0.0
+    for i, v in enumerate(values, 1):
+        ema = weight * ema + (1 - weight) * v
+        out.append(ema / (1 - weight ** i))
+    return out
+
+
+def panel(ax, steps, rows, field, label, color, scale=1.0):
+    points = [(s, r[field] * scale) for s, r in zip(steps, rows) if isinstance(r.get(field), (int, float))]
+    if points:
+        ax.plot([s for s, _ in points], [v for _, v in points], color=color)
+    else:  # e.g. h2d_gbps without expert offload
+        ax.text(0.5, 0.5, f"no {field} in this run", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
 
 
 def main() -> int:
@@ -34,18 +54,23 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax1.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="train loss")
+    fig, axes = plt.subplots(3, 2, figsize=(11, 9), sharex=True)
+    (ax_loss, ax_lr), (ax_grad, ax_tok), (ax_mem, ax_h2d) = axes
+    losses = [r["loss"] for r in rows]
+    ax_loss.plot(steps, losses, color="tab:blue", alpha=0.35, label="train loss")
+    ax_loss.plot(steps, smoothed(losses), color="tab:blue", label="train loss, smoothed")
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     if evals:  # val_set_size / test_datasets
-        ax1.plot([s for s, _ in evals], [v for _, v in evals], "o-", color="tab:orange", label="eval loss")
-        ax1.legend()
-    ax1.set_ylabel("loss")
-    ax1.grid(alpha=0.3)
-    ax2.plot(steps, [r["tokens_per_sec"] for r in rows], color="tab:green")
-    ax2.set_ylabel("tokens / s")
-    ax2.set_xlabel("step")
-    ax2.grid(alpha=0.3)
+        ax_loss.plot([s for s, _ in evals], [v for _, v in evals], "o-", color="tab:orange", label="eval loss")
+    ax_loss.legend()
+    ax_loss.set_ylabel("loss")
+    panel(ax_lr, steps, rows, "lr", "learning rate", "tab:purple")
+    panel(ax_grad, steps, rows, "grad_norm", "gradient norm", "tab:red")
+    panel(ax_tok, steps, rows, "tokens_per_sec", "tokens / s", "tab:green")
+    panel(ax_mem, steps, rows, "peak_mem_bytes", "peak memory (GiB)", "tab:brown", scale=1 / 2**30)
+    panel(ax_h2d, steps, rows, "h2d_gbps", "expert copies host to device (GB/s)", "tab:cyan")
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
     fig.suptitle(args.metrics)
     fig.tight_layout()
     out = args.output or args.metrics.rsplit(".", 1)[0] + ".png"

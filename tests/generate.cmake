@@ -1,0 +1,7 @@
+# `eo-ddp generate` (issue #47): greedy ids equal transformers' generate on the tiny model, with and
+# without an adapter, fp32 CPU; the streamed text, the rates, seeded sampling (tests/ref/generate_ref.py).
+add_test(NAME generate_ref
+         COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/generate_ref.py $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR}
+                 ${CMAKE_CURRENT_BINARY_DIR}/generate_ref)
+set_tests_properties(generate_ref PROPERTIES LABELS ref TIMEOUT 600
+                     ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
