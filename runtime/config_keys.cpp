@@ -521,8 +521,8 @@ const std::vector<KeySpec>& schema() {
     k.push_back(integer("save_total_limit", &TrainConfig::save_total_limit, 1, 1 << 20,
                         "Training-state checkpoints of this run to keep (another run's are never deleted)."));
     k.push_back(boolean("overwrite_output_dir", &TrainConfig::overwrite_output_dir,
-                        "Start a fresh run in an output_dir that holds another run's checkpoints (they are left in place, "
-                        "never pruned or resumed); without it such a run is refused."));
+                        "Start a fresh run in an output_dir that holds another run's checkpoints (they are moved to "
+                        "output_dir/other-runs/, never written into, pruned or resumed); without it such a run is refused."));
     k.push_back(integer("logging_steps", &TrainConfig::logging_steps, 1, 1 << 30, "Log and write metrics every N steps."));
     k.push_back(integer("saves_per_epoch", &TrainConfig::saves_per_epoch, 1, 1 << 20,
                         "Save a checkpoint this many times per epoch, evenly (exclusive with save_steps)."));

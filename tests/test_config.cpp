@@ -1096,9 +1096,28 @@ TEST(RankAgreement, NamesEveryKeyThatDiffersWithEachRanksValue) {
   const auto c = run_identity(load(kValid, {"datasets.0.path=other.jsonl"}));
   const auto d = rank_disagreements({a, b, a, c});
   ASSERT_EQ(d.size(), 3u);
-  EXPECT_EQ(d[0], "datasets.0.path: rank 0 has train.jsonl, rank 3 has other.jsonl");
+  EXPECT_EQ(d[0], "datasets.0 contents: rank 0 has train.jsonl (no local file), rank 3 has other.jsonl (no local file)");
   EXPECT_EQ(d[1], "lora_r: rank 0 has 16, rank 1 has 4");
   EXPECT_EQ(d[2], "seed: rank 0 has 42, rank 1 has 9");
+}
+
+// Issue #49 item 3: ranks compare what their dataset paths hold, not the paths: one path with
+// other rows on one node is named; the same rows under another path agree.
+TEST(RankAgreement, ComparesDatasetContentsNotPaths) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_rank_data_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "a");
+  fs::create_directories(dir / "b");
+  std::ofstream(dir / "a" / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  std::ofstream(dir / "b" / "train.jsonl") << "{\"input_ids\": [1, 2, 4]}\n";
+  std::ofstream(dir / "b" / "copy.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  const auto with = [&](const fs::path& p) { return run_identity(load(kValid, {"datasets.0.path=" + p.string()})); };
+  const auto a = with(dir / "a" / "train.jsonl");
+  EXPECT_TRUE(rank_disagreements({a, with(dir / "b" / "copy.jsonl")}).empty()) << "same rows, another path";
+  const auto d = rank_disagreements({a, with(dir / "b" / "train.jsonl")});
+  ASSERT_EQ(d.size(), 1u) << "other rows behind a path were not noticed";
+  EXPECT_EQ(d[0].rfind("datasets.0 contents: rank 0 has ", 0), 0u) << d[0];
+  fs::remove_all(dir);
 }
 
 // Issue #32 item 14: a repeated key, a second YAML document, a huge bad value, a folder given as
