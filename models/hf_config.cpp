@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/json_depth.h"
 #include "models/config_fields.h"
 #include "models/family_config.h"
@@ -700,11 +701,12 @@ ModelConfig load_config(const std::string& model_dir) { return parse_config(read
 
 json read_config_json(const std::string& model_dir) {
   const std::string path = model_dir + "/config.json";
-  std::ifstream in(path);
-  if (!in) throw UsageError(path + ": cannot open (is --model a Hugging Face checkpoint folder?)");
+  std::string text;
+  if (!read_input_file(path, text, "config.json", kMaxTextFileBytes))
+    throw UsageError(path + ": cannot open (is --model a Hugging Face checkpoint folder?)");
   json j;
   try {
-    j = json::parse(in, json_depth_limit([&] {
+    j = json::parse(text, json_depth_limit([&] {
       throw UsageError(path + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels; not a config.json");
     }));
   } catch (const json::exception& e) {
@@ -713,9 +715,12 @@ json read_config_json(const std::string& model_dir) {
   // modelopt's exports without quantization_config in config.json say it in hf_quant_config.json
   // ({"quantization": {"quant_algo": ..., "group_size": ..., "exclude_modules": [...]}}), as vLLM reads it.
   if (j.is_object() && !j.contains("quantization_config")) {
-    std::ifstream hq(model_dir + "/hf_quant_config.json");
-    if (hq) {
-      const json h = json::parse(hq, nullptr, false);
+    std::string hq;
+    if (read_input_file(model_dir + "/hf_quant_config.json", hq, "hf_quant_config.json", kMaxTextFileBytes)) {
+      const json h = json::parse(hq, json_depth_limit([&] {
+        throw UsageError(model_dir + "/hf_quant_config.json: JSON nested deeper than " + std::to_string(kMaxJsonDepth) +
+                         " levels");
+      }), false);
       if (!h.is_object() || !h.contains("quantization") || !h.at("quantization").is_object())
         throw UsageError(model_dir + "/hf_quant_config.json: expected an object with a 'quantization' object (modelopt's export)");
       json q = h.at("quantization");

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -15,6 +16,7 @@
 #include "common/error.h"
 #include "common/text.h"
 #include "models/hf_config.h"
+#include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/config_help.h"
 #include "runtime/dataset_keys.h"
@@ -1187,4 +1189,40 @@ TEST(Config, TargetsAreCheckedWhenOnlyConfigJsonIsRead) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("'gate_proj' matches no linear of mixtral"), std::string::npos) << e.what();
   }
+}
+
+// Issue #49 item 8: the config and every model file must be a regular file of bounded size, and
+// opening one never blocks: a FIFO, /dev/zero or a huge file is refused at once, naming it.
+TEST(InputFiles, AFifoADeviceOrAHugeFileIsRefusedWithoutBlocking) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_input_files_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string fifo = (dir / "config.yaml").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto refusal = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no UsageError)");
+  };
+  std::string m = refusal([&] { eo::load_config_file(fifo, {}, {}); });
+  EXPECT_NE(m.find("--config " + fifo + " is a FIFO"), std::string::npos) << m;
+  m = refusal([&] { eo::load_config_file("/dev/zero", {}, {}); });
+  EXPECT_NE(m.find("/dev/zero is a character device"), std::string::npos) << m;
+  const fs::path huge = dir / "huge.yaml";
+  { std::ofstream(huge) << "lora_r: 8\n"; }
+  fs::resize_file(huge, eo::kMaxTextFileBytes + 1);  // sparse
+  m = refusal([&] { eo::load_config_file(huge.string(), {}, {}); });
+  EXPECT_NE(m.find("more than the 64 MiB"), std::string::npos) << m;
+  // A model folder whose config.json and weights are FIFOs.
+  fs::create_directories(dir / "model");
+  ASSERT_EQ(::mkfifo((dir / "model" / "config.json").c_str(), 0600), 0);
+  ASSERT_EQ(::mkfifo((dir / "model" / "model.safetensors").c_str(), 0600), 0);
+  m = refusal([&] { eo::model::read_config_json((dir / "model").string()); });
+  EXPECT_NE(m.find("config.json " + (dir / "model" / "config.json").string() + " is a FIFO"), std::string::npos) << m;
+  m = refusal([&] { eo::st::File::open((dir / "model" / "model.safetensors").string()); });
+  EXPECT_NE(m.find("is a FIFO"), std::string::npos) << m;
+  fs::remove_all(dir);
 }

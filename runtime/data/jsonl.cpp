@@ -1,10 +1,12 @@
 #include "runtime/data/jsonl.h"
 
+#include <unistd.h>
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/json_depth.h"
 
 namespace eo::data {
@@ -28,6 +30,8 @@ std::vector<std::int64_t> int_array(const nlohmann::json& obj, const char* key, 
 }  // namespace
 
 std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::int64_t vocab_size) {
+  // A regular file only (no FIFO or device: open_input_file), then read by line.
+  if (const int fd = open_input_file(path, "data file"); fd >= 0) ::close(fd);
   std::ifstream in(path);
   if (!in) throw UsageError(path + ": cannot open the data file");
   std::vector<TokenizedLine> out;

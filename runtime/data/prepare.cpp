@@ -35,6 +35,7 @@ namespace fs = std::filesystem;
 
 
 std::string hash_file(const std::string& path) {
+  if (const int fd = open_input_file(path, "dataset"); fd >= 0) ::close(fd);  // no FIFO or device
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UsageError("cannot read '" + path + "'");
   Fnv1a64 f;
