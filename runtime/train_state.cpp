@@ -411,7 +411,12 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
       remove_tree(tmp_dir);
     } catch (...) {
     }
-    EO_FAIL("cannot save checkpoint ", output_dir, "/", name, ": ", e.what(), ". The previous checkpoints in ", output_dir,
+    // The error names files by the path written through (held_output_dir); the user knows output_dir.
+    std::string why = e.what();
+    if (root != output_dir)
+      for (std::size_t at = why.find(root); at != std::string::npos; at = why.find(root, at + output_dir.size()))
+        why.replace(at, root.size(), output_dir);
+    EO_FAIL("cannot save checkpoint ", output_dir, "/", name, ": ", why, ". The previous checkpoints in ", output_dir,
             " are intact (resume_from_checkpoint: auto takes the newest); free space on that disk or choose another output_dir");
   }
   // Keep the newest `keep` checkpoints of this run's lineage; another run's are never touched.
