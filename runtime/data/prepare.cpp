@@ -257,7 +257,7 @@ int run_tool(const std::vector<std::string>& argv, const std::string& stdout_pat
         const std::string line = pending.substr(0, nl);
         pending.erase(0, nl + 1);
         if (line.empty()) continue;
-        if (line.find("error:") != std::string::npos) error_line = line;
+        if (line.find("error:") != std::string::npos || line.find(": failed: ") != std::string::npos) error_line = line;
         log::info(line);
       }
     }
@@ -267,7 +267,7 @@ int run_tool(const std::vector<std::string>& argv, const std::string& stdout_pat
     throw;
   }
   if (!pending.empty()) {
-    if (pending.find("error:") != std::string::npos) error_line = pending;
+    if (pending.find("error:") != std::string::npos || pending.find(": failed: ") != std::string::npos) error_line = pending;
     log::info(pending);
   }
   ::close(pipe_fd[0]);
@@ -382,6 +382,8 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   if (rc != 0) {
     remove_tree(tmp);
     if (rc == 2 && !error_line.empty()) throw UsageError("datasets: " + error_line);
+    // The tool named what failed: that, not a guess about the interpreter.
+    if (error_line.find("prepare_data.py: failed: ") != std::string::npos) EO_FAIL("tokenising the datasets ", error_line);
     EO_FAIL("tokenising the datasets failed: ", argv[0], " ", argv[1], " exited with status ", rc,
             " (its messages are above; does ", argv[0], " have transformers? set EO_DDP_PYTHON to choose the interpreter)");
   }
