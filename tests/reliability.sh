@@ -166,6 +166,11 @@ says prepared-devnull "dataset_prepared_path"
 config "$tmp/deep" "$tmp/deep.jsonl" | sed "s|type: tokenized|type: chat_template|" > "$tmp/deep.yaml"
 run deep-json 2 "$bin" train --config "$tmp/deep.yaml"
 says deep-json "nested too deeply"
+# A work folder a killed tokenising run of this host left is removed by the next one.
+mkdir -p "$tmp/prep-ok/.tmp-prepare-$(hostname)-999999"
+chat_config "$tmp/ok" "$tmp/prep-ok" "max_steps: 1" > "$tmp/ok.yaml"
+run prepare-ok 0 "$bin" train --config "$tmp/ok.yaml"
+check "a killed run's .tmp-prepare folder is removed" test ! -e "$tmp/prep-ok/.tmp-prepare-$(hostname)-999999"
 chat_config "$tmp/inc" "$tmp/prep-inc" "chat_template: jinja" \
   "chat_template_jinja: \"{% include 'x.jinja' %}{% for m in messages %}{{ m.content }}{% endfor %}\"" > "$tmp/inc.yaml"
 run include 2 "$bin" train --config "$tmp/inc.yaml"

@@ -349,7 +349,23 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
 void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   if (plan.missing() == 0) return;
   fs::create_directories(cfg.dataset_prepared_path);
-  const std::string tmp = (fs::path(cfg.dataset_prepared_path) / (".tmp-prepare-" + std::to_string(::getpid()))).string();
+  // The work folder names this host and process: one that a killed run of this host left (its
+  // process gone) is removed here; another host's, which this host cannot see alive, is left.
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  const std::string mine = std::string(".tmp-prepare-") + host + "-";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(cfg.dataset_prepared_path, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(mine, 0) != 0 || n.find_first_not_of("0123456789", mine.size()) != std::string::npos || n.size() == mine.size())
+      continue;
+    const long pid = std::strtol(n.c_str() + mine.size(), nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      remove_tree(e.path().string());
+      log::info("removed " + e.path().string() + ", left by a tokenising run that was killed");
+    }
+  }
+  const std::string tmp = (fs::path(cfg.dataset_prepared_path) / (mine + std::to_string(::getpid()))).string();
   remove_tree(tmp);
   fs::create_directories(tmp);
   nlohmann::json spec = global_shape(cfg, plan.tokenizer);
