@@ -375,6 +375,15 @@ struct ModelLoader {
     if (cols % 32 != 0)
       throw Error("checkpoint " + ck->folder() + ": MXFP4 tensor '" + name + "_blocks' needs a multiple of 32 columns, not " +
                   std::to_string(cols));
+    // Blocks and scales are read as MXFP4 only where config.json says so: another format with the
+    // same tensor names (mxfp8) would decode to other numbers without a word.
+    if (!cfg.mxfp4_experts)
+      throw UsageError("checkpoint " + ck->folder() + ": '" + name + "_blocks' / '_scales' are block-quantised, but "
+                       "config.json's quantization_config does not say quant_method: mxfp4, the only such format eo-ddp "
+                       "reads; use a checkpoint in MXFP4 or in float");
+    if (ck->has(name))
+      throw UsageError("checkpoint " + ck->folder() + ": '" + name + "' is stored both in float and as MXFP4 ('" + name +
+                       "_blocks'); which one is the model is ambiguous: remove one");
     const auto load_u8 = [&](const std::string& n, const std::vector<std::int64_t>& shape) {
       if (!ck->has(n)) throw Error("checkpoint " + ck->folder() + ": tensor '" + n + "' is missing (MXFP4 experts)");
       at::Tensor t = ck->load(n);

@@ -1757,5 +1757,21 @@ TEST(LoadChecks, NonFiniteScalesAndTensorsAreRefusedNamingTheTensor) {
   damaged_copy(mx / "model_mxfp4", tmp, [&](auto& ts) { named(ts, "layers.0.mlp.experts.down_proj_scales").view({-1})[5] = 255; });
   m = load_error(tmp.string());
   EXPECT_NE(m.find("experts.down_proj_scales' holds E8M0 block scales of 255"), std::string::npos) << m;
+  // Item 10: blocks under another quant_method (mxfp8), and a float copy beside the blocks, are
+  // refused instead of read as MXFP4 / ignored.
+  damaged_copy(mx / "model_mxfp4", tmp, [](auto&) {});
+  {
+    std::ifstream in(tmp / "config.json");
+    nlohmann::json c = nlohmann::json::parse(in);
+    c["quantization_config"]["quant_method"] = "mxfp8";
+    std::ofstream(tmp / "config.json", std::ios::trunc) << c.dump();
+  }
+  m = load_error(tmp.string());
+  EXPECT_NE(m.find("does not say quant_method: mxfp4"), std::string::npos) << m;
+  damaged_copy(mx / "model_mxfp4", tmp, [](auto& ts) {
+    ts.emplace_back("model.layers.0.mlp.experts.gate_up_proj", at::zeros({1}));
+  });
+  m = load_error(tmp.string());
+  EXPECT_NE(m.find("'model.layers.0.mlp.experts.gate_up_proj' is stored both in float and as MXFP4"), std::string::npos) << m;
   fs::remove_all(tmp);
 }
