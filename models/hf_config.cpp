@@ -714,7 +714,7 @@ json read_config_json(const std::string& model_dir) {
   }
   // modelopt's exports without quantization_config in config.json say it in hf_quant_config.json
   // ({"quantization": {"quant_algo": ..., "group_size": ..., "exclude_modules": [...]}}), as vLLM reads it.
-  if (j.is_object() && !j.contains("quantization_config")) {
+  if (j.is_object()) {
     std::string hq;
     if (read_input_file(model_dir + "/hf_quant_config.json", hq, "hf_quant_config.json", kMaxTextFileBytes)) {
       const json h = json::parse(hq, json_depth_limit([&] {
@@ -725,7 +725,21 @@ json read_config_json(const std::string& model_dir) {
         throw UsageError(model_dir + "/hf_quant_config.json: expected an object with a 'quantization' object (modelopt's export)");
       json q = h.at("quantization");
       q["quant_method"] = "modelopt";
-      j["quantization_config"] = q;
+      if (!j.contains("quantization_config")) {
+        j["quantization_config"] = q;
+      } else {
+        // Both describe the checkpoint: they must agree on the format, or which one was meant is a guess.
+        const json& c = j.at("quantization_config");
+        const auto algo = [](const json& o) {
+          return o.is_object() && o.contains("quant_algo") && o.at("quant_algo").is_string() ? o.at("quant_algo").get<std::string>()
+                                                                                                : std::string();
+        };
+        if (!algo(q).empty() && algo(c) != algo(q))
+          throw UsageError(model_dir + ": config.json's quantization_config says quant_algo '" + algo(c) +
+                           "' (quant_method '" + (c.is_object() ? c.value("quant_method", std::string()) : std::string()) +
+                           "'), hf_quant_config.json says '" + algo(q) + "': the checkpoint's two descriptions of its "
+                           "format disagree; correct or remove one");
+      }
     }
   }
   return j;

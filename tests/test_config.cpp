@@ -1226,3 +1226,25 @@ TEST(InputFiles, AFifoADeviceOrAHugeFileIsRefusedWithoutBlocking) {
   EXPECT_NE(m.find("is a FIFO"), std::string::npos) << m;
   fs::remove_all(dir);
 }
+
+// Issue #49 item 10: config.json and hf_quant_config.json that disagree on the format are refused,
+// naming both (one of them used to be ignored without a word).
+TEST(InputFiles, QuantConfigsThatDisagreeAreRefused) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_quant_cfgs_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json")
+      << R"({"model_type": "qwen3_moe", "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}})";
+  std::ofstream(dir / "hf_quant_config.json") << R"({"quantization": {"quant_algo": "FP8"}})";
+  std::string m;
+  try {
+    eo::model::read_config_json(dir.string());
+  } catch (const UsageError& e) {
+    m = e.what();
+  }
+  EXPECT_NE(m.find("quant_algo 'NVFP4'"), std::string::npos) << m;
+  EXPECT_NE(m.find("hf_quant_config.json says 'FP8'"), std::string::npos) << m;
+  std::ofstream(dir / "hf_quant_config.json", std::ios::trunc) << R"({"quantization": {"quant_algo": "NVFP4"}})";
+  EXPECT_NO_THROW(eo::model::read_config_json(dir.string()));
+  fs::remove_all(dir);
+}
