@@ -551,6 +551,12 @@ ModelConfig parse_wrapped(const json& j, const std::string& source, const Multim
   ModelConfig c = parse_text(tj, where, &w);
   c.model_type = w.model_type;
   c.multimodal = w;
+  std::vector<std::string> towers;
+  for (const char* t : {"vision", "audio"})
+    if (j.contains(std::string(t) + "_config") && !j.at(std::string(t) + "_config").is_null()) towers.push_back(t);
+  c.other_towers = towers.empty()     ? "non-text parts are"
+                   : towers.size() == 1 ? towers[0] + " tower is"
+                                        : towers[0] + " and " + towers[1] + " towers are";
   c.tie_word_embeddings = ConfigFields{j, source}.boolean("tie_word_embeddings", w.tie_default);
   return c;
 }

@@ -553,7 +553,7 @@ struct ModelLoader {
     if (c.multimodal)
       log::info((ck ? ck->folder() : std::string("synthetic weights")) + ": a multimodal " + c.model_type + " checkpoint (" +
                 c.multimodal->class_name + "); its " + c.multimodal->text_model_type + " text model (" + mp +
-                "*) is loaded and trained, its " + (c.llama4 ? "vision tower is" : "vision and audio towers are") +
+                "*) is loaded and trained, its " + c.other_towers +
                 " not loaded and not trained (the adapter covers the text model only)");
     if (ck) checkpoint_bytes = ck->total_bytes();
     ModelWeights w;
