@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -40,8 +41,16 @@ std::uint64_t hash_bytes(const void* data, std::size_t n, std::uint64_t seed) {
 }
 
 bool hash_file(const std::string& path, std::uint64_t& hash, std::uint64_t& bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK and a regular file only: a FIFO or a device is never waited on nor read forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return false;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    errno = EINVAL;
+    return false;
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   std::vector<unsigned char> buf(std::size_t(16) << 20);
   std::uint64_t h = 0x6A09E667F3BCC908ULL, total = 0, piece = 0;
   for (;;) {

@@ -104,7 +104,11 @@ int open_nofollow(const std::string& path, int flags, mode_t mode) {
 bool read_file_nofollow(const std::string& path, std::string& out) {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return false;
-  const int fd = open_nofollow(path, O_RDONLY);
+  const int fd = open_nofollow(path, O_RDONLY | O_NONBLOCK);  // a FIFO planted here must not block
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    EO_FAIL(path, " is not a regular file");
+  }
   out.clear();
   char buf[65536];
   for (;;) {
@@ -123,10 +127,62 @@ bool read_file_nofollow(const std::string& path, std::string& out) {
 }
 
 bool read_model_file(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  out.assign(std::istreambuf_iterator<char>(in), {});
-  if (in.bad()) EO_FAIL("reading ", path, " failed");
+  return read_input_file(path, out, "model file", kMaxTextFileBytes);
+}
+
+int open_input_file(const std::string& path, const std::string& what, std::uint64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return -1;
+  struct stat st {};
+  const bool stat_ok = ::fstat(fd, &st) == 0;
+  const int err = errno;
+  if (!stat_ok || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* kind = !stat_ok               ? std::strerror(err)
+                       : S_ISDIR(st.st_mode)  ? "a folder"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
+                       : S_ISCHR(st.st_mode)  ? "a character device"
+                       : S_ISBLK(st.st_mode)  ? "a block device"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "not a plain file";
+    throw UsageError(what + " " + path + " is " + (stat_ok ? kind : std::string("unreadable: ") + kind) +
+                     "; eo-ddp reads only regular files (give the file itself)");
+  }
+  if (max_bytes > 0 && static_cast<std::uint64_t>(st.st_size) > max_bytes) {
+    ::close(fd);
+    throw UsageError(what + " " + path + " is " + std::to_string(st.st_size) + " bytes, more than the " +
+                     std::to_string(max_bytes >> 20) + " MiB such a file may be; is it the right file?");
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  return fd;
+}
+
+bool read_input_file(const std::string& path, std::string& out, const std::string& what, std::uint64_t max_bytes) {
+  const int fd = open_input_file(path, what, max_bytes);
+  if (fd < 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return false;
+    throw UsageError("cannot read " + what + " " + path + ": " + std::strerror(errno));
+  }
+  out.clear();
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      EO_FAIL("reading ", path, " failed: ", std::strerror(err));
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<std::size_t>(n));
+    // The file grew while read (a log being written): still bounded.
+    if (max_bytes > 0 && out.size() > max_bytes) {
+      ::close(fd);
+      throw UsageError(what + " " + path + " grew past " + std::to_string(max_bytes >> 20) + " MiB while read");
+    }
+  }
+  ::close(fd);
   return true;
 }
 

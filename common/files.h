@@ -4,6 +4,7 @@
 #include <sys/types.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -36,7 +37,19 @@ int open_nofollow(const std::string& path, int flags, mode_t mode = 0644);
 bool read_file_nofollow(const std::string& path, std::string& out);
 
 // Reads a whole file of the base model, following links (a Hugging Face cache's snapshot files
-// are links into its blobs/); false if missing.
+// are links into its blobs/); false if missing. It must be an input file (open_input_file) of at
+// most kMaxTextFileBytes.
 bool read_model_file(const std::string& path, std::string& out);
+
+// Every file eo-ddp reads as input (the config, config.json, data and model files) is opened
+// here: O_NONBLOCK, so that a FIFO or a device never blocks in open(), then fstat: anything but
+// a regular file (/dev/zero, a FIFO, a socket), or one larger than `max_bytes` (0: any size), is
+// refused with a UsageError naming `what`, the path and the reason. Returns a blocking fd, or -1
+// with errno set when open(2) itself fails (a missing file: the caller words that).
+int open_input_file(const std::string& path, const std::string& what, std::uint64_t max_bytes = 0);
+// A whole input file (open_input_file); false if it does not exist.
+bool read_input_file(const std::string& path, std::string& out, const std::string& what, std::uint64_t max_bytes);
+// The bound for text inputs read whole (YAML and JSON configs, tokenizer files, shard indexes).
+constexpr std::uint64_t kMaxTextFileBytes = std::uint64_t(64) << 20;
 
 }  // namespace eo

@@ -11,6 +11,7 @@
 #include "launch/commands.h"
 #include "runtime/config.h"
 #include "runtime/data/prepare.h"
+#include "runtime/train_state.h"
 #include "runtime/ddp/world.h"
 #include "runtime/signals.h"
 
@@ -25,6 +26,8 @@ void prepare_datasets(TrainConfig& cfg, ddp::World& world) {
       return;
     }
     try {
+      // A file, /dev/null or a read-only mount as the cache folder: exit 2 naming the key, before Python starts.
+      if (plan.missing() > 0) check_output_dir_writable(cfg.dataset_prepared_path, "dataset_prepared_path");
       if (plan.missing() > 0)
         log::info("datasets: " + std::to_string(plan.missing()) + " of " + std::to_string(plan.datasets.size()) +
                   " need tokenising (no cache in " + cfg.dataset_prepared_path + " for their data, tokenizer and keys)");

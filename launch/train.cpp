@@ -138,7 +138,7 @@ int run_train(const Args& args) {
   // on rank 0 ends every rank (main), so the others never wait for the broadcast.
   RunClaim claim;
   if (world.rank == 0) {
-    claim = claim_output_dir(cfg);
+    claim = claim_output_dir(cfg, world.world_size);
     for (const auto& n : claim.notes) log::info(n);
     for (const auto& warning : claim.warnings) log::warn(warning);
   }

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/json_depth.h"
 #include "models/config_fields.h"
 #include "models/family_config.h"
@@ -550,6 +551,12 @@ ModelConfig parse_wrapped(const json& j, const std::string& source, const Multim
   ModelConfig c = parse_text(tj, where, &w);
   c.model_type = w.model_type;
   c.multimodal = w;
+  std::vector<std::string> towers;
+  for (const char* t : {"vision", "audio"})
+    if (j.contains(std::string(t) + "_config") && !j.at(std::string(t) + "_config").is_null()) towers.push_back(t);
+  c.other_towers = towers.empty()     ? "non-text parts are"
+                   : towers.size() == 1 ? towers[0] + " tower is"
+                                        : towers[0] + " and " + towers[1] + " towers are";
   c.tie_word_embeddings = ConfigFields{j, source}.boolean("tie_word_embeddings", w.tie_default);
   return c;
 }
@@ -700,11 +707,12 @@ ModelConfig load_config(const std::string& model_dir) { return parse_config(read
 
 json read_config_json(const std::string& model_dir) {
   const std::string path = model_dir + "/config.json";
-  std::ifstream in(path);
-  if (!in) throw UsageError(path + ": cannot open (is --model a Hugging Face checkpoint folder?)");
+  std::string text;
+  if (!read_input_file(path, text, "config.json", kMaxTextFileBytes))
+    throw UsageError(path + ": cannot open (is --model a Hugging Face checkpoint folder?)");
   json j;
   try {
-    j = json::parse(in, json_depth_limit([&] {
+    j = json::parse(text, json_depth_limit([&] {
       throw UsageError(path + ": JSON nested deeper than " + std::to_string(kMaxJsonDepth) + " levels; not a config.json");
     }));
   } catch (const json::exception& e) {
@@ -712,15 +720,32 @@ json read_config_json(const std::string& model_dir) {
   }
   // modelopt's exports without quantization_config in config.json say it in hf_quant_config.json
   // ({"quantization": {"quant_algo": ..., "group_size": ..., "exclude_modules": [...]}}), as vLLM reads it.
-  if (j.is_object() && !j.contains("quantization_config")) {
-    std::ifstream hq(model_dir + "/hf_quant_config.json");
-    if (hq) {
-      const json h = json::parse(hq, nullptr, false);
+  if (j.is_object()) {
+    std::string hq;
+    if (read_input_file(model_dir + "/hf_quant_config.json", hq, "hf_quant_config.json", kMaxTextFileBytes)) {
+      const json h = json::parse(hq, json_depth_limit([&] {
+        throw UsageError(model_dir + "/hf_quant_config.json: JSON nested deeper than " + std::to_string(kMaxJsonDepth) +
+                         " levels");
+      }), false);
       if (!h.is_object() || !h.contains("quantization") || !h.at("quantization").is_object())
         throw UsageError(model_dir + "/hf_quant_config.json: expected an object with a 'quantization' object (modelopt's export)");
       json q = h.at("quantization");
       q["quant_method"] = "modelopt";
-      j["quantization_config"] = q;
+      if (!j.contains("quantization_config")) {
+        j["quantization_config"] = q;
+      } else {
+        // Both describe the checkpoint: they must agree on the format, or which one was meant is a guess.
+        const json& c = j.at("quantization_config");
+        const auto algo = [](const json& o) {
+          return o.is_object() && o.contains("quant_algo") && o.at("quant_algo").is_string() ? o.at("quant_algo").get<std::string>()
+                                                                                                : std::string();
+        };
+        if (!algo(q).empty() && algo(c) != algo(q))
+          throw UsageError(model_dir + ": config.json's quantization_config says quant_algo '" + algo(c) +
+                           "' (quant_method '" + (c.is_object() ? c.value("quant_method", std::string()) : std::string()) +
+                           "'), hf_quant_config.json says '" + algo(q) + "': the checkpoint's two descriptions of its "
+                           "format disagree; correct or remove one");
+      }
     }
   }
   return j;

@@ -206,6 +206,9 @@ struct ModelConfig {
   // Mistral3ForConditionalGeneration): its decoder is under the wrapper's decoder prefix, its
   // vision / audio towers are not loaded or trained. model_type is then the wrapper's.
   std::optional<MultimodalWrapper> multimodal;
+  // The wrapper's other towers, as its config.json names them (vision_config, audio_config), for
+  // the log: "vision tower", "vision and audio towers".
+  std::string other_towers;
 
   bool is_moe_layer(int layer) const;
   std::vector<int> moe_layer_ids() const;  // the layers is_moe_layer selects, in order

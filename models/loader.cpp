@@ -34,6 +34,7 @@
 #include "common/log.h"
 #include "common/progress_meter.h"
 #include "common/text.h"
+#include "models/load_checks.h"
 #include "models/moe_model.h"
 #include "models/mxfp4.h"
 #include "models/nf4.h"
@@ -172,6 +173,12 @@ struct ModelLoader {
       throw Error("checkpoint " + ck->folder() + ": tensor '" + name + "' is missing (expected shape " + shape_str(shape) +
                   "); does config.json match the weights?");
     at::Tensor t = ck->load(name);
+    // modelopt's NVFP4 linear that lost its global scale: say so, not that it is no bitsandbytes module.
+    const std::string module = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0 ? name.substr(0, name.size() - 7) : "";
+    if (t.scalar_type() == at::kByte && !module.empty() && ck->has(module + ".weight_scale"))
+      throw Error("checkpoint " + ck->folder() + ": NVFP4 module '" + module + "' has '" + module + ".weight' and '" +
+                  module + ".weight_scale' but no '" + module + ".weight_scale_2' (its float32 global scale): the "
+                  "checkpoint is incomplete; download or export it again");
     if (!at::isFloatingType(t.scalar_type()))
       throw Error("checkpoint " + ck->folder() + ": tensor '" + name + "' is " + std::string(at::toString(t.scalar_type())) +
                   ", not floating point, and carries no bitsandbytes nf4 quant state ('" + name +
@@ -179,6 +186,7 @@ struct ModelLoader {
     if (t.sizes() != at::IntArrayRef(shape))
       throw Error("checkpoint " + ck->folder() + ": tensor '" + name + "' has shape " + shape_str(t.sizes()) +
                   ", expected " + shape_str(shape));
+    check_finite_input(ck->folder(), name, t);
     return t;
   }
 
@@ -217,8 +225,10 @@ struct ModelLoader {
       throw Error("checkpoint " + ck->folder() + ": NVFP4 tensor '" + prefix + ".weight_scale_2' is " +
                   std::string(at::toString(global.scalar_type())) + " " + shape_str(global.sizes()) +
                   ", expected one float32 (the global scale)");
-    return nvfp4::weight(load(prefix + ".weight", at::kByte, {out, in / 2}),
-                         load(prefix + ".weight_scale", at::kFloat8_e4m3fn, {out, in / nvfp4::kGroup}), global);
+    check_nvfp4_global_scale(ck->folder(), prefix + ".weight_scale_2", global.item<float>());
+    const at::Tensor scales = load(prefix + ".weight_scale", at::kFloat8_e4m3fn, {out, in / nvfp4::kGroup});
+    check_e4m3_scales(ck->folder(), prefix + ".weight_scale", scales);
+    return nvfp4::weight(load(prefix + ".weight", at::kByte, {out, in / 2}), scales, global);
   }
 
   // Frozen tensor in the compute dtype on the device; `P.weight` of a bitsandbytes module is
@@ -365,6 +375,15 @@ struct ModelLoader {
     if (cols % 32 != 0)
       throw Error("checkpoint " + ck->folder() + ": MXFP4 tensor '" + name + "_blocks' needs a multiple of 32 columns, not " +
                   std::to_string(cols));
+    // Blocks and scales are read as MXFP4 only where config.json says so: another format with the
+    // same tensor names (mxfp8) would decode to other numbers without a word.
+    if (!cfg.mxfp4_experts)
+      throw UsageError("checkpoint " + ck->folder() + ": '" + name + "_blocks' / '_scales' are block-quantised, but "
+                       "config.json's quantization_config does not say quant_method: mxfp4, the only such format eo-ddp "
+                       "reads; use a checkpoint in MXFP4 or in float");
+    if (ck->has(name))
+      throw UsageError("checkpoint " + ck->folder() + ": '" + name + "' is stored both in float and as MXFP4 ('" + name +
+                       "_blocks'); which one is the model is ambiguous: remove one");
     const auto load_u8 = [&](const std::string& n, const std::vector<std::int64_t>& shape) {
       if (!ck->has(n)) throw Error("checkpoint " + ck->folder() + ": tensor '" + n + "' is missing (MXFP4 experts)");
       at::Tensor t = ck->load(n);
@@ -373,7 +392,9 @@ struct ModelLoader {
                     " " + shape_str(t.sizes()) + ", expected uint8 " + shape_str(shape));
       return t;
     };
-    return {load_u8(name + "_blocks", {E, rows, cols / 32, 16}), load_u8(name + "_scales", {E, rows, cols / 32})};
+    at::Tensor scales = load_u8(name + "_scales", {E, rows, cols / 32});
+    check_e8m0_scales(ck->folder(), name + "_scales", scales);
+    return {load_u8(name + "_blocks", {E, rows, cols / 32, 16}), std::move(scales)};
   }
   // The same dequantised and transposed as transformers does: bf16 [E, cols, rows].
   at::Tensor mxfp4_experts(const std::string& name, std::int64_t E, std::int64_t rows, std::int64_t cols) const {
@@ -532,7 +553,7 @@ struct ModelLoader {
     if (c.multimodal)
       log::info((ck ? ck->folder() : std::string("synthetic weights")) + ": a multimodal " + c.model_type + " checkpoint (" +
                 c.multimodal->class_name + "); its " + c.multimodal->text_model_type + " text model (" + mp +
-                "*) is loaded and trained, its " + (c.llama4 ? "vision tower is" : "vision and audio towers are") +
+                "*) is loaded and trained, its " + c.other_towers +
                 " not loaded and not trained (the adapter covers the text model only)");
     if (ck) checkpoint_bytes = ck->total_bytes();
     ModelWeights w;

@@ -1,5 +1,6 @@
 #include "models/lora.h"
 
+#include <unistd.h>
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ScalarOps.h>
@@ -424,6 +425,7 @@ std::string exclude_outside(const std::string& prefix) {
 
 LoraSpec read_adapter_config(const std::string& adapter_dir) {
   const std::string path = adapter_dir + "/adapter_config.json";
+  if (const int fd = open_input_file(path, "adapter_config.json", kMaxTextFileBytes); fd >= 0) ::close(fd);
   std::ifstream in(path);
   if (!in) throw UsageError(path + ": cannot open (is --adapter a peft adapter folder?)");
   nlohmann::json j;

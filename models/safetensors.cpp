@@ -194,7 +194,7 @@ std::shared_ptr<File> File::open(const std::string& path) {
   f->path_ = path;
   const std::string& p = f->path_;
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = open_input_file(path, "safetensors file");  // no FIFO or device, never blocks
   EO_CHECK(fd >= 0, p, ": cannot open safetensors file: ", std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -368,8 +368,8 @@ Checkpoint Checkpoint::open(const std::string& folder) {
 
   if (fs::exists(index, ec)) {
     const std::string ip = index.string();
-    std::ifstream in(ip, std::ios::binary);
-    EO_CHECK(in, ip, ": cannot read the shard index");
+    std::string in;
+    EO_CHECK(read_input_file(ip, in, "shard index", kMaxTextFileBytes), ip, ": cannot read the shard index");
     json j;
     try {
       j = json::parse(in);

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/text.h"
 #include "models/hf_config.h"
 #include "runtime/config_axolotl.h"
@@ -332,13 +333,11 @@ TrainConfig load_config_file(const std::string& path, const std::vector<std::str
                              const ConfigLoadOptions& options) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) throw UsageError("--config " + path + " is a folder; give the YAML config file in it");
-  std::ifstream in(path);
-  if (!in) throw UsageError("cannot read config file '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
+  std::string text;
+  if (!read_input_file(path, text, "--config", kMaxTextFileBytes)) throw UsageError("cannot read config file '" + path + "'");
   ConfigLoadOptions with_dir = options;
   with_dir.config_dir = fs::absolute(path).parent_path().string();
-  return load_config_text(ss.str(), path, overrides, with_dir);
+  return load_config_text(text, path, overrides, with_dir);
 }
 
 std::vector<std::string> config_known_keys() {

@@ -340,7 +340,8 @@ const std::vector<KeySpec>& schema() {
     k.push_back(real("max_grad_norm", &TrainConfig::max_grad_norm, 0, false, 1e9, "Clip the global gradient norm; 0 disables."));
     k.push_back(integer("max_nonfinite_steps", &TrainConfig::max_nonfinite_steps, 1, 1 << 30,
                         "A step whose loss or gradients are NaN/Inf (on any rank) is skipped: no optimizer update, counted as "
-                        "skipped_nonfinite in metrics.jsonl. This many consecutive skipped steps stop the run with an error."));
+                        "skipped_nonfinite in metrics.jsonl. This many consecutive skipped steps (fp16 overflows included) stop the "
+                        "run with an error naming the cause; a run none of whose steps updated the adapter fails."));
     k.push_back({"optimizer", "string", "adamw_torch",
                  "AdamW (libtorch's) with fp32 state; adamw_torch_fused, adamw_hf and optimi_adamw are the same "
                  "optimizer. The 8-bit, 4-bit and paged AdamW names (adamw_bnb_8bit, adamw_8bit, paged_adamw_8bit, "
@@ -526,8 +527,8 @@ const std::vector<KeySpec>& schema() {
     k.push_back(integer("save_total_limit", &TrainConfig::save_total_limit, 1, 1 << 20,
                         "Training-state checkpoints of this run to keep (another run's are never deleted)."));
     k.push_back(boolean("overwrite_output_dir", &TrainConfig::overwrite_output_dir,
-                        "Start a fresh run in an output_dir that holds another run's checkpoints (they are left in place, "
-                        "never pruned or resumed); without it such a run is refused."));
+                        "Start a fresh run in an output_dir that holds another run's checkpoints (they are moved to "
+                        "output_dir/other-runs/, never written into, pruned or resumed); without it such a run is refused."));
     k.push_back(integer("logging_steps", &TrainConfig::logging_steps, 1, 1 << 30, "Log and write metrics every N steps."));
     k.push_back(boolean("use_tensorboard", &TrainConfig::use_tensorboard,
                         "Write TensorBoard event files under output_dir/runs/: every metrics.jsonl field as a scalar."));

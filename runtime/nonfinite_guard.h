@@ -2,7 +2,9 @@
 // device (Optimizer::step's skip: no update, the step still counts); the host learns of it when it
 // reads the step, and here counts it, warns, and stops the run after max_nonfinite_steps in a row.
 // With fp16, non-finite gradients at a loss scale above 1 are an overflow of the scaled gradients
-// (the scale's backoff answers them), counted apart. The counters are kept in checkpoints, so a
+// (the scale's backoff answers them), counted apart (skipped_overflow) but in the same streak: a
+// scale that keeps halving is collapsing, and the stop says so. A run none of whose steps updated
+// the adapter fails (check_trained), and a stop offers only a checkpoint that trained. The counters are kept in checkpoints, so a
 // resumed run counts on as an uninterrupted one; with them the newest checkpoint from before the
 // first skipped step, which pruning keeps and the messages point to.
 #pragma once
@@ -34,8 +36,11 @@ class NonfiniteGuard {
   // Step `step` as read: fails when the LoRA or optimizer state went bad (skipping cannot undo
   // that); counts and reports an overflow or a skipped step. True: the step was skipped.
   bool read(std::int64_t step, const StepValues& v, double loss);
-  // After step `step` is reported: fails after max_nonfinite_steps skipped in a row.
+  // After step `step` is reported: fails after max_nonfinite_steps skipped in a row, naming the
+  // cause (a collapsing fp16 loss scale, or a non-finite loss).
   void check_streak(std::int64_t step) const;
+  // At the end of a run of `steps` steps: fails when not one of them updated the adapter.
+  void check_trained(std::int64_t steps) const;
   // The counters metrics.jsonl carries.
   void add_metrics(nlohmann::json& extra, const StepValues& v) const;
 
@@ -57,6 +62,9 @@ class NonfiniteGuard {
   std::int64_t streak_ = 0;           // ... and in a row
   std::int64_t skipped_overflow_ = 0; // fp16: steps skipped on a gradient overflow
   std::int64_t first_nonfinite_ = -1;
+  std::int64_t first_applied_ = -1;   // the run's first step that updated the adapter (-1: none yet)
+  std::int64_t streak_overflows_ = 0; // of streak_, fp16 overflows
+  double last_scale_ = 0;             // the loss scale of the last overflow
   std::int64_t last_clean_checkpoint_ = -1;  // the newest checkpoint of a step before first_nonfinite (-1: none)
 };
 

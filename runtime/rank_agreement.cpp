@@ -1,10 +1,16 @@
 #include "runtime/rank_agreement.h"
 
+#include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
 
 #include <set>
 #include <sstream>
 
+#include "common/checksum.h"
 #include "common/error.h"
 #include "runtime/ddp/world.h"
 #include "runtime/model_identity.h"
@@ -48,6 +54,26 @@ std::map<std::string, std::string> decode(const std::string& s) {
   return m;
 }
 
+// What a dataset path holds: a file's content hash; a folder's files' names, sizes and hashes;
+// the path itself where it names nothing local (a hub dataset id).
+std::string dataset_contents(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return path + " (no local file)";
+  if (S_ISREG(st.st_mode)) return file_content_hash(path);
+  if (!S_ISDIR(st.st_mode)) return path + " (not a file)";
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(path, ec))
+    if (e.is_regular_file()) files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  std::string desc;
+  for (const auto& f : files)
+    desc += std::filesystem::relative(f, path, ec).string() + " " + file_content_hash(f.string()) + "\n";
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(hash_bytes(desc.data(), desc.size())));
+  return std::string("folder ") + hex;
+}
+
 }  // namespace
 
 std::map<std::string, std::string> run_identity(const TrainConfig& cfg) {
@@ -55,6 +81,15 @@ std::map<std::string, std::string> run_identity(const TrainConfig& cfg) {
   flatten(YAML::Load(config_to_yaml(cfg)), "", out);
   out.erase("base_model");
   out["base model contents"] = base_model_identity(cfg);
+  // The data by its contents, as checkpoints record it: two ranks with one path may read
+  // different files (a node-local copy), two paths may hold the same data.
+  for (const auto* list : {&cfg.datasets, &cfg.test_datasets}) {
+    const std::string key = list == &cfg.datasets ? "datasets." : "test_datasets.";
+    for (std::size_t i = 0; i < list->size(); ++i) {
+      out.erase(key + std::to_string(i) + ".path");
+      out[key + std::to_string(i) + " contents"] = dataset_contents((*list)[i].path);
+    }
+  }
   return out;
 }
 

@@ -16,8 +16,9 @@ namespace ddp {
 class World;
 }
 
-// The resolved config as dotted key -> value (datasets.0.path, ...), plus "base model contents"
-// (base_model's own path is left out: a copy in another folder on another node is the same model).
+// The resolved config as dotted key -> value (datasets.0.type, ...), plus "base model contents"
+// and "datasets.N contents" (the paths are left out: a copy in another folder on another node is
+// the same model or data, and one path may hold different data on different nodes).
 std::map<std::string, std::string> run_identity(const TrainConfig& cfg);
 
 // The keys whose values differ between ranks (rank r's identity is per_rank[r]), each as

@@ -57,7 +57,12 @@ std::string legacy_sampled_fingerprint(const TrainConfig& cfg) {
   return out;
 }
 
-std::string show(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+std::string show(const json& v) { return v.is_string() ? v.get<std::string>() : v.is_null() ? "(not set)" : v.dump(); }
+
+template <class T>
+json opt(const std::optional<T>& v) {
+  return v ? json(*v) : json();
+}
 
 }  // namespace
 
@@ -91,11 +96,31 @@ json recorded_config(const TrainConfig& cfg) {
           {"learning_rate", cfg.learning_rate},
           {"lr_scheduler", cfg.lr_scheduler},
           {"weight_decay", cfg.weight_decay},
-          {"seed", cfg.seed}};
+          {"seed", cfg.seed},
+          // The rest of the run's shape and numerics: a change is allowed and warned about.
+          {"num_epochs", cfg.num_epochs},
+          {"max_steps", opt(cfg.max_steps)},
+          {"warmup_steps", cfg.warmup_steps},
+          {"warmup_ratio", opt(cfg.warmup_ratio)},
+          {"max_grad_norm", cfg.max_grad_norm},
+          {"adam_beta1", cfg.adam_beta1},
+          {"adam_beta2", cfg.adam_beta2},
+          {"adam_epsilon", cfg.adam_epsilon},
+          {"output_router_logits", cfg.output_router_logits},
+          {"router_aux_loss_coef", opt(cfg.router_aux_loss_coef)},
+          {"bf16", cfg.bf16},
+          {"fp16", opt(cfg.fp16)}};
 }
 
-std::vector<std::string> check_resume_compatible(const TrainingState& s, const TrainConfig& cfg) {
+std::vector<std::string> check_resume_compatible(const TrainingState& s, const TrainConfig& cfg, int world_size) {
   std::vector<std::string> warnings;
+  // The data cursor counts sequences, so another world size resumes at the same row with another
+  // global batch (and another number of steps per epoch).
+  if (world_size > 0 && s.world_size != world_size)
+    warnings.push_back("the world size changed since the checkpoint (" + std::to_string(s.world_size) + " -> " +
+                       std::to_string(world_size) + " ranks): the global batch is now " +
+                       std::to_string(world_size * cfg.micro_batch_size * cfg.gradient_accumulation_steps) +
+                       " sequences a step, so this is not the run the checkpoint continued exactly; resuming");
   if (!s.recorded.is_object())
     return {"the checkpoint records no config (written by an older eo-ddp): cannot check that base_model, lora_r, "
             "lora_alpha, target modules and sequence_len match it"};

@@ -19,6 +19,8 @@ namespace eo {
 // with the same contents, ...) return warnings. A checkpoint that recorded nothing (older
 // eo-ddp) gives one warning.
 nlohmann::json recorded_config(const TrainConfig& cfg);
-std::vector<std::string> check_resume_compatible(const TrainingState& checkpoint, const TrainConfig& cfg);
+// `world_size` > 0: the ranks of this run, compared with the checkpoint's (a warning).
+std::vector<std::string> check_resume_compatible(const TrainingState& checkpoint, const TrainConfig& cfg,
+                                                 int world_size = 0);
 
 }  // namespace eo

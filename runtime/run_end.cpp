@@ -11,6 +11,7 @@
 #include "runtime/ddp/reducer.h"
 #include "runtime/ddp/world.h"
 #include "runtime/expert_lora_offload.h"
+#include "runtime/output_dir.h"
 #include "runtime/progress.h"
 #include "runtime/setup.h"
 #include "runtime/train_state.h"
@@ -48,8 +49,9 @@ TrainResult end_run(const TrainConfig& cfg, Run& run, Checkpointer& checkpoints,
   checkpoints.save("end of training");
   if (wi.world_size > 1) check_ranks_hold_one_adapter(run, wi.world_size);
   if (wi.rank == 0) {
-    write_adapter(cfg.output_dir, run.model->lora_parameters(), cfg, cfg.nvfp4_merge_aware && run.model->merge_aware_active());
-    const auto tokenizer = copy_tokenizer_files(cfg.base_model, cfg.output_dir);
+    const std::string into = held_output_dir(cfg.output_dir);  // the locked folder, even if renamed meanwhile
+    write_adapter(into, run.model->lora_parameters(), cfg, cfg.nvfp4_merge_aware && run.model->merge_aware_active());
+    const auto tokenizer = copy_tokenizer_files(cfg.base_model, into);
     if (!tokenizer.empty()) log::info("tokenizer files copied beside the adapter: " + join(tokenizer, ", "));
     log::info("adapter written to " + cfg.output_dir + " (adapter_model.safetensors, adapter_config.json)");
     log::info(run_summary(tally, run.total_steps, clock.elapsed_s(), run.device.is_cuda() ? "VRAM" : "RSS", cfg.output_dir));

@@ -33,6 +33,7 @@
 #include "runtime/adapter_files.h"
 #include "runtime/config.h"
 #include "runtime/model_identity.h"
+#include "runtime/output_dir.h"
 #include "runtime/resume_check.h"
 
 namespace eo {
@@ -47,10 +48,12 @@ const char* kChecksumFile = "checksums.txt";
 const char* kFormat = "eo-ddp-checkpoint-2";     // with kChecksumFile
 const char* kOldFormat = "eo-ddp-checkpoint-1";  // without: its files cannot be verified
 const char* kRunFile = "run.json";
-const char* kLockFile = ".eo-ddp.lock";
 const char* kCheckpointPrefix = "checkpoint-";
 const char* kTmpPrefix = ".tmp-checkpoint-";  // a save in progress (or one a crash interrupted)
 const char* kOldPrefix = ".old-checkpoint-";  // a checkpoint being replaced by a new save of its step
+// Where checkpoints of another run go that stood in this run's way (overwrite_output_dir, a step
+// this run saves): kept, never pruned or resumed.
+const char* kOtherRuns = "other-runs";
 // Steps above this are no step eo-ddp writes (and parse without overflow everywhere).
 constexpr std::int64_t kMaxStep = std::int64_t(1) << 50;
 
@@ -291,9 +294,40 @@ void recover_interrupted_saves(const std::string& output_dir) {
   }
 }
 
-// Where output_dir's folder could not be locked, the lock file must still be the one this process
-// holds: deleted or replaced, another run may have taken the folder, and a save would mix with it.
-void check_lock_still_held(const std::string& output_dir);
+// Who wrote checkpoint folder `dir`: the run id its trainer_state.json records ("" when it has
+// none or cannot be read: then it is not provably this run's either).
+std::string writer_of(const fs::path& dir) {
+  std::string text;
+  if (!read_file_nofollow((dir / kStateFile).string(), text)) return "";
+  try {
+    const json j = json::parse(text);
+    return j.is_object() ? j.value("run_id", std::string()) : std::string();
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+// Moves another run's checkpoint `dir` (in folder `root`, which the log calls `shown`) into
+// root/other-runs/ under a name not taken yet: no run writes into, prunes or resumes it there.
+void move_to_other_runs(const fs::path& root, const fs::path& dir, const std::string& shown, const std::string& why) {
+  const fs::path others = root / kOtherRuns;
+  std::error_code ec;
+  fs::create_directory(others, ec);
+  EO_CHECK(!ec || fs::is_directory(fs::symlink_status(others)), "cannot create ", shown, "/", kOtherRuns, ": ",
+           ec.message());
+  EO_CHECK(!fs::is_symlink(fs::symlink_status(others)), shown, "/", kOtherRuns, " is a symbolic link; remove it");
+  const std::string base = dir.filename().string();
+  const std::string id = writer_of(dir);
+  std::string name = base + (id.empty() ? "" : "-run-" + id);
+  for (int n = 2; fs::exists(fs::symlink_status(others / name)); ++n)
+    name = base + (id.empty() ? "" : "-run-" + id) + "." + std::to_string(n);
+  fs::rename(dir, others / name);
+  fsync_path(others.string());
+  fsync_path(root.string());
+  log::warn("moved " + shown + "/" + base + " (written by " + (id.empty() ? std::string("another run") : "run " + id) +
+            ") to " + shown + "/" + kOtherRuns + "/" + name + ": " + why + "; this run never writes into, prunes or "
+            "resumes a checkpoint of another run");
+}
 
 std::string random_id() {
   std::random_device rd;
@@ -301,19 +335,6 @@ std::string random_id() {
                     static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(g()));
-  return buf;
-}
-
-std::string host_name() {
-  char host[256] = {0};
-  ::gethostname(host, sizeof host - 1);
-  return host;
-}
-
-std::string now_text() {
-  const std::time_t t = std::time(nullptr);
-  char buf[64];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", std::localtime(&t));
   return buf;
 }
 
@@ -335,15 +356,20 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     if (const std::string bad = first_nonfinite(*part); !bad.empty())
       EO_FAIL("not saving checkpoint-", s.step, " in ", output_dir, ": ", bad, " holds NaN/Inf values");
   fs::create_directories(output_dir);
-  check_lock_still_held(output_dir);
-  const fs::path final_dir = fs::path(output_dir) / (kCheckpointPrefix + std::to_string(s.step));
+  // Every file goes through the folder this run locked, never by its name (see held_output_dir).
+  const std::string root = held_output_dir(output_dir);
+  const std::string name = kCheckpointPrefix + std::to_string(s.step);
+  const fs::path final_dir = fs::path(root) / name;
   const std::string suffix = std::to_string(s.step) + "-" + std::to_string(::getpid());
-  const fs::path tmp_dir = fs::path(output_dir) / (kTmpPrefix + suffix);
-  const fs::path old_dir = fs::path(output_dir) / (kOldPrefix + suffix);
-  const std::optional<json> run = read_run_file(output_dir);
+  const fs::path tmp_dir = fs::path(root) / (kTmpPrefix + suffix);
+  const fs::path old_dir = fs::path(root) / (kOldPrefix + suffix);
+  const std::optional<json> run = read_run_file(root);
   // Saves that died half-way (kill -9, node loss) are finished or dropped before this one starts,
   // so repeated crashes do not fill the disk with partial checkpoints.
-  recover_interrupted_saves(output_dir);
+  recover_interrupted_saves(root);
+  // A folder of this step that another run wrote is never replaced: it moves to other-runs/.
+  if (run && fs::exists(fs::symlink_status(final_dir)) && writer_of(final_dir) != (*run)["run_id"].get<std::string>())
+    move_to_other_runs(root, final_dir, output_dir, "it is in the way of this run's " + name);
   try {
     fs::create_directories(tmp_dir);
     write_adapter(tmp_dir.string(), s.lora, cfg, s.extra.is_object() && s.extra.value(kMergeAwareOnKey, false));
@@ -372,11 +398,11 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     const bool replacing = fs::exists(fs::symlink_status(final_dir));
     if (replacing) {
       fs::rename(final_dir, old_dir);
-      fsync_path(output_dir);
+      fsync_path(root);
       if (faults::plan().kill_in_replace == s.step) std::raise(SIGKILL);  // test seam
     }
     fs::rename(tmp_dir, final_dir);
-    fsync_path(output_dir);
+    fsync_path(root);
     if (replacing) remove_tree(old_dir);
   } catch (const std::exception& e) {
     // Disk full, quota, I/O error: the new checkpoint is dropped whole; the previous ones are untouched.
@@ -385,28 +411,43 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
       remove_tree(tmp_dir);
     } catch (...) {
     }
-    EO_FAIL("cannot save checkpoint ", final_dir.string(), ": ", e.what(), ". The previous checkpoints in ", output_dir,
+    // The error names files by the path written through (held_output_dir); the user knows output_dir.
+    std::string why = e.what();
+    if (root != output_dir)
+      for (std::size_t at = why.find(root); at != std::string::npos; at = why.find(root, at + output_dir.size()))
+        why.replace(at, root.size(), output_dir);
+    EO_FAIL("cannot save checkpoint ", output_dir, "/", name, ": ", why, ". The previous checkpoints in ", output_dir,
             " are intact (resume_from_checkpoint: auto takes the newest); free space on that disk or choose another output_dir");
   }
   // Keep the newest `keep` checkpoints of this run's lineage; another run's are never touched.
   // The newest one before keep_newest_before is kept as well: the state from before the run's
   // first non-finite step, which a user may need to go back to.
   std::vector<Found> mine;
-  for (auto& f : complete_checkpoints(output_dir))
+  for (auto& f : complete_checkpoints(root))
     if (!run || belongs(f, *run)) mine.push_back(std::move(f));
   std::optional<std::size_t> kept;
   for (std::size_t i = 0; i < mine.size(); ++i)
     if (mine[i].step < keep_newest_before) kept = i;
   for (std::size_t i = 0; i + keep < mine.size(); ++i)
     if (i != kept) remove_tree(mine[i].dir);
-  return final_dir.string();
+  return (fs::path(output_dir) / name).string();
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& output_dir) {
   const std::optional<json> run = read_run_file(output_dir);
   std::vector<Found> mine;
-  for (auto& f : complete_checkpoints(output_dir, /*verify=*/true))
-    if (!run || belongs(f, *run)) mine.push_back(std::move(f));
+  for (auto& f : complete_checkpoints(output_dir, /*verify=*/true)) {
+    if (!run || belongs(f, *run)) {
+      mine.push_back(std::move(f));
+      continue;
+    }
+    const std::string id = f.state.value("run_id", std::string());
+    warn_once("resume_from_checkpoint: auto ignores " + f.dir.string() + ": " +
+              (id == (*run)["run_id"].get<std::string>()
+                   ? std::string("a segment of this run that a later resume from an earlier step abandoned")
+                   : "written by " + (id.empty() ? std::string("a run without a run id") : "run " + id) +
+                         ", not by the run of run.json (" + (*run)["run_id"].get<std::string>() + ")"));
+  }
   // Newest first; a damaged one is passed over with a warning, for the previous intact one.
   std::vector<std::string> damaged;
   for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
@@ -493,106 +534,8 @@ void check_output_dir_writable(const std::string& output_dir, const std::string&
   if (w != 1) throw UsageError(key + " " + output_dir + " is not writable: " + std::strerror(err) + fix);
 }
 
-namespace {
 
-// Exclusive flocks for the life of the returned handle (the kernel drops them when the process
-// dies, so a crashed run never leaves a stale lock): on output_dir itself (an fd of the folder,
-// so deleting the lock file cannot let a second run in) and on output_dir/.eo-ddp.lock, which
-// holds the holder's pid, host and start time for the message of the run that is refused. Where
-// the file system cannot lock a folder, save_checkpoint checks instead that the lock file is
-// still the one held (held_locks).
-struct HeldLock {
-  int file_fd = -1, dir_fd = -1;
-};
-std::mutex g_locks_mu;
-std::map<std::string, HeldLock> g_locks;  // by output_dir as given to claim_output_dir
-
-std::string read_holder(int fd) {
-  std::string holder;
-  char buf[512];
-  const ssize_t n = fd < 0 ? 0 : ::pread(fd, buf, sizeof buf - 1, 0);
-  if (n > 0) holder.assign(buf, static_cast<std::size_t>(n));
-  if (const auto at = holder.find("held by "); at != std::string::npos) holder = holder.substr(at + 8);
-  if (const auto nl = holder.find('\n'); nl != std::string::npos) holder.resize(nl);
-  return holder;
-}
-
-[[noreturn]] void refuse_in_use(const std::string& output_dir, const std::string& path, const std::string& holder) {
-  throw UsageError("output_dir " + output_dir + " is in use by another eo-ddp run (" +
-                   (holder.empty() ? std::string("holder unknown") : holder) + "; lock " + path +
-                   "). Two runs in one folder would overwrite each other's checkpoints. Wait for that run to end, "
-                   "stop it, or choose another output_dir.");
-}
-
-std::shared_ptr<void> lock_output_dir(const std::string& output_dir) {
-  const std::string path = (fs::path(output_dir) / kLockFile).string();
-  const int dir_fd = ::open(output_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  EO_CHECK(dir_fd >= 0, "cannot open ", output_dir, ": ", std::strerror(errno));
-  bool dir_locked = true;
-  if (::flock(dir_fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    if (err == EWOULDBLOCK) {
-      const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-      const std::string holder = read_holder(fd);
-      if (fd >= 0) ::close(fd);
-      ::close(dir_fd);
-      refuse_in_use(output_dir, output_dir + " itself", holder);
-    }
-    dir_locked = false;  // e.g. NFS: the lock file alone, checked at every save
-  }
-  const int fd = open_nofollow(path, O_RDWR | O_CREAT, 0644);
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    const std::string holder = read_holder(fd);
-    ::close(fd);
-    ::close(dir_fd);
-    if (err == EWOULDBLOCK) refuse_in_use(output_dir, path, holder);
-    EO_FAIL("cannot lock ", path, ": ", std::strerror(err));
-  }
-  const std::string me = "eo-ddp run lock: held by pid " + std::to_string(::getpid()) + " on host " + host_name() +
-                         ", started " + now_text() +
-                         "\nWhile that process runs, no other eo-ddp run may use this folder. The lock ends with the "
-                         "process; this file is left behind and is harmless then (deleting it is too).\n";
-  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
-    const int err = errno;
-    ::close(fd);
-    ::close(dir_fd);
-    EO_FAIL("cannot write ", path, ": ", std::strerror(err));
-  }
-  {
-    std::lock_guard<std::mutex> lk(g_locks_mu);
-    g_locks[output_dir] = {fd, dir_locked ? dir_fd : -1};
-  }
-  if (!dir_locked) ::close(dir_fd);
-  return std::shared_ptr<void>(new HeldLock{fd, dir_locked ? dir_fd : -1}, [output_dir](void* p) {
-    auto* h = static_cast<HeldLock*>(p);
-    {
-      std::lock_guard<std::mutex> lk(g_locks_mu);
-      g_locks.erase(output_dir);
-    }
-    ::close(h->file_fd);  // releases the flocks
-    if (h->dir_fd >= 0) ::close(h->dir_fd);
-    delete h;
-  });
-}
-
-void check_lock_still_held(const std::string& output_dir) {
-  std::lock_guard<std::mutex> lk(g_locks_mu);
-  const auto it = g_locks.find(output_dir);
-  if (it == g_locks.end() || it->second.dir_fd >= 0) return;
-  const std::string path = (fs::path(output_dir) / kLockFile).string();
-  struct stat held {}, now {};
-  if (::fstat(it->second.file_fd, &held) == 0 && ::lstat(path.c_str(), &now) == 0 && held.st_dev == now.st_dev &&
-      held.st_ino == now.st_ino)
-    return;
-  EO_FAIL("the lock file ", path, " was deleted or replaced during this run, and this file system cannot lock the folder "
-          "itself: another run may be using ", output_dir, " now. Not saving into it; check for another run there, then "
-          "resume (resume_from_checkpoint: auto)");
-}
-
-}  // namespace
-
-RunClaim claim_output_dir(const TrainConfig& cfg) {
+RunClaim claim_output_dir(const TrainConfig& cfg, int world_size) {
   const std::string& dir = cfg.output_dir;
   check_output_dir_writable(dir);
   fs::create_directories(dir);
@@ -613,7 +556,7 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
   if (!resume.empty()) {
     const TrainingState s = load_checkpoint(resume, /*with_tensors=*/false);
     // Before run.json changes: a refused resume must not move the lineage that `auto` follows.
-    claim.warnings = check_resume_compatible(s, cfg);
+    claim.warnings = check_resume_compatible(s, cfg, world_size);
     claim.run_id = s.run_id;
     if (!s.run_id.empty() && s.lineage.is_array()) lineage = s.lineage;
     lineage.push_back({{"segment", segment}, {"start_step", s.step}});
@@ -625,16 +568,31 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
 
   // Another run's checkpoints (or a run file naming another run) in this folder.
   std::vector<std::string> foreign;
+  std::vector<fs::path> foreign_dirs;
   // Checkpoints without a run id (older eo-ddp) are foreign to a fresh run only: resuming one of
   // them adopts the folder.
   for (const auto& f : complete_checkpoints(dir, /*verify=*/true)) {
     const std::string id = f.state.value("run_id", std::string());
-    if (id.empty() ? resume.empty() : id != claim.run_id) foreign.push_back(f.dir.filename().string());
+    if (id.empty() ? resume.empty() : id != claim.run_id) {
+      foreign.push_back(f.dir.filename().string());
+      foreign_dirs.push_back(f.dir);
+    }
   }
-  // Resuming the run that run.json names: the folder is already this run's (another run's
-  // checkpoints in it were accepted by overwrite_output_dir when it started).
+  // Resuming the run that run.json names: the folder is already this run's.
   const std::optional<json> owner = read_run_file(dir);
   const bool owns = !resume.empty() && owner && (*owner)["run_id"].get<std::string>() == claim.run_id;
+  // `auto` found nothing, yet the run of run.json has checkpoints here: every one is damaged
+  // (each named in a warning above), which is not another run's doing.
+  if (owner && resume.empty() && cfg.resume_from_checkpoint == "auto" && !cfg.overwrite_output_dir) {
+    std::vector<std::string> damaged;
+    for (const auto& f : complete_checkpoints(dir))
+      if (belongs(f, *owner)) damaged.push_back(f.dir.filename().string());
+    if (!damaged.empty())
+      throw UsageError("resume_from_checkpoint: auto: every checkpoint of the run in " + dir + " (" + join(damaged, ", ") +
+                       ") is damaged (the warnings above say how), so there is none to continue. Restore one from a "
+                       "copy, or set overwrite_output_dir: true to start a fresh run here (the damaged ones are then "
+                       "moved to " + dir + "/" + kOtherRuns + "/).");
+  }
   if (!foreign.empty() && !cfg.overwrite_output_dir && !owns && cfg.resume_from_checkpoint == "auto")
     throw UsageError("output_dir " + dir + " holds checkpoints of another run (" + join(foreign, ", ") + ") and "
                      "resume_from_checkpoint: auto found no checkpoint of the run that " + dir + "/run.json names" +
@@ -648,11 +606,22 @@ RunClaim claim_output_dir(const TrainConfig& cfg) {
                      ". A run here would mix its checkpoints with them (and `auto` could later resume the wrong one). "
                      "Either continue that run (resume_from_checkpoint: auto), choose another output_dir, or set "
                      "overwrite_output_dir: true to start this run here anyway (the other run's checkpoints are then "
-                     "left in place, never pruned and never resumed).");
+                     "moved to " + dir + "/" + kOtherRuns + "/, never written into, pruned or resumed).");
   }
-  if (!foreign.empty())
-    claim.warnings.push_back((owns && !cfg.overwrite_output_dir ? std::string("resuming the run of run.json: ") : "overwrite_output_dir: true: ") + dir + " holds checkpoints of another run (" + join(foreign, ", ") +
-                          "); they are left in place and not part of this run");
+  if (!foreign.empty() && owns && !cfg.overwrite_output_dir) {
+    claim.warnings.push_back("resuming the run of run.json: " + dir + " holds checkpoints of another run (" +
+                             join(foreign, ", ") + "); they are not part of this run: `auto` never resumes them, "
+                             "pruning never counts them, and a save at one of their steps moves it to " + dir + "/" +
+                             kOtherRuns + "/ first");
+  } else if (!foreign.empty()) {
+    // overwrite_output_dir: the folder becomes this run's; the other run's checkpoints are kept,
+    // out of its way, where no run writes, prunes or resumes.
+    for (const auto& f : foreign_dirs)
+      move_to_other_runs(dir, f, dir, "overwrite_output_dir: true starts a fresh run in " + dir);
+    claim.warnings.push_back("overwrite_output_dir: true: moved " + std::to_string(foreign.size()) +
+                             " checkpoint(s) of another run (" + join(foreign, ", ") + ") to " + dir + "/" + kOtherRuns +
+                             "/; this run starts fresh in " + dir);
+  }
   json run = {{"format", "eo-ddp-run-1"}, {"run_id", claim.run_id}, {"lineage", lineage}};
   write_file_atomic((fs::path(dir) / kRunFile).string(), run.dump(2) + "\n");
   return claim;

@@ -111,6 +111,8 @@ struct RunClaim {
 // resume with check_resume_compatible (its warnings go to notes), refuses a
 // fresh run in a folder holding another run's checkpoints (unless overwrite_output_dir: true),
 // then records this segment in output_dir/run.json.
-RunClaim claim_output_dir(const TrainConfig& cfg);
+// `world_size` > 0: this run's ranks, for check_resume_compatible. A fresh run moves another run's
+// checkpoints to output_dir/other-runs/ with overwrite_output_dir: true.
+RunClaim claim_output_dir(const TrainConfig& cfg, int world_size = 0);
 
 }  // namespace eo

@@ -112,7 +112,8 @@ TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, ddp::
     const bool read_now = step == run.total_steps || eval_now || save_now || stop || auto_budget_pending || hooks.after_step;
     behind.queued(std::move(q), read_now, eval_now);
     if (stop) {
-      checkpoints.save("stop requested by signal " + std::to_string(stop_signal()));
+      checkpoints.save(stop_signal() ? "stop requested by signal " + std::to_string(stop_signal())
+                                     : std::string("stop requested: another rank was signalled"));
       log::info("stopped at step " + std::to_string(step) + "; resume with resume_from_checkpoint: auto");
       TrainResult stopped = result_so_far(reader.tally());
       stopped.exit_code = kExitPreempted;
@@ -131,6 +132,7 @@ TrainResult train(const TrainConfig& cfg, const model::ModelConfig& model, ddp::
     behind.flush_after_failure();
     throw;
   }
+  guard.check_trained(run.step);  // a run that learned nothing does not succeed
   return end_run(cfg, run, checkpoints, reader.tally(), clock, world);
 }
 

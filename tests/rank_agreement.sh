@@ -2,7 +2,7 @@
 # Ranks given different runs stop before anything is loaded (issue: ranks that disagree). Two
 # ranks (mpirun's MPMD form: one argument list per rank) with one key different, for each kind of
 # key: the adapter's shape (lora_r, targets), the data shards (seed, micro_batch_size, sequence_len,
-# the dataset's path), the optimisation (learning_rate, max_steps, max_grad_norm, lora_dropout),
+# the dataset's contents), the optimisation (learning_rate, max_steps, max_grad_norm, lora_dropout),
 # the schedule of saves, the output folder and the base model's contents (one byte of one tensor). Each must exit 2, name the key with both ranks'
 # values, write nothing into output_dir, and load no weight. A control with equal arguments trains.
 # usage: rank_agreement.sh BUILD_DIR SOURCE_DIR PYTHON
@@ -34,7 +34,7 @@ differ targets "lora_target_modules.3" "lora_target_modules=[q_proj, k_proj, v_p
 differ seed "seed" seed=7
 differ micro_batch "micro_batch_size" micro_batch_size=2
 differ sequence_len "sequence_len" sequence_len=64
-differ dataset "datasets.0.path" "datasets.0.path=$tmp/other.jsonl"
+differ dataset "datasets.0 contents" "datasets.0.path=$tmp/other.jsonl"  # compared by contents, not path
 differ lr "learning_rate" learning_rate=1e-4
 differ max_steps "max_steps" max_steps=3
 differ clip "max_grad_norm" max_grad_norm=0.5

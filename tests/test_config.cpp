@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -15,6 +16,7 @@
 #include "common/error.h"
 #include "common/text.h"
 #include "models/hf_config.h"
+#include "models/safetensors.h"
 #include "runtime/config.h"
 #include "runtime/config_help.h"
 #include "runtime/dataset_keys.h"
@@ -1096,9 +1098,28 @@ TEST(RankAgreement, NamesEveryKeyThatDiffersWithEachRanksValue) {
   const auto c = run_identity(load(kValid, {"datasets.0.path=other.jsonl"}));
   const auto d = rank_disagreements({a, b, a, c});
   ASSERT_EQ(d.size(), 3u);
-  EXPECT_EQ(d[0], "datasets.0.path: rank 0 has train.jsonl, rank 3 has other.jsonl");
+  EXPECT_EQ(d[0], "datasets.0 contents: rank 0 has train.jsonl (no local file), rank 3 has other.jsonl (no local file)");
   EXPECT_EQ(d[1], "lora_r: rank 0 has 16, rank 1 has 4");
   EXPECT_EQ(d[2], "seed: rank 0 has 42, rank 1 has 9");
+}
+
+// Issue #49 item 3: ranks compare what their dataset paths hold, not the paths: one path with
+// other rows on one node is named; the same rows under another path agree.
+TEST(RankAgreement, ComparesDatasetContentsNotPaths) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_rank_data_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "a");
+  fs::create_directories(dir / "b");
+  std::ofstream(dir / "a" / "train.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  std::ofstream(dir / "b" / "train.jsonl") << "{\"input_ids\": [1, 2, 4]}\n";
+  std::ofstream(dir / "b" / "copy.jsonl") << "{\"input_ids\": [1, 2, 3]}\n";
+  const auto with = [&](const fs::path& p) { return run_identity(load(kValid, {"datasets.0.path=" + p.string()})); };
+  const auto a = with(dir / "a" / "train.jsonl");
+  EXPECT_TRUE(rank_disagreements({a, with(dir / "b" / "copy.jsonl")}).empty()) << "same rows, another path";
+  const auto d = rank_disagreements({a, with(dir / "b" / "train.jsonl")});
+  ASSERT_EQ(d.size(), 1u) << "other rows behind a path were not noticed";
+  EXPECT_EQ(d[0].rfind("datasets.0 contents: rank 0 has ", 0), 0u) << d[0];
+  fs::remove_all(dir);
 }
 
 // Issue #32 item 14: a repeated key, a second YAML document, a huge bad value, a folder given as
@@ -1168,4 +1189,62 @@ TEST(Config, TargetsAreCheckedWhenOnlyConfigJsonIsRead) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("'gate_proj' matches no linear of mixtral"), std::string::npos) << e.what();
   }
+}
+
+// Issue #49 item 8: the config and every model file must be a regular file of bounded size, and
+// opening one never blocks: a FIFO, /dev/zero or a huge file is refused at once, naming it.
+TEST(InputFiles, AFifoADeviceOrAHugeFileIsRefusedWithoutBlocking) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_input_files_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string fifo = (dir / "config.yaml").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto refusal = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no UsageError)");
+  };
+  std::string m = refusal([&] { eo::load_config_file(fifo, {}, {}); });
+  EXPECT_NE(m.find("--config " + fifo + " is a FIFO"), std::string::npos) << m;
+  m = refusal([&] { eo::load_config_file("/dev/zero", {}, {}); });
+  EXPECT_NE(m.find("/dev/zero is a character device"), std::string::npos) << m;
+  const fs::path huge = dir / "huge.yaml";
+  { std::ofstream(huge) << "lora_r: 8\n"; }
+  fs::resize_file(huge, eo::kMaxTextFileBytes + 1);  // sparse
+  m = refusal([&] { eo::load_config_file(huge.string(), {}, {}); });
+  EXPECT_NE(m.find("more than the 64 MiB"), std::string::npos) << m;
+  // A model folder whose config.json and weights are FIFOs.
+  fs::create_directories(dir / "model");
+  ASSERT_EQ(::mkfifo((dir / "model" / "config.json").c_str(), 0600), 0);
+  ASSERT_EQ(::mkfifo((dir / "model" / "model.safetensors").c_str(), 0600), 0);
+  m = refusal([&] { eo::model::read_config_json((dir / "model").string()); });
+  EXPECT_NE(m.find("config.json " + (dir / "model" / "config.json").string() + " is a FIFO"), std::string::npos) << m;
+  m = refusal([&] { eo::st::File::open((dir / "model" / "model.safetensors").string()); });
+  EXPECT_NE(m.find("is a FIFO"), std::string::npos) << m;
+  fs::remove_all(dir);
+}
+
+// Issue #49 item 10: config.json and hf_quant_config.json that disagree on the format are refused,
+// naming both (one of them used to be ignored without a word).
+TEST(InputFiles, QuantConfigsThatDisagreeAreRefused) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("eo_quant_cfgs_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json")
+      << R"({"model_type": "qwen3_moe", "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}})";
+  std::ofstream(dir / "hf_quant_config.json") << R"({"quantization": {"quant_algo": "FP8"}})";
+  std::string m;
+  try {
+    eo::model::read_config_json(dir.string());
+  } catch (const UsageError& e) {
+    m = e.what();
+  }
+  EXPECT_NE(m.find("quant_algo 'NVFP4'"), std::string::npos) << m;
+  EXPECT_NE(m.find("hf_quant_config.json says 'FP8'"), std::string::npos) << m;
+  std::ofstream(dir / "hf_quant_config.json", std::ios::trunc) << R"({"quantization": {"quant_algo": "NVFP4"}})";
+  EXPECT_NO_THROW(eo::model::read_config_json(dir.string()));
+  fs::remove_all(dir);
 }

@@ -2,6 +2,7 @@
 // cursor). Expectations are derived here from the documents themselves (token values encode
 // their document and offset), never from the batcher's own output.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 
@@ -14,6 +15,7 @@
 
 #include "common/error.h"
 #include "runtime/data/batcher.h"
+#include "runtime/data/jsonl.h"
 #include "runtime/data/tokens.h"
 #include "tests/test_paths.h"
 
@@ -445,4 +447,28 @@ TEST(Data, DataWithoutATrainableTokenIsRefused) {
                     {"first-only.jsonl", "no trainable token"});
   ex[2].labels[3] = 4;
   EXPECT_NO_THROW(Batcher(std::make_shared<InMemoryDocuments>(ex, "ok.jsonl"), opt));
+}
+
+// Issue #49 item 4: attention_mask in tokenized rows is honoured: padding (0s before the first 1
+// or after the last) is dropped with its labels, so nothing attends to it and no loss is taken
+// on it; a 0 between 1s, which is no padding, and an all-0 row are refused naming file:line.
+TEST(Data, AttentionMaskPaddingIsDroppedAndOtherMasksRefused) {
+  const fs::path dir = fs::temp_directory_path() / ("eo_mask_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path f = dir / "rows.jsonl";
+  std::ofstream(f) << R"({"input_ids": [5, 6, 7, 0, 0], "labels": [5, 6, 7, 0, 0], "attention_mask": [1, 1, 1, 0, 0]})" "\n"
+                   << R"({"input_ids": [0, 0, 8, 9], "attention_mask": [0, 0, 1, 1]})" "\n"
+                   << R"({"input_ids": [1, 2], "attention_mask": [1, 1]})" "\n";
+  const auto rows = read_tokenized_jsonl(f.string(), /*vocab_size=*/10);  // the vocabulary check sees the cut rows
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0].input_ids, (std::vector<std::int64_t>{5, 6, 7}));
+  EXPECT_EQ(rows[0].labels, (std::vector<std::int64_t>{5, 6, 7}));
+  EXPECT_EQ(rows[1].input_ids, (std::vector<std::int64_t>{8, 9}));
+  EXPECT_EQ(rows[1].labels, (std::vector<std::int64_t>{8, 9}));
+  EXPECT_EQ(rows[2].input_ids, (std::vector<std::int64_t>{1, 2}));
+  std::ofstream(f, std::ios::trunc) << R"({"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]})" "\n";
+  expect_throw_with([&] { read_tokenized_jsonl(f.string()); }, {"rows.jsonl:1", "a 0 between 1s"});
+  std::ofstream(f, std::ios::trunc) << R"({"input_ids": [1, 2], "attention_mask": [0, 0]})" "\n";
+  expect_throw_with([&] { read_tokenized_jsonl(f.string()); }, {"rows.jsonl:1", "all 0"});
+  fs::remove_all(dir);
 }

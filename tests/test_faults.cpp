@@ -768,7 +768,17 @@ TEST_F(FaultTest, FreshRunInAnotherRunsOutputDirIsRefused) {
   auto expected = before;
   expected.erase(".eo-ddp.lock");
   EXPECT_EQ(after, expected) << "the refused run changed the other run's files";
+  // Issue #49 item 1: overwrite_output_dir moves the other run's checkpoints to other-runs/, byte for
+  // byte; this run's saves at the same steps and its pruning never touch them.
+  const auto ckpt2 = folder_bytes(out / "checkpoint-2"), ckpt4 = folder_bytes(out / "checkpoint-4");
   const Outcome over = train(out, {"max_steps=2", "save_steps=1", "save_total_limit=1", "overwrite_output_dir=true"});
   ASSERT_TRUE(over.exited && over.code == 0) << over.describe();
-  EXPECT_TRUE(fs::exists(out / "checkpoint-2") && fs::exists(out / "checkpoint-4")) << "the other run's checkpoints were pruned";
+  EXPECT_TRUE(contains(over.log, "to " + out.string() + "/other-runs/")) << over.log;
+  std::vector<fs::path> moved;
+  for (const auto& e : fs::directory_iterator(out / "other-runs")) moved.push_back(e.path());
+  std::sort(moved.begin(), moved.end());
+  ASSERT_EQ(moved.size(), 2u) << "the other run's checkpoint-2 and checkpoint-4";
+  EXPECT_EQ(folder_bytes(moved[0]), ckpt2) << moved[0];
+  EXPECT_EQ(folder_bytes(moved[1]), ckpt4) << moved[1];
+  EXPECT_NE(folder_bytes(out / "checkpoint-2"), ckpt2) << "checkpoint-2 is this run's own now";
 }

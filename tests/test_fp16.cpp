@@ -117,13 +117,13 @@ TEST_F(Fp16, LossFollowsFp32Within1PercentFor50Steps) {
 
 // Overflows injected at steps 2, 3 and 9 (the loss scale infinite there): each is skipped (no
 // update, the gradient norm not finite), the scale halves, and after 3 clean steps it doubles;
-// an overflow is not a NaN step (max_nonfinite_steps: 1 would otherwise stop the run at step 2).
+// overflows in a row count towards max_nonfinite_steps (2 in a row here, under 3), apart from NaN steps.
 // The sequence is GradScaler's, and a second run takes the same decisions bitwise.
 TEST_F(Fp16, InjectedOverflowSkipsBacksOffAndGrowsAsGradScaler) {
   const std::set<std::int64_t> overflow{2, 3, 9};
   RunOptions o;
   o.env = {"EO_DDP_FAULT_OVERFLOW=2,3,9"};
-  const auto sets = with(common(12), {"fp16=true", "bf16=false", "loss_scale_growth_interval=3", "max_nonfinite_steps=1"});
+  const auto sets = with(common(12), {"fp16=true", "bf16=false", "loss_scale_growth_interval=3", "max_nonfinite_steps=3"});
   const Outcome r = train(dir_ / "a", sets, o);
   ASSERT_TRUE(r.exited && r.code == 0) << r.describe();
   EXPECT_NE(r.log.find("step 2: the gradients overflowed fp16 at loss scale 65536"), std::string::npos) << r.log;
@@ -186,4 +186,28 @@ TEST_F(Fp16, ResumeIsBitwiseWithTheScaleRestored) {
   }
   EXPECT_EQ(want[6], 65536.0) << "the restored count makes the scale grow after step 5";
   expect_same_adapter(dir_ / "a", dir_ / "b");
+}
+
+// Issue #49 item 6: a run whose every step overflowed learned nothing: it exits 1 naming why and
+// writes no adapter (it used to exit 0 with the untrained one).
+TEST_F(Fp16, ARunWhoseEveryStepWasSkippedFails) {
+  RunOptions o;
+  o.env = {"EO_DDP_FAULT_OVERFLOW=1,2,3,4"};
+  const Outcome r = train(dir_ / "a", with(common(4), {"fp16=true", "bf16=false", "max_nonfinite_steps=10"}), o);
+  EXPECT_TRUE(r.exited && r.code == 1) << r.describe();
+  EXPECT_NE(r.log.find("every one of the run's 4 steps was skipped (4 on an fp16 overflow"), std::string::npos) << r.log;
+  EXPECT_FALSE(fs::exists(dir_ / "a" / "adapter_model.safetensors")) << "the untrained adapter was written";
+}
+
+// Issue #49 item 6: overflows in a row count towards max_nonfinite_steps; the stop names the
+// collapsing loss scale and, with only untrained checkpoints, offers none of them.
+TEST_F(Fp16, OverflowsInARowStopTheRunNamingTheCollapsingScale) {
+  RunOptions o;
+  o.env = {"EO_DDP_FAULT_OVERFLOW=1,2,3,4,5,6,7,8"};
+  const Outcome r = train(dir_ / "a", with(common(8), {"fp16=true", "bf16=false", "max_nonfinite_steps=3", "save_steps=1"}), o);
+  EXPECT_TRUE(r.exited && r.code == 1) << r.describe();
+  EXPECT_NE(r.log.find("the fp16 loss scale is collapsing: the scaled gradients overflowed on 3 consecutive steps"),
+            std::string::npos) << r.log;
+  EXPECT_NE(r.log.find("start again (no checkpoint of this run from before that has trained"), std::string::npos) << r.log;
+  EXPECT_EQ(r.log.find("Lower learning_rate"), std::string::npos) << "blames the learning rate: " << r.log;
 }

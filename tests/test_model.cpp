@@ -17,6 +17,8 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
+#include <unistd.h>
 #include <set>
 #include <nlohmann/json.hpp>
 
@@ -1684,3 +1686,92 @@ TEST_P(Parity, Nf4QuantisationOfCheckpointWeightsEqualsBitsandbytes) {
 }
 
 }  // namespace
+
+// Issue #49 items 7 and 9: a checkpoint's non-finite quantisation scales and float tensors are
+// refused at load, naming the tensor (they used to load without a word and train NaN, or skip
+// every step); an NVFP4 linear without its global scale is named as such.
+namespace {
+// `from` copied to `to` with model.safetensors' tensors passed through `edit` (which may drop one).
+void damaged_copy(const std::filesystem::path& from, const std::filesystem::path& to,
+                  const std::function<void(std::vector<std::pair<std::string, at::Tensor>>&)>& edit) {
+  namespace fs = std::filesystem;
+  fs::remove_all(to);
+  fs::create_directories(to);
+  for (const auto& e : fs::directory_iterator(from))
+    if (e.path().filename() != "model.safetensors") fs::copy(e.path(), to / e.path().filename());
+  std::vector<std::pair<std::string, at::Tensor>> ts;
+  auto f = eo::st::File::open((from / "model.safetensors").string());
+  for (const auto& t : f->tensors()) ts.emplace_back(t.name, f->load(t.name).clone());
+  edit(ts);
+  eo::st::save((to / "model.safetensors").string(), ts);
+}
+std::string load_error(const std::string& dir, bool four_bit = false) {
+  LoadOptions lo;
+  lo.load_in_4bit = four_bit;
+  try {
+    MoeModel::load(dir, lo);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+at::Tensor& named(std::vector<std::pair<std::string, at::Tensor>>& ts, const std::string& suffix) {
+  for (auto& [n, t] : ts)
+    if (n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0) return t;
+  throw std::runtime_error("no tensor ending in " + suffix);
+}
+}  // namespace
+
+TEST(LoadChecks, NonFiniteScalesAndTensorsAreRefusedNamingTheTensor) {
+  namespace fs = std::filesystem;
+  const fs::path nv = fs::path(nvfp4_dir()) / "model_nvfp4";
+  const fs::path tmp = fs::temp_directory_path() / ("eo_load_checks_" + std::to_string(::getpid()));
+  const std::string g2 = "model.layers.1.mlp.experts.0.gate_proj.weight_scale_2";
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), 3e38f}) {
+    damaged_copy(nv, tmp, [&](auto& ts) { named(ts, g2).fill_(bad); });
+    const std::string m = load_error(tmp.string());
+    EXPECT_NE(m.find("'" + g2 + "' is the NVFP4 global scale"), std::string::npos) << bad << ": " << m;
+  }
+  const std::string s1 = "model.layers.1.mlp.experts.0.gate_proj.weight_scale";
+  damaged_copy(nv, tmp, [&](auto& ts) { named(ts, s1).view(at::kByte).view({-1})[3] = 0x7f; });
+  std::string m = load_error(tmp.string());
+  EXPECT_NE(m.find("'" + s1 + "' holds NaN E4M3 block scales (1 of"), std::string::npos) << m;
+  // A float tensor with a NaN: named, also where load_in_4bit would quantise it to NF4.
+  damaged_copy(nv, tmp, [&](auto& ts) { named(ts, "model.embed_tokens.weight")[0][1] = NAN; });
+  EXPECT_NE(load_error(tmp.string()).find("'model.embed_tokens.weight' holds NaN or infinity"), std::string::npos);
+  // The NF4 path (a float linear quantised at load) names the tensor too.
+  const fs::path mx = fs::path(mxfp4_dir());
+  const std::string q = "model.layers.0.self_attn.q_proj.weight";
+  damaged_copy(mx / "model_plain", tmp, [&](auto& ts) { named(ts, q)[0][0] = NAN; });
+  m = load_error(tmp.string(), /*four_bit=*/true);
+  EXPECT_NE(m.find("'" + q + "' holds NaN or infinity (1 of"), std::string::npos) << m;
+  // An NVFP4 linear without weight_scale_2 (the per-expert check names the first expert instead).
+  const std::string lone = "model.layers.0.self_attn.q_proj";
+  damaged_copy(nv, tmp, [&](auto& ts) {
+    ts.erase(std::remove_if(ts.begin(), ts.end(), [&](const auto& p) { return p.first == lone + ".weight_scale_2"; }), ts.end());
+  });
+  m = load_error(tmp.string());
+  EXPECT_NE(m.find("NVFP4 module '" + lone + "' has"), std::string::npos) << m;
+  EXPECT_NE(m.find("but no '" + lone + ".weight_scale_2'"), std::string::npos) << m;
+  // MXFP4 (gpt-oss): an E8M0 scale of 255 is NaN.
+  damaged_copy(mx / "model_mxfp4", tmp, [&](auto& ts) { named(ts, "layers.0.mlp.experts.down_proj_scales").view({-1})[5] = 255; });
+  m = load_error(tmp.string());
+  EXPECT_NE(m.find("experts.down_proj_scales' holds E8M0 block scales of 255"), std::string::npos) << m;
+  // Item 10: blocks under another quant_method (mxfp8), and a float copy beside the blocks, are
+  // refused instead of read as MXFP4 / ignored.
+  damaged_copy(mx / "model_mxfp4", tmp, [](auto&) {});
+  {
+    std::ifstream in(tmp / "config.json");
+    nlohmann::json c = nlohmann::json::parse(in);
+    c["quantization_config"]["quant_method"] = "mxfp8";
+    std::ofstream(tmp / "config.json", std::ios::trunc) << c.dump();
+  }
+  m = load_error(tmp.string());
+  EXPECT_NE(m.find("does not say quant_method: mxfp4"), std::string::npos) << m;
+  damaged_copy(mx / "model_mxfp4", tmp, [](auto& ts) {
+    ts.emplace_back("model.layers.0.mlp.experts.gate_up_proj", at::zeros({1}));
+  });
+  m = load_error(tmp.string());
+  EXPECT_NE(m.find("'model.layers.0.mlp.experts.gate_up_proj' is stored both in float and as MXFP4"), std::string::npos) << m;
+  fs::remove_all(tmp);
+}

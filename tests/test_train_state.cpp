@@ -16,6 +16,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <algorithm>
 #include <chrono>
 
 #include "common/error.h"
@@ -72,6 +73,17 @@ class TrainStateTest : public eo::testing::TempDirTest {
     return eo::save_checkpoint(c.output_dir, s, c, keep);
   }
   fs::path ckpt(int step) const { return dir_ / "out" / ("checkpoint-" + std::to_string(step)); }
+  // The folders under out/other-runs/, by name.
+  std::vector<fs::path> other_runs() const {
+    std::vector<fs::path> out;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir_ / "out" / "other-runs", ec)) out.push_back(e.path());
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  std::string tag_of(const fs::path& checkpoint) const {
+    return eo::load_checkpoint(checkpoint.string(), false).data_cursor.value("tag", std::string());
+  }
 };
 
 std::string usage_error(const std::function<void()>& f) {
@@ -106,7 +118,8 @@ TEST_F(TrainStateTest, ForeignCheckpointsRefuseAFreshRunAndAreNeverPruned) {
   RunClaim b = eo::claim_output_dir(over);
   EXPECT_TRUE(b.resume.empty());
   for (int s : {2, 4, 6}) save(over, s, /*keep=*/2);
-  EXPECT_TRUE(fs::exists(ckpt(5)) && fs::exists(ckpt(10))) << "the other run's checkpoints were deleted";
+  EXPECT_FALSE(fs::exists(ckpt(5)) || fs::exists(ckpt(10))) << "overwrite_output_dir moves the other run's away";
+  EXPECT_EQ(other_runs().size(), 2u) << "the other run's checkpoints were deleted";
   EXPECT_FALSE(fs::exists(ckpt(2))) << "keep=2 of this run's checkpoints: checkpoint-2 goes";
   EXPECT_TRUE(fs::exists(ckpt(4)) && fs::exists(ckpt(6))) << "this run's newest were pruned (the old run's rank newer)";
   EXPECT_EQ(eo::latest_checkpoint(over.output_dir), ckpt(6).string()) << "auto must not pick the other run's checkpoint-10";
@@ -550,4 +563,120 @@ TEST_F(TrainStateTest, AFolderWhoseNameIsNotItsStepIsIgnored) {
   fs::copy(ckpt(40), dir_ / "out" / "checkpoint-00041", fs::copy_options::recursive);
   fs::copy(ckpt(40), dir_ / "out" / "checkpoint-50", fs::copy_options::recursive);
   EXPECT_EQ(eo::latest_checkpoint(config().output_dir), ckpt(40).string());
+}
+
+// Issue #49 item 1: a run started with overwrite_output_dir beside another run's checkpoints moves
+// them to other-runs/ intact; its own saves at the same steps and its pruning never reach them.
+TEST_F(TrainStateTest, OverwriteMovesAnotherRunsCheckpointsAsideAndNeverWritesIntoThem) {
+  {
+    RunClaim a = eo::claim_output_dir(config());
+    for (int s : {1, 2, 3}) save(config(), s, 100, "first");
+  }
+  TrainConfig over = config();
+  over.overwrite_output_dir = true;
+  RunClaim b = eo::claim_output_dir(over);
+  for (int s : {1, 2, 3}) save(over, s, /*keep=*/1, "second");
+  const auto moved = other_runs();
+  ASSERT_EQ(moved.size(), 3u) << "the first run's three checkpoints, kept";
+  for (const auto& m : moved) {
+    EXPECT_EQ(tag_of(m), "first") << m;
+    EXPECT_EQ(eo::checkpoint_damage(m.string()), "") << m;
+  }
+  EXPECT_EQ(tag_of(ckpt(3)), "second");
+  EXPECT_FALSE(fs::exists(ckpt(1)) || fs::exists(ckpt(2))) << "keep=1 prunes this run's own";
+}
+
+// Issue #49 item 1: resuming the run of run.json beside a checkpoint another run wrote at a step
+// this run later saves: `auto` ignores it saying why, and the save moves it aside, not over it.
+TEST_F(TrainStateTest, ASaveAtTheStepOfAnotherRunsCheckpointMovesItAside) {
+  {
+    RunClaim a = eo::claim_output_dir(config());
+    save(config(), 2, 100, "mine");
+  }
+  // Another run's checkpoint-4, copied in (its run id differs).
+  const fs::path other = dir_ / "other";
+  {
+    TrainConfig o = config();
+    o.output_dir = other.string();
+    RunClaim x = eo::claim_output_dir(o);
+    TrainingState s;
+    s.step = 4;
+    s.data_cursor = {{"tag", "theirs"}};
+    s.lora = {{"base_model.model.x.lora_A.weight", at::full({2, 2}, 4.0)}};
+    s.optimizer = {{"exp_avg", at::zeros({2})}};
+    s.rng = {{"cpu", at::zeros({4}, at::kByte)}};
+    eo::save_checkpoint(o.output_dir, s, o, 100);
+  }
+  fs::copy(other / "checkpoint-4", ckpt(4), fs::copy_options::recursive);
+  RunClaim again = eo::claim_output_dir(config("auto"));
+  EXPECT_EQ(again.resume, ckpt(2).string()) << "auto resumed another run's checkpoint";
+  save(config(), 4, /*keep=*/1, "mine");
+  EXPECT_EQ(tag_of(ckpt(4)), "mine");
+  const auto moved = other_runs();
+  ASSERT_EQ(moved.size(), 1u) << "the other run's checkpoint-4 was overwritten";
+  EXPECT_EQ(tag_of(moved[0]), "theirs");
+  EXPECT_EQ(eo::checkpoint_damage(moved[0].string()), "");
+}
+
+// Issue #49 item 2: saves go into the folder the run locked, not whatever has its name later. A
+// rename during the run moves the run's files with it; a new folder of the old name stays empty.
+TEST_F(TrainStateTest, RenamingOutputDirDuringARunCannotRedirectItsSaves) {
+  RunClaim a = eo::claim_output_dir(config());
+  save(config(), 1);
+  fs::rename(dir_ / "out", dir_ / "moved");
+  fs::create_directories(dir_ / "out");
+  const std::string shown = save(config(), 2);
+  EXPECT_EQ(shown, ckpt(2).string()) << "the log names the checkpoint by output_dir";
+  EXPECT_TRUE(fs::exists(dir_ / "moved" / "checkpoint-2" / "trainer_state.json")) << "the save left the locked folder";
+  EXPECT_TRUE(fs::is_empty(dir_ / "out")) << "the save went into the new folder of the old name";
+  // A second run may take the new folder: it is not the first run's.
+  RunClaim b = eo::claim_output_dir(config());
+  EXPECT_TRUE(b.resume.empty());
+}
+
+// Issue #49 item 9: when every checkpoint of the run is damaged, `auto` says so, not that they
+// belong to another run.
+TEST_F(TrainStateTest, EveryCheckpointDamagedIsReportedAsDamage) {
+  {
+    RunClaim a = eo::claim_output_dir(config());
+    for (int s : {1, 2}) save(config(), s);
+  }
+  for (int s : {1, 2}) {
+    std::fstream f(ckpt(s) / "optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('\x7f');
+  }
+  const std::string msg = usage_error([&] { eo::claim_output_dir(config("auto")); });
+  EXPECT_TRUE(contains(msg, "every checkpoint of the run") && contains(msg, "is damaged")) << msg;
+  EXPECT_FALSE(contains(msg, "another run")) << msg;
+}
+
+// Issue #49 item 5: resume says what changed among the settings a checkpoint did not record
+// before: each change gives its own warning naming the key (the run goes on with the new value).
+TEST_F(TrainStateTest, ResumeWarnsOnEachChangedSettingOfTheRun) {
+  TrainingState s;
+  s.step = 7;
+  s.world_size = 2;
+  s.recorded = eo::recorded_config(config());
+  EXPECT_TRUE(eo::check_resume_compatible(s, config(), 2).empty());
+  const std::vector<std::pair<std::string, std::function<void(TrainConfig&)>>> changes{
+      {"max_steps", [](TrainConfig& c) { c.max_steps = 50; }},
+      {"warmup_steps", [](TrainConfig& c) { c.warmup_steps = 3; }},
+      {"max_grad_norm", [](TrainConfig& c) { c.max_grad_norm = 0.5; }},
+      {"adam_beta2", [](TrainConfig& c) { c.adam_beta2 = 0.95; }},
+      {"adam_epsilon", [](TrainConfig& c) { c.adam_epsilon = 1e-6; }},
+      {"output_router_logits", [](TrainConfig& c) { c.output_router_logits = true; }},
+      {"fp16", [](TrainConfig& c) { c.fp16 = true; }},
+      {"bf16", [](TrainConfig& c) { c.bf16 = "false"; }},
+  };
+  for (const auto& [key, change] : changes) {
+    TrainConfig c = config();
+    change(c);
+    const auto w = eo::check_resume_compatible(s, c, 2);
+    ASSERT_EQ(w.size(), 1u) << key;
+    EXPECT_EQ(w[0].rfind(key + " changed since the checkpoint", 0), 0u) << w[0];
+  }
+  const auto w = eo::check_resume_compatible(s, config(), 4);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_TRUE(contains(w[0], "world size changed") && contains(w[0], "2 -> 4")) << w[0];
 }

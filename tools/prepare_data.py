@@ -38,7 +38,9 @@ axolotl masks. The rules follow axolotl's prompt strategies:
 
 Rows longer than sequence_len are dealt with by eo-ddp, not here (the cache does not depend on
 sequence_len). Progress goes to stderr every few seconds. Exit 2 with `file:line: message` for
-data that does not fit its type.
+data that does not fit its type (JSON nested too deeply, a chat template that fails on a row, a tokenizer that
+needs trust_remote_code included); exit 1 with `prepare_data.py: failed: what` when the tool itself cannot go on
+(out of memory, a tokenizer that does not load, anything unexpected).
 """
 import os
 import sys
@@ -83,12 +85,24 @@ class DataError(Exception):
     pass
 
 
+class ToolError(Exception):
+    """The tool cannot go on (not the data's fault): exit 1, naming what failed."""
+
+
 def load_tokenizer(spec):
     import transformers
     cls = getattr(transformers, spec.get("tokenizer_type") or "AutoTokenizer", None)
     if cls is None:
         raise DataError(f"tokenizer_type {spec['tokenizer_type']!r} is not a transformers class")
-    tok = cls.from_pretrained(spec["tokenizer"], trust_remote_code=bool(spec.get("trust_remote_code")))
+    try:
+        tok = cls.from_pretrained(spec["tokenizer"], trust_remote_code=bool(spec.get("trust_remote_code")))
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if "trust_remote_code" in str(e):
+            raise DataError(f"the tokenizer of {spec['tokenizer']} runs code from its folder, which needs "
+                            "trust_remote_code: true in the config (set it only if you trust that code)")
+        raise ToolError(f"loading the tokenizer of {spec['tokenizer']} failed: {type(e).__name__}: {e}")
     vocab = tok.get_vocab()
     for name, value in (spec.get("special_tokens") or {}).items():
         # A token the vocabulary lacks would need new embedding rows, which eo-ddp does not train.
@@ -373,6 +387,8 @@ def rows_of(path):
                 rows = json.load(f)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: not valid JSON ({e})")
+            except RecursionError:
+                raise DataError(f"{path}: JSON nested too deeply to read (thousands of levels); not a dataset")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}: not valid UTF-8 (byte {e.start}: {e.reason})")
             if not isinstance(rows, list):
@@ -463,6 +479,8 @@ def prepare(tok, spec, ds):
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e})")
+            except RecursionError:
+                raise DataError(f"{where}: JSON nested too deeply to read (thousands of levels); not a dataset row")
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object per line")
             try:  # a \ud800 escape decodes to a lone surrogate, which no tokenizer can take
@@ -475,6 +493,14 @@ def prepare(tok, spec, ds):
                 raise DataError(f"{where}: {e} (dataset type {ds['type']})")
             except jinja2.TemplateError as e:  # the chat template raised, or used an undefined name
                 raise DataError(f"{where}: the chat template failed on this row: {type(e).__name__}: {e}")
+            except RecursionError:
+                raise DataError(f"{where}: the row is nested too deeply to format")
+            except TypeError as e:
+                # jinja2's sandbox without a loader: {% include %}, {% import %}, {% extends %}
+                if "loader" in str(e):
+                    raise DataError(f"{where}: the chat template uses {{% include %}}, {{% import %}} or "
+                                    f"{{% extends %}}, which load other files; a chat template must be one text")
+                raise
             done += 1
             if ids:
                 out.write(json.dumps({"input_ids": ids, "labels": labels}) + "\n")
@@ -505,6 +531,13 @@ def main():
     except DataError as e:
         print(f"prepare_data.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except MemoryError:
+        print("prepare_data.py: failed: out of memory while tokenising (MemoryError); free memory or split "
+              "the dataset", file=sys.stderr)
+        sys.exit(1)
+    except ToolError as e:
+        print(f"prepare_data.py: failed: {e}", file=sys.stderr)
+        sys.exit(1)
     for s in stats:
         print(f"prepare: {s['path']} ({s['type']}): {s['rows']} rows, {s['tokens']} tokens, "
               f"{s['trained_tokens']} trained on ({s['seconds']} s)", file=sys.stderr)

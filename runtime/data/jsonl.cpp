@@ -1,10 +1,13 @@
 #include "runtime/data/jsonl.h"
 
+#include <unistd.h>
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "common/files.h"
 #include "common/json_depth.h"
 
 namespace eo::data {
@@ -25,9 +28,32 @@ std::vector<std::int64_t> int_array(const nlohmann::json& obj, const char* key, 
   return out;
 }
 
+// The row without its padding (attention_mask 0 before the first 1 and after the last).
+void drop_padding(TokenizedLine& l, const std::string& where) {
+  const auto& m = l.attention_mask;
+  const auto first = std::find(m.begin(), m.end(), 1);
+  if (first == m.end())
+    throw UsageError(where + ": 'attention_mask' is all 0: the row is padding only; remove it");
+  const std::size_t b = static_cast<std::size_t>(first - m.begin());
+  const std::size_t e = m.size() - static_cast<std::size_t>(std::find(m.rbegin(), m.rend(), 1) - m.rbegin());
+  if (std::find(m.begin() + b, m.begin() + e, 0) != m.begin() + e)
+    throw UsageError(where + ": 'attention_mask' has a 0 between 1s (position " +
+                     std::to_string(std::find(m.begin() + b, m.begin() + e, 0) - m.begin()) +
+                     "): only padding at the start or end of a row can be masked; eo-ddp trains each row's tokens "
+                     "whole. Remove the masked tokens from input_ids (and labels), or set labels -100 to exclude "
+                     "them from the loss only");
+  if (b == 0 && e == m.size()) return;
+  auto cut = [&](std::vector<std::int64_t>& v) { v = std::vector<std::int64_t>(v.begin() + b, v.begin() + e); };
+  cut(l.input_ids);
+  cut(l.labels);
+  cut(l.attention_mask);
+}
+
 }  // namespace
 
 std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::int64_t vocab_size) {
+  // A regular file only (no FIFO or device: open_input_file), then read by line.
+  if (const int fd = open_input_file(path, "data file"); fd >= 0) ::close(fd);
   std::ifstream in(path);
   if (!in) throw UsageError(path + ": cannot open the data file");
   std::vector<TokenizedLine> out;
@@ -65,10 +91,11 @@ std::vector<TokenizedLine> read_tokenized_jsonl(const std::string& path, std::in
                          std::to_string(n));
       for (auto m : l.attention_mask)
         if (m != 0 && m != 1) throw UsageError(where + ": 'attention_mask' values must be 0 or 1");
+      drop_padding(l, where);
     } else {
       l.attention_mask.assign(n, 1);
     }
-    for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t i = 0; i < l.input_ids.size(); ++i) {  // padding dropped: the row may be shorter than n
       const auto id = l.input_ids[i], lab = l.labels[i];
       if (id < 0 || (vocab_size > 0 && id >= vocab_size))
         throw UsageError(where + ": token id " + std::to_string(id) + " is outside the vocabulary [0, " +

@@ -35,6 +35,7 @@ namespace fs = std::filesystem;
 
 
 std::string hash_file(const std::string& path) {
+  if (const int fd = open_input_file(path, "dataset"); fd >= 0) ::close(fd);  // no FIFO or device
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UsageError("cannot read '" + path + "'");
   Fnv1a64 f;
@@ -256,7 +257,7 @@ int run_tool(const std::vector<std::string>& argv, const std::string& stdout_pat
         const std::string line = pending.substr(0, nl);
         pending.erase(0, nl + 1);
         if (line.empty()) continue;
-        if (line.find("error:") != std::string::npos) error_line = line;
+        if (line.find("error:") != std::string::npos || line.find(": failed: ") != std::string::npos) error_line = line;
         log::info(line);
       }
     }
@@ -266,7 +267,7 @@ int run_tool(const std::vector<std::string>& argv, const std::string& stdout_pat
     throw;
   }
   if (!pending.empty()) {
-    if (pending.find("error:") != std::string::npos) error_line = pending;
+    if (pending.find("error:") != std::string::npos || pending.find(": failed: ") != std::string::npos) error_line = pending;
     log::info(pending);
   }
   ::close(pipe_fd[0]);
@@ -348,7 +349,23 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
 void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   if (plan.missing() == 0) return;
   fs::create_directories(cfg.dataset_prepared_path);
-  const std::string tmp = (fs::path(cfg.dataset_prepared_path) / (".tmp-prepare-" + std::to_string(::getpid()))).string();
+  // The work folder names this host and process: one that a killed run of this host left (its
+  // process gone) is removed here; another host's, which this host cannot see alive, is left.
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  const std::string mine = std::string(".tmp-prepare-") + host + "-";
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(cfg.dataset_prepared_path, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(mine, 0) != 0 || n.find_first_not_of("0123456789", mine.size()) != std::string::npos || n.size() == mine.size())
+      continue;
+    const long pid = std::strtol(n.c_str() + mine.size(), nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      remove_tree(e.path().string());
+      log::info("removed " + e.path().string() + ", left by a tokenising run that was killed");
+    }
+  }
+  const std::string tmp = (fs::path(cfg.dataset_prepared_path) / (mine + std::to_string(::getpid()))).string();
   remove_tree(tmp);
   fs::create_directories(tmp);
   nlohmann::json spec = global_shape(cfg, plan.tokenizer);
@@ -381,6 +398,8 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   if (rc != 0) {
     remove_tree(tmp);
     if (rc == 2 && !error_line.empty()) throw UsageError("datasets: " + error_line);
+    // The tool named what failed: that, not a guess about the interpreter.
+    if (error_line.find("prepare_data.py: failed: ") != std::string::npos) EO_FAIL("tokenising the datasets ", error_line);
     EO_FAIL("tokenising the datasets failed: ", argv[0], " ", argv[1], " exited with status ", rc,
             " (its messages are above; does ", argv[0], " have transformers? set EO_DDP_PYTHON to choose the interpreter)");
   }

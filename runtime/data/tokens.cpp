@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/files.h"
 
 namespace eo::data {
 
@@ -31,7 +32,7 @@ TokenFile::TokenFile(const std::string& path, TokenDtype dtype, std::optional<st
     : path_(path), dtype_(dtype) {
   const std::size_t item = token_dtype_size(dtype);
   const char* dtype_name = dtype == TokenDtype::kUint16 ? "uint16" : "uint32";
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = open_input_file(path, "token file");  // no FIFO or device, never blocks
   if (fd < 0) usage_fail(detail::concat("token file ", path, ": cannot open (", std::strerror(errno), ")"));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
