@@ -33,7 +33,7 @@ enum class RopePairs { Halves, Interleaved, InterleavedByDefault };
 // per expert).
 enum class ExpertStorage { Standard, GptOss };
 
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4, Llama4 };
+enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4, Llama4, Qwen3Next, Qwen35Moe };
 
 struct Family {
   Arch arch;

@@ -13,7 +13,7 @@ std::vector<HfModule> hf_linear_modules(const ModelConfig& mc) {
   };
   for (int i = 0; i < mc.layers; ++i) {
     const std::string p = mc.decoder_prefix() + "layers." + std::to_string(i) + ".";
-    for (const auto& a : mc.attention_shapes(i)) out.push_back({p + "self_attn." + a.name, true});
+    for (const auto& a : mc.attention_shapes(i)) out.push_back({p + a.module + "." + a.name, true});
     const bool moe = mc.is_moe_layer(i);
     if (!moe || mc.dense_beside_experts()) mlp(p + mc.mlp_prefix());
     if (!moe) continue;
