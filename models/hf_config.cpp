@@ -503,7 +503,7 @@ const std::vector<std::string>& all_linear_modules() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
                                     "kv_b_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
-                                    "in_proj_a", "out_proj"};
+                                    "in_proj_a", "out_proj", "shared_expert_gate"};
     for (const auto& n : expert_linear_names()) out.push_back(n);  // the families' own (models/arch.cpp)
     return out;
   }();
@@ -522,9 +522,11 @@ std::vector<std::string> ModelConfig::linear_modules() const {
     std::sort(names.begin(), names.end());
     out.insert(out.end(), names.begin(), names.end());
   }
-  // Llama 4: its shared expert's linears (its routed experts exist only fused).
-  const bool shared = moe && llama4 && shared_expert_width > 0;
+  // The shared expert's linears (where the routed experts exist only fused, the only ones of these names).
+  const bool shared = moe && shared_expert_width > 0;
   if (dense || dense_beside_experts() || shared || (moe && !own_names && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  // The shared expert's sigmoid gate, a linear of one output (peft's all-linear adapts it too).
+  if (moe && shared_expert_gated) out.push_back("shared_expert_gate");
   return out;
 }
 

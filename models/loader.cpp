@@ -618,7 +618,7 @@ struct ModelLoader {
         if (c.shared_expert_width > 0) {
           b.has_shared = true;
           b.shared = mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), c.shared_expert_width);
-          if (c.shared_expert_gated) b.shared_gate = get(p + "mlp.shared_expert_gate.weight", {1, H});
+          if (c.shared_expert_gated) b.shared_gate = linear(p + "mlp.shared_expert_gate", H, 1, false, /*quantizable=*/false);
         }
       }
       w.blocks.push_back(std::move(b));

@@ -24,7 +24,7 @@ std::vector<HfModule> hf_linear_modules(const ModelConfig& mc) {
           out.push_back({p + mc.experts_path() + "." + std::to_string(e) + "." + m, adaptable(m)});
     const std::string block = p + mc.moe_prefix() + ".";
     if (mc.shared_expert_width > 0) mlp(block + mc.shared_expert_name());
-    if (mc.shared_expert_gated) out.push_back({block + "shared_expert_gate", false});
+    if (mc.shared_expert_gated) out.push_back({block + "shared_expert_gate", adaptable("shared_expert_gate")});
   }
   out.push_back({"lm_head", false});
   return out;

@@ -509,7 +509,7 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
 
   if (w_.has_shared) {
     const at::Tensor shared = w_.shared.forward(flat, ctx.training);
-    out = out + (c.shared_expert_gated ? at::sigmoid(at::linear(flat, w_.shared_gate)) * shared : shared);
+    out = out + (c.shared_expert_gated ? at::sigmoid(w_.shared_gate.forward(flat, ctx.training)) * shared : shared);
   }
   return out.view(x.sizes());
 }

@@ -1,5 +1,5 @@
 // The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss, glm4_moe_lite,
-// mistral4, gemma4, llama4) on libtorch, with frozen base weights
+// mistral4, gemma4, llama4, qwen3_next, qwen3_5_moe) on libtorch, with frozen base weights
 // (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
@@ -129,7 +129,7 @@ struct BlockWeights {
   std::shared_ptr<ExpertLora> gate_up_lora;
   bool has_shared = false;
   Mlp shared;
-  at::Tensor shared_gate;  // [1, H]; qwen2_moe only
+  FrozenLinear shared_gate;  // shared_expert_gate [1, H] (qwen2_moe, Qwen3-Next, Qwen3.5); never quantised
   // Gemma 4 (ModelConfig::Gemma4Block): the feed-forward norms, router scales and layer scalar.
   at::Tensor pre_ff_norm, post_ff_norm, post_ff_norm_1, pre_ff_norm_2, post_ff_norm_2;
   at::Tensor router_scale, per_expert_scale, layer_scalar;

@@ -68,6 +68,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       fused(kGateUpParam, "gate_up_proj", c.hidden, 2 * c.expert_width, &b.gate_up_lora);
       fused(kDownParam, "down_proj", c.expert_width, c.hidden, &b.expert_lora[static_cast<int>(ExpertMatrix::Down)]);
       if (b.has_shared) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared);
+      if (c.shared_expert_gated) add(p + c.moe_prefix() + ".shared_expert_gate", "shared_expert_gate", b.shared_gate);
       continue;
     }
     // peft names experts under the checkpoint's module path (Mixtral: block_sparse_moe, w1/w3/w2).
@@ -84,6 +85,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
         sites.push_back(std::move(s));
       }
     if (b.has_shared) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared);
+    if (c.shared_expert_gated) add(p + c.moe_prefix() + ".shared_expert_gate", "shared_expert_gate", b.shared_gate);
   }
   // Each site's layer, from its name (every site is under <decoder prefix>layers.{i}.; a multimodal
   // checkpoint's decoder prefix is model.language_model.).
@@ -97,7 +99,7 @@ std::pair<int, int> MoeModel::enable_merge_aware() {
   for (auto& bp : blocks_) {
     BlockWeights& b = bp->weights();
     for (FrozenLinear* l : {&b.q, &b.k, &b.v, &b.o, &b.q_a, &b.kv_a, &b.kv_b, &b.in_qkvz, &b.in_ba, &b.in_z, &b.in_a,
-                            &b.dense.gate, &b.dense.up, &b.dense.down, &b.shared.gate, &b.shared.up, &b.shared.down}) {
+                            &b.dense.gate, &b.dense.up, &b.dense.down, &b.shared.gate, &b.shared.up, &b.shared.down, &b.shared_gate}) {
       l->merge_aware = nullptr;
       if (!l->lora || !l->nvfp4_grid().defined()) continue;  // plain LoRA on a weight that is not NVFP4, as axolotl
       l->merge_aware = merge_aware_on_.get();

@@ -159,6 +159,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     site("gate_proj", H, S, moe_layers);
     site("up_proj", H, S, moe_layers);
     site("down_proj", S, H, moe_layers);
+    if (c.shared_expert_gated) site("shared_expert_gate", H, 1, moe_layers);
   }
   if (mlp_layers > 0) {
     site("gate_proj", H, double(c.dense_width), mlp_layers);

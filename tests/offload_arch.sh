@@ -80,14 +80,14 @@ t = json.load(open('$tmp/$arch/resident/adapter_config.json'))['target_parameter
 sys.exit(0 if ok and t == ['experts.gate_up_proj', 'experts.down_proj'] else 1)"
     continue
   fi
-  if [ $arch = qwen3_next ]; then  # delta-rule layers 0-2, full attention on 3, layer 1 dense, gated shared expert
+  if [ $arch = qwen3_next ]; then  # delta-rule layers 0-2, full attention on 3, the gated shared expert; experts fused only
     check "$arch: adapter has the delta-rule layers', the gated attention's and the shared expert's LoRA" "$py" -c "
 import sys; from safetensors import safe_open
 names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
 ok = all(any(f'layers.{i}.linear_attn.{m}.lora_A' in n for n in names) for i in (0, 1, 2)
          for m in ('in_proj_qkvz', 'in_proj_ba', 'out_proj'))
-ok = ok and any('layers.3.self_attn.q_proj.lora_B' in n for n in names) and any('layers.1.mlp.gate_proj.lora_A' in n for n in names)
-sys.exit(0 if ok and any('.mlp.shared_expert.up_proj.lora_A' in n for n in names) and any('.experts.0.up_proj.lora_B' in n for n in names) else 1)"
+ok = ok and any('layers.3.self_attn.q_proj.lora_B' in n for n in names) and any('shared_expert_gate.lora_A' in n for n in names)
+sys.exit(0 if ok and any('.mlp.shared_expert.up_proj.lora_A' in n for n in names) and not any('.experts.' in n for n in names) else 1)"
     continue
   fi
   if [ $arch = llama4 ]; then  # dense layers 0, 2; MoE layers 1, 3 with the shared expert; no routed expert

@@ -85,6 +85,13 @@ std::pair<double, std::vector<at::Tensor>> ref_train_step(MoeModel& model, const
 
 class Parity : public ::testing::TestWithParam<std::string> {};
 
+// LoRA gradients of two fp32 computations (eo-ddp's and transformers + peft's). The delta-rule
+// families' are held to 1e-3: transformers' own fp32 gradients differ from its float64 ones by up to
+// 1.1e-4 on their base weights (the delta rule's triangular solve and decays amplify fp32 rounding),
+// and by more on the smallest LoRA factors (the shared expert gate's B: [1, r]), where eo-ddp's
+// chunked backward rounds differently again; a wrong term is off by far more. The others: 1e-4.
+double lora_grad_tolerance(const ModelConfig& c) { return c.linear_attn ? 1e-3 : 1e-4; }
+
 TEST_P(Parity, LogitsLossAndAuxMatchTransformers) {
   const std::string dir = ref_dir(GetParam());
   const Ref r = load_ref(dir);
@@ -142,10 +149,7 @@ TEST_P(Parity, LoraLogitsAndGradientsMatchPeft) {
   EXPECT_EQ(params.size(), n_ref) << "every LoRA tensor of the reference has a counterpart, and no more";
   std::size_t experts_with_grad = 0;
   double worst_grad = 0;
-  // The delta-rule families' gradients: transformers' own fp32 gradients differ from its float64 ones
-  // by up to 1.1e-4 on these fixtures (the chunked triangular solve and the decays amplify fp32
-  // rounding), so two fp32 computations are held to 3e-4; the others' fp32 noise is far below 1e-4.
-  const double grad_tol = m->config().linear_attn ? 3e-4 : 1e-4;
+  const double grad_tol = lora_grad_tolerance(m->config());
   for (std::size_t i = 0; i < params.size(); ++i) {
     const auto& [name, p] = params[i];
     SCOPED_TRACE(name);
@@ -195,7 +199,7 @@ TEST_P(FusedParity, FusedExpertLoraMatchesPeftParamWrapper) {
     const at::Tensor want = r["grad_params." + name];
     EXPECT_EQ(p.sizes(), want.sizes());
     fused += name.find(".experts.") != std::string::npos;
-    EXPECT_LT(rel_err(grads[i].second, want), 1e-4);
+    EXPECT_LT(rel_err(grads[i].second, want), lora_grad_tolerance(m->config()));
   }
   EXPECT_GT(fused, 0u);
 }
@@ -307,14 +311,13 @@ TEST(ArchTable, ModuleNamesAreTransformers) {
             (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj", m + "gate (not adapted)",
                                       m + "experts.0.gate_proj", m + "experts.0.up_proj", m + "experts.0.down_proj",
                                       m + "shared_expert.gate_proj", m + "shared_expert.up_proj", m + "shared_expert.down_proj",
-                                      m + "shared_expert_gate (not adapted)", "lm_head (not adapted)"}));
+                                      m + "shared_expert_gate", "lm_head (not adapted)"}));
   // Qwen3-Next's layer 0 is a gated delta-rule layer (linear_attn) beside the gated shared expert.
   const std::string l = "model.layers.0.linear_attn.";
   EXPECT_EQ(layer0("qwen3-next-80b-a3b"),
             (std::vector<std::string>{l + "in_proj_qkvz", l + "in_proj_ba", l + "out_proj", m + "gate (not adapted)",
-                                      m + "experts.0.gate_proj", m + "experts.0.up_proj", m + "experts.0.down_proj",
                                       m + "shared_expert.gate_proj", m + "shared_expert.up_proj", m + "shared_expert.down_proj",
-                                      m + "shared_expert_gate (not adapted)", "lm_head (not adapted)"}));
+                                      m + "shared_expert_gate", "lm_head (not adapted)"}));
   const std::string b = "model.layers.0.block_sparse_moe.";
   EXPECT_EQ(layer0("mixtral-8x7b"), (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj",
                                                                 b + "gate (not adapted)", b + "experts.0.w1", b + "experts.0.w3",
@@ -690,15 +693,20 @@ void expect_packed_rows_match_transformers(const std::string& arch, std::size_t 
   std::size_t n_ref = 0, linear_attn = 0;
   for (const auto& t : r.file->tensors()) n_ref += t.name.rfind("grad_packed.", 0) == 0;
   EXPECT_EQ(grads.size(), n_ref);
+  double largest = 0;
+  for (const auto& [name, g] : grads) largest = std::max(largest, g.abs().max().item<double>());
   for (const auto& [name, g] : grads) {
     SCOPED_TRACE(name);
     const at::Tensor want = r["grad_packed." + name];
     linear_attn += name.find(".linear_attn.") != std::string::npos;
     if (want.abs().max().item<double>() == 0.0) {
-      EXPECT_EQ(g.abs().max().item<double>(), 0.0);
+      // An expert only a document's last token reached: no loss depends on that token, so run alone
+      // transformers gives it exactly zero; in the packed row the masks that end the document are
+      // exact but the chunked backward's sums pass it fp32 rounding (seen: 5e-8 beside gradients of 1e2).
+      EXPECT_LT(g.abs().max().item<double>(), 1e-7 * largest);
       continue;
     }
-    EXPECT_LT(rel_err(g, want), 1e-4);
+    EXPECT_LT(rel_err(g, want), lora_grad_tolerance(m->config()));
   }
   EXPECT_EQ(linear_attn, 3u * linears * 2u) << "three delta-rule layers, A and B of each linear";
 }
@@ -714,7 +722,8 @@ TEST(HfConfig, Qwen3NextLayersAndModuleNames) {
   EXPECT_EQ(c.linear_attn->layers, (std::vector<bool>{true, true, true, false}));
   EXPECT_EQ(c.rope.dim, 4);  // partial_rotary_factor 0.25 of head_dim 16
   EXPECT_TRUE(c.norm_plus_one && c.attn_output_gate && c.shared_expert_gated);
-  EXPECT_FALSE(c.is_moe_layer(1));
+  EXPECT_FALSE(c.experts_lora_ok());  // transformers 5.24 holds the experts fused only
+  EXPECT_EQ(c.moe_layer_count(), 4);
   EXPECT_EQ(c.attention_linears(), (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz",
                                                               "in_proj_ba", "out_proj"}));
   const auto shapes = c.attention_shapes(0);
@@ -726,9 +735,10 @@ TEST(HfConfig, Qwen3NextLayersAndModuleNames) {
   for (const auto& mod : hf_linear_modules(c)) names.insert(mod.name);
   for (const char* want : {"model.layers.0.linear_attn.in_proj_qkvz", "model.layers.2.linear_attn.out_proj",
                            "model.layers.3.self_attn.q_proj", "model.layers.0.mlp.shared_expert.gate_proj",
-                           "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.down_proj"})
+                           "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.shared_expert.down_proj"})
     EXPECT_TRUE(names.count(want)) << want;
   EXPECT_FALSE(names.count("model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(names.count("model.layers.0.mlp.experts.0.gate_proj"));
 }
 
 // The real shapes in configs/models (Hub spelling: rope_scaling, top-level partial_rotary_factor):

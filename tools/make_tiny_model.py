@@ -20,7 +20,7 @@ temperature tuning inside the test sequences, chunked attention with a chunk sho
 q/k norm, llama3 RoPE scaling, top-2 routing) and llama4_mm (a Scout-like text model inside
 Llama4ForConditionalGeneration with a one-layer vision tower: language_model.model.*, vision_model.*),
 qwen3_next (Qwen3-Next: gated delta-rule layers beside a gated full-attention layer, (1 + w) norms, a
-dense layer, a gated shared expert) and qwen3_5_moe_mm (Qwen3.5-MoE's text model inside
+gated shared expert) and qwen3_5_moe_mm (Qwen3.5-MoE's text model inside
 Qwen3_5MoeForConditionalGeneration with a one-layer vision tower: model.language_model.*, model.visual.*).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
@@ -248,12 +248,12 @@ def make_config(arch):
         return transformers.Llama4Config(text_config=text, vision_config=vision)
     if arch == "qwen3_next":
         # 4 layers: gated delta-rule layers 0-2 and full attention on layer 3 (full_attention_interval
-        # 4), layer 1 dense (mlp_only_layers); 2 key heads serving 4 value heads, a conv of 4 taps,
-        # a quarter of each attention head rotated, a sigmoid-gated shared expert.
+        # 4), every layer sparse as the 80B; 2 key heads serving 4 value heads, a conv of 4 taps, a
+        # quarter of each attention head rotated, a sigmoid-gated shared expert.
         return transformers.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, num_experts=6,
                                             num_experts_per_tok=2, moe_intermediate_size=32,
                                             shared_expert_intermediate_size=24, intermediate_size=48,
-                                            mlp_only_layers=[1], linear_num_key_heads=2, linear_num_value_heads=4,
+                                            linear_num_key_heads=2, linear_num_value_heads=4,
                                             linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
                                             norm_topk_prob=True, router_aux_loss_coef=0.01,
                                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0,

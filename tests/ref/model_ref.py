@@ -90,7 +90,7 @@ else:
 LINEAR_ATTN = "linear_num_value_heads" in cfg
 if LINEAR_ATTN:  # Qwen3.5 has four input projections where Qwen3-Next has two
     ATTN += (["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"] if cfg["model_type"] == "qwen3_5_moe_text"
-             else ["in_proj_qkvz", "in_proj_ba"]) + ["out_proj"]
+             else ["in_proj_qkvz", "in_proj_ba"]) + ["out_proj", "shared_expert_gate"]  # the gate: peft's own layer
 TARGETS = ATTN + ([] if GPT_OSS else MLP_NAMES)
 V = cfg["vocab_size"]
 g = torch.Generator().manual_seed(11)
@@ -231,7 +231,13 @@ for i, layer in enumerate([] if GPT_OSS else decoder.layers):
                 lin = getattr(mod, nm)
                 setattr(mod, nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.{path}.{nm}", lin.in_features, lin.out_features)))
         continue
-    if hasattr(mlp, "experts"):
+    if hasattr(mlp, "experts") and LINEAR_ATTN:
+        # Qwen3-Next / Qwen3.5: no per-expert modules in peft or eo-ddp (fused only): the shared expert's.
+        for nm in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp.shared_expert, nm)
+            setattr(mlp.shared_expert, nm, LoraLinear(lin, lora_pair(f"{DEC}layers.{i}.mlp.shared_expert.{nm}",
+                                                                     lin.in_features, lin.out_features)))
+    elif hasattr(mlp, "experts"):
         ex = mlp.experts
         E, I, H = ex.down_proj.shape[0], ex.down_proj.shape[2], ex.down_proj.shape[1]
         ex.lora = [[lora_pair(f"{DEC}layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
@@ -315,7 +321,7 @@ def nf4(w):
 disk = load_file(os.path.join(model_dir, "model.safetensors"))
 disk_dec = next(k for k in disk if k.endswith("embed_tokens.weight"))[: -len("embed_tokens.weight")]  # as saved
 attn_key = f"{disk_dec}layers.1.self_attn.{ATTN[0]}.weight"
-if LINEAR_ATTN:  # layer 1 is a delta-rule layer: its first projection
+if LINEAR_ATTN:  # layer 1 is a delta-rule layer: its first projection (ATTN: q/k/v/o, then it)
     attn_key = f"{disk_dec}layers.1.linear_attn.{ATTN[4]}.weight"
 # A per-expert weight; mistral4's checkpoint holds its experts only fused (transformers 5.24 saves
 # them so): a shared expert's instead.
