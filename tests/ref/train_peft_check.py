@@ -11,7 +11,7 @@ not trained; peft loads the adapter onto Gemma4ForConditionalGeneration / Mistra
 (its exclude_modules keep the vision tower out); llama4_mm likewise Llama 4's
 (Llama4ForConditionalGeneration, language_model.model.*; LoRA on its attention and shared experts);
 qwen3_next and qwen3_5_moe_mm (Qwen3_5MoeForConditionalGeneration) with LoRA on the delta-rule layers'
-projections and the gated shared expert too, as axolotl's Qwen3-Next config targets them.
+projections and the shared expert's gate too.
 --layers trains with peft_layers_to_transform: [I, J, ...]; the modules the adapter holds must then
 be those peft's own matching (check_target_module_exists with layers_to_transform) selects.
 
@@ -76,11 +76,14 @@ if ARCH:
             ", kv_a_proj_with_mqa, kv_b_proj, o_proj]"
     if ARCH.startswith(("gemma4", "llama4")):
         targets = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
-    if "linear_num_value_heads" in cfg:  # Qwen3-Next / Qwen3.5: and the delta-rule layers' projections
+    if "linear_num_value_heads" in cfg:
+        # Qwen3-Next / Qwen3.5: and the delta-rule layers' projections and the shared expert's gate. Not
+        # the shared expert's gate/up/down_proj: for these model types peft 0.21 re-maps every target
+        # ending in gate_proj, up_proj or down_proj onto the fused experts' parameters (its
+        # transformers_weight_conversion), so no adapter of those modules loads in PeftModel.
         targets = "[q_proj, k_proj, v_proj, o_proj, " + ("in_proj_qkv, in_proj_z, in_proj_b, in_proj_a" if
                                                          cfg["model_type"] == "qwen3_5_moe_text" else
-                                                         "in_proj_qkvz, in_proj_ba") + \
-            ", out_proj, shared_expert.gate_proj, shared_expert.up_proj, shared_expert.down_proj, shared_expert_gate]"
+                                                         "in_proj_qkvz, in_proj_ba") + ", out_proj, shared_expert_gate]"
     extra = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 if LAYERS:
     extra += ["--set", "peft_layers_to_transform=[" + ", ".join(map(str, LAYERS)) + "]"]
