@@ -71,6 +71,12 @@ const std::vector<Family>& families() {
       {Arch::Qwen35Moe, "qwen3_5_moe_text", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_expert", {"gate_proj", "up_proj", "down_proj"},
        false, true, "mlp.experts", {}, true, false,
        1e-6, 256, 0.001, true, 0.25, false, RopePairs::Halves, false, ExpertStorage::Standard, read_qwen3_5_moe, nullptr},
+      // MiniMax-M2: stored as Mixtral is (block_sparse_moe, w1 / w3 / w2), whole-projection q/k norms,
+      // partial RoPE, a sigmoid router whose correction bias sits in the MoE block, not the router.
+      {Arch::MinimaxM2, "minimax_m2", "block_sparse_moe", "mlp", "block_sparse_moe.experts", "block_sparse_moe.gate",
+       "shared_experts", {"w1", "w3", "w2"}, true, true, "mlp.experts", {}, true, false,
+       1e-6, 128, 0.001, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_minimax_m2, nullptr,
+       "block_sparse_moe.e_score_correction_bias"},
   };
   return rows;
 }

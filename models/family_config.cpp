@@ -290,4 +290,17 @@ void read_qwen3_5_moe(const ConfigFields& f, ModelConfig& c) {
   c.norm_topk_prob = true;
 }
 
+// MiniMaxM2Config: every layer sparse; MiniMaxM2TopKRouter's sigmoid scores (+ the correction
+// bias for the choice), top-k weights always renormalised; q_norm / k_norm over the whole projections.
+void read_minimax_m2(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.integer("num_local_experts", 256);
+  c.top_k = f.integer("num_experts_per_tok", 8);
+  c.expert_width = f.integer("intermediate_size", 1536);
+  c.norm_topk_prob = true;
+  c.router.score = RouterScore::Sigmoid;
+  c.router.correction_bias = true;
+  c.router_jitter_noise = f.number("router_jitter_noise", 0.0);
+  c.qk_norm = QkNorm::Whole;
+}
+
 }  // namespace eo::model

@@ -593,7 +593,9 @@ struct ModelLoader {
         const std::string router = in_checkpoint(i, c.router_path());
         b.router = get(router + ".weight", {c.experts, H}, router_dtype);
         if (c.router.bias) b.router_b = get(router + ".bias", {c.experts}, router_dtype);
-        if (c.router.correction_bias) b.router_bias = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
+        if (c.router.correction_bias)
+          b.router_bias = get(c.family().correction_bias ? in_checkpoint(i, c.family().correction_bias) : router + ".e_score_correction_bias",
+                              {c.experts}, at::kFloat);
         if (c.expert_bias) b.expert_bias = expert_biases(i);
         if (keep_mxfp4(i)) {
           bank[i] = mxfp4_bank(i);

@@ -272,12 +272,12 @@ INSTANTIATE_TEST_SUITE_P(Arch, FusedParity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv",
-                                           "llama4", "qwen3_next", "qwen3_5_moe_mm"));
+                                           "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4",
-                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm"));
+                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -343,11 +343,12 @@ TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
     // Only where per-expert modules exist can a family have names of its own for them.
     if (!f.per_expert_lora) EXPECT_EQ(std::string(f.expert_linears[0]), "gate_proj") << f.model_type;
   }
-  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::Qwen35Moe) + 1);
+  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::MinimaxM2) + 1);
   EXPECT_EQ(model::expert_linear_names(), (std::vector<std::string>{"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"}));
   EXPECT_EQ(model::supported_model_types(),
             "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, "
-            "gemma4 (gemma4_text), llama4 (llama4_text), qwen3_next, qwen3_5_moe (qwen3_5_moe_text), mistral3 (around mistral4)");
+            "gemma4 (gemma4_text), llama4 (llama4_text), qwen3_next, qwen3_5_moe (qwen3_5_moe_text), minimax_m2, "
+            "mistral3 (around mistral4)");
 }
 
 TEST(HfConfig, ParsesQwen3AndLayerKinds) {

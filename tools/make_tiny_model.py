@@ -21,7 +21,8 @@ q/k norm, llama3 RoPE scaling, top-2 routing) and llama4_mm (a Scout-like text m
 Llama4ForConditionalGeneration with a one-layer vision tower: language_model.model.*, vision_model.*),
 qwen3_next (Qwen3-Next: gated delta-rule layers beside a gated full-attention layer, (1 + w) norms, a
 gated shared expert) and qwen3_5_moe_mm (Qwen3.5-MoE's text model inside
-Qwen3_5MoeForConditionalGeneration with a one-layer vision tower: model.language_model.*, model.visual.*).
+Qwen3_5MoeForConditionalGeneration with a one-layer vision tower: model.language_model.*, model.visual.*),
+minimax_m2 (MiniMax-M2: Mixtral's storage, a sigmoid router with its correction bias, whole q/k norms).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -258,6 +259,14 @@ def make_config(arch):
                                             norm_topk_prob=True, router_aux_loss_coef=0.01,
                                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
                                                              "partial_rotary_factor": 0.25})
+    if arch == "minimax_m2":
+        # MiniMax-M2: sigmoid router with a correction bias (beside the router, in the MoE block), top-2
+        # of 6 renormalised, q/k norms over the whole projections, half of each head rotated.
+        return transformers.MiniMaxM2Config(**COMMON, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+                                            intermediate_size=32, router_aux_loss_coef=0.01, bos_token_id=None,
+                                            eos_token_id=None,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                             "partial_rotary_factor": 0.5})
     if arch == "qwen3_5_moe_mm":
         # Qwen3.5-MoE as the Hub ships it: the text model inside Qwen3_5MoeForConditionalGeneration
         # with a one-layer vision tower (model.language_model.*, model.visual.*); its delta-rule
@@ -281,7 +290,7 @@ def make_config(arch):
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
          "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss", "glm4_moe_lite", "glm4_moe_lite_grouped",
          "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm", "mistral4_mm", "llama4", "llama4_mm", "qwen3_next",
-         "qwen3_5_moe_mm"]
+         "qwen3_5_moe_mm", "minimax_m2"]
 
 
 def fuse_experts(path, cfg):

@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "..", "..", "tools", "make_tiny_model.py")
 R, ALPHA = 4, 8.0
 SCALING = ALPHA / R
-MIX = ARCH == "mixtral"
+MIX = ARCH in ("mixtral", "minimax_m2")  # block_sparse_moe, w1 / w3 / w2
 # gpt-oss's experts only exist fused (peft reaches them through target_parameters, another adapter
 # format): its LoRA reference covers attention only.
 GPT_OSS = ARCH == "gpt_oss"
