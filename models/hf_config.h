@@ -1,7 +1,7 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
 // The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss,
-// glm4_moe_lite, mistral4, gemma4, llama4, qwen3_next, qwen3_5_moe) share a decoder and differ in a few switches (q/k norm style, biases,
+// glm4_moe_lite, mistral4, gemma4, llama4, qwen3_next, qwen3_5_moe, minimax_m2) share a decoder and differ in a few switches (q/k norm style, biases,
 // shared experts, which layers are sparse, the router's scoring, partial / interleaved / YaRN RoPE,
 // DeepSeek's latent attention, Mistral 4's position-scaled queries, gpt-oss's attention sinks,
 // sliding-window layers and biased, clamped experts);

@@ -70,7 +70,7 @@ set_tests_properties(axolotl_examples PROPERTIES LABELS ref TIMEOUT 600
 # each passes --check and trains 3 steps, or is refused with exactly the reasons expect.tsv lists.
 # Split by the corpus's folders into four tests that ctest -j runs side by side (COST: first).
 foreach(group "a=archived/ deepseek-v2/ expert_parallel/ gemma4/ glm45/ glm47-flash/" "b=gpt-oss/ llama-4/"
-              "c=mistral/ mistral4/ qwen3/" "d=qwen3-next/ qwen3.5/")
+              "c=mistral/ mistral4/ qwen3/" "d=qwen3-next/ qwen3.5/ minimax/")
   string(SUBSTRING "${group}" 0 1 name)
   string(SUBSTRING "${group}" 2 -1 folders)
   add_test(NAME axolotl_upstream_${name} COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_upstream.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})

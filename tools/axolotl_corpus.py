@@ -59,9 +59,11 @@ BASE_MODEL_ARCH = [
     (r"Qwen3-Next-80B-A3B-Instruct$", "qwen3_next"),
     # Qwen3.5's MoE models as the Hub ships them: the multimodal wrapper around qwen3_5_moe_text.
     (r"Qwen3\.5-(35B-A3B|122B-A10B)", "qwen3_5_moe"),
+    (r"MiniMax-M2$", "minimax_m2"),
 ]
 SUPPORTED = {"qwen3_moe", "qwen3_moe_nvfp4", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v2",
-             "deepseek_v3", "gpt_oss", "gemma4", "llama4", "mistral3_mistral4", "qwen3_next", "qwen3_5_moe"}
+             "deepseek_v3", "gpt_oss", "gemma4", "llama4", "mistral3_mistral4", "qwen3_next", "qwen3_5_moe",
+             "minimax_m2"}
 # Adapter configs of unsupported architectures kept in the corpus: each must list the model_type
 # error together with its key problems in one run.
 UNSUPPORTED_SAMPLE = set()
