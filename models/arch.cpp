@@ -59,6 +59,24 @@ const std::vector<Family>& families() {
        {"gate_proj", "up_proj", "down_proj"}, false, true, "feed_forward.experts",
        {/*factors_swapped=*/true, /*gate_up_interleaved=*/false}, true, false,
        1e-5, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, nullptr, parse_llama4},
+      // Qwen3-Next and Qwen3.5-MoE: three of every four layers gated delta-rule linear attention
+      // (linear_attn.*, hf_config.h LinearAttention), the others gated attention with a quarter
+      // of each head rotated; a sigmoid-gated shared expert. transformers 5.24 holds their experts
+      // only fused, so peft has no per-expert modules: gate_proj / up_proj / down_proj name the
+      // shared expert's (axolotl's Qwen3-Next config targets shared_expert.gate_proj ...), and the
+      // routed experts take LoRA as peft's ParamWrapper (lora_target_parameters).
+      {Arch::Qwen3Next, "qwen3_next", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_expert", {"gate_proj", "up_proj", "down_proj"},
+       false, true, "mlp.experts", {}, true, false,
+       1e-6, 256, 0.001, true, 0.25, false, RopePairs::Halves, false, ExpertStorage::Standard, read_qwen3_next, nullptr},
+      {Arch::Qwen35Moe, "qwen3_5_moe_text", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_expert", {"gate_proj", "up_proj", "down_proj"},
+       false, true, "mlp.experts", {}, true, false,
+       1e-6, 256, 0.001, true, 0.25, false, RopePairs::Halves, false, ExpertStorage::Standard, read_qwen3_5_moe, nullptr},
+      // MiniMax-M2: stored as Mixtral is (block_sparse_moe, w1 / w3 / w2), whole-projection q/k norms,
+      // partial RoPE, a sigmoid router whose correction bias sits in the MoE block, not the router.
+      {Arch::MinimaxM2, "minimax_m2", "block_sparse_moe", "mlp", "block_sparse_moe.experts", "block_sparse_moe.gate",
+       "shared_experts", {"w1", "w3", "w2"}, true, true, "mlp.experts", {}, true, false,
+       1e-6, 128, 0.001, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_minimax_m2, nullptr,
+       "block_sparse_moe.e_score_correction_bias"},
   };
   return rows;
 }

@@ -1,5 +1,9 @@
 #include "models/block_memory.h"
 
+#include <cmath>
+
+#include "models/delta_rule.h"
+
 namespace eo::model {
 
 double rope_table_columns(const ModelConfig& c) {
@@ -12,7 +16,14 @@ int dense_mlp_layers(const ModelConfig& c, int moe_layers) {
 
 double extra_layer_params(const ModelConfig& c) {
   const double H = double(c.hidden), E = double(c.experts);
-  return c.gemma ? 5 * H + H + E + 1 : 0;
+  double extra = c.gemma ? 5 * H + H + E + 1 : 0;
+  if (c.linear_attn) {  // the delta-rule layers' conv1d, A_log, dt_bias and gated norm, averaged over the layers
+    const LinearAttention& a = *c.linear_attn;
+    double linear_layers = 0;
+    for (int i = 0; i < c.layers; ++i) linear_layers += c.is_linear_attention_layer(i) ? 1 : 0;
+    extra += (double(a.conv_width() * a.conv_kernel) + 2 * double(a.v_heads) + double(a.v_dim)) * linear_layers / double(c.layers);
+  }
+  return extra;
 }
 
 double shared_expert_gate_params(const ModelConfig& c) {
@@ -41,6 +52,28 @@ double beside_experts_saved_bytes(const ModelConfig& c, double tokens, double dt
   double bytes = c.shared_expert_width > 0 ? N * (2 * double(c.shared_expert_width) + H) * d + N * d : 0;
   if (c.dense_beside_experts()) bytes += N * (3 * double(c.dense_width) + 5 * H) * d;
   return bytes;
+}
+
+LinearAttentionBytes linear_attention_bytes(const ModelConfig& c, double rows, double seq, double dtype_bytes,
+                                            double lora_bytes) {
+  if (!c.linear_attn) return {};
+  const LinearAttention& a = *c.linear_attn;
+  const double N = rows * seq, d = dtype_bytes, H = double(c.hidden);
+  const double kd = double(a.key_width()), vd = double(a.value_width()), cw = double(a.conv_width());
+  const double Hv = double(a.v_heads), dk = double(a.k_dim), dv = double(a.v_dim);
+  const double C = double(GatedDeltaRuleOptions{}.chunk_size);
+  LinearAttentionBytes b;
+  // The normed input (the projections' LoRA A), the projections' outputs, the conv's input, its
+  // pre-SiLU sum and q / k / v after it, the decay's fp32 inputs and beta, the delta rule's output,
+  // z and the gated norm's fp32 products, out_proj's input, the LoRA intermediates.
+  const int linears = a.split_projections ? 5 : 3;
+  b.saved = N * (H * d + (2 * kd + 2 * vd) * d + 3 * cw * d + Hv * (8 + d) + vd * (4 * d + 8) + linears * lora_bytes);
+  // The backward's fp32 chunks (q, k at every value head, Γq, e k, W; v, U, Ṽ), its C x C matrices
+  // (decay, k kᵀ, q kᵀ, the inverse and two more in flight) and the entry state of every chunk.
+  const double chunks = N * Hv * (5 * dk + 3 * dv + 6 * C) * 4;
+  const double states = rows * Hv * std::ceil(seq / C) * dk * dv * 4;
+  b.backward = 2 * (chunks + states);
+  return b;
 }
 
 bool fused_swiglu_lora(const ModelConfig& c) { return !c.swiglu_clamp; }

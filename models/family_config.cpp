@@ -226,4 +226,81 @@ void read_gpt_oss(const ConfigFields& f, ModelConfig& c) {
   }
 }
 
+namespace {
+
+// Qwen3-Next's and Qwen3.5's shared reading (Qwen3_5MoeTextConfig derives from Qwen3NextConfig):
+// the gated delta-rule layers, the gated full attention, the (1 + w) norms, the gated shared expert.
+void read_qwen3_next_like(const ConfigFields& f, ModelConfig& c, bool split_projections) {
+  c.experts = f.has("num_local_experts") ? f.integer("num_local_experts") : f.integer("num_experts", split_projections ? 256 : 512);
+  c.top_k = f.integer("num_experts_per_tok", split_projections ? 8 : 10);
+  c.expert_width = f.integer("moe_intermediate_size", 512);
+  c.shared_expert_width = f.integer("shared_expert_intermediate_size", 512);
+  c.shared_expert_gated = c.shared_expert_width > 0;
+  c.qkv_bias = f.boolean("attention_bias", false);
+  c.qk_norm = QkNorm::PerHead;
+  c.norm_plus_one = true;
+  c.attn_output_gate = true;
+  LinearAttention la;
+  la.k_heads = f.integer("linear_num_key_heads", 16);
+  la.v_heads = f.integer("linear_num_value_heads", 32);
+  la.k_dim = f.integer("linear_key_head_dim", 128);
+  la.v_dim = f.integer("linear_value_head_dim", 128);
+  la.conv_kernel = f.integer("linear_conv_kernel_dim", 4);
+  require_positive(la.k_heads, "linear_num_key_heads", f.source);
+  require_positive(la.v_heads, "linear_num_value_heads", f.source);
+  require_positive(la.k_dim, "linear_key_head_dim", f.source);
+  require_positive(la.v_dim, "linear_value_head_dim", f.source);
+  require_positive(la.conv_kernel, "linear_conv_kernel_dim", f.source);
+  if (la.v_heads % la.k_heads != 0)
+    throw UsageError(f.source + ": linear_num_value_heads (" + std::to_string(la.v_heads) +
+                     ") must be a multiple of linear_num_key_heads (" + std::to_string(la.k_heads) + ")");
+  la.split_projections = split_projections;
+  if (f.has("layer_types")) {
+    const nlohmann::json& lt = f.j.at("layer_types");
+    if (!lt.is_array() || static_cast<std::int64_t>(lt.size()) != c.layers)
+      throw UsageError(f.source + ": layer_types must be a list of num_hidden_layers (" + std::to_string(c.layers) +
+                       ") strings, \"linear_attention\" or \"full_attention\"");
+    for (const auto& t : lt) {
+      if (t != "linear_attention" && t != "full_attention")
+        throw UsageError(f.source + ": layer_types entry " + t.dump() + " is not supported (linear_attention, full_attention)");
+      la.layers.push_back(t == "linear_attention");
+    }
+  } else {  // transformers' default: every full_attention_interval-th layer is full attention
+    const int interval = f.small_integer("full_attention_interval", 4);
+    require_positive(interval, "full_attention_interval", f.source);
+    for (int l = 0; l < c.layers; ++l) la.layers.push_back((l + 1) % interval != 0);
+  }
+  c.linear_attn = la;
+}
+
+}  // namespace
+
+void read_qwen3_next(const ConfigFields& f, ModelConfig& c) {
+  read_qwen3_next_like(f, c, /*split_projections=*/false);
+  c.dense_width = f.integer("intermediate_size", 5632);
+  c.norm_topk_prob = f.boolean("norm_topk_prob", true);
+  c.decoder_sparse_step = f.small_integer("decoder_sparse_step", 1);
+  c.mlp_only_layers = f.int_list("mlp_only_layers");
+}
+
+// Qwen3_5MoeTextConfig: every layer sparse (no intermediate_size, decoder_sparse_step or
+// mlp_only_layers), and its router always renormalises the top-k (Qwen3VLMoeTextTopKRouter).
+void read_qwen3_5_moe(const ConfigFields& f, ModelConfig& c) {
+  read_qwen3_next_like(f, c, /*split_projections=*/true);
+  c.norm_topk_prob = true;
+}
+
+// MiniMaxM2Config: every layer sparse; MiniMaxM2TopKRouter's sigmoid scores (+ the correction
+// bias for the choice), top-k weights always renormalised; q_norm / k_norm over the whole projections.
+void read_minimax_m2(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.integer("num_local_experts", 256);
+  c.top_k = f.integer("num_experts_per_tok", 8);
+  c.expert_width = f.integer("intermediate_size", 1536);
+  c.norm_topk_prob = true;
+  c.router.score = RouterScore::Sigmoid;
+  c.router.correction_bias = true;
+  c.router_jitter_noise = f.number("router_jitter_noise", 0.0);
+  c.qk_norm = QkNorm::Whole;
+}
+
 }  // namespace eo::model

@@ -452,9 +452,19 @@ bool ModelConfig::is_moe_layer(int layer) const {
 
 std::vector<ModelConfig::Linear> ModelConfig::attention_shapes(int layer) const {
   const std::int64_t H = hidden;
+  if (is_linear_attention_layer(layer)) {  // peft's names under linear_attn
+    const LinearAttention& a = *linear_attn;
+    const std::int64_t kd = a.key_width(), vd = a.value_width();
+    if (a.split_projections)
+      return {{"in_proj_qkv", H, 2 * kd + vd, "linear_attn"}, {"in_proj_z", H, vd, "linear_attn"},
+              {"in_proj_b", H, a.v_heads, "linear_attn"}, {"in_proj_a", H, a.v_heads, "linear_attn"},
+              {"out_proj", vd, H, "linear_attn"}};
+    return {{"in_proj_qkvz", H, 2 * kd + 2 * vd, "linear_attn"}, {"in_proj_ba", H, 2 * a.v_heads, "linear_attn"},
+            {"out_proj", vd, H, "linear_attn"}};
+  }
   if (!mla) {
     const std::int64_t D = head_dim_at(layer), kv = kv_heads_at(layer);
-    std::vector<Linear> out{{"q_proj", H, heads * D}, {"k_proj", H, kv * D}};
+    std::vector<Linear> out{{"q_proj", H, heads * D * (attn_output_gate ? 2 : 1)}, {"k_proj", H, kv * D}};
     if (has_v_proj(layer)) out.push_back({"v_proj", H, kv * D});
     out.push_back({"o_proj", heads * D, H});
     return out;
@@ -471,6 +481,14 @@ std::vector<ModelConfig::Linear> ModelConfig::attention_shapes(int layer) const 
 
 std::vector<std::string> ModelConfig::attention_linears() const {
   std::vector<std::string> out;
+  if (linear_attn) {  // the full-attention layers' linears, then the delta-rule layers'
+    for (int pass = 0; pass < 2; ++pass)
+      for (int i = 0; i < layers; ++i)
+        if (is_linear_attention_layer(i) == (pass == 1))
+          for (const auto& l : attention_shapes(i))
+            if (std::find(out.begin(), out.end(), l.name) == out.end()) out.push_back(l.name);
+    return out;
+  }
   for (const auto& l : attention_shapes()) out.push_back(l.name);
   if (gemma) {  // v_proj where some layer has one (attention_k_eq_v: the sliding layers)
     bool v = false;
@@ -485,7 +503,8 @@ std::vector<std::string> ModelConfig::attention_linears() const {
 const std::vector<std::string>& all_linear_modules() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
-                                    "kv_b_proj"};
+                                    "kv_b_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                    "in_proj_a", "out_proj", "shared_expert_gate"};
     for (const auto& n : expert_linear_names()) out.push_back(n);  // the families' own (models/arch.cpp)
     return out;
   }();
@@ -504,9 +523,11 @@ std::vector<std::string> ModelConfig::linear_modules() const {
     std::sort(names.begin(), names.end());
     out.insert(out.end(), names.begin(), names.end());
   }
-  // Llama 4: its shared expert's linears (its routed experts exist only fused).
-  const bool shared = moe && llama4 && shared_expert_width > 0;
+  // The shared expert's linears (where the routed experts exist only fused, the only ones of these names).
+  const bool shared = moe && shared_expert_width > 0;
   if (dense || dense_beside_experts() || shared || (moe && !own_names && experts_lora_ok())) out.insert(out.end(), {"gate_proj", "up_proj", "down_proj"});
+  // The shared expert's sigmoid gate, a linear of one output (peft's all-linear adapts it too).
+  if (moe && shared_expert_gated) out.push_back("shared_expert_gate");
   return out;
 }
 
@@ -519,13 +540,17 @@ const std::vector<MultimodalWrapper>& multimodal_wrappers() {
   // from_pretrained reads that or its own module names.
   static const std::vector<MultimodalWrapper> w = {
       {"gemma4", "gemma4_text", "gemma4_text", "Gemma4ForConditionalGeneration", "model.language_model.",
-       {{"model.language_model.", "lm_head.weight"}}},
+       {{"model.language_model.", "lm_head.weight"}}, /*tie_default=*/true, "vision and audio towers"},
       {"mistral3", "mistral4", "mistral", "Mistral3ForConditionalGeneration", "model.language_model.",
        {{"language_model.model.", "language_model.lm_head.weight"}, {"model.language_model.", "lm_head.weight"}}},
       // Llama4ForConditionalGeneration holds a Llama4ForCausalLM as language_model; unlike the two
       // above, its config ties nothing by default.
       {"llama4", "llama4_text", "llama4_text", "Llama4ForConditionalGeneration", "language_model.model.",
        {{"language_model.model.", "language_model.lm_head.weight"}}, /*tie_default=*/false},
+      // Qwen3.5-MoE ships only as Qwen3_5MoeForConditionalGeneration (model.visual beside
+      // model.language_model); its config ties nothing by default.
+      {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration", "model.language_model.",
+       {{"model.language_model.", "lm_head.weight"}}, /*tie_default=*/false},
   };
   return w;
 }
@@ -578,13 +603,6 @@ ModelConfig parse_text(const json& j, const std::string& source, const Multimoda
   c.model_type = j.at("model_type").get<std::string>();
   const Family* fam = find_family(c.model_type);
   if (fam && fam->parse_whole) return checked(fam->parse_whole(j, source, wrapper), source);
-  if (c.model_type == "qwen3_next" || c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text")
-    throw UsageError(source + ": model_type '" + c.model_type + "' is not supported: three of every four of its layers are "
-                     "gated delta-rule linear attention (" +
-                     (c.model_type == "qwen3_next" ? "Qwen3NextGatedDeltaNet" : "Qwen3_5MoeGatedDeltaNet") +
-                     "), for which eo-ddp has no kernel yet (a chunked delta-rule forward and backward recomputed in the "
-                     "block schedule, its short causal conv1d, the gated output norm; docs/models.md: Refused, and why); "
-                     "supported model types: " + supported_model_types());
   if (!fam)
     throw UsageError(source + ": model_type '" + c.model_type + "' is not supported; supported model types: " +
                      supported_model_types());

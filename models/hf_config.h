@@ -1,7 +1,7 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
 // The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss,
-// glm4_moe_lite, mistral4, gemma4, llama4) share a decoder and differ in a few switches (q/k norm style, biases,
+// glm4_moe_lite, mistral4, gemma4, llama4, qwen3_next, qwen3_5_moe, minimax_m2) share a decoder and differ in a few switches (q/k norm style, biases,
 // shared experts, which layers are sparse, the router's scoring, partial / interleaved / YaRN RoPE,
 // DeepSeek's latent attention, Mistral 4's position-scaled queries, gpt-oss's attention sinks,
 // sliding-window layers and biased, clamped experts);
@@ -104,6 +104,21 @@ struct Llama4Block {
   double floor_scale = 8192, attn_scale = 0.1;
 };
 
+// Qwen3-Next's and Qwen3.5's gated delta-rule layers (Qwen3NextGatedDeltaNet, Qwen3_5MoeGatedDeltaNet):
+// the input projections (Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped per key head; Qwen3.5:
+// in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, each contiguous), a depthwise causal conv1d of
+// conv_kernel taps over [q; k; v] and SiLU, L2-normalised q and k, the gated delta rule
+// (models/delta_rule.h) with log decay -exp(A_log) · softplus(a + dt_bias) and write strength
+// sigmoid(b), the gated RMSNorm (weight × norm(o) × silu(z), per value head) and out_proj.
+struct LinearAttention {
+  std::int64_t k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0, conv_kernel = 0;
+  bool split_projections = false;  // Qwen3.5's four in_proj_* (else Qwen3-Next's two fused ones)
+  std::vector<bool> layers;        // per layer: linear attention (layer_types "linear_attention")
+  std::int64_t key_width() const { return k_heads * k_dim; }
+  std::int64_t value_width() const { return v_heads * v_dim; }
+  std::int64_t conv_width() const { return 2 * key_width() + value_width(); }
+};
+
 // The activation of the MLPs and experts between gate and up: silu (SwiGLU) or GELU's tanh
 // approximation (Gemma: gelu_pytorch_tanh).
 enum class Activation { Silu, GeluTanh };
@@ -138,6 +153,7 @@ struct MultimodalWrapper {
   // The wrapper config's tie_word_embeddings when absent (transformers ties lm_head by the
   // wrapper's flag, not text_config's).
   bool tie_default = true;
+  std::string towers = "vision tower";  // what it holds beside the text model, none of it loaded (the log says)
 };
 // Every wrapper eo-ddp reads, in one table.
 const std::vector<MultimodalWrapper>& multimodal_wrappers();
@@ -200,6 +216,13 @@ struct ModelConfig {
   Activation act = Activation::Silu;
   std::optional<Gemma4Block> gemma;
   std::optional<Llama4Block> llama4;
+  std::optional<LinearAttention> linear_attn;  // Qwen3-Next, Qwen3.5-MoE
+  // Every RMSNorm of the decoder (layer norms, q/k norms, the final norm) scales by 1 + weight
+  // (Qwen3NextRMSNorm's zero-centred weights): the loader adds the 1 once.
+  bool norm_plus_one = false;
+  // The full-attention layers' q_proj gives each head its query and a gate (2 · head_dim), and the
+  // attention output is × sigmoid(gate) before o_proj (Qwen3NextAttention).
+  bool attn_output_gate = false;
   double final_logit_softcap = 0;  // logits = cap · tanh(logits / cap); 0 = off (Gemma)
   bool embed_scaled = false;       // embeddings × sqrt(hidden_size) in the compute dtype (Gemma)
   // The checkpoint is a multimodal model around this text model (Gemma4ForConditionalGeneration,
@@ -223,6 +246,8 @@ struct ModelConfig {
   std::int64_t head_dim_at(int layer) const { return is_full_gemma_layer(layer) ? gemma->full_head_dim : head_dim; }
   std::int64_t kv_heads_at(int layer) const { return is_full_gemma_layer(layer) ? gemma->full_kv_heads : kv_heads; }
   bool has_v_proj(int layer) const { return !(is_full_gemma_layer(layer) && gemma->k_eq_v); }
+  // Qwen3-Next / Qwen3.5: whether layer i is a gated delta-rule layer (linear_attn.*), else full attention.
+  bool is_linear_attention_layer(int layer) const { return linear_attn && linear_attn->layers.at(layer); }
   // Whether every layer has a dense MLP beside its routed experts (Gemma 4).
   bool dense_beside_experts() const { return gemma.has_value(); }
   // This family's row of the architecture table (models/arch.h).
@@ -255,6 +280,7 @@ struct ModelConfig {
   struct Linear {
     std::string name;
     std::int64_t in = 0, out = 0;
+    std::string module = "self_attn";  // its parent under the layer: self_attn, or linear_attn (delta-rule layers)
   };
   // Of one layer (Gemma 4's full layers differ: their own head_dim and key-value heads, no v_proj
   // with attention_k_eq_v); attention_linears: every name some layer has, in model order.

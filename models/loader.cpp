@@ -248,6 +248,13 @@ struct ModelLoader {
     if (!ck) return random->dense(name, shape, dt);
     return raw(name, std::move(shape)).to(opts.device, dt).contiguous();
   }
+  // An RMSNorm's weight as the decoder multiplies by it: the stored one, or 1 + it where the family's
+  // norms are zero-centred (ModelConfig::norm_plus_one; added in fp32, then the compute dtype).
+  // Synthetic weights: 1 either way.
+  at::Tensor norm(const std::string& name, std::int64_t dim) const {
+    if (!cfg.norm_plus_one || !ck) return get(name, {dim});
+    return (get(name, {dim}, at::kFloat) + 1.0).to(opts.dtype);
+  }
   QuantizedWeight quantize(const at::Tensor& w, bool on_host = false) const {
     ++quantised;
     show_progress();
@@ -311,10 +318,24 @@ struct ModelLoader {
   // Layer i's tensor name prefix, "model.layers.{i}." (multimodal checkpoints: under the text model).
   std::string layer_prefix(int i) const { return layout().decoder + "layers." + std::to_string(i) + "."; }
 
+  // A gated delta-rule layer (ModelConfig::LinearAttention), its linears under linear_attn.
+  void linear_attention(BlockWeights& b, const std::string& p) const {
+    const LinearAttention& a = *cfg.linear_attn;
+    const std::string la = p + "linear_attn.";
+    for (const auto& l : cfg.attention_shapes(b.index))
+      b.attention_linear(l.name) = linear(la + l.name, l.in, l.out, false, true);
+    b.conv_w = get(la + "conv1d.weight", {a.conv_width(), 1, a.conv_kernel}).squeeze(1);
+    // Kept in fp32 as transformers reads them (A_log.float(), and softplus(a.float() + dt_bias)).
+    b.dt_bias = get(la + "dt_bias", {a.v_heads}, at::kFloat);
+    b.a_log = get(la + "A_log", {a.v_heads}, at::kFloat);
+    b.gated_norm = get(la + "norm.weight", {a.v_dim});
+  }
+
   // Attention of one block: q/k/v/o (with the family's norms), or DeepSeek's latent attention.
   void attention(BlockWeights& b, const std::string& p) const {
     const ModelConfig& c = cfg;
     const auto H = c.hidden, D = c.head_dim;
+    if (c.is_linear_attention_layer(b.index)) return linear_attention(b, p);
     if (c.mla) {
       const Mla& a = *c.mla;
       if (a.q_lora_rank > 0) {
@@ -341,14 +362,14 @@ struct ModelLoader {
       b.k_norm = get(p + "self_attn.k_norm.weight", {d});
       return;
     }
-    b.q = linear(p + "self_attn.q_proj", H, c.heads * D, c.qkv_bias, true);
+    b.q = linear(p + "self_attn.q_proj", H, c.heads * D * (c.attn_output_gate ? 2 : 1), c.qkv_bias, true);
     b.k = linear(p + "self_attn.k_proj", H, c.kv_heads * D, c.qkv_bias, true);
     b.v = linear(p + "self_attn.v_proj", H, c.kv_heads * D, c.qkv_bias, true);
     b.o = linear(p + "self_attn.o_proj", c.heads * D, H, c.o_bias, true);
     if (c.attention_sinks) b.sinks = get(p + "self_attn.sinks", {c.heads});
     if (c.qk_norm == QkNorm::PerHead) {
-      b.q_norm = get(p + "self_attn.q_norm.weight", {D});
-      b.k_norm = get(p + "self_attn.k_norm.weight", {D});
+      b.q_norm = norm(p + "self_attn.q_norm.weight", D);
+      b.k_norm = norm(p + "self_attn.k_norm.weight", D);
     } else if (c.qk_norm == QkNorm::Whole) {
       b.q_norm = get(p + "self_attn.q_norm.weight", {c.heads * D});
       b.k_norm = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});
@@ -559,7 +580,7 @@ struct ModelLoader {
     ModelWeights w;
     w.embed = get(mp + "embed_tokens.weight", {c.vocab, H});
     if (opts.embeddings_on_host && opts.device.is_cuda() && !c.tie_word_embeddings) w.embed = w.embed.to(at::kCPU);
-    w.final_norm = get(mp + "norm.weight", {H});
+    w.final_norm = norm(mp + "norm.weight", H);
     w.lm_head = c.tie_word_embeddings ? w.embed : get(layout().lm_head, {c.vocab, H});
     ResidentWeights::Bank bank(c.layers);
     for (int i = 0; i < c.layers; ++i) {
@@ -569,8 +590,8 @@ struct ModelLoader {
       b.quantized = opts.load_in_4bit;
       b.bank_bytes = opts.expert_bank_bytes;
       const std::string p = layer_prefix(i);
-      b.input_norm = get(p + "input_layernorm.weight", {H});
-      b.post_norm = get(p + "post_attention_layernorm.weight", {H});
+      b.input_norm = norm(p + "input_layernorm.weight", H);
+      b.post_norm = norm(p + "post_attention_layernorm.weight", H);
       attention(b, p);
       if (c.gemma) {  // the dense MLP and norms beside the experts, the router's scales, the layer scalar
         b.dense = mlp(p + "mlp", c.dense_width);
@@ -592,7 +613,9 @@ struct ModelLoader {
         const std::string router = in_checkpoint(i, c.router_path());
         b.router = get(router + ".weight", {c.experts, H}, router_dtype);
         if (c.router.bias) b.router_b = get(router + ".bias", {c.experts}, router_dtype);
-        if (c.router.correction_bias) b.router_bias = get(router + ".e_score_correction_bias", {c.experts}, at::kFloat);
+        if (c.router.correction_bias)
+          b.router_bias = get(c.family().correction_bias ? in_checkpoint(i, c.family().correction_bias) : router + ".e_score_correction_bias",
+                              {c.experts}, at::kFloat);
         if (c.expert_bias) b.expert_bias = expert_biases(i);
         if (keep_mxfp4(i)) {
           bank[i] = mxfp4_bank(i);
@@ -617,7 +640,7 @@ struct ModelLoader {
         if (c.shared_expert_width > 0) {
           b.has_shared = true;
           b.shared = mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), c.shared_expert_width);
-          if (c.shared_expert_gated) b.shared_gate = get(p + "mlp.shared_expert_gate.weight", {1, H});
+          if (c.shared_expert_gated) b.shared_gate = linear(p + "mlp.shared_expert_gate", H, 1, false, /*quantizable=*/false);
         }
       }
       w.blocks.push_back(std::move(b));

@@ -13,7 +13,7 @@ std::vector<HfModule> hf_linear_modules(const ModelConfig& mc) {
   };
   for (int i = 0; i < mc.layers; ++i) {
     const std::string p = mc.decoder_prefix() + "layers." + std::to_string(i) + ".";
-    for (const auto& a : mc.attention_shapes(i)) out.push_back({p + "self_attn." + a.name, true});
+    for (const auto& a : mc.attention_shapes(i)) out.push_back({p + a.module + "." + a.name, true});
     const bool moe = mc.is_moe_layer(i);
     if (!moe || mc.dense_beside_experts()) mlp(p + mc.mlp_prefix());
     if (!moe) continue;
@@ -24,7 +24,7 @@ std::vector<HfModule> hf_linear_modules(const ModelConfig& mc) {
           out.push_back({p + mc.experts_path() + "." + std::to_string(e) + "." + m, adaptable(m)});
     const std::string block = p + mc.moe_prefix() + ".";
     if (mc.shared_expert_width > 0) mlp(block + mc.shared_expert_name());
-    if (mc.shared_expert_gated) out.push_back({block + "shared_expert_gate", false});
+    if (mc.shared_expert_gated) out.push_back({block + "shared_expert_gate", adaptable("shared_expert_gate")});
   }
   out.push_back({"lm_head", false});
   return out;

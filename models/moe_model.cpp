@@ -144,9 +144,16 @@ constexpr double kLatentNormEps = 1e-6;
 at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx) const {
   const ModelConfig& c = *cfg_;
   if (c.mla) return latent_attention(x, ctx);
+  if (c.is_linear_attention_layer(w_.index)) return linear_attention(x, ctx);
   const auto B = x.size(0), T = x.size(1);
   const std::int64_t D = c.head_dim_at(w_.index), KV = c.kv_heads_at(w_.index);
   at::Tensor q = w_.q.forward(x, ctx.training), k = w_.k.forward(x, ctx.training);
+  at::Tensor gate;  // attn_output_gate: each head's [query | gate] (Qwen3NextAttention)
+  if (c.attn_output_gate) {
+    const at::Tensor qg = q.view({B, T, c.heads, 2 * D});
+    gate = qg.narrow(-1, D, D).reshape({B, T, c.heads * D});
+    q = qg.narrow(-1, 0, D).contiguous();
+  }
   // Gemma 4's full layers with attention_k_eq_v: the values are k_proj's output (before k_norm).
   at::Tensor v = c.has_v_proj(w_.index) ? w_.v.forward(x, ctx.training) : k;
   if (c.qk_norm == QkNorm::Whole) {  // olmoe: over the whole projection, before the split
@@ -198,7 +205,8 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   const std::int64_t window = c.is_sliding_layer(w_.index) ? c.sliding_window : 0;
   if (c.attention_sinks || window > 0)
     return w_.o.forward(attend_with_sinks(q, k, v.transpose(1, 2), ctx, c.attn_scale, w_.sinks, window), ctx.training);
-  return w_.o.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
+  const at::Tensor o = attend(q, k, v.transpose(1, 2), ctx, c.attn_scale);
+  return w_.o.forward(gate.defined() ? o * at::sigmoid(gate) : o, ctx.training);
 }
 
 // Multi-head latent attention (modeling_deepseek_v3.py DeepseekV3Attention): each head's query
@@ -501,7 +509,7 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
 
   if (w_.has_shared) {
     const at::Tensor shared = w_.shared.forward(flat, ctx.training);
-    out = out + (c.shared_expert_gated ? at::sigmoid(at::linear(flat, w_.shared_gate)) * shared : shared);
+    out = out + (c.shared_expert_gated ? at::sigmoid(w_.shared_gate.forward(flat, ctx.training)) * shared : shared);
   }
   return out.view(x.sizes());
 }
@@ -639,6 +647,10 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
     }
     // A padded query row would attend to nothing (NaN); let it see itself. Its output is unused.
     ctx.attn_mask = mask | at::eye(T, opt).view({1, 1, T, T});
+  }
+  if (cfg_.linear_attn) {  // the delta-rule layers' documents and padding (BlockContext)
+    if (batch.segment_ids.defined()) ctx.segment_ids = batch.segment_ids.to(dev, at::kLong);
+    if (batch.attention_mask.defined()) ctx.token_mask = batch.attention_mask.to(dev, opts_.dtype).view({B, T, 1});
   }
   if (cfg_.llama4) {
     const Llama4Block& l4 = *cfg_.llama4;

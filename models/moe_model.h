@@ -1,5 +1,5 @@
 // The MoE decoder (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2/v3, gpt_oss, glm4_moe_lite,
-// mistral4, gemma4, llama4) on libtorch, with frozen base weights
+// mistral4, gemma4, llama4, qwen3_next, qwen3_5_moe) on libtorch, with frozen base weights
 // (dense or NF4), LoRA adapters and transformers-compatible loss and router aux loss.
 //
 // Each DecoderBlock::forward can run on its own so a checkpointing wrapper can drive the blocks
@@ -95,6 +95,11 @@ struct BlockContext {
   at::Tensor chunk_mask;  // Llama 4's chunked layers: attn_mask within chunks; undefined = attn_mask
   bool training = false;
   std::vector<at::Tensor>* router_logits = nullptr;  // when set, MoE blocks append [B*T, E]
+  // Delta-rule layers (Qwen3-Next, Qwen3.5): the packed rows' document ids (int64 [B, T]; undefined:
+  // one document per row), where the conv1d's window and the recurrent state restart, and the
+  // padding mask ([B, T, 1] in the compute dtype, 0 at padding; undefined: none), which zeroes
+  // padded tokens' input as transformers' apply_mask_to_padding_states.
+  at::Tensor segment_ids, token_mask;
 };
 
 // One decoder layer as the loader assembles it (models/loader.cpp) and MoeModel's constructor
@@ -124,10 +129,19 @@ struct BlockWeights {
   std::shared_ptr<ExpertLora> gate_up_lora;
   bool has_shared = false;
   Mlp shared;
-  at::Tensor shared_gate;  // [1, H]; qwen2_moe only
+  FrozenLinear shared_gate;  // shared_expert_gate [1, H] (qwen2_moe, Qwen3-Next, Qwen3.5); never quantised
   // Gemma 4 (ModelConfig::Gemma4Block): the feed-forward norms, router scales and layer scalar.
   at::Tensor pre_ff_norm, post_ff_norm, post_ff_norm_1, pre_ff_norm_2, post_ff_norm_2;
   at::Tensor router_scale, per_expert_scale, layer_scalar;
+  // A gated delta-rule layer (ModelConfig::linear_attn): Qwen3-Next's in_proj_qkvz and in_proj_ba,
+  // or Qwen3.5's in_proj_qkv (in in_qkvz), in_proj_z, in_proj_b (in in_ba) and in_proj_a; out_proj is o.
+  FrozenLinear in_qkvz, in_ba, in_z, in_a;
+  at::Tensor conv_w;           // [conv width, kernel] (conv1d.weight without its middle dim)
+  at::Tensor dt_bias, a_log;   // [value heads]
+  at::Tensor gated_norm;       // [value head dim]: the gated RMSNorm's weight (not zero-centred)
+  // The linear named `name` (attention_shapes' names) of this layer's attention or delta-rule
+  // layer; UsageError for a name it has none of.
+  FrozenLinear& attention_linear(const std::string& name);
 };
 
 class DecoderBlock {
@@ -150,6 +164,7 @@ class DecoderBlock {
  private:
   at::Tensor attention(const at::Tensor& x, const BlockContext& ctx) const;
   at::Tensor latent_attention(const at::Tensor& x, const BlockContext& ctx) const;  // DeepSeek MLA
+  at::Tensor linear_attention(const at::Tensor& x, const BlockContext& ctx) const;  // models/linear_attention.cpp
   // Routed experts (and shared ones) on x; the router reads router_in (Gemma 4: the un-normed
   // residual), x when undefined.
   at::Tensor moe(const at::Tensor& x, const BlockContext& ctx, const at::Tensor& router_in = at::Tensor()) const;

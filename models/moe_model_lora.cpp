@@ -14,6 +14,23 @@
 
 namespace eo::model {
 
+FrozenLinear& BlockWeights::attention_linear(const std::string& name) {
+  // Qwen3.5's in_proj_qkv / in_proj_b share Qwen3-Next's in_proj_qkvz / in_proj_ba slots (a layer
+  // has one set or the other); out_proj is the layer's output projection, o.
+  if (name == "q_proj" || name == "q_b_proj") return q;
+  if (name == "k_proj") return k;
+  if (name == "v_proj") return v;
+  if (name == "o_proj" || name == "out_proj") return o;
+  if (name == "q_a_proj") return q_a;
+  if (name == "kv_a_proj_with_mqa") return kv_a;
+  if (name == "kv_b_proj") return kv_b;
+  if (name == "in_proj_qkvz" || name == "in_proj_qkv") return in_qkvz;
+  if (name == "in_proj_ba" || name == "in_proj_b") return in_ba;
+  if (name == "in_proj_z") return in_z;
+  if (name == "in_proj_a") return in_a;
+  throw UsageError("no attention linear named '" + name + "' in layer " + std::to_string(index));
+}
+
 std::vector<LoraSite> MoeModel::lora_sites() const {
   std::vector<LoraSite> sites;
   auto add = [&](const std::string& module, const std::string& short_name, FrozenLinear& l) {
@@ -24,13 +41,8 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
   for (const auto& bp : blocks_) {
     BlockWeights& b = bp->weights();
     const std::string p = c.decoder_prefix() + "layers." + std::to_string(b.index) + ".";
-    // The attention linears under peft's names (attention_linears() order).
-    for (const std::string& n : c.attention_linears()) {
-      if (n == "v_proj" && !c.has_v_proj(b.index)) continue;  // Gemma 4's full layers with attention_k_eq_v
-      FrozenLinear& l = n == "q_proj" || n == "q_b_proj" ? b.q : n == "k_proj" ? b.k : n == "v_proj" ? b.v
-                        : n == "o_proj"                  ? b.o : n == "q_a_proj" ? b.q_a : n == "kv_a_proj_with_mqa" ? b.kv_a : b.kv_b;
-      add(p + "self_attn." + n, n, l);
-    }
+    // This layer's attention (or delta-rule) linears under peft's names, in model order.
+    for (const auto& l : c.attention_shapes(b.index)) add(p + l.module + "." + l.name, l.name, b.attention_linear(l.name));
     auto add_mlp = [&](const std::string& prefix, Mlp& mm) {
       add(prefix + ".gate_proj", "gate_proj", mm.gate);
       add(prefix + ".up_proj", "up_proj", mm.up);
@@ -56,6 +68,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
       fused(kGateUpParam, "gate_up_proj", c.hidden, 2 * c.expert_width, &b.gate_up_lora);
       fused(kDownParam, "down_proj", c.expert_width, c.hidden, &b.expert_lora[static_cast<int>(ExpertMatrix::Down)]);
       if (b.has_shared) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared);
+      if (c.shared_expert_gated) add(p + c.moe_prefix() + ".shared_expert_gate", "shared_expert_gate", b.shared_gate);
       continue;
     }
     // peft names experts under the checkpoint's module path (Mixtral: block_sparse_moe, w1/w3/w2).
@@ -72,6 +85,7 @@ std::vector<LoraSite> MoeModel::lora_sites() const {
         sites.push_back(std::move(s));
       }
     if (b.has_shared) add_mlp(p + c.mlp_prefix() + "." + c.shared_expert_name(), b.shared);
+    if (c.shared_expert_gated) add(p + c.moe_prefix() + ".shared_expert_gate", "shared_expert_gate", b.shared_gate);
   }
   // Each site's layer, from its name (every site is under <decoder prefix>layers.{i}.; a multimodal
   // checkpoint's decoder prefix is model.language_model.).
@@ -84,8 +98,8 @@ std::pair<int, int> MoeModel::enable_merge_aware() {
   int linears = 0, experts = 0;
   for (auto& bp : blocks_) {
     BlockWeights& b = bp->weights();
-    for (FrozenLinear* l : {&b.q, &b.k, &b.v, &b.o, &b.q_a, &b.kv_a, &b.kv_b, &b.dense.gate, &b.dense.up, &b.dense.down,
-                            &b.shared.gate, &b.shared.up, &b.shared.down}) {
+    for (FrozenLinear* l : {&b.q, &b.k, &b.v, &b.o, &b.q_a, &b.kv_a, &b.kv_b, &b.in_qkvz, &b.in_ba, &b.in_z, &b.in_a,
+                            &b.dense.gate, &b.dense.up, &b.dense.down, &b.shared.gate, &b.shared.up, &b.shared.down, &b.shared_gate}) {
       l->merge_aware = nullptr;
       if (!l->lora || !l->nvfp4_grid().defined()) continue;  // plain LoRA on a weight that is not NVFP4, as axolotl
       l->merge_aware = merge_aware_on_.get();

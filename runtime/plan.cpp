@@ -161,6 +161,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     site("gate_proj", H, S, moe_layers);
     site("up_proj", H, S, moe_layers);
     site("down_proj", S, H, moe_layers);
+    if (c.shared_expert_gated) site("shared_expert_gate", H, 1, moe_layers);
   }
   if (mlp_layers > 0) {
     site("gate_proj", H, double(c.dense_width), mlp_layers);
@@ -231,6 +232,10 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     attn_math_backward = std::max(attn_math_backward, 2 * probs);
   }
   attn_saved += attn_math_saved;
+  // Gated delta-rule layers: their saved tensors where more than attention's, their chunked backward.
+  const model::LinearAttentionBytes linear_attn =
+      model::linear_attention_bytes(c, double(spec.micro_batch_size), double(spec.sequence_len), d, r_bytes);
+  attn_saved = std::max(attn_saved, linear_attn.saved);
   // MoE, saved: router probabilities (fp32), top-k indices and weights, the dispatch's three
   // int64 permutations, gate and up (swiglu), the routed outputs in expert order (the combine's,
   // for the weights' gradient), and with expert LoRA its inputs, [pairs, r] intermediates, the
@@ -304,6 +309,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   }
   // Attention backward: SDPA's gradients (dq accumulated in fp32) beside what it saved.
   phase("attention backward", attn_saved + N * (qd + 2 * kvd) * d + N * qd * 4 + attn_math_backward);
+  if (linear_attn.backward > 0) phase("delta-rule backward", attn_saved + linear_attn.backward);
   block += residual;
   p.device.push_back({"block", block, "one block's recompute + backward, peak at the " + block_phase + " (" +
                                           std::to_string(static_cast<long long>(NK)) + " token-expert pairs" +

@@ -17,22 +17,27 @@ namespace eo {
 // tensors and, for the backward, the gradients arriving from above.
 struct BlockUseInputs {
   at::Tensor x;                                          // the block's input
-  at::Tensor cos, sin, attn_mask, chunk_mask, q_scale;  // model::BlockContext's tensors
+  at::Tensor cos, sin, attn_mask, chunk_mask, q_scale, segment_ids, token_mask;  // model::BlockContext's tensors
   at::Tensor dy;       // backward: dL/d(the block's output)
   at::Tensor drouter;  // backward with the aux loss: dL/d(its router logits); else undefined
 
   BlockUseInputs(const at::Tensor& input, const model::BlockContext& c, const at::Tensor& dy_ = {}, const at::Tensor& dr = {})
-      : x(input), cos(c.cos), sin(c.sin), attn_mask(c.attn_mask), chunk_mask(c.chunk_mask), q_scale(c.q_scale), dy(dy_),
+      : x(input), cos(c.cos), sin(c.sin), attn_mask(c.attn_mask), chunk_mask(c.chunk_mask), q_scale(c.q_scale),
+        segment_ids(c.segment_ids), token_mask(c.token_mask), dy(dy_),
         drouter(dr) {}
 
-  std::vector<at::Tensor> pack() const { return {x, cos, sin, attn_mask, chunk_mask, q_scale, dy, drouter}; }
+  std::vector<at::Tensor> pack() const {
+    return {x, cos, sin, attn_mask, chunk_mask, q_scale, segment_ids, token_mask, dy, drouter};
+  }
   static BlockUseInputs unpack(const std::vector<at::Tensor>& in) {
-    BlockUseInputs u(in[0], {}, in[6], in[7]);
+    BlockUseInputs u(in[0], {}, in[8], in[9]);
     u.cos = in[1];
     u.sin = in[2];
     u.attn_mask = in[3];
     u.chunk_mask = in[4];
     u.q_scale = in[5];
+    u.segment_ids = in[6];
+    u.token_mask = in[7];
     return u;
   }
   // `c` (the micro-batch's context: training, router capture) reading these tensors.
@@ -42,6 +47,8 @@ struct BlockUseInputs {
     c.attn_mask = attn_mask;
     c.chunk_mask = chunk_mask;
     c.q_scale = q_scale;
+    c.segment_ids = segment_ids;
+    c.token_mask = token_mask;
     return c;
   }
 };

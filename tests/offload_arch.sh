@@ -13,7 +13,8 @@
 # bitwise with its homes on disk (expert_offload_homes: disk: the file holds the arenas whatever
 # they encode); an MXFP4 file is rebuilt for an NF4 run, the log naming the difference.
 # gemma4_params: Gemma 4 with LoRA on its fused experts (lora_target_parameters); mistral4_mm:
-# Mistral Small 4 as the Hub ships it (the text model inside Mistral 3's multimodal wrapper).
+# Mistral Small 4 as the Hub ships it (the text model inside Mistral 3's multimodal wrapper); qwen3_next:
+# Qwen3-Next's gated delta-rule layers recomputed in the step's backward beside its gated attention.
 # usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON   (EO_OFFLOAD_ARCHS="a b": those families only)
 set -uo pipefail
 source "$2/tests/testlib.sh"
@@ -77,6 +78,16 @@ names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').ke
 ok = all(any(f'layers.{i}.experts.base_layer.lora_A.weight' in n for n in names) for i in range(3))
 t = json.load(open('$tmp/$arch/resident/adapter_config.json'))['target_parameters']
 sys.exit(0 if ok and t == ['experts.gate_up_proj', 'experts.down_proj'] else 1)"
+    continue
+  fi
+  if [ $arch = qwen3_next ]; then  # delta-rule layers 0-2, full attention on 3, the gated shared expert; experts fused only
+    check "$arch: adapter has the delta-rule layers', the gated attention's and the shared expert's LoRA" "$py" -c "
+import sys; from safetensors import safe_open
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+ok = all(any(f'layers.{i}.linear_attn.{m}.lora_A' in n for n in names) for i in (0, 1, 2)
+         for m in ('in_proj_qkvz', 'in_proj_ba', 'out_proj'))
+ok = ok and any('layers.3.self_attn.q_proj.lora_B' in n for n in names) and any('shared_expert_gate.lora_A' in n for n in names)
+sys.exit(0 if ok and any('.mlp.shared_expert.up_proj.lora_A' in n for n in names) and not any('.experts.' in n for n in names) else 1)"
     continue
   fi
   if [ $arch = llama4 ]; then  # dense layers 0, 2; MoE layers 1, 3 with the shared expert; no routed expert

@@ -19,7 +19,8 @@ set_tests_properties(train_peft_check_layers PROPERTIES LABELS ref TIMEOUT 600
 # GLM-4.7-Flash's (latent attention, a dense layer before the sparse ones), and Gemma 4, Mistral
 # Small 4 and Llama 4 as the Hub ships them (multimodal wrappers: the text model
 # trained, the vision tower not).
-foreach(arch mistral4_scaled glm4_moe_lite_grouped gemma4_mm mistral4_mm llama4_mm)
+# Qwen3-Next and Qwen3.5-MoE (its multimodal wrapper): LoRA on the gated delta-rule layers' projections.
+foreach(arch mistral4_scaled glm4_moe_lite_grouped gemma4_mm mistral4_mm llama4_mm qwen3_next qwen3_5_moe_mm)
   add_test(NAME train_peft_check_${arch}
            COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
                    $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_${arch} ${arch})
@@ -67,9 +68,9 @@ set_tests_properties(axolotl_examples PROPERTIES LABELS ref TIMEOUT 600
                      PASS_REGULAR_EXPRESSION "axolotl_examples: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
 # axolotl 0.19.0's own example configs on the architectures eo-ddp trains (tests/axolotl_examples/upstream):
 # each passes --check and trains 3 steps, or is refused with exactly the reasons expect.tsv lists.
-# Split by the corpus's folders into three tests that ctest -j runs side by side (COST: first).
+# Split by the corpus's folders into four tests that ctest -j runs side by side (COST: first).
 foreach(group "a=archived/ deepseek-v2/ expert_parallel/ gemma4/ glm45/ glm47-flash/" "b=gpt-oss/ llama-4/"
-              "c=mistral/ mistral4/ qwen3/ qwen3-next/")
+              "c=mistral/ mistral4/ qwen3/" "d=qwen3-next/ qwen3.5/ minimax/")
   string(SUBSTRING "${group}" 0 1 name)
   string(SUBSTRING "${group}" 2 -1 folders)
   add_test(NAME axolotl_upstream_${name} COMMAND ${PROJECT_SOURCE_DIR}/tests/axolotl_upstream.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})

@@ -56,14 +56,17 @@ BASE_MODEL_ARCH = [
     (r"gemma-4-26B-A4B$", "gemma4"),
     # Scout and Maverick (axolotl's examples use its linearized NF4 checkpoints of them).
     (r"Llama-4-(Scout|Maverick)", "llama4"),
-    # A few of architectures eo-ddp does not train (see UNSUPPORTED_SAMPLE).
     (r"Qwen3-Next-80B-A3B-Instruct$", "qwen3_next"),
+    # Qwen3.5's MoE models as the Hub ships them: the multimodal wrapper around qwen3_5_moe_text.
+    (r"Qwen3\.5-(35B-A3B|122B-A10B)", "qwen3_5_moe"),
+    (r"MiniMax-M2$", "minimax_m2"),
 ]
 SUPPORTED = {"qwen3_moe", "qwen3_moe_nvfp4", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v2",
-             "deepseek_v3", "gpt_oss", "gemma4", "llama4", "mistral3_mistral4"}
+             "deepseek_v3", "gpt_oss", "gemma4", "llama4", "mistral3_mistral4", "qwen3_next", "qwen3_5_moe",
+             "minimax_m2"}
 # Adapter configs of unsupported architectures kept in the corpus: each must list the model_type
 # error together with its key problems in one run.
-UNSUPPORTED_SAMPLE = {"qwen3-next/qwen3-next-80b-a3b-qlora.yaml"}
+UNSUPPORTED_SAMPLE = set()
 
 
 def arch_of(base_model):
@@ -96,8 +99,7 @@ EXTRA = {
     "mistral4/qlora-vision.yml": ["processor_type: not supported"],
     "llama-4/scout-vision-qlora-fsdp2-flex.yaml": ["processor_type: not supported"],
     "llama-4/do-no-use-fa2/scout-vision-qlora-fsdp.yaml": ["processor_type: not supported"],
-    # Qwen3-Next's gated shared expert: a module eo-ddp knows of no architecture it trains.
-    "qwen3-next/qwen3-next-80b-a3b-qlora.yaml": ["unknown module 'shared_expert_gate'"],
+    "qwen3.5/35b-a3b-moe-vision-lora.yaml": ["processor_type: not supported"],
 }
 # Refused for what eo-ddp does not implement (not an in-scope rejection): a gap, listed as such.
 # None left: the last, qwen3/30b-a3b-nvfp4-lora.yaml's nvfp4_merge_aware, is implemented.
@@ -259,7 +261,7 @@ def make_model(arch, out, root):
                         "--per-expert-experts", "--out", out], check=True, stdout=subprocess.DEVNULL)
     elif arch in SUPPORTED:
         # Gemma 4 and Mistral Small 4 as the Hub ships them: a multimodal wrapper around the MoE text model.
-        tiny = {"gemma4": "gemma4_mm", "mistral3_mistral4": "mistral4_mm"}.get(arch, arch)
+        tiny = {"gemma4": "gemma4_mm", "mistral3_mistral4": "mistral4_mm", "qwen3_5_moe": "qwen3_5_moe_mm"}.get(arch, arch)
         subprocess.run([sys.executable, os.path.join(root, "tools", "make_tiny_model.py"), "--arch", tiny, "--out", out],
                        check=True, stdout=subprocess.DEVNULL)
     else:

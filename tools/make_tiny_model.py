@@ -18,7 +18,11 @@ true while text_config's is false), llama4 (Llama 4's text model,
 Llama4ForCausalLM, with its unusual options on: dense and MoE layers interleaved, a NoPE layer with
 temperature tuning inside the test sequences, chunked attention with a chunk shorter than them, L2
 q/k norm, llama3 RoPE scaling, top-2 routing) and llama4_mm (a Scout-like text model inside
-Llama4ForConditionalGeneration with a one-layer vision tower: language_model.model.*, vision_model.*).
+Llama4ForConditionalGeneration with a one-layer vision tower: language_model.model.*, vision_model.*),
+qwen3_next (Qwen3-Next: gated delta-rule layers beside a gated full-attention layer, (1 + w) norms, a
+gated shared expert) and qwen3_5_moe_mm (Qwen3.5-MoE's text model inside
+Qwen3_5MoeForConditionalGeneration with a one-layer vision tower: model.language_model.*, model.visual.*),
+minimax_m2 (MiniMax-M2: Mixtral's storage, a sigmoid router with its correction bias, whole q/k norms).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -243,12 +247,50 @@ def make_config(arch):
                                                  num_attention_heads=2, image_size=28, patch_size=14,
                                                  vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
         return transformers.Llama4Config(text_config=text, vision_config=vision)
+    if arch == "qwen3_next":
+        # 4 layers: gated delta-rule layers 0-2 and full attention on layer 3 (full_attention_interval
+        # 4), every layer sparse as the 80B; 2 key heads serving 4 value heads, a conv of 4 taps, a
+        # quarter of each attention head rotated, a sigmoid-gated shared expert.
+        return transformers.Qwen3NextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, num_experts=6,
+                                            num_experts_per_tok=2, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=24, intermediate_size=48,
+                                            linear_num_key_heads=2, linear_num_value_heads=4,
+                                            linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                                            norm_topk_prob=True, router_aux_loss_coef=0.01,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                             "partial_rotary_factor": 0.25})
+    if arch == "minimax_m2":
+        # MiniMax-M2: sigmoid router with a correction bias (beside the router, in the MoE block), top-2
+        # of 6 renormalised, q/k norms over the whole projections, half of each head rotated.
+        return transformers.MiniMaxM2Config(**COMMON, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+                                            intermediate_size=32, router_aux_loss_coef=0.01, bos_token_id=None,
+                                            eos_token_id=None,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                             "partial_rotary_factor": 0.5})
+    if arch == "qwen3_5_moe_mm":
+        # Qwen3.5-MoE as the Hub ships it: the text model inside Qwen3_5MoeForConditionalGeneration
+        # with a one-layer vision tower (model.language_model.*, model.visual.*); its delta-rule
+        # layers have four projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); every layer
+        # sparse; interleaved M-RoPE on a quarter of each head (plain RoPE for text).
+        text = transformers.Qwen3_5MoeTextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, num_experts=6,
+                                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=24, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4, linear_key_head_dim=8,
+                                                 linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                                                 router_aux_loss_coef=0.01,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
+                                                                  "partial_rotary_factor": 0.25,
+                                                                  "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+        vision = transformers.Qwen3_5MoeVisionConfig(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                                                     patch_size=8, out_hidden_size=64, num_position_embeddings=16)
+        return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
     raise SystemExit(f"unknown --arch {arch}")
 
 
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
          "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss", "glm4_moe_lite", "glm4_moe_lite_grouped",
-         "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm", "mistral4_mm", "llama4", "llama4_mm"]
+         "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm", "mistral4_mm", "llama4", "llama4_mm", "qwen3_next",
+         "qwen3_5_moe_mm", "minimax_m2"]
 
 
 def fuse_experts(path, cfg):
@@ -256,10 +298,12 @@ def fuse_experts(path, cfg):
     if cfg.model_type.startswith(("gemma4", "llama4")) or cfg.model_type in ("mistral4", "mistral3"):
         return  # saved fused already (transformers 5 has no per-expert form of these families' experts)
     sd = load_file(path)
+    dec = "model.language_model." if cfg.model_type == "qwen3_5_moe" else "model."  # the multimodal wrapper's decoder
+    cfg = getattr(cfg, "text_config", None) or cfg
     n_exp = getattr(cfg, "num_experts", None) or cfg.num_local_experts
     names = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     for layer in range(cfg.num_hidden_layers):
-        for prefix in (f"model.layers.{layer}.mlp.experts", f"model.layers.{layer}.block_sparse_moe.experts"):
+        for prefix in (f"{dec}layers.{layer}.mlp.experts", f"{dec}layers.{layer}.block_sparse_moe.experts"):
             mix = "block_sparse_moe" in prefix
             key = lambda e, m: f"{prefix}.{e}.{ {'gate': 'w1', 'up': 'w3', 'down': 'w2'}[m] if mix else names[m]}.weight"
             if key(0, "gate") not in sd:
@@ -343,6 +387,8 @@ def main():
         model = transformers.Gemma4ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
     elif cfg.model_type == "mistral3":
         model = transformers.Mistral3ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
+    elif cfg.model_type == "qwen3_5_moe":  # the multimodal wrapper
+        model = transformers.Qwen3_5MoeForConditionalGeneration._from_config(cfg, dtype=torch.float32)
     elif cfg.model_type == "llama4":  # the multimodal wrapper
         model = transformers.Llama4ForConditionalGeneration._from_config(cfg, dtype=torch.float32)
     else:

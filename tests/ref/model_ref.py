@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(HERE, "..", "..", "tools", "make_tiny_model.py")
 R, ALPHA = 4, 8.0
 SCALING = ALPHA / R
-MIX = ARCH == "mixtral"
+MIX = ARCH in ("mixtral", "minimax_m2")  # block_sparse_moe, w1 / w3 / w2
 # gpt-oss's experts only exist fused (peft reaches them through target_parameters, another adapter
 # format): its LoRA reference covers attention only.
 GPT_OSS = ARCH == "gpt_oss"
@@ -65,7 +65,8 @@ for d, extra in ((model_dir, []), (fused_dir, ["--per-expert-experts" if LLAMA4 
 # The *_mm fixtures are multimodal wrappers: their text model is model.language_model (peft's names),
 # and a vision tower with linears of the same short names, which exclude_modules keeps out of the adapter.
 WRAPPERS = {"mistral4_mm": transformers.Mistral3ForConditionalGeneration,
-            "gemma4_mm": transformers.Gemma4ForConditionalGeneration}
+            "gemma4_mm": transformers.Gemma4ForConditionalGeneration,
+            "qwen3_5_moe_mm": transformers.Qwen3_5MoeForConditionalGeneration}
 CAUSAL_LM = WRAPPERS.get(ARCH) or (transformers.Mistral4ForCausalLM if ARCH.startswith("mistral4")
                                    else transformers.AutoModelForCausalLM)
 DEC = "model.language_model." if ARCH in WRAPPERS else "model."
@@ -85,6 +86,11 @@ if "kv_lora_rank" in cfg:  # DeepSeek latent attention (peft's names for its lin
         ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 else:
     ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Gated delta-rule layers (Qwen3-Next): peft's names of their linears, as axolotl's config targets them.
+LINEAR_ATTN = "linear_num_value_heads" in cfg
+if LINEAR_ATTN:  # Qwen3.5 has four input projections where Qwen3-Next has two
+    ATTN += (["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"] if cfg["model_type"] == "qwen3_5_moe_text"
+             else ["in_proj_qkvz", "in_proj_ba"]) + ["out_proj", "shared_expert_gate"]  # the gate: peft's own layer
 TARGETS = ATTN + ([] if GPT_OSS else MLP_NAMES)
 V = cfg["vocab_size"]
 g = torch.Generator().manual_seed(11)
@@ -105,6 +111,30 @@ with torch.no_grad():
     ref["has_aux_loss"] = torch.tensor([int(aux is not None)])
     if aux is not None:
         ref["aux_loss"] = aux.reshape(1).float()
+
+# ---- packed rows (delta-rule families): row 0 as two documents of 7 and 6 tokens, each run alone
+# by transformers (its torch fallback has no per-document conv or state reset); the packed row's
+# label at the second document's first token is -100, so both count the same targets.
+DOCS = (7, 6)
+packed_labels = labels[0].clone()
+packed_labels[DOCS[0]] = -100
+ref["packed_labels"] = packed_labels.reshape(1, -1)
+
+
+def packed_run(m):
+    outs, total, starts = [], 0.0, (0, DOCS[0])
+    for s0, n in zip(starts, DOCS):
+        x, lab = ids[0:1, s0:s0 + n], packed_labels[None, s0:s0 + n]
+        o = m(input_ids=x, labels=lab)
+        total = total + o.loss * int((lab[:, 1:] != -100).sum())
+        outs.append(o.logits)
+    return torch.cat(outs, 1), total
+
+
+if LINEAR_ATTN:
+    with torch.no_grad():
+        lp, lsum = packed_run(model)
+        ref["logits_packed"], ref["loss_sum_packed"] = lp, lsum.reshape(1)
 
 # ---- score: mean over every counted token of the file
 lines = []
@@ -201,7 +231,13 @@ for i, layer in enumerate([] if GPT_OSS else decoder.layers):
                 lin = getattr(mod, nm)
                 setattr(mod, nm, LoraLinear(lin, lora_pair(f"model.layers.{i}.{path}.{nm}", lin.in_features, lin.out_features)))
         continue
-    if hasattr(mlp, "experts"):
+    if hasattr(mlp, "experts") and LINEAR_ATTN:
+        # Qwen3-Next / Qwen3.5: no per-expert modules in peft or eo-ddp (fused only): the shared expert's.
+        for nm in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp.shared_expert, nm)
+            setattr(mlp.shared_expert, nm, LoraLinear(lin, lora_pair(f"{DEC}layers.{i}.mlp.shared_expert.{nm}",
+                                                                     lin.in_features, lin.out_features)))
+    elif hasattr(mlp, "experts"):
         ex = mlp.experts
         E, I, H = ex.down_proj.shape[0], ex.down_proj.shape[2], ex.down_proj.shape[1]
         ex.lora = [[lora_pair(f"{DEC}layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
@@ -231,6 +267,16 @@ for n, p in peft_model.named_parameters():
 for n, p in manual.items():  # an expert that got no token has no gradient: zero
     ref["grad." + n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
     adapter[n] = p.detach().clone()
+if LINEAR_ATTN:  # the LoRA model on the packed row: logits, summed loss and every gradient
+    lora_leaves = {n.replace(".default", ""): p for n, p in peft_model.named_parameters() if "lora_" in n}
+    lora_leaves.update(manual)
+    for p in lora_leaves.values():
+        p.grad = None
+    lp, lsum = packed_run(peft_model)
+    lsum.backward()
+    ref["logits_packed_lora"], ref["loss_sum_packed_lora"] = lp.detach(), lsum.detach().reshape(1)
+    for n, p in lora_leaves.items():
+        ref["grad_packed." + n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
 peft_model.save_pretrained(adapter_dir)  # peft's adapter_config.json and file ...
 assert set(load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))) <= set(adapter)
 save_file(adapter, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})  # ... + MLP/experts
@@ -275,6 +321,8 @@ def nf4(w):
 disk = load_file(os.path.join(model_dir, "model.safetensors"))
 disk_dec = next(k for k in disk if k.endswith("embed_tokens.weight"))[: -len("embed_tokens.weight")]  # as saved
 attn_key = f"{disk_dec}layers.1.self_attn.{ATTN[0]}.weight"
+if LINEAR_ATTN:  # layer 1 is a delta-rule layer: its first projection (ATTN: q/k/v/o, then it)
+    attn_key = f"{disk_dec}layers.1.linear_attn.{ATTN[4]}.weight"
 # A per-expert weight; mistral4's checkpoint holds its experts only fused (transformers 5.24 saves
 # them so): a shared expert's instead.
 # Gemma 4's experts are fused only too, and it has no shared expert: its dense MLP's.
@@ -289,8 +337,8 @@ model = load()
 with torch.no_grad():
     for n, p in model.named_parameters():
         if ".layers." not in n or "norm" in n or n.endswith(".gate.weight") or "shared_expert_gate" in n \
-                or n.endswith("bias") or ".router." in n or n.endswith(".sinks"):
-            continue  # norms, routers, shared-expert gate, biases and sinks stay unquantised
+                or n.endswith("bias") or ".router." in n or n.endswith(".sinks") or "conv1d" in n or n.endswith("A_log"):
+            continue  # norms, routers, shared-expert gate, biases, sinks and the delta-rule conv and decay stay unquantised
         if GPT_OSS and n.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate / up interleaved columns
             for e in range(p.shape[0]):
                 p[e, :, 0::2] = nf4(p[e, :, 0::2].T.contiguous()).T

@@ -9,7 +9,9 @@ Gemma 4: and its dense MLP, which peft adapts as plain linears). gemma4_mm and m
 and Mistral Small 4's multimodal checkpoints: eo-ddp trains the text model and says the vision tower is
 not trained; peft loads the adapter onto Gemma4ForConditionalGeneration / Mistral3ForConditionalGeneration
 (its exclude_modules keep the vision tower out); llama4_mm likewise Llama 4's
-(Llama4ForConditionalGeneration, language_model.model.*; LoRA on its attention and shared experts).
+(Llama4ForConditionalGeneration, language_model.model.*; LoRA on its attention and shared experts);
+qwen3_next and qwen3_5_moe_mm (Qwen3_5MoeForConditionalGeneration) with LoRA on the delta-rule layers'
+projections and the shared expert's gate too.
 --layers trains with peft_layers_to_transform: [I, J, ...]; the modules the adapter holds must then
 be those peft's own matching (check_target_module_exists with layers_to_transform) selects.
 
@@ -74,6 +76,14 @@ if ARCH:
             ", kv_a_proj_with_mqa, kv_b_proj, o_proj]"
     if ARCH.startswith(("gemma4", "llama4")):
         targets = "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
+    if "linear_num_value_heads" in cfg:
+        # Qwen3-Next / Qwen3.5: and the delta-rule layers' projections and the shared expert's gate. Not
+        # the shared expert's gate/up/down_proj: for these model types peft 0.21 re-maps every target
+        # ending in gate_proj, up_proj or down_proj onto the fused experts' parameters (its
+        # transformers_weight_conversion), so no adapter of those modules loads in PeftModel.
+        targets = "[q_proj, k_proj, v_proj, o_proj, " + ("in_proj_qkv, in_proj_z, in_proj_b, in_proj_a" if
+                                                         cfg["model_type"] == "qwen3_5_moe_text" else
+                                                         "in_proj_qkvz, in_proj_ba") + ", out_proj, shared_expert_gate]"
     extra = ["--set", "base_model=" + MODEL, "--set", "sequence_len=64"]
 if LAYERS:
     extra += ["--set", "peft_layers_to_transform=[" + ", ".join(map(str, LAYERS)) + "]"]
@@ -90,7 +100,7 @@ if ARCH in WRAPPERS:
     # Gemma 4 is made with audio_config None).
     check("vision tower is not loaded and not trained" in train.stderr and "audio" not in train.stderr,
           "the log names the multimodal checkpoint's towers as its config.json does: a vision tower")
-if ARCH == "llama4_mm":
+if ARCH in ("llama4_mm", "qwen3_5_moe_mm"):
     check("vision tower is not loaded and not trained" in train.stderr,
           "the log says the multimodal checkpoint's vision tower is not trained")
 
@@ -142,6 +152,7 @@ def reference_score(model):
 # ---- 2. transformers + peft
 # transformers 5.24 maps mistral4 to no causal-LM auto class (only inside Mistral 3's multimodal model).
 causal_lm = WRAPPERS.get(ARCH) or (transformers.Llama4ForConditionalGeneration if ARCH == "llama4_mm" else
+                                   transformers.Qwen3_5MoeForConditionalGeneration if ARCH == "qwen3_5_moe_mm" else
                                    transformers.Mistral4ForCausalLM if ARCH and ARCH.startswith("mistral4")
                                    else transformers.AutoModelForCausalLM)
 model = causal_lm.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager").eval()
