@@ -101,14 +101,8 @@ int open_nofollow(const std::string& path, int flags, mode_t mode) {
   EO_FAIL("cannot open ", path, ": ", std::strerror(err));
 }
 
-bool read_file_nofollow(const std::string& path, std::string& out) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0) return false;
-  const int fd = open_nofollow(path, O_RDONLY | O_NONBLOCK);  // a FIFO planted here must not block
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    EO_FAIL(path, " is not a regular file");
-  }
+// Reads fd to its end into out and closes it; past max_bytes (0: no bound) a UsageError names the file.
+static void read_to_end(int fd, const std::string& path, std::string& out, const std::string& what, std::uint64_t max_bytes) {
   out.clear();
   char buf[65536];
   for (;;) {
@@ -121,8 +115,24 @@ bool read_file_nofollow(const std::string& path, std::string& out) {
     }
     if (n == 0) break;
     out.append(buf, static_cast<std::size_t>(n));
+    // The file grew while read (a log being written): still bounded.
+    if (max_bytes > 0 && out.size() > max_bytes) {
+      ::close(fd);
+      throw UsageError(what + " " + path + " grew past " + std::to_string(max_bytes >> 20) + " MiB while read");
+    }
   }
   ::close(fd);
+}
+
+bool read_file_nofollow(const std::string& path, std::string& out) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return false;
+  const int fd = open_nofollow(path, O_RDONLY | O_NONBLOCK);  // a FIFO planted here must not block
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    EO_FAIL(path, " is not a regular file");
+  }
+  read_to_end(fd, path, out, "", 0);
   return true;
 }
 
@@ -164,25 +174,7 @@ bool read_input_file(const std::string& path, std::string& out, const std::strin
     if (errno == ENOENT || errno == ENOTDIR) return false;
     throw UsageError("cannot read " + what + " " + path + ": " + std::strerror(errno));
   }
-  out.clear();
-  char buf[65536];
-  for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      EO_FAIL("reading ", path, " failed: ", std::strerror(err));
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<std::size_t>(n));
-    // The file grew while read (a log being written): still bounded.
-    if (max_bytes > 0 && out.size() > max_bytes) {
-      ::close(fd);
-      throw UsageError(what + " " + path + " grew past " + std::to_string(max_bytes >> 20) + " MiB while read");
-    }
-  }
-  ::close(fd);
+  read_to_end(fd, path, out, what, max_bytes);
   return true;
 }
 

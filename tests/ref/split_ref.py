@@ -62,8 +62,10 @@ for (split, (lo, hi)), out in zip(expected.items(), files):
     check(got == want, f"{split}: rows {lo}..{hi - 1} of {N} ({len(got)} kept)")
 
 bad = {"datasets": [{"path": data, "type": "completion", "split": "test"}]}
-p = subprocess.run([EO, "--check", "--config", "/dev/stdin"], input=json.dumps(dict(
-    base_model=MODEL, adapter="lora", output_dir=os.path.join(WORK, "out"), **bad)), capture_output=True, text=True)
+bad_config = os.path.join(WORK, "bad_split.yaml")
+with open(bad_config, "w") as f:
+    json.dump(dict(base_model=MODEL, adapter="lora", output_dir=os.path.join(WORK, "out"), **bad), f)
+p = subprocess.run([EO, "--check", "--config", bad_config], capture_output=True, text=True)
 check(p.returncode == 2 and "datasets.0.split: 'test': a local JSON lines file is the split train" in p.stderr + p.stdout,
       "another split name is refused")
 
