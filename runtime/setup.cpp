@@ -531,6 +531,7 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, dd
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
   PlanFit fit = check_memory_plan(cfg, asked, run.device);
   run.spec = fit.spec;
+  run.adapter = adapter_record(cfg);
   if (run.spec.offload) check_host_memory_for_homes(cfg, run.spec, world, run.device);
   load_run_data(cfg, run, wi);
   fit.graphs.counts_on_host = load_model(cfg, run, world);
