@@ -251,7 +251,7 @@ TEST_F(TrainStateTest, AdapterConfigHasOneAtomicWriter) {
     std::ofstream(dir_ / (d.filename().string() + ".victim")) << "precious\n";
     fs::create_symlink(dir_ / (d.filename().string() + ".victim"), d / "adapter_config.json");
   }
-  eo::write_adapter(a.string(), {{"base_model.model.x.q_proj.lora_A.weight", at::ones({4, 2})}}, c);
+  eo::write_adapter(a.string(), {{"base_model.model.x.q_proj.lora_A.weight", at::ones({4, 2})}}, eo::adapter_record(c));
   eo::model::write_adapter_config(b.string(), eo::lora_spec(c), c.base_model);
   for (const fs::path& d : {a, b}) {
     EXPECT_EQ(read_text(dir_ / (d.filename().string() + ".victim")), "precious\n") << d;
@@ -401,7 +401,7 @@ TEST_F(TrainStateTest, NonFiniteValuesAreNeverSavedAndRefusedOnLoad) {
   EXPECT_FALSE(fs::exists(ckpt(3)));
   TrainingState inf = s;
   inf.lora = {{"base_model.model.x.lora_A.weight", at::full({2, 2}, std::numeric_limits<float>::infinity())}};
-  EXPECT_THROW(eo::write_adapter((dir_ / "final").string(), inf.lora, config()), eo::Error);
+  EXPECT_THROW(eo::write_adapter((dir_ / "final").string(), inf.lora, eo::adapter_record(config())), eo::Error);
   EXPECT_FALSE(fs::exists(dir_ / "final" / "adapter_model.safetensors"));
 
   // An older checkpoint: no checksums, format 1; then NaN in its optimizer state.
