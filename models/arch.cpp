@@ -77,6 +77,13 @@ const std::vector<Family>& families() {
        "shared_experts", {"w1", "w3", "w2"}, true, true, "mlp.experts", {}, true, false,
        1e-6, 128, 0.001, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_minimax_m2, nullptr,
        "block_sparse_moe.e_score_correction_bias"},
+      // ERNIE-4.5-MoE: softmax router with the correction bias for the choice (mlp.moe_statics),
+      // ungated shared experts, dense layers outside moe_layer_start / end / interval, interleaved
+      // RoPE pairs; its rotary embedding reads no partial_rotary_factor.
+      {Arch::Ernie45Moe, "ernie4_5_moe", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts",
+       {"gate_proj", "up_proj", "down_proj"}, true, true, "mlp.experts", {}, false, false,
+       1e-5, 0, 0.001, true, 1.0, false, RopePairs::Interleaved, false, ExpertStorage::Standard, read_ernie4_5_moe, nullptr,
+       "mlp.moe_statics.e_score_correction_bias"},
   };
   return rows;
 }

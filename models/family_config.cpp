@@ -303,4 +303,35 @@ void read_minimax_m2(const ConfigFields& f, ModelConfig& c) {
   c.qk_norm = QkNorm::Whole;
 }
 
+// Ernie4_5_MoeConfig: layer i is sparse when (i + 1) % moe_layer_interval == 0 and
+// moe_layer_start_index <= i <= moe_layer_end_index (-1: the last layer), else a dense MLP of
+// intermediate_size; Ernie4_5_MoeTopKRouter: fp32 softmax, the top-k chosen on softmax +
+// moe_statics' correction bias, weighted by the unbiased softmax renormalised (its clamp at
+// moe_norm_min cannot bind: the top-k of a softmax sum to at least k / E); the shared experts one
+// ungated MLP of moe_intermediate_size × moe_num_shared_experts; embeddings tied by default.
+void read_ernie4_5_moe(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.has("moe_num_experts") ? f.integer("moe_num_experts") : f.integer("num_experts", 64);
+  c.top_k = f.has("moe_k") ? f.integer("moe_k") : f.integer("num_experts_per_tok", 6);
+  c.expert_width = f.integer("moe_intermediate_size", 1536);
+  c.dense_width = f.integer("intermediate_size", 12288);
+  c.shared_expert_width = c.expert_width * f.integer("moe_num_shared_experts", 2);
+  c.norm_topk_prob = true;
+  c.router.score = RouterScore::Softmax;
+  c.router.correction_bias = true;
+  c.router.fp32 = true;
+  c.tie_word_embeddings = f.boolean("tie_word_embeddings", true);
+  if (f.boolean("use_bias", false))
+    throw UsageError(f.source + ": use_bias true is not supported for ernie4_5_moe (it puts a bias on lm_head too, "
+                     "which eo-ddp's LM head does not have); ERNIE-4.5's released checkpoints set it false");
+  const int start = f.small_integer("moe_layer_start_index", 1);
+  const int interval = f.small_integer("moe_layer_interval", 1);
+  int end = f.small_integer("moe_layer_end_index", -1);
+  if (end == -1) end = static_cast<int>(c.layers) - 1;
+  if (start < 0) throw UsageError(f.source + ": moe_layer_start_index must be >= 0");
+  require_positive(interval, "moe_layer_interval", f.source);
+  c.first_k_dense = start;
+  c.decoder_sparse_step = interval;
+  for (int l = std::max(end + 1, 0); l < c.layers; ++l) c.mlp_only_layers.push_back(l);
+}
+
 }  // namespace eo::model

@@ -12,7 +12,7 @@ file(MAKE_DIRECTORY ${EO_MODEL_REF_ROOT})  # flock needs the folder for its lock
 # inside Mistral 3's multimodal wrapper as the Hub ships Mistral Small 4 (mistral4_mm).
 foreach(arch qwen3_moe olmoe mixtral qwen2_moe glm4_moe glm4_moe_grouped deepseek_v2 deepseek_v2_grouped deepseek_v3
         deepseek_v3_yarn gpt_oss glm4_moe_lite glm4_moe_lite_grouped mistral4_scaled mistral4_mm gemma4 gemma4_kv llama4
-        qwen3_next qwen3_5_moe_mm minimax_m2)
+        qwen3_next qwen3_5_moe_mm minimax_m2 ernie4_5_moe)
   add_test(NAME model_ref_${arch}
            COMMAND flock ${EO_MODEL_REF_ROOT}/${arch}.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/model_ref.py ${arch} ${EO_MODEL_REF_ROOT})
   set_tests_properties(model_ref_${arch} PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref

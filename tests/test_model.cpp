@@ -274,12 +274,12 @@ INSTANTIATE_TEST_SUITE_P(Arch, FusedParity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv",
-                                           "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2"));
+                                           "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4",
-                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2"));
+                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -345,12 +345,12 @@ TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
     // Only where per-expert modules exist can a family have names of its own for them.
     if (!f.per_expert_lora) EXPECT_EQ(std::string(f.expert_linears[0]), "gate_proj") << f.model_type;
   }
-  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::MinimaxM2) + 1);
+  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::Ernie45Moe) + 1);
   EXPECT_EQ(model::expert_linear_names(), (std::vector<std::string>{"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"}));
   EXPECT_EQ(model::supported_model_types(),
             "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, "
             "gemma4 (gemma4_text), llama4 (llama4_text), qwen3_next, qwen3_5_moe (qwen3_5_moe_text), minimax_m2, "
-            "mistral3 (around mistral4)");
+            "ernie4_5_moe, mistral3 (around mistral4)");
 }
 
 TEST(HfConfig, ParsesQwen3AndLayerKinds) {
@@ -664,7 +664,7 @@ TEST(Lora, Llama4TargetParametersBesideItsSharedExpert) {
 // restarting) against transformers run on each document alone, the conv1d window and the delta
 // rule's state restarting at the second; then with the LoRA on every linear (delta-rule
 // projections, gated attention, experts, shared expert): logits, summed loss and every gradient
-// against peft's. `linears`: each delta-rule layer's LoRA-carrying linears.
+// against peft's. `linears`: each delta-rule layer's LoRA-carrying linears (0: a family without them).
 void expect_packed_rows_match_transformers(const std::string& arch, std::size_t linears) {
   SCOPED_TRACE(arch);
   const std::string dir = ref_dir(arch);
@@ -716,6 +716,8 @@ void expect_packed_rows_match_transformers(const std::string& arch, std::size_t 
 
 TEST(Model, Qwen3NextPackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("qwen3_next", 3); }
 TEST(Model, Qwen35MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("qwen3_5_moe_mm", 5); }
+// ERNIE-4.5-MoE: no delta-rule layers; the packed row against each document alone, base and LoRA.
+TEST(Model, Ernie45MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("ernie4_5_moe", 0); }
 
 // Qwen3-Next's layer kinds and LoRA names as transformers 5.24's Qwen3NextConfig and peft give them.
 TEST(HfConfig, Qwen3NextLayersAndModuleNames) {

@@ -112,13 +112,15 @@ with torch.no_grad():
     if aux is not None:
         ref["aux_loss"] = aux.reshape(1).float()
 
-# ---- packed rows (delta-rule families): row 0 as two documents of 7 and 6 tokens, each run alone
-# by transformers (its torch fallback has no per-document conv or state reset); the packed row's
-# label at the second document's first token is -100, so both count the same targets.
+# ---- packed rows (delta-rule families, and the plain-attention families added since): row 0 as two
+# documents of 7 and 6 tokens, each run alone by transformers (its torch fallback has no per-document
+# conv or state reset); the packed row's label at the second document's first token is -100, so both
+# count the same targets.
 DOCS = (7, 6)
 packed_labels = labels[0].clone()
 packed_labels[DOCS[0]] = -100
 ref["packed_labels"] = packed_labels.reshape(1, -1)
+PACKED = LINEAR_ATTN or ARCH in ("ernie4_5_moe",)
 
 
 def packed_run(m):
@@ -131,7 +133,7 @@ def packed_run(m):
     return torch.cat(outs, 1), total
 
 
-if LINEAR_ATTN:
+if PACKED:
     with torch.no_grad():
         lp, lsum = packed_run(model)
         ref["logits_packed"], ref["loss_sum_packed"] = lp, lsum.reshape(1)
@@ -267,7 +269,7 @@ for n, p in peft_model.named_parameters():
 for n, p in manual.items():  # an expert that got no token has no gradient: zero
     ref["grad." + n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
     adapter[n] = p.detach().clone()
-if LINEAR_ATTN:  # the LoRA model on the packed row: logits, summed loss and every gradient
+if PACKED:  # the LoRA model on the packed row: logits, summed loss and every gradient
     lora_leaves = {n.replace(".default", ""): p for n, p in peft_model.named_parameters() if "lora_" in n}
     lora_leaves.update(manual)
     for p in lora_leaves.values():
