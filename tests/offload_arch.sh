@@ -15,6 +15,8 @@
 # gemma4_params: Gemma 4 with LoRA on its fused experts (lora_target_parameters); mistral4_mm:
 # Mistral Small 4 as the Hub ships it (the text model inside Mistral 3's multimodal wrapper); qwen3_next:
 # Qwen3-Next's gated delta-rule layers recomputed in the step's backward beside its gated attention.
+# ernie4_5_moe: ERNIE-4.5-MoE (dense layers before and after the sparse ones, a softmax router with its
+# correction bias, shared experts, tied embeddings).
 # usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON   (EO_OFFLOAD_ARCHS="a b": those families only)
 set -uo pipefail
 source "$2/tests/testlib.sh"
