@@ -42,3 +42,12 @@ add_test(NAME nvfp4_merge_ref_qwen3_moe
 set_tests_properties(nvfp4_merge_ref_qwen3_moe PROPERTIES LABELS ref TIMEOUT 900 FIXTURES_SETUP model_ref
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
 file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/nvfp4_merge_ref)
+
+# The real shapes of the families added as one row each (configs/models): `eo-ddp plan` reads their
+# config.json as the Hub ships it and plans an offloaded QLoRA run of them.
+foreach(shape ernie-4.5-21b-a3b)
+  add_test(NAME plan_shape_${shape}
+           COMMAND $<TARGET_FILE:eo-ddp> plan --config ${PROJECT_SOURCE_DIR}/configs/bench/qwen3-30b-a3b-offload.yaml
+                   --set base_model=${PROJECT_SOURCE_DIR}/configs/models/${shape})
+  set_tests_properties(plan_shape_${shape} PROPERTIES LABELS unit TIMEOUT 60 PASS_REGULAR_EXPRESSION "peak VRAM +[0-9.]+ GiB")
+endforeach()

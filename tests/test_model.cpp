@@ -291,10 +291,11 @@ INSTANTIATE_TEST_SUITE_P(Arch, Parity,
 // device): qwen2_moe's shared expert and its gate, Llama 4's router and shared expert under
 // feed_forward with no per-expert modules, gpt-oss's experts fused only, Mixtral's w1 / w3 / w2.
 TEST(ArchTable, ModuleNamesAreTransformers) {
-  auto layer0 = [](const std::string& shape) {
+  auto layer0 = [](const std::string& shape, int layer = 0) {
     std::vector<std::string> out;
+    const std::string at = ".layers." + std::to_string(layer) + ".";
     for (const auto& m : model::hf_linear_modules(load_config(std::string(EO_SOURCE_DIR) + "/configs/models/" + shape))) {
-      const bool first = m.name.find(".layers.0.") != std::string::npos;
+      const bool first = m.name.find(at) != std::string::npos;
       if (first && m.name.find(".experts.") != std::string::npos && m.name.find(".experts.0.") == std::string::npos) continue;
       if (first || m.name == "lm_head") out.push_back(m.name + (m.adaptable ? "" : " (not adapted)"));
     }
@@ -324,6 +325,16 @@ TEST(ArchTable, ModuleNamesAreTransformers) {
   EXPECT_EQ(layer0("mixtral-8x7b"), (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj",
                                                                 b + "gate (not adapted)", b + "experts.0.w1", b + "experts.0.w3",
                                                                 b + "experts.0.w2", "lm_head (not adapted)"}));
+  // ERNIE-4.5-21B-A3B: layer 0 dense (moe_layer_start_index 1), layer 1 the router, experts and shared experts.
+  EXPECT_EQ(layer0("ernie-4.5-21b-a3b"), (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj",
+                                                                     m + "gate_proj", m + "up_proj", m + "down_proj",
+                                                                     "lm_head (not adapted)"}));
+  const std::string a1 = "model.layers.1.self_attn.", m1 = "model.layers.1.mlp.";
+  EXPECT_EQ(layer0("ernie-4.5-21b-a3b", 1),
+            (std::vector<std::string>{a1 + "q_proj", a1 + "k_proj", a1 + "v_proj", a1 + "o_proj", m1 + "gate (not adapted)",
+                                      m1 + "experts.0.gate_proj", m1 + "experts.0.up_proj", m1 + "experts.0.down_proj",
+                                      m1 + "shared_experts.gate_proj", m1 + "shared_experts.up_proj",
+                                      m1 + "shared_experts.down_proj", "lm_head (not adapted)"}));
 }
 
 TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
