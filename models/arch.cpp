@@ -84,6 +84,13 @@ const std::vector<Family>& families() {
        {"gate_proj", "up_proj", "down_proj"}, true, true, "mlp.experts", {}, false, false,
        1e-5, 0, 0.001, true, 1.0, false, RopePairs::Interleaved, false, ExpertStorage::Standard, read_ernie4_5_moe, nullptr,
        "mlp.moe_statics.e_score_correction_bias"},
+      // Hunyuan-MoE: the router's linear is mlp.gate.wg, one ungated shared_mlp beside the experts
+      // (both intermediate_size wide), per-head q/k norms named query_layernorm / key_layernorm and
+      // applied after RoPE, NTK-alpha RoPE; transformers computes no aux loss for it.
+      {Arch::HunyuanV1Moe, "hunyuan_v1_moe", "mlp", "mlp", "mlp.experts", "mlp.gate.wg", "shared_mlp",
+       {"gate_proj", "up_proj", "down_proj"}, true, true, "mlp.experts", {}, false, false,
+       1e-5, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_hunyuan_v1_moe, nullptr,
+       /*correction_bias=*/nullptr, "query_layernorm", "key_layernorm", /*rope_ntk_alpha=*/true},
   };
   return rows;
 }

@@ -1,5 +1,7 @@
 #include "models/family_config.h"
 
+#include <set>
+
 namespace eo::model {
 namespace {
 
@@ -332,6 +334,54 @@ void read_ernie4_5_moe(const ConfigFields& f, ModelConfig& c) {
   c.first_k_dense = start;
   c.decoder_sparse_step = interval;
   for (int l = std::max(end + 1, 0); l < c.layers; ++l) c.mlp_only_layers.push_back(l);
+}
+
+namespace {
+
+// Hunyuan's per-layer lists (moe_topk, moe_intermediate_size, num_shared_expert): an integer, or one
+// per layer; eo-ddp builds every layer alike, so a list must hold one value.
+std::int64_t same_for_every_layer(const ConfigFields& f, const char* key, std::int64_t fallback) {
+  if (!f.has(key) || !f.j.at(key).is_array()) return f.integer(key, fallback);
+  const nlohmann::json& v = f.j.at(key);
+  std::set<std::int64_t> values;
+  for (const auto& x : v) {
+    if (!x.is_number_integer()) throw UsageError(f.source + ": field '" + key + "' must be an integer or a list of integers");
+    values.insert(x.get<std::int64_t>());
+  }
+  if (values.size() != 1)
+    throw UsageError(f.source + ": field '" + key + "' " + v.dump() + " differs between layers; eo-ddp routes and sizes " +
+                     "every layer alike, so a list must hold one value");
+  return *values.begin();
+}
+
+}  // namespace
+
+// HunYuanMoEV1Config: every layer sparse; HunYuanMoEV1Gate: fp32 softmax of mlp.gate.wg, top-k
+// renormalised; the experts and the shared_mlp beside them both intermediate_size wide (transformers
+// reads neither moe_intermediate_size nor num_shared_expert: a file whose values would build other
+// shapes is refused); q/k norms per head after RoPE; no aux loss.
+void read_hunyuan_v1_moe(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.has("num_experts") ? f.integer("num_experts") : f.integer("num_local_experts", 1);
+  c.top_k = same_for_every_layer(f, "moe_topk", 1);
+  c.expert_width = f.integer("intermediate_size", 11008);
+  c.shared_expert_width = c.expert_width;
+  c.norm_topk_prob = true;
+  c.router.fp32 = true;
+  c.has_aux_loss = false;
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+  c.qk_norm = QkNorm::PerHead;
+  c.qk_norm_after_rope = true;
+  if (f.has("moe_intermediate_size") && same_for_every_layer(f, "moe_intermediate_size", 0) != c.expert_width)
+    throw UsageError(f.source + ": moe_intermediate_size differs from intermediate_size; transformers' HunYuanMoEV1 builds "
+                     "its experts intermediate_size wide, so this checkpoint is not one it (or eo-ddp) reads");
+  if (f.has("num_shared_expert") && same_for_every_layer(f, "num_shared_expert", 1) != 1)
+    throw UsageError(f.source + ": num_shared_expert must be 1 (transformers' HunYuanMoEV1 builds one shared_mlp)");
+  // Switches of Tencent's own code that transformers' class does not have.
+  const std::string no = " is not supported for hunyuan_v1_moe: transformers' HunYuanMoEV1 ";
+  if (!f.boolean("use_mixed_mlp_moe", true)) throw UsageError(f.source + ": use_mixed_mlp_moe false" + no + "always builds the shared_mlp");
+  if (!f.boolean("use_qk_norm", true)) throw UsageError(f.source + ": use_qk_norm false" + no + "always norms q and k");
+  if (f.boolean("use_cla", false))
+    throw UsageError(f.source + ": use_cla true (cross-layer attention)" + no + "gives every layer its own k_proj / v_proj");
 }
 
 }  // namespace eo::model

@@ -368,8 +368,8 @@ struct ModelLoader {
     b.o = linear(p + "self_attn.o_proj", c.heads * D, H, c.o_bias, true);
     if (c.attention_sinks) b.sinks = get(p + "self_attn.sinks", {c.heads});
     if (c.qk_norm == QkNorm::PerHead) {
-      b.q_norm = norm(p + "self_attn.q_norm.weight", D);
-      b.k_norm = norm(p + "self_attn.k_norm.weight", D);
+      b.q_norm = norm(p + "self_attn." + c.family().q_norm + ".weight", D);
+      b.k_norm = norm(p + "self_attn." + c.family().k_norm + ".weight", D);
     } else if (c.qk_norm == QkNorm::Whole) {
       b.q_norm = get(p + "self_attn.q_norm.weight", {c.heads * D});
       b.k_norm = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});

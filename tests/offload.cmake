@@ -11,7 +11,7 @@ set(EO_OFFLOAD_ARCH_GROUPS
     "mistral_gemma=mistral4_scaled mistral4_mm gemma4 gemma4_params"
     "llama_gpt_oss=llama4 gpt_oss gpt_oss_mxfp4"
     "delta_rule=qwen3_next"
-    "ernie_hunyuan=ernie4_5_moe")
+    "ernie_hunyuan=ernie4_5_moe hunyuan_v1_moe")
 foreach(group ${EO_OFFLOAD_ARCH_GROUPS})
   string(REGEX MATCH "^[a-z_]+" name "${group}")
   string(REGEX REPLACE "^[a-z_]+=" "" archs "${group}")

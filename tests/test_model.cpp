@@ -274,12 +274,14 @@ INSTANTIATE_TEST_SUITE_P(Arch, FusedParity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv",
-                                           "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe"));
+                                           "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe",
+                                           "hunyuan_v1_moe"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4",
-                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe"));
+                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe",
+                                           "hunyuan_v1_moe"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -335,6 +337,12 @@ TEST(ArchTable, ModuleNamesAreTransformers) {
                                       m1 + "experts.0.gate_proj", m1 + "experts.0.up_proj", m1 + "experts.0.down_proj",
                                       m1 + "shared_experts.gate_proj", m1 + "shared_experts.up_proj",
                                       m1 + "shared_experts.down_proj", "lm_head (not adapted)"}));
+  // Hunyuan-A13B: the router's linear is mlp.gate.wg, the shared MLP mlp.shared_mlp.
+  EXPECT_EQ(layer0("hunyuan-a13b"),
+            (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj", m + "gate.wg (not adapted)",
+                                      m + "experts.0.gate_proj", m + "experts.0.up_proj", m + "experts.0.down_proj",
+                                      m + "shared_mlp.gate_proj", m + "shared_mlp.up_proj", m + "shared_mlp.down_proj",
+                                      "lm_head (not adapted)"}));
 }
 
 TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
@@ -356,12 +364,12 @@ TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
     // Only where per-expert modules exist can a family have names of its own for them.
     if (!f.per_expert_lora) EXPECT_EQ(std::string(f.expert_linears[0]), "gate_proj") << f.model_type;
   }
-  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::Ernie45Moe) + 1);
+  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::HunyuanV1Moe) + 1);
   EXPECT_EQ(model::expert_linear_names(), (std::vector<std::string>{"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"}));
   EXPECT_EQ(model::supported_model_types(),
             "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, "
             "gemma4 (gemma4_text), llama4 (llama4_text), qwen3_next, qwen3_5_moe (qwen3_5_moe_text), minimax_m2, "
-            "ernie4_5_moe, mistral3 (around mistral4)");
+            "ernie4_5_moe, hunyuan_v1_moe, mistral3 (around mistral4)");
 }
 
 TEST(HfConfig, ParsesQwen3AndLayerKinds) {
@@ -727,8 +735,9 @@ void expect_packed_rows_match_transformers(const std::string& arch, std::size_t 
 
 TEST(Model, Qwen3NextPackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("qwen3_next", 3); }
 TEST(Model, Qwen35MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("qwen3_5_moe_mm", 5); }
-// ERNIE-4.5-MoE: no delta-rule layers; the packed row against each document alone, base and LoRA.
+// ERNIE-4.5-MoE and Hunyuan-MoE: no delta-rule layers; the packed row against each document alone, base and LoRA.
 TEST(Model, Ernie45MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("ernie4_5_moe", 0); }
+TEST(Model, HunyuanV1MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("hunyuan_v1_moe", 0); }
 
 // Qwen3-Next's layer kinds and LoRA names as transformers 5.24's Qwen3NextConfig and peft give them.
 TEST(HfConfig, Qwen3NextLayersAndModuleNames) {

@@ -120,7 +120,7 @@ DOCS = (7, 6)
 packed_labels = labels[0].clone()
 packed_labels[DOCS[0]] = -100
 ref["packed_labels"] = packed_labels.reshape(1, -1)
-PACKED = LINEAR_ATTN or ARCH in ("ernie4_5_moe",)
+PACKED = LINEAR_ATTN or ARCH in ("ernie4_5_moe", "hunyuan_v1_moe")
 
 
 def packed_run(m):
@@ -245,7 +245,7 @@ for i, layer in enumerate([] if GPT_OSS else decoder.layers):
         ex.lora = [[lora_pair(f"{DEC}layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
                     for m in range(3)] for e in range(E)]
         ex.forward = experts_forward.__get__(ex)
-        for shared in ("shared_expert", "shared_experts"):  # qwen2_moe / glm4_moe, DeepSeek
+        for shared in ("shared_expert", "shared_experts", "shared_mlp"):  # qwen2_moe / glm4_moe, DeepSeek / Hunyuan
             if getattr(mlp, shared, None) is None:
                 continue
             for nm in ("gate_proj", "up_proj", "down_proj"):
@@ -338,7 +338,7 @@ for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else 
 model = load()
 with torch.no_grad():
     for n, p in model.named_parameters():
-        if ".layers." not in n or "norm" in n or n.endswith(".gate.weight") or "shared_expert_gate" in n \
+        if ".layers." not in n or "norm" in n or n.endswith((".gate.weight", ".gate.wg.weight")) or "shared_expert_gate" in n \
                 or n.endswith("bias") or ".router." in n or n.endswith(".sinks") or "conv1d" in n or n.endswith("A_log"):
             continue  # norms, routers, shared-expert gate, biases, sinks and the delta-rule conv and decay stay unquantised
         if GPT_OSS and n.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate / up interleaved columns
