@@ -388,6 +388,87 @@ TEST(HfConfig, ParsesQwen3AndLayerKinds) {
   EXPECT_TRUE(c.is_moe_layer(3));
 }
 
+// ERNIE-4.5-MoE and Hunyuan-MoE read as transformers 5.24's Ernie4_5_MoeConfig / HunYuanMoEV1Config and
+// their modules build them (configs/models: the Hub files), and the files they cannot mean refused by key.
+TEST(HfConfig, ErnieAndHunyuanReadAsTransformersBuildThem) {
+  const std::string models = std::string(EO_SOURCE_DIR) + "/configs/models/";
+  const ModelConfig e = load_config(models + "ernie-4.5-21b-a3b");
+  EXPECT_EQ(e.experts, 64);
+  EXPECT_EQ(e.top_k, 6);
+  EXPECT_EQ(e.expert_width, 1536);
+  EXPECT_EQ(e.shared_expert_width, 2 * 1536);
+  EXPECT_FALSE(e.shared_expert_gated);
+  EXPECT_EQ(e.dense_width, 12288);
+  EXPECT_EQ(e.head_dim, 128);
+  EXPECT_TRUE(e.tie_word_embeddings);
+  EXPECT_TRUE(e.norm_topk_prob);
+  EXPECT_EQ(e.router.score, RouterScore::Softmax);
+  EXPECT_TRUE(e.router.correction_bias);
+  EXPECT_TRUE(e.router.fp32);
+  EXPECT_TRUE(e.rope.interleaved);
+  EXPECT_EQ(e.rope_theta, 5e5);
+  EXPECT_FALSE(e.is_moe_layer(0));  // moe_layer_start_index 1
+  EXPECT_EQ(e.moe_layer_count(), 27);
+  nlohmann::json ej = read_config_json(models + "ernie-4.5-21b-a3b");
+  auto error = [](const nlohmann::json& j) -> std::string {
+    try {
+      parse_config(j, "dir/config.json");
+    } catch (const UsageError& err) {
+      return err.what();
+    }
+    return "";
+  };
+  // (i + 1) % interval == 0 and start <= i <= end, as Ernie4_5_MoeDecoderLayer builds them.
+  nlohmann::json small = ej;
+  small["num_hidden_layers"] = 6;
+  small["moe_layer_start_index"] = 2;
+  small["moe_layer_end_index"] = 4;
+  small["moe_layer_interval"] = 2;
+  small.erase("tie_word_embeddings");
+  const ModelConfig s = parse_config(small, "small.json");
+  EXPECT_EQ(s.moe_layer_ids(), (std::vector<int>{3}));
+  EXPECT_TRUE(s.tie_word_embeddings) << "Ernie4_5_MoeConfig ties by default";
+  small["moe_layer_end_index"] = -1;  // the last layer
+  EXPECT_EQ(parse_config(small, "small.json").moe_layer_ids(), (std::vector<int>{3, 5}));
+  nlohmann::json biased = ej;
+  biased["use_bias"] = true;
+  EXPECT_NE(error(biased).find("dir/config.json: use_bias true is not supported for ernie4_5_moe"), std::string::npos)
+      << error(biased);
+
+  const ModelConfig h = load_config(models + "hunyuan-a13b");
+  EXPECT_EQ(h.experts, 64);
+  EXPECT_EQ(h.top_k, 8);
+  EXPECT_EQ(h.expert_width, 3072);
+  EXPECT_EQ(h.shared_expert_width, 3072);
+  EXPECT_FALSE(h.shared_expert_gated);
+  EXPECT_EQ(h.moe_layer_count(), 32);
+  EXPECT_EQ(h.qk_norm, QkNorm::PerHead);
+  EXPECT_TRUE(h.qk_norm_after_rope);
+  EXPECT_FALSE(h.has_aux_loss);
+  EXPECT_TRUE(h.tie_word_embeddings);
+  EXPECT_EQ(h.rope.dim, 128);
+  // compute_ntk_alpha_rope_parameters: base = rope_theta * alpha ** (head_dim / (head_dim - 2)).
+  EXPECT_DOUBLE_EQ(h.rope_theta, 10000.0 * std::pow(1000.0, 128.0 / 126.0));
+  const nlohmann::json hj = read_config_json(models + "hunyuan-a13b");
+  auto with = [&](const char* key, const nlohmann::json& v) {
+    nlohmann::json j = hj;
+    j[key] = v;
+    return error(j);
+  };
+  std::vector<int> topk(32, 8);
+  topk[5] = 4;
+  EXPECT_NE(with("moe_topk", topk).find("field 'moe_topk'"), std::string::npos) << with("moe_topk", topk);
+  EXPECT_NE(with("moe_topk", topk).find("differs between layers"), std::string::npos);
+  EXPECT_NE(with("use_cla", true).find("use_cla true (cross-layer attention) is not supported"), std::string::npos)
+      << with("use_cla", true);
+  EXPECT_NE(with("moe_intermediate_size", 1536).find("moe_intermediate_size differs from intermediate_size"),
+            std::string::npos);
+  EXPECT_NE(with("num_shared_expert", 2).find("num_shared_expert must be 1"), std::string::npos);
+  const std::string dynamic = with("rope_scaling", nlohmann::json{{"type", "dynamic"}, {"factor", 2.0}});
+  EXPECT_NE(dynamic.find("rope_scaling.rope_type 'dynamic' without 'alpha' is not supported"), std::string::npos) << dynamic;
+  EXPECT_EQ(with("moe_topk", 8), "");  // an integer, as transformers also reads it
+}
+
 TEST(HfConfig, ErrorsNameTheFieldAndFile) {
   auto msg = [](const std::string& text) -> std::string {
     try {
