@@ -4,9 +4,11 @@ begin() exits early when OUT/ARCH/ref.safetensors is newer than the generating s
 returns a fresh temporary folder. finish() writes ref.safetensors there and swaps the folder into
 place, so tests reading the previous fixtures never see a half-written one.
 
-A fixture is a pure function of its inputs: the reference scripts and tools (tests/ref, tools), the
-fixtures folder, the arguments and the reference stack's versions (torch, transformers, peft,
-bitsandbytes, ...). begin() hashes all of them and, when a fixture made from the same inputs is in
+A fixture is a pure function of its inputs: the sources its script names to begin() (the script, the tools
+it runs), the tests/ref and tools modules those import (found by reading their import lines), the fixtures
+folder, the arguments and the reference stack's versions (torch, transformers, peft, bitsandbytes, ...).
+Nothing else: a change to another test script or tool leaves these fixtures cached. begin() hashes all of
+them and, when a fixture made from the same inputs is in
 the cache (EO_TEST_REF_CACHE, default ~/.cache/eo-ddp/test-refs; "off" turns it off), copies that
 one in instead of recomputing it: the expectations are still transformers' and peft's, as ccache's
 objects are still the compiler's. A fresh clone (CI's) then skips the minutes the reference stack
@@ -16,6 +18,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -38,23 +41,42 @@ def _cache_root():
     return root
 
 
-def _inputs_key(arch, script):
+_IMPORT = re.compile(r"^\s*(?:from\s+([A-Za-z_]\w*)|import\s+([A-Za-z_]\w*))", re.M)
+
+
+def _local_inputs(sources):
+    """The named sources and, transitively, the tests/ref and tools modules they import."""
+    found, todo = set(), [os.path.abspath(s) for s in sources] + [os.path.abspath(__file__)]
+    while todo:
+        path = todo.pop()
+        if path in found or not os.path.isfile(path):
+            continue
+        found.add(path)
+        if path.endswith(".py"):
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                for m in _IMPORT.finditer(fh.read()):
+                    for folder in ("tests/ref", "tools"):
+                        todo.append(os.path.join(SOURCE, folder, (m.group(1) or m.group(2)) + ".py"))
+    return found
+
+
+def _inputs_key(arch, sources):
     h = hashlib.sha256()
-    h.update(f"{os.path.basename(script)}\0{arch}\0{sys.version}\0".encode())
+    h.update(f"{os.path.basename(sources[0])}\0{arch}\0{sys.version}\0".encode())
     for name in STACK:
         try:
             version = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             version = "-"
         h.update(f"{name}={version}\0".encode())
-    for folder in ("tests/ref", "tools", "fixtures"):
-        for dirpath, dirnames, files in os.walk(os.path.join(SOURCE, folder)):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            for f in sorted(files):
-                path = os.path.join(dirpath, f)
-                h.update(os.path.relpath(path, SOURCE).encode() + b"\0")
-                with open(path, "rb") as fh:
-                    h.update(hashlib.sha256(fh.read()).digest())
+    files = set(_local_inputs(sources))
+    for dirpath, dirnames, names in os.walk(os.path.join(SOURCE, "fixtures")):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        files.update(os.path.join(dirpath, f) for f in names)
+    for path in sorted(files, key=lambda p: os.path.relpath(p, SOURCE)):
+        h.update(os.path.relpath(path, SOURCE).encode() + b"\0")
+        with open(path, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
     return h.hexdigest()[:32]
 
 
@@ -92,7 +114,7 @@ def begin(out_root, arch, *sources):
     shutil.rmtree(tmp, ignore_errors=True)
     root = _cache_root()
     if root:
-        _cache_entry = os.path.join(root, _inputs_key(arch, sources[0]))
+        _cache_entry = os.path.join(root, _inputs_key(arch, sources))
         if os.path.exists(os.path.join(_cache_entry, "ref.safetensors")):
             os.utime(_cache_entry)  # in use: kept by _prune
             shutil.copytree(_cache_entry, tmp, symlinks=True)
