@@ -100,8 +100,10 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
   if (!s.bank_auto && cfg.expert_dequant_chunk != "whole")
     s.bank_bytes = static_cast<std::int64_t>(parse_bytes(cfg.expert_dequant_chunk).value_or(0));
   // expert_group_size: with expert_offload only; a group of every expert is the whole block.
+  // auto never groups where groups cannot run (disk homes, nvfp4_merge_aware); the config check
+  // refuses a number there.
   s.group_auto = s.offload && cfg.expert_group_size == "auto" && s.homes != offload::HomesKind::Disk && !cfg.nvfp4_merge_aware;
-  if (s.offload && !s.group_auto && cfg.expert_group_size != "whole") {
+  if (s.offload && cfg.expert_group_size != "auto" && cfg.expert_group_size != "whole") {
     const int g = std::stoi(cfg.expert_group_size);
     s.group_size = g < s.model.experts ? g : 0;
   }
