@@ -537,8 +537,11 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
     // the dispatch's backward gather instead of an add of their own.
     auto [x_sorted, x_lora] = gather_rows_twice(flat, token_of, position, c.top_k);
     if (c.llama4) {  // Llama4TextMoe: each expert's input × its routing weight, the outputs summed
-      x_sorted = x_sorted * top_w.reshape({-1}).index_select(0, order).unsqueeze(1);
-      x_lora = x_sorted;
+      // The LoRA's rows scaled apart, so the two gradients still meet in the dispatch's gather, in
+      // one order whatever order the expert GEMMs' backward runs in (groups: expert_group_size).
+      const at::Tensor w = top_w.reshape({-1}).index_select(0, order).unsqueeze(1);
+      x_sorted = x_sorted * w;
+      x_lora = x_lora * w;
     }
     const ExpertsOutput y = experts_forward(x_sorted, x_lora, flat_expert, ctx.training);
     // Combine: each token's routing-weighted sum of its k rows (with the down LoRA's delta

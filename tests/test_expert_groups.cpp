@@ -23,6 +23,7 @@
 #include "runtime/config.h"
 #include "runtime/plan.h"
 #include "runtime/runspec.h"
+#include "ref_support.h"
 #include "test_paths.h"
 
 using namespace eo;
@@ -137,8 +138,8 @@ struct StepResult {
 // Forward and backward of the tiny Qwen3-MoE with NF4 experts and LoRA on attention and the
 // experts (fused parameters, or per expert), on the resident store or offloaded in groups of
 // `group` (0: resident); `grouped_gemm`: the GPU's grouped path on fp32 CPU tensors, else the loop.
-StepResult step(int group, bool grouped_gemm, bool fused_lora) {
-  const std::string dir = std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe";
+StepResult step(int group, bool grouped_gemm, bool fused_lora,
+               const std::string& dir = std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe") {
   model::LoadOptions lo;
   lo.load_in_4bit = true;
   auto m = model::MoeModel::load(dir, lo);
@@ -220,6 +221,23 @@ TEST(ExpertGroups, GroupByGroupEqualsTheWholeBlockBitwise) {
         expect_same(whole, step(group, grouped_gemm, fused));
       }
     }
+}
+
+// The same for the families whose grouped path does more per group: gpt-oss (expert biases by each
+// row's expert, the clamped activation on the formed sums) and Llama 4 (the router's weight on the
+// expert input); their tiny reference models have 6 and 4 experts.
+TEST(ExpertGroups, GroupByGroupEqualsTheWholeBlockForGptOssAndLlama4) {
+  for (const char* arch : {"gpt_oss", "llama4"}) {
+    const std::string dir = eo::testing::python_fixture("model_ref.py", "model_ref", arch) + "/model";
+    for (bool grouped_gemm : {true, false}) {
+      const StepResult whole = step(0, grouped_gemm, true, dir);
+      for (int group : {1, 3}) {
+        SCOPED_TRACE(std::string(arch) + (grouped_gemm ? ", grouped GEMMs" : ", per-expert loop") + ", groups of " +
+                     std::to_string(group));
+        expect_same(whole, step(group, grouped_gemm, true, dir));
+      }
+    }
+  }
 }
 
 namespace {
