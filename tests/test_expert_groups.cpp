@@ -147,7 +147,7 @@ StepResult step(int group, bool grouped_gemm, bool fused_lora,
   model::LoraSpec spec;
   spec.r = 8;  // a multiple of 8: the expert LoRA runs as grouped GEMMs too
   spec.alpha = 16;
-  spec.targets = {"q_proj", "v_proj"};
+  spec.targets = {"o_proj"};  // every family has it (DeepSeek's latent attention has no q_proj)
   if (fused_lora)
     spec.target_parameters = {model::kGateUpParam, model::kDownParam};
   else
@@ -189,16 +189,25 @@ StepResult step(int group, bool grouped_gemm, bool fused_lora,
   return r;
 }
 
-void expect_same(const StepResult& a, const StepResult& b) {
+// Bit for bit, or (tolerance > 0) within that relative distance.
+bool near(const at::Tensor& a, const at::Tensor& b, double tolerance) {
+  if (tolerance == 0) return a.equal(b);
+  return (a - b).abs().max().item<double>() <= tolerance * a.abs().max().item<double>();
+}
+
+void expect_same(const StepResult& a, const StepResult& b, double tolerance = 0) {
   ASSERT_EQ(a.outputs.size(), b.outputs.size());
-  for (std::size_t i = 0; i < a.outputs.size(); ++i) EXPECT_TRUE(a.outputs[i].equal(b.outputs[i])) << "block " << i / 2 << (i % 2 ? " input gradient" : " output");
+  for (std::size_t i = 0; i < a.outputs.size(); ++i)
+    EXPECT_TRUE(near(a.outputs[i], b.outputs[i], tolerance))
+        << "block " << i / 2 << (i % 2 ? " input gradient" : " output") << ": max |diff| "
+        << (a.outputs[i] - b.outputs[i]).abs().max().item<double>() << " of " << a.outputs[i].abs().max().item<double>();
   ASSERT_EQ(a.grads.size(), b.grads.size());
   int expert_grads = 0;
   for (std::size_t i = 0; i < a.grads.size(); ++i) {
     SCOPED_TRACE(a.grads[i].first);
     ASSERT_TRUE(a.grads[i].second.defined());
     ASSERT_TRUE(b.grads[i].second.defined());
-    EXPECT_TRUE(a.grads[i].second.equal(b.grads[i].second));
+    EXPECT_TRUE(near(a.grads[i].second, b.grads[i].second, tolerance));
     EXPECT_GT(a.grads[i].second.abs().sum().item<double>(), 0);
     expert_grads += a.grads[i].first.find("experts") != std::string::npos ? 1 : 0;
   }
@@ -224,17 +233,23 @@ TEST(ExpertGroups, GroupByGroupEqualsTheWholeBlockBitwise) {
 }
 
 // The same for the families whose grouped path does more per group: gpt-oss (expert biases by each
-// row's expert, the clamped activation on the formed sums) and Llama 4 (the router's weight on the
-// expert input); their tiny reference models have 6 and 4 experts.
-TEST(ExpertGroups, GroupByGroupEqualsTheWholeBlockForGptOssAndLlama4) {
-  for (const char* arch : {"gpt_oss", "llama4"}) {
+// row's expert, the clamped activation on the formed sums), Llama 4 (the router's weight on the
+// expert input), Gemma 4 (GELU, a dense MLP beside), DeepSeek-V3 and Qwen3-Next (shared experts).
+// Gemma 4's grouped path on the CPU only to 1e-6: its tiny experts' rows are 24 wide, and ATen's
+// CPU elementwise loops compute the elements past the last full SIMD chunk with the scalar
+// function (GELU's tanh: another last bit), so a group's slice rounds a few elements differently
+// from the whole tensor. A GPU kernel computes every element alike; the CPU's per-expert loop,
+// what CPU training runs, is bitwise.
+TEST(ExpertGroups, GroupByGroupEqualsTheWholeBlockForOtherFamilies) {
+  for (const char* arch : {"gpt_oss", "llama4", "gemma4", "deepseek_v3", "qwen3_next"}) {
     const std::string dir = eo::testing::python_fixture("model_ref.py", "model_ref", arch) + "/model";
     for (bool grouped_gemm : {true, false}) {
       const StepResult whole = step(0, grouped_gemm, true, dir);
+      const double tolerance = grouped_gemm && std::string(arch) == "gemma4" ? 1e-6 : 0;
       for (int group : {1, 3}) {
         SCOPED_TRACE(std::string(arch) + (grouped_gemm ? ", grouped GEMMs" : ", per-expert loop") + ", groups of " +
                      std::to_string(group));
-        expect_same(whole, step(group, grouped_gemm, true, dir));
+        expect_same(whole, step(group, grouped_gemm, true, dir), tolerance);
       }
     }
   }
