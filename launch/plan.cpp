@@ -58,6 +58,8 @@ int run_plan(const Args& args) {
   const MemoryPlan& plan = fitted.plan;
   std::fputs(describe_plan(plan, vram).c_str(), stdout);
   if (fitted.down_from > 0) std::printf("  (expert_bank_reuse: auto -> down, as training would take it: all did not fit)\n");
+  if (fitted.grouped_from > 0)
+    std::printf("  (expert_group_size: auto -> %d, as training would take it: whole blocks did not fit)\n", fitted.spec.group_size);
   if (fitted.sliced_from > 0) std::printf("  (expert_dequant_chunk: auto -> 64 MiB slices, as training would take it: whole banks did not fit)\n");
   std::string source = "--host-ram";
   if (host_ram <= 0) {

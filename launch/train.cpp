@@ -57,7 +57,9 @@ std::string describe_run(const TrainConfig& cfg, const model::ModelConfig& mc, c
      << human_bytes(plan.block_bytes) << " per block, " << human_bytes(plan.expert_bytes) << " in all\n";
   if (spec.offload)
     os << "  expert offload: every MoE block's " << quant_format_name(plan.expert_format) << " experts in " << (cfg.expert_offload_pin_memory ? "pinned, NUMA-local" : "pageable")
-       << " host RAM per rank (host RAM = ranks per node x expert bytes); " << spec.slots << " device slot(s)"
+       << " host RAM per rank (host RAM = ranks per node x expert bytes); "
+       << (plan.group_size > 0 ? "blocks streamed in groups of " + std::to_string(plan.group_size) + " experts (expert_group_size), "
+                               : std::to_string(spec.slots) + " device slot(s)")
        << (spec.prefetch ? " with prefetch" : ", synchronous")
        << "; VRAM budget for resident blocks: " << cfg.expert_offload_vram_budget << "\n";
   else

@@ -52,7 +52,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   static std::vector<const QuantizedWeight*> sources(const ExpertBank& bank) {
     std::vector<const QuantizedWeight*> qs;
     qs.reserve(bank.experts);
-    for (int e = 0; e < bank.experts; ++e) qs.push_back(&bank.provider->expert_weight(bank.layer, e, bank.matrix));
+    for (int e = bank.first; e < bank.first + bank.experts; ++e) qs.push_back(&bank.provider->expert_weight(bank.layer, e, bank.matrix));
     return qs;
   }
   static at::Tensor weights(const ExpertBank& bank, at::ScalarType dtype) {
@@ -64,7 +64,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   // max_bytes allows; the full length when the bank is dense or unlimited.
   static std::pair<std::vector<std::int64_t>, std::int64_t> slicing(const ExpertBank& bank, int dim, at::ScalarType dt) {
     if (bank.dense.defined()) return {{bank.dense.size(1), bank.dense.size(2)}, dim == 1 ? bank.dense.size(1) : bank.dense.size(2)};
-    const auto& shape = bank.provider->expert_weight(bank.layer, 0, bank.matrix).shape;
+    const auto& shape = bank.provider->expert_weight(bank.layer, bank.first, bank.matrix).shape;
     const std::int64_t full = dim == 1 ? shape[0] : shape[1], other = dim == 1 ? shape[1] : shape[0];
     return {{shape[0], shape[1]}, bank_slice(full, bank.experts, other, c10::elementSize(dt), bank.max_bytes)};
   }
@@ -74,6 +74,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     ctx->saved_data["provider"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(bank.provider));
     ctx->saved_data["layer"] = static_cast<std::int64_t>(bank.layer);
     ctx->saved_data["experts"] = static_cast<std::int64_t>(bank.experts);
+    ctx->saved_data["first"] = static_cast<std::int64_t>(bank.first);
     ctx->saved_data["matrix"] = static_cast<std::int64_t>(bank.matrix);
     ctx->saved_data["max_bytes"] = bank.max_bytes;
     ctx->saved_data["offsets"] = offsets;
@@ -102,6 +103,7 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     bank.provider = reinterpret_cast<WeightProvider*>(static_cast<std::intptr_t>(ctx->saved_data["provider"].toInt()));
     bank.layer = static_cast<int>(ctx->saved_data["layer"].toInt());
     bank.experts = static_cast<int>(ctx->saved_data["experts"].toInt());
+    bank.first = static_cast<int>(ctx->saved_data["first"].toInt());
     bank.matrix = static_cast<ExpertMatrix>(ctx->saved_data["matrix"].toInt());
     bank.max_bytes = ctx->saved_data["max_bytes"].toInt();
     if (ctx->saved_data.count("dense")) bank.dense = ctx->saved_data["dense"].toTensor();

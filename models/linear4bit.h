@@ -44,7 +44,9 @@ at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle);
 //   recompute's backward follows at once, so the bank lives a short while (BankReuse).
 struct ExpertBank {
   WeightProvider* provider = nullptr;
-  int layer = -1, experts = 0;
+  // Experts [first, first + experts) of the block (a group, when the provider streams a block in
+  // groups: WeightProvider::expert_group_size); offsets then count those experts' rows only.
+  int layer = -1, experts = 0, first = 0;
   ExpertMatrix matrix = ExpertMatrix::Gate;
   at::Tensor dense;  // defined for dense (unquantised) experts
   std::int64_t max_bytes = 0;  // NF4: largest dequantised slice; 0 = the whole bank at once

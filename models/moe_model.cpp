@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <optional>
 #include <tuple>
 
@@ -270,6 +271,7 @@ at::Tensor DecoderBlock::experts_merge_aware(const at::Tensor& x_sorted, const a
   const ModelConfig& c = *cfg_;
   const auto E = c.experts;
   const at::ScalarType dt = x_sorted.scalar_type();
+  EO_CHECK(provider_->expert_group_size() == 0, "nvfp4_merge_aware reads a block's experts whole: not with expert groups");
   // Each matrix's bank [E, out, in] in the compute dtype and its per-expert global scales [E].
   auto bank = [&](ExpertMatrix m) {
     std::vector<const QuantizedWeight*> qs;
@@ -346,30 +348,43 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     // Expert biases (gpt-oss): each sorted row's expert, from the device counts (no host sync).
     const at::Tensor row_expert =
         c.expert_bias ? at::repeat_interleave(at::arange(c.experts, counts.options()), counts, 0, x_sorted.size(0)) : at::Tensor();
-    auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
+    // A block streamed in groups (the provider's expert_group_size) runs its base GEMMs group by
+    // group: experts [first, first + n) on their rows, with offsets local to those rows. A kept
+    // bank would keep every group's, so none is kept then.
+    const int group = w_.quantized && provider_ ? provider_->expert_group_size() : 0;
+    auto linear_on = [&](ExpertMatrix m, const at::Tensor& in, int first, int n, const at::Tensor& offs, const at::Tensor& rows_expert) {
       ExpertBank b;
       b.layer = w_.index;
-      b.experts = static_cast<int>(c.experts);
+      b.first = first;
+      b.experts = n;
       b.matrix = m;
       if (w_.quantized) {
         b.provider = provider_;
         b.max_bytes = w_.bank_bytes;
-        b.keep_for_backward = at::GradMode::is_enabled() &&
+        b.keep_for_backward = group == 0 && at::GradMode::is_enabled() &&
                               (bank_reuse_ == BankReuse::All || (bank_reuse_ == BankReuse::Down && m == ExpertMatrix::Down));
       } else {
         b.dense = w_.experts[static_cast<int>(m)];
       }
-      at::Tensor y = grouped_expert_linear(in, offsets, b);
-      if (const auto& bias = w_.expert_bias[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, row_expert);
+      at::Tensor y = grouped_expert_linear(in, offs, b);
+      if (const auto& bias = w_.expert_bias[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, rows_expert);
       return y;
+    };
+    auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
+      return linear_on(m, in, 0, static_cast<int>(c.experts), offsets, row_expert);
     };
     const auto& gate_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Gate)];
     const auto& up_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Up)];
     const auto& down_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Down)];
-    const at::Tensor gate = linear(ExpertMatrix::Gate, x_sorted);
-    const at::Tensor up = linear(ExpertMatrix::Up, x_sorted);
+    const bool by_group = group > 0 && group < c.experts;
+    at::Tensor gate, up;
+    if (!by_group) {
+      gate = linear(ExpertMatrix::Gate, x_sorted);
+      up = linear(ExpertMatrix::Up, x_sorted);
+    }
     // The LoRA deltas are added where the sums are read: in the SwiGLU kernel for gate and up,
-    // in the combine for down (no [N, I] or [N, H] sum is written, no scaling pass).
+    // in the combine for down (no [N, I] or [N, H] sum is written, no scaling pass). They read no
+    // expert weight, so a block streamed in groups forms them over all rows at once too.
     at::Tensor gate_delta, up_delta;
     if (gate_lora && up_lora && gate_lora->can_pair_with(*up_lora, training)) {
       // Gate's and up's A over the same rows as one GEMM (x read once, one dX and one dA in backward).
@@ -380,22 +395,55 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     }
     if (w_.gate_up_lora) {  // one delta [N, 2I] for the fused [gate; up], split
       const at::Tensor d = w_.gate_up_lora->delta_grouped(x_lora, offsets, training);
-      const auto I = gate.size(-1);
+      const auto I = c.expert_width;
       gate_delta = gate_delta.defined() ? gate_delta + d.narrow(1, 0, I) : d.narrow(1, 0, I);
       up_delta = up_delta.defined() ? up_delta + d.narrow(1, I, I) : d.narrow(1, I, I);
     }
     // act_lora: act again for the down LoRA, whose gradient the SwiGLU backward sums in its kernel.
-    at::Tensor act, act_lora;
-    if (c.swiglu_clamp) {  // gpt-oss: its clamps read the sums, so they are formed
-      act = act_lora = clamped_swiglu(gate_delta.defined() ? gate + gate_delta : gate,
-                                      up_delta.defined() ? up + up_delta : up, *c.swiglu_clamp);
-    } else if (c.act != Activation::Silu) {  // Gemma's GELU: ATen ops on the formed sums
-      act = act_lora = gated_activation(gate_delta.defined() ? gate + gate_delta : gate,
-                                        up_delta.defined() ? up + up_delta : up, c.act);
+    auto activation = [&](const at::Tensor& g, const at::Tensor& u, const at::Tensor& gd, const at::Tensor& ud) {
+      if (c.swiglu_clamp) {  // gpt-oss: its clamps read the sums, so they are formed
+        const at::Tensor a = clamped_swiglu(gd.defined() ? g + gd : g, ud.defined() ? u + ud : u, *c.swiglu_clamp);
+        return std::make_pair(a, a);
+      }
+      if (c.act != Activation::Silu) {  // Gemma's GELU: ATen ops on the formed sums
+        const at::Tensor a = gated_activation(gd.defined() ? g + gd : g, ud.defined() ? u + ud : u, c.act);
+        return std::make_pair(a, a);
+      }
+      return swiglu_twice(g, u, gd, ud);
+    };
+    ExpertsOutput out;
+    at::Tensor act_lora;
+    if (!by_group) {
+      at::Tensor act;
+      std::tie(act, act_lora) = activation(gate, up, gate_delta, up_delta);
+      out.y = linear(ExpertMatrix::Down, act);
     } else {
-      std::tie(act, act_lora) = swiglu_twice(gate, up, gate_delta, up_delta);
+      // Group by group (gate, up, activation, down of one group, then the next), so each group's
+      // bytes are read in one stint; the rows are split by the routing counts, read on the host.
+      // Row-wise the outputs are the whole-block path's, concatenated in the same order.
+      const at::Tensor host_counts = counts.to(at::kCPU);
+      const auto* count = host_counts.data_ptr<std::int64_t>();
+      std::vector<std::int64_t> rows;
+      for (std::int64_t first = 0; first < c.experts; first += group)
+        rows.push_back(std::accumulate(count + first, count + std::min<std::int64_t>(c.experts, first + group), std::int64_t(0)));
+      auto split = [&](const at::Tensor& t) { return t.defined() ? t.split_with_sizes(rows) : std::vector<at::Tensor>(rows.size()); };
+      const auto xs = split(x_sorted), gds = split(gate_delta), uds = split(up_delta), res = split(row_expert);
+      std::vector<at::Tensor> ys, acts_lora;
+      std::int64_t r0 = 0;
+      for (std::size_t g = 0; g < rows.size(); ++g) {
+        if (rows[g] == 0) continue;  // no row routed here: the group is not read
+        const int first = static_cast<int>(g) * group, n = static_cast<int>(std::min<std::int64_t>(group, c.experts - first));
+        const at::Tensor offs = offsets.narrow(0, first, n) - r0;  // the group's rows from 0
+        const at::Tensor gg = linear_on(ExpertMatrix::Gate, xs[g], first, n, offs, res[g]);
+        const at::Tensor ug = linear_on(ExpertMatrix::Up, xs[g], first, n, offs, res[g]);
+        const auto [a, al] = activation(gg, ug, gds[g], uds[g]);
+        ys.push_back(linear_on(ExpertMatrix::Down, a, first, n, offs, res[g]));
+        acts_lora.push_back(al);
+        r0 += rows[g];
+      }
+      out.y = at::cat(ys, 0);
+      if (down_lora) act_lora = at::cat(acts_lora, 0);
     }
-    ExpertsOutput out{linear(ExpertMatrix::Down, act), at::Tensor()};
     if (down_lora) out.delta = down_lora->delta_grouped(act_lora, offsets, training);
     return out;
   }
@@ -493,8 +541,11 @@ at::Tensor DecoderBlock::moe(const at::Tensor& x, const BlockContext& ctx, const
     // the dispatch's backward gather instead of an add of their own.
     auto [x_sorted, x_lora] = gather_rows_twice(flat, token_of, position, c.top_k);
     if (c.llama4) {  // Llama4TextMoe: each expert's input × its routing weight, the outputs summed
-      x_sorted = x_sorted * top_w.reshape({-1}).index_select(0, order).unsqueeze(1);
-      x_lora = x_sorted;
+      // The LoRA's rows scaled apart, so the two gradients still meet in the dispatch's gather, in
+      // one order whatever order the expert GEMMs' backward runs in (groups: expert_group_size).
+      const at::Tensor w = top_w.reshape({-1}).index_select(0, order).unsqueeze(1);
+      x_sorted = x_sorted * w;
+      x_lora = x_lora * w;
     }
     const ExpertsOutput y = experts_forward(x_sorted, x_lora, flat_expert, ctx.training);
     // Combine: each token's routing-weighted sum of its k rows (with the down LoRA's delta

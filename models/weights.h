@@ -40,6 +40,10 @@ class WeightProvider {
   // Where layer's staged weights are, as a token: equal tokens = the same device addresses. A
   // CUDA graph captured on one placement replays only on it (an offloader has several slots).
   virtual std::int64_t placement(int /*layer*/) { return 0; }
+  // Experts per group when a staged block is streamed in groups (contiguous expert ranges, one
+  // group's bytes valid at a time: expert_weight of another group may reuse the slot); 0 when a
+  // staged block is readable whole. Whoever reads a bank reads it group by group then.
+  virtual int expert_group_size() const { return 0; }
 
   std::int64_t stage_count(int layer) const {
     std::lock_guard<std::mutex> lock(count_mutex_);

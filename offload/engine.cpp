@@ -42,11 +42,14 @@ struct ExpertOffloader::Block {
   std::vector<std::array<std::array<Piece, 3>, 3>> pieces;  // [expert][matrix][packed|absmax|nested_absmax]
   at::Tensor resident;  // device arena when budget-resident
   std::vector<std::array<QuantizedWeight, 3>> resident_views;
+  // Grouped mode: each group's byte range [begin, end) of the arena (its experts' pieces, in order).
+  std::vector<std::pair<std::int64_t, std::int64_t>> groups;
 };
 
 struct ExpertOffloader::Slot {
   at::Tensor arena;  // device bytes, allocated once
   int layer = -1;
+  int group = -1;  // grouped mode: the group of `layer` it holds; views are that group's experts
   std::vector<std::array<QuantizedWeight, 3>> views;
   bool copy_pending = false;  // a copy was enqueued and compute has not waited for it yet
 #ifdef EO_WITH_CUDA
@@ -142,6 +145,9 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     blocks_[layer] = std::move(b);
   }
   EO_CHECK(max_block > 0, "offload: the model has no expert blocks to offload");
+  for (auto& b : blocks_)
+    if (b && opt_.group_size > 0 && opt_.group_size < static_cast<int>(b->meta.size())) grouped_ = true;
+  EO_CHECK(!grouped_ || !opt_.disk, "offload: expert groups need the homes in host RAM (the disk homes read whole blocks)");
   // The homes, filled layer by layer from the bank, whose tensors are dropped as they go.
   std::vector<ArenaExtent> extents;
   for (const auto& b : blocks_)
@@ -193,9 +199,28 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
   EO_CHECK(opt_.prefetch_depth >= 1, "offload: prefetch_depth must be at least 1, got ", opt_.prefetch_depth);
   int streamed = 0;
   for (auto& b : blocks_) streamed += (b && !b->resident.defined()) ? 1 : 0;
-  for (int i = 0; i < device_slots(opt_.prefetch, opt_.prefetch_depth, streamed); ++i) {
+  // Groups: contiguous expert ranges, so a group is one contiguous range of the arena (the layout
+  // places every expert's pieces in expert order) and one copy moves it.
+  EO_CHECK(opt_.group_size >= 0, "offload: group_size must be at least 0, got ", opt_.group_size);
+  std::int64_t slot_bytes = max_block;
+  int slot_count = device_slots(opt_.prefetch, opt_.prefetch_depth, streamed);
+  if (grouped_) {
+    slot_bytes = 0;
+    for (auto& b : blocks_) {
+      if (!b) continue;
+      const int E = static_cast<int>(b->meta.size());
+      for (int first = 0; first < E; first += opt_.group_size) {
+        const int end = std::min(E, first + opt_.group_size);
+        const std::int64_t lo = b->pieces[first][0][0].offset, hi = end < E ? b->pieces[end][0][0].offset : b->bytes;
+        b->groups.emplace_back(lo, hi);
+        slot_bytes = std::max(slot_bytes, hi - lo);
+      }
+    }
+    slot_count = streamed > 0 ? (opt_.prefetch ? 2 : 1) : 0;  // double-buffered: one computes, one copies
+  }
+  for (int i = 0; i < slot_count; ++i) {
     auto s = std::make_unique<Slot>();
-    s->arena = at::empty({max_block}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
+    s->arena = at::empty({slot_bytes}, at::TensorOptions().dtype(at::kByte).device(opt_.device));
 #ifdef EO_WITH_CUDA
     if (cuda_) {
       EO_CUDA_CHECK(cudaEventCreate(&s->ready), "offload: cudaEventCreate");
@@ -209,8 +234,11 @@ ExpertOffloader::ExpertOffloader(model::ResidentWeights::Bank bank, const Offloa
     if (b && b->resident.defined()) policy_->set_resident(b->layer);
   const std::string where = homes_->describe(home_bytes());
   log::info("expert offload: " + std::to_string(moe_layers().size()) + " MoE blocks, " + where + "; " +
-            std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(max_block)) +
-            (slots_.size() > 1 ? " (prefetch " + std::to_string(slots_.size() - 1) + " ahead)" : std::string()) + "; " +
+            std::to_string(slots_.size()) + " device slot(s) of " + human_bytes(double(slot_bytes)) +
+            (grouped_ ? " (a group of " + std::to_string(opt_.group_size) + " experts each; blocks of " +
+                            human_bytes(double(max_block)) + " stream group by group)"
+             : slots_.size() > 1 ? " (prefetch " + std::to_string(slots_.size() - 1) + " ahead)"
+                                 : std::string()) + "; " +
             std::to_string(resident_layers().size()) + " block(s) resident within the VRAM budget");
 }
 
@@ -289,22 +317,24 @@ ExpertOffloader::~ExpertOffloader() {
 }
 
 void ExpertOffloader::build_views(std::vector<std::array<QuantizedWeight, 3>>& views, const Block& block,
-                                  const at::Tensor& arena) const {
-  views = block.meta;
-  for (std::size_t e = 0; e < views.size(); ++e)
+                                  const at::Tensor& arena, int first, int count, std::int64_t base) const {
+  if (count < 0) count = static_cast<int>(block.meta.size()) - first;
+  views.assign(block.meta.begin() + first, block.meta.begin() + first + count);
+  for (std::size_t i = 0; i < views.size(); ++i)
     for (int m = 0; m < 3; ++m) {
-      QuantizedWeight& q = views[e][m];
-      const auto& p = block.pieces[e][m];
-      q.packed = arena.narrow(0, p[0].offset, p[0].bytes).view({p[0].bytes, 1});
+      QuantizedWeight& q = views[i][m];
+      const auto& p = block.pieces[static_cast<std::size_t>(first) + i][m];
+      auto piece = [&](int k) { return arena.narrow(0, p[k].offset - base, p[k].bytes); };
+      q.packed = piece(0).view({p[0].bytes, 1});
       if (q.nested) {
-        q.nested->absmax_codes = arena.narrow(0, p[1].offset, p[1].bytes);
-        q.nested->nested_absmax = arena.narrow(0, p[2].offset, p[2].bytes).view(at::kFloat);
+        q.nested->absmax_codes = piece(1);
+        q.nested->nested_absmax = piece(2).view(at::kFloat);
         q.nested->nested_code = nested_code_;
       } else if (q.format != QuantFormat::Nf4) {
-        q.scales = arena.narrow(0, p[1].offset, p[1].bytes);
-        if (q.format == QuantFormat::Nvfp4) q.global_scale = arena.narrow(0, p[2].offset, p[2].bytes).view(at::kFloat);
+        q.scales = piece(1);
+        if (q.format == QuantFormat::Nvfp4) q.global_scale = piece(2).view(at::kFloat);
       } else {
-        q.absmax = arena.narrow(0, p[1].offset, p[1].bytes).view(at::kFloat);
+        q.absmax = piece(1).view(at::kFloat);
       }
     }
 }
@@ -324,11 +354,21 @@ void ExpertOffloader::set_schedule(const std::vector<int>& order) {
   plan_reads();
 }
 
-void ExpertOffloader::copy_into(Slot& slot, int layer) {
+void ExpertOffloader::copy_into(Slot& slot, int layer, int group) {
   const Block& b = *blocks_[layer];
+  // The whole arena, or one group's range of it.
+  const std::int64_t lo = group >= 0 ? b.groups[static_cast<std::size_t>(group)].first : 0;
+  const std::int64_t bytes = group >= 0 ? b.groups[static_cast<std::size_t>(group)].second - lo : b.bytes;
   ++stats_.copies;
-  stats_.copied_bytes += b.bytes;
-  const std::uint8_t* home = homes_->acquire(layer);
+  stats_.copied_bytes += bytes;
+  const std::uint8_t* home = homes_->acquire(layer) + lo;
+  auto views = [&] {
+    slot.layer = layer;
+    slot.group = group;
+    if (group < 0) return build_views(slot.views, b, slot.arena);
+    const int first = group * opt_.group_size;
+    build_views(slot.views, b, slot.arena, first, std::min(opt_.group_size, static_cast<int>(b.meta.size()) - first), lo);
+  };
 #ifdef EO_WITH_CUDA
   if (cuda_) {
     cudaStream_t cs = cuda_->copy_stream.stream();
@@ -338,11 +378,11 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
     EO_CUDA_CHECK(cudaEventRecord(start, cs), "offload: cudaEventRecord");
     const bool paced = cuda_->pace_stamp.defined();
     if (paced) EO_CUDA_CHECK(offload::cuda::pace_begin(cuda_->pace_stamp.data_ptr<std::int64_t>(), cs), "offload: copy pace");
-    EO_CUDA_CHECK(cudaMemcpyAsync(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes), cudaMemcpyHostToDevice, cs),
+    EO_CUDA_CHECK(cudaMemcpyAsync(slot.arena.data_ptr(), home, static_cast<std::size_t>(bytes), cudaMemcpyHostToDevice, cs),
                   "offload: cudaMemcpyAsync (expert staging)");
     if (paced)
       EO_CUDA_CHECK(offload::cuda::pace_end(cuda_->pace_stamp.data_ptr<std::int64_t>(),
-                                            static_cast<std::int64_t>(double(b.bytes) / opt_.copy_pace_gbps), cs),
+                                            static_cast<std::int64_t>(double(bytes) / opt_.copy_pace_gbps), cs),
                     "offload: copy pace");
     EO_CUDA_CHECK(cudaEventRecord(end, cs), "offload: cudaEventRecord");
     EO_CUDA_CHECK(cudaEventRecord(slot.ready, cs), "offload: cudaEventRecord");
@@ -363,17 +403,15 @@ void ExpertOffloader::copy_into(Slot& slot, int layer) {
       homes_->release(layer);
     }
     slot.copy_pending = true;
-    slot.layer = layer;
-    build_views(slot.views, b, slot.arena);
+    views();
     return;
   }
 #endif
   const auto t0 = std::chrono::steady_clock::now();
-  std::memcpy(slot.arena.data_ptr(), home, static_cast<std::size_t>(b.bytes));
+  std::memcpy(slot.arena.data_ptr(), home, static_cast<std::size_t>(bytes));
   stats_.copy_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   homes_->release(layer);
-  slot.layer = layer;
-  build_views(slot.views, b, slot.arena);
+  views();
 }
 
 void ExpertOffloader::wait_ready(Slot& slot) {
@@ -395,6 +433,7 @@ void ExpertOffloader::stage_block(int layer) {
   EO_CHECK(layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer],
            "offload: stage(", layer, ") but layer ", layer, " has no offloaded experts");
   ++stats_.stage_calls;
+  if (grouped_) return stage_grouped(layer);
   const std::vector<int>& schedule = policy_->schedule();
   std::size_t position = 0;
   if (!schedule.empty()) {
@@ -434,6 +473,87 @@ void ExpertOffloader::stage_block(int layer) {
   plan_reads();
 }
 
+ExpertOffloader::Slot* ExpertOffloader::slot_holding_group(int layer, int group) {
+  for (auto& s : slots_)
+    if (s->layer == layer && s->group == group) return s.get();
+  return nullptr;
+}
+
+void ExpertOffloader::mark_released(Slot& slot) {
+#ifdef EO_WITH_CUDA
+  // Everything enqueued so far may read the slot: the point after which a copy may overwrite it.
+  if (cuda_)
+    EO_CUDA_CHECK(cudaEventRecord(slot.released, c10::cuda::getCurrentCUDAStream(opt_.device.index()).stream()),
+                  "offload: cudaEventRecord");
+#else
+  (void)slot;
+#endif
+}
+
+// Grouped stage(L): the schedule is checked as for whole blocks, the group in use is let go, and
+// L's first group is copied ahead (a forward or recompute reads it first) unless a slot holds it.
+// Groups are fetched on demand by expert_weight(); nothing crosses blocks, so the policy is unused.
+void ExpertOffloader::stage_grouped(int layer) {
+  const std::vector<int>& schedule = policy_->schedule();
+  if (!schedule.empty()) {
+    EO_CHECK(schedule[cursor_] == layer, "offload: stage(", layer, ") at position ", cursor_, " of the step schedule, which stages layer ",
+             schedule[cursor_], " there; the trainer must stage blocks in the order it handed over (set_schedule)");
+    cursor_ = (cursor_ + 1) % schedule.size();
+  }
+  Slot* in_use = current_ >= 0 && current_group_ >= 0 ? slot_holding_group(current_, current_group_) : nullptr;
+  if (in_use) mark_released(*in_use);
+  current_ = layer;
+  current_group_ = -1;
+  direction_ = 1;
+  if (blocks_[layer]->resident.defined()) {
+    ++stats_.resident_hits;
+    return;
+  }
+  if (slot_holding_group(layer, 0)) {
+    ++stats_.slot_hits;
+    return;
+  }
+  // An empty slot, else one not holding the group just read (its last kernels may still run).
+  Slot* target = slots_.front().get();
+  for (auto& t : slots_)
+    if (t->layer < 0 || t.get() != in_use) {
+      target = t.get();
+      if (t->layer < 0) break;
+    }
+  copy_into(*target, layer, 0);
+}
+
+// The first read of `group` since another group was read: the old group's slot is released after
+// what was enqueued so far, `group` is copied in if no slot holds it (waited for), and the next
+// group in the direction of reading (up in a forward, down in a backward) is copied into the other
+// slot while `group` computes.
+ExpertOffloader::Slot& ExpertOffloader::switch_group(int layer, int group) {
+  const Block& b = *blocks_[layer];
+  EO_CHECK(group >= 0 && group < static_cast<int>(b.groups.size()), "offload: no group ", group, " in layer ", layer);
+  Slot* old = current_group_ >= 0 ? slot_holding_group(layer, current_group_) : nullptr;
+  if (old) mark_released(*old);
+  if (current_group_ >= 0) direction_ = group > current_group_ ? 1 : -1;
+  current_group_ = group;
+  Slot* s = slot_holding_group(layer, group);
+  if (s) {
+    ++stats_.slot_hits;
+  } else {
+    s = slots_.front().get();
+    for (auto& t : slots_)
+      if (t.get() != old) { s = t.get(); break; }
+    copy_into(*s, layer, group);
+  }
+  wait_ready(*s);
+  const int next = group + direction_;
+  if (slots_.size() > 1 && next >= 0 && next < static_cast<int>(b.groups.size()) && !slot_holding_group(layer, next))
+    for (auto& t : slots_)
+      if (t.get() != s) {
+        copy_into(*t, layer, next);
+        break;
+      }
+  return *s;
+}
+
 const QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert, model::ExpertMatrix m) {
   EO_CHECK(layer >= 0 && layer < static_cast<int>(blocks_.size()) && blocks_[layer], "offload: layer ", layer,
            " has no offloaded experts");
@@ -442,10 +562,14 @@ const QuantizedWeight& ExpertOffloader::expert_weight(int layer, int expert, mod
   if (b.resident.defined()) return b.resident_views[expert][static_cast<int>(m)];
   // Only the block in use may be read: anything else means a stage() was skipped, and reading a
   // slot that now holds another block would give silently wrong results.
-  Slot* s = slot_holding(layer);
-  EO_CHECK(s && layer == current_, "offload: layer ", layer, "'s experts were read while layer ", current_,
-           " is staged (a block ran without stage(); is gradient checkpointing on?)");
-  return s->views[expert][static_cast<int>(m)];
+  EO_CHECK(layer == current_ && (grouped_ || slot_holding(layer)), "offload: layer ", layer, "'s experts were read while layer ",
+           current_, " is staged (a block ran without stage(); is gradient checkpointing on?)");
+  if (grouped_) {
+    const int group = expert / opt_.group_size;
+    Slot& s = group == current_group_ ? *slot_holding_group(layer, group) : switch_group(layer, group);
+    return s.views[static_cast<std::size_t>(expert - group * opt_.group_size)][static_cast<int>(m)];
+  }
+  return slot_holding(layer)->views[expert][static_cast<int>(m)];
 }
 
 std::int64_t ExpertOffloader::placement(int layer) {

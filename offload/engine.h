@@ -62,6 +62,11 @@ struct OffloadOptions {
   // > 0: each copy into a slot takes at least its bytes at this rate (GB/s) on the device's clock
   // (offload/copy_pace_cuda.h): a slower card's host link, simulated. 0: the link's own pace.
   double copy_pace_gbps = 0;
+  // > 0 and fewer than a block's experts: a streamed block moves in groups of this many experts
+  // (contiguous ranges of its arena), one slot per group: two with prefetch (the next group copies
+  // while this one computes), one without. stage(L) starts L's first group; expert_weight() of
+  // another group switches to it. Not with disk homes (they read whole blocks).
+  int group_size = 0;
 };
 
 // Counters since the last take_step_stats().
@@ -117,6 +122,7 @@ class ExpertOffloader : public model::WeightProvider {
   std::int64_t slot_bytes() const;  // device bytes of the slots
   std::int64_t resident_bytes() const;  // device bytes of budget-resident blocks
   int num_slots() const { return static_cast<int>(slots_.size()); }
+  int expert_group_size() const override { return grouped_ ? opt_.group_size : 0; }
   std::vector<int> moe_layers() const;
   std::vector<int> resident_layers() const;
   // Layers whose bytes are in a slot right now (at most num_slots()).
@@ -142,9 +148,16 @@ class ExpertOffloader : public model::WeightProvider {
   struct Slot;    // device arena + the views of the block it holds
   struct CudaState;
 
-  void copy_into(Slot& slot, int layer);
+  void copy_into(Slot& slot, int layer, int group = -1);
+  // Grouped mode (OffloadOptions::group_size): stage() and expert_weight()'s group switches.
+  void stage_grouped(int layer);
+  Slot& switch_group(int layer, int group);
+  Slot* slot_holding_group(int layer, int group);
+  void mark_released(Slot& slot);
   void wait_ready(Slot& slot);
-  void build_views(std::vector<std::array<QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena) const;
+  // Views of experts [first, first + count) (count -1: all) whose pieces start at `base` of the block's arena.
+  void build_views(std::vector<std::array<QuantizedWeight, 3>>& views, const Block& block, const at::Tensor& arena,
+                   int first = 0, int count = -1, std::int64_t base = 0) const;
   Slot* slot_holding(int layer);
   // One block's arena bytes from the checkpoint's tensors into `dst` (zeroed, b.bytes long).
   void fill_arena(std::uint8_t* dst, const Block& b, const std::vector<std::array<QuantizedWeight, 3>>& experts) const;
@@ -158,6 +171,9 @@ class ExpertOffloader : public model::WeightProvider {
   std::unique_ptr<StagingPolicy> policy_;       // which block each stage() copies into which slot
   at::Tensor nested_code_;  // shared 256-entry map for double-quantised statistics (device)
   int current_ = -1;        // layer in use (last staged)
+  bool grouped_ = false;    // blocks stream in groups of opt_.group_size experts
+  int current_group_ = -1;  // grouped: the group in use of current_ (-1: none yet since stage())
+  int direction_ = 1;       // grouped: +1 while groups are read upwards (forward), -1 downwards (backward)
   std::size_t cursor_ = 0;  // position in the schedule (policy_->schedule()) of the next stage() call
   OffloadStats stats_;            // the step being queued
   std::deque<OffloadStats> closed_;  // closed by end_step(), not yet taken

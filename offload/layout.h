@@ -36,5 +36,9 @@ PieceBytes stored_piece_bytes(QuantFormat format, std::int64_t numel);
 // MXFP4 / NVFP4) the checkpoint's experts kept as they are.
 std::int64_t expert_block_bytes(const model::ModelConfig& c, int blocksize, bool double_quant,
                                 QuantFormat format = QuantFormat::Nf4);
+// The largest arena range of `group` consecutive experts (a slot when blocks stream in groups:
+// the engine's ExpertOffloader groups): experts [first, first + group) from the first's pieces to
+// the next group's, or to the arena's end.
+std::int64_t expert_group_bytes(const model::ModelConfig& c, int blocksize, bool double_quant, QuantFormat format, int group);
 
 }  // namespace eo::offload

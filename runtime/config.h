@@ -152,6 +152,7 @@ struct TrainConfig {
   int expert_offload_prefetch_depth = 1;  // blocks staged ahead (slots = 1 + depth); with prefetch only
   std::string expert_offload_vram_budget = "0";  // bytes, "auto" or 0
   std::string expert_dequant_chunk = "auto";  // auto | whole | bytes: RunSpec::bank_bytes
+  std::string expert_group_size = "auto";     // auto | whole | experts per group: RunSpec::group_size
   std::string expert_bank_reuse = "auto";     // auto | all | down | none (models/linear4bit.h BankReuse)
   std::int64_t device_memory_limit = 0;  // bytes the caching allocator may use; 0 = all
   bool activation_offloading = false;  // checkpointed block inputs in pinned host RAM

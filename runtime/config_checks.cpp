@@ -115,6 +115,17 @@ void check_rules(const TrainConfig& c, const std::set<std::string>& present, Iss
       issues.push_back({"expert_offload_disk_path", "is required with expert_offload_homes: disk: a directory on a local "
                                                     "drive (ideally NVMe) for the homes file, e.g. /local/nvme/eo-homes"});
   }
+  // Expert groups: a group is a range of the homes in host RAM, and every read of a block's bank
+  // goes group by group (nvfp4_merge_aware reads the whole bank at once).
+  if (c.expert_group_size != "auto" && c.expert_group_size != "whole") {
+    if (!c.expert_offload)
+      issues.push_back({"expert_group_size", "streams offloaded blocks in groups: it needs expert_offload: true (or leave it auto)"});
+    if (c.expert_offload_homes == "disk")
+      issues.push_back({"expert_group_size", "needs the homes in host RAM: the disk homes read whole blocks (use "
+                                             "expert_offload_homes: per_rank or per_numa_node, or expert_group_size: whole)"});
+    if (c.nvfp4_merge_aware)
+      issues.push_back({"expert_group_size", "nvfp4_merge_aware snaps a whole block's experts at once: set expert_group_size: whole"});
+  }
   if (c.expert_offload) {
     const std::string why = " (expert_offload streams NF4 experts, re-staged by the non-reentrant recompute in backward)";
     if (!c.load_in_4bit) issues.push_back({"load_in_4bit", "expert_offload: true requires load_in_4bit: true" + why});

@@ -510,6 +510,20 @@ const std::vector<KeySpec>& schema() {
                    issues.push_back({"expert_dequant_chunk", "expected auto, whole, or a size of at least 1MiB such as 64MiB; got '" + v + "'"});
                  },
                  writer(&TrainConfig::expert_dequant_chunk)});
+    k.push_back({"expert_group_size", "experts, auto or whole", "auto",
+                 "With expert_offload: stream each MoE block's experts in groups of this many (double-buffered: the next group copies while one computes), so the device slots and the dequantised bank hold a group, not a block; each block's expert GEMMs then read the routing counts on the host (no CUDA graphs). auto = whole blocks, or the largest group (the block's experts halved until it does) that makes the memory plan fit the device; whole = never.",
+                 [](const YAML::Node& n, TrainConfig& c, Issues& issues) {
+                   const std::string v = n.IsScalar() ? n.Scalar() : yaml_text(n);
+                   if (v == "auto" || v == "whole") { c.expert_group_size = v; return; }
+                   try {
+                     std::size_t used = 0;
+                     const long long g = std::stoll(v, &used);
+                     if (used == v.size() && g >= 1 && g <= (1 << 20)) { c.expert_group_size = v; return; }
+                   } catch (...) {
+                   }
+                   issues.push_back({"expert_group_size", "expected auto, whole, or a number of experts of at least 1 such as 16; got '" + v + "'"});
+                 },
+                 writer(&TrainConfig::expert_group_size)});
     k.push_back(choice("expert_bank_reuse", &TrainConfig::expert_bank_reuse, {"auto", "all", "down", "none"},
                        "Dequantised expert banks (GPU, whole banks) a checkpointed block's recompute keeps for its "
                        "backward instead of dequantising them again: all = gate, up and down (two more banks at the "

@@ -52,6 +52,7 @@ class LoraStagingProvider : public model::WeightProvider {
   }
   void set_schedule(const std::vector<int>& order) override { inner_->set_schedule(order); }
   std::int64_t placement(int layer) override { return inner_->placement(layer); }
+  int expert_group_size() const override { return inner_->expert_group_size(); }
 
  protected:
   void stage_block(int layer) override {

@@ -91,15 +91,30 @@ MemoryPlan plan_memory(const RunSpec& spec) {
                                  (quant_format_traits(*fmt).checkpoint_own ? ", the checkpoint's own bytes)" : ")");
   // One MoE block's experts exactly as the offload engine lays them out (offload/layout.h).
   p.block_bytes = double(offload::expert_block_bytes(c, bs, spec.double_quant, p.expert_format));
+  p.group_size = spec.offload && spec.group_size > 0 && spec.group_size < c.experts ? spec.group_size : 0;
   p.expert_bytes = p.block_bytes * moe_layers;
   if (spec.offload) {
-    const int slots = spec.slots;
+    int slots = spec.slots;
     double budget = 0;
     if (!spec.budget_auto && spec.budget_bytes > 0) budget = std::floor(double(spec.budget_bytes) / p.block_bytes) * p.block_bytes;
     budget = std::min(budget, p.expert_bytes);
-    p.device.push_back({"experts", double(slots) * p.block_bytes + budget,
-                        std::to_string(slots) + " slot(s) of " + human_bytes(p.block_bytes) +
-                            (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string()) + held});
+    const int resident_count = p.block_bytes > 0 ? int(budget / p.block_bytes) : 0;
+    if (p.group_size > 0) {
+      // Streamed in groups (offload/engine.h): two slots of a group (one computes, the next
+      // copies), one without prefetch; none when every block is budget-resident.
+      slots = resident_count >= moe_layers ? 0 : spec.prefetch ? 2 : 1;
+      p.slot_bytes = double(offload::expert_group_bytes(c, bs, spec.double_quant, p.expert_format, p.group_size));
+      p.device.push_back({"experts", double(slots) * p.slot_bytes + budget,
+                          std::to_string(slots) + " slot(s) of " + human_bytes(p.slot_bytes) + ", each a group of " +
+                              std::to_string(p.group_size) + " of a block's " + std::to_string(c.experts) +
+                              " experts (expert_group_size; blocks of " + human_bytes(p.block_bytes) + " stream group by group)" +
+                              (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string()) + held});
+    } else {
+      p.slot_bytes = p.block_bytes;
+      p.device.push_back({"experts", double(slots) * p.block_bytes + budget,
+                          std::to_string(slots) + " slot(s) of " + human_bytes(p.block_bytes) +
+                              (budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string()) + held});
+    }
     p.host_pinned = p.expert_bytes;
     p.shared_homes = spec.homes == offload::HomesKind::PerNumaNode;
     // Copies per warm step: the engine's staging policy run dry along the step's staging order,
@@ -107,12 +122,19 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     const std::vector<int>& moe_list = spec.moe_layers;
     std::vector<bool> is_moe(static_cast<std::size_t>(c.layers));
     for (int i : moe_list) is_moe[static_cast<std::size_t>(i)] = true;
-    const int resident_blocks = p.block_bytes > 0 ? int(budget / p.block_bytes) : 0;
-    const std::vector<int> resident(moe_list.begin(), moe_list.begin() + std::min<std::size_t>(moe_list.size(), resident_blocks));
+    const std::vector<int> resident(moe_list.begin(), moe_list.begin() + std::min<std::size_t>(moe_list.size(), resident_count));
     const int streamed = moe_layers - int(resident.size());
     const std::vector<int> order = make_step_schedule(int(c.layers), spec.accum, spec.order).staging_order(is_moe);
-    if (!moe_list.empty())
+    if (!moe_list.empty() && p.group_size > 0) {
+      // Groups: every group of a streamed block's stagings is copied (forward, recompute), and its
+      // backward copies all but the two groups its recompute left in the slots.
+      const std::int64_t groups = (c.experts + p.group_size - 1) / p.group_size;
+      std::int64_t stagings = 0;
+      for (int l : order) stagings += std::find(resident.begin(), resident.end(), l) == resident.end() ? 1 : 0;
+      p.copies_per_step = stagings * groups + (spec.checkpointing ? stagings / 2 * std::max<std::int64_t>(0, groups - 2) : 0);
+    } else if (!moe_list.empty()) {
       p.copies_per_step = offload::steady_copies_per_step(order, int(c.layers), std::min(slots, streamed), spec.prefetch, resident);
+    }
     if (spec.homes == offload::HomesKind::Disk) {
       const offload::DiskHomesSize z = offload::estimate_disk_homes(c, bs, spec.double_quant, slots, p.expert_format);
       p.disk_homes = true;
@@ -266,15 +288,18 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   const double shared = model::beside_experts_saved_bytes(c, N, d);
   // The bank: every expert's matrix dequantised at once, or the largest slice of it
   // (expert_dequant_chunk; GPU only: the CPU runs the per-expert loop).
-  double bank = moe_layers > 0 && fmt ? E * I * H * d : 0;  // held 4-bit (NVFP4 without load_in_4bit too)
+  // Streamed in groups, a bank is one group's experts (models/moe_model.cpp: experts_forward).
+  const double Eb = p.group_size > 0 ? double(p.group_size) : E;
+  double bank = moe_layers > 0 && fmt ? Eb * I * H * d : 0;  // held 4-bit (NVFP4 without load_in_4bit too)
   if (const std::int64_t max = spec.bank_bytes; bank > 0 && max > 0 && on_gpu) {
-    const auto e = std::int64_t(E), h = std::int64_t(H), i = std::int64_t(I), el = std::int64_t(d);
-    bank = std::max(E * H * d * double(model::bank_slice(i, e, h, el, max)), E * I * d * double(model::bank_slice(h, e, i, el, max)));
+    const auto e = std::int64_t(Eb), h = std::int64_t(H), i = std::int64_t(I), el = std::int64_t(d);
+    bank = std::max(Eb * H * d * double(model::bank_slice(i, e, h, el, max)), Eb * I * d * double(model::bank_slice(h, e, i, el, max)));
   }
-  // Banks a recompute keeps for its backward (expert_bank_reuse; whole banks on a GPU), beside
-  // the one bank each phase holds anyway: with `all`, gate's and up's until their backward.
-  const bool keep_all = bank > 0 && spec.bank_reuse == model::BankReuse::All;
-  const bool keep_down = bank > 0 && spec.bank_reuse == model::BankReuse::Down;
+  // Banks a recompute keeps for its backward (expert_bank_reuse; whole banks on a GPU, none when
+  // streamed in groups), beside the one bank each phase holds anyway: with `all`, gate's and
+  // up's until their backward.
+  const bool keep_all = bank > 0 && p.group_size == 0 && spec.bank_reuse == model::BankReuse::All;
+  const bool keep_down = bank > 0 && p.group_size == 0 && spec.bank_reuse == model::BankReuse::Down;
   const double kept_gate_up = keep_all ? 2 * bank : 0;
   // Gradients in flight on the residual stream: the block's output gradient and its input's.
   const double residual = 2 * N * H * d;
@@ -313,7 +338,9 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   block += residual;
   p.device.push_back({"block", block, "one block's recompute + backward, peak at the " + block_phase + " (" +
                                           std::to_string(static_cast<long long>(NK)) + " token-expert pairs" +
-                                          (bank > 0 ? ", dequantised bank " + human_bytes(bank) : std::string()) +
+                                          (bank > 0 ? ", dequantised bank " + human_bytes(bank) +
+                                                          (p.group_size > 0 ? " (a group of " + std::to_string(p.group_size) + " experts)" : std::string())
+                                                    : std::string()) +
                                           (keep_all ? ", 2 more kept from the recompute for its backward" : std::string()) +
                                           (attn_math_saved > 0 ? ", SDPA's math path for heads over 256 keeps " +
                                                                      human_bytes(attn_math_saved) + " in fp32"
@@ -370,6 +397,24 @@ FittedPlan fit_plan(const RunSpec& spec, double available) {
       f.down_from = f.plan.device_peak;
       f.plan = p;
       f.spec = down;
+    }
+  }
+  // expert_group_size: auto: the largest group (the block's experts halved, rounded up, until one
+  // does) whose plan fits; where none does, the smallest group if it lowers the peak.
+  if (gpu && spec.offload && spec.group_auto && f.spec.group_size == 0 && over()) {
+    FittedPlan best = f;
+    for (int g = (spec.model.experts + 1) / 2; g >= 1; g = g == 1 ? 0 : (g + 1) / 2) {
+      RunSpec grouped = f.spec;
+      grouped.group_size = g;
+      const MemoryPlan p = plan_memory(grouped);
+      if (p.device_peak >= best.plan.device_peak) continue;
+      best.spec = grouped;
+      best.plan = p;
+      if (p.device_peak + p.margin <= available) break;
+    }
+    if (best.spec.group_size > 0) {
+      best.grouped_from = f.plan.device_peak;
+      f = best;
     }
   }
   if (gpu && spec.bank_auto && over()) {
@@ -463,6 +508,7 @@ HostRamFit describe_host_ram(const RunSpec& spec, const MemoryPlan& plan, double
     for (const auto& [homes, name] : {std::pair{offload::HomesKind::PerNumaNode, "per_numa_node"},
                                       std::pair{offload::HomesKind::Disk, "disk"}}) {
       if (spec.homes == homes) continue;
+      if (homes == offload::HomesKind::Disk && spec.group_size > 0) continue;  // groups read the homes in RAM
       RunSpec other = spec;
       other.homes = homes;
       const MemoryPlan q = plan_memory(other);

@@ -42,7 +42,9 @@ struct MemoryPlan {
   double margin = 0;               // headroom the start-up check adds for reserved-but-unused memory
   double expert_bytes = 0;         // 4-bit experts of the whole model
   QuantFormat expert_format = QuantFormat::Nf4;  // how load_in_4bit holds them (expert_quant)
-  double block_bytes = 0;          // one MoE block's experts (a slot)
+  double block_bytes = 0;          // one MoE block's experts
+  int group_size = 0;              // offloaded blocks stream in groups of this many experts (0: whole)
+  double slot_bytes = 0;           // one device slot: a block, or a group of group_size experts
   double host_pinned = 0;          // per rank: the homes when offloading (disk: the read ring), else 0
   // expert_lora_offload: the experts' LoRA parameters and their state in host RAM per rank
   // (runtime/expert_lora_offload.h: fp32 master, gradient, two moments); 0 without.
@@ -72,12 +74,13 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, Com
 
 // The plan fitted to `available` device bytes: where it does not fit, auto's alternatives are
 // tried as changed copies of the spec, in order: expert_bank_reuse down (gate's and up's banks
-// dequantised again in backward), then expert_dequant_chunk in 64 MiB slices (on a GPU; each is
-// kept only if it lowers the peak). `*_from`: the peak an alternative replaced, 0 if not taken.
+// dequantised again in backward), then expert_group_size (offloaded blocks streamed in groups: the
+// largest that fits), then expert_dequant_chunk in 64 MiB slices (on a GPU; each is kept only if
+// it lowers the peak). `*_from`: the peak an alternative replaced, 0 if not taken.
 struct FittedPlan {
   RunSpec spec;
   MemoryPlan plan;
-  double down_from = 0, sliced_from = 0;
+  double down_from = 0, sliced_from = 0, grouped_from = 0;
 };
 FittedPlan fit_plan(const RunSpec& spec, double available);
 

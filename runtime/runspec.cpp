@@ -100,6 +100,14 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
   s.bank_auto = cfg.expert_dequant_chunk == "auto";
   if (!s.bank_auto && cfg.expert_dequant_chunk != "whole")
     s.bank_bytes = static_cast<std::int64_t>(parse_bytes(cfg.expert_dequant_chunk).value_or(0));
+  // expert_group_size: with expert_offload only; a group of every expert is the whole block.
+  // auto never groups where groups cannot run (disk homes, nvfp4_merge_aware); the config check
+  // refuses a number there.
+  s.group_auto = s.offload && cfg.expert_group_size == "auto" && s.homes != offload::HomesKind::Disk && !cfg.nvfp4_merge_aware;
+  if (s.offload && cfg.expert_group_size != "auto" && cfg.expert_group_size != "whole") {
+    const int g = std::stoi(cfg.expert_group_size);
+    s.group_size = g < s.model.experts ? g : 0;
+  }
   s.bank_reuse_auto = cfg.expert_bank_reuse == "auto";
   const model::BankReuse asked = cfg.expert_bank_reuse == "none"   ? model::BankReuse::None
                                  : cfg.expert_bank_reuse == "down" ? model::BankReuse::Down
@@ -116,6 +124,8 @@ void decide_cuda_graphs(RunSpec& spec, const GraphFacts& facts) {
   if (!spec.on_gpu) return decide(false, "off (a CPU run)");
   if (spec.cuda_graphs == Setting::Off) return decide(false, "off (cuda_graphs: false)");
   if (!spec.graphs_blocked.empty()) return decide(false, "off (" + spec.graphs_blocked + ")");
+  if (spec.group_size > 0)
+    return decide(false, "off (expert_group_size: a block streamed in groups reads its routing counts on the host)");
   const std::string extra = facts.pool + " more device memory for their pool";
   // Offloaded runs too: their step is transfer-bound, but each copy waits for the slot's last
   // reader, so a late kernel launch delays the copy stream. Measured (Qwen3-30B-A3B, mb 1, H200,

@@ -59,6 +59,10 @@ struct RunSpec {
   // expert banks and the step
   std::int64_t bank_bytes = 0;       // expert_dequant_chunk: 0 = the whole bank at once
   bool bank_auto = false;            // ... auto: whole unless only slices fit (the plan decides)
+  // expert_group_size: offloaded blocks stream in groups of this many experts (0: whole blocks;
+  // never the block's expert count or more); auto: whole unless only groups fit (the plan decides).
+  int group_size = 0;
+  bool group_auto = false;
   model::BankReuse bank_reuse = model::BankReuse::None;  // in effect (see resolve_run_spec)
   bool bank_reuse_auto = false;      // expert_bank_reuse: auto (all, or down when only that fits)
   bool checkpointing = true;

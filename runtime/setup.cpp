@@ -104,6 +104,7 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& model, 
   oo.prefetch = cfg.expert_offload_prefetch;
   oo.prefetch_depth = cfg.expert_offload_prefetch_depth;
   oo.copy_pace_gbps = cfg.expert_offload_copy_pace_gbps;
+  oo.group_size = spec.group_size;  // the plan's (expert_group_size, or auto's choice)
   // auto: sized after the first step, once the activation peak is known (see size_auto_budget).
   oo.vram_budget_bytes = spec.budget_auto ? 0 : spec.budget_bytes;
   if (!device.is_cuda() && oo.vram_budget_bytes > 0)
@@ -223,6 +224,10 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const RunSpec& spec, const at:
   if (fitted.down_from > 0)
     log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
               human_bytes(fitted.down_from) + " + margin); the backward dequantises them again");
+  if (fitted.grouped_from > 0)
+    log::info("expert_group_size: auto -> " + std::to_string(fitted.spec.group_size) + ": whole blocks would not fit (" +
+              human_bytes(fitted.grouped_from) + " + margin); each block streams in groups of " +
+              std::to_string(fitted.spec.group_size) + " experts");
   if (fitted.sliced_from > 0)
     log::info("expert_dequant_chunk: auto -> " + std::to_string(kAutoBankSliceBytes >> 20) + "MiB: the whole bank would not fit (" +
               human_bytes(fitted.sliced_from) + " + margin); slices of the experts are dequantised one at a time (slower)");

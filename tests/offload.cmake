@@ -31,3 +31,10 @@ set_tests_properties(disk_homes PROPERTIES LABELS unit TIMEOUT 600
 add_test(NAME expert_lora_offload COMMAND ${PROJECT_SOURCE_DIR}/tests/expert_lora_offload.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
 set_tests_properties(expert_lora_offload PROPERTIES LABELS mpi TIMEOUT 900 PROCESSORS 2
                      PASS_REGULAR_EXPRESSION "expert_lora_offload: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")
+# Blocks streamed in groups of experts (expert_group_size): the engine's group slots, group-by-group
+# GEMMs bitwise equal to the whole block's, the plan's group for Maverick and GLM-4.6 at 24 GiB
+# (test_expert_groups.cpp); training end to end bitwise, 1 and 2 ranks (tests/expert_groups.sh).
+eo_unit_test(test_expert_groups SOURCES test_expert_groups.cpp LIBS eo_runtime)
+add_test(NAME expert_groups COMMAND ${PROJECT_SOURCE_DIR}/tests/expert_groups.sh ${PROJECT_BINARY_DIR} ${PROJECT_SOURCE_DIR} ${EO_PYTHON})
+set_tests_properties(expert_groups PROPERTIES LABELS mpi TIMEOUT 900 PROCESSORS 2
+                     PASS_REGULAR_EXPRESSION "expert_groups: all checks passed" FAIL_REGULAR_EXPRESSION "FAILED")

@@ -190,6 +190,66 @@ TEST(Cuda, OffloadTrainingMatchesResidentOnGpu) {
   }
 }
 
+// Blocks streamed in groups (expert_group_size) on the GPU: the group slots are all the device holds of
+// the experts, every expert reads back exactly through them in any order (copy stream, ready and
+// released events), and training in groups of 3 of the tiny model's 8 experts (the grouped GEMMs group
+// by group, a host read of the routing counts per block) follows resident training.
+TEST(Cuda, ExpertGroupsOnTheGpu) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  auto bank = big_bank(4, 16, 512, 256);
+  std::vector<std::vector<at::Tensor>> ref(4);  // every expert's down matrix, dequantised on the CPU
+  for (int l = 0; l < 4; ++l)
+    for (int e = 0; e < 16; ++e) ref[l].push_back(eo::dequantize(bank[l][e][2], at::kFloat));
+  synchronize(dev);
+  const std::int64_t before = allocated_now(0);
+  offload::OffloadOptions o;
+  o.device = dev;
+  o.group_size = 5;  // 5, 5, 5, 1
+  offload::ExpertOffloader off(std::move(bank), o);
+  synchronize(dev);
+  EXPECT_EQ(allocated_now(0) - before, off.slot_bytes());
+  EXPECT_EQ(off.slot_bytes() * 16, 2 * 5 * off.block_bytes(0));
+  off.set_schedule({0, 1, 2, 3, 3, 2, 1, 0});
+  for (int pass = 0; pass < 2; ++pass)
+    for (int l : (pass == 0 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{3, 2, 1, 0})) {
+      off.stage(l);
+      std::vector<int> order;
+      for (int e = 0; e < 16; ++e) order.push_back(pass == 0 ? e : 15 - e);
+      for (int e : order)
+        ASSERT_TRUE(at::equal(eo::dequantize(off.expert_weight(l, e, model::ExpertMatrix::Down), at::kFloat).cpu(), ref[l][e]))
+            << "layer " << l << " expert " << e;
+    }
+  off.stage(0);
+  for (int e : {7, 0, 15, 3, 12, 12, 1})
+    ASSERT_TRUE(at::equal(eo::dequantize(off.expert_weight(0, e, model::ExpertMatrix::Down), at::kFloat).cpu(), ref[0][e]));
+
+  auto run = [](const std::string& group, const std::string& out) {
+    TrainConfig cfg = load_config_file(std::string(EO_SOURCE_DIR) + "/configs/tiny-qwen3-moe.yaml",
+                                       {"max_steps=6", "save_steps=0", "output_dir=" + out, "bf16=true", "lora_dropout=0",
+                                        "base_model=" + std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe",
+                                        "datasets.0.path=" + std::string(EO_SOURCE_DIR) + "/fixtures/tiny-data/train.jsonl",
+                                        "lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+                                        std::string("expert_offload=") + (group.empty() ? "false" : "true"),
+                                        "expert_group_size=" + (group.empty() ? std::string("auto") : group)});
+    remove_tree(out);
+    train(cfg, ddp::World::get());
+    std::vector<double> losses;
+    std::ifstream in(out + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto k = line.find("\"loss\":");
+      if (k != std::string::npos) losses.push_back(std::stod(line.substr(k + 7)));
+    }
+    return losses;
+  };
+  const std::string tmp = fs::temp_directory_path().string();
+  const auto resident = run("", tmp + "/eo_cuda_groups_resident");
+  const auto groups = run("3", tmp + "/eo_cuda_groups_3");
+  ASSERT_EQ(resident.size(), 6u);
+  ASSERT_EQ(groups.size(), 6u);
+  for (int i = 0; i < 6; ++i) EXPECT_NEAR(groups[i], resident[i], 1e-2 * std::abs(resident[i])) << "step " << i + 1;
+}
+
 // With a model whose experts are large enough to see (EO_CUDA_MODEL, made by scripts/device-check),
 // the allocator peak of offloaded training is below resident training's by at least the experts'
 // bytes minus the two slots.
