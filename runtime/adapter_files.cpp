@@ -64,6 +64,7 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   base["bnb_4bit_blocksize"] = cfg.bnb_4bit_blocksize;
   base["bnb_4bit_use_double_quant"] = cfg.bnb_4bit_use_double_quant;
   base["expert_quant"] = cfg.expert_quant;
+  base["expert_offload"] = cfg.expert_offload;  // `eo-ddp generate --adapter` streams the experts likewise
   write_file_atomic((fs::path(dir) / kAdapterBaseFile).string(), base.dump(2) + "\n");
 }
 
