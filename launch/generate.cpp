@@ -19,17 +19,19 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <set>
 
 #include "common/error.h"
 #include "common/files.h"
 #include "common/log.h"
+#include "common/text.h"
 #include "launch/commands.h"
 #include "models/kv_cache.h"
 #include "models/moe_model.h"
 #include "offload/engine.h"
-#include "runtime/data/prepare.h"
 #include "runtime/adapter_files.h"
+#include "runtime/data/prepare.h"
 #include "runtime/hub.h"
 
 #include <nlohmann/json.hpp>
@@ -150,8 +152,9 @@ std::optional<bool> recorded_base(const std::string& adapter_dir, model::LoadOpt
 
 // The 4-bit experts the loader left in host memory (LoadOptions::experts_on_host) into homes, streamed
 // into device slots as training streams them (runtime/setup.cpp, start_offload), with the forward's
-// order of MoE blocks as the schedule, so the next block is copied while one computes.
-std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& m, const at::Device& device) {
+// order of MoE blocks as the schedule, so the next block is copied while one computes; the first
+// blocks that fit in `budget` device bytes stay resident (expert_offload_vram_budget).
+std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& m, const at::Device& device, std::int64_t budget) {
   auto* resident = dynamic_cast<model::ResidentWeights*>(&m.weight_provider());
   EO_CHECK(resident, "generate: the model's experts are not held by a ResidentWeights store");
   bool any = false;
@@ -160,6 +163,7 @@ std::shared_ptr<offload::ExpertOffloader> start_offload(model::MoeModel& m, cons
   offload::OffloadOptions oo;
   oo.device = device;
   oo.pin_memory = device.is_cuda();
+  oo.vram_budget_bytes = budget;  // blocks that fit stay on the device, the rest stream
   auto off = std::make_shared<offload::ExpertOffloader>(std::move(resident->bank()), oo);
   off->set_schedule(off->moe_layers());
   m.set_weight_provider(off);
@@ -181,7 +185,8 @@ int run_generate(const Args& args) {
   const bool raw = reader.flag("--raw"), json = reader.flag("--json");
   const bool force_4bit = reader.flag("--load-in-4bit"), force_dense = reader.flag("--no-load-in-4bit");
   const bool offload_on = reader.flag("--expert-offload"), offload_off = reader.flag("--no-expert-offload");
-  const bool recompute = reader.flag("--no-kv-cache");
+  const bool recompute = reader.flag("--no-kv-cache"), synthetic = reader.flag("--synthetic-weights");
+  const std::string budget_text = reader.value("--expert-offload-vram-budget", "0");
   reader.finish("generate");
   if (model_dir.empty()) throw UsageError("generate: --model DIR is required (see eo-ddp generate --help)");
   if (int(!prompt.empty()) + int(!chat.empty()) + int(!prompt_ids.empty()) != 1)
@@ -189,7 +194,13 @@ int run_generate(const Args& args) {
   if (dtype != "fp32" && dtype != "bf16") throw UsageError("generate: --dtype must be fp32 or bf16, got '" + dtype + "'");
   if (force_4bit && force_dense) throw UsageError("generate: --load-in-4bit and --no-load-in-4bit contradict each other");
   if (offload_on && offload_off) throw UsageError("generate: --expert-offload and --no-expert-offload contradict each other");
-  if (const hub::Resolution r = hub::resolve(hub::Repo::Model, model_dir, "", hub::Need::Everything, true, "generate: --model");
+  const std::optional<std::uint64_t> budget = parse_bytes(budget_text);
+  if (!budget)
+    throw UsageError("generate: --expert-offload-vram-budget must be a size such as 8GiB or 0, got '" + budget_text + "'");
+  if (synthetic && prompt_ids.empty())
+    throw UsageError("generate: --synthetic-weights has no tokenizer to go with it; give the prompt as --prompt-ids");
+  if (const hub::Resolution r = hub::resolve(hub::Repo::Model, model_dir, "", synthetic ? hub::Need::Config : hub::Need::Everything,
+                                             true, "generate: --model");
       !r.problem.empty())
     throw UsageError("generate: --model " + r.problem);
   else model_dir = r.path;
@@ -231,11 +242,12 @@ int run_generate(const Args& args) {
     throw UsageError("generate: --expert-offload streams the 4-bit experts; add --load-in-4bit (or generate without offload)");
   lo.device = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   lo.experts_on_host = offload;
+  if (synthetic) lo.random_seed = seed;  // benchmarks on real shapes: config.json only, nothing read
   auto m = model::MoeModel::load(model_dir, config, lo);
   std::shared_ptr<offload::ExpertOffloader> offloader;
-  if (offload) offloader = start_offload(*m, lo.device);
+  if (offload) offloader = start_offload(*m, lo.device, static_cast<std::int64_t>(*budget));
   if (!adapter_dir.empty()) m->load_adapter(adapter_dir);
-  log::info(std::string("generate: ") + (lo.load_in_4bit ? "NF4 base" : "base as stored") +
+  log::info(std::string("generate: ") + (synthetic ? "synthetic (seeded random) " : "") + (lo.load_in_4bit ? "NF4 base" : "base as stored") +
             (offload ? ", experts streamed from host homes into a device slot" : "") +
             (recompute ? ", no kv cache (every token runs the whole sequence)"
                        : ", kv cache (the prompt once, then one token per forward)"));

@@ -71,7 +71,10 @@ recurrent and conv state).
   --no-load-in-4bit    on the base as stored, whatever the adapter trained on
   --expert-offload     the 4-bit experts in host RAM, streamed into a device slot block by block as
                        in training (default: as the adapter trained); --no-expert-offload: held
+  --expert-offload-vram-budget SIZE   with --expert-offload: keep the blocks that fit in SIZE on
+                       the device (default 0: every block streams)
   --no-kv-cache        run the whole sequence for every new token (no cache)
+  --synthetic-weights  seeded random weights (--seed) from config.json alone, for rates on real shapes
   --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"})"},
       {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
