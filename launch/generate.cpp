@@ -130,26 +130,6 @@ std::set<std::int64_t> eos_ids(const std::string& model_dir) {
   return {};
 }
 
-// The base the adapter trained on (its kAdapterBaseFile) into lo, as `eo-ddp score` reads it, and
-// whether it trained with its experts offloaded; nullopt without the file.
-std::optional<bool> recorded_base(const std::string& adapter_dir, model::LoadOptions& lo) {
-  const fs::path recorded = fs::path(adapter_dir) / kAdapterBaseFile;
-  if (adapter_dir.empty() || !fs::exists(recorded)) return std::nullopt;
-  try {
-    std::string text;
-    read_file_nofollow(recorded.string(), text);
-    const auto j = nlohmann::json::parse(text);
-    lo.load_in_4bit = j.value("load_in_4bit", false);
-    lo.blocksize = j.value("bnb_4bit_blocksize", 64);
-    lo.double_quant = j.value("bnb_4bit_use_double_quant", false);
-    lo.expert_quant = model::expert_quant_named(j.value("expert_quant", std::string("auto")));
-    return j.value("expert_offload", false);
-  } catch (const std::exception& e) {
-    throw UsageError("generate: " + recorded.string() + " is not readable JSON (" + e.what() +
-                     "); pass --load-in-4bit or --no-load-in-4bit to say which base to use");
-  }
-}
-
 // The 4-bit experts the loader left in host memory (LoadOptions::experts_on_host) into homes, streamed
 // into device slots as training streams them (runtime/setup.cpp, start_offload), with the forward's
 // order of MoE blocks as the schedule, so the next block is copied while one computes; the first
@@ -235,9 +215,15 @@ int run_generate(const Args& args) {
   // the experts offloaded likewise.
   model::LoadOptions lo;
   lo.dtype = dtype == "bf16" ? at::kBFloat16 : at::kFloat;
-  const std::optional<bool> trained_offloaded = force_4bit || force_dense ? std::nullopt : recorded_base(adapter_dir, lo);
+  const auto recorded = force_4bit || force_dense ? std::nullopt : read_adapter_base(adapter_dir, "generate");
+  if (recorded) {
+    lo.load_in_4bit = recorded->load_in_4bit;
+    lo.blocksize = recorded->blocksize;
+    lo.double_quant = recorded->double_quant;
+    lo.expert_quant = model::expert_quant_named(recorded->expert_quant);
+  }
   if (force_4bit) lo.load_in_4bit = true;
-  const bool offload = offload_on || (!offload_off && trained_offloaded.value_or(false));
+  const bool offload = offload_on || (!offload_off && recorded && recorded->expert_offload);
   if (offload && !lo.load_in_4bit)
     throw UsageError("generate: --expert-offload streams the 4-bit experts; add --load-in-4bit (or generate without offload)");
   lo.device = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
@@ -248,6 +234,7 @@ int run_generate(const Args& args) {
   if (offload) offloader = start_offload(*m, lo.device, static_cast<std::int64_t>(*budget));
   if (!adapter_dir.empty()) m->load_adapter(adapter_dir);
   log::info(std::string("generate: ") + (synthetic ? "synthetic (seeded random) " : "") + (lo.load_in_4bit ? "NF4 base" : "base as stored") +
+            (recorded ? " as the adapter was trained (" + recorded->file + ")" : "") +
             (offload ? ", experts streamed from host homes into a device slot" : "") +
             (recompute ? ", no kv cache (every token runs the whole sequence)"
                        : ", kv cache (the prompt once, then one token per forward)"));
