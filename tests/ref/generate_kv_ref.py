@@ -25,11 +25,20 @@ from peft import LoraConfig, get_peft_model
 BINARY, SRC, WORK = sys.argv[1:4]
 # GQA with full RoPE (qwen3_moe), partial RoPE (glm4_moe), latent attention (deepseek_v3, glm4_moe_lite),
 # sinks and a sliding window (gpt_oss), sliding and full layers of their own geometry (gemma4), chunked
-# and NoPE layers (llama4), gated delta-rule layers beside a gated attention layer (qwen3_next).
-ARCHS = sys.argv[4:] or ["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "gemma4", "llama4", "qwen3_next"]
+# and NoPE layers (llama4), gated delta-rule layers beside a gated attention layer (qwen3_next); inside their
+# multimodal wrappers as the Hub ships them, latent attention with Llama 4's query scale (mistral4_mm) and
+# Qwen3.5's delta-rule layers (qwen3_5_moe_mm).
+ARCHS = sys.argv[4:] or ["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "gemma4", "llama4", "qwen3_next",
+                         "mistral4_mm", "qwen3_5_moe_mm"]
+# The multimodal wrappers' classes (tests/ref/model_ref.py); peft's adapter stays out of their vision towers.
+WRAPPERS = {"mistral4_mm": transformers.Mistral3ForConditionalGeneration,
+            "qwen3_5_moe_mm": transformers.Qwen3_5MoeForConditionalGeneration}
 OFFLOAD = {"qwen3_moe", "qwen3_next"}  # the offload engine is the same for every family: two of them
 N = 20
-ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+# Every projection of the attention and delta-rule layers, so the adapter changes the cached keys and values
+# and the carried conv and recurrent state.
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+             "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
 torch.set_num_threads(1)
 shutil.rmtree(WORK, ignore_errors=True)
 os.makedirs(WORK)
@@ -71,7 +80,8 @@ for arch in ARCHS:
             if isinstance(cfg.get("text_config"), dict):
                 cfg["text_config"].pop("eos_token_id", None)
             json.dump(cfg, open(path, "w"), indent=2)
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cls = WRAPPERS.get(arch, transformers.AutoModelForCausalLM)
+    base = cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     gc = base.generation_config.eos_token_id
     eos = sorted(set(gc if isinstance(gc, list) else [gc]) - {None})
     check(not eos, f"{arch}: the checkpoint has no end-of-sequence id left")
@@ -79,18 +89,23 @@ for arch in ARCHS:
     prompt = torch.randint(3, vocab, (11,), generator=torch.Generator().manual_seed(5)).tolist()
 
     # A peft adapter on the attention projections, B random so the adapter changes the keys and values.
-    names = sorted({n.rsplit(".", 1)[-1] for n, mod in base.named_modules() if isinstance(mod, torch.nn.Linear)} & ATTENTION)
+    names = sorted({n.rsplit(".", 1)[-1] for n, mod in base.named_modules()
+                    if isinstance(mod, torch.nn.Linear) and (arch not in WRAPPERS or "language_model." in n)} & ATTENTION)
     adapter_dir = os.path.join(WORK, arch + "-adapter")
     torch.manual_seed(11)
-    peft_model = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=names, init_lora_weights=False,
-                                           lora_dropout=0.0))
+    exclude = {"exclude_modules": r"(?!model\.language_model\.).*"} if arch in WRAPPERS else {}
+    peft_model = get_peft_model(cls.from_pretrained(model_dir, dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=32, target_modules=names, init_lora_weights=False,
+                                           lora_dropout=0.0, **exclude))
     peft_model.save_pretrained(adapter_dir)
     peft_model.eval()
 
+    wanted = {}
     for name, extra, model in (("base", [], base), ("adapter", ["--adapter", adapter_dir], peft_model)):
         with torch.no_grad():
-            want = reference(model, prompt, eos)
+            want = wanted[name] = reference(model, prompt, eos)
+        if name == "adapter":
+            check(want != wanted["base"], f"{arch}: the adapter changes transformers' tokens (the check below can fail)")
         got, log = eo_generate(model_dir, prompt, *extra)
         check(got == want and len(want) == N, f"{arch} {name}: kv-cache greedy ids {got and got[:6]}... equal transformers' generate "
               f"{want[:6]}... ({len(want)} tokens){'' if got is not None else ' ' + log}")
