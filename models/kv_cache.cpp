@@ -32,15 +32,18 @@ at::Tensor forward_cached(MoeModel& model, const at::Tensor& ids, KvCache& cache
   batch.input_ids = ids;
   batch.positions = at::arange(past, all, at::TensorOptions().dtype(at::kLong)).view({1, T});
   BlockContext ctx = model.context(batch, false);
-  // The queries sit at positions past ... all - 1, the keys at 0 ... all - 1: query i sees key j
-  // when j <= past + i (the layers add their windows and sinks to this mask, as without a cache).
-  const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);
-  const at::Tensor qpos = at::arange(past, all, opt.dtype(at::kLong)).view({T, 1});
-  const at::Tensor kpos = at::arange(all, opt.dtype(at::kLong)).view({1, all});
-  ctx.attn_mask = (kpos <= qpos).view({1, 1, T, all});
-  if (c.llama4 && c.llama4->chunk > 0) {  // chunked layers: keys in the query's chunk only
-    const std::int64_t chunk = c.llama4->chunk;
-    ctx.chunk_mask = ctx.attn_mask & (at::floor_divide(qpos, chunk) == at::floor_divide(kpos, chunk)).view({1, 1, T, all});
+  if (past > 0) {
+    // The queries sit at positions past ... all - 1, the keys at 0 ... all - 1: query i sees key j
+    // when j <= past + i (the layers add their windows and sinks to this mask, as without a cache).
+    // The prefill (past 0) keeps context()'s plain causal attention, which takes the fused kernel.
+    const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);
+    const at::Tensor qpos = at::arange(past, all, opt.dtype(at::kLong)).view({T, 1});
+    const at::Tensor kpos = at::arange(all, opt.dtype(at::kLong)).view({1, all});
+    ctx.attn_mask = (kpos <= qpos).view({1, 1, T, all});
+    if (c.llama4 && c.llama4->chunk > 0) {  // chunked layers: keys in the query's chunk only
+      const std::int64_t chunk = c.llama4->chunk;
+      ctx.chunk_mask = ctx.attn_mask & (at::floor_divide(qpos, chunk) == at::floor_divide(kpos, chunk)).view({1, 1, T, all});
+    }
   }
   ctx.cache = &cache;
   at::Tensor h = model.embed(ids);
