@@ -130,6 +130,16 @@ std::set<std::int64_t> eos_ids(const std::string& model_dir) {
   return {};
 }
 
+// The next token: greedy (temperature 0), else sampled from the smallest set of most likely tokens
+// whose probability reaches top_p.
+std::int64_t pick(const at::Tensor& logits, double temperature, double top_p, at::Generator& gen) {
+  if (temperature == 0) return logits.argmax().item<std::int64_t>();
+  const auto [sorted, order] = at::softmax(logits / temperature, -1).sort(-1, /*descending=*/true);
+  const at::Tensor before = sorted.cumsum(-1) - sorted;
+  const at::Tensor kept = sorted.masked_fill(before >= top_p, 0);
+  return order[at::multinomial(kept, 1, false, gen).item<std::int64_t>()].item<std::int64_t>();
+}
+
 // The 4-bit experts the loader left in host memory (LoadOptions::experts_on_host) into homes, streamed
 // into device slots as training streams them (runtime/setup.cpp, start_offload), with the forward's
 // order of MoE blocks as the schedule, so the next block is copied while one computes; the first
@@ -247,6 +257,7 @@ int run_generate(const Args& args) {
   if (!json && has_tokenizer) streamer = std::make_unique<Streamer>(model_dir);
   model::KvCache cache(m->num_layers());
   const std::size_t prompt_len = ids.size();
+  offload::OffloadStats streamed;  // summed over the forwards
   using clock = std::chrono::steady_clock;
   double prefill_s = 0;
   const auto start = clock::now();
@@ -260,15 +271,19 @@ int run_generate(const Args& args) {
       const std::vector<std::int64_t> fresh(ids.begin() + cache.length(), ids.end());
       logits = model::forward_cached(*m, at::tensor(fresh, at::kLong).view({1, static_cast<std::int64_t>(fresh.size())}), cache);
     }
-    std::int64_t next;
-    if (temperature == 0) {
-      next = logits.argmax().item<std::int64_t>();
-    } else {
-      // top-p: the smallest set of most likely tokens whose probability reaches top_p.
-      const auto [sorted, order] = at::softmax(logits / temperature, -1).sort(-1, /*descending=*/true);
-      const at::Tensor before = sorted.cumsum(-1) - sorted;
-      const at::Tensor kept = sorted.masked_fill(before >= top_p, 0);
-      next = order[at::multinomial(kept, 1, false, gen).item<std::int64_t>()].item<std::int64_t>();
+    const std::int64_t next = pick(logits, temperature, top_p, gen);
+    if (offloader) {  // each forward closes its own counters, so their CUDA events are freed as it goes
+      offloader->end_step();
+      const offload::OffloadStats st = offloader->take_step_stats();
+      streamed.copies += st.copies;
+      streamed.copied_bytes += st.copied_bytes;
+      streamed.copy_seconds += st.copy_seconds;
+      streamed.stall_seconds += st.stall_seconds;
+      streamed.stage_calls += st.stage_calls;
+      streamed.slot_hits += st.slot_hits;
+      streamed.resident_hits += st.resident_hits;
+      streamed.resident_blocks = st.resident_blocks;
+      streamed.memcpy_link = st.memcpy_link;
     }
     if (t == 0) prefill_s = std::chrono::duration<double>(clock::now() - start).count();
     ids.push_back(next);
@@ -290,6 +305,7 @@ int run_generate(const Args& args) {
                           {"ids", std::vector<std::int64_t>(ids.begin() + prompt_len, ids.end())},
                           {"prefill_tokens_per_s", prefill_rate},
                           {"decode_tokens_per_s", decode_rate}};
+    if (offloader) out["experts_streamed"] = streamed.to_metrics();
     std::printf("%s\n", out.dump().c_str());
   }
   char line[256];
@@ -298,10 +314,10 @@ int run_generate(const Args& args) {
                 temperature == 0 ? "greedy" : "sampled");
   log::info(line);
   if (offloader) {
-    offloader->end_step();
-    const offload::OffloadStats st = offloader->take_step_stats();
-    std::snprintf(line, sizeof line, "generate: experts streamed: %lld block copies, %.2f GB from host homes, %.2f s copying",
-                  static_cast<long long>(st.copies), static_cast<double>(st.copied_bytes) / 1e9, st.copy_seconds);
+    std::snprintf(line, sizeof line,
+                  "generate: experts streamed: %lld block copies, %.2f GB from host homes, %.2f s copying, %.2f s waited for",
+                  static_cast<long long>(streamed.copies), static_cast<double>(streamed.copied_bytes) / 1e9,
+                  streamed.copy_seconds, streamed.stall_seconds);
     log::info(line);
   }
   return kExitOk;

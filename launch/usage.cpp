@@ -75,7 +75,8 @@ recurrent and conv state).
                        the device (default 0: every block streams)
   --no-kv-cache        run the whole sequence for every new token (no cache)
   --synthetic-weights  seeded random weights (--seed) from config.json alone, for rates on real shapes
-  --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"})"},
+  --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"}
+                       (offloaded: "experts_streamed", the copies as metrics.jsonl counts them))"},
       {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).
