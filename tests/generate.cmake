@@ -13,3 +13,6 @@ add_test(NAME generate_kv_ref
                  ${CMAKE_CURRENT_BINARY_DIR}/generate_kv_ref)
 set_tests_properties(generate_kv_ref PROPERTIES LABELS ref TIMEOUT 900
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1;OMP_NUM_THREADS=1")
+# The cache against the whole-sequence forward at every position, each attention form, fp32 (gtest,
+# on tests/ref/model_ref.py's fixtures).
+eo_unit_test(test_kv_cache SOURCES test_kv_cache.cpp LIBS eo_models)
