@@ -77,6 +77,20 @@ const std::vector<Family>& families() {
        "shared_experts", {"w1", "w3", "w2"}, true, true, "mlp.experts", {}, true, false,
        1e-6, 128, 0.001, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_minimax_m2, nullptr,
        "block_sparse_moe.e_score_correction_bias"},
+      // ERNIE-4.5-MoE: softmax router with the correction bias for the choice (mlp.moe_statics),
+      // ungated shared experts, dense layers outside moe_layer_start / end / interval, interleaved
+      // RoPE pairs; its rotary embedding reads no partial_rotary_factor.
+      {Arch::Ernie45Moe, "ernie4_5_moe", "mlp", "mlp", "mlp.experts", "mlp.gate", "shared_experts",
+       {"gate_proj", "up_proj", "down_proj"}, true, true, "mlp.experts", {}, false, false,
+       1e-5, 0, 0.001, true, 1.0, false, RopePairs::Interleaved, false, ExpertStorage::Standard, read_ernie4_5_moe, nullptr,
+       "mlp.moe_statics.e_score_correction_bias"},
+      // Hunyuan-MoE: the router's linear is mlp.gate.wg, one ungated shared_mlp beside the experts
+      // (both intermediate_size wide), per-head q/k norms named query_layernorm / key_layernorm and
+      // applied after RoPE, NTK-alpha RoPE; transformers computes no aux loss for it.
+      {Arch::HunyuanV1Moe, "hunyuan_v1_moe", "mlp", "mlp", "mlp.experts", "mlp.gate.wg", "shared_mlp",
+       {"gate_proj", "up_proj", "down_proj"}, true, true, "mlp.experts", {}, false, false,
+       1e-5, 0, 0.0, true, 1.0, false, RopePairs::Halves, false, ExpertStorage::Standard, read_hunyuan_v1_moe, nullptr,
+       /*correction_bias=*/nullptr, "query_layernorm", "key_layernorm", /*rope_ntk_alpha=*/true},
   };
   return rows;
 }

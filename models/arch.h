@@ -33,7 +33,7 @@ enum class RopePairs { Halves, Interleaved, InterleavedByDefault };
 // per expert).
 enum class ExpertStorage { Standard, GptOss };
 
-enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4, Llama4, Qwen3Next, Qwen35Moe, MinimaxM2 };
+enum class Arch { Qwen3Moe, Olmoe, Mixtral, Qwen2Moe, Glm4Moe, DeepseekV2, DeepseekV3, GptOss, Glm4MoeLite, Mistral4, Gemma4, Llama4, Qwen3Next, Qwen35Moe, MinimaxM2, Ernie45Moe, HunyuanV1Moe };
 
 struct Family {
   Arch arch;
@@ -79,9 +79,16 @@ struct Family {
   // attention reading, or (parse_whole, then read_moe is null) the whole config.
   void (*read_moe)(const ConfigFields& f, ModelConfig& c);
   ModelConfig (*parse_whole)(const nlohmann::json& j, const std::string& source, const MultimodalWrapper* wrapper);
-  // Where a sigmoid router's e_score_correction_bias sits under a layer; null: under the router
-  // (<router>.e_score_correction_bias), MiniMax-M2's beside it in the MoE block.
+  // Where a router's e_score_correction_bias sits under a layer; null: under the router
+  // (<router>.e_score_correction_bias), MiniMax-M2's beside it in the MoE block, ERNIE-4.5's in
+  // the block's moe_statics ([1, E]: one row per expert group, of which it has one).
   const char* correction_bias = nullptr;
+  // The per-head q/k norms' modules under self_attn (Hunyuan's query_layernorm / key_layernorm).
+  const char* q_norm = "q_norm";
+  const char* k_norm = "k_norm";
+  // rope type "dynamic" with a fixed alpha is NTK-alpha RoPE: the base × alpha^(d / (d - 2)), d the
+  // head_dim, whatever the length (transformers' HunYuanDenseV1RotaryEmbedding "ntk_alpha").
+  bool rope_ntk_alpha = false;
 };
 
 const std::vector<Family>& families();

@@ -1,5 +1,7 @@
 #include "models/family_config.h"
 
+#include <set>
+
 namespace eo::model {
 namespace {
 
@@ -301,6 +303,85 @@ void read_minimax_m2(const ConfigFields& f, ModelConfig& c) {
   c.router.correction_bias = true;
   c.router_jitter_noise = f.number("router_jitter_noise", 0.0);
   c.qk_norm = QkNorm::Whole;
+}
+
+// Ernie4_5_MoeConfig: layer i is sparse when (i + 1) % moe_layer_interval == 0 and
+// moe_layer_start_index <= i <= moe_layer_end_index (-1: the last layer), else a dense MLP of
+// intermediate_size; Ernie4_5_MoeTopKRouter: fp32 softmax, the top-k chosen on softmax +
+// moe_statics' correction bias, weighted by the unbiased softmax renormalised (its clamp at
+// moe_norm_min cannot bind: the top-k of a softmax sum to at least k / E); the shared experts one
+// ungated MLP of moe_intermediate_size × moe_num_shared_experts; embeddings tied by default.
+void read_ernie4_5_moe(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.has("moe_num_experts") ? f.integer("moe_num_experts") : f.integer("num_experts", 64);
+  c.top_k = f.has("moe_k") ? f.integer("moe_k") : f.integer("num_experts_per_tok", 6);
+  c.expert_width = f.integer("moe_intermediate_size", 1536);
+  c.dense_width = f.integer("intermediate_size", 12288);
+  c.shared_expert_width = c.expert_width * f.integer("moe_num_shared_experts", 2);
+  c.norm_topk_prob = true;
+  c.router.score = RouterScore::Softmax;
+  c.router.correction_bias = true;
+  c.router.fp32 = true;
+  c.tie_word_embeddings = f.boolean("tie_word_embeddings", true);
+  if (f.boolean("use_bias", false))
+    throw UsageError(f.source + ": use_bias true is not supported for ernie4_5_moe (it puts a bias on lm_head too, "
+                     "which eo-ddp's LM head does not have); ERNIE-4.5's released checkpoints set it false");
+  const int start = f.small_integer("moe_layer_start_index", 1);
+  const int interval = f.small_integer("moe_layer_interval", 1);
+  int end = f.small_integer("moe_layer_end_index", -1);
+  if (end == -1) end = static_cast<int>(c.layers) - 1;
+  if (start < 0) throw UsageError(f.source + ": moe_layer_start_index must be >= 0");
+  require_positive(interval, "moe_layer_interval", f.source);
+  c.first_k_dense = start;
+  c.decoder_sparse_step = interval;
+  for (int l = std::max(end + 1, 0); l < c.layers; ++l) c.mlp_only_layers.push_back(l);
+}
+
+namespace {
+
+// Hunyuan's per-layer lists (moe_topk, moe_intermediate_size, num_shared_expert): an integer, or one
+// per layer; eo-ddp builds every layer alike, so a list must hold one value.
+std::int64_t same_for_every_layer(const ConfigFields& f, const char* key, std::int64_t fallback) {
+  if (!f.has(key) || !f.j.at(key).is_array()) return f.integer(key, fallback);
+  const nlohmann::json& v = f.j.at(key);
+  std::set<std::int64_t> values;
+  for (const auto& x : v) {
+    if (!x.is_number_integer()) throw UsageError(f.source + ": field '" + key + "' must be an integer or a list of integers");
+    values.insert(x.get<std::int64_t>());
+  }
+  if (values.size() != 1)
+    throw UsageError(f.source + ": field '" + key + "' " + v.dump() + " differs between layers; eo-ddp routes and sizes " +
+                     "every layer alike, so a list must hold one value");
+  return *values.begin();
+}
+
+}  // namespace
+
+// HunYuanMoEV1Config: every layer sparse; HunYuanMoEV1Gate: fp32 softmax of mlp.gate.wg, top-k
+// renormalised; the experts and the shared_mlp beside them both intermediate_size wide (transformers
+// reads neither moe_intermediate_size nor num_shared_expert: a file whose values would build other
+// shapes is refused); q/k norms per head after RoPE; no aux loss.
+void read_hunyuan_v1_moe(const ConfigFields& f, ModelConfig& c) {
+  c.experts = f.has("num_experts") ? f.integer("num_experts") : f.integer("num_local_experts", 1);
+  c.top_k = same_for_every_layer(f, "moe_topk", 1);
+  c.expert_width = f.integer("intermediate_size", 11008);
+  c.shared_expert_width = c.expert_width;
+  c.norm_topk_prob = true;
+  c.router.fp32 = true;
+  c.has_aux_loss = false;
+  c.qkv_bias = c.o_bias = f.boolean("attention_bias", false);
+  c.qk_norm = QkNorm::PerHead;
+  c.qk_norm_after_rope = true;
+  if (f.has("moe_intermediate_size") && same_for_every_layer(f, "moe_intermediate_size", 0) != c.expert_width)
+    throw UsageError(f.source + ": moe_intermediate_size differs from intermediate_size; transformers' HunYuanMoEV1 builds "
+                     "its experts intermediate_size wide, so this checkpoint is not one it (or eo-ddp) reads");
+  if (f.has("num_shared_expert") && same_for_every_layer(f, "num_shared_expert", 1) != 1)
+    throw UsageError(f.source + ": num_shared_expert must be 1 (transformers' HunYuanMoEV1 builds one shared_mlp)");
+  // Switches of Tencent's own code that transformers' class does not have.
+  const std::string no = " is not supported for hunyuan_v1_moe: transformers' HunYuanMoEV1 ";
+  if (!f.boolean("use_mixed_mlp_moe", true)) throw UsageError(f.source + ": use_mixed_mlp_moe false" + no + "always builds the shared_mlp");
+  if (!f.boolean("use_qk_norm", true)) throw UsageError(f.source + ": use_qk_norm false" + no + "always norms q and k");
+  if (f.boolean("use_cla", false))
+    throw UsageError(f.source + ": use_cla true (cross-layer attention)" + no + "gives every layer its own k_proj / v_proj");
 }
 
 }  // namespace eo::model

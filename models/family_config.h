@@ -24,6 +24,8 @@ void read_gpt_oss(const ConfigFields& f, ModelConfig& c);
 void read_qwen3_next(const ConfigFields& f, ModelConfig& c);
 void read_qwen3_5_moe(const ConfigFields& f, ModelConfig& c);
 void read_minimax_m2(const ConfigFields& f, ModelConfig& c);
+void read_ernie4_5_moe(const ConfigFields& f, ModelConfig& c);
+void read_hunyuan_v1_moe(const ConfigFields& f, ModelConfig& c);
 
 // `wrapper`: the multimodal model around it, if any (for the errors' wording). In hf_config.cpp,
 // beside the RoPE reading they share.

@@ -43,6 +43,18 @@ void parse_rope(const ConfigFields& f, ModelConfig& c, const Family& fam, double
   else throw UsageError(source + ": neither 'rope_theta' nor 'rope_parameters.rope_theta' is present");
   const std::string type = text(r, "rope_type", text(r, "type", "default"));
   const std::string where = rp == nullptr ? "rope" : (f.has("rope_parameters") ? "rope_parameters" : "rope_scaling");
+  if (fam.rope_ntk_alpha && type == "dynamic") {
+    // A fixed alpha stretches the base once (transformers' "ntk_alpha"); without one, "dynamic" is
+    // length-dependent NTK scaling, which eo-ddp does not implement.
+    if (!r.has("alpha"))
+      throw UsageError(source + ": " + where + ".rope_type 'dynamic' without 'alpha' is not supported for " + c.model_type +
+                       " (only NTK-alpha RoPE: 'dynamic' with a fixed 'alpha', as its checkpoints ship)");
+    if (c.head_dim <= 2) throw UsageError(source + ": NTK-alpha RoPE needs head_dim > 2");
+    const double d = static_cast<double>(c.head_dim);
+    c.rope_theta *= std::pow(r.number("alpha"), d / (d - 2));
+    c.rope.dim = c.head_dim;  // its rotary embedding reads no partial_rotary_factor
+    return;
+  }
   if (type != "default" && !(scaling_ok && type == "yarn"))
     throw UsageError(source + ": " + where + ".rope_type '" + type + "' is not supported for " + c.model_type +
                      (scaling_ok ? " (only 'default' and 'yarn')" : " (only 'default' RoPE)"));

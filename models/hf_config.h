@@ -1,7 +1,7 @@
 // Hugging Face config.json → one ModelConfig for the supported MoE architectures.
 //
 // The families (qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss,
-// glm4_moe_lite, mistral4, gemma4, llama4, qwen3_next, qwen3_5_moe, minimax_m2) share a decoder and differ in a few switches (q/k norm style, biases,
+// glm4_moe_lite, mistral4, gemma4, llama4, qwen3_next, qwen3_5_moe, minimax_m2, ernie4_5_moe, hunyuan_v1_moe) share a decoder and differ in a few switches (q/k norm style, biases,
 // shared experts, which layers are sparse, the router's scoring, partial / interleaved / YaRN RoPE,
 // DeepSeek's latent attention, Mistral 4's position-scaled queries, gpt-oss's attention sinks,
 // sliding-window layers and biased, clamped experts);
@@ -188,6 +188,7 @@ struct ModelConfig {
   bool o_bias = false;               // bias on o_proj (DeepSeek attention_bias)
   bool mlp_bias = false;             // bias on dense and shared-expert MLP linears (deepseek_v2 mlp_bias)
   QkNorm qk_norm = QkNorm::None;
+  bool qk_norm_after_rope = false;  // Hunyuan: the PerHead norms of q and k after RoPE, not before
   Rope rope;
   double attn_scale = 0;  // softmax scale: 1/sqrt(qk head dim), DeepSeek YaRN × mscale²
   // Mistral 4 (transformers' get_llama_4_attn_scale): every query × 1 + beta · log(1 + floor(

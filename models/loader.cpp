@@ -368,8 +368,8 @@ struct ModelLoader {
     b.o = linear(p + "self_attn.o_proj", c.heads * D, H, c.o_bias, true);
     if (c.attention_sinks) b.sinks = get(p + "self_attn.sinks", {c.heads});
     if (c.qk_norm == QkNorm::PerHead) {
-      b.q_norm = norm(p + "self_attn.q_norm.weight", D);
-      b.k_norm = norm(p + "self_attn.k_norm.weight", D);
+      b.q_norm = norm(p + "self_attn." + c.family().q_norm + ".weight", D);
+      b.k_norm = norm(p + "self_attn." + c.family().k_norm + ".weight", D);
     } else if (c.qk_norm == QkNorm::Whole) {
       b.q_norm = get(p + "self_attn.q_norm.weight", {c.heads * D});
       b.k_norm = get(p + "self_attn.k_norm.weight", {c.kv_heads * D});
@@ -559,6 +559,14 @@ struct ModelLoader {
     const at::Tensor gu = get(p + ".gate_up_proj_bias", {E, 2 * I}), down = get(p + ".down_proj_bias", {E, H});
     return {gu.slice(1, 0, 2 * I, 2).contiguous(), gu.slice(1, 1, 2 * I, 2).contiguous(), down};
   }
+  // A router's e_score_correction_bias [E] (Family::correction_bias says where); ERNIE-4.5 stores it
+  // [1, E], one row per expert group, of which it has one.
+  at::Tensor correction_bias(int i, const std::string& router) const {
+    const char* at_row = cfg.family().correction_bias;
+    const std::string name = at_row ? in_checkpoint(i, at_row) : router + ".e_score_correction_bias";
+    if (ck && ck->has(name) && ck->info(name).shape.size() == 2) return get(name, {1, cfg.experts}, at::kFloat).reshape({cfg.experts});
+    return get(name, {cfg.experts}, at::kFloat);
+  }
   std::vector<std::int64_t> expert_shape(int mi) const {
     const auto H = cfg.hidden, I = cfg.expert_width;
     return mi == 2 ? std::vector<std::int64_t>{H, I} : std::vector<std::int64_t>{I, H};
@@ -613,9 +621,7 @@ struct ModelLoader {
         const std::string router = in_checkpoint(i, c.router_path());
         b.router = get(router + ".weight", {c.experts, H}, router_dtype);
         if (c.router.bias) b.router_b = get(router + ".bias", {c.experts}, router_dtype);
-        if (c.router.correction_bias)
-          b.router_bias = get(c.family().correction_bias ? in_checkpoint(i, c.family().correction_bias) : router + ".e_score_correction_bias",
-                              {c.experts}, at::kFloat);
+        if (c.router.correction_bias) b.router_bias = correction_bias(i, router);
         if (c.expert_bias) b.expert_bias = expert_biases(i);
         if (keep_mxfp4(i)) {
           bank[i] = mxfp4_bank(i);

@@ -170,7 +170,7 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   q = q.view({B, T, c.heads, D});
   k = k.view({B, T, KV, D});
   v = v.view({B, T, KV, D});
-  if (c.qk_norm == QkNorm::PerHead) {  // qwen3, glm4_moe use_qk_norm, gemma4: per head, after the view
+  if (c.qk_norm == QkNorm::PerHead && !c.qk_norm_after_rope) {  // qwen3, glm4_moe use_qk_norm, gemma4: per head, after the view
     q = rms_norm(q, w_.q_norm, c.rms_eps);
     k = rms_norm(k, w_.k_norm, c.rms_eps);
   }
@@ -205,6 +205,10 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   } else {  // the fused kernel on the projection's own layout, then [B, heads, T, D] views for SDPA
     q = rope(q, ctx.cos, ctx.sin).transpose(1, 2);
     k = rope(k, ctx.cos, ctx.sin).transpose(1, 2);
+  }
+  if (c.qk_norm_after_rope) {  // Hunyuan: per head, on the rotated q and k
+    q = rms_norm(q, w_.q_norm, c.rms_eps);
+    k = rms_norm(k, w_.k_norm, c.rms_eps);
   }
   at::Tensor vt = v.transpose(1, 2);
   cache_keys_values(ctx, w_.index, k, vt);

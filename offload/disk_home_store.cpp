@@ -59,7 +59,8 @@ class DiskHomes final : public HomeStore {
       check = check_disk_homes(path, header);
       if (check.matches) {
         log::info("expert homes on disk: reusing " + path + " (" + std::to_string(header.blocks.size()) + " blocks, " +
-                  human_bytes(double(header.file_bytes)) + "; its header, size and every block's checksum match this run's experts)");
+                  human_bytes(double(header.file_bytes)) + "; its header and size match this run's experts, and so do the block checksums it records: each block's bytes "
+                  "are checked against them as they are read)");
       } else {
         if (::access(d.dir.c_str(), W_OK) != 0 || ec) {
           const std::string why = ec ? ec.message() : std::strerror(errno);

@@ -30,7 +30,21 @@ std::string merge_aware_start_text(const TrainConfig& cfg) {
   return o.str();
 }
 
-void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg, bool merge_aware_trained) {
+AdapterRecord adapter_record(const TrainConfig& cfg) {
+  AdapterRecord r;
+  r.lora = lora_spec(cfg);
+  r.base_name = hub::adapter_base_name(cfg);
+  r.base_model = cfg.base_model;
+  r.load_in_4bit = cfg.load_in_4bit;
+  r.blocksize = cfg.bnb_4bit_blocksize;
+  r.double_quant = cfg.bnb_4bit_use_double_quant;
+  r.expert_quant = cfg.expert_quant;
+  r.expert_offload = cfg.expert_offload;
+  r.merge_aware_start = cfg.nvfp4_merge_aware_start_step;
+  return r;
+}
+
+void write_adapter(const std::string& dir, const NamedTensors& lora, const AdapterRecord& record, bool merge_aware_trained) {
   // An adapter with NaN/Inf would load and generate garbage: never written.
   if (const std::string bad = first_nonfinite(lora); !bad.empty())
     EO_FAIL("not writing the adapter to ", dir, ": ", bad, " holds NaN/Inf values");
@@ -41,7 +55,7 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
   for (const auto& [n, t] : lora) stacked.emplace_back(n, t.detach().to(at::kCPU));
   for (const auto& [n, t] : model::peft_lora_tensors(stacked)) cpu.emplace_back(n, t.contiguous());
   st::save((fs::path(dir) / "adapter_model.safetensors").string(), cpu);
-  model::write_adapter_config(dir, lora_spec(cfg), hub::adapter_base_name(cfg), model::lora_decoder_prefix(cpu),
+  model::write_adapter_config(dir, record.lora, record.base_name, model::lora_decoder_prefix(cpu),
                               model::lora_fused_experts_path(cpu));
   if (merge_aware_trained) {
     // axolotl's write_merge_aware_metadata; peft ignores the key. encoder null: eo-ddp's quantiser is
@@ -52,19 +66,19 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Train
     EO_CHECK(read_file_nofollow(path, text), "cannot read ", path, " to record nvfp4_merge_aware in it");
     json j = json::parse(text);
     json start = nullptr;
-    if (const auto& v = cfg.nvfp4_merge_aware_start_step) start = *v >= 1 || *v == 0 ? json(static_cast<std::int64_t>(*v)) : json(*v);
+    if (const auto& v = record.merge_aware_start) start = *v >= 1 || *v == 0 ? json(static_cast<std::int64_t>(*v)) : json(*v);
     j["nvfp4_merge_aware"] = {{"scale_mode", "fresh"}, {"pts_policy", "base_fused_max"}, {"encoder", nullptr}, {"start_step", start}};
     write_file_atomic(path, j.dump(2) + "\n");
   }
   // What the adapter was trained on top of (peft's config has no place for it): `eo-ddp score
   // --adapter` evaluates on the same base unless told otherwise.
   nlohmann::json base;
-  base["base_model"] = cfg.base_model;
-  base["load_in_4bit"] = cfg.load_in_4bit;
-  base["bnb_4bit_blocksize"] = cfg.bnb_4bit_blocksize;
-  base["bnb_4bit_use_double_quant"] = cfg.bnb_4bit_use_double_quant;
-  base["expert_quant"] = cfg.expert_quant;
-  base["expert_offload"] = cfg.expert_offload;  // `eo-ddp generate --adapter` streams the experts likewise
+  base["base_model"] = record.base_model;
+  base["load_in_4bit"] = record.load_in_4bit;
+  base["bnb_4bit_blocksize"] = record.blocksize;
+  base["bnb_4bit_use_double_quant"] = record.double_quant;
+  base["expert_quant"] = record.expert_quant;
+  base["expert_offload"] = record.expert_offload;
   write_file_atomic((fs::path(dir) / kAdapterBaseFile).string(), base.dump(2) + "\n");
 }
 

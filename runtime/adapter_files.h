@@ -12,10 +12,28 @@
 #include <utility>
 #include <vector>
 
+#include "models/lora.h"
+
 namespace eo {
 
 struct TrainConfig;
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// What an adapter folder records beside its tensors, decided once from the config (adapter_record):
+// peft's adapter_config.json (the LoRA, the base's name), the base it was trained on
+// (kAdapterBaseFile) and nvfp4_merge_aware's start step as the config gives it.
+struct AdapterRecord {
+  model::LoraSpec lora;
+  std::string base_name;     // adapter_config.json's base_model_name_or_path (hub::adapter_base_name)
+  std::string base_model;    // the base_model folder, as configured
+  bool load_in_4bit = false;
+  int blocksize = 64;
+  bool double_quant = false;
+  std::string expert_quant;
+  bool expert_offload = false;  // `eo-ddp generate --adapter` streams the experts likewise
+  std::optional<double> merge_aware_start;  // nvfp4_merge_aware_start_step
+};
+AdapterRecord adapter_record(const TrainConfig& cfg);
 
 // adapter_model.safetensors + adapter_config.json in `dir` (created), as peft writes them.
 // `lora` holds peft-named tensors (base_model.model.....lora_A.weight).
@@ -25,7 +43,7 @@ using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 // adapter_config.json then records the quantiser as axolotl's merge_aware_callback.py does
 // (nvfp4_merge_aware: {scale_mode fresh, pts_policy base_fused_max, encoder, start_step}), which
 // axolotl merge-lora reads to merge onto fresh block scales.
-void write_adapter(const std::string& dir, const NamedTensors& lora, const TrainConfig& cfg, bool merge_aware_trained = false);
+void write_adapter(const std::string& dir, const NamedTensors& lora, const AdapterRecord& record, bool merge_aware_trained = false);
 // nvfp4_merge_aware_start_step as the optimizer step from which the snapped forward runs (axolotl's
 // MergeAwareScheduleCallback: a fraction f in (0, 1) is int(f * total_steps)); 0 when unset.
 std::int64_t merge_aware_first_step(const TrainConfig& cfg, std::int64_t total_steps);

@@ -278,4 +278,28 @@ std::vector<ConfigKeyDoc> dataset_key_docs() {
   return out;
 }
 
+nlohmann::json dataset_key_defaults() {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& k : config_detail::dataset_keys()) {
+    const std::string v = k.default_text, type = k.value;
+    if (v.empty() || v.front() == '(') continue;
+    if (type == "list") {  // "[a, b]"
+      nlohmann::json items = nlohmann::json::array();
+      std::string item;
+      for (const char c : v.substr(1, v.size() - 2) + ",") {
+        if (c == ',' && !item.empty()) items.push_back(item), item.clear();
+        else if (c != ',' && c != ' ') item += c;
+      }
+      out[k.key] = items;
+    } else if (type == "bool") {
+      out[k.key] = v == "true";
+    } else if (type == "int") {
+      out[k.key] = std::stoll(v);
+    } else {
+      out[k.key] = v;
+    }
+  }
+  return out;
+}
+
 }  // namespace eo

@@ -50,7 +50,7 @@ TrainResult end_run(const TrainConfig& cfg, Run& run, Checkpointer& checkpoints,
   if (wi.world_size > 1) check_ranks_hold_one_adapter(run, wi.world_size);
   if (wi.rank == 0) {
     const std::string into = held_output_dir(cfg.output_dir);  // the locked folder, even if renamed meanwhile
-    write_adapter(into, run.model->lora_parameters(), cfg, cfg.nvfp4_merge_aware && run.model->merge_aware_active());
+    write_adapter(into, run.model->lora_parameters(), run.adapter, run.spec.merge_aware && run.model->merge_aware_active());
     const auto tokenizer = copy_tokenizer_files(cfg.base_model, into);
     if (!tokenizer.empty()) log::info("tokenizer files copied beside the adapter: " + join(tokenizer, ", "));
     log::info("adapter written to " + cfg.output_dir + " (adapter_model.safetensors, adapter_config.json)");

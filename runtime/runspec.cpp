@@ -10,10 +10,10 @@ namespace {
 // graphs replay checkpointed uses (without checkpointing a block's autograd graph outlives its
 // use); per-use dropout seeds are set on the host, which a replay would not see; merge-aware
 // training forms its snapped weights anew in every forward.
-std::string why_uses_cannot_replay(const RunSpec& s, bool merge_aware) {
+std::string why_uses_cannot_replay(const RunSpec& s) {
   if (!s.checkpointing) return "they replay checkpointed block uses; gradient_checkpointing is off";
   if (s.random_blocks) return "lora_dropout > 0: each use's dropout seed is set on the host";
-  if (merge_aware) return "nvfp4_merge_aware forms its snapped weights anew in every forward";
+  if (s.merge_aware) return "nvfp4_merge_aware forms its snapped weights anew in every forward";
   if (s.expert_lora_offload)
     return "the experts' LoRA is offloaded (expert_lora_offload): each staging gives its block new working copies";
   return "";
@@ -75,6 +75,7 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
                                                                                       : StepOrder::LayerMajor);
   s.random_blocks = cfg.lora_dropout > 0;
   s.activation_offloading = cfg.activation_offloading;
+  s.merge_aware = cfg.nvfp4_merge_aware;
   s.aux_loss = cfg.output_router_logits;
   s.aux_coef = cfg.router_aux_loss_coef.value_or(s.model.router_aux_loss_coef);
   s.cuda_graphs = cfg.cuda_graphs == "true" ? Setting::On : cfg.cuda_graphs == "false" ? Setting::Off : Setting::Auto;
@@ -92,7 +93,7 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
   s.budget_auto = cfg.expert_offload_vram_budget == "auto";
   if (!s.budget_auto) s.budget_bytes = static_cast<std::int64_t>(parse_bytes(cfg.expert_offload_vram_budget).value_or(0));
   s.expert_lora_offload = s.offload && cfg.expert_lora_offload && s.checkpointing && experts_carry_lora(s);
-  s.graphs_blocked = why_uses_cannot_replay(s, cfg.nvfp4_merge_aware);
+  s.graphs_blocked = why_uses_cannot_replay(s);
 
   // expert_dequant_chunk: whole and auto are the whole bank (auto may become kAutoBankSliceBytes
   // when the plan needs it), else the slice's bytes.
@@ -115,7 +116,7 @@ void decide_cuda_graphs(RunSpec& spec, const GraphFacts& facts) {
   if (!spec.on_gpu) return decide(false, "off (a CPU run)");
   if (spec.cuda_graphs == Setting::Off) return decide(false, "off (cuda_graphs: false)");
   if (!spec.graphs_blocked.empty()) return decide(false, "off (" + spec.graphs_blocked + ")");
-  const std::string extra = human_bytes(facts.pool_bytes) + " more device memory for their pool";
+  const std::string extra = facts.pool + " more device memory for their pool";
   // Offloaded runs too: their step is transfer-bound, but each copy waits for the slot's last
   // reader, so a late kernel launch delays the copy stream. Measured (Qwen3-30B-A3B, mb 1, H200,
   // every host core kept busy by another process): eager 1.012x / 1.062x its idle step, graphs

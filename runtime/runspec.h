@@ -65,6 +65,7 @@ struct RunSpec {
   bool random_blocks = false;        // blocks draw random numbers (lora_dropout > 0)
   StepOrder order = StepOrder::LayerMajor;  // in effect: micro-batch-major without checkpointing
   bool activation_offloading = false;  // checkpointed block inputs parked in pinned host RAM
+  bool merge_aware = false;          // nvfp4_merge_aware: LoRA trains through NVFP4-snapped weights
   bool aux_loss = false;             // the router's load-balancing loss (output_router_logits)
   double aux_coef = 0;               // its weight: router_aux_loss_coef, else config.json's
   ExpertGemmSetting expert_gemm = ExpertGemmSetting::Auto;
@@ -84,7 +85,7 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
 // What decides CUDA graphs besides the spec: the memory plan's room for the graphs' pool, and the
 // loaded model's expert GEMMs.
 struct GraphFacts {
-  double pool_bytes = 0;       // what the graphs' own pool keeps besides: one more working set
+  std::string pool;            // what the graphs' own pool keeps besides (one more working set), in words
   bool pool_fits = false;      // ... and whether the plan has room for it
   std::string available;       // what the plan was checked against, in words
   std::string counts_on_host;  // why the expert GEMMs read the routing counts on the host (no graph

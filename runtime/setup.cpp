@@ -205,7 +205,7 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const RunSpec& spec, const at:
   const bool gpu = device.is_cuda();
   if (gpu) set_device_memory_limit(device, cfg.device_memory_limit);
   const bool limited = cfg.device_memory_limit > 0;
-  if (!limited && !gpu) return PlanFit{spec, GraphFacts{0, false, "the CPU", ""}};
+  if (!limited && !gpu) return PlanFit{spec, GraphFacts{"", false, "the CPU", ""}};
   const double available = limited ? double(cfg.device_memory_limit) : double(free_device_memory(device));
   const FittedPlan fitted = fit_plan(spec, available);
   const MemoryPlan& plan = fitted.plan;
@@ -217,7 +217,8 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const RunSpec& spec, const at:
     if (part.name == "block" || part.name == "head") extra = std::max(extra, part.bytes);
   const std::string what = limited ? "device_memory_limit " + human_bytes(available)
                                    : human_bytes(available) + " free on " + describe_device(device);
-  const PlanFit fit{fitted.spec, GraphFacts{extra, fits && plan.device_peak + plan.margin + extra <= available, what, ""}};
+  const PlanFit fit{fitted.spec,
+                    GraphFacts{human_bytes(extra), fits && plan.device_peak + plan.margin + extra <= available, what, ""}};
 
   if (fitted.down_from > 0)
     log::info("expert_bank_reuse: auto -> down: keeping gate's and up's dequantised banks for the backward would not fit (" +
@@ -404,7 +405,7 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   start_expert_lora_offload(cfg, run);
   run.lora = model.lora_parameters();
   EO_CHECK(!run.lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
-           join(cfg.lora_target_modules, ", "), "]");
+           join(spec.lora.targets, ", "), "]");
   std::int64_t trainable = 0;
   for (const auto& [n, p] : run.lora) {
     trainable += p.numel();
@@ -413,7 +414,7 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   log::info("model " + model.config().model_type + ": " + std::to_string(model.num_layers()) + " layers, LoRA r=" +
             std::to_string(cfg.lora_r) + " on " + std::to_string(run.lora.size() / 2) + " modules (" +
             std::to_string(trainable) + " trainable parameters); loaded in " + std::to_string(seconds_since(t_load)).substr(0, 5) + " s");
-  if (cfg.nvfp4_merge_aware) {
+  if (spec.merge_aware) {
     const auto [linears, experts] = model.enable_merge_aware();
     log::info("nvfp4_merge_aware: " + std::to_string(linears) + " NVFP4 linears and " + std::to_string(experts) +
               " NVFP4 expert matrices (per MoE block) train through their NVFP4-snapped effective weight, from step " +
@@ -530,6 +531,7 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, dd
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
   PlanFit fit = check_memory_plan(cfg, asked, run.device);
   run.spec = fit.spec;
+  run.adapter = adapter_record(cfg);
   if (run.spec.offload) check_host_memory_for_homes(cfg, run.spec, world, run.device);
   load_run_data(cfg, run, wi);
   fit.graphs.counts_on_host = load_model(cfg, run, world);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "models/linear4bit.h"
+#include "runtime/adapter_files.h"
 #include "runtime/config.h"
 #include "runtime/runspec.h"
 
@@ -54,6 +55,7 @@ std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device);
 
 struct Run {
   RunSpec spec;                  // the settings resolved, as the memory plan decided them
+  AdapterRecord adapter;         // what the adapter written at the end records beside its tensors
   at::Device device = at::kCPU;
   std::int64_t total_steps = 0;  // optimizer steps of the whole run
   std::int64_t warmup = 0;       // LR warm-up steps

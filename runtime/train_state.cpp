@@ -372,7 +372,7 @@ std::string save_checkpoint(const std::string& output_dir, const TrainingState& 
     move_to_other_runs(root, final_dir, output_dir, "it is in the way of this run's " + name);
   try {
     fs::create_directories(tmp_dir);
-    write_adapter(tmp_dir.string(), s.lora, cfg, s.extra.is_object() && s.extra.value(kMergeAwareOnKey, false));
+    write_adapter(tmp_dir.string(), s.lora, adapter_record(cfg), s.extra.is_object() && s.extra.value(kMergeAwareOnKey, false));
     st::save((tmp_dir / "optimizer.safetensors").string(), s.optimizer);
     // Test seam: die like kill -9 in the middle of a checkpoint write.
     if (faults::plan().kill_in_save == s.step) std::raise(SIGKILL);

@@ -50,6 +50,21 @@ same "second run" second
 check "the second run reuses the file" grep -q "expert homes on disk: reusing $file (4 blocks" "$tmp/second.log"
 check "and writes nothing" bash -c "! grep -qE 'homes on disk: (writing|rebuilding)' '$tmp/second.log'"
 check "the file's inode and mtime are unchanged ($before)" test "$(ident "$file")" = "$before"
+# A block's byte changed on the drive (its header intact): the reuse log claims only what the header
+# check saw, and the block's read names the damage; the run stops with exit 1.
+cp "$file" "$tmp/homes-good.bin"
+"$py" -c "
+import re, sys
+with open(sys.argv[1], 'r+b') as f:
+    start, size = map(int, re.search(rb'\\[0,(\\d+),(\\d+),', f.read(4096)).groups())  # layer 0's block
+    at = start + size // 2
+    f.seek(at); b = f.read(1); f.seek(at); f.write(bytes([b[0] ^ 1]))" "$file"
+timeout 300 "$bin" "${common[@]}" --set output_dir="$tmp/block_damaged" "${disk[@]}" >"$tmp/block_damaged.log" 2>&1
+check "a damaged block stops the run with exit 1" test $? = 1
+check "the damaged block is named" grep -q "reads back with checksum" "$tmp/block_damaged.log"
+check "the reuse log does not claim the blocks' bytes were checked" \
+  bash -c "! grep -q \"every block's checksum match\" '$tmp/block_damaged.log'"
+cp "$tmp/homes-good.bin" "$file"
 
 # ---- 2. damaged or foreign files are rebuilt, the reason named
 printf 'X' | dd of="$file" bs=1 seek=100 conv=notrunc status=none

@@ -4,7 +4,8 @@
 # FORM or FORM:ARCH (a tools/make_tiny_model.py --arch name; none: the bundled tiny Qwen3-MoE).
 set(_eo_merge_cases attn experts fused experts:mixtral experts:glm4_moe_lite_grouped experts:mistral4_scaled
     attn:gemma4_mm attn:mistral4_mm attn:llama4_mm fused:gemma4_mm fused:mistral4_mm fused:glm4_moe
-    fused:deepseek_v2 fused:deepseek_v3 fused:gpt_oss fused:gpt_oss_mxfp4 fused:llama4)
+    fused:deepseek_v2 fused:deepseek_v3 fused:gpt_oss fused:gpt_oss_mxfp4 fused:llama4 experts:ernie4_5_moe
+    attn:hunyuan_v1_moe)
 foreach(_case ${_eo_merge_cases})
   string(REPLACE ":" ";" _parts "${_case}")
   list(GET _parts 0 _form)

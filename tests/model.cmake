@@ -12,7 +12,7 @@ file(MAKE_DIRECTORY ${EO_MODEL_REF_ROOT})  # flock needs the folder for its lock
 # inside Mistral 3's multimodal wrapper as the Hub ships Mistral Small 4 (mistral4_mm).
 foreach(arch qwen3_moe olmoe mixtral qwen2_moe glm4_moe glm4_moe_grouped deepseek_v2 deepseek_v2_grouped deepseek_v3
         deepseek_v3_yarn gpt_oss glm4_moe_lite glm4_moe_lite_grouped mistral4_scaled mistral4_mm gemma4 gemma4_kv llama4
-        qwen3_next qwen3_5_moe_mm minimax_m2)
+        qwen3_next qwen3_5_moe_mm minimax_m2 ernie4_5_moe hunyuan_v1_moe)
   add_test(NAME model_ref_${arch}
            COMMAND flock ${EO_MODEL_REF_ROOT}/${arch}.lock ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/model_ref.py ${arch} ${EO_MODEL_REF_ROOT})
   set_tests_properties(model_ref_${arch} PROPERTIES LABELS ref TIMEOUT 600 FIXTURES_SETUP model_ref
@@ -42,3 +42,12 @@ add_test(NAME nvfp4_merge_ref_qwen3_moe
 set_tests_properties(nvfp4_merge_ref_qwen3_moe PROPERTIES LABELS ref TIMEOUT 900 FIXTURES_SETUP model_ref
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
 file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/nvfp4_merge_ref)
+
+# The real shapes of the families added as one row each (configs/models): `eo-ddp plan` reads their
+# config.json as the Hub ships it and plans an offloaded QLoRA run of them.
+foreach(shape ernie-4.5-21b-a3b hunyuan-a13b)
+  add_test(NAME plan_shape_${shape}
+           COMMAND $<TARGET_FILE:eo-ddp> plan --config ${PROJECT_SOURCE_DIR}/configs/bench/qwen3-30b-a3b-offload.yaml
+                   --set base_model=${PROJECT_SOURCE_DIR}/configs/models/${shape})
+  set_tests_properties(plan_shape_${shape} PROPERTIES LABELS unit TIMEOUT 60 PASS_REGULAR_EXPRESSION "peak VRAM +[0-9.]+ GiB")
+endforeach()

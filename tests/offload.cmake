@@ -10,7 +10,8 @@ set(EO_OFFLOAD_ARCH_GROUPS
     "glm_deepseek=glm4_moe_grouped deepseek_v2_grouped deepseek_v3_yarn glm4_moe_lite_grouped"
     "mistral_gemma=mistral4_scaled mistral4_mm gemma4 gemma4_params"
     "llama_gpt_oss=llama4 gpt_oss gpt_oss_mxfp4"
-    "delta_rule=qwen3_next")
+    "delta_rule=qwen3_next"
+    "ernie_hunyuan=ernie4_5_moe hunyuan_v1_moe")
 foreach(group ${EO_OFFLOAD_ARCH_GROUPS})
   string(REGEX MATCH "^[a-z_]+" name "${group}")
   string(REGEX REPLACE "^[a-z_]+=" "" archs "${group}")

@@ -15,6 +15,9 @@
 # gemma4_params: Gemma 4 with LoRA on its fused experts (lora_target_parameters); mistral4_mm:
 # Mistral Small 4 as the Hub ships it (the text model inside Mistral 3's multimodal wrapper); qwen3_next:
 # Qwen3-Next's gated delta-rule layers recomputed in the step's backward beside its gated attention.
+# ernie4_5_moe: ERNIE-4.5-MoE (dense layers before and after the sparse ones, a softmax router with its
+# correction bias, shared experts, tied embeddings); hunyuan_v1_moe: Hunyuan-MoE (its shared_mlp beside the
+# experts, q/k norms after NTK-alpha RoPE, biased attention).
 # usage: offload_arch.sh BUILD_DIR SOURCE_DIR PYTHON   (EO_OFFLOAD_ARCHS="a b": those families only)
 set -uo pipefail
 source "$2/tests/testlib.sh"
@@ -97,6 +100,13 @@ names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').ke
 ok = all(any(f'layers.{i}.feed_forward.gate_proj.lora_A' in n for n in names) for i in (0, 2))
 ok = ok and all(any(f'layers.{i}.feed_forward.shared_expert.down_proj.lora_B' in n for n in names) for i in (1, 3))
 sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
+    continue
+  fi
+  if [ $arch = hunyuan_v1_moe ]; then  # the shared MLP is mlp.shared_mlp
+    check "$arch: adapter has the shared MLP's and the experts' LoRA" "$py" -c "
+import sys; from safetensors import safe_open
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+sys.exit(0 if any('.mlp.shared_mlp.gate_proj.lora_A' in n for n in names) and any('.experts.0.up_proj.lora_B' in n for n in names) else 1)"
     continue
   fi
   check "$arch: adapter has shared-expert LoRA" "$py" -c "

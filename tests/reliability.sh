@@ -11,7 +11,8 @@
 #  7 non-finite quantisation scales and float weights are refused at load, naming the tensor;
 #  8 /dev/zero, a FIFO and a huge file as the config, a FIFO as the weights: exit 2 at once;
 #  9 SIGTERM 60 ms after the start exits 3; dataset_prepared_path a file or /dev/null exits 2 naming
-#    it; the data tool's failures (deep JSON, {% include %}) are named, exit 2.
+#    it; the data tool's failures (deep JSON, {% include %}, a tokenizer that needs trust_remote_code) are
+#    named, exit 2.
 # Classes 2 and 3 (a renamed output_dir, ranks' data) are covered in process (test_train_state,
 # test_config) where their timing and ranks can be controlled.
 # usage: reliability.sh BUILD_DIR SOURCE_DIR PYTHON
@@ -175,5 +176,19 @@ chat_config "$tmp/inc" "$tmp/prep-inc" "chat_template: jinja" \
   "chat_template_jinja: \"{% include 'x.jinja' %}{% for m in messages %}{{ m.content }}{% endfor %}\"" > "$tmp/inc.yaml"
 run include 2 "$bin" train --config "$tmp/inc.yaml"
 says include "{% include %}"
+# A tokenizer whose folder asks to run its own code: refused naming trust_remote_code, exit 2.
+mkdir -p "$tmp/remote-tok"
+cp "$model"/tokenizer* "$model"/special_tokens_map.json "$tmp/remote-tok/" 2>/dev/null
+"$py" - "$tmp/remote-tok/tokenizer_config.json" <<'PY'
+import json, sys
+p = sys.argv[1]
+c = json.load(open(p))
+c["tokenizer_class"] = "RemoteTokenizer"
+c["auto_map"] = {"AutoTokenizer": ["tokenization_remote.RemoteTokenizer", None]}
+json.dump(c, open(p, "w"))
+PY
+chat_config "$tmp/remote" "$tmp/prep-remote" "tokenizer_config: $tmp/remote-tok" > "$tmp/remote.yaml"
+run remote-code 2 "$bin" train --config "$tmp/remote.yaml"
+says remote-code "trust_remote_code: true"
 
 if [ "$fail" = 0 ]; then echo "reliability: all checks passed"; else echo "reliability: FAILED"; exit 1; fi

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
 #include <iterator>
 #include <set>
 #include <sstream>
@@ -1034,7 +1035,7 @@ TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   cfg.lora_dropout = 0;
   const at::Device cuda(at::kCUDA, 0);
   eo::GraphFacts room;
-  room.pool_bytes = 1.5 * double(1 << 30);
+  room.pool = "1.5 GiB";
   room.pool_fits = true;
   room.available = "80 GiB free";
   eo::GraphFacts tight = room;
@@ -1247,4 +1248,36 @@ TEST(InputFiles, QuantConfigsThatDisagreeAreRefused) {
   std::ofstream(dir / "hf_quant_config.json", std::ios::trunc) << R"({"quantization": {"quant_algo": "NVFP4"}})";
   EXPECT_NO_THROW(eo::model::read_config_json(dir.string()));
   fs::remove_all(dir);
+}
+
+// tools/prepare_data.py keeps no default of its own for a dataset key: it reads them from the spec,
+// where eo-ddp writes the table's (dataset_key_defaults). Every key the tool reads is a row of the
+// table or one of the entry keys eo-ddp itself adds; a literal default beside a key read fails here.
+TEST(Config, PrepareToolReadsTheDatasetKeysTable) {
+  const nlohmann::json defaults = eo::dataset_key_defaults();
+  EXPECT_EQ(defaults.at("field_messages"), "messages");
+  EXPECT_EQ(defaults.at("roles_to_train"), nlohmann::json::array({"assistant"}));
+  EXPECT_EQ(defaults.at("train_on_eos"), "turn");
+  EXPECT_EQ(defaults.at("shards_idx"), 0);
+  EXPECT_EQ(defaults.at("drop_system_message"), false);
+  EXPECT_FALSE(defaults.contains("path")) << "(required) is no value";
+  EXPECT_FALSE(defaults.contains("train_on_eot")) << "(train_on_eos) names another key";
+
+  std::set<std::string> table;
+  for (const auto& d : dataset_key_docs()) table.insert(d.key.substr(std::string("datasets[].").size()));
+  const std::set<std::string> added_by_eo_ddp = {"files", "output", "seed"};
+  std::ifstream in(std::string(EO_SOURCE_DIR) + "/tools/prepare_data.py");
+  ASSERT_TRUE(in) << "tools/prepare_data.py";
+  const std::string tool((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::regex read_key(R"((?:ds\.get\(|ds\[|setting\(spec, ds, )\"(\w+)\")");
+  std::set<std::string> read;
+  for (std::sregex_iterator it(tool.begin(), tool.end(), read_key), end; it != end; ++it) read.insert((*it)[1]);
+  EXPECT_GT(read.size(), 10u) << "the pattern finds the tool's key reads";
+  for (const auto& k : read) EXPECT_TRUE(table.count(k) || added_by_eo_ddp.count(k)) << k << " is read by the tool but not in the table";
+  const std::regex own_default(R"(ds\.get\(\"\w+\"(?:,[^)]*\)|\)\s*or\s*[\"'\[0-9]))");
+  for (std::sregex_iterator it(tool.begin(), tool.end(), own_default), end; it != end; ++it)
+    ADD_FAILURE() << "tools/prepare_data.py keeps its own default: " << it->str() << " (read it with setting())";
+  const std::regex with_default(R"(setting\(spec, ds, \"(\w+)\"\))");
+  for (std::sregex_iterator it(tool.begin(), tool.end(), with_default), end; it != end; ++it)
+    EXPECT_TRUE(defaults.contains((*it)[1].str())) << (*it)[1] << " is read with a default, but the table gives none";
 }

@@ -2,8 +2,9 @@
 // position the logits of the whole sequence run at once (MoeModel::forward, which tests/test_model.cpp
 // holds to transformers), for every attention form: GQA, partial RoPE, latent attention (with
 // Mistral 4's query scale), sinks and sliding windows, Gemma 4's two geometries, Llama 4's chunked and
-// NoPE layers, and the delta-rule layers' carried conv and recurrent state; with model_ref's peft
-// adapter on. The fixtures' sequences are longer than their windows and chunks.
+// NoPE layers, Hunyuan's q/k norms after RoPE, and the delta-rule layers' carried conv and recurrent
+// state; with model_ref's peft adapter on. The fixtures' sequences are longer than their windows and
+// chunks.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
@@ -51,7 +52,8 @@ TEST_P(KvCacheParity, CachedDecodingGivesTheWholeSequencesLogits) {
 
 INSTANTIATE_TEST_SUITE_P(Arch, KvCacheParity,
                          ::testing::Values("qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "mistral4_mm", "gpt_oss",
-                                           "gemma4", "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "olmoe"),
+                                           "gemma4", "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "olmoe",
+                                           "ernie4_5_moe", "hunyuan_v1_moe"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

@@ -274,12 +274,14 @@ INSTANTIATE_TEST_SUITE_P(Arch, FusedParity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4", "gemma4_kv",
-                                           "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2"));
+                                           "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe",
+                                           "hunyuan_v1_moe"));
 INSTANTIATE_TEST_SUITE_P(Arch, Parity,
                          ::testing::Values("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped",
                                            "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss",
                                            "glm4_moe_lite", "glm4_moe_lite_grouped", "mistral4_scaled", "mistral4_mm", "gemma4",
-                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2"));
+                                           "gemma4_kv", "llama4", "qwen3_next", "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe",
+                                           "hunyuan_v1_moe"));
 
 // ---------------------------------------------------------------------------------------------
 // Unit tests (no reference needed beyond float math).
@@ -291,10 +293,11 @@ INSTANTIATE_TEST_SUITE_P(Arch, Parity,
 // device): qwen2_moe's shared expert and its gate, Llama 4's router and shared expert under
 // feed_forward with no per-expert modules, gpt-oss's experts fused only, Mixtral's w1 / w3 / w2.
 TEST(ArchTable, ModuleNamesAreTransformers) {
-  auto layer0 = [](const std::string& shape) {
+  auto layer0 = [](const std::string& shape, int layer = 0) {
     std::vector<std::string> out;
+    const std::string at = ".layers." + std::to_string(layer) + ".";
     for (const auto& m : model::hf_linear_modules(load_config(std::string(EO_SOURCE_DIR) + "/configs/models/" + shape))) {
-      const bool first = m.name.find(".layers.0.") != std::string::npos;
+      const bool first = m.name.find(at) != std::string::npos;
       if (first && m.name.find(".experts.") != std::string::npos && m.name.find(".experts.0.") == std::string::npos) continue;
       if (first || m.name == "lm_head") out.push_back(m.name + (m.adaptable ? "" : " (not adapted)"));
     }
@@ -324,6 +327,22 @@ TEST(ArchTable, ModuleNamesAreTransformers) {
   EXPECT_EQ(layer0("mixtral-8x7b"), (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj",
                                                                 b + "gate (not adapted)", b + "experts.0.w1", b + "experts.0.w3",
                                                                 b + "experts.0.w2", "lm_head (not adapted)"}));
+  // ERNIE-4.5-21B-A3B: layer 0 dense (moe_layer_start_index 1), layer 1 the router, experts and shared experts.
+  EXPECT_EQ(layer0("ernie-4.5-21b-a3b"), (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj",
+                                                                     m + "gate_proj", m + "up_proj", m + "down_proj",
+                                                                     "lm_head (not adapted)"}));
+  const std::string a1 = "model.layers.1.self_attn.", m1 = "model.layers.1.mlp.";
+  EXPECT_EQ(layer0("ernie-4.5-21b-a3b", 1),
+            (std::vector<std::string>{a1 + "q_proj", a1 + "k_proj", a1 + "v_proj", a1 + "o_proj", m1 + "gate (not adapted)",
+                                      m1 + "experts.0.gate_proj", m1 + "experts.0.up_proj", m1 + "experts.0.down_proj",
+                                      m1 + "shared_experts.gate_proj", m1 + "shared_experts.up_proj",
+                                      m1 + "shared_experts.down_proj", "lm_head (not adapted)"}));
+  // Hunyuan-A13B: the router's linear is mlp.gate.wg, the shared MLP mlp.shared_mlp.
+  EXPECT_EQ(layer0("hunyuan-a13b"),
+            (std::vector<std::string>{a + "q_proj", a + "k_proj", a + "v_proj", a + "o_proj", m + "gate.wg (not adapted)",
+                                      m + "experts.0.gate_proj", m + "experts.0.up_proj", m + "experts.0.down_proj",
+                                      m + "shared_mlp.gate_proj", m + "shared_mlp.up_proj", m + "shared_mlp.down_proj",
+                                      "lm_head (not adapted)"}));
 }
 
 TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
@@ -345,12 +364,12 @@ TEST(ArchTable, OneRowPerFamilyFoundByItsModelType) {
     // Only where per-expert modules exist can a family have names of its own for them.
     if (!f.per_expert_lora) EXPECT_EQ(std::string(f.expert_linears[0]), "gate_proj") << f.model_type;
   }
-  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::MinimaxM2) + 1);
+  EXPECT_EQ(archs.size(), static_cast<std::size_t>(model::Arch::HunyuanV1Moe) + 1);
   EXPECT_EQ(model::expert_linear_names(), (std::vector<std::string>{"gate_proj", "up_proj", "down_proj", "w1", "w3", "w2"}));
   EXPECT_EQ(model::supported_model_types(),
             "qwen3_moe, olmoe, mixtral, qwen2_moe, glm4_moe, deepseek_v2, deepseek_v3, gpt_oss, glm4_moe_lite, mistral4, "
             "gemma4 (gemma4_text), llama4 (llama4_text), qwen3_next, qwen3_5_moe (qwen3_5_moe_text), minimax_m2, "
-            "mistral3 (around mistral4)");
+            "ernie4_5_moe, hunyuan_v1_moe, mistral3 (around mistral4)");
 }
 
 TEST(HfConfig, ParsesQwen3AndLayerKinds) {
@@ -367,6 +386,87 @@ TEST(HfConfig, ParsesQwen3AndLayerKinds) {
   EXPECT_TRUE(c.is_moe_layer(1));
   EXPECT_FALSE(c.is_moe_layer(2));
   EXPECT_TRUE(c.is_moe_layer(3));
+}
+
+// ERNIE-4.5-MoE and Hunyuan-MoE read as transformers 5.24's Ernie4_5_MoeConfig / HunYuanMoEV1Config and
+// their modules build them (configs/models: the Hub files), and the files they cannot mean refused by key.
+TEST(HfConfig, ErnieAndHunyuanReadAsTransformersBuildThem) {
+  const std::string models = std::string(EO_SOURCE_DIR) + "/configs/models/";
+  const ModelConfig e = load_config(models + "ernie-4.5-21b-a3b");
+  EXPECT_EQ(e.experts, 64);
+  EXPECT_EQ(e.top_k, 6);
+  EXPECT_EQ(e.expert_width, 1536);
+  EXPECT_EQ(e.shared_expert_width, 2 * 1536);
+  EXPECT_FALSE(e.shared_expert_gated);
+  EXPECT_EQ(e.dense_width, 12288);
+  EXPECT_EQ(e.head_dim, 128);
+  EXPECT_TRUE(e.tie_word_embeddings);
+  EXPECT_TRUE(e.norm_topk_prob);
+  EXPECT_EQ(e.router.score, RouterScore::Softmax);
+  EXPECT_TRUE(e.router.correction_bias);
+  EXPECT_TRUE(e.router.fp32);
+  EXPECT_TRUE(e.rope.interleaved);
+  EXPECT_EQ(e.rope_theta, 5e5);
+  EXPECT_FALSE(e.is_moe_layer(0));  // moe_layer_start_index 1
+  EXPECT_EQ(e.moe_layer_count(), 27);
+  nlohmann::json ej = read_config_json(models + "ernie-4.5-21b-a3b");
+  auto error = [](const nlohmann::json& j) -> std::string {
+    try {
+      parse_config(j, "dir/config.json");
+    } catch (const UsageError& err) {
+      return err.what();
+    }
+    return "";
+  };
+  // (i + 1) % interval == 0 and start <= i <= end, as Ernie4_5_MoeDecoderLayer builds them.
+  nlohmann::json small = ej;
+  small["num_hidden_layers"] = 6;
+  small["moe_layer_start_index"] = 2;
+  small["moe_layer_end_index"] = 4;
+  small["moe_layer_interval"] = 2;
+  small.erase("tie_word_embeddings");
+  const ModelConfig s = parse_config(small, "small.json");
+  EXPECT_EQ(s.moe_layer_ids(), (std::vector<int>{3}));
+  EXPECT_TRUE(s.tie_word_embeddings) << "Ernie4_5_MoeConfig ties by default";
+  small["moe_layer_end_index"] = -1;  // the last layer
+  EXPECT_EQ(parse_config(small, "small.json").moe_layer_ids(), (std::vector<int>{3, 5}));
+  nlohmann::json biased = ej;
+  biased["use_bias"] = true;
+  EXPECT_NE(error(biased).find("dir/config.json: use_bias true is not supported for ernie4_5_moe"), std::string::npos)
+      << error(biased);
+
+  const ModelConfig h = load_config(models + "hunyuan-a13b");
+  EXPECT_EQ(h.experts, 64);
+  EXPECT_EQ(h.top_k, 8);
+  EXPECT_EQ(h.expert_width, 3072);
+  EXPECT_EQ(h.shared_expert_width, 3072);
+  EXPECT_FALSE(h.shared_expert_gated);
+  EXPECT_EQ(h.moe_layer_count(), 32);
+  EXPECT_EQ(h.qk_norm, QkNorm::PerHead);
+  EXPECT_TRUE(h.qk_norm_after_rope);
+  EXPECT_FALSE(h.has_aux_loss);
+  EXPECT_TRUE(h.tie_word_embeddings);
+  EXPECT_EQ(h.rope.dim, 128);
+  // compute_ntk_alpha_rope_parameters: base = rope_theta * alpha ** (head_dim / (head_dim - 2)).
+  EXPECT_DOUBLE_EQ(h.rope_theta, 10000.0 * std::pow(1000.0, 128.0 / 126.0));
+  const nlohmann::json hj = read_config_json(models + "hunyuan-a13b");
+  auto with = [&](const char* key, const nlohmann::json& v) {
+    nlohmann::json j = hj;
+    j[key] = v;
+    return error(j);
+  };
+  std::vector<int> topk(32, 8);
+  topk[5] = 4;
+  EXPECT_NE(with("moe_topk", topk).find("field 'moe_topk'"), std::string::npos) << with("moe_topk", topk);
+  EXPECT_NE(with("moe_topk", topk).find("differs between layers"), std::string::npos);
+  EXPECT_NE(with("use_cla", true).find("use_cla true (cross-layer attention) is not supported"), std::string::npos)
+      << with("use_cla", true);
+  EXPECT_NE(with("moe_intermediate_size", 1536).find("moe_intermediate_size differs from intermediate_size"),
+            std::string::npos);
+  EXPECT_NE(with("num_shared_expert", 2).find("num_shared_expert must be 1"), std::string::npos);
+  const std::string dynamic = with("rope_scaling", nlohmann::json{{"type", "dynamic"}, {"factor", 2.0}});
+  EXPECT_NE(dynamic.find("rope_scaling.rope_type 'dynamic' without 'alpha' is not supported"), std::string::npos) << dynamic;
+  EXPECT_EQ(with("moe_topk", 8), "");  // an integer, as transformers also reads it
 }
 
 TEST(HfConfig, ErrorsNameTheFieldAndFile) {
@@ -664,7 +764,7 @@ TEST(Lora, Llama4TargetParametersBesideItsSharedExpert) {
 // restarting) against transformers run on each document alone, the conv1d window and the delta
 // rule's state restarting at the second; then with the LoRA on every linear (delta-rule
 // projections, gated attention, experts, shared expert): logits, summed loss and every gradient
-// against peft's. `linears`: each delta-rule layer's LoRA-carrying linears.
+// against peft's. `linears`: each delta-rule layer's LoRA-carrying linears (0: a family without them).
 void expect_packed_rows_match_transformers(const std::string& arch, std::size_t linears) {
   SCOPED_TRACE(arch);
   const std::string dir = ref_dir(arch);
@@ -716,6 +816,9 @@ void expect_packed_rows_match_transformers(const std::string& arch, std::size_t 
 
 TEST(Model, Qwen3NextPackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("qwen3_next", 3); }
 TEST(Model, Qwen35MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("qwen3_5_moe_mm", 5); }
+// ERNIE-4.5-MoE and Hunyuan-MoE: no delta-rule layers; the packed row against each document alone, base and LoRA.
+TEST(Model, Ernie45MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("ernie4_5_moe", 0); }
+TEST(Model, HunyuanV1MoePackedRowsMatchTransformersPerDocument) { expect_packed_rows_match_transformers("hunyuan_v1_moe", 0); }
 
 // Qwen3-Next's layer kinds and LoRA names as transformers 5.24's Qwen3NextConfig and peft give them.
 TEST(HfConfig, Qwen3NextLayersAndModuleNames) {

@@ -20,7 +20,9 @@ set_tests_properties(train_peft_check_layers PROPERTIES LABELS ref TIMEOUT 600
 # Small 4 and Llama 4 as the Hub ships them (multimodal wrappers: the text model
 # trained, the vision tower not).
 # Qwen3-Next and Qwen3.5-MoE (its multimodal wrapper): LoRA on the gated delta-rule layers' projections.
-foreach(arch mistral4_scaled glm4_moe_lite_grouped gemma4_mm mistral4_mm llama4_mm qwen3_next qwen3_5_moe_mm)
+# ERNIE-4.5-MoE (tied embeddings, dense layers around the sparse ones), Hunyuan-MoE (q/k norms after RoPE).
+foreach(arch mistral4_scaled glm4_moe_lite_grouped gemma4_mm mistral4_mm llama4_mm qwen3_next qwen3_5_moe_mm ernie4_5_moe
+        hunyuan_v1_moe)
   add_test(NAME train_peft_check_${arch}
            COMMAND ${EO_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ref/train_peft_check.py
                    $<TARGET_FILE:eo-ddp> ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_BINARY_DIR}/train_peft_${arch} ${arch})

@@ -22,7 +22,10 @@ Llama4ForConditionalGeneration with a one-layer vision tower: language_model.mod
 qwen3_next (Qwen3-Next: gated delta-rule layers beside a gated full-attention layer, (1 + w) norms, a
 gated shared expert) and qwen3_5_moe_mm (Qwen3.5-MoE's text model inside
 Qwen3_5MoeForConditionalGeneration with a one-layer vision tower: model.language_model.*, model.visual.*),
-minimax_m2 (MiniMax-M2: Mixtral's storage, a sigmoid router with its correction bias, whole q/k norms).
+minimax_m2 (MiniMax-M2: Mixtral's storage, a sigmoid router with its correction bias, whole q/k norms),
+ernie4_5_moe (ERNIE-4.5-MoE: dense layers before moe_layer_start_index and after moe_layer_end_index, a
+softmax router with moe_statics' correction bias, two ungated shared experts, interleaved RoPE, tied embeddings),
+hunyuan_v1_moe (Hunyuan-MoE: router mlp.gate.wg, a shared_mlp, q/k norms after RoPE, NTK-alpha RoPE, biased attention).
 
 transformers 5.24 holds experts fused at run time (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]) but save_pretrained converts them back to per-expert names
@@ -267,6 +270,23 @@ def make_config(arch):
                                             eos_token_id=None,
                                             rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
                                                              "partial_rotary_factor": 0.5})
+    if arch == "ernie4_5_moe":
+        # ERNIE-4.5-21B-A3B's layout on 4 layers: layer 0 dense (moe_layer_start_index 1), layer 3 dense
+        # (moe_layer_end_index 2), softmax top-2 of 6 chosen with the correction bias, two shared
+        # experts, tied embeddings (its config class's default).
+        return transformers.Ernie4_5_MoeConfig(**{**COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True},
+                                               moe_num_experts=6, moe_k=2, moe_intermediate_size=32,
+                                               intermediate_size=80, moe_num_shared_experts=2, moe_layer_start_index=1,
+                                               moe_layer_end_index=2, moe_layer_interval=1, router_aux_loss_coef=0.01,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    if arch == "hunyuan_v1_moe":
+        # Hunyuan-A13B's layout: every layer sparse, softmax top-2 of 6 renormalised (moe_topk per layer, as
+        # the Hub writes it), the shared_mlp, per-head q/k norms after RoPE, NTK-alpha RoPE (rope_scaling
+        # "dynamic" with alpha, as the Hub ships it), tied embeddings; q/k/v/o biases.
+        return transformers.HunYuanMoEV1Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=16, num_experts=6,
+                                               moe_topk=[2, 2, 2], intermediate_size=32, attention_bias=True,
+                                               rope_theta=10000.0,
+                                               rope_scaling={"alpha": 1000.0, "factor": 1.0, "type": "dynamic"})
     if arch == "qwen3_5_moe_mm":
         # Qwen3.5-MoE as the Hub ships it: the text model inside Qwen3_5MoeForConditionalGeneration
         # with a one-layer vision tower (model.language_model.*, model.visual.*); its delta-rule
@@ -290,7 +310,7 @@ def make_config(arch):
 ARCHS = ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4_moe", "glm4_moe_grouped", "deepseek_v2",
          "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn", "gpt_oss", "glm4_moe_lite", "glm4_moe_lite_grouped",
          "mistral4", "mistral4_scaled", "gemma4", "gemma4_kv", "gemma4_mm", "mistral4_mm", "llama4", "llama4_mm", "qwen3_next",
-         "qwen3_5_moe_mm", "minimax_m2"]
+         "qwen3_5_moe_mm", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe"]
 
 
 def fuse_experts(path, cfg):

@@ -8,8 +8,13 @@ written by eo-ddp,
   {"tokenizer": DIR, "tokenizer_type": null|"AutoTokenizer"|..., "trust_remote_code": false,
    "special_tokens": {"pad_token": ...}, "train_on_inputs": false, "chat_template": NAME,
    "chat_template_jinja": null|TEXT,
+   "dataset_defaults": {KEY: VALUE, ...},
    "datasets": [{"path": F, "files": [F, ...], "type": T, "output": OUT.jsonl, "shards": N, "shards_idx": I,
                  "seed": S, ...per-type keys...}, ...]}
+
+A dataset key left out of an entry takes its value from dataset_defaults, which eo-ddp writes from
+its table of dataset keys (`eo-ddp --help-config`, runtime/config_datasets.cpp): this tool keeps no
+default of its own.
 
 Rows are read from `files` in order (a Hub dataset's data files; else path): JSON lines, a JSON
 array, or parquet (through pyarrow); then the split's slice, then axolotl's shards.
@@ -32,7 +37,7 @@ axolotl masks. The rules follow axolotl's prompt strategies:
   alpaca         axolotl's instruct prompt ("Below is an instruction ... ### Response:\\n"),
                  tokenized with the tokenizer's special tokens; the response tokenized alone
                  (bos stripped, eos appended). Prompt tokens are -100 unless train_on_inputs.
-  completion     the `field` text (default "text") tokenized, eos appended, every token trained.
+  completion     the `field` text tokenized, eos appended, every token trained.
   input_output   `segments: [{"text", "label"}]`, each tokenized without special tokens;
                  segments with label false are -100 unless train_on_inputs.
 
@@ -64,6 +69,17 @@ SENTINELS = ("[[dummy_message]]", "zzdummymessagezz")
 # src/axolotl/utils/chat_templates/templates/ (tools/axolotl_corpus.py templates; the version in
 # chat_templates/VERSION). eo-ddp's config check lists the same names (named_templates).
 TEMPLATE_DIR = os.path.join(_HERE, "chat_templates")
+
+
+def setting(spec, ds, key):
+    """A dataset entry's key, or its default from eo-ddp's table (spec["dataset_defaults"])."""
+    value = ds.get(key)
+    if value is not None and value != "":
+        return value
+    defaults = spec.get("dataset_defaults")
+    if defaults is None:
+        raise ToolError("the spec has no dataset_defaults (eo-ddp writes them); run this tool through eo-ddp")
+    return defaults.get(key)
 
 
 def named_template(name):
@@ -121,7 +137,7 @@ def chat_ids(tok, template, messages, **kwargs):
 class ChatTemplate:
     def __init__(self, tok, spec, ds):
         self.tok = tok
-        name = ds.get("chat_template") or spec.get("chat_template") or "tokenizer_default"
+        name = ds.get("chat_template") or spec["chat_template"]  # the top-level key, with its default
         jinja = ds.get("chat_template_jinja") or spec.get("chat_template_jinja")
         own = getattr(tok, "chat_template", None)
         if name == "tokenizer_default":
@@ -137,15 +153,15 @@ class ChatTemplate:
             self.template = jinja
         else:
             self.template = named_template(name)
-        self.field_messages = ds.get("field_messages") or "messages"
-        self.field_role = ds.get("message_field_role") or "role"
-        self.field_content = ds.get("message_field_content") or "content"
+        self.field_messages = setting(spec, ds, "field_messages")
+        self.field_role = setting(spec, ds, "message_field_role")
+        self.field_content = setting(spec, ds, "message_field_content")
         self.field_training = ds.get("message_field_training")
-        self.drop_system = bool(ds.get("drop_system_message"))
+        self.drop_system = bool(setting(spec, ds, "drop_system_message"))
         roles = ds.get("roles")
         self.roles = {s: t for t, sources in roles.items() for s in sources} if roles else dict(DEFAULT_ROLES)
-        self.roles_to_train = [self.roles.get(r, r) for r in ds.get("roles_to_train", ["assistant"])]
-        self.train_on_eos = ds.get("train_on_eos") or "turn"
+        self.roles_to_train = [self.roles.get(r, r) for r in setting(spec, ds, "roles_to_train")]
+        self.train_on_eos = setting(spec, ds, "train_on_eos")
         self.train_on_inputs = bool(spec.get("train_on_inputs"))
         # axolotl: the data's field_thinking goes into each message as template_thinking_key (set
         # by eo-ddp only when the message fields are not mapped, as axolotl maps it only then).
@@ -327,7 +343,7 @@ class Alpaca:
 
 class Completion:
     def __init__(self, tok, spec, ds):
-        self.tok, self.field = tok, ds.get("field") or "text"
+        self.tok, self.field = tok, setting(spec, ds, "field")
 
     def __call__(self, row):
         ids = list(self.tok(text_field(row, self.field))["input_ids"])
@@ -464,13 +480,13 @@ def shard_rows(rows, total, shards, index, seed):
 def prepare(tok, spec, ds):
     fmt = FORMATS[ds["type"]](tok, spec, ds)
     path = ds["path"]
-    total, rows = rows_of_files(ds.get("files") or [path])
-    lo, hi = split_bounds(ds.get("split"), total)
+    total, rows = rows_of_files(ds["files"])
+    lo, hi = split_bounds(setting(spec, ds, "split"), total)
     if (lo, hi) != (0, total):
         rows = (r for i, r in enumerate(rows) if lo <= i < hi)
         total = max(hi - lo, 0)
     if ds.get("shards"):
-        total, rows = shard_rows(rows, total, int(ds["shards"]), int(ds.get("shards_idx") or 0), int(ds["seed"]))
+        total, rows = shard_rows(rows, total, int(ds["shards"]), int(setting(spec, ds, "shards_idx")), int(ds["seed"]))
     done = kept = tokens = trained = 0
     t0 = last = time.monotonic()
     with open(ds["output"], "w", encoding="utf-8") as out:

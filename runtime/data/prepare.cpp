@@ -26,6 +26,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/log.h"
+#include "runtime/dataset_keys.h"
 #include "runtime/signals.h"
 
 namespace eo::data {
@@ -33,8 +34,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-
-std::string hash_file(const std::string& path) {
+// A file's FNV-1a fingerprint (common/checksum.h Fnv1a64), the hash the dataset cache's keys are
+// made of; kept apart from hash_file, whose faster hash would change every key.
+std::string fnv_fingerprint(const std::string& path) {
   if (const int fd = open_input_file(path, "dataset"); fd >= 0) ::close(fd);  // no FIFO or device
   std::ifstream in(path, std::ios::binary);
   if (!in) throw UsageError("cannot read '" + path + "'");
@@ -61,7 +63,7 @@ nlohmann::json hash_tokenizer(const std::string& dir) {
   }
   std::sort(names.begin(), names.end());
   nlohmann::json out = nlohmann::json::object();
-  for (const auto& n : names) out[n] = hash_file(dir + "/" + n);
+  for (const auto& n : names) out[n] = fnv_fingerprint(dir + "/" + n);
   return out;
 }
 
@@ -317,15 +319,15 @@ PreparePlan plan_preparation(const TrainConfig& cfg) {
   // The named chat templates the tool renders (tools/chat_templates): an edited one is a new cache.
   nlohmann::json templates = nlohmann::json::object();
   for (const auto& e : fs::directory_iterator(fs::path(find_tool("chat_templates/VERSION")).parent_path()))
-    if (e.path().extension() == ".jinja") templates[e.path().filename().string()] = hash_file(e.path().string());
-  const nlohmann::json common = {{"tool", hash_file(find_tool("prepare_data.py"))},
+    if (e.path().extension() == ".jinja") templates[e.path().filename().string()] = fnv_fingerprint(e.path().string());
+  const nlohmann::json common = {{"tool", fnv_fingerprint(find_tool("prepare_data.py"))},
                                  {"templates", templates},
                                  {"tokenizer_files", hash_tokenizer(plan.tokenizer)},
                                  {"keys", global_shape(cfg, "")}};
   for (auto& p : items) {
     const DatasetSpec& d = spec_of(cfg, p);
     nlohmann::json data = nlohmann::json::array();
-    for (const auto& f : files_of(d)) data.push_back(hash_file(f));
+    for (const auto& f : files_of(d)) data.push_back(fnv_fingerprint(f));
     if (data.size() == 1) data = data[0];  // the key of a one-file dataset as before
     nlohmann::json shape = dataset_shape(d);
     shape.update(rows_shape(d, cfg.seed));
@@ -369,6 +371,7 @@ void run_preparation(const TrainConfig& cfg, PreparePlan& plan) {
   remove_tree(tmp);
   fs::create_directories(tmp);
   nlohmann::json spec = global_shape(cfg, plan.tokenizer);
+  spec["dataset_defaults"] = dataset_key_defaults();  // the tool keeps no copy of them
   spec["datasets"] = nlohmann::json::array();
   std::vector<PreparedDataset*> todo;
   for (auto& p : plan.datasets) {

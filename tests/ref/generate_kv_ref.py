@@ -27,9 +27,9 @@ BINARY, SRC, WORK = sys.argv[1:4]
 # sinks and a sliding window (gpt_oss), sliding and full layers of their own geometry (gemma4), chunked
 # and NoPE layers (llama4), gated delta-rule layers beside a gated attention layer (qwen3_next); inside their
 # multimodal wrappers as the Hub ships them, latent attention with Llama 4's query scale (mistral4_mm) and
-# Qwen3.5's delta-rule layers (qwen3_5_moe_mm).
+# Qwen3.5's delta-rule layers (qwen3_5_moe_mm); q/k norms after RoPE (hunyuan_v1_moe).
 ARCHS = sys.argv[4:] or ["qwen3_moe", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "gpt_oss", "gemma4", "llama4", "qwen3_next",
-                         "mistral4_mm", "qwen3_5_moe_mm"]
+                         "mistral4_mm", "qwen3_5_moe_mm", "hunyuan_v1_moe"]
 # The multimodal wrappers' classes (tests/ref/model_ref.py); peft's adapter stays out of their vision towers.
 WRAPPERS = {"mistral4_mm": transformers.Mistral3ForConditionalGeneration,
             "qwen3_5_moe_mm": transformers.Qwen3_5MoeForConditionalGeneration}

@@ -112,13 +112,15 @@ with torch.no_grad():
     if aux is not None:
         ref["aux_loss"] = aux.reshape(1).float()
 
-# ---- packed rows (delta-rule families): row 0 as two documents of 7 and 6 tokens, each run alone
-# by transformers (its torch fallback has no per-document conv or state reset); the packed row's
-# label at the second document's first token is -100, so both count the same targets.
+# ---- packed rows (delta-rule families, and the plain-attention families added since): row 0 as two
+# documents of 7 and 6 tokens, each run alone by transformers (its torch fallback has no per-document
+# conv or state reset); the packed row's label at the second document's first token is -100, so both
+# count the same targets.
 DOCS = (7, 6)
 packed_labels = labels[0].clone()
 packed_labels[DOCS[0]] = -100
 ref["packed_labels"] = packed_labels.reshape(1, -1)
+PACKED = LINEAR_ATTN or ARCH in ("ernie4_5_moe", "hunyuan_v1_moe")
 
 
 def packed_run(m):
@@ -131,7 +133,7 @@ def packed_run(m):
     return torch.cat(outs, 1), total
 
 
-if LINEAR_ATTN:
+if PACKED:
     with torch.no_grad():
         lp, lsum = packed_run(model)
         ref["logits_packed"], ref["loss_sum_packed"] = lp, lsum.reshape(1)
@@ -243,7 +245,7 @@ for i, layer in enumerate([] if GPT_OSS else decoder.layers):
         ex.lora = [[lora_pair(f"{DEC}layers.{i}.{moe_attr}.experts.{e}.{MLP_NAMES[m]}", (H, H, I)[m], (I, I, H)[m])
                     for m in range(3)] for e in range(E)]
         ex.forward = experts_forward.__get__(ex)
-        for shared in ("shared_expert", "shared_experts"):  # qwen2_moe / glm4_moe, DeepSeek
+        for shared in ("shared_expert", "shared_experts", "shared_mlp"):  # qwen2_moe / glm4_moe, DeepSeek / Hunyuan
             if getattr(mlp, shared, None) is None:
                 continue
             for nm in ("gate_proj", "up_proj", "down_proj"):
@@ -267,7 +269,7 @@ for n, p in peft_model.named_parameters():
 for n, p in manual.items():  # an expert that got no token has no gradient: zero
     ref["grad." + n] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
     adapter[n] = p.detach().clone()
-if LINEAR_ATTN:  # the LoRA model on the packed row: logits, summed loss and every gradient
+if PACKED:  # the LoRA model on the packed row: logits, summed loss and every gradient
     lora_leaves = {n.replace(".default", ""): p for n, p in peft_model.named_parameters() if "lora_" in n}
     lora_leaves.update(manual)
     for p in lora_leaves.values():
@@ -336,7 +338,7 @@ for key in (attn_key, "model.layers.1.self_attn.o_proj.weight") if GPT_OSS else 
 model = load()
 with torch.no_grad():
     for n, p in model.named_parameters():
-        if ".layers." not in n or "norm" in n or n.endswith(".gate.weight") or "shared_expert_gate" in n \
+        if ".layers." not in n or "norm" in n or n.endswith((".gate.weight", ".gate.wg.weight")) or "shared_expert_gate" in n \
                 or n.endswith("bias") or ".router." in n or n.endswith(".sinks") or "conv1d" in n or n.endswith("A_log"):
             continue  # norms, routers, shared-expert gate, biases, sinks and the delta-rule conv and decay stay unquantised
         if GPT_OSS and n.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate / up interleaved columns
