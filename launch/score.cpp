@@ -70,23 +70,14 @@ int run_score(const Args& args) {
   // The base: as given, else as the adapter was trained (its eo_ddp_base.json), else as stored.
   std::string base = "weights as stored";
   lo.load_in_4bit = force_4bit;
-  const std::filesystem::path recorded = std::filesystem::path(adapter_dir) / kAdapterBaseFile;
-  if (!force_4bit && !force_dense && !adapter_dir.empty() && std::filesystem::exists(recorded)) {
-    try {
-      std::string text;
-      read_file_nofollow(recorded.string(), text);
-      const auto j = nlohmann::json::parse(text);
-      lo.load_in_4bit = j.value("load_in_4bit", false);
-      lo.blocksize = j.value("bnb_4bit_blocksize", 64);
-      lo.double_quant = j.value("bnb_4bit_use_double_quant", false);
-      lo.expert_quant = model::expert_quant_named(j.value("expert_quant", std::string("auto")));
-      base = lo.load_in_4bit ? "NF4, as the adapter was trained (" + recorded.string() + "; experts: expert_quant " +
-                                   j.value("expert_quant", std::string("auto")) + ")"
-                             : "weights as stored, as the adapter was trained (" + recorded.string() + ")";
-    } catch (const std::exception& e) {
-      throw UsageError("score: " + recorded.string() + " is not readable JSON (" + e.what() +
-                       "); pass --load-in-4bit or --no-load-in-4bit to say which base to use");
-    }
+  if (const auto recorded = force_4bit || force_dense ? std::nullopt : read_adapter_base(adapter_dir, "score")) {
+    lo.load_in_4bit = recorded->load_in_4bit;
+    lo.blocksize = recorded->blocksize;
+    lo.double_quant = recorded->double_quant;
+    lo.expert_quant = model::expert_quant_named(recorded->expert_quant);
+    base = lo.load_in_4bit ? "NF4, as the adapter was trained (" + recorded->file + "; experts: expert_quant " +
+                                 recorded->expert_quant + ")"
+                           : "weights as stored, as the adapter was trained (" + recorded->file + ")";
   } else if (force_4bit) {
     base = "NF4 (--load-in-4bit)";
   }

@@ -54,18 +54,29 @@ shard by shard: host memory stays near one input plus one output shard.
                        to keep an as-trained merge exact
   --max-shard-size S   largest output shard (default 5GB))"},
       {"generate",
-       "eo-ddp generate --model DIR [--adapter DIR] (--prompt TEXT | --chat FILE) [--temperature T] [--top-p P] ...",
+       "eo-ddp generate --model DIR [--adapter DIR] (--prompt TEXT | --chat FILE | --prompt-ids IDS) ...",
        R"(Continue a prompt with the model (and adapter): the prompt through the model's chat template (a
 user turn, or the messages of FILE: a JSON list of {"role", "content"}), tokens streamed to stdout
-until an end-of-turn token or --max-new-tokens, then the prefill and decode rates.
+until an end-of-turn token or --max-new-tokens, then the prefill and decode rates. The prompt runs
+once, then each new token alone against the layers' cached keys and values (delta-rule layers: their
+recurrent and conv state).
   --temperature T      0 (default): greedy; above 0: sampled at that temperature
   --top-p P            sample from the smallest set of tokens whose probability reaches P (default 1)
   --max-new-tokens N   at most N new tokens (default 128)
   --seed S             the sampler's seed (default 0)
   --raw                the prompt as it is, without the chat template
+  --prompt-ids IDS     the prompt as token ids (1,2,3), no tokenizer; stops at config's eos_token_id
   --dtype fp32|bf16    the compute dtype (default fp32)
-  --load-in-4bit       on the NF4 base, as QLoRA trained
-  --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"})"},
+  --load-in-4bit       on the NF4 base (default: the base the adapter trained on, else as stored)
+  --no-load-in-4bit    on the base as stored, whatever the adapter trained on
+  --expert-offload     the 4-bit experts in host RAM, streamed into a device slot block by block as
+                       in training (default: as the adapter trained); --no-expert-offload: held
+  --expert-offload-vram-budget SIZE   with --expert-offload: keep the blocks that fit in SIZE on
+                       the device (default 0: every block streams)
+  --no-kv-cache        run the whole sequence for every new token (no cache)
+  --synthetic-weights  seeded random weights (--seed) from config.json alone, for rates on real shapes
+  --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"}
+                       (offloaded: "experts_streamed", the copies as metrics.jsonl counts them))"},
       {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).

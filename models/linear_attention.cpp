@@ -1,9 +1,11 @@
 // The gated delta-rule layer of Qwen3-Next and Qwen3.5 (transformers 5.24's Qwen3NextGatedDeltaNet
-// and Qwen3_5GatedDeltaNet, training path: no cache), with packed rows: the conv1d's window and the
-// recurrent state restart at each document of a row, as fla's cu_seqlens kernels do.
+// and Qwen3_5GatedDeltaNet): training's path with packed rows (the conv1d's window and the recurrent
+// state restart at each document of a row, as fla's cu_seqlens kernels do), or decoding with a cache
+// (models/kv_cache.h: the conv's last inputs and the state carried between forwards).
 #include <ATen/ATen.h>
 
 #include "models/delta_rule.h"
+#include "models/kv_cache.h"
 #include "models/moe_model.h"
 
 namespace eo::model {
@@ -66,7 +68,17 @@ at::Tensor DecoderBlock::linear_attention(const at::Tensor& input, const BlockCo
     b = ba.narrow(-1, 0, per).reshape({B, T, Hv});
     g_in = ba.narrow(-1, per, per).reshape({B, T, Hv});
   }
-  const at::Tensor conv = causal_conv_silu(mixed, w_.conv_w, ctx.segment_ids);
+  at::Tensor conv;
+  if (ctx.cache) {  // decoding: the conv reads the cached last K - 1 inputs before these (zeros at first)
+    const auto K = w_.conv_w.size(1);
+    at::Tensor& held = ctx.cache->conv_state(w_.index);
+    if (!held.defined()) held = at::zeros({B, K - 1, mixed.size(-1)}, mixed.options());
+    const at::Tensor window = at::cat({held, mixed}, 1);
+    conv = causal_conv_silu(window, w_.conv_w, at::Tensor()).narrow(1, K - 1, T);
+    held = window.narrow(1, T, K - 1).contiguous();
+  } else {
+    conv = causal_conv_silu(mixed, w_.conv_w, ctx.segment_ids);
+  }
   const at::Tensor q = conv.narrow(-1, 0, Hk * dk).view({B, T, Hk, dk});
   const at::Tensor k = conv.narrow(-1, Hk * dk, Hk * dk).view({B, T, Hk, dk});
   const at::Tensor v = conv.narrow(-1, 2 * Hk * dk, Hv * dv).view({B, T, Hv, dv});
@@ -75,7 +87,15 @@ at::Tensor DecoderBlock::linear_attention(const at::Tensor& input, const BlockCo
   const at::Tensor g = -at::exp(w_.a_log.to(at::kFloat)) * at::softplus(g_in.to(at::kFloat) + w_.dt_bias.to(at::kFloat));
   GatedDeltaRuleOptions opt;
   opt.l2norm_qk = true;
-  const at::Tensor o = gated_delta_rule(q, k, v, g, beta, at::Tensor(), ctx.segment_ids, opt).out;  // [B, T, Hv, dv]
+  at::Tensor o;  // [B, T, Hv, dv]
+  if (ctx.cache) {  // decoding: the recurrence goes on from the cached state
+    at::Tensor& state = ctx.cache->recurrent_state(w_.index);
+    GatedDeltaRuleOutput r = gated_delta_rule(q, k, v, g, beta, state, at::Tensor(), opt);
+    o = r.out;
+    state = r.final_state;
+  } else {
+    o = gated_delta_rule(q, k, v, g, beta, at::Tensor(), ctx.segment_ids, opt).out;
+  }
   const at::Tensor normed = gated_rms_norm(o, z, w_.gated_norm, cfg_->rms_eps);
   return w_.o.forward(normed.reshape({B, T, Hv * dv}), tr);
 }

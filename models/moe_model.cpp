@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "models/fused.h"
+#include "models/kv_cache.h"
 #include "models/linear4bit.h"
 #include "models/lm_loss.h"
 #include "models/merge_aware.h"
@@ -113,12 +114,13 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockCo
 // SDPA kernels run it (with a mask); the channel count is padded to a multiple of 8 for them.
 at::Tensor attend_with_sinks(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale,
                              const at::Tensor& sinks, std::int64_t window) {
-  const auto B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), hk = k.size(1);
+  // Tk > T with a kv cache: the queries are the last T of Tk positions.
+  const auto B = q.size(0), h = q.size(1), T = q.size(2), D = q.size(3), hk = k.size(1), Tk = k.size(2);
   const auto opt = at::TensorOptions().dtype(at::kBool).device(q.device());
-  at::Tensor mask = ctx.attn_mask.defined() ? ctx.attn_mask : at::ones({T, T}, opt).tril().view({1, 1, T, T});
+  at::Tensor mask = ctx.attn_mask.defined() ? ctx.attn_mask : at::ones({T, Tk}, opt).tril(Tk - T).view({1, 1, T, Tk});
   if (window > 0) {  // transformers' sliding_window_overlay: key j is seen from query i when j > i - window
-    const at::Tensor i = at::arange(T, opt.dtype(at::kLong)).view({T, 1}), j = at::arange(T, opt.dtype(at::kLong)).view({1, T});
-    mask = mask & (j > i - window).view({1, 1, T, T});
+    const at::Tensor i = at::arange(Tk - T, Tk, opt.dtype(at::kLong)).view({T, 1}), j = at::arange(Tk, opt.dtype(at::kLong)).view({1, Tk});
+    mask = mask & (j > i - window).view({1, 1, T, Tk});
   }
   if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, at::Tensor(), at::Tensor(), ctx.training, nullptr}, scale);
   if (hk != h) {  // each query head has its own sink key
@@ -130,9 +132,9 @@ at::Tensor attend_with_sinks(const at::Tensor& q, at::Tensor k, at::Tensor v, co
   const at::Tensor q_aug = at::cat({q, at::ones({B, h, T, 1}, o), at::zeros({B, h, T, pad - 1}, o)}, -1);
   const at::Tensor sink_key = at::cat({at::zeros({B, h, 1, D}, o), (sinks.to(q.scalar_type()) / scale).view({1, h, 1, 1}).expand({B, h, 1, 1}),
                                        at::zeros({B, h, 1, pad - 1}, o)}, -1);
-  const at::Tensor k_aug = at::cat({sink_key, at::cat({k, at::zeros({B, h, T, pad}, o)}, -1)}, 2);
+  const at::Tensor k_aug = at::cat({sink_key, at::cat({k, at::zeros({B, h, Tk, pad}, o)}, -1)}, 2);
   const at::Tensor v_aug = at::cat({at::zeros({B, h, 1, v.size(3)}, o), v}, 2);
-  const at::Tensor mask_aug = at::cat({at::ones({mask.size(0), 1, T, 1}, opt), mask.expand({mask.size(0), 1, T, T})}, -1);
+  const at::Tensor mask_aug = at::cat({at::ones({mask.size(0), 1, T, 1}, opt), mask.expand({mask.size(0), 1, T, Tk})}, -1);
   const at::Tensor out = at::scaled_dot_product_attention(q_aug, k_aug, v_aug, mask_aug, 0.0, false, scale, false);
   return out.transpose(1, 2).reshape({B, T, h * v.size(-1)});
 }
@@ -183,11 +185,13 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
     }
     // The fp32 scale times q, rounded back to q's dtype, as transformers' promotion does.
     if (!rope_layer && ctx.q_scale.defined()) q = (q * ctx.q_scale).to(q.scalar_type());
+    at::Tensor vt = v.transpose(1, 2);
+    cache_keys_values(ctx, w_.index, k, vt);
     if (!c.is_chunked_layer(w_.index) || !ctx.chunk_mask.defined())
-      return w_.o.forward(attend(q, k, v.transpose(1, 2), ctx, c.attn_scale), ctx.training);
+      return w_.o.forward(attend(q, k, vt, ctx, c.attn_scale), ctx.training);
     BlockContext chunked = ctx;
     chunked.attn_mask = ctx.chunk_mask;
-    return w_.o.forward(attend(q, k, v.transpose(1, 2), chunked, c.attn_scale), ctx.training);
+    return w_.o.forward(attend(q, k, vt, chunked, c.attn_scale), ctx.training);
   }
   if (c.gemma) {
     v = rms_norm(v, at::Tensor(), c.rms_eps);  // v_norm: no scale
@@ -207,10 +211,12 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
     q = rms_norm(q, w_.q_norm, c.rms_eps);
     k = rms_norm(k, w_.k_norm, c.rms_eps);
   }
+  at::Tensor vt = v.transpose(1, 2);
+  cache_keys_values(ctx, w_.index, k, vt);
   const std::int64_t window = c.is_sliding_layer(w_.index) ? c.sliding_window : 0;
   if (c.attention_sinks || window > 0)
-    return w_.o.forward(attend_with_sinks(q, k, v.transpose(1, 2), ctx, c.attn_scale, w_.sinks, window), ctx.training);
-  const at::Tensor o = attend(q, k, v.transpose(1, 2), ctx, c.attn_scale);
+    return w_.o.forward(attend_with_sinks(q, k, vt, ctx, c.attn_scale, w_.sinks, window), ctx.training);
+  const at::Tensor o = attend(q, k, vt, ctx, c.attn_scale);
   return w_.o.forward(gate.defined() ? o * at::sigmoid(gate) : o, ctx.training);
 }
 
@@ -230,8 +236,10 @@ at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContex
   at::Tensor q_full = at::cat({q.narrow(-1, 0, a.nope_dim), apply_rope(q.narrow(-1, a.nope_dim, a.rope_dim), ctx, c.rope)}, -1);
   if (ctx.q_scale.defined()) q_full = q_full * ctx.q_scale;  // Mistral 4, after RoPE as Mistral4Attention
   const at::Tensor kv = w_.kv_b.forward(latent, tr).view({B, T, H, a.nope_dim + a.v_dim}).transpose(1, 2);
-  const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
-  return w_.o.forward(attend(q_full, k, kv.narrow(-1, a.nope_dim, a.v_dim), ctx, c.attn_scale), tr);
+  at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
+  at::Tensor v = kv.narrow(-1, a.nope_dim, a.v_dim);
+  cache_keys_values(ctx, w_.index, k, v);
+  return w_.o.forward(attend(q_full, k, v, ctx, c.attn_scale), tr);
 }
 
 namespace {

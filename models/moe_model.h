@@ -26,6 +26,8 @@
 
 namespace eo::model {
 
+class KvCache;  // models/kv_cache.h
+
 // How load_in_4bit holds the routed experts. Auto: MXFP4 where the checkpoint's experts are
 // MXFP4 (kept as stored: lossless), else NF4. Nf4: always NF4 (MXFP4 experts are dequantised to
 // bf16 first, as transformers' Mxfp4Config(dequantize=True) does, then quantised). Mxfp4: keep the
@@ -100,6 +102,10 @@ struct BlockContext {
   // padding mask ([B, T, 1] in the compute dtype, 0 at padding; undefined: none), which zeroes
   // padded tokens' input as transformers' apply_mask_to_padding_states.
   at::Tensor segment_ids, token_mask;
+  // Incremental decoding (models/kv_cache.h): each attention layer appends its keys and values
+  // (delta-rule layers: carry their conv and recurrent state) and attends over the cached ones;
+  // attn_mask is then [1, 1, T, cached + T]. Null: the forward sees the whole sequence.
+  KvCache* cache = nullptr;
 };
 
 // One decoder layer as the loader assembles it (models/loader.cpp) and MoeModel's constructor

@@ -39,6 +39,7 @@ AdapterRecord adapter_record(const TrainConfig& cfg) {
   r.blocksize = cfg.bnb_4bit_blocksize;
   r.double_quant = cfg.bnb_4bit_use_double_quant;
   r.expert_quant = cfg.expert_quant;
+  r.expert_offload = cfg.expert_offload;
   r.merge_aware_start = cfg.nvfp4_merge_aware_start_step;
   return r;
 }
@@ -77,7 +78,29 @@ void write_adapter(const std::string& dir, const NamedTensors& lora, const Adapt
   base["bnb_4bit_blocksize"] = record.blocksize;
   base["bnb_4bit_use_double_quant"] = record.double_quant;
   base["expert_quant"] = record.expert_quant;
+  base["expert_offload"] = record.expert_offload;
   write_file_atomic((fs::path(dir) / kAdapterBaseFile).string(), base.dump(2) + "\n");
+}
+
+std::optional<AdapterBase> read_adapter_base(const std::string& adapter_dir, const std::string& command) {
+  const fs::path file = fs::path(adapter_dir) / kAdapterBaseFile;
+  if (adapter_dir.empty() || !fs::exists(file)) return std::nullopt;
+  AdapterBase base;
+  base.file = file.string();
+  try {
+    std::string text;
+    read_file_nofollow(base.file, text);
+    const auto j = nlohmann::json::parse(text);
+    base.load_in_4bit = j.value("load_in_4bit", false);
+    base.blocksize = j.value("bnb_4bit_blocksize", 64);
+    base.double_quant = j.value("bnb_4bit_use_double_quant", false);
+    base.expert_quant = j.value("expert_quant", std::string("auto"));
+    base.expert_offload = j.value("expert_offload", false);
+  } catch (const std::exception& e) {
+    throw UsageError(command + ": " + base.file + " is not readable JSON (" + e.what() +
+                     "); pass --load-in-4bit or --no-load-in-4bit to say which base to use");
+  }
+  return base;
 }
 
 std::vector<std::string> copy_tokenizer_files(const std::string& base_model, const std::string& dir) {

@@ -30,6 +30,7 @@ struct AdapterRecord {
   int blocksize = 64;
   bool double_quant = false;
   std::string expert_quant;
+  bool expert_offload = false;  // `eo-ddp generate --adapter` streams the experts likewise
   std::optional<double> merge_aware_start;  // nvfp4_merge_aware_start_step
 };
 AdapterRecord adapter_record(const TrainConfig& cfg);
@@ -50,6 +51,19 @@ std::string merge_aware_start_text(const TrainConfig& cfg);  // for the log: "0"
 // TrainingState::extra's key for "the snapped forward was on" (a checkpoint's adapter is stamped).
 inline constexpr const char* kMergeAwareOnKey = "nvfp4_merge_aware_on";
 inline constexpr const char* kAdapterBaseFile = "eo_ddp_base.json";
+// What an adapter folder's kAdapterBaseFile records: the base it trained on, which `eo-ddp score`
+// and `generate` load unless told otherwise.
+struct AdapterBase {
+  std::string file;  // the file read
+  bool load_in_4bit = false;
+  int blocksize = 64;
+  bool double_quant = false;
+  std::string expert_quant = "auto";
+  bool expert_offload = false;  // the experts streamed from host homes (older adapters: false)
+};
+// nullopt when adapter_dir is empty or has no such file; a UsageError starting with `command` when
+// the file is not readable JSON.
+std::optional<AdapterBase> read_adapter_base(const std::string& adapter_dir, const std::string& command);
 // Copies the base model's tokenizer files (tokenizer.json, tokenizer_config.json with its chat
 // template, chat_template.jinja, special_tokens_map.json, vocabularies ...) beside the adapter, as
 // axolotl does, so the output folder stands alone. Returns the names copied.

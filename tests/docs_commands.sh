@@ -125,6 +125,9 @@ covered "tensorboard --logdir model-out/tiny-qwen3-moe/runs" "trackers_ref reads
 
 # docs/after-training.md
 run "build/eo-ddp generate --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --prompt \"Tell me about the sea.\"" --max-new-tokens 8
+run "build/eo-ddp generate --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --prompt \"Tell me about the sea.\" --expert-offload" --max-new-tokens 8
+check "generate --expert-offload streams the experts" grep -q "experts streamed:" "$tmp/run-$(wc -l <"$accounted").log"
+covered "OUT=generate-out scripts/device-generate" "a GPU and Qwen3-30B-A3B shapes; generate_kv_ref checks offloaded experts give the tokens of held ones"
 run "build/eo-ddp merge --model fixtures/tiny-qwen3-moe --adapter model-out/tiny-qwen3-moe --output model-out/tiny-merged"
 check "the merged folder has config.json and the tokenizer" test -s "$work/model-out/tiny-merged/config.json" \
   -a -s "$work/model-out/tiny-merged/tokenizer.json"

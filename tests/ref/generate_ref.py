@@ -7,9 +7,10 @@ On the bundled tiny Qwen3-MoE (fp32, CPU), with and without an adapter eo-ddp tr
 fused expert LoRA, which peft loads):
 1. the prompt's ids are the tokenizer's apply_chat_template(..., add_generation_prompt=True) (--raw: the
    text's own ids);
-2. greedy ids equal transformers' generate(do_sample=False) (PeftModel with the adapter), stopping at
-   the same end-of-turn ids;
-3. the streamed text is the tokenizer's decoding of those ids, and the log gives both rates;
+2. greedy ids equal transformers' generate(do_sample=False) (PeftModel with the adapter, on the stored
+   fp32 base: --no-load-in-4bit), stopping at the same end-of-turn ids;
+3. the streamed text is the tokenizer's decoding of those ids, and the log gives both rates; with an
+   adapter, generate runs on the base it trained on (its eo_ddp_base.json: NF4 here);
 4. sampling with a seed repeats itself, and a bad flag is a usage error (exit 2).
 """
 import json
@@ -68,7 +69,9 @@ gc = json.load(open(os.path.join(MODEL, "generation_config.json"))).get("eos_tok
 vocab = tok.get_vocab()
 stop = sorted((set(gc if isinstance(gc, list) else [gc]) | {tok.eos_token_id}) - {None}
               | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab})
-for name, extra, model in (("base", [], base), ("adapter", ["--adapter", adapter], None)):
+# The adapter trained on the NF4 base (load_in_4bit), which generate follows unless told otherwise;
+# transformers' reference is the stored fp32 base, so --no-load-in-4bit.
+for name, extra, model in (("base", [], base), ("adapter", ["--adapter", adapter, "--no-load-in-4bit"], None)):
     if model is None:
         model = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
                                           adapter).eval()
@@ -86,8 +89,9 @@ for name, extra, model in (("base", [], base), ("adapter", ["--adapter", adapter
               f"generate {want[:8]}... ({len(want)} tokens)")
         check(got["prefill_tokens_per_s"] > 0 and (len(want) < 2 or got["decode_tokens_per_s"] > 0), "both rates are given")
 
-# ---- 3. streamed text, rates in the log
+# ---- 3. streamed text, rates in the log; the adapter's own base by default
 r = generate("--adapter", adapter)
+check("generate: NF4 base" in r.stderr, "with --adapter, generate runs on the base the adapter trained on (NF4)")
 ids = json.loads(generate("--adapter", adapter, "--json").stdout.strip().splitlines()[-1])["ids"]
 check(r.returncode == 0 and r.stdout == tok.decode(ids, skip_special_tokens=True) + "\n",
       f"the streamed text is the tokenizer's decoding of the ids: {r.stdout!r}")
