@@ -23,9 +23,9 @@
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
 //   attn (default): the attention linears, as the architecture names them
 //   --h2d-gbps R: take R GB/s as the pinned host-to-device rate of the floors instead of measuring it
-//   --card a2000|3090|4090|5090: run as that card (simulated on this GPU, and every row says so): its
-//                memory as device_memory_limit (12 / 24 / 24 / 32 GiB), its pinned host-to-device rate
-//                as the expert copies' pace (24 / 24 / 24 / 56 GB/s, expert_offload_copy_pace_gbps; the
+//   --card NAME: run as a card of runtime/cards.cpp's table (a2000, 3090, 4090, 5090, ...; simulated
+//                on this GPU, and every row says so): its memory as device_memory_limit, its pinned
+//                host-to-device rate as the expert copies' pace (expert_offload_copy_pace_gbps; the
 //                floors use it too) and the portable expert GEMM (it has no device-scheduled
 //                at::_grouped_mm); a row also says whether the memory plan said it fits and whether it ran
 //   a mode suffix ":portable" / ":torch" picks the expert GEMM kernel (expert_gemm; default auto)
@@ -52,6 +52,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -64,6 +65,7 @@
 #include "common/text.h"
 #include "models/grouped_mm.h"
 #include "models/hf_config.h"
+#include "runtime/cards.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
 #include "runtime/ddp/world.h"
@@ -189,20 +191,6 @@ std::map<std::string, double> useful_flops(const model::ModelConfig& c, const Tr
   return {{"grouped GEMM (experts)", experts}, {"", experts + dense + proj + attn + head}};
 }
 
-// The cards of --card: memory, pinned host-to-device rate over their link (PCIe 4.0 x16 for the
-// A2000 / 3090 / 4090, PCIe 5.0 x16 for the 5090).
-struct Card {
-  const char* name;
-  const char* memory;
-  double gbps;
-};
-const Card* find_card(const std::string& name) {
-  static const Card cards[] = {{"a2000", "12GiB", 24}, {"3090", "24GiB", 24}, {"4090", "24GiB", 24}, {"5090", "32GiB", 56}};
-  for (const Card& c : cards)
-    if (name == c.name) return &c;
-  return nullptr;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -242,20 +230,25 @@ int main(int argc, char** argv) {
   fs::create_directories(work);
 
   const std::string card_name = arg(argc, argv, "--card", "");
-  const Card* card = card_name.empty() ? nullptr : find_card(card_name);
-  if (!card_name.empty() && !card) {
-    std::fprintf(stderr, "eo-bench: --card must be one of a2000, 3090, 4090, 5090; got '%s'\n", card_name.c_str());
-    return kExitUsage;
+  // The card table (runtime/cards.h) that `eo-ddp plan --card` reads.
+  std::optional<CardFigures> card;
+  if (!card_name.empty()) {
+    try {
+      card = find_card(card_name, "eo-bench: --card");
+    } catch (const UsageError& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return kExitUsage;
+    }
   }
   std::string simulated_on;
   if (card) {
     const GpuCard here = gpu_card(at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
     simulated_on = "simulated on " + (here.name.empty() ? std::string("the CPU") : here.name);
     std::printf("# --card %s, %s: device_memory_limit %s, expert copies paced to %g GB/s, expert_gemm portable\n",
-                card->name, simulated_on.c_str(), card->memory, card->gbps);
+                card->name.c_str(), simulated_on.c_str(), card_memory(*card).c_str(), card->link_gbps);
   }
   const std::string given_bw = arg(argc, argv, "--h2d-gbps", "");
-  const double bw = card ? card->gbps : given_bw.empty() ? pinned_h2d_gbps() : std::stod(given_bw);
+  const double bw = card ? card->link_gbps : given_bw.empty() ? pinned_h2d_gbps() : std::stod(given_bw);
   if (card)
     std::printf("# %s: floors at the card's %g GB/s\n", name.c_str(), bw);
   else if (given_bw.empty())
@@ -299,8 +292,8 @@ int main(int argc, char** argv) {
            << (eager ? "cuda_graphs: false\n" : graphs ? "cuda_graphs: true\n" : "")
            << (redequant ? "expert_bank_reuse: none\n" : keepdown ? "expert_bank_reuse: down\n" : "")
            << (portable ? "expert_gemm: portable\n" : torch_gemm ? "expert_gemm: torch\n" : "")
-           << (card ? std::string("device_memory_limit: ") + card->memory + "\nexpert_offload_copy_pace_gbps: " +
-                          std::to_string(card->gbps) + "\n"
+           << (card ? std::string("device_memory_limit: ") + card_memory(*card) + "\nexpert_offload_copy_pace_gbps: " +
+                          std::to_string(card->link_gbps) + "\n"
                     : std::string())
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
@@ -455,10 +448,10 @@ int main(int argc, char** argv) {
                    {"card", card ? card->name : ""}, {"simulated_on", simulated_on}, {"plan_fit", r.plan_fit}, {"ran", r.ran}});
   }
   if (card) {
-    std::printf("\n--card %s (%s memory, %g GB/s pinned host-to-device, portable expert GEMM), %s\n", card->name,
-                card->memory, card->gbps, simulated_on.c_str());
+    std::printf("\n--card %s (%s memory, %g GB/s pinned host-to-device, portable expert GEMM), %s\n", card->name.c_str(),
+                card_memory(*card).c_str(), card->link_gbps, simulated_on.c_str());
     std::printf("\n| card | model | seq x mb x g | mode | plan says fits | ran | peak VRAM | s/step | floor s at %g GB/s | vs floor |\n",
-                card->gbps);
+                card->link_gbps);
     std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Row& r : rows) {
       char vs_floor[32] = "-", sps[32] = "-", fl[32] = "-";
@@ -467,7 +460,7 @@ int main(int argc, char** argv) {
         std::snprintf(fl, sizeof fl, "%.3f", r.floor_s);
         if (r.floor_s > 0) std::snprintf(vs_floor, sizeof vs_floor, "%.2fx", r.s_per_step / r.floor_s);
       }
-      std::printf("| %s (%s) | %s | %dx%dx%d | %s | %s | %s | %s | %s | %s | %s |\n", card->name, simulated_on.c_str(),
+      std::printf("| %s (%s) | %s | %dx%dx%d | %s | %s | %s | %s | %s | %s | %s |\n", card->name.c_str(), simulated_on.c_str(),
                   r.model.c_str(), r.point.seq, r.point.mb, accum, r.mode.c_str(), r.plan_fit.c_str(), r.ran.c_str(),
                   r.error.empty() ? human_bytes(r.peak_vram).c_str() : "-", sps, fl, vs_floor);
     }
