@@ -87,8 +87,10 @@ CardFigures card_from_figures(const std::string& text, const std::string& flag) 
       throw UsageError(flag + ": " + key + " must be a positive number, got '" + value + "'; " + form);
     *k->second = v;
   }
+  std::vector<std::string> missing;
   for (const auto& [key, value] : keys)
-    if (!seen[key]) throw UsageError(flag + ": " + key + " is missing; " + form);
+    if (!seen[key]) missing.push_back(key);
+  if (!missing.empty()) throw UsageError(flag + ": missing " + join(missing, ", ") + "; " + form);
   char what[160];
   std::snprintf(what, sizeof what, "%g TFLOP/s, %g GB/s memory, %g GB/s link", c.bf16_tflops, c.mem_gbps, c.link_gbps);
   c.what = what;

@@ -122,7 +122,7 @@ TEST(StepTime, CardFiguresAreParsed) {
       EXPECT_NE(std::string(e.what()).find("bf16_tflops=N,mem_gbps=N,link_gbps=N,vram_gib=N"), std::string::npos) << e.what();
     }
   };
-  refused("bf16_tflops=165,mem_gbps=1008,link_gbps=24", "vram_gib is missing");
+  refused("bf16_tflops=165,mem_gbps=1008,link_gbps=24", "missing vram_gib;");
   refused("bf16_tflops=165,mem_gbps=1008,link_gbps=24,vram_gib=24,tflops=3", "unknown key 'tflops'");
   refused("bf16_tflops=fast,mem_gbps=1008,link_gbps=24,vram_gib=24", "bf16_tflops must be a positive number, got 'fast'");
   refused("bf16_tflops=-1,mem_gbps=1008,link_gbps=24,vram_gib=24", "bf16_tflops must be a positive number");
