@@ -148,7 +148,7 @@ std::string describe_step_time(const StepTime& t, const CardFigures& card) {
     std::snprintf(line, sizeof line, "  %-42s %8.3f s\n", "transfer floor (staged experts / link)", t.transfer_s);
     o << line;
   }
-  std::snprintf(line, sizeof line, "  predicted: %.3f s/step, %.0f tokens/s (within about 15%% on the H100 and H200 rows of docs/benchmarks.md)\n",
+  std::snprintf(line, sizeof line, "  predicted: %.3f s/step, %.0f tokens/s (what it counts and how close it came: docs/step-time.md)\n",
                 t.step_s, t.tokens_per_s);
   o << line;
   return o.str();

@@ -2,7 +2,7 @@
 // (counted from config.json and the run's settings, the same facts the memory plan reads), each at
 // the card's rate (runtime/cards.h) times an efficiency measured on the H100, plus the host-link
 // transfer floor when experts are offloaded. What it counts and what it ignores:
-// docs/memory-and-offload.md ("The step time on a card").
+// docs/step-time.md.
 #pragma once
 
 #include <string>
