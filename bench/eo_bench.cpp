@@ -70,6 +70,7 @@
 #include "runtime/device.h"
 #include "runtime/ddp/world.h"
 #include "runtime/plan.h"
+#include "runtime/step_time.h"
 #include "runtime/trainer.h"
 #include "offload/disk_homes.h"
 #include "bench/breakdown.h"
@@ -169,26 +170,12 @@ std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_
   return path;
 }
 
-// Useful FLOPs of one step (frozen weights: forward, the recompute and the input-gradient backward,
-// no weight gradients), for the breakdown's achieved rates: the expert GEMMs, the attention
-// projections, and in all (+ attention scores, causal, and the LM head's forward and backward).
-std::map<std::string, double> useful_flops(const model::ModelConfig& c, const TrainConfig& cfg) {
-  const double tokens = double(cfg.sequence_len) * cfg.micro_batch_size * cfg.gradient_accumulation_steps;
-  const double H = double(c.hidden);
-  // Per token and head, QK^T runs over the q/k head dims and PV over the v dims (MLA: 192 and 128).
-  const double qd = c.mla ? double(c.heads) * double(c.mla->qk_dim() + c.mla->v_dim) / 2 : double(c.heads * c.head_dim);
-  const double moe_layers = c.moe_layer_count();
-  const double dense_layers = double(c.layers) - moe_layers;
-  const double passes = 3;  // forward, recompute, dX
-  const double experts = tokens * moe_layers * double(c.top_k) * 3 * 2 * H * double(c.expert_width) * passes;
-  const double dense = tokens * dense_layers * 3 * 2 * H * double(c.dense_width) * passes;
-  double attn_params = 0;  // q/k/v/o, or DeepSeek's latent-attention linears
-  for (const auto& l : c.attention_shapes()) attn_params += double(l.in) * double(l.out);
-  const double proj = tokens * double(c.layers) * 2 * attn_params * passes;
-  // QK^T and PV over the causal half, forward twice (forward, recompute), backward ~2x forward.
-  const double attn = tokens * double(c.layers) * 2 * 2 * (double(cfg.sequence_len) / 2) * qd * 4;
-  const double head = tokens * 2 * H * double(c.vocab) * 2;
-  return {{"grouped GEMM (experts)", experts}, {"", experts + dense + proj + attn + head}};
+// Useful FLOPs of one step, for the breakdown's achieved rates: the step-time prediction's counts
+// (runtime/step_time.h: frozen weights forward, recompute and input gradient, LoRA, attention, the
+// head), the expert GEMMs and in all.
+std::map<std::string, double> useful_flops(const StepWork& w) {
+  return {{"grouped GEMM (experts)", w.expert_gemm_flops},
+          {"", w.expert_gemm_flops + w.other_gemm_flops + w.attention_flops + w.head_flops}};
 }
 
 }  // namespace
@@ -313,6 +300,8 @@ int main(int argc, char** argv) {
           cfg.expert_offload_vram_budget = std::to_string(static_cast<long long>(budget));
           plan = plan_memory(cfg, mc, resolve_compute(cfg, at::hasCUDA(), true).dtype, 1, at::hasCUDA());
         }
+        const StepWork work = step_work(
+            resolve_run_spec(cfg, mc, resolve_compute(cfg, at::hasCUDA(), true).dtype, at::hasCUDA(), 1), plan);
         row.plan_vram = plan.device_peak;
         row.pinned = plan.host_pinned;
         remove_tree(cfg.output_dir);  // common/files.h (std::filesystem::remove_all crashes in the CUDA build)
@@ -327,7 +316,7 @@ int main(int argc, char** argv) {
           hooks.after_step = [&, profiled](std::int64_t s) {
             if (s != profiled) return;
             table = bench::describe(profiler.stop(), name + " " + std::to_string(pt.seq) + "x" + std::to_string(pt.mb) + " g" +
-                                                         std::to_string(accum) + " " + spec, useful_flops(mc, cfg));
+                                                         std::to_string(accum) + " " + spec, useful_flops(work));
           };
         }
         const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
