@@ -66,7 +66,7 @@ until an end-of-turn token or --max-new-tokens, then the prefill and decode rate
   --dtype fp32|bf16    the compute dtype (default fp32)
   --load-in-4bit       on the NF4 base, as QLoRA trained
   --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"})"},
-      {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--card NAME | --card-figures F] [--set key=value ...]",
+      {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--card NAME] [--set k=v ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).
   --vram SIZE          say whether it fits such a card (12GiB, 24GB, ...); when not, list what to
