@@ -23,9 +23,9 @@
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
 //   attn (default): the attention linears, as the architecture names them
 //   --h2d-gbps R: take R GB/s as the pinned host-to-device rate of the floors instead of measuring it
-//   --card a2000|3090|4090|5090: run as that card (simulated on this GPU, and every row says so): its
-//                memory as device_memory_limit (12 / 24 / 24 / 32 GiB), its pinned host-to-device rate
-//                as the expert copies' pace (24 / 24 / 24 / 56 GB/s, expert_offload_copy_pace_gbps; the
+//   --card NAME: run as a card of runtime/cards.cpp's table (a2000, 3090, 4090, 5090, ...; simulated
+//                on this GPU, and every row says so): its memory as device_memory_limit, its pinned
+//                host-to-device rate as the expert copies' pace (expert_offload_copy_pace_gbps; the
 //                floors use it too) and the portable expert GEMM (it has no device-scheduled
 //                at::_grouped_mm); a row also says whether the memory plan said it fits and whether it ran
 //   a mode suffix ":portable" / ":torch" picks the expert GEMM kernel (expert_gemm; default auto)
@@ -52,6 +52,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -64,10 +65,12 @@
 #include "common/text.h"
 #include "models/grouped_mm.h"
 #include "models/hf_config.h"
+#include "runtime/cards.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
 #include "runtime/ddp/world.h"
 #include "runtime/plan.h"
+#include "runtime/step_time.h"
 #include "runtime/trainer.h"
 #include "offload/disk_homes.h"
 #include "bench/breakdown.h"
@@ -167,40 +170,12 @@ std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_
   return path;
 }
 
-// Useful FLOPs of one step (frozen weights: forward, the recompute and the input-gradient backward,
-// no weight gradients), for the breakdown's achieved rates: the expert GEMMs, the attention
-// projections, and in all (+ attention scores, causal, and the LM head's forward and backward).
-std::map<std::string, double> useful_flops(const model::ModelConfig& c, const TrainConfig& cfg) {
-  const double tokens = double(cfg.sequence_len) * cfg.micro_batch_size * cfg.gradient_accumulation_steps;
-  const double H = double(c.hidden);
-  // Per token and head, QK^T runs over the q/k head dims and PV over the v dims (MLA: 192 and 128).
-  const double qd = c.mla ? double(c.heads) * double(c.mla->qk_dim() + c.mla->v_dim) / 2 : double(c.heads * c.head_dim);
-  const double moe_layers = c.moe_layer_count();
-  const double dense_layers = double(c.layers) - moe_layers;
-  const double passes = 3;  // forward, recompute, dX
-  const double experts = tokens * moe_layers * double(c.top_k) * 3 * 2 * H * double(c.expert_width) * passes;
-  const double dense = tokens * dense_layers * 3 * 2 * H * double(c.dense_width) * passes;
-  double attn_params = 0;  // q/k/v/o, or DeepSeek's latent-attention linears
-  for (const auto& l : c.attention_shapes()) attn_params += double(l.in) * double(l.out);
-  const double proj = tokens * double(c.layers) * 2 * attn_params * passes;
-  // QK^T and PV over the causal half, forward twice (forward, recompute), backward ~2x forward.
-  const double attn = tokens * double(c.layers) * 2 * 2 * (double(cfg.sequence_len) / 2) * qd * 4;
-  const double head = tokens * 2 * H * double(c.vocab) * 2;
-  return {{"grouped GEMM (experts)", experts}, {"", experts + dense + proj + attn + head}};
-}
-
-// The cards of --card: memory, pinned host-to-device rate over their link (PCIe 4.0 x16 for the
-// A2000 / 3090 / 4090, PCIe 5.0 x16 for the 5090).
-struct Card {
-  const char* name;
-  const char* memory;
-  double gbps;
-};
-const Card* find_card(const std::string& name) {
-  static const Card cards[] = {{"a2000", "12GiB", 24}, {"3090", "24GiB", 24}, {"4090", "24GiB", 24}, {"5090", "32GiB", 56}};
-  for (const Card& c : cards)
-    if (name == c.name) return &c;
-  return nullptr;
+// Useful FLOPs of one step, for the breakdown's achieved rates: the step-time prediction's counts
+// (runtime/step_time.h: frozen weights forward, recompute and input gradient, LoRA, attention, the
+// head), the expert GEMMs and in all.
+std::map<std::string, double> useful_flops(const StepWork& w) {
+  return {{"grouped GEMM (experts)", w.expert_gemm_flops},
+          {"", w.expert_gemm_flops + w.other_gemm_flops + w.attention_flops + w.head_flops}};
 }
 
 }  // namespace
@@ -242,20 +217,25 @@ int main(int argc, char** argv) {
   fs::create_directories(work);
 
   const std::string card_name = arg(argc, argv, "--card", "");
-  const Card* card = card_name.empty() ? nullptr : find_card(card_name);
-  if (!card_name.empty() && !card) {
-    std::fprintf(stderr, "eo-bench: --card must be one of a2000, 3090, 4090, 5090; got '%s'\n", card_name.c_str());
-    return kExitUsage;
+  // The card table (runtime/cards.h) that `eo-ddp plan --card` reads.
+  std::optional<CardFigures> card;
+  if (!card_name.empty()) {
+    try {
+      card = find_card(card_name, "eo-bench: --card");
+    } catch (const UsageError& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return kExitUsage;
+    }
   }
   std::string simulated_on;
   if (card) {
     const GpuCard here = gpu_card(at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
     simulated_on = "simulated on " + (here.name.empty() ? std::string("the CPU") : here.name);
     std::printf("# --card %s, %s: device_memory_limit %s, expert copies paced to %g GB/s, expert_gemm portable\n",
-                card->name, simulated_on.c_str(), card->memory, card->gbps);
+                card->name.c_str(), simulated_on.c_str(), card_memory(*card).c_str(), card->link_gbps);
   }
   const std::string given_bw = arg(argc, argv, "--h2d-gbps", "");
-  const double bw = card ? card->gbps : given_bw.empty() ? pinned_h2d_gbps() : std::stod(given_bw);
+  const double bw = card ? card->link_gbps : given_bw.empty() ? pinned_h2d_gbps() : std::stod(given_bw);
   if (card)
     std::printf("# %s: floors at the card's %g GB/s\n", name.c_str(), bw);
   else if (given_bw.empty())
@@ -299,8 +279,8 @@ int main(int argc, char** argv) {
            << (eager ? "cuda_graphs: false\n" : graphs ? "cuda_graphs: true\n" : "")
            << (redequant ? "expert_bank_reuse: none\n" : keepdown ? "expert_bank_reuse: down\n" : "")
            << (portable ? "expert_gemm: portable\n" : torch_gemm ? "expert_gemm: torch\n" : "")
-           << (card ? std::string("device_memory_limit: ") + card->memory + "\nexpert_offload_copy_pace_gbps: " +
-                          std::to_string(card->gbps) + "\n"
+           << (card ? std::string("device_memory_limit: ") + card_memory(*card) + "\nexpert_offload_copy_pace_gbps: " +
+                          std::to_string(card->link_gbps) + "\n"
                     : std::string())
            << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
@@ -320,6 +300,8 @@ int main(int argc, char** argv) {
           cfg.expert_offload_vram_budget = std::to_string(static_cast<long long>(budget));
           plan = plan_memory(cfg, mc, resolve_compute(cfg, at::hasCUDA(), true).dtype, 1, at::hasCUDA());
         }
+        const StepWork work = step_work(
+            resolve_run_spec(cfg, mc, resolve_compute(cfg, at::hasCUDA(), true).dtype, at::hasCUDA(), 1), plan);
         row.plan_vram = plan.device_peak;
         row.pinned = plan.host_pinned;
         remove_tree(cfg.output_dir);  // common/files.h (std::filesystem::remove_all crashes in the CUDA build)
@@ -334,7 +316,7 @@ int main(int argc, char** argv) {
           hooks.after_step = [&, profiled](std::int64_t s) {
             if (s != profiled) return;
             table = bench::describe(profiler.stop(), name + " " + std::to_string(pt.seq) + "x" + std::to_string(pt.mb) + " g" +
-                                                         std::to_string(accum) + " " + spec, useful_flops(mc, cfg));
+                                                         std::to_string(accum) + " " + spec, useful_flops(work));
           };
         }
         const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
@@ -455,10 +437,10 @@ int main(int argc, char** argv) {
                    {"card", card ? card->name : ""}, {"simulated_on", simulated_on}, {"plan_fit", r.plan_fit}, {"ran", r.ran}});
   }
   if (card) {
-    std::printf("\n--card %s (%s memory, %g GB/s pinned host-to-device, portable expert GEMM), %s\n", card->name,
-                card->memory, card->gbps, simulated_on.c_str());
+    std::printf("\n--card %s (%s memory, %g GB/s pinned host-to-device, portable expert GEMM), %s\n", card->name.c_str(),
+                card_memory(*card).c_str(), card->link_gbps, simulated_on.c_str());
     std::printf("\n| card | model | seq x mb x g | mode | plan says fits | ran | peak VRAM | s/step | floor s at %g GB/s | vs floor |\n",
-                card->gbps);
+                card->link_gbps);
     std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Row& r : rows) {
       char vs_floor[32] = "-", sps[32] = "-", fl[32] = "-";
@@ -467,7 +449,7 @@ int main(int argc, char** argv) {
         std::snprintf(fl, sizeof fl, "%.3f", r.floor_s);
         if (r.floor_s > 0) std::snprintf(vs_floor, sizeof vs_floor, "%.2fx", r.s_per_step / r.floor_s);
       }
-      std::printf("| %s (%s) | %s | %dx%dx%d | %s | %s | %s | %s | %s | %s | %s |\n", card->name, simulated_on.c_str(),
+      std::printf("| %s (%s) | %s | %dx%dx%d | %s | %s | %s | %s | %s | %s | %s |\n", card->name.c_str(), simulated_on.c_str(),
                   r.model.c_str(), r.point.seq, r.point.mb, accum, r.mode.c_str(), r.plan_fit.c_str(), r.ran.c_str(),
                   r.error.empty() ? human_bytes(r.peak_vram).c_str() : "-", sps, fl, vs_floor);
     }

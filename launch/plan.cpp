@@ -1,18 +1,22 @@
-// `eo-ddp plan --config F [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set k=v ...]`:
-// the memory plan from config.json and the training config alone (nothing is loaded), whether it
-// fits the card, and whether the pinned host RAM per node fits (--host-ram, else this machine's
-// available RAM), with what the other expert homes would take when it does not.
+// `eo-ddp plan --config F [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--card NAME |
+// --card-figures F] [--set k=v ...]`: the memory plan from config.json and the training config alone
+// (nothing is loaded), whether it fits the card, and whether the pinned host RAM per node fits
+// (--host-ram, else this machine's available RAM), with what the other expert homes would take when
+// it does not; with a card, the predicted step time there (runtime/step_time.h).
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "common/error.h"
 #include "common/text.h"
 #include "launch/commands.h"
 #include "models/hf_config.h"
 #include "offload/host_memory.h"
+#include "runtime/cards.h"
 #include "runtime/config.h"
 #include "runtime/plan.h"
 #include "runtime/plan_fixes.h"
+#include "runtime/step_time.h"
 
 namespace eo::launch {
 
@@ -22,10 +26,18 @@ int run_plan(const Args& args) {
   const std::string vram_text = reader.value("--vram");
   const std::string host_text = reader.value("--host-ram");
   const std::string ranks_text = reader.value("--ranks-per-node", "1");
+  const std::string card_name = reader.value("--card");
+  const std::string card_text = reader.value("--card-figures");
   const auto overrides = reader.values("--set");
   reader.finish("plan");
   if (config_path.empty()) throw UsageError("plan: --config FILE is required (see eo-ddp --help)");
+  if (!card_name.empty() && !card_text.empty())
+    throw UsageError("plan: give --card or --card-figures, not both");
+  std::optional<CardFigures> card;
+  if (!card_name.empty()) card = find_card(card_name, "plan: --card");
+  if (!card_text.empty()) card = card_from_figures(card_text, "plan: --card-figures");
   double vram = 0;
+  if (card && vram_text.empty()) vram = card->vram_gib * 1024.0 * 1024.0 * 1024.0;
   if (!vram_text.empty()) {
     const auto b = parse_bytes(vram_text);
     if (!b || *b == 0) throw UsageError("plan: --vram expects a size such as 12GiB or 80GB, got '" + vram_text + "'");
@@ -69,6 +81,7 @@ int run_plan(const Args& args) {
   }
   const HostRamFit host = describe_host_ram(fitted.spec, plan, host_ram, source);
   std::fputs(host.text.c_str(), stdout);
+  if (card) std::fputs(describe_step_time(predict_step_time(step_work(fitted.spec, plan), *card), *card).c_str(), stdout);
   const bool vram_short = vram > 0 && plan.device_peak + plan.margin > vram;
   const bool host_short = !host_text.empty() && !host.fits;  // only a limit given explicitly fails the command
   if (vram_short || host_short) {

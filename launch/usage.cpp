@@ -77,14 +77,18 @@ recurrent and conv state).
   --synthetic-weights  seeded random weights (--seed) from config.json alone, for rates on real shapes
   --json               no streaming: print {"prompt_ids", "ids", "prefill_tokens_per_s", "decode_tokens_per_s"}
                        (offloaded: "experts_streamed", the copies as metrics.jsonl counts them))"},
-      {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--set key=value ...]",
+      {"plan", "eo-ddp plan --config FILE [--vram SIZE] [--host-ram SIZE] [--ranks-per-node N] [--card NAME] [--set k=v ...]",
        R"(Predict per-rank peak VRAM and pinned host RAM (per node), and with disk homes the file and
 the drive reads per step, from config.json and the config alone (nothing is loaded).
   --vram SIZE          say whether it fits such a card (12GiB, 24GB, ...); when not, list what to
                        change (cheapest first, each re-planned with its peak) and exit 1
   --host-ram SIZE      the same for pinned host RAM per node; without it the pinned RAM is set
                        against this machine's available RAM (and never fails the command)
-  --ranks-per-node N   ranks sharing a host (default 1))"},
+  --ranks-per-node N   ranks sharing a host (default 1)
+  --card NAME          also predict the step time (s/step, tokens/s) on that card: t4, a2000, 3090,
+                       4090, 5090, a100, h100, h200; its memory is the --vram unless one is given
+  --card-figures F     the same for an unlisted card, given by its figures:
+                       bf16_tflops=N,mem_gbps=N,link_gbps=N,vram_gib=N)"},
   };
   return c;
 }

@@ -147,6 +147,10 @@ covered "hf download --repo-type dataset mlabonne/FineTome-100k" "needs the Hub:
 # docs/memory-and-offload.md
 run "build/eo-ddp plan --config configs/bench/qwen3-30b-a3b-offload.yaml --vram 24GiB --host-ram 64GiB"
 
+# docs/step-time.md
+run "build/eo-ddp plan --config configs/bench/qwen3-30b-a3b-offload.yaml --card 4090"
+run "build/eo-ddp plan --config configs/bench/qwen3-30b-a3b-offload.yaml --card-figures bf16_tflops=165.2,mem_gbps=1008,link_gbps=24,vram_gib=24"
+
 # docs/multi-gpu.md
 covered "mpirun -np 8 build/eo-ddp --config my.yaml" "MPI and GPUs: mpi_train and install_mission run mpirun -np 2 / 3 on CPU ranks"
 covered "srun -n 16 --mpi=pmix build/eo-ddp --config my.yaml" "Slurm: none on the test machines; ranks start as under mpirun (mpi_train)"

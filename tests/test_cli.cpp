@@ -294,3 +294,39 @@ TEST_F(Cli, PlanRefusesHugeShapesAndTargetsTrainingRefuses) {
   r = run("plan --config " + f + " --set base_model=" + mixtral + " --set \"lora_target_modules=[q_proj, w1]\"");
   EXPECT_EQ(r.code, 0) << "the control: Mixtral's own expert linear plans\n" << r.out;
 }
+
+// `plan --card`: the step time predicted beside the memory plan, the card's memory taken as --vram;
+// an unlisted card by its figures gives the same prediction as the listed row with those figures;
+// an unknown card is refused naming the known ones.
+TEST_F(Cli, PlanCardPredictsTheStepTime) {
+  const std::string f = write("card.yaml", "lora_r: 16\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
+                                           "sequence_len: 2048\nmicro_batch_size: 4\ngradient_checkpointing: true\n");
+  const std::string base = "plan --config " + f + " --set base_model=" + EO_SOURCE_DIR + "/configs/models/qwen3-30b-a3b";
+  auto r = run(base + " --card h100");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("fits a 79.60 GiB card"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step time on h100 (H100 80 GB HBM3 SXM"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("expert grouped GEMMs"), std::string::npos) << r.out;
+  const auto at = r.out.find("predicted: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  // Recorded on an H100 (docs/benchmarks.md): 0.634 s/step.
+  const double s = std::stod(r.out.substr(at + 11));
+  EXPECT_NEAR(s, 0.634, 0.15 * 0.634) << r.out;
+  const std::string predicted = r.out.substr(at, r.out.find('\n', at) - at);
+
+  r = run(base + " --card-figures bf16_tflops=989.4,mem_gbps=3350,link_gbps=55,vram_gib=79.6");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("step time on given figures"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(predicted), std::string::npos) << predicted << "\n" << r.out;
+
+  r = run(base + " --card 3080");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("unknown card '3080'; known cards: t4, a2000, 3090, 4090, 5090, a100, h100, h200"), std::string::npos)
+      << r.out;
+  r = run(base + " --card-figures bf16_tflops=100");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("missing link_gbps, mem_gbps, vram_gib;"), std::string::npos) << r.out;
+  r = run(base + " --card h100 --card-figures bf16_tflops=1,mem_gbps=1,link_gbps=1,vram_gib=1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("not both"), std::string::npos) << r.out;
+}

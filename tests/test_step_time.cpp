@@ -1,0 +1,236 @@
+// The step time predicted (runtime/step_time.h, runtime/cards.h): the step's FLOPs against a count
+// by hand, the card table and the figures of an unlisted card, the efficiencies made again from the
+// recorded H100 breakdown, and the recorded steps of docs/benchmarks.md within 15%.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <set>
+
+#include "common/error.h"
+#include "models/hf_config.h"
+#include "runtime/cards.h"
+#include "runtime/config.h"
+#include "runtime/plan.h"
+#include "runtime/runspec.h"
+#include "runtime/step_time.h"
+#include "test_paths.h"
+
+namespace {
+
+using namespace eo;
+
+struct Planned {
+  RunSpec spec;
+  MemoryPlan plan;
+  StepWork work;
+};
+
+Planned planned(const std::string& yaml, std::vector<std::string> sets) {
+  ConfigLoadOptions lo;
+  lo.check_files = false;
+  lo.check_architecture = true;
+  model::ModelConfig mc;
+  lo.model_out = &mc;
+  const TrainConfig cfg = load_config_file(std::string(EO_SOURCE_DIR) + "/" + yaml, sets, lo);
+  Planned p{resolve_run_spec(cfg, std::move(mc), Compute::Bf16, /*on_gpu=*/true, 1), {}, {}};
+  p.plan = plan_memory(p.spec);
+  p.work = step_work(p.spec, p.plan);
+  return p;
+}
+
+// tiny-qwen3-moe (fixtures): hidden 64, 4 layers, 4 heads of 16, 2 kv heads, 8 experts of width 32,
+// top 2, vocab 256. Sequence 16, micro-batch 2, accumulation 3: 96 tokens.
+TEST(StepTime, WorkMatchesACountByHand) {
+  const Planned p = planned("configs/tiny-qwen3-moe.yaml",
+                            {"sequence_len=16", "micro_batch_size=2", "gradient_accumulation_steps=3", "lora_r=4",
+                             "lora_target_modules=[q_proj, v_proj]", "lora_dropout=0"});
+  const double T = 96, L = 4;
+  EXPECT_DOUBLE_EQ(p.work.tokens, T);
+  // Each expert: gate, up (64 -> 32) and down (32 -> 64); 2 multiply-add FLOPs; forward, recompute,
+  // input gradient.
+  EXPECT_DOUBLE_EQ(p.work.expert_gemm_flops, T * 2 * (3 * 64 * 32) * 2 * 3 * L);
+  // q 64x64, k 64x32, v 64x32, o 64x64 frozen (3 passes); the router 64x8 (3 passes); LoRA r 4 on q
+  // (64 + 64) and v (64 + 32), 4 passes (its weight gradient too).
+  const double proj = T * 2 * (64.0 * 64 + 64 * 32 + 64 * 32 + 64 * 64) * 3 * L;
+  const double router = T * 2 * 64 * 8 * 3 * L;
+  const double lora = T * 2 * 4 * ((64 + 64) + (64 + 32)) * 4 * L;
+  EXPECT_DOUBLE_EQ(p.work.other_gemm_flops, proj + router + lora);
+  // Causal: a query attends to 8.5 keys on average over 16 positions; QK^T and PV, 16 dims each,
+  // 4 heads; forward, recompute and a backward of twice the forward.
+  EXPECT_DOUBLE_EQ(p.work.attention_flops, T * 8.5 * 4 * (16 + 16) * 2 * 4 * L);
+  EXPECT_DOUBLE_EQ(p.work.head_flops, T * 2 * 64 * 256 * 2);
+  // Every bank dequantised twice per micro-batch (forward, recompute kept for the backward): the
+  // 4-bit bytes read and bf16 written.
+  ASSERT_EQ(p.spec.bank_reuse, model::BankReuse::All);
+  const double params = L * 8 * 3 * 64 * 32;
+  EXPECT_GT(p.plan.expert_bytes, params / 2);  // 4 bits a weight and the block scales
+  EXPECT_DOUBLE_EQ(p.work.dequant_bytes, (p.plan.expert_bytes + params * 2) * 2 * 3);
+  EXPECT_DOUBLE_EQ(p.work.layer_passes, L * 3);
+  EXPECT_EQ(p.work.staged_bytes, 0);
+}
+
+TEST(StepTime, SlidingWindowsShortenTheContext) {
+  // gpt-oss-20b: every other layer a 128-token window. At sequence 2048 a windowed layer sees
+  // (128 * 129 / 2 + 1920 * 128) / 2048 keys on average, a full one 1024.5.
+  const Planned p = planned("configs/bench/qwen3-30b-a3b-offload.yaml",
+                            {"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/gpt-oss-20b", "expert_offload=false"});
+  const double T = 2048, heads = 64, dims = 64 + 64;
+  const double windowed = (128.0 * 129 / 2 + 1920.0 * 128) / 2048, full = 1024.5;
+  EXPECT_NEAR(p.work.attention_flops, T * (12 * windowed + 12 * full) * heads * dims * 2 * 4, 1e-6 * p.work.attention_flops);
+}
+
+TEST(StepTime, CardTableIsComplete) {
+  std::set<std::string> names;
+  for (const auto& c : known_cards()) {
+    EXPECT_TRUE(names.insert(c.name).second) << c.name << " listed twice";
+    EXPECT_GT(c.vram_gib, 0) << c.name;
+    EXPECT_GT(c.bf16_tflops, 0) << c.name;
+    EXPECT_GT(c.mem_gbps, 0) << c.name;
+    EXPECT_GT(c.link_gbps, 0) << c.name;
+  }
+  for (const char* n : {"t4", "a2000", "3090", "4090", "5090", "a100", "h100", "h200"}) EXPECT_TRUE(names.count(n)) << n;
+  EXPECT_EQ(find_card("H100").bf16_tflops, 989.4);
+  EXPECT_EQ(card_memory(find_card("3090")), "24GiB");
+}
+
+TEST(StepTime, UnknownCardIsRefusedListingTheKnownOnes) {
+  try {
+    find_card("3080", "plan: --card");
+    FAIL() << "3080 accepted";
+  } catch (const UsageError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("plan: --card"), std::string::npos) << m;
+    EXPECT_NE(m.find("'3080'"), std::string::npos) << m;
+    for (const auto& c : known_cards()) EXPECT_NE(m.find(c.name), std::string::npos) << m;
+    EXPECT_NE(m.find("--card-figures"), std::string::npos) << m;
+  }
+}
+
+TEST(StepTime, CardFiguresAreParsed) {
+  const CardFigures c = card_from_figures("bf16_tflops=165.2,mem_gbps=1008,link_gbps=24,vram_gib=24");
+  EXPECT_EQ(c.bf16_tflops, 165.2);
+  EXPECT_EQ(c.mem_gbps, 1008);
+  EXPECT_EQ(c.link_gbps, 24);
+  EXPECT_EQ(c.vram_gib, 24);
+  auto refused = [](const std::string& text, const std::string& says) {
+    try {
+      card_from_figures(text);
+      ADD_FAILURE() << text << " accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("bf16_tflops=N,mem_gbps=N,link_gbps=N,vram_gib=N"), std::string::npos) << e.what();
+    }
+  };
+  refused("bf16_tflops=165,mem_gbps=1008,link_gbps=24", "missing vram_gib;");
+  refused("bf16_tflops=165,mem_gbps=1008,link_gbps=24,vram_gib=24,tflops=3", "unknown key 'tflops'");
+  refused("bf16_tflops=fast,mem_gbps=1008,link_gbps=24,vram_gib=24", "bf16_tflops must be a positive number, got 'fast'");
+  refused("bf16_tflops=-1,mem_gbps=1008,link_gbps=24,vram_gib=24", "bf16_tflops must be a positive number");
+  refused("bf16_tflops=1,bf16_tflops=2,mem_gbps=1008,link_gbps=24,vram_gib=24", "bf16_tflops given twice");
+}
+
+// The H100 breakdown of issue 48 (main f9ce426, `eo-bench --breakdown`, Qwen3-30B-A3B resident
+// 2048 x 4, profiled step 0.676 s): shares of the step, scaled to the unprofiled 0.634 s/step.
+PhaseSeconds h100_breakdown() {
+  const double step = 0.634;
+  PhaseSeconds m;
+  m.expert_gemm = 0.21 * step;
+  m.other_gemm = 0.17 * step;
+  m.attention = 0.09 * step;
+  m.memory = (0.19 + 0.10 + 0.09 + 0.06) * step;  // elementwise, NF4 dequantisation, routing, norms
+  m.fixed = 0.08 * step;                          // the GPU waiting for the host
+  return m;
+}
+
+Planned qwen3(const std::vector<std::string>& more) {
+  std::vector<std::string> sets = {"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/qwen3-30b-a3b", "expert_offload=false"};
+  sets.insert(sets.end(), more.begin(), more.end());
+  return planned("configs/bench/qwen3-30b-a3b-offload.yaml", sets);
+}
+
+TEST(StepTime, DefaultEfficienciesAreTheH100Breakdowns) {
+  const StepEfficiency made = calibrate_step_efficiency(qwen3({"micro_batch_size=4"}).work, find_card("h100"), h100_breakdown());
+  const StepEfficiency given;
+  std::printf("calibrated: expert %.4f other %.4f attention %.4f memory %.4f layer pass %.4g s\n", made.expert_gemm,
+              made.other_gemm, made.attention, made.memory, made.layer_pass_s);
+  EXPECT_NEAR(given.expert_gemm, made.expert_gemm, 0.005 * made.expert_gemm);
+  EXPECT_NEAR(given.other_gemm, made.other_gemm, 0.005 * made.other_gemm);
+  EXPECT_NEAR(given.attention, made.attention, 0.005 * made.attention);
+  EXPECT_NEAR(given.memory, made.memory, 0.005 * made.memory);
+  EXPECT_NEAR(given.layer_pass_s, made.layer_pass_s, 0.005 * made.layer_pass_s);
+}
+
+// Recorded measurements (docs/benchmarks.md; earlier commits, named there): eo-bench, synthetic NF4
+// weights of the real shapes, LoRA r 16 on attention, sequence 2048.
+struct Recorded {
+  const char* card;
+  const char* model;  // configs/models/
+  int mb, accum;
+  bool offload;
+  double s_per_step, floor_s;  // floor: staged bytes at the pinned rate measured in that run
+  const char* where;
+  double vram_gib = 0;  // device_memory_limit of the run, the plan fitted to it; 0: none
+};
+const Recorded kRecorded[] = {
+    {"h100", "qwen3-30b-a3b", 2, 1, false, 0.372, 0, "H100, f9ce426"},
+    {"h100", "qwen3-30b-a3b", 4, 1, false, 0.634, 0, "H100, f9ce426"},
+    {"h200", "qwen3-30b-a3b", 4, 1, false, 0.573, 0, "H200, 675ee97"},
+    {"h200", "qwen3-30b-a3b", 1, 1, true, 0.617, 0.563, "H200, 675ee97"},
+    {"h200", "qwen3-30b-a3b", 1, 8, false, 1.766, 0, "H200, 675ee97"},
+    {"h200", "qwen3-30b-a3b", 1, 8, true, 1.774, 0.566, "H200, 675ee97"},
+    {"h200", "olmoe-1b-7b", 4, 1, false, 0.180, 0, "H200, 675ee97"},
+    {"h200", "olmoe-1b-7b", 4, 1, true, 0.193, 0.114, "H200, 675ee97"},
+    {"h200", "gpt-oss-20b", 1, 1, true, 0.418, 0.355, "H200, 675ee97"},
+    // scripts/device-expert-lora's attention-only run: 12 GiB cap, mean of steps 3 and 4.
+    {"h100", "qwen3-30b-a3b", 1, 8, true, 2.028, 0, "H100, 4bf46b3", 12},
+};
+constexpr double kPinnedGbps = 55.5;  // the H200 runs' measured pinned rate
+
+StepTime predicted(const Recorded& r, const StepEfficiency& eff, StepWork* work_out = nullptr) {
+  const Planned p = planned("configs/bench/qwen3-30b-a3b-offload.yaml",
+                            {"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/" + r.model, std::string("expert_offload=") + (r.offload ? "true" : "false"),
+                             "micro_batch_size=" + std::to_string(r.mb), "gradient_accumulation_steps=" + std::to_string(r.accum)});
+  StepWork work = p.work;
+  if (r.vram_gib > 0) {  // as training fits it (plan --card does the same)
+    const FittedPlan f = fit_plan(p.spec, r.vram_gib * 1024 * 1024 * 1024);
+    work = step_work(f.spec, f.plan);
+  }
+  if (work_out) *work_out = work;
+  return predict_step_time(work, find_card(r.card), eff);
+}
+
+TEST(StepTime, RecordedStepsWithinFifteenPercent) {
+  for (const Recorded& r : kRecorded) {
+    StepWork w;
+    const StepTime t = predicted(r, StepEfficiency{}, &w);
+    const double err = t.step_s / r.s_per_step - 1;
+    std::printf("%s %s 2048x%dx%d %s: predicted %.3f s, measured %.3f s (%+.1f%%)\n", r.where, r.model, r.mb, r.accum,
+                r.offload ? "offloaded" : "resident", t.step_s, r.s_per_step, 100 * err);
+    EXPECT_LT(std::abs(err), 0.15) << r.where << " " << r.model << " mb " << r.mb << " g " << r.accum;
+    // The plan's staged bytes are the bytes the run staged: its floor at the rate it measured.
+    if (r.floor_s > 0) EXPECT_NEAR(w.staged_bytes / (kPinnedGbps * 1e9), r.floor_s, 0.02 * r.floor_s) << r.model;
+  }
+}
+
+// The reverse: the same phase shares, scaled so that the H200's Qwen3-30B-A3B 2048 x 4 row is
+// met exactly, predict the H100's rows (and every other H200 row).
+TEST(StepTime, FittedOnTheH200PredictsTheH100) {
+  const Recorded& anchor = kRecorded[2];
+  const double scale = predicted(anchor, StepEfficiency{}).step_s / anchor.s_per_step;
+  StepEfficiency eff;
+  eff.expert_gemm *= scale;
+  eff.other_gemm *= scale;
+  eff.attention *= scale;
+  eff.memory *= scale;
+  eff.layer_pass_s /= scale;
+  EXPECT_NEAR(predicted(anchor, eff).step_s, anchor.s_per_step, 1e-9);
+  for (const Recorded& r : kRecorded) {
+    const StepTime t = predicted(r, eff);
+    const double err = t.step_s / r.s_per_step - 1;
+    std::printf("fitted on the H200: %s %s 2048x%dx%d %s: predicted %.3f s (%+.1f%%)\n", r.where, r.model, r.mb, r.accum,
+                r.offload ? "offloaded" : "resident", t.step_s, 100 * err);
+    EXPECT_LT(std::abs(err), 0.15) << r.where << " " << r.model << " mb " << r.mb << " g " << r.accum;
+  }
+}
+
+}  // namespace
