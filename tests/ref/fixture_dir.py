@@ -37,7 +37,7 @@ def _cache_root():
     return root
 
 
-def _inputs_key(arch, script):
+def _inputs_key(arch, script, folders=("tests/ref", "tools", "fixtures")):
     h = hashlib.sha256()
     h.update(f"{os.path.basename(script)}\0{arch}\0{sys.version}\0".encode())
     for name in STACK:
@@ -46,7 +46,7 @@ def _inputs_key(arch, script):
         except importlib.metadata.PackageNotFoundError:
             version = "-"
         h.update(f"{name}={version}\0".encode())
-    for folder in ("tests/ref", "tools", "fixtures"):
+    for folder in folders:
         for dirpath, dirnames, files in os.walk(os.path.join(SOURCE, folder)):
             dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
             for f in sorted(files):

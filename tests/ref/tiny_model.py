@@ -4,8 +4,8 @@
 usage: tiny_model.py MAKE_TINY_MODEL_ARGS... --out OUT
 
 A tiny checkpoint is a pure function of the tool, its arguments and the reference stack, so it is
-cached as the reference fixtures are (fixture_dir: same key inputs, same EO_TEST_REF_CACHE, "off"
-runs the tool every time). Tests that make the same one (per family, in the normal and the ASan
+cached as the reference fixtures are (fixture_dir's key over tools/ only, the same EO_TEST_REF_CACHE;
+"off" runs the tool every time). Tests that make the same one (per family, in the normal and the ASan
 phase, in every CI run) copy it instead of paying ~4 CPU seconds of torch and transformers imports.
 """
 import os
@@ -26,7 +26,8 @@ def main(argv):
     root = fixture_dir._cache_root()
     if not root:
         return subprocess.call([sys.executable, TOOL, *argv])
-    entry = os.path.join(root, "tiny-model-" + fixture_dir._inputs_key("\0".join(args), TOOL))
+    # The tool reads nothing outside tools/ (no fixture, no test script): an edit under tests/ keeps the entries.
+    entry = os.path.join(root, "tiny-model-" + fixture_dir._inputs_key("\0".join(args), TOOL, folders=("tools",)))
     if not os.path.isdir(entry):
         os.makedirs(root, exist_ok=True)
         part = f"{entry}.part{os.getpid()}"
