@@ -11,7 +11,7 @@ for cfg in "$src"/tests/axolotl_examples/*.yaml; do
   arch=${name%%-*}
   model=$tmp/models/$arch
   if [ ! -d "$model" ]; then
-    "$py" tools/make_tiny_model.py --arch "$arch" --out "$model" >/dev/null 2>&1 || { echo "FAILED: $name: tiny $arch"; fail=1; continue; }
+    "$py" tests/ref/tiny_model.py --arch "$arch" --out "$model" >/dev/null 2>&1 || { echo "FAILED: $name: tiny $arch"; fail=1; continue; }
     cp fixtures/tiny-qwen3-moe/tokenizer.json fixtures/tiny-qwen3-moe/tokenizer_config.json "$model/"
   fi
   sed -e "s#BASE_MODEL#$model#" -e "s#DATA#$src/fixtures/tiny-chat/chat.jsonl#" "$cfg" > "$tmp/$name.yaml"

@@ -92,7 +92,7 @@ done
 cp "$tmp/as_written.yaml" "$tmp/frac.yaml" && echo "nvfp4_merge_aware_start_step: 0.5" >> "$tmp/frac.yaml"
 check "a fraction start step" bash -c "cd '$tmp/run' && '$bin' --config '$tmp/frac.yaml' --check"
 plain_model=$tmp/plain_model
-"$py" tools/make_tiny_model.py --arch qwen3_moe --out "$plain_model" >/dev/null 2>&1 &&
+"$py" tests/ref/tiny_model.py --arch qwen3_moe --out "$plain_model" >/dev/null 2>&1 &&
   cp "$model"/tokenizer*.json "$plain_model/" 2>/dev/null
 sed "s#^base_model: .*#base_model: $plain_model#" "$tmp/as_written.yaml" > "$tmp/float_base.yaml"
 refused "a float base" "nvfp4_merge_aware: snaps the LoRA delta onto an NVFP4 base's grid, but" "$tmp/float_base.yaml"

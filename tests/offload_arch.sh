@@ -26,7 +26,7 @@ for arch in ${EO_OFFLOAD_ARCHS:-glm4_moe_grouped deepseek_v2_grouped deepseek_v3
   tool=(--arch "$arch")
   [ $arch = gpt_oss_mxfp4 ] && tool=(--arch gpt_oss --mxfp4-experts)
   [ $arch = gemma4_params ] && tool=(--arch gemma4)
-  "$py" tools/make_tiny_model.py "${tool[@]}" --out "$tmp/$arch/model" --seed 3 >/dev/null 2>&1 ||
+  "$py" tests/ref/tiny_model.py "${tool[@]}" --out "$tmp/$arch/model" --seed 3 >/dev/null 2>&1 ||
     { echo "FAILED: make_tiny_model.py --arch $arch"; fail=1; continue; }
   common=(--config configs/tiny-qwen3-moe.yaml --set base_model="$tmp/$arch/model" --set max_steps=4 --set save_steps=0
           --set lora_dropout=0.1 --set lora_target_linear=true --set sequence_len=64)
@@ -68,7 +68,7 @@ for arch in ${EO_OFFLOAD_ARCHS:-glm4_moe_grouped deepseek_v2_grouped deepseek_v3
   if [ $arch = gemma4 ]; then  # the dense MLP on every layer; no v_proj on the full layer (2)
     check "$arch: adapter has the dense MLP's LoRA on every layer, v_proj on the sliding layers only" "$py" -c "
 import sys; from safetensors import safe_open
-names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'np').keys())
 ok = all(any(f'layers.{i}.mlp.gate_proj.lora_A' in n for n in names) for i in range(3))
 ok = ok and any('layers.0.self_attn.v_proj' in n for n in names) and not any('layers.2.self_attn.v_proj' in n for n in names)
 sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
@@ -77,7 +77,7 @@ sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
   if [ $arch = gemma4_params ]; then  # peft's nested ParamWrappers on layers.{i}.experts, every layer
     check "$arch: adapter has the fused expert LoRA on every layer, target_parameters experts.*" "$py" -c "
 import json, sys; from safetensors import safe_open
-names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'np').keys())
 ok = all(any(f'layers.{i}.experts.base_layer.lora_A.weight' in n for n in names) for i in range(3))
 t = json.load(open('$tmp/$arch/resident/adapter_config.json'))['target_parameters']
 sys.exit(0 if ok and t == ['experts.gate_up_proj', 'experts.down_proj'] else 1)"
@@ -86,7 +86,7 @@ sys.exit(0 if ok and t == ['experts.gate_up_proj', 'experts.down_proj'] else 1)"
   if [ $arch = qwen3_next ]; then  # delta-rule layers 0-2, full attention on 3, the gated shared expert; experts fused only
     check "$arch: adapter has the delta-rule layers', the gated attention's and the shared expert's LoRA" "$py" -c "
 import sys; from safetensors import safe_open
-names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'np').keys())
 ok = all(any(f'layers.{i}.linear_attn.{m}.lora_A' in n for n in names) for i in (0, 1, 2)
          for m in ('in_proj_qkvz', 'in_proj_ba', 'out_proj'))
 ok = ok and any('layers.3.self_attn.q_proj.lora_B' in n for n in names) and any('shared_expert_gate.lora_A' in n for n in names)
@@ -96,7 +96,7 @@ sys.exit(0 if ok and any('.mlp.shared_expert.up_proj.lora_A' in n for n in names
   if [ $arch = llama4 ]; then  # dense layers 0, 2; MoE layers 1, 3 with the shared expert; no routed expert
     check "$arch: adapter has the dense layers' and the shared experts' LoRA, no routed expert's" "$py" -c "
 import sys; from safetensors import safe_open
-names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'np').keys())
 ok = all(any(f'layers.{i}.feed_forward.gate_proj.lora_A' in n for n in names) for i in (0, 2))
 ok = ok and all(any(f'layers.{i}.feed_forward.shared_expert.down_proj.lora_B' in n for n in names) for i in (1, 3))
 sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
@@ -105,13 +105,13 @@ sys.exit(0 if ok and not any('.experts.' in n for n in names) else 1)"
   if [ $arch = hunyuan_v1_moe ]; then  # the shared MLP is mlp.shared_mlp
     check "$arch: adapter has the shared MLP's and the experts' LoRA" "$py" -c "
 import sys; from safetensors import safe_open
-names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt').keys())
+names = list(safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'np').keys())
 sys.exit(0 if any('.mlp.shared_mlp.gate_proj.lora_A' in n for n in names) and any('.experts.0.up_proj.lora_B' in n for n in names) else 1)"
     continue
   fi
   check "$arch: adapter has shared-expert LoRA" "$py" -c "
 import sys; from safetensors import safe_open
-f = safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'pt'); names = list(f.keys())
+f = safe_open('$tmp/$arch/resident/adapter_model.safetensors', 'np'); names = list(f.keys())
 sys.exit(0 if any('.mlp.shared_experts.gate_proj.lora_A' in n for n in names) and any('.experts.0.up_proj.lora_B' in n for n in names) else 1)"
 done
 # The target modules of the families run here (CTest runs the families in groups).

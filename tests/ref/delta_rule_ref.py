@@ -21,13 +21,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_dir  # noqa: E402
 
-import torch
-import torch.nn.functional as F
-from transformers.models.qwen3_next import modeling_qwen3_next
-
 ARCH, OUT = sys.argv[1], sys.argv[2]
 assert ARCH == "qwen3_next"
 out = fixture_dir.begin(OUT, ARCH, __file__)
+# The reference stack only when the fixture is to be made: an up-to-date or cached one exits above
+# without paying its imports (~3 CPU seconds).
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 # The torch function itself, not whatever kernel the hub wrapper would pick.
 chunk_rule = getattr(modeling_qwen3_next.torch_chunk_gated_delta_rule, "__wrapped__",
                      modeling_qwen3_next.torch_chunk_gated_delta_rule)

@@ -23,7 +23,6 @@ import shutil
 import sys
 import time
 
-from safetensors.torch import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.normpath(os.path.join(HERE, "..", ".."))
@@ -125,6 +124,8 @@ def begin(out_root, arch, *sources):
 
 
 def finish(tmp, ref):
+    from safetensors.torch import save_file  # here: importing this module stays torch-free (tiny_model.py)
+
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(tmp, "ref.safetensors"), metadata={"format": "pt"})
     final = _swap_in(tmp)
     if _cache_entry and not os.path.exists(_cache_entry):

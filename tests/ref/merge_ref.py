@@ -59,7 +59,7 @@ if ARCH:
     MODEL = os.path.join(WORK, "model")
     # gpt_oss_mxfp4: gpt-oss with its experts in MXFP4, as the Hub ships it
     make = ["--arch", "gpt_oss", "--mxfp4-experts"] if ARCH == "gpt_oss_mxfp4" else ["--arch", ARCH]
-    subprocess.run([sys.executable, os.path.join(SRC, "tools", "make_tiny_model.py")] + make + ["--out", MODEL,
+    subprocess.run([sys.executable, os.path.join(SRC, "tests", "ref", "tiny_model.py")] + make + ["--out", MODEL,
                     "--seed", "5"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
     cfg = cfg.get("text_config", cfg)

@@ -31,20 +31,22 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixture_dir  # noqa: E402
 
-import torch
-import transformers
-from safetensors.torch import load_file
-from transformers import Mxfp4Config
-from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
 ARCH, OUT = sys.argv[1], sys.argv[2]
 assert ARCH == "gpt_oss"
 HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(HERE, "tiny_model.py")  # tools/make_tiny_model.py through the test cache
 TOOL = os.path.join(HERE, "..", "..", "tools", "make_tiny_model.py")
 out = fixture_dir.begin(OUT, ARCH, __file__, TOOL)
+# The reference stack only when the fixture is to be made: an up-to-date or cached one exits above
+# without paying its imports (~3 CPU seconds).
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import Mxfp4Config  # noqa: E402
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
 plain, mx, adapter_dir = (os.path.join(out, d) for d in ("model_plain", "model_mxfp4", "adapter"))
 for d, extra in ((plain, []), (mx, ["--mxfp4-experts"])):
-    subprocess.run([sys.executable, TOOL, "--arch", ARCH, "--out", d, "--seed", "5"] + extra, check=True,
+    subprocess.run([sys.executable, TINY, "--arch", ARCH, "--out", d, "--seed", "5"] + extra, check=True,
                    stdout=subprocess.DEVNULL)
 g = torch.Generator().manual_seed(21)
 ref = {}

@@ -67,7 +67,7 @@ targets = "[q_proj, k_proj, v_proj, o_proj]"
 extra = []
 if ARCH:
     MODEL = os.path.join(WORK, "model")
-    subprocess.run([sys.executable, os.path.join(SRC, "tools", "make_tiny_model.py"), "--arch", ARCH, "--out", MODEL,
+    subprocess.run([sys.executable, os.path.join(SRC, "tests", "ref", "tiny_model.py"), "--arch", ARCH, "--out", MODEL,
                     "--seed", "5"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
     cfg = cfg.get("text_config", cfg)  # a multimodal wrapper's text model
