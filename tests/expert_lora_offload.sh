@@ -15,30 +15,11 @@ set -uo pipefail
 source "$2/tests/testlib.sh"
 eo_test_setup "$@"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-mpirun="mpirun --oversubscribe --bind-to none"
 common=(--config configs/tiny-qwen3-moe.yaml --set max_steps=10 --set save_steps=5 --set save_total_limit=5
         --set warmup_steps=2 --set lora_dropout=0 --set max_grad_norm=0.05 --set expert_offload=true
         --set 'lora_target_modules=[q_proj, k_proj, v_proj, o_proj]'
         --set 'lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]')
 device=(--set expert_lora_offload=false)
-run() {  # name ranks [extra --set ...]
-  local name=$1 ranks=$2
-  shift 2
-  local launch=()
-  [ "$ranks" = 1 ] || launch=($mpirun -np "$ranks")
-  timeout 300 "${launch[@]}" "$bin" "${common[@]}" --set output_dir="$tmp/$name" "$@" >"$tmp/$name.log" 2>&1 ||
-    { echo "run $name failed"; tail -5 "$tmp/$name.log"; fail=1; }
-}
-same() { "$py" tests/ref/compare_adapters.py "$1" "$2" --exact; }
-# Every step's loss and gradient norm equal, and every norm above max_grad_norm (clipping active).
-same_steps() { "$py" - "$1" "$2" <<'PY'
-import json, sys
-rows = [[json.loads(l) for l in open(f"{d}/metrics.jsonl") if l.strip()] for d in sys.argv[1:]]
-a, b = ([(r["step"], r["loss"], r["grad_norm"]) for r in x if "loss" in r] for x in rows)
-assert a == b and len(a) >= 5, (a, b)
-assert all(n > 0.05 for _, _, n in a), a
-PY
-}
 # A resumed run: the same adapter, and its steps' losses and norms those of the uninterrupted run.
 same_resumed() { "$py" - "$1" "$2" <<'PY'
 import json, sys
@@ -64,7 +45,7 @@ for ranks in 1 2; do
   run "device$ranks" $ranks "${device[@]}"
   run "host$ranks" $ranks
   check "$ranks rank(s): offloaded == on the device, adapter bitwise" same "$tmp/device$ranks" "$tmp/host$ranks"
-  check "$ranks rank(s): every step's loss and norm equal, clipping active" same_steps "$tmp/device$ranks" "$tmp/host$ranks"
+  check "$ranks rank(s): every step's loss and norm equal, clipping active" same_steps "$tmp/device$ranks" "$tmp/host$ranks" 5
   check "$ranks rank(s): checkpoint-5 holds the same LoRA and AdamW state" \
     same_state "$tmp/device$ranks/checkpoint-5" "$tmp/host$ranks/checkpoint-5"
   run "resume_host$ranks" $ranks --set resume_from_checkpoint="$tmp/device$ranks/checkpoint-5"
