@@ -21,11 +21,11 @@ import fixture_dir  # noqa: E402
 
 
 def cache_entry():
-    """The file in the test-reference cache (fixture_dir's key: this script, the reference stack), or None."""
+    """The file in the test-reference cache (fixture_dir.s key: this script and what it imports, the reference stack), or None."""
     root = fixture_dir._cache_root()
     if not root:
         return None
-    return os.path.join(root, "nf4-fixtures-" + fixture_dir._inputs_key("nf4", __file__, folders=("tests/ref",)))
+    return os.path.join(root, "nf4-fixtures-" + fixture_dir._inputs_key("nf4", [__file__]))
 
 
 if __name__ == "__main__":
