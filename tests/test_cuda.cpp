@@ -120,6 +120,17 @@ void expect_grouped_matches_loop(model::MoeModel& m, const at::Device& dev, mode
   eo::testing::expect_bf16_no_worse(labels, grouped_grads, loop_grads, ref_grads);
 }
 
+// The losses a run wrote to OUT/metrics.jsonl, in order (lines without a loss skipped).
+std::vector<double> step_losses(const std::string& out) {
+  std::vector<double> losses;
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto k = line.find("\"loss\":");
+    if (k != std::string::npos) losses.push_back(std::stod(line.substr(k + 7)));
+  }
+  return losses;
+}
+
 }  // namespace
 
 TEST(Cuda, OffloadKeepsOnlyTheSlotsOnTheDevice) {
@@ -169,13 +180,7 @@ TEST(Cuda, OffloadTrainingMatchesResidentOnGpu) {
                                         std::string("expert_offload_prefetch=") + (prefetch ? "true" : "false")});
     remove_tree(out);
     train(cfg, ddp::World::get());
-    std::vector<double> losses;
-    std::ifstream in(out + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      const auto k = line.find("\"loss\":");
-      losses.push_back(std::stod(line.substr(k + 7)));
-    }
-    return losses;
+    return step_losses(out);
   };
   const std::string tmp = fs::temp_directory_path().string();
   const auto resident = run(false, false, tmp + "/eo_cuda_resident");
@@ -234,13 +239,7 @@ TEST(Cuda, ExpertGroupsOnTheGpu) {
                                         "expert_group_size=" + (group.empty() ? std::string("auto") : group)});
     remove_tree(out);
     train(cfg, ddp::World::get());
-    std::vector<double> losses;
-    std::ifstream in(out + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      const auto k = line.find("\"loss\":");
-      if (k != std::string::npos) losses.push_back(std::stod(line.substr(k + 7)));
-    }
-    return losses;
+    return step_losses(out);
   };
   const std::string tmp = fs::temp_directory_path().string();
   const auto resident = run("", tmp + "/eo_cuda_groups_resident");
@@ -1106,13 +1105,7 @@ TEST(Cuda, Mxfp4OffloadTrainingMatchesResident) {
     EXPECT_TRUE(experts_in_mxfp4(cfg, model::load_config(model_dir)));
     remove_tree(out);
     train(cfg, ddp::World::get());
-    std::vector<double> losses;
-    std::ifstream in(out + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      const auto k = line.find("\"loss\":");
-      losses.push_back(std::stod(line.substr(k + 7)));
-    }
-    return losses;
+    return step_losses(out);
   };
   const std::string tmp = fs::temp_directory_path().string();
   const auto resident = run(false, false, tmp + "/eo_cuda_mxfp4_resident");
