@@ -13,6 +13,15 @@ if(EO_CCACHE)
   set(CMAKE_CUDA_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env ${_eo_ccache_env} ${EO_CCACHE})
 endif()
 
+# The CUDA architectures the user asked for (-DCMAKE_CUDA_ARCHITECTURES, else the environment's
+# CUDAARCHS), read before anything enables CUDA: libtorch's CMake (found below) sets the variable to
+# OFF and enable_language(CUDA) caches nvcc's own default (sm_75), either of which would hide the
+# choice. Empty: every card eo-ddp serves (EO_CUDA_ARCHS below).
+set(_eo_user_archs "${CMAKE_CUDA_ARCHITECTURES}")
+if(NOT _eo_user_archs AND DEFINED ENV{CUDAARCHS})
+  set(_eo_user_archs "$ENV{CUDAARCHS}")
+endif()
+
 # EO_DDP_PYTHON: the Python environment eo-ddp is built for: its torch is the libtorch linked, and
 # the built binary runs tools/*.py with it. A pip install (scikit-build-core) builds for the
 # interpreter running pip; scripts/quickstart passes the environment it was pointed at.
@@ -66,10 +75,6 @@ if(EO_WITH_CUDA)
   # -DCMAKE_CUDA_ARCHITECTURES (e.g. 86, or native) or the environment's CUDAARCHS overrides it: a
   # build for one card is several times faster.
   set(EO_CUDA_ARCHS "75;80;86;89;90;100;120" CACHE STRING "CUDA architectures of the default build (SASS each, PTX of the last)")
-  set(_eo_user_archs "${CMAKE_CUDA_ARCHITECTURES}")
-  if(NOT _eo_user_archs AND DEFINED ENV{CUDAARCHS})
-    set(_eo_user_archs "$ENV{CUDAARCHS}")  # CMake's own environment default (e.g. for a pip install)
-  endif()
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
   if(NOT _eo_user_archs)
@@ -86,6 +91,9 @@ if(EO_WITH_CUDA)
     list(APPEND _eo_archs ${_eo_newest}-virtual)
     set(CMAKE_CUDA_ARCHITECTURES "${_eo_archs}" CACHE STRING "CUDA architectures" FORCE)
     set(CMAKE_CUDA_ARCHITECTURES "${_eo_archs}")  # enable_language set a normal variable too (CMP0126)
+  else()
+    set(CMAKE_CUDA_ARCHITECTURES "${_eo_user_archs}" CACHE STRING "CUDA architectures" FORCE)
+    set(CMAKE_CUDA_ARCHITECTURES "${_eo_user_archs}")
   endif()
   set(_eo_cuda_archs "${CMAKE_CUDA_ARCHITECTURES}")
   message(STATUS "eo-ddp: CUDA architectures: ${CMAKE_CUDA_ARCHITECTURES}")
