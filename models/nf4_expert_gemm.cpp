@@ -50,10 +50,14 @@ Nf4ExpertTable nf4_expert_table(const std::vector<const QuantizedWeight*>& exper
   t.in = first.shape[1];
   t.blocksize = first.blocksize;
   t.nested = first.nested.has_value();
-  EO_CHECK(t.out % 8 == 0 && t.in % 8 == 0 && t.blocksize % 8 == 0, "NF4 expert GEMM: experts [", t.out, ", ", t.in,
-           "] with blocksize ", t.blocksize, ": the kernel needs out, in and the blocksize to be multiples of 8");
+  auto power_of_two = [](int n) { return n > 0 && (n & (n - 1)) == 0; };
+  EO_CHECK(t.out % 8 == 0 && t.in % 8 == 0 && t.blocksize >= 8 && power_of_two(t.blocksize), "NF4 expert GEMM: experts [",
+           t.out, ", ", t.in, "] with blocksize ", t.blocksize,
+           ": the kernel needs out and in multiples of 8 and the blocksize a power of two of at least 8");
   if (t.nested) {
     t.nested_blocksize = first.nested->nested_blocksize;
+    EO_CHECK(power_of_two(t.nested_blocksize), "NF4 expert GEMM: nested blocksize ", t.nested_blocksize,
+             " is not a power of two");
     t.nested_code = first.nested->nested_code.to(dev, at::kFloat).contiguous();
     t.keep.push_back(t.nested_code);
   }

@@ -31,7 +31,7 @@ bool nf4_expert_gemm_built();
 // Whether the kernel runs on `device`: CUDA, and the build's code there is sm_80 or newer.
 bool nf4_expert_gemm_runs(const at::Device& device);
 // The table of `experts` (NF4, one shape, blocksize and statistics kind, contiguous on one GPU;
-// out and in multiples of 8, blocksize a multiple of 8). Throws, saying which, where one is not.
+// out and in multiples of 8, blocksizes powers of two). Throws, saying which, where one is not.
 Nf4ExpertTable nf4_expert_table(const std::vector<const QuantizedWeight*>& experts);
 // x [M, in] bf16, offsets int32 [E] cumulative row ends on x's GPU: [M, out], row group e times
 // W_e^T; rows past offsets[E-1] zero.

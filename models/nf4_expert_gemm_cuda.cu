@@ -36,11 +36,14 @@ constexpr int kLdWb = kBN + 8;  // backward W tile [kBK contraction rows][kLdWb]
 constexpr int kWTile = kBN * kLdWf > kBK * kLdWb ? kBN * kLdWf : kBK * kLdWb;
 constexpr int kScanThreads = 1024;
 
+// The GEMM's device helpers exist only where its body does (sm_80 code; sm_75's kernel is a stub).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 __constant__ float kCode[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
     -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
     0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f,
     0.7229568362236023f, 1.0f};
+#endif
 
 struct Args {
   const __nv_bfloat16* a;  // [M, Kc]
@@ -54,6 +57,7 @@ struct Args {
   __nv_bfloat16* out;     // [M, Nc]
   const int* tile_start;  // [E + 1]
   int n_tiles;
+  int block_shift, nested_shift;  // log2 of the (power-of-two) blocksizes: no 64-bit division per chunk
 };
 
 __device__ __forceinline__ void group_rows(const int* offsets, int e, std::int64_t M, std::int64_t& start,
@@ -100,13 +104,14 @@ __global__ void zero_uncovered(uint4* out, const int* offsets, int experts, std:
     out[i] = make_uint4(0, 0, 0, 0);
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // fp32 absmax of block b, as nf4_cuda.cu's block_absmax (nested: code * scale, then + offset, two
 // roundings).
 template <bool kNested>
-__device__ __forceinline__ float block_absmax(const Nf4Source& s, const Nf4Layout& l, std::int64_t b) {
+__device__ __forceinline__ float block_absmax(const Nf4Source& s, const Nf4Layout& l, int nested_shift, std::int64_t b) {
   if (!kNested) return __ldg(static_cast<const float*>(s.absmax) + b);
   const std::uint8_t code = __ldg(static_cast<const std::uint8_t*>(s.absmax) + b);
-  const float scaled = __fmul_rn(__ldg(l.nested_code + code), __ldg(s.nested_absmax + b / l.nested_blocksize));
+  const float scaled = __fmul_rn(__ldg(l.nested_code + code), __ldg(s.nested_absmax + (b >> nested_shift)));
   return __fadd_rn(scaled, s.offset);
 }
 
@@ -147,6 +152,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const std::uint32_t (&a)
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+#endif
 
 struct Smem {
   __nv_bfloat16 a[2][kBM * kLdA];
@@ -218,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 2) nf4_grouped_gemm(const Args args)
       if (inside) {
         const std::int64_t flat = wr * args.wk + wc;
         s.w[i] = __ldg(packed + flat / 8);
-        s.am[i] = block_absmax<kNested>(src, args.layout, flat / args.layout.blocksize);
+        s.am[i] = block_absmax<kNested>(src, args.layout, args.nested_shift, flat >> args.block_shift);
       }
     }
   };
@@ -308,6 +315,13 @@ cudaError_t launch_gemm(const Args& args, unsigned blocks, cudaStream_t s) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+// log2(n) for a power of two, else -1.
+int log2_exact(int n) {
+  if (n <= 0 || (n & (n - 1))) return -1;
+  int shift = 0;
+  while ((1 << shift) < n) ++shift;
+  return shift;
+}
 
 }  // namespace
 
@@ -336,8 +350,8 @@ cudaError_t grouped(Product product, const void* a, const Nf4Source* sources, co
                     std::int64_t K, const int* offsets, int experts, void* out, std::int64_t M, void* workspace,
                     cudaStream_t stream) {
   if (M < 0 || N < 0 || K < 0 || experts < 0 || N % 8 || K % 8 || N > INT32_MAX || K > INT32_MAX ||
-      layout.n != N * K || layout.blocksize <= 0 || layout.blocksize % 8 ||
-      (layout.nested && (layout.nested_code == nullptr || layout.nested_blocksize <= 0)))
+      layout.n != N * K || log2_exact(layout.blocksize) < 3 ||
+      (layout.nested && (layout.nested_code == nullptr || log2_exact(layout.nested_blocksize) < 0)))
     return cudaErrorInvalidValue;
   if (!aligned16(a) || !aligned16(out) || !aligned16(workspace)) return cudaErrorInvalidValue;
   if (const cudaError_t rc = available(); rc != cudaSuccess) return rc;
@@ -366,6 +380,8 @@ cudaError_t grouped(Product product, const void* a, const Nf4Source* sources, co
   args.out = static_cast<__nv_bfloat16*>(out);
   args.tile_start = tile_start;
   args.n_tiles = static_cast<int>(n_tiles);
+  args.block_shift = log2_exact(layout.blocksize);
+  args.nested_shift = layout.nested ? log2_exact(layout.nested_blocksize) : 0;
   const auto blocks = static_cast<unsigned>(m_tiles * n_tiles);
   return backward ? launch_gemm<true>(args, blocks, stream) : launch_gemm<false>(args, blocks, stream);
 }

@@ -36,8 +36,9 @@ enum class Product { kForward, kBackward };
 // built once and the call can be captured). Rows of group e: [offsets[e-1], offsets[e]) (offsets:
 // E int32 cumulative row ends on the device, offsets[-1] = 0, clamped to [0, M]); rows from
 // offsets[E-1] to M are written zero. kForward: a [M, K] -> out [M, N]; kBackward: a [M, N] ->
-// out [M, K]; a and out bf16 row-major. Needs N % 8 == 0, K % 8 == 0, layout.blocksize % 8 == 0,
-// a and out 16-byte aligned, every packed pointer 4-byte aligned, workspace 16-byte aligned.
+// out [M, K]; a and out bf16 row-major. Needs N % 8 == 0, K % 8 == 0, the blocksize a power of two
+// >= 8 (bitsandbytes' are) and the nested one a power of two, a and out 16-byte aligned, every packed
+// pointer 4-byte aligned, workspace 16-byte aligned.
 cudaError_t grouped(Product product, const void* a, const Nf4Source* sources, const Nf4Layout& layout,
                     std::int64_t N, std::int64_t K, const int* offsets, int experts, void* out, std::int64_t M,
                     void* workspace, cudaStream_t stream);
