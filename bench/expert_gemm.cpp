@@ -99,15 +99,18 @@ int nf4_mode(int argc, char** argv, const model::ModelConfig& mc, int iters, con
     w2.push_back(nf4::quantize(at::randn({H, I}, at::dtype(at::kFloat).device(dev)) * 0.02, blocksize, nested));
   }
   std::vector<const QuantizedWeight*> p1, p2;
-  for (std::int64_t e = 0; e < E; ++e) p1.push_back(&w1[static_cast<std::size_t>(e)]), p2.push_back(&w2[static_cast<std::size_t>(e)]);
+  for (std::size_t e = 0; e < w1.size(); ++e) p1.push_back(&w1[e]), p2.push_back(&w2[e]);
   const model::Nf4ExpertTable t1 = model::nf4_expert_table(p1), t2 = model::nf4_expert_table(p2);
   const at::Tensor bank1 = dequantize_stack(p1, at::kBFloat16), bank2 = dequantize_stack(p2, at::kBFloat16);
   std::printf("\n| tokens | product | M x N x K | NF4 GEMM ms | TFLOP/s | dequantise + portable ms | TFLOP/s | "
-              "portable alone ms | TFLOP/s | NF4 vs dequantise + portable |\n|---|---|---|---|---|---|---|---|---|---|\n");
+              "portable alone ms | TFLOP/s | NF4 vs dequantise + portable |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& tok : split(arg(argc, argv, "--tokens", "8192"), ',')) {
     const std::int64_t T = std::stoll(tok), M = T * k;
     const at::Tensor offsets = route_counts(T, E, k).cumsum(0).to(at::kInt).to(dev);
-    auto rand_rows = [&](std::int64_t cols) { return at::randn({M, cols}, at::dtype(at::kFloat).device(dev)).to(at::kBFloat16); };
+    auto rand_rows = [&](std::int64_t cols) {
+      return at::randn({M, cols}, at::dtype(at::kFloat).device(dev)).to(at::kBFloat16);
+    };
     const at::Tensor x = rand_rows(H), h = rand_rows(I), dy = rand_rows(H), dgu = rand_rows(2 * I);
     struct Product {
       const char* name;
@@ -127,7 +130,8 @@ int nf4_mode(int argc, char** argv, const model::ModelConfig& mc, int iters, con
       const std::int64_t N = b.size(2), K = b.size(1);
       const double flops = 2.0 * double(M) * double(N) * double(K);
       const double fused = time_ms(dev, iters, [&] {
-        return p.backward ? model::nf4_grouped_mm_dx(*p.a, *p.table, offsets) : model::nf4_grouped_mm(*p.a, *p.table, offsets);
+        return p.backward ? model::nf4_grouped_mm_dx(*p.a, *p.table, offsets)
+                          : model::nf4_grouped_mm(*p.a, *p.table, offsets);
       });
       const double unfused = time_ms(dev, iters, [&] {
         const at::Tensor bank = dequantize_stack(*p.experts, at::kBFloat16);
@@ -135,8 +139,8 @@ int nf4_mode(int argc, char** argv, const model::ModelConfig& mc, int iters, con
       });
       const double alone = time_ms(dev, iters, [&] { return model::portable_grouped_mm(*p.a, b, offsets); });
       sum[0] += fused, sum[1] += unfused, sum[2] += alone, flops_sum += flops;
-      std::printf("| %lld | %s | %lld x %lld x %lld | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.2fx |\n", (long long)T,
-                  p.name, (long long)M, (long long)N, (long long)K, fused, flops / fused / 1e9, unfused,
+      std::printf("| %lld | %s | %lld x %lld x %lld | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.2fx |\n",
+                  (long long)T, p.name, (long long)M, (long long)N, (long long)K, fused, flops / fused / 1e9, unfused,
                   flops / unfused / 1e9, alone, flops / alone / 1e9, unfused / fused);
       std::fflush(stdout);
     }

@@ -51,8 +51,8 @@ Nf4ExpertTable nf4_expert_table(const std::vector<const QuantizedWeight*>& exper
   t.blocksize = first.blocksize;
   t.nested = first.nested.has_value();
   auto power_of_two = [](int n) { return n > 0 && (n & (n - 1)) == 0; };
-  EO_CHECK(t.out % 8 == 0 && t.in % 8 == 0 && t.blocksize >= 8 && power_of_two(t.blocksize), "NF4 expert GEMM: experts [",
-           t.out, ", ", t.in, "] with blocksize ", t.blocksize,
+  EO_CHECK(t.out % 8 == 0 && t.in % 8 == 0 && t.blocksize >= 8 && power_of_two(t.blocksize),
+           "NF4 expert GEMM: experts [", t.out, ", ", t.in, "] with blocksize ", t.blocksize,
            ": the kernel needs out and in multiples of 8 and the blocksize a power of two of at least 8");
   if (t.nested) {
     t.nested_blocksize = first.nested->nested_blocksize;
@@ -64,8 +64,8 @@ Nf4ExpertTable nf4_expert_table(const std::vector<const QuantizedWeight*>& exper
   std::vector<nf4::cuda::Nf4Source> sources;
   sources.reserve(experts.size());
   auto on_gpu = [&](const at::Tensor& x, at::ScalarType dtype, std::size_t e, const char* what) {
-    EO_CHECK(x.defined() && x.device() == dev && x.scalar_type() == dtype && x.is_contiguous(), "NF4 expert GEMM: expert ",
-             e, "'s ", what, " is not a contiguous ", dtype, " tensor on ", dev);
+    EO_CHECK(x.defined() && x.device() == dev && x.scalar_type() == dtype && x.is_contiguous(),
+             "NF4 expert GEMM: expert ", e, "'s ", what, " is not a contiguous ", dtype, " tensor on ", dev);
     t.keep.push_back(x);
   };
   for (std::size_t e = 0; e < experts.size(); ++e) {

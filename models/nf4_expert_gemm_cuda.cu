@@ -108,7 +108,8 @@ __global__ void zero_uncovered(uint4* out, const int* offsets, int experts, std:
 // fp32 absmax of block b, as nf4_cuda.cu's block_absmax (nested: code * scale, then + offset, two
 // roundings).
 template <bool kNested>
-__device__ __forceinline__ float block_absmax(const Nf4Source& s, const Nf4Layout& l, int nested_shift, std::int64_t b) {
+__device__ __forceinline__ float block_absmax(const Nf4Source& s, const Nf4Layout& l, int nested_shift,
+                                              std::int64_t b) {
   if (!kNested) return __ldg(static_cast<const float*>(s.absmax) + b);
   const std::uint8_t code = __ldg(static_cast<const std::uint8_t*>(s.absmax) + b);
   const float scaled = __fmul_rn(__ldg(l.nested_code + code), __ldg(s.nested_absmax + (b >> nested_shift)));

@@ -215,8 +215,8 @@ TEST(CudaNf4ExpertGemm, MatchesFloat64OnOddShapes) {
   }
   std::mt19937_64 rng(5);
   for (int i = 0; i < 8; ++i) {
-    const std::int64_t E = 1 + static_cast<std::int64_t>(rng() % 12), out = 8 * (1 + static_cast<std::int64_t>(rng() % 50)),
-                       in = 8 * (1 + static_cast<std::int64_t>(rng() % 50)), M = static_cast<std::int64_t>(rng() % 900);
+    auto below = [&](std::uint64_t n) { return static_cast<std::int64_t>(rng() % n); };
+    const std::int64_t E = 1 + below(12), out = 8 * (1 + below(50)), in = 8 * (1 + below(50)), M = below(900);
     const bool nested = rng() % 2;
     const Experts x = make_experts(E, out, in, 64, nested, dev);
     check_products(x, group_counts(Groups::kRandom, E, M, rng()), M,
@@ -256,7 +256,8 @@ TEST(CudaNf4ExpertGemm, EmptyGroupsGiveZeros) {
     for (const bool backward : {false, true}) {
       const at::Tensor a = randn_bf16(M, backward ? x.table.out : x.table.in, dev);
       (void)at::full({M, backward ? x.table.in : x.table.out}, NAN, a.options());
-      const at::Tensor y = backward ? model::nf4_grouped_mm_dx(a, x.table, none) : model::nf4_grouped_mm(a, x.table, none);
+      const at::Tensor y =
+          backward ? model::nf4_grouped_mm_dx(a, x.table, none) : model::nf4_grouped_mm(a, x.table, none);
       EXPECT_EQ(y.size(0), M);
       EXPECT_EQ(at::count_nonzero(y).item<std::int64_t>(), 0) << "M " << M << (backward ? " dy · W" : " x · W^T");
     }
