@@ -103,8 +103,8 @@ int nf4_mode(int argc, char** argv, const model::ModelConfig& mc, int iters, con
   const model::Nf4ExpertTable t1 = model::nf4_expert_table(p1), t2 = model::nf4_expert_table(p2);
   const at::Tensor bank1 = dequantize_stack(p1, at::kBFloat16), bank2 = dequantize_stack(p2, at::kBFloat16);
   std::printf("\n| tokens | product | M x N x K | NF4 GEMM ms | TFLOP/s | dequantise + portable ms | TFLOP/s | "
-              "portable alone ms | TFLOP/s | NF4 vs dequantise + portable |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n");
+              "portable alone ms | TFLOP/s | NF4 vs dequantise + portable | NF4 vs portable: max abs diff / max abs |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const auto& tok : split(arg(argc, argv, "--tokens", "8192"), ',')) {
     const std::int64_t T = std::stoll(tok), M = T * k;
     const at::Tensor offsets = route_counts(T, E, k).cumsum(0).to(at::kInt).to(dev);
@@ -138,13 +138,19 @@ int nf4_mode(int argc, char** argv, const model::ModelConfig& mc, int iters, con
         return model::portable_grouped_mm(*p.a, p.backward ? bank : bank.transpose(1, 2), offsets);
       });
       const double alone = time_ms(dev, iters, [&] { return model::portable_grouped_mm(*p.a, b, offsets); });
+      // A sanity column, not the test (tests/test_cuda_nf4_expert_gemm.cpp): both read the same bf16 weights.
+      const at::Tensor mine = p.backward ? model::nf4_grouped_mm_dx(*p.a, *p.table, offsets)
+                                         : model::nf4_grouped_mm(*p.a, *p.table, offsets);
+      const at::Tensor theirs = model::portable_grouped_mm(*p.a, b, offsets).to(at::kFloat);
+      const double diff =
+          (mine.to(at::kFloat) - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
       sum[0] += fused, sum[1] += unfused, sum[2] += alone, flops_sum += flops;
-      std::printf("| %lld | %s | %lld x %lld x %lld | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.2fx |\n",
+      std::printf("| %lld | %s | %lld x %lld x %lld | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.2fx | %.1e |\n",
                   (long long)T, p.name, (long long)M, (long long)N, (long long)K, fused, flops / fused / 1e9, unfused,
-                  flops / unfused / 1e9, alone, flops / alone / 1e9, unfused / fused);
+                  flops / unfused / 1e9, alone, flops / alone / 1e9, unfused / fused, diff);
       std::fflush(stdout);
     }
-    std::printf("| %lld | all four | | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.2fx |\n", (long long)T, sum[0],
+    std::printf("| %lld | all four | | %.3f | %.0f | %.3f | %.0f | %.3f | %.0f | %.2fx | |\n", (long long)T, sum[0],
                 flops_sum / sum[0] / 1e9, sum[1], flops_sum / sum[1] / 1e9, sum[2], flops_sum / sum[2] / 1e9,
                 sum[1] / sum[0]);
   }
