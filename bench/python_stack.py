@@ -24,6 +24,12 @@ Notes on what this measures (the honest version of "the stack users run"):
     them in bf16. The output says so: "experts_quantized": false and the byte counts.
   * The router aux loss is in the loss only when config.output_router_logits is true
     (false in all three real configs); --router-aux on|off overrides that.
+  * Qwen3-Next / Qwen3.5-MoE: transformers runs the gated delta rule on flash-linear-attention's
+    chunk_gated_delta_rule when `fla` imports (its torch_chunk_gated_delta_rule otherwise, which is
+    correct but far slower), and the short conv1d on causal-conv1d's kernel when that imports (F.conv1d
+    otherwise). Each record says which ran ("delta_rule_impl", "conv1d_impl") and why fla did not
+    ("fla"). The attn LoRA targets include the delta-rule layers' linears (linear_attn.in_proj_*,
+    out_proj), as eo-bench's attention_linears() does.
 """
 
 import argparse
@@ -56,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--lora-targets", default="attn",
                    help="comma-separated module names, or attn: every linear of the attention blocks as the "
                         "architecture names them (eo-bench's default; DeepSeek: q_proj/q_a_proj, q_b_proj, "
-                        "kv_a_proj_with_mqa, kv_b_proj, o_proj)")
+                        "kv_a_proj_with_mqa, kv_b_proj, o_proj; Qwen3-Next / Qwen3.5: also the delta-rule "
+                        "layers' in_proj_* and out_proj)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--router-aux", choices=["config", "on", "off"], default="config",
                    help="include the router load-balancing loss (default: as config.output_router_logits says)")
@@ -110,7 +117,52 @@ def versions():
     except Exception as e:  # not installed, or no backend for this machine
         bnb_v = f"unavailable: {type(e).__name__}: {e}".strip()[:200]
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-            "bitsandbytes": bnb_v, "cuda": torch.version.cuda}
+            "bitsandbytes": bnb_v, "fla": fla_status(), "cuda": torch.version.cuda}
+
+
+def fla_status():
+    """flash-linear-attention's version, or why its gated delta rule does not import here. transformers
+    resolves the kernel the same way (importlib, fla.ops.gated_delta_rule) when it first imports a
+    delta-rule model's module, and takes its torch path on any error."""
+    try:
+        import fla
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+        return getattr(fla, "__version__", "unknown")
+    except Exception as e:  # not installed, no Triton, no GPU backend
+        return f"unavailable: {type(e).__name__}: {e}".strip()[:200]
+
+
+def kernel_paths(model):
+    """The functions transformers' delta-rule layers call, as resolved when their module was imported
+    (transformers.integrations.hub_kernels.use_kernel_func_from_hub_with_fallback keeps the choice in
+    the wrapper's closure): {"delta_rule_impl": ..., "conv1d_impl": ...}, or {} without such layers."""
+    import inspect
+    out = {}
+    for m in model.modules():
+        if not type(m).__name__.endswith("GatedDeltaNet"):
+            continue
+        mod = sys.modules[type(m).__module__]
+        for key, name in (("delta_rule_impl", "torch_chunk_gated_delta_rule"), ("conv1d_impl", "causal_conv1d_fn")):
+            fn = getattr(mod, name, None)
+            impl = None
+            for _ in range(4):  # through the hub-kernel wrappers down to the closure that holds the choice
+                if fn is None:
+                    break
+                try:
+                    nonlocals = inspect.getclosurevars(fn).nonlocals
+                except TypeError:
+                    break
+                if "implementation" in nonlocals:
+                    impl = nonlocals["implementation"]
+                    break
+                fn = getattr(fn, "__wrapped__", None)
+            if impl is None:
+                out[key] = f"unknown ({name} has no recorded implementation)"
+            else:
+                where = f"{impl.__module__}.{impl.__qualname__}"
+                out[key] = where + (" (transformers' torch path)" if impl.__module__ == mod.__name__ else "")
+        break
+    return out
 
 
 def load_config(args):
@@ -208,14 +260,15 @@ def apply_lora(model, args):
     from peft import LoraConfig, get_peft_model
     import torch
     if args.lora_targets == "attn":
+        # The delta-rule layers' linears too (Qwen3-Next / Qwen3.5 linear_attn.*), as eo's attention_linears().
         targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                          if ".self_attn." in n and isinstance(m, torch.nn.Linear)})
+                          if (".self_attn." in n or ".linear_attn." in n) and isinstance(m, torch.nn.Linear)})
     else:
         targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
     lcfg = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, bias="none",
                       target_modules=targets,
                       task_type="CAUSAL_LM")
-    return get_peft_model(model, lcfg)
+    return get_peft_model(model, lcfg), targets
 
 
 def sync(device):
@@ -337,6 +390,7 @@ def main(argv=None):
         setup["params_total"] = sum(p.numel() for p in model.parameters())
         setup["experts_impl"] = getattr(model.config, "_experts_implementation", None)
         setup["attn_impl"] = getattr(model.config, "_attn_implementation", None)
+        setup.update(kernel_paths(model))
         if args.mode == "qlora-bnb":
             t0 = time.perf_counter()
             setup["quantized_linears"] = quantize_bnb_nf4(model, device, dtype, args.double_quant)
@@ -352,7 +406,7 @@ def main(argv=None):
             setup["experts_quantized"] = None  # not applicable: nothing is quantized in bf16-lora
         if not args.no_grad_ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = apply_lora(model, args)
+        model, setup["lora_modules"] = apply_lora(model, args)
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         setup["params_trainable"] = sum(p.numel() for p in trainable)

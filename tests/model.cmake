@@ -43,9 +43,9 @@ set_tests_properties(nvfp4_merge_ref_qwen3_moe PROPERTIES LABELS ref TIMEOUT 900
                      ENVIRONMENT "HF_HUB_OFFLINE=1;TRANSFORMERS_OFFLINE=1")
 file(MAKE_DIRECTORY ${PROJECT_BINARY_DIR}/tests/nvfp4_merge_ref)
 
-# The real shapes of the families added as one row each (configs/models): `eo-ddp plan` reads their
-# config.json as the Hub ships it and plans an offloaded QLoRA run of them.
-foreach(shape ernie-4.5-21b-a3b hunyuan-a13b)
+# The real shapes of issue 46's families (configs/models; Qwen3.5's inside its multimodal wrapper):
+# `eo-ddp plan` reads their config.json as the Hub ships it and plans an offloaded QLoRA run of them.
+foreach(shape ernie-4.5-21b-a3b hunyuan-a13b qwen3-next-80b-a3b qwen3.5-35b-a3b)
   add_test(NAME plan_shape_${shape}
            COMMAND $<TARGET_FILE:eo-ddp> plan --config ${PROJECT_SOURCE_DIR}/configs/bench/qwen3-30b-a3b-offload.yaml
                    --set base_model=${PROJECT_SOURCE_DIR}/configs/models/${shape})
