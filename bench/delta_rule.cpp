@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/args.h"
 #include "common/error.h"
 #include "models/delta_rule.h"
 #include "models/hf_config.h"
@@ -41,25 +42,8 @@ using namespace eo;
 
 namespace {
 
-std::string arg(int argc, char** argv, const std::string& key, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (argv[i] == key) return argv[i + 1];
-  return fallback;
-}
-
-std::vector<std::int64_t> int_list(const std::string& s) {
-  std::vector<std::int64_t> out;
-  std::string cur;
-  for (char c : s + ",") {
-    if (c != ',') {
-      cur += c;
-    } else if (!cur.empty()) {
-      out.push_back(std::stoll(cur));
-      cur.clear();
-    }
-  }
-  return out;
-}
+using bench::arg;
+using bench::int_list;
 
 struct Shape {
   std::int64_t B, T, docs;  // docs > 1: one row of that many equal documents (B 1)

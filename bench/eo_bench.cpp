@@ -59,6 +59,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/args.h"
 #include "common/error.h"
 #include "common/files.h"
 #include "common/log.h"
@@ -86,6 +87,9 @@ using namespace eo;
 
 namespace {
 
+using bench::arg;
+using bench::split;
+
 struct Point {
   int seq = 2048, mb = 1;
 };
@@ -99,21 +103,6 @@ struct Row {
   double disk_read_per_step = 0, disk_gbps = 0, disk_raw_gbps = 0, disk_wait_s = 0;  // :disk
   std::string error;
 };
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, sep))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
-std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (argv[i] == name) return argv[i + 1];
-  return fallback;
-}
 
 // Below the floor by more than the device timer's resolution (CUDA events: about 0.5 us).
 bool below_floor(double seconds, double floor_s) { return floor_s > 0 && seconds < floor_s - 1e-6; }

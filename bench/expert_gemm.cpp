@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bench/args.h"
 #include "models/grouped_mm.h"
 #include "models/hf_config.h"
 #include "models/nf4.h"
@@ -38,22 +39,8 @@ using namespace eo;
 
 namespace {
 
-std::string arg(int argc, char** argv, const std::string& key, const std::string& fallback) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (argv[i] == key) return argv[i + 1];
-  return fallback;
-}
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (char c : s) {
-    if (c == sep) out.push_back(cur), cur.clear();
-    else cur += c;
-  }
-  out.push_back(cur);
-  return out;
-}
+using bench::arg;
+using bench::split;
 
 // Skewed top-k routing: expert e drawn with weight 1 + (e * 7919 % 13), k distinct per token.
 at::Tensor route_counts(std::int64_t tokens, std::int64_t experts, std::int64_t k) {

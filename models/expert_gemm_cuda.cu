@@ -4,6 +4,7 @@
 // Two tile shapes: 128 x 128 for the expert matrices, 64 x 64 where one side is a LoRA rank.
 // Two mainloops: sm80's (mma 16x8x16, cp.async, 4 stages) for bf16 and fp16 where the code that
 // runs is sm_80 or newer, sm75's (mma 16x8x8, 2 stages) for fp16 on sm_75 (T4).
+#include "models/grouped_rows_cuda.cuh"
 #include "models/expert_gemm_cuda.h"
 
 #include <cutlass/cutlass.h>
@@ -136,16 +137,6 @@ __global__ void contract_table(Table t, const Bits* a, const Bits* g, const int*
   }
 }
 
-// Rows [offsets[E-1], M) of out, which no group covers, to zero (a few blocks: usually none).
-__global__ void zero_uncovered(uint4* out, const int* offsets, int experts, std::int64_t M, std::int64_t N) {
-  std::int64_t covered = experts > 0 ? offsets[experts - 1] : 0;
-  covered = covered < 0 ? 0 : (covered > M ? M : covered);
-  const std::int64_t first = covered * N / 8, words = M * N / 8;
-  for (std::int64_t i = first + blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < words;
-       i += std::int64_t(gridDim.x) * blockDim.x)
-    out[i] = make_uint4(0, 0, 0, 0);
-}
-
 // One wave of blocks at the kernel's occupancy, computed once per kernel and device.
 template <typename Gemm>
 int threadblocks() {
@@ -244,7 +235,7 @@ cudaError_t grouped_rows(DType dtype, const void* a, const void* b, bool b_nk, c
   const Path path = path_for(dtype);
   if (path == Path::kNone) return cudaErrorNoKernelImageForDevice;
   if (M == 0 || N == 0) return cudaSuccess;
-  zero_uncovered<<<32, 256, 0, s>>>(static_cast<uint4*>(out), offsets, experts, M, N);
+  grouped_rows::cuda::zero_uncovered<<<32, 256, 0, s>>>(static_cast<uint4*>(out), offsets, experts, M, N);
   if (experts == 0 || K == 0) {
     if (K == 0) return cudaMemsetAsync(out, 0, std::size_t(M) * N * sizeof(Bits), s);
     return cudaGetLastError();

@@ -14,6 +14,7 @@
 // both products; the forward reads it as mma's column-major B with ldmatrix, the backward as
 // row-major B with ldmatrix.trans. The decode is the dequantise kernel's (nf4_cuda.cu): code *
 // absmax in fp32, rounded to bf16, so the operands are the bits a dequantised bank would hold.
+#include "models/grouped_rows_cuda.cuh"
 #include "models/nf4_expert_gemm_cuda.h"
 
 #include <cuda_bf16.h>
@@ -92,16 +93,6 @@ __global__ void __launch_bounds__(kScanThreads) tile_table(const int* offsets, i
     __syncthreads();
   }
   if (threadIdx.x == 0) tile_start[experts] = carry;
-}
-
-// Rows [offsets[E-1], M) of out, which no group covers, to zero (Nc % 8 == 0, out 16-byte aligned).
-__global__ void zero_uncovered(uint4* out, const int* offsets, int experts, std::int64_t M, std::int64_t Nc) {
-  std::int64_t covered = experts > 0 ? offsets[experts - 1] : 0;
-  covered = covered < 0 ? 0 : (covered > M ? M : covered);
-  const std::int64_t first = covered * Nc / 8, words = M * Nc / 8;
-  for (std::int64_t i = first + blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < words;
-       i += std::int64_t(gridDim.x) * blockDim.x)
-    out[i] = make_uint4(0, 0, 0, 0);
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
@@ -360,7 +351,7 @@ cudaError_t grouped(Product product, const void* a, const Nf4Source* sources, co
   const std::int64_t Kc = backward ? N : K, Nc = backward ? K : N;
   if (M == 0 || Nc == 0) return cudaSuccess;
   if (experts == 0 || Kc == 0) return cudaMemsetAsync(out, 0, std::size_t(M) * Nc * sizeof(__nv_bfloat16), stream);
-  zero_uncovered<<<32, 256, 0, stream>>>(static_cast<uint4*>(out), offsets, experts, M, Nc);
+  grouped_rows::cuda::zero_uncovered<<<32, 256, 0, stream>>>(static_cast<uint4*>(out), offsets, experts, M, Nc);
   int* tile_start = static_cast<int*>(workspace);
   tile_table<<<1, kScanThreads, 0, stream>>>(offsets, experts, M, tile_start);
   if (const cudaError_t rc = cudaGetLastError(); rc != cudaSuccess) return rc;
