@@ -54,7 +54,7 @@ struct Slot {
 struct Delta {
   Slot slot;
   std::string source;  // the adapter tensor it comes from, for errors
-  std::function<at::Tensor()> delta;
+  std::function<at::Tensor()> delta;  // float64: the merge adds it to the weight in float64
 };
 
 struct TensorEntry {
@@ -282,7 +282,7 @@ class Merger {
   // inside a fused checkpoint tensor.
   void place_module(const std::string& module, const at::Tensor& A, const at::Tensor& B, double scaling,
                     const std::string& source) {
-    auto delta = [A, B, scaling] { return at::matmul(B.to(at::kFloat), A.to(at::kFloat)) * scaling; };
+    auto delta = [A, B, scaling] { return at::matmul(B.to(at::kDouble), A.to(at::kDouble)) * scaling; };
     const auto names = candidates(module, source);
     for (const auto& c : names)
       if (has(c + ".weight") && storage(c + ".weight") == Storage::Linear) return add(c + ".weight", Slot{}, source, delta);
@@ -317,7 +317,7 @@ class Merger {
       ExpertLora l(1, in, out, spec, at::Device(at::kCPU), layout);
       l.A() = A.narrow(0, e, 1).to(at::kFloat);
       l.B() = B.narrow(0, e, 1).to(at::kFloat);
-      return l.delta_weight(at::kFloat).select(0, 0);
+      return l.delta_weight(at::kDouble).select(0, 0);
     };
     // The experts module as the checkpoint names it: the fused parameters' path, or the
     // family's experts path (Mixtral's block_sparse_moe.experts).
@@ -449,7 +449,7 @@ class Merger {
           throw UsageError("merge: adapter tensor '" + delta.source + "' gives a delta of shape " + shape_text(dw.sizes()) +
                            " for '" + name + "'" + (delta.slot.expert >= 0 ? " expert " + std::to_string(delta.slot.expert) : "") +
                            ", whose matrix is " + shape_text(v.sizes()) + "; the adapter was trained on another model");
-        v.add_(dw);
+        v.copy_(v.to(at::kDouble) + dw);  // W + s·B·A in float64, rounded once
         ++sum.deltas;
       }
       ++sum.merged;

@@ -235,17 +235,19 @@ TEST(ExpertGroups, GroupByGroupEqualsTheWholeBlockBitwise) {
 // The same for the families whose grouped path does more per group: gpt-oss (expert biases by each
 // row's expert, the clamped activation on the formed sums), Llama 4 (the router's weight on the
 // expert input), Gemma 4 (GELU, a dense MLP beside), DeepSeek-V3 and Qwen3-Next (shared experts).
-// Gemma 4's grouped path on the CPU only to 1e-6: its tiny experts' rows are 24 wide, and ATen's
-// CPU elementwise loops compute the elements past the last full SIMD chunk with the scalar
-// function (GELU's tanh: another last bit), so a group's slice rounds a few elements differently
-// from the whole tensor. A GPU kernel computes every element alike; the CPU's per-expert loop,
-// what CPU training runs, is bitwise.
+// Gemma 4's grouped path on the CPU only to 1e-5 of the largest element: its tiny experts' rows are
+// 24 wide, and ATen's CPU elementwise loops compute the elements past the last full SIMD chunk with
+// the scalar function (GELU's tanh: another last bit), so a group's slice rounds a few elements
+// differently from the whole tensor. Which elements fall in the tail depends on the CPU's vector
+// width, and three blocks' backward carried those last bits to 2e-6 on a CI machine. A
+// wrong group (rows or offsets) differs by the order of the values themselves. A GPU kernel
+// computes every element alike; the CPU's per-expert loop, what CPU training runs, is bitwise.
 TEST(ExpertGroups, GroupByGroupEqualsTheWholeBlockForOtherFamilies) {
   for (const char* arch : {"gpt_oss", "llama4", "gemma4", "deepseek_v3", "qwen3_next"}) {
     const std::string dir = eo::testing::python_fixture("model_ref.py", "model_ref", arch) + "/model";
     for (bool grouped_gemm : {true, false}) {
       const StepResult whole = step(0, grouped_gemm, true, dir);
-      const double tolerance = grouped_gemm && std::string(arch) == "gemma4" ? 1e-6 : 0;
+      const double tolerance = grouped_gemm && std::string(arch) == "gemma4" ? 1e-5 : 0;
       for (int group : {1, 3}) {
         SCOPED_TRACE(std::string(arch) + (grouped_gemm ? ", grouped GEMMs" : ", per-expert loop") + ", groups of " +
                      std::to_string(group));
