@@ -69,6 +69,7 @@ RunSpec resolve_run_spec(const TrainConfig& cfg, model::ModelConfig model, Compu
   s.accum = cfg.gradient_accumulation_steps;
   s.lora = lora_spec(cfg);
   s.lora_all_linear = cfg.lora_target_linear;
+  s.packed = cfg.sample_packing;
 
   s.checkpointing = cfg.gradient_checkpointing;
   s.order = step_order_in_effect(s.checkpointing, cfg.step_order == "micro_batch_major" ? StepOrder::MicroBatchMajor

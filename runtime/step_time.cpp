@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "models/attention_path.h"
 #include "models/block_memory.h"
 
 namespace eo {
@@ -63,10 +64,17 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
     double window = 0;
     if (c.is_sliding_layer(l)) window = double(c.sliding_window);
     if (c.is_chunked_layer(l)) window = double(c.llama4->chunk);
-    const double qk = c.mla ? double(c.mla->qk_dim()) : double(c.head_dim);
-    const double v = c.mla ? double(c.mla->v_dim) : double(c.head_dim);
-    // QK^T and PV: forward, recompute, and a backward of twice the forward.
-    w.attention_flops += T * mean_context(seq, window) * double(c.heads) * (qk + v) * 2 * 4;
+    const double qk = c.mla ? double(c.mla->qk_dim()) : double(c.head_dim_at(l));
+    const double v = c.mla ? double(c.mla->v_dim) : double(c.head_dim_at(l));
+    // QK^T and PV: forward, recompute, and a backward of twice the forward. Only the fused kernel
+    // skips the keys a query cannot see.
+    const double per_key = T * double(c.heads) * (qk + v) * 2 * 4;
+    w.attention_flops += per_key * mean_context(seq, window);
+    switch (model::attention_path(c, l, spec.sequence_len, spec.packed)) {
+      case model::AttentionPath::Fused: w.fused_attention_flops += per_key * mean_context(seq, window); break;
+      case model::AttentionPath::Masked: w.masked_attention_flops += per_key * seq; break;
+      case model::AttentionPath::Math: w.math_attention_flops += per_key * seq; break;
+    }
   }
   w.other_gemm_flops = other;
   w.head_flops = T * 2 * H * double(c.vocab) * 2;  // forward and input gradient
@@ -100,12 +108,15 @@ StepTime predict_step_time(const StepWork& w, const CardFigures& card, const Ste
   t.phases = {{"expert grouped GEMMs", w.expert_gemm_flops / (flops * eff.expert_gemm)},
               {"other GEMMs (projections, LoRA, routers)", w.other_gemm_flops / (flops * eff.other_gemm)},
               {"LM head", w.head_flops / (flops * eff.other_gemm)},
-              {"attention", w.attention_flops / (flops * eff.attention)},
+              {"attention", w.fused_attention_flops / (flops * eff.attention)},
+              {"attention, masked kernel", w.masked_attention_flops / (flops * eff.masked_attention)},
+              {"attention, math path", w.math_attention_flops / (flops * eff.math_attention)},
               {"4-bit dequantisation", w.dequant_bytes / (bytes * eff.memory)},
               {"elementwise, norms, routing", w.elementwise_bytes / (bytes * eff.memory)},
               {"fixed cost per layer pass", w.layer_passes * eff.layer_pass_s}};
   for (const auto& p : t.phases) t.compute_s += p.seconds;
   t.transfer_s = w.staged_bytes / (card.link_gbps * 1e9);
+  const double copies_s = t.transfer_s / eff.link;
   if (w.staged_bytes <= 0) {
     t.step_s = t.compute_s;
   } else if (w.prefetch && w.moe_layers > 0) {
@@ -113,9 +124,9 @@ StepTime predict_step_time(const StepWork& w, const CardFigures& card, const Ste
     // runs with no block to stage.
     const double head = t.phases[2].seconds;
     const double blocks = w.moe_layers;
-    t.step_s = head + blocks * std::max((t.compute_s - head) / blocks, t.transfer_s / blocks);
+    t.step_s = head + blocks * std::max((t.compute_s - head) / blocks, copies_s / blocks);
   } else {
-    t.step_s = t.compute_s + t.transfer_s;
+    t.step_s = t.compute_s + copies_s;
   }
   t.tokens_per_s = t.step_s > 0 ? w.tokens / t.step_s : 0;
   return t;
@@ -126,7 +137,7 @@ StepEfficiency calibrate_step_efficiency(const StepWork& w, const CardFigures& c
   StepEfficiency e;
   e.expert_gemm = w.expert_gemm_flops / (flops * m.expert_gemm);
   e.other_gemm = (w.other_gemm_flops + w.head_flops) / (flops * m.other_gemm);
-  e.attention = w.attention_flops / (flops * m.attention);
+  e.attention = w.fused_attention_flops / (flops * m.attention);
   e.memory = (w.dequant_bytes + w.elementwise_bytes) / (bytes * m.memory);
   e.layer_pass_s = m.fixed / w.layer_passes;
   return e;
@@ -139,6 +150,7 @@ std::string describe_step_time(const StepTime& t, const CardFigures& card) {
                 card.what.c_str(), card.bf16_tflops, card.mem_gbps, card.link_gbps);
   o << line;
   for (const auto& p : t.phases) {
+    if (p.seconds <= 0) continue;  // a phase this run has none of
     std::snprintf(line, sizeof line, "  %-42s %8.3f s\n", p.name.c_str(), p.seconds);
     o << line;
   }

@@ -22,6 +22,11 @@ struct StepWork {
   double expert_gemm_flops = 0;   // routed experts' grouped GEMMs (top_k of them per token)
   double other_gemm_flops = 0;    // attention projections, dense MLPs, shared experts, routers, LoRA
   double attention_flops = 0;     // QK^T and PV over each layer's context (causal, windows, chunks)
+  // ... as computed, by the SDPA kernel each layer runs (models/attention_path.h): the fused kernel
+  // skips what a query cannot see; the masked kernel and the math path compute every key.
+  double fused_attention_flops = 0;
+  double masked_attention_flops = 0;
+  double math_attention_flops = 0;
   double head_flops = 0;          // the LM head: forward and input gradient
   double dequant_bytes = 0;       // 4-bit expert banks read and bf16 banks written
   double elementwise_bytes = 0;   // adds, casts, norms, routing gathers / scatters, SwiGLU
@@ -39,8 +44,15 @@ struct StepEfficiency {
   double expert_gemm = 0.6761;  // of bf16_tflops
   double other_gemm = 0.5272;
   double attention = 0.4676;
+  // gpt-oss-20b's masked layers on the H100 (2048 x 4 resident, 6fef652) and Gemma 4's 512-wide
+  // math-path layers on the H200 (2048 x 1 resident, 45523aa), with the other phases as above.
+  double masked_attention = 0.0600;
+  double math_attention = 0.0456;
   double memory = 0.5209;       // of mem_gbps, for dequant and elementwise bytes
   double layer_pass_s = 1.057e-3;
+  // Of link_gbps, for a transfer-bound step: its copies wait on slots and events, so it runs above
+  // its floor (Qwen3-30B-A3B 2048 x 1 offloaded on the H200: 1.096x).
+  double link = 0.9125;
 };
 
 // The seconds a measured step spent per phase (a profiler's breakdown), and the efficiencies that

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "models/attention_path.h"
 #include "models/hf_config.h"
 #include "runtime/cards.h"
 #include "runtime/config.h"
@@ -183,7 +184,21 @@ const Recorded kRecorded[] = {
     {"h200", "gpt-oss-20b", 1, 1, true, 0.418, 0.355, "H200, 675ee97"},
     // scripts/device-expert-lora's attention-only run: 12 GiB cap, mean of steps 3 and 4.
     {"h100", "qwen3-30b-a3b", 1, 8, true, 2.028, 0, "H100, 4bf46b3", 12},
+    // scripts/device-steptime at 6fef652 (2026-12-06).
+    {"h100", "qwen3-30b-a3b", 2, 1, false, 0.370, 0, "H100, 6fef652"},
+    {"h100", "qwen3-30b-a3b", 4, 1, false, 0.634, 0, "H100, 6fef652"},
+    {"h100", "qwen3-30b-a3b", 1, 1, true, 0.624, 0, "H100, 6fef652"},
+    {"h100", "qwen3-30b-a3b", 1, 8, false, 2.018, 0, "H100, 6fef652"},
+    {"h100", "qwen3-30b-a3b", 1, 8, true, 2.029, 0, "H100, 6fef652"},
+    {"h100", "olmoe-1b-7b", 4, 1, false, 0.198, 0, "H100, 6fef652"},
+    {"h100", "olmoe-1b-7b", 4, 1, true, 0.208, 0, "H100, 6fef652"},
+    {"h100", "gpt-oss-20b", 1, 1, true, 0.424, 0, "H100, 6fef652"},
+    {"h100", "gpt-oss-20b", 4, 1, false, 0.903, 0, "H100, 6fef652"},  // the masked kernel's fit
+    {"h200", "gemma-4-26b-a4b", 1, 1, false, 0.361, 0, "H200, 45523aa"},  // the math path's fit
+    {"h200", "gemma-4-26b-a4b", 1, 1, true, 0.534, 0, "H200, 45523aa"},
 };
+const Recorded& kMaskedFit = kRecorded[std::size(kRecorded) - 3];
+const Recorded& kMathFit = kRecorded[std::size(kRecorded) - 2];
 constexpr double kPinnedGbps = 55.5;  // the H200 runs' measured pinned rate
 
 StepTime predicted(const Recorded& r, const StepEfficiency& eff, StepWork* work_out = nullptr) {
@@ -231,6 +246,65 @@ TEST(StepTime, FittedOnTheH200PredictsTheH100) {
                 r.offload ? "offloaded" : "resident", t.step_s, 100 * err);
     EXPECT_LT(std::abs(err), 0.15) << r.where << " " << r.model << " mb " << r.mb << " g " << r.accum;
   }
+}
+
+}  // namespace
+
+namespace {
+
+// The masked kernel's, the math path's and the link's efficiencies: each the one that meets its fit row with every
+// other phase at its default (the masked one first: Gemma 4's sliding layers run the masked kernel).
+TEST(StepTime, MaskedMathAndLinkEfficienciesMeetTheirRows) {
+  auto solve = [](const Recorded& r, double StepEfficiency::*field, const StepEfficiency& base) {
+    StepEfficiency without = base;
+    without.*field = 1e30;  // the phase costs nothing
+    StepWork w;
+    const double rest = predicted(r, without, &w).step_s;
+    const double flops = field == &StepEfficiency::masked_attention ? w.masked_attention_flops : w.math_attention_flops;
+    EXPECT_GT(flops, 0) << r.model;
+    EXPECT_GT(r.s_per_step, rest) << r.model;
+    return flops / (find_card(r.card).bf16_tflops * 1e12 * (r.s_per_step - rest));
+  };
+  const StepEfficiency given;
+  StepEfficiency made;
+  made.masked_attention = solve(kMaskedFit, &StepEfficiency::masked_attention, given);
+  made.math_attention = solve(kMathFit, &StepEfficiency::math_attention, made);
+  std::printf("calibrated: masked %.4f math %.4f\n", made.masked_attention, made.math_attention);
+  EXPECT_NEAR(given.masked_attention, made.masked_attention, 0.005 * made.masked_attention);
+  EXPECT_NEAR(given.math_attention, made.math_attention, 0.005 * made.math_attention);
+  // The link's: the transfer-bound H200 Qwen3 row's floor over its step.
+  const Recorded& link_fit = kRecorded[3];
+  ASSERT_GT(link_fit.floor_s, 0);
+  EXPECT_NEAR(given.link, link_fit.floor_s / link_fit.s_per_step, 0.005 * given.link);
+}
+
+// Which SDPA kernel each layer runs, as the prediction counts it: plain causal attention the fused
+// kernel; packed rows, gpt-oss's sinks, sliding windows and Llama 4's chunks (beyond one chunk) the
+// masked kernel; Gemma 4's 512-wide full-attention heads the math path.
+TEST(StepTime, EachLayerRunsTheSdpaKernelItsMaskAndHeadsAllow) {
+  auto paths = [](const std::string& model, std::int64_t seq, bool packed) {
+    const Planned p = qwen3({"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/" + model});
+    std::multiset<model::AttentionPath> out;
+    for (int l = 0; l < int(p.spec.model.layers); ++l)
+      if (!p.spec.model.is_linear_attention_layer(l)) out.insert(model::attention_path(p.spec.model, l, seq, packed));
+    return out;
+  };
+  using model::AttentionPath;
+  EXPECT_EQ(paths("qwen3-30b-a3b", 2048, false).count(AttentionPath::Fused), 48u);
+  EXPECT_EQ(paths("qwen3-30b-a3b", 2048, true).count(AttentionPath::Masked), 48u);
+  EXPECT_EQ(paths("gpt-oss-20b", 2048, false).count(AttentionPath::Masked), 24u);
+  const auto gemma = paths("gemma-4-26b-a4b", 2048, false);
+  EXPECT_EQ(gemma.count(AttentionPath::Math), 5u);  // every sixth layer of 30 is full attention
+  EXPECT_EQ(gemma.count(AttentionPath::Masked), 25u);
+  // Llama 4 Scout: three of every four layers chunked by 8192 positions.
+  EXPECT_EQ(paths("llama-4-scout-17b-16e", 8192, false).count(AttentionPath::Fused), 48u);
+  EXPECT_EQ(paths("llama-4-scout-17b-16e", 16384, false).count(AttentionPath::Masked), 36u);
+  // A packed step costs more than the same tokens unpacked: the masked kernel computes every key.
+  const Planned unpacked = qwen3({"micro_batch_size=4"}), packed = qwen3({"micro_batch_size=4", "sample_packing=true"});
+  EXPECT_EQ(unpacked.work.attention_flops, packed.work.attention_flops);  // the useful work is the same
+  EXPECT_GT(packed.work.masked_attention_flops, 1.9 * unpacked.work.fused_attention_flops);
+  EXPECT_GT(predict_step_time(packed.work, find_card("h100")).step_s,
+            predict_step_time(unpacked.work, find_card("h100")).step_s + 0.2);
 }
 
 }  // namespace
