@@ -97,19 +97,11 @@ Table table_in(void* workspace, int experts) {
   return t;
 }
 
-__device__ __forceinline__ void group_rows(const int* offsets, int e, std::int64_t M, std::int64_t& start,
-                                           std::int64_t& end) {
-  start = e == 0 ? 0 : offsets[e - 1];
-  end = offsets[e];
-  start = start < 0 ? 0 : (start > M ? M : start);
-  end = end < start ? start : (end > M ? M : end);
-}
-
 __global__ void rows_table(Table t, const Bits* a, const Bits* b, bool b_nk, const int* offsets, int experts, Bits* out,
                            std::int64_t M, std::int64_t N, std::int64_t K) {
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < experts; e += gridDim.x * blockDim.x) {
     std::int64_t start, end;
-    group_rows(offsets, e, M, start, end);
+    grouped_rows::cuda::group_rows(offsets, e, M, start, end);
     t.problems[e] = cutlass::gemm::GemmCoord(int(end - start), int(N), int(K));
     t.a[e] = const_cast<Bits*>(a) + start * K;
     t.b[e] = const_cast<Bits*>(b) + std::int64_t(e) * K * N;
@@ -124,7 +116,7 @@ __global__ void contract_table(Table t, const Bits* a, const Bits* g, const int*
                                std::int64_t M, std::int64_t Ka, std::int64_t N) {
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < experts; e += gridDim.x * blockDim.x) {
     std::int64_t start, end;
-    group_rows(offsets, e, M, start, end);
+    grouped_rows::cuda::group_rows(offsets, e, M, start, end);
     const int rows = int(end - start);
     // No rows: no tiles (m = 0); the output was zeroed before the GEMM.
     t.problems[e] = cutlass::gemm::GemmCoord(rows > 0 ? int(Ka) : 0, int(N), rows);

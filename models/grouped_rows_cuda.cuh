@@ -1,6 +1,7 @@
 // What the grouped GEMM kernels (expert_gemm_cuda.cu, nf4_expert_gemm_cuda.cu) share about their
-// row groups: rows [offsets[E-1], M) of the output, which no group covers, are written zero, so an
-// output never carries an earlier call's values there. Only .cu files include it.
+// row groups: group e's rows, clamped to [0, M); and rows [offsets[E-1], M) of the output, which no
+// group covers, written zero, so an output never carries an earlier call's values there. Only .cu
+// files include it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,6 +9,15 @@
 #include <cstdint>
 
 namespace eo::grouped_rows::cuda {
+
+// Group e's rows [start, end) from the int32 cumulative row ends, clamped to [0, M).
+__device__ __forceinline__ void group_rows(const int* offsets, int e, std::int64_t M, std::int64_t& start,
+                                           std::int64_t& end) {
+  start = e == 0 ? 0 : offsets[e - 1];
+  end = offsets[e];
+  start = start < 0 ? 0 : (start > M ? M : start);
+  end = end < start ? start : (end > M ? M : end);
+}
 
 // out: [M, N] of 2-byte values, N % 8 == 0 and 16-byte aligned, seen as 16-byte words; offsets: E
 // int32 cumulative row ends on the device. Grid-stride: a few blocks do it (usually no row is left).

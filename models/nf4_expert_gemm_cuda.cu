@@ -61,14 +61,6 @@ struct Args {
   int block_shift, nested_shift;  // log2 of the (power-of-two) blocksizes: no 64-bit division per chunk
 };
 
-__device__ __forceinline__ void group_rows(const int* offsets, int e, std::int64_t M, std::int64_t& start,
-                                           std::int64_t& end) {
-  start = e == 0 ? 0 : offsets[e - 1];
-  end = offsets[e];
-  start = start < 0 ? 0 : (start > M ? M : start);
-  end = end < start ? start : (end > M ? M : end);
-}
-
 // tile_start[e] = sum over e' < e of ceil(rows(e') / kBM); tile_start[E] the total.
 __global__ void __launch_bounds__(kScanThreads) tile_table(const int* offsets, int experts, std::int64_t M,
                                                            int* tile_start) {
@@ -82,7 +74,7 @@ __global__ void __launch_bounds__(kScanThreads) tile_table(const int* offsets, i
     int tiles = 0;
     if (e < experts) {
       std::int64_t start, end;
-      group_rows(offsets, e, M, start, end);
+      grouped_rows::cuda::group_rows(offsets, e, M, start, end);
       tiles = static_cast<int>((end - start + kBM - 1) / kBM);
     }
     int before = 0, total = 0;
@@ -176,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 2) nf4_grouped_gemm(const Args args)
   }
   const int e = lo - 1;
   std::int64_t start, end;
-  group_rows(args.offsets, e, args.M, start, end);
+  grouped_rows::cuda::group_rows(args.offsets, e, args.M, start, end);
   const std::int64_t row0 = start + static_cast<std::int64_t>(m_lin - args.tile_start[e]) * kBM;
   const int rows = static_cast<int>(min(static_cast<std::int64_t>(kBM), end - row0));
   const std::int64_t n0 = static_cast<std::int64_t>(n_tile) * kBN;
