@@ -289,6 +289,16 @@ BlockPeak block_peak(const ModelConfig& c, const BlockRun& run, int moe_layers) 
   return out;
 }
 
+double resident_experts_bytes(const ModelConfig& c, const BlockRun& run, int moe_layers,
+                              std::optional<QuantFormat> format) {
+  const double I = double(c.expert_width), H = double(c.hidden);
+  const QuantFormatTraits& f = quant_format_traits(format.value_or(QuantFormat::Nf4));
+  const double matrix = !format                        ? I * H * run.dtype_bytes
+                        : *format == QuantFormat::Nf4 ? nf4_bytes(I, H, run.blocksize)
+                                                        : I * H / 2 + I * H / f.group + f.per_matrix;
+  return double(moe_layers) * double(c.experts) * 3 * matrix;
+}
+
 double rope_table_columns(const ModelConfig& c) {
   return c.gemma ? double(c.rope.dim + c.gemma->full_rope.dim) : double(c.head_dim);
 }

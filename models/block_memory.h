@@ -5,12 +5,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/lora.h"
 #include "models/lora_targets.h"
+#include "models/quant_format.h"
 
 namespace eo::model {
 
@@ -53,6 +55,11 @@ struct BlockPeak {
   double attn_math_saved = 0;  // SDPA's math path for heads over 256 (fp32), 0 where none runs it
 };
 BlockPeak block_peak(const ModelConfig& c, const BlockRun& run, int moe_layers);
+
+// Every routed expert resident (separate tensors, no arena alignment) in `format` (NF4 blocks of
+// run.blocksize, or the checkpoint's MXFP4 / NVFP4), or unquantised in the compute dtype.
+double resident_experts_bytes(const ModelConfig& c, const BlockRun& run, int moe_layers,
+                              std::optional<QuantFormat> format);
 
 // Columns of the RoPE tables (cos, sin) each micro-batch keeps: one table of head_dim, Gemma 4
 // one per layer type.

@@ -36,159 +36,146 @@ model::BlockRun block_run(const RunSpec& spec) {
   return run;
 }
 
-std::string count(double n) { return std::to_string(static_cast<long long>(n)); }
-
-// The offloaded experts: the device slots (whole blocks, or groups of a block's experts) and the
-// budget's resident blocks, the homes in pinned host RAM (disk: its read ring), and the copies a
-// warm step makes, the engine's own staging policy run dry along the step's staging order.
-void plan_offloaded_experts(const RunSpec& spec, const std::string& held, MemoryPlan& p) {
+// The routed experts as the offload engine lays them out (offload/layout.h) and, offloaded, what
+// it keeps on the device and copies: its slots (whole blocks, or groups of a block's experts), the
+// budget's resident blocks (the first ones, in layer order, as the engine), the copies of a warm
+// step (the engine's own staging policy run dry along the step's staging order), the disk homes.
+struct ExpertsLaidOut {
+  double block_bytes = 0, slot_bytes = 0, budget = 0;
+  int slots = 0, group_size = 0;
+  std::int64_t copies_per_step = 0;
+  std::optional<offload::DiskHomesSize> disk;
+};
+ExpertsLaidOut lay_out_experts(const RunSpec& spec, QuantFormat format, int group_size) {
   const model::ModelConfig& c = spec.model;
-  const int moe_layers = static_cast<int>(spec.moe_layers.size());
+  ExpertsLaidOut x;
+  x.group_size = group_size;
   const std::vector<int>& moe_list = spec.moe_layers;
+  const int moe_layers = static_cast<int>(moe_list.size());
   std::vector<bool> is_moe(static_cast<std::size_t>(c.layers));
   for (int i : moe_list) is_moe[static_cast<std::size_t>(i)] = true;
-  const std::vector<int> order = make_step_schedule(int(c.layers), spec.accum, spec.order).staging_order(is_moe);
-  int slots = spec.slots;
-  double budget = 0;
+  std::vector<int> order;  // the step's staging order, offloaded
+  if (spec.offload) order = make_step_schedule(int(c.layers), spec.accum, spec.order).staging_order(is_moe);
+  x.block_bytes = double(offload::expert_block_bytes(c, spec.blocksize, spec.double_quant, format));
+  if (!spec.offload) return x;
   if (!spec.budget_auto && spec.budget_bytes > 0)
-    budget = std::floor(double(spec.budget_bytes) / p.block_bytes) * p.block_bytes;
-  budget = std::min(budget, p.expert_bytes);
-  const int resident_count = p.block_bytes > 0 ? int(budget / p.block_bytes) : 0;
-  // The blocks within the VRAM budget are resident: the first ones, in layer order, as the engine.
+    x.budget = std::floor(double(spec.budget_bytes) / x.block_bytes) * x.block_bytes;
+  x.budget = std::min(x.budget, x.block_bytes * moe_layers);
+  const int resident_count = x.block_bytes > 0 ? int(x.budget / x.block_bytes) : 0;
   const std::vector<int> resident(moe_list.begin(),
                                   moe_list.begin() + std::min<std::size_t>(moe_list.size(), resident_count));
   const int streamed = moe_layers - int(resident.size());
-  const std::string budget_text = budget > 0 ? " + " + human_bytes(budget) + " of resident blocks" : std::string();
-  if (p.group_size > 0) {
+  x.slots = spec.slots;
+  x.slot_bytes = x.block_bytes;
+  if (group_size > 0) {
     // Streamed in groups (offload/engine.h): two slots of a group (one computes, the next
-    // copies), one without prefetch; none when every block is budget-resident.
-    slots = resident_count >= moe_layers ? 0 : spec.prefetch ? 2 : 1;
-    p.slot_bytes =
-        double(offload::expert_group_bytes(c, spec.blocksize, spec.double_quant, p.expert_format, p.group_size));
-    p.device.push_back({"experts", double(slots) * p.slot_bytes + budget,
-                        std::to_string(slots) + " slot(s) of " + human_bytes(p.slot_bytes) + ", each a group of " +
-                            std::to_string(p.group_size) + " of a block's " + std::to_string(c.experts) +
-                            " experts (expert_group_size; blocks of " + human_bytes(p.block_bytes) +
-                            " stream group by group)" + budget_text + held});
-  } else {
-    p.slot_bytes = p.block_bytes;
-    p.device.push_back({"experts", double(slots) * p.block_bytes + budget,
-                        std::to_string(slots) + " slot(s) of " + human_bytes(p.block_bytes) + budget_text + held});
-  }
-  p.host_pinned = p.expert_bytes;
-  p.shared_homes = spec.homes == offload::HomesKind::PerNumaNode;
-  if (!moe_list.empty() && p.group_size > 0) {
-    // Groups: every group of a streamed block's stagings is copied (forward, recompute), and its
-    // backward copies all but the two groups its recompute left in the slots.
-    const std::int64_t groups = (c.experts + p.group_size - 1) / p.group_size;
+    // copies), one without prefetch; none when every block is budget-resident. Every group of a
+    // streamed block's stagings is copied (forward, recompute), and its backward copies all but
+    // the two groups its recompute left in the slots.
+    x.slots = resident_count >= moe_layers ? 0 : spec.prefetch ? 2 : 1;
+    x.slot_bytes = double(offload::expert_group_bytes(c, spec.blocksize, spec.double_quant, format, group_size));
+    const std::int64_t groups = (c.experts + group_size - 1) / group_size;
     std::int64_t stagings = 0;
     for (int l : order) stagings += std::find(resident.begin(), resident.end(), l) == resident.end() ? 1 : 0;
-    p.copies_per_step =
-        stagings * groups + (spec.checkpointing ? stagings / 2 * std::max<std::int64_t>(0, groups - 2) : 0);
+    if (!moe_list.empty())
+      x.copies_per_step =
+          stagings * groups + (spec.checkpointing ? stagings / 2 * std::max<std::int64_t>(0, groups - 2) : 0);
   } else if (!moe_list.empty()) {
-    p.copies_per_step =
-        offload::steady_copies_per_step(order, int(c.layers), std::min(slots, streamed), spec.prefetch, resident);
+    x.copies_per_step =
+        offload::steady_copies_per_step(order, int(c.layers), std::min(x.slots, streamed), spec.prefetch, resident);
   }
-  if (spec.homes == offload::HomesKind::Disk) {
-    const offload::DiskHomesSize z =
-        offload::estimate_disk_homes(c, spec.blocksize, spec.double_quant, slots, p.expert_format);
-    p.disk_homes = true;
-    p.disk_file_bytes = double(z.file_bytes);
-    p.disk_ring = z.ring;
-    p.disk_ring_bytes = double(z.ring_bytes);
-    p.disk_reads_per_step = double(p.copies_per_step) * p.block_bytes;
-    p.host_pinned = p.disk_ring_bytes;
-  }
+  if (spec.homes == offload::HomesKind::Disk)
+    x.disk = offload::estimate_disk_homes(c, spec.blocksize, spec.double_quant, x.slots, format);
+  return x;
 }
 
-// The routed experts: NF4, or the checkpoint's MXFP4 / NVFP4 kept (expert_quant; NVFP4 without
-// load_in_4bit too); one MoE block's exactly as the offload engine lays them out (offload/layout.h).
-void plan_experts(const RunSpec& spec, MemoryPlan& p) {
+// The numbers of a plan, before they are written into its parts.
+struct PlanTerms {
+  model::BlockRun run;
+  ExpertsLaidOut experts;
+  model::BlockParams params;
+  double resident_experts = 0;  // every expert resident: their bytes (separate tensors, no arena alignment)
+  model::BlockContextBytes context;
+  model::BlockPeak block;
+  double rope_columns = 0;
+  double head = 0, head_chunk = 0;  // the loss head's working set, and its rows per chunk
+  ExpertLoraBytes expert_lora;
+};
+
+// The plan's parts from its terms, in the table's order. On a GPU the untied input embedding table
+// stays in host memory (model::LoadOptions::embeddings_on_host). LoRA: fp32 parameter, gradient
+// and two AdamW moments; with expert_lora_offload the experts' state in host RAM
+// (runtime/expert_lora_offload.h) and, on the device, the working copies of a few blocks with their
+// gradients. Checkpoints: the block inputs (embedding output .. last block) and RoPE tables of every
+// micro-batch of the step (the layer-major step keeps all g until backward; micro-batch-major, one),
+// the hidden state or incoming gradient of each, and the outgoing gradient of the block under
+// backward; with activation_offloading the inputs wait in pinned host RAM and about two blocks'
+// worth are on the device (the one in backward and the one being copied back).
+void write_parts(const RunSpec& spec, const PlanTerms& t, MemoryPlan& p) {
   const model::ModelConfig& c = spec.model;
+  const double d = t.run.dtype_bytes, H = double(c.hidden), V = double(c.vocab), E = double(c.experts);
+  const double N = t.run.micro_batch_size * t.run.sequence_len;
+  auto count = [](double n) { return std::to_string(static_cast<long long>(n)); };
   const std::optional<QuantFormat> fmt = spec.expert_format;
-  p.expert_format = fmt.value_or(QuantFormat::Nf4);
   const std::string held = !fmt                         ? std::string()
                            : std::string(" (") + quant_format_name(*fmt) +
                                  (quant_format_traits(*fmt).checkpoint_own ? ", the checkpoint's own bytes)" : ")");
-  p.block_bytes = double(offload::expert_block_bytes(c, spec.blocksize, spec.double_quant, p.expert_format));
-  p.group_size = spec.offload && spec.group_size > 0 && spec.group_size < c.experts ? spec.group_size : 0;
-  p.expert_bytes = p.block_bytes * double(spec.moe_layers.size());
-  if (spec.offload) return plan_offloaded_experts(spec, held, p);
-  // Resident experts are separate tensors (no arena alignment).
-  const QuantFormatTraits& sf = quant_format_traits(p.expert_format);
-  const double I = double(c.expert_width), H = double(c.hidden), d = spec.compute == Compute::Fp32 ? 4 : 2;
-  const double n = I * H;
-  const double matrix = !fmt                        ? I * H * d
-                        : *fmt == QuantFormat::Nf4 ? std::ceil(n / 2) + std::ceil(n / spec.blocksize) * 4
-                                                     : I * H / 2 + I * H / sf.group + sf.per_matrix;
-  p.device.push_back(
-      {"experts", double(spec.moe_layers.size()) * double(c.experts) * 3 * matrix, "every expert resident" + held});
-}
-
-// LoRA: fp32 parameter, gradient and two AdamW moments of what the layers report; with
-// expert_lora_offload the experts' state in host RAM (runtime/expert_lora_offload.h) and, on the
-// device, the working copies of a few blocks with their gradients.
-void plan_lora(const RunSpec& spec, double lora_params, double expert_lora_params, MemoryPlan& p) {
-  const int moe_layers = static_cast<int>(spec.moe_layers.size());
-  if (spec.expert_lora_offload && expert_lora_params > 0) {
-    const double copies = std::min<double>(kExpertLoraWorkingCopies, moe_layers);
-    const ExpertLoraBytes b = expert_lora_bytes(expert_lora_params, expert_lora_params / moe_layers);
-    p.host_lora = b.host;
-    p.expert_lora_params = expert_lora_params;
-    p.device.push_back({"lora", lora_params * 16 + b.device * copies / kExpertLoraWorkingCopies,
-                        count(lora_params) + " parameters x 16 bytes + the experts' LoRA of " + count(copies) +
+  const bool host_embeddings = p.on_gpu && !c.tie_word_embeddings;
+  p.device.push_back({"weights", V * H * d * (c.tie_word_embeddings || host_embeddings ? 1 : 2) + H * d + t.params.frozen,
+                      std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
+                          ", norms, routers, attention" + (spec.load_in_4bit ? " (NF4)" : "")});
+  const ExpertsLaidOut& x = t.experts;
+  const std::string budget = x.budget > 0 ? " + " + human_bytes(x.budget) + " of resident blocks" : std::string();
+  if (!spec.offload)
+    p.device.push_back({"experts", t.resident_experts, "every expert resident" + held});
+  else if (x.group_size > 0)
+    p.device.push_back({"experts", double(x.slots) * x.slot_bytes + x.budget,
+                        count(x.slots) + " slot(s) of " + human_bytes(x.slot_bytes) + ", each a group of " +
+                            count(x.group_size) + " of a block's " + count(E) + " experts (expert_group_size; blocks of " +
+                            human_bytes(x.block_bytes) + " stream group by group)" + budget + held});
+  else
+    p.device.push_back({"experts", double(x.slots) * x.block_bytes + x.budget,
+                        count(x.slots) + " slot(s) of " + human_bytes(x.block_bytes) + budget + held});
+  if (spec.expert_lora_offload && t.params.expert_lora > 0) {
+    const double copies = std::min<double>(kExpertLoraWorkingCopies, double(spec.moe_layers.size()));
+    p.device.push_back({"lora", t.params.lora * 16 + t.expert_lora.device * copies / kExpertLoraWorkingCopies,
+                        count(t.params.lora) + " parameters x 16 bytes + the experts' LoRA of " + count(copies) +
                             " block(s) x 8 bytes (the rest in host RAM)"});
-    return;
+  } else {
+    const double params = t.params.lora + t.params.expert_lora;
+    p.device.push_back({"lora", params * 16, count(params) + " parameters x 16 bytes"});
   }
-  lora_params += expert_lora_params;
-  p.device.push_back({"lora", lora_params * 16, count(lora_params) + " parameters x 16 bytes"});
-}
-
-// Block inputs kept by checkpointing (embedding output .. last block) and the RoPE tables of every
-// micro-batch of the step (the layer-major step keeps all g until backward; micro-batch-major,
-// one), the hidden state or incoming gradient of each, and the outgoing gradient of the block under
-// backward. With activation_offloading the inputs wait in pinned host RAM and about two blocks'
-// worth are on the device (the one in backward and the one being copied back).
-void plan_checkpoints(const RunSpec& spec, MemoryPlan& p) {
-  const model::ModelConfig& c = spec.model;
-  const double N = double(spec.micro_batch_size) * double(spec.sequence_len), H = double(c.hidden);
-  const double d = spec.compute == Compute::Fp32 ? 4 : 2;
   const double g = spec.order == StepOrder::LayerMajor ? double(spec.accum) : 1.0;
   const double kept = spec.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
-  const double checkpoints = (g * (kept + 1) + 2) * N * H * d + g * 2 * N * model::rope_table_columns(c) * d;
-  p.device.push_back({"checkpoints", checkpoints,
+  p.device.push_back({"checkpoints", (g * (kept + 1) + 2) * N * H * d + g * 2 * N * t.rope_columns * d,
                       count(kept) + " block inputs of [tokens, hidden] x " + count(g) + " micro-batch(es) + gradients" +
                           (spec.activation_offloading ? " (the rest parked in host RAM)" : "")});
-  if (spec.activation_offloading) p.host_pinned += g * double(c.layers) * N * H * d;
-  if (const model::BlockContextBytes ctx =
-          model::block_context_bytes(c, double(spec.micro_batch_size), double(spec.sequence_len), g);
-      ctx.bytes > 0)
-    p.device.push_back({ctx.name, ctx.bytes, ctx.what});
-}
-
-// The head: the normed hidden and per-row log-sum-exp saved, the targets; one chunk of logits in
-// flight (forward: the GEMM's output, its fp32 copy and logsumexp's fp32 temporary; backward: the
-// GEMM's output, its fp32 softmax gradient and that cast back), the hidden's gradient. It runs
-// before the blocks' backward, so the peak holds the larger of head and block.
-MemoryPart head_part(const RunSpec& spec) {
-  const double H = double(spec.model.hidden), V = double(spec.model.vocab), d = spec.compute == Compute::Fp32 ? 4 : 2;
-  const double rows = double(spec.micro_batch_size) * double(std::max(1, spec.sequence_len - 1));
-  const double chunk = double(model::loss_chunk_rows(std::int64_t(rows), std::int64_t(V)));
-  const double head = rows * (H * d + 4 + 8) +
-                      std::max(chunk * V * (d + 4 + 4), chunk * V * (d + 4 + d) + rows * H * d) + rows * H * d;
-  return {"head", head, "chunked cross entropy, " + count(chunk) + " rows per chunk"};
-}
-
-MemoryPart block_part(const model::BlockPeak& b, int group_size) {
-  std::string what =
-      "one block's recompute + backward, peak at the " + b.phase + " (" + count(b.pairs) + " token-expert pairs";
+  if (t.context.bytes > 0) p.device.push_back({t.context.name, t.context.bytes, t.context.what});
+  const model::BlockPeak& b = t.block;
+  std::string what = "one block's recompute + backward, peak at the " + b.phase + " (" + count(b.pairs) +
+                     " token-expert pairs";
   if (b.bank > 0)
     what += ", dequantised bank " + human_bytes(b.bank) +
-            (group_size > 0 ? " (a group of " + std::to_string(group_size) + " experts)" : std::string());
+            (x.group_size > 0 ? " (a group of " + count(x.group_size) + " experts)" : std::string());
   if (b.banks_kept) what += ", 2 more kept from the recompute for its backward";
   if (b.attn_math_saved > 0)
     what += ", SDPA's math path for heads over 256 keeps " + human_bytes(b.attn_math_saved) + " in fp32";
-  return {"block", b.bytes, what + ")"};
+  p.device.push_back({"block", b.bytes, what + ")"});
+  p.device.push_back({"head", t.head, "chunked cross entropy, " + count(t.head_chunk) + " rows per chunk"});
+  // CUDA graphs (runtime/block_graphs.h) replay on static buffers that are copies beside the eager
+  // tensors they stand for: the block input (shared by forward, recompute and the loss), the
+  // incoming gradient and the output (shared by every use), each [tokens, hidden], and the two RoPE
+  // tables. Planned wherever graphs may run (cuda_graphs not false, and the uses can replay); where
+  // auto turns them off for want of room, the plan is over by these bytes. Their temporaries live
+  // in the graphs' own pool, which the fit check adds.
+  if (spec.on_gpu && spec.cuda_graphs != Setting::Off && spec.graphs_blocked.empty())
+    p.device.push_back({"graphs", 3 * N * H * d + 2 * N * t.rope_columns * d,
+                        "CUDA graphs' static buffers: block input, gradient, output, RoPE tables "
+                        "(cuda_graphs: false drops them)"});
+  // The portable grouped GEMM's problem table (models/expert_gemm_cuda.h): 60 bytes per expert for
+  // each GEMM in flight; a few of a block's GEMMs may be queued at once.
+  if (spec.on_gpu && spec.expert_gemm != ExpertGemmSetting::Torch)
+    p.device.push_back({"expert gemm", 8.0 * 64 * E, "portable grouped GEMM problem tables (expert_gemm: torch has none)"});
 }
 
 }  // namespace
@@ -198,64 +185,72 @@ MemoryPlan plan_memory(const TrainConfig& cfg, const model::ModelConfig& mc, Com
   return plan_memory(resolve_run_spec(cfg, mc, compute, on_gpu, ranks_per_node));
 }
 
-// The plan sums what the blocks report (models/block_memory.h) and what the offload engine lays
-// out (offload/layout.h); it adds the parts outside the blocks: embeddings, lm_head, the final
-// norm, checkpoints, the head and the CUDA graphs' buffers.
+// The terms come from the code that owns each: the offload engine's layout and staging policy,
+// what each block reports, the loss's chunking; the plan adds them up.
 MemoryPlan plan_memory(const RunSpec& spec) {
   const model::ModelConfig& c = spec.model;
   MemoryPlan p;
   p.on_gpu = spec.on_gpu;
   p.compute = spec.compute;
   p.ranks_per_node = spec.ranks_per_node;
-  const model::BlockRun run = block_run(spec);
-  const double d = run.dtype_bytes, H = double(c.hidden), V = double(c.vocab);
-
-  // Frozen weights on the device (on a GPU the untied input embedding table stays in host memory:
-  // model::LoadOptions::embeddings_on_host) and the LoRA parameters, as each layer reports them.
-  const bool host_embeddings = p.on_gpu && !c.tie_word_embeddings;
-  double weights = V * H * d * (c.tie_word_embeddings || host_embeddings ? 1 : 2) + H * d;
-  double lora_params = 0, expert_lora_params = 0;
+  p.expert_format = spec.expert_format.value_or(QuantFormat::Nf4);
+  PlanTerms t;
+  t.run = block_run(spec);
+  p.group_size = t.run.group_size;
+  t.experts = lay_out_experts(spec, p.expert_format, p.group_size);
   std::vector<bool> is_moe(static_cast<std::size_t>(c.layers));
   for (int i : spec.moe_layers) is_moe[static_cast<std::size_t>(i)] = true;
-  for (int i = 0; i < c.layers; ++i) {
-    const model::BlockParams b = model::block_params(c, i, is_moe[static_cast<std::size_t>(i)], run);
-    weights += b.frozen;
-    lora_params += b.lora;
-    expert_lora_params += b.expert_lora;
+  for (int i = 0; i < c.layers; ++i) {  // what each layer reports (models/block_memory.h), summed
+    const model::BlockParams b = model::block_params(c, i, is_moe[static_cast<std::size_t>(i)], t.run);
+    t.params.frozen += b.frozen;
+    t.params.lora += b.lora;
+    t.params.expert_lora += b.expert_lora;
   }
-  p.device.push_back({"weights", weights,
-                      std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
-                          ", norms, routers, attention" + (spec.load_in_4bit ? " (NF4)" : "")});
-  plan_experts(spec, p);
-  plan_lora(spec, lora_params, expert_lora_params, p);
-  plan_checkpoints(spec, p);
-  // One block under backward (nothing fitted: each term names a tensor of the code), and the head.
-  const model::BlockPeak block = model::block_peak(c, run, static_cast<int>(spec.moe_layers.size()));
-  p.device.push_back(block_part(block, p.group_size));
-  const MemoryPart head = head_part(spec);
-  p.device.push_back(head);
+  t.resident_experts = spec.offload ? 0 : model::resident_experts_bytes(c, t.run, int(spec.moe_layers.size()), spec.expert_format);
+  t.context = model::block_context_bytes(c, t.run.micro_batch_size, t.run.sequence_len,
+                                         spec.order == StepOrder::LayerMajor ? double(spec.accum) : 1.0);
+  t.block = model::block_peak(c, t.run, static_cast<int>(spec.moe_layers.size()));
+  t.rope_columns = model::rope_table_columns(c);
+  // The head: the normed hidden and per-row log-sum-exp saved, the targets; one chunk of logits
+  // in flight (forward: the GEMM's output, its fp32 copy and logsumexp's fp32 temporary; backward:
+  // the GEMM's output, its fp32 softmax gradient and that cast back), the hidden's gradient.
+  const double rows = double(spec.micro_batch_size) * double(std::max(1, spec.sequence_len - 1));
+  const double chunk = double(model::loss_chunk_rows(std::int64_t(rows), std::int64_t(c.vocab)));
+  const double H = double(c.hidden), V = double(c.vocab), d = t.run.dtype_bytes;
+  t.head_chunk = chunk;
+  t.head = rows * (H * d + 4 + 8) + std::max(chunk * V * (d + 4 + 4), chunk * V * (d + 4 + d) + rows * H * d) +
+           rows * H * d;
+  if (spec.expert_lora_offload && t.params.expert_lora > 0)
+    t.expert_lora = expert_lora_bytes(t.params.expert_lora, t.params.expert_lora / double(spec.moe_layers.size()));
+  write_parts(spec, t, p);
 
-  // CUDA graphs (runtime/block_graphs.h) replay on static buffers that are copies beside the eager
-  // tensors they stand for: the block input (shared by forward, recompute and the loss), the
-  // incoming gradient and the output (shared by every use), each [tokens, hidden], and the two RoPE
-  // tables. Planned wherever graphs may run (cuda_graphs not false, and the uses can replay); where
-  // auto turns them off for want of room, the plan is over by these bytes. Their temporaries live
-  // in the graphs' own pool, which the fit check adds.
-  const double N = run.micro_batch_size * run.sequence_len;
-  if (spec.on_gpu && spec.cuda_graphs != Setting::Off && spec.graphs_blocked.empty())
-    p.device.push_back({"graphs", 3 * N * H * d + 2 * N * model::rope_table_columns(c) * d,
-                        "CUDA graphs' static buffers: block input, gradient, output, RoPE tables "
-                        "(cuda_graphs: false drops them)"});
-  // The portable grouped GEMM's problem table (models/expert_gemm_cuda.h): 60 bytes per expert for
-  // each GEMM in flight; a few of a block's GEMMs may be queued at once.
-  if (spec.on_gpu && spec.expert_gemm != ExpertGemmSetting::Torch)
-    p.device.push_back({"expert gemm", 8.0 * 64 * double(c.experts),
-                        "portable grouped GEMM problem tables (expert_gemm: torch has none)"});
+  const ExpertsLaidOut& x = t.experts;
+  p.block_bytes = x.block_bytes;
+  p.slot_bytes = x.slot_bytes;
+  p.expert_bytes = x.block_bytes * double(spec.moe_layers.size());
+  p.copies_per_step = x.copies_per_step;
+  if (spec.offload) {
+    p.host_pinned = p.expert_bytes;
+    p.shared_homes = spec.homes == offload::HomesKind::PerNumaNode;
+  }
+  if (x.disk) {
+    p.disk_homes = true;
+    p.disk_file_bytes = double(x.disk->file_bytes);
+    p.disk_ring = x.disk->ring;
+    p.disk_ring_bytes = double(x.disk->ring_bytes);
+    p.disk_reads_per_step = double(p.copies_per_step) * p.block_bytes;
+    p.host_pinned = p.disk_ring_bytes;
+  }
+  if (spec.activation_offloading)
+    p.host_pinned += (spec.order == StepOrder::LayerMajor ? double(spec.accum) : 1.0) * double(c.layers) *
+                     t.run.micro_batch_size * t.run.sequence_len * double(c.hidden) * t.run.dtype_bytes;
+  p.host_lora = t.expert_lora.host;
+  p.expert_lora_params = spec.expert_lora_offload && t.params.expert_lora > 0 ? t.params.expert_lora : 0;
 
   p.device_peak = 0;
   for (const auto& part : p.device)
     if (part.name != "block" && part.name != "head") p.device_peak += part.bytes;
-  p.device_peak += std::max(block.bytes, head.bytes);
+  p.device_peak += std::max(t.block.bytes, t.head);  // block and head never coexist
   // What the caching allocator holds beyond what it hands out at that peak (block rounding,
   // segments split by earlier allocations, cuBLAS workspaces): device_memory_limit caps the held
   // bytes, so the start-up check wants peak + margin. Measured on the H200 (docs/benchmarks.md):
