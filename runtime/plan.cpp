@@ -92,6 +92,7 @@ ExpertsLaidOut lay_out_experts(const RunSpec& spec, QuantFormat format, int grou
 // The numbers of a plan, before they are written into its parts.
 struct PlanTerms {
   model::BlockRun run;
+  double micro_batches_kept = 1;  // block inputs kept until backward: all g layer-major, one micro-batch-major
   ExpertsLaidOut experts;
   model::BlockParams params;
   double resident_experts = 0;  // every expert resident: their bytes (separate tensors, no arena alignment)
@@ -121,7 +122,8 @@ void write_parts(const RunSpec& spec, const PlanTerms& t, MemoryPlan& p) {
                            : std::string(" (") + quant_format_name(*fmt) +
                                  (quant_format_traits(*fmt).checkpoint_own ? ", the checkpoint's own bytes)" : ")");
   const bool host_embeddings = p.on_gpu && !c.tie_word_embeddings;
-  p.device.push_back({"weights", V * H * d * (c.tie_word_embeddings || host_embeddings ? 1 : 2) + H * d + t.params.frozen,
+  const double embeddings = V * H * d * (c.tie_word_embeddings || host_embeddings ? 1 : 2) + H * d;  // + final norm
+  p.device.push_back({"weights", embeddings + t.params.frozen,
                       std::string(host_embeddings ? "lm_head (input embeddings in host RAM)" : "embeddings, lm_head") +
                           ", norms, routers, attention" + (spec.load_in_4bit ? " (NF4)" : "")});
   const ExpertsLaidOut& x = t.experts;
@@ -131,8 +133,9 @@ void write_parts(const RunSpec& spec, const PlanTerms& t, MemoryPlan& p) {
   else if (x.group_size > 0)
     p.device.push_back({"experts", double(x.slots) * x.slot_bytes + x.budget,
                         count(x.slots) + " slot(s) of " + human_bytes(x.slot_bytes) + ", each a group of " +
-                            count(x.group_size) + " of a block's " + count(E) + " experts (expert_group_size; blocks of " +
-                            human_bytes(x.block_bytes) + " stream group by group)" + budget + held});
+                            count(x.group_size) + " of a block's " + count(E) +
+                            " experts (expert_group_size; blocks of " + human_bytes(x.block_bytes) +
+                            " stream group by group)" + budget + held});
   else
     p.device.push_back({"experts", double(x.slots) * x.block_bytes + x.budget,
                         count(x.slots) + " slot(s) of " + human_bytes(x.block_bytes) + budget + held});
@@ -145,7 +148,7 @@ void write_parts(const RunSpec& spec, const PlanTerms& t, MemoryPlan& p) {
     const double params = t.params.lora + t.params.expert_lora;
     p.device.push_back({"lora", params * 16, count(params) + " parameters x 16 bytes"});
   }
-  const double g = spec.order == StepOrder::LayerMajor ? double(spec.accum) : 1.0;
+  const double g = t.micro_batches_kept;
   const double kept = spec.activation_offloading ? std::min(2.0, double(c.layers)) : double(c.layers);
   p.device.push_back({"checkpoints", (g * (kept + 1) + 2) * N * H * d + g * 2 * N * t.rope_columns * d,
                       count(kept) + " block inputs of [tokens, hidden] x " + count(g) + " micro-batch(es) + gradients" +
@@ -175,7 +178,8 @@ void write_parts(const RunSpec& spec, const PlanTerms& t, MemoryPlan& p) {
   // The portable grouped GEMM's problem table (models/expert_gemm_cuda.h): 60 bytes per expert for
   // each GEMM in flight; a few of a block's GEMMs may be queued at once.
   if (spec.on_gpu && spec.expert_gemm != ExpertGemmSetting::Torch)
-    p.device.push_back({"expert gemm", 8.0 * 64 * E, "portable grouped GEMM problem tables (expert_gemm: torch has none)"});
+    p.device.push_back(
+        {"expert gemm", 8.0 * 64 * E, "portable grouped GEMM problem tables (expert_gemm: torch has none)"});
 }
 
 }  // namespace
@@ -196,6 +200,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   p.expert_format = spec.expert_format.value_or(QuantFormat::Nf4);
   PlanTerms t;
   t.run = block_run(spec);
+  t.micro_batches_kept = spec.order == StepOrder::LayerMajor ? double(spec.accum) : 1.0;
   p.group_size = t.run.group_size;
   t.experts = lay_out_experts(spec, p.expert_format, p.group_size);
   std::vector<bool> is_moe(static_cast<std::size_t>(c.layers));
@@ -206,10 +211,10 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     t.params.lora += b.lora;
     t.params.expert_lora += b.expert_lora;
   }
-  t.resident_experts = spec.offload ? 0 : model::resident_experts_bytes(c, t.run, int(spec.moe_layers.size()), spec.expert_format);
-  t.context = model::block_context_bytes(c, t.run.micro_batch_size, t.run.sequence_len,
-                                         spec.order == StepOrder::LayerMajor ? double(spec.accum) : 1.0);
-  t.block = model::block_peak(c, t.run, static_cast<int>(spec.moe_layers.size()));
+  const int moe_layers = static_cast<int>(spec.moe_layers.size());
+  if (!spec.offload) t.resident_experts = model::resident_experts_bytes(c, t.run, moe_layers, spec.expert_format);
+  t.context = model::block_context_bytes(c, t.run.micro_batch_size, t.run.sequence_len, t.micro_batches_kept);
+  t.block = model::block_peak(c, t.run, moe_layers);
   t.rope_columns = model::rope_table_columns(c);
   // The head: the normed hidden and per-row log-sum-exp saved, the targets; one chunk of logits
   // in flight (forward: the GEMM's output, its fp32 copy and logsumexp's fp32 temporary; backward:
@@ -221,13 +226,13 @@ MemoryPlan plan_memory(const RunSpec& spec) {
   t.head = rows * (H * d + 4 + 8) + std::max(chunk * V * (d + 4 + 4), chunk * V * (d + 4 + d) + rows * H * d) +
            rows * H * d;
   if (spec.expert_lora_offload && t.params.expert_lora > 0)
-    t.expert_lora = expert_lora_bytes(t.params.expert_lora, t.params.expert_lora / double(spec.moe_layers.size()));
+    t.expert_lora = expert_lora_bytes(t.params.expert_lora, t.params.expert_lora / moe_layers);
   write_parts(spec, t, p);
 
   const ExpertsLaidOut& x = t.experts;
   p.block_bytes = x.block_bytes;
   p.slot_bytes = x.slot_bytes;
-  p.expert_bytes = x.block_bytes * double(spec.moe_layers.size());
+  p.expert_bytes = x.block_bytes * moe_layers;
   p.copies_per_step = x.copies_per_step;
   if (spec.offload) {
     p.host_pinned = p.expert_bytes;
@@ -242,8 +247,7 @@ MemoryPlan plan_memory(const RunSpec& spec) {
     p.host_pinned = p.disk_ring_bytes;
   }
   if (spec.activation_offloading)
-    p.host_pinned += (spec.order == StepOrder::LayerMajor ? double(spec.accum) : 1.0) * double(c.layers) *
-                     t.run.micro_batch_size * t.run.sequence_len * double(c.hidden) * t.run.dtype_bytes;
+    p.host_pinned += t.micro_batches_kept * double(c.layers) * t.run.micro_batch_size * t.run.sequence_len * H * d;
   p.host_lora = t.expert_lora.host;
   p.expert_lora_params = spec.expert_lora_offload && t.params.expert_lora > 0 ? t.params.expert_lora : 0;
 
