@@ -146,6 +146,11 @@ double expert_bank_bytes(const ModelConfig& c, const BlockRun& run, int moe_laye
   return bank;
 }
 
+// Whether the GPU's fused SwiGLU takes the expert LoRA's deltas and gradients apart from the base
+// GEMMs' (models/fused.h: swiglu_twice), keeping them for its backward: not under gpt-oss's
+// clamped activation, whose clamps read the sums, formed first (models/moe_model.cpp).
+bool fused_swiglu_lora(const ModelConfig& c) { return !c.swiglu_clamp; }
+
 // The peak's phases, the larger kept with its name.
 struct Phases {
   double bytes = 0;
@@ -319,7 +324,5 @@ BlockContextBytes block_context_bytes(const ModelConfig& c, double micro_batch_s
   const double scales = c.llama4->temperature_tuning ? g * N * 4 : 0;
   return {masks + scales, "llama4 context", "chunked-attention masks and NoPE query scales of the micro-batches"};
 }
-
-bool fused_swiglu_lora(const ModelConfig& c) { return !c.swiglu_clamp; }
 
 }  // namespace eo::model

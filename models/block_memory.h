@@ -76,9 +76,4 @@ struct BlockContextBytes {
 BlockContextBytes block_context_bytes(const ModelConfig& c, double micro_batch_size, double sequence_len,
                                       double micro_batches);
 
-// Whether the GPU's fused SwiGLU takes the expert LoRA's deltas and gradients apart from the base
-// GEMMs' (models/fused.h: swiglu_twice), keeping them for its backward: not under gpt-oss's
-// clamped activation, whose clamps read the sums, formed first (models/moe_model.cpp).
-bool fused_swiglu_lora(const ModelConfig& c);
-
 }  // namespace eo::model
