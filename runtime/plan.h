@@ -16,8 +16,9 @@
 // Each term comes from the code that owns it, and the plan adds them up: the offload engine's
 // layout and staging policy (offload/layout.h, offload/staging.h), what each decoder layer holds and
 // its block's backward peak, counted tensor by tensor (models/block_memory.h), the loss's chunk. No
-// factor is fitted; the plan is checked against measured peaks in bench/ and docs/benchmarks.md. The start-up check adds `margin` for what the allocator reserves beyond
-// what it hands out (rounding, fragmentation, cuBLAS workspaces).
+// factor is fitted; the plan is checked against measured peaks in bench/ and docs/benchmarks.md.
+// The start-up check adds `margin` for what the allocator reserves beyond what it hands out
+// (rounding, fragmentation, cuBLAS workspaces).
 #pragma once
 
 #include <cstdint>

@@ -218,7 +218,8 @@ void describe_one(std::ostringstream& os, const PlanFix& f, const std::string& l
   const std::string in_yaml = "  in YAML: ";
   for (std::size_t i = 0; i < f.sets.size(); ++i) {
     sets += (i ? " " : "") + std::string("--set ") + f.sets[i].first + "=" + f.sets[i].second;
-    yaml += indent + (i ? std::string(in_yaml.size(), ' ') : in_yaml) + yaml_line(f.sets[i].first, f.sets[i].second) + "\n";
+    yaml += indent + (i ? std::string(in_yaml.size(), ' ') : in_yaml) + yaml_line(f.sets[i].first, f.sets[i].second) +
+            "\n";
   }
   os << label << what.substr(indent.size()) << indent << "peak " << human_bytes(f.peak) << ", " << human_bytes(f.peak + f.margin)
      << " with margin";
