@@ -9,6 +9,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "models/lora_targets.h"
 #include "models/moe_model.h"
 #include "models/safetensors.h"
 
@@ -158,7 +159,8 @@ void MoeModel::add_lora(const LoraSpec& spec) {
       (*s.stack)->init_fused(spec.seed * 1000003ULL + i);
       continue;
     }
-    if (!spec.targets_module(s.short_name) || !spec.targets_layer(s.layer)) {
+    // The model's targets are names already (lora_target_linear resolved to its linears).
+    if (!adapts_module(spec, false, s.short_name, s.layer)) {
       if (s.slot) s.slot->reset();
       continue;
     }

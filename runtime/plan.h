@@ -13,10 +13,12 @@
 //               dispatch, attention), one dequantised expert bank or its largest slice
 //   head        the final norm and the chunked cross-entropy working set
 // The peak is everything but block and head, plus the larger of the two (they never coexist).
-// The activation terms are counted tensor by tensor from the shapes (plan.cpp names each; no
-// factor is fitted); the plan is checked against measured peaks in bench/ and
-// docs/benchmarks.md. The start-up check adds `margin` for what the allocator reserves beyond
-// what it hands out (rounding, fragmentation, cuBLAS workspaces).
+// Each term comes from the code that owns it, and the plan adds them up: the offload engine's
+// layout and staging policy (offload/layout.h, offload/staging.h), what each decoder layer holds and
+// its block's backward peak, counted tensor by tensor (models/block_memory.h), the loss's chunk. No
+// factor is fitted; the plan is checked against measured peaks in bench/ and docs/benchmarks.md.
+// The start-up check adds `margin` for what the allocator reserves beyond what it hands out
+// (rounding, fragmentation, cuBLAS workspaces).
 #pragma once
 
 #include <cstdint>

@@ -214,15 +214,17 @@ std::string yaml_line(const std::string& key, const std::string& value) {
 void describe_one(std::ostringstream& os, const PlanFix& f, const std::string& label) {
   const std::string indent(label.size(), ' ');
   const std::string what = wrap(f.what, indent, kHelpWidth);
+  std::string sets, yaml;
+  const std::string in_yaml = "  in YAML: ";
+  for (std::size_t i = 0; i < f.sets.size(); ++i) {
+    sets += (i ? " " : "") + std::string("--set ") + f.sets[i].first + "=" + f.sets[i].second;
+    yaml += indent + (i ? std::string(in_yaml.size(), ' ') : in_yaml) + yaml_line(f.sets[i].first, f.sets[i].second) +
+            "\n";
+  }
   os << label << what.substr(indent.size()) << indent << "peak " << human_bytes(f.peak) << ", " << human_bytes(f.peak + f.margin)
      << " with margin";
   if (f.host_pinned_per_node > 0) os << "; " << human_bytes(f.host_pinned_per_node) << " pinned host RAM per node";
-  os << "\n" << indent << "  ";
-  for (std::size_t i = 0; i < f.sets.size(); ++i) os << (i ? " " : "") << "--set " << f.sets[i].first << "=" << f.sets[i].second;
-  os << "\n";
-  const std::string yaml = "  in YAML: ";
-  for (std::size_t i = 0; i < f.sets.size(); ++i)
-    os << indent << (i ? std::string(yaml.size(), ' ') : yaml) << yaml_line(f.sets[i].first, f.sets[i].second) << "\n";
+  os << "\n" << indent << "  " << sets << "\n" << yaml;
 }
 
 }  // namespace
@@ -305,19 +307,23 @@ FixPlan plan_fixes(const TrainConfig& cfg, const RunSpec& spec, double available
 
 std::string describe_fixes(const FixPlan& fixes, const std::string& limit) {
   std::ostringstream os;
+  // The heading, then each change listed with its label.
+  std::vector<std::pair<const PlanFix*, std::string>> listed;
   if (!fixes.singles.empty()) {
     os << "what to change to fit " << limit << " (cheapest first; each re-planned, the margin included):\n";
-    for (std::size_t i = 0; i < fixes.singles.size(); ++i) describe_one(os, fixes.singles[i], "  " + std::to_string(i + 1) + ". ");
+    for (std::size_t i = 0; i < fixes.singles.size(); ++i)
+      listed.emplace_back(&fixes.singles[i], "  " + std::to_string(i + 1) + ". ");
   } else if (fixes.combined.sets.empty()) {
     os << "nothing in the config that eo-ddp can change makes it fit " << limit << "\n";
   } else if (fixes.combined.fits) {
     os << "no single change fits " << limit << "; these together do (re-planned, the margin included):\n";
-    describe_one(os, fixes.combined, "  ");
+    listed.emplace_back(&fixes.combined, "  ");
   } else {
     os << "nothing in the config that eo-ddp can change makes it fit " << limit
        << "; with every change below it still needs " << human_bytes(fixes.combined.peak + fixes.combined.margin) << ":\n";
-    describe_one(os, fixes.combined, "  ");
+    listed.emplace_back(&fixes.combined, "  ");
   }
+  for (const auto& [fix, label] : listed) describe_one(os, *fix, label);
   return os.str();
 }
 

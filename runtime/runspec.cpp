@@ -1,6 +1,7 @@
 #include "runtime/runspec.h"
 
 #include "common/text.h"
+#include "models/lora_targets.h"
 #include "offload/staging.h"
 
 namespace eo {
@@ -26,9 +27,8 @@ bool experts_carry_lora(const RunSpec& s) {
   for (const auto& p : s.lora.target_parameters)
     if (p == model::kGateUpParam || p == model::kDownParam) return true;
   if (!s.lora.target_parameters.empty() || !s.model.experts_lora_ok()) return false;  // fused parameters only, then
-  if (s.lora_all_linear) return true;
   for (const auto& name : s.model.expert_linears())
-    if (s.lora.targets_module(name)) return true;
+    if (model::adapts_module(s.lora, s.lora_all_linear, name)) return true;
   return false;
 }
 

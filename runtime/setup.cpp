@@ -405,6 +405,9 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
             describe_device(device) + ", " + compute_name(spec.compute) + " compute");
   run.model = model::MoeModel::load(cfg.base_model, spec.model, lo);
   model::MoeModel& model = *run.model;
+  // The banks a recompute keeps for its backward, which follows at once (none without
+  // checkpointing, where a forward's graph would outlive it: bank_reuse_in_effect).
+  model.set_bank_reuse(spec.bank_reuse);
   if (spec.offload) run.offloader = start_offload(model, cfg, spec, device, world);
   model.add_lora(spec.lora);
   start_expert_lora_offload(cfg, run);

@@ -105,15 +105,9 @@ StepRunner::StepRunner(model::MoeModel& model, const StepOptions& options, int m
   const at::Device device = model_.options().device;
   store_ = std::make_unique<offload::ActivationStore>(device, options_.activation_offloading);
   graphs_ = std::make_unique<BlockGraphs>(device, options_.cuda_graphs);
-  // Kept banks live from a recompute to its backward, which follows at once; without
-  // checkpointing a forward's graph outlives it, and every block's banks would be kept.
-  model_.set_bank_reuse(options_.checkpointing ? options_.bank_reuse : model::BankReuse::None);
 }
 
-StepRunner::~StepRunner() {
-  model_.weight_provider().set_schedule({});
-  model_.set_bank_reuse(model::BankReuse::None);
-}
+StepRunner::~StepRunner() { model_.weight_provider().set_schedule({}); }
 
 bool StepRunner::graphs_enabled() const { return graphs_->enabled(); }
 int StepRunner::graphs_captured() const { return graphs_->graphs(); }

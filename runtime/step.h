@@ -52,7 +52,6 @@ struct StepOptions {
   // Replay the uses as CUDA graphs (runtime/block_graphs.h): the run's decision (RunSpec::graphs),
   // taken where uses can replay (checkpointing, no random blocks).
   bool cuda_graphs = true;
-  model::BankReuse bank_reuse = model::BankReuse::None;  // banks a recompute keeps for its backward (with checkpointing)
 };
 
 // Device scalars: read them once, after the step (no host synchronisation inside it).

@@ -9,6 +9,7 @@
 
 #include "models/attention_path.h"
 #include "models/block_memory.h"
+#include "models/lora_targets.h"
 
 namespace eo {
 
@@ -51,14 +52,11 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
   double other = T * dense_layers * 3 * 2 * H * double(c.dense_width) * frozen;
   other += T * moe * 3 * 2 * H * double(c.shared_expert_width) * frozen;
   other += T * moe * 2 * H * E * frozen;  // routers
-  const auto& targets = spec.lora.targets;
   for (int l = 0; l < int(c.layers); ++l) {
     for (const auto& lin : c.attention_shapes(l)) {
       other += T * 2 * double(lin.in) * double(lin.out) * frozen;
-      const bool layer_adapted = spec.lora.layers.empty() ||
-                                 std::find(spec.lora.layers.begin(), spec.lora.layers.end(), l) != spec.lora.layers.end();
-      const bool target = spec.lora_all_linear || std::find(targets.begin(), targets.end(), lin.name) != targets.end();
-      if (layer_adapted && target) other += T * 2 * double(spec.lora.r) * double(lin.in + lin.out) * adapted;
+      if (model::adapts_module(spec.lora, spec.lora_all_linear, lin.name, l))
+        other += T * 2 * double(spec.lora.r) * double(lin.in + lin.out) * adapted;
     }
     if (c.is_linear_attention_layer(l)) continue;  // the delta rule: not counted (docs)
     double window = 0;

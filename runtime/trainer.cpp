@@ -32,7 +32,6 @@ StepOptions step_options(const RunSpec& spec, int ranks) {
   o.aux_coef = spec.aux_coef / double(spec.accum * std::max(1, ranks));
   o.random_blocks = spec.random_blocks;
   o.cuda_graphs = spec.graphs;
-  o.bank_reuse = spec.bank_reuse;
   return o;
 }
 
