@@ -21,17 +21,19 @@ ExpertLoraBytes expert_lora_bytes(double params, double block_params) {
 }
 
 // One leaf of an ExpertLora: where the block reads it (`leaf`, the ExpertLora's own A or B), its
-// host master and the pinned buffer its gradient comes home to.
+// host master, the pinned buffer its gradient comes home to, and where it sits in a slot.
 struct ExpertLoraOffload::Param {
   std::shared_ptr<model::ExpertLora> owner;  // keeps `leaf` alive
   at::Tensor* leaf = nullptr;
-  at::Tensor master, grad_home, work;
+  at::Tensor master, grad_home;
+  std::int64_t offset = 0;  // elements into Slot::values and Slot::grads
 };
 
 struct ExpertLoraOffload::Block {
   std::vector<Param> params;
-  bool staged = false;
-  std::size_t index = 0;  // its optimizer in optimizers_
+  int slot = -1;           // slots_ index while staged
+  bool grad_live = false;  // its slot's gradients are this stint's (from before_backward on)
+  std::size_t index = 0;   // its optimizer in optimizers_
 };
 
 namespace {
@@ -51,7 +53,14 @@ class LoraStagingProvider : public model::WeightProvider {
     return inner_->expert_weight(layer, expert, m);
   }
   void set_schedule(const std::vector<int>& order) override { inner_->set_schedule(order); }
-  std::int64_t placement(int layer) override { return inner_->placement(layer); }
+  // The experts' token and the LoRA slot, together: equal only where both addresses are.
+  std::int64_t placement(int layer) override {
+    return (inner_->placement(layer) + 1) * (kExpertLoraWorkingCopies + 1) + lora_.slot_of(layer) + 1;
+  }
+  void before_backward(int layer) override {
+    inner_->before_backward(layer);
+    lora_.before_backward(layer);
+  }
   int expert_group_size() const override { return inner_->expert_group_size(); }
 
  protected:
@@ -74,13 +83,18 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
   blocks_.resize(static_cast<std::size_t>(model.num_layers()));
   for (int layer = 0; layer < model.num_layers(); ++layer) {
     auto b = std::make_unique<Block>();
+    // Back to back in a slot: where the grouped GEMMs read the leaves, r is a multiple of 8
+    // (ExpertLora::grouped_ok), so every start stays 16-byte aligned.
     std::int64_t n = 0;
     for (const auto& l : model.expert_loras(layer)) {
       for (at::Tensor* leaf : {&l->A(), &l->B()}) {
+        EO_CHECK(leaf->scalar_type() == at::kFloat, "expert LoRA offload: a ", leaf->scalar_type(), " leaf in layer ",
+                 layer, " (the masters are fp32)");
         Param p;
         p.owner = l;
         p.leaf = leaf;
         p.master = host_like(*leaf, pin_);
+        p.offset = n;
         n += leaf->numel();
         b->params.push_back(std::move(p));
       }
@@ -99,6 +113,10 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
   EO_CHECK(flat_.size() == params_.size(), "expert LoRA offload: ", params_.size(), " named host masters for ",
            flat_.size(), " leaves");
   for (Param* p : flat_) *p->leaf = p->master;
+  // The slots, once: their addresses are what a CUDA graph of a use captures.
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+  for (int k = 0; k < kExpertLoraWorkingCopies; ++k)
+    slots_.push_back({at::empty({block_params_max_}, f32), at::empty({block_params_max_}, f32), -1});
   for (auto& b : blocks_) {
     if (!b) continue;
     NamedTensors mine;  // the block's masters under their names, in the model's order
@@ -125,12 +143,28 @@ std::int64_t ExpertLoraOffload::host_bytes() const {
 }
 
 std::int64_t ExpertLoraOffload::device_bytes() const {
-  return static_cast<std::int64_t>(expert_lora_bytes(0, double(block_params_max_)).device);
+  std::int64_t n = 0;
+  for (const Slot& s : slots_) n += s.values.nbytes() + s.grads.nbytes();
+  return n;
 }
 
 std::shared_ptr<model::WeightProvider> ExpertLoraOffload::wrap(std::shared_ptr<model::WeightProvider> inner) {
   return std::make_shared<LoraStagingProvider>(std::move(inner), *this);
 }
+
+int ExpertLoraOffload::slot_of(int layer) const {
+  if (layer < 0 || layer >= static_cast<int>(blocks_.size()) || !blocks_[layer]) return -1;
+  return blocks_[layer]->slot;
+}
+
+namespace {
+// A leaf's `sizes` stretch of a flat slot buffer from `offset`.
+at::Tensor slot_view(const at::Tensor& flat, std::int64_t offset, at::IntArrayRef sizes) {
+  std::int64_t n = 1;
+  for (auto d : sizes) n *= d;
+  return flat.narrow(0, offset, n).view(sizes);
+}
+}  // namespace
 
 void ExpertLoraOffload::stage(int layer) {
   if (layer < 0 || layer >= static_cast<int>(blocks_.size()) || !blocks_[layer]) return;
@@ -144,40 +178,70 @@ void ExpertLoraOffload::stage(int layer) {
     }
   }
   staged_.erase(std::remove(staged_.begin(), staged_.end(), layer), staged_.end());
-  if (!b.staged) {
-    // The least recent block leaves first, so the device never holds more working copies than
-    // the plan counts.
-    while (static_cast<int>(staged_.size()) >= kExpertLoraWorkingCopies) {
-      evict(*blocks_[staged_.front()]);
+  if (b.slot < 0) {
+    // The free slot with the lowest index, else the least recent block's: a function of the
+    // stagings since the last flush(), so each step puts each block where it put it the step before.
+    int slot = -1;
+    for (int k = 0; k < kExpertLoraWorkingCopies && slot < 0; ++k)
+      if (slots_[k].layer < 0) slot = k;
+    if (slot < 0) {
+      Block& old = *blocks_[staged_.front()];
+      slot = old.slot;
+      evict(old);
       staged_.erase(staged_.begin());
     }
     at::NoGradGuard ng;
+    Slot& s = slots_[slot];
     for (Param& p : b.params) {
       // Pinned masters copy without waiting for the device; the host touches them again only
-      // after the step's synchronisation (TrainStep), by when these copies are done.
-      p.work = p.master.to(device_, p.master.scalar_type(), /*non_blocking=*/true, /*copy=*/true).requires_grad_(true);
-      if (p.master.grad().defined()) p.work.mutable_grad() = p.master.grad().to(device_, p.master.scalar_type(), true, true);
-      *p.leaf = p.work;
+      // after the step's synchronisation (TrainStep), by when these copies are done. The copy is
+      // queued after every kernel that read the slot's last block, on the same stream.
+      at::Tensor work = slot_view(s.values, p.offset, p.master.sizes());
+      work.copy_(p.master, /*non_blocking=*/true);
+      *p.leaf = work.detach().requires_grad_(true);
     }
-    b.staged = true;
+    s.layer = layer;
+    b.slot = slot;
+    b.grad_live = false;
   }
   staged_.push_back(layer);
 }
 
+void ExpertLoraOffload::before_backward(int layer) {
+  if (layer < 0 || layer >= static_cast<int>(blocks_.size()) || !blocks_[layer]) return;
+  Block& b = *blocks_[layer];
+  EO_CHECK(b.slot >= 0, "expert LoRA offload: a backward of layer ", layer, " before its stage()");
+  if (b.grad_live) return;
+  at::NoGradGuard ng;
+  const Slot& s = slots_[b.slot];
+  for (Param& p : b.params) {
+    // The gradient it took home earlier in the step comes back, else it starts at zero: either
+    // way the backward adds into the slot in place (a CUDA graph's accumulation replays there).
+    at::Tensor g = slot_view(s.grads, p.offset, p.master.sizes());
+    if (p.master.grad().defined()) g.copy_(p.master.grad(), /*non_blocking=*/true);
+    else g.zero_();
+    p.leaf->mutable_grad() = g;
+  }
+  b.grad_live = true;
+}
+
 void ExpertLoraOffload::evict(Block& b) {
-  if (!b.staged) return;
+  if (b.slot < 0) return;
   at::NoGradGuard ng;
   for (Param& p : b.params) {
-    // The gradient so far replaces the host's: it was copied up with the block and added to since.
-    if (p.work.grad().defined()) {
+    EO_CHECK(b.grad_live || !p.leaf->grad().defined(),
+             "expert LoRA offload: a gradient was accumulated without before_backward() (it would be lost)");
+    // The gradient so far replaces the host's: it was brought back with the block and added to since.
+    if (b.grad_live) {
       if (!p.grad_home.defined()) p.grad_home = at::empty(p.master.sizes(), p.master.options().pinned_memory(pin_));
-      p.grad_home.copy_(p.work.grad(), /*non_blocking=*/true);
+      p.grad_home.copy_(p.leaf->grad(), /*non_blocking=*/true);
       p.master.mutable_grad() = p.grad_home;
     }
     *p.leaf = p.master;
-    p.work = at::Tensor();
   }
-  b.staged = false;
+  slots_[b.slot].layer = -1;
+  b.slot = -1;
+  b.grad_live = false;
 }
 
 void ExpertLoraOffload::flush() {

@@ -381,7 +381,7 @@ void start_expert_lora_offload(const TrainConfig& cfg, Run& run) {
             human_bytes(double(run.expert_lora->host_bytes())) + "), working copies of " +
             std::to_string(kExpertLoraWorkingCopies) + " blocks on the device (" +
             human_bytes(double(run.expert_lora->device_bytes())) +
-            "); AdamW for them on the host; CUDA graphs off (each staging gives a block new working copies)");
+            "); AdamW for them on the host");
 }
 
 // The model on the device (its experts in this rank's homes with expert_offload), its LoRA, and

@@ -5,9 +5,15 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
 
 #include "models/hf_config.h"
 #include "models/moe_model.h"
+#include "models/weights.h"
 #include "runtime/config.h"
 #include "runtime/expert_lora_offload.h"
 #include "runtime/plan.h"
@@ -85,9 +91,13 @@ TEST(ExpertLoraPlan, OffOrNotApplicable) {
   EXPECT_FALSE(on({fused, "expert_lora_offload=false"}));
   EXPECT_FALSE(on({fused, "expert_offload=false"}));
   EXPECT_FALSE(on({}));  // attention only: nothing on the experts
-  // While it is on, the step's uses cannot replay as CUDA graphs, and the spec says why.
-  EXPECT_NE(resolve_run_spec(tiny({fused}), mc, Compute::Bf16, true, 1).graphs_blocked.find("expert_lora_offload"),
-            std::string::npos);
+  // It leaves the step's uses free to replay as CUDA graphs (its working copies keep their
+  // addresses), and the plan then counts the graphs' buffers.
+  const RunSpec graphed = resolve_run_spec(tiny({fused}), mc, Compute::Bf16, true, 1);
+  ASSERT_TRUE(graphed.expert_lora_offload);
+  EXPECT_EQ(graphed.graphs_blocked, "");
+  const MemoryPlan plan = plan_memory(graphed);
+  EXPECT_TRUE(std::any_of(plan.device.begin(), plan.device.end(), [](const MemoryPart& m) { return m.name == "graphs"; }));
 }
 
 // The real shapes (configs/models/qwen3-30b-a3b), counted by hand: 48 MoE layers of 128 experts,
@@ -115,7 +125,7 @@ namespace {
 
 // The staging rule the plan counts: at most kExpertLoraWorkingCopies blocks' working copies at once,
 // the least recent leaving first and taking its gradient home; a block staged again brings that
-// gradient back; flush() leaves every block on its host master.
+// gradient back before its backward; flush() leaves every block on its host master.
 TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
   model::LoadOptions lo;
@@ -134,8 +144,14 @@ TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   held.stage(1);
   EXPECT_TRUE(on_device(0) && on_device(1));
   EXPECT_TRUE(leaf(0).equal(master(0)) && leaf(0).requires_grad());
-  leaf(1).mutable_grad() = at::full_like(leaf(1), 3.0);
+  EXPECT_FALSE(leaf(1).grad().defined());  // the forward has no gradient to carry
+  held.before_backward(1);
+  ASSERT_TRUE(leaf(1).grad().defined());
+  EXPECT_TRUE(leaf(1).grad().equal(at::zeros_like(master(1))));
+  at::Tensor g = leaf(1).grad();
+  g.add_(3.0);  // as a backward accumulates: in place
   held.stage(1);  // already there: nothing moves
+  EXPECT_TRUE(leaf(1).grad().is_same(g));
   held.stage(2);  // block 0, the least recent, leaves without a gradient
   EXPECT_FALSE(on_device(0));
   EXPECT_FALSE(master(0).grad().defined());
@@ -143,7 +159,9 @@ TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   EXPECT_FALSE(on_device(1));
   ASSERT_TRUE(master(1).grad().defined());
   EXPECT_TRUE(master(1).grad().equal(at::full_like(master(1), 3.0)));
-  held.stage(1);  // ... and brings it back
+  held.stage(1);  // ... and brings it back for its next backward
+  EXPECT_FALSE(leaf(1).grad().defined());
+  held.before_backward(1);
   ASSERT_TRUE(leaf(1).grad().defined());
   EXPECT_TRUE(leaf(1).grad().equal(at::full_like(master(1), 3.0)));
   int staged = 0;
@@ -151,6 +169,111 @@ TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   EXPECT_EQ(staged, kExpertLoraWorkingCopies);
   held.flush();
   for (int l = 0; l < m->num_layers(); ++l) EXPECT_FALSE(on_device(l)) << l;
+  EXPECT_TRUE(master(1).grad().equal(at::full_like(master(1), 3.0)));
+  // A gradient that a backward left without before_backward() would be lost at eviction: refused.
+  held.stage(2);
+  m->expert_loras(2).front()->A().mutable_grad() = at::ones_like(master(2));
+  EXPECT_THROW(held.flush(), std::exception);
+}
+
+// The experts' provider under the LoRA's wrapper: one placement for every staged block.
+class StubExperts : public model::WeightProvider {
+ public:
+  const QuantizedWeight& expert_weight(int, int, model::ExpertMatrix) override { throw std::runtime_error("unused"); }
+  std::int64_t placement(int) override { return 1; }
+
+ protected:
+  void stage_block(int) override {}
+};
+
+// What a CUDA graph of a use captured must hold at its next replay: every stint of a block reads
+// its working copies and adds into their gradients at the addresses of the step before, and the
+// placement token (the graph's key) is equal exactly where those addresses are. Three layer-major
+// steps, every leaf of every stint kept alive (so fresh allocations could never land on an old
+// address), the masters changed between steps as an update would: each stint reads the current
+// masters, each step's gradient starts from zero and comes home whole.
+TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
+  model::LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = model::MoeModel::load(cfg.base_model, lo);
+  m->add_lora(lora_spec(cfg));
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg);
+  const auto provider = held.wrap(std::make_shared<StubExperts>());
+  const int n = m->num_layers();
+  ASSERT_GE(n, 3);
+
+  struct Use {
+    std::int64_t placement = 0;
+    std::vector<const void*> values, grads;
+  };
+  std::vector<std::map<std::string, Use>> steps;
+  std::vector<at::Tensor> kept;
+  std::vector<std::vector<at::Tensor>> masters(static_cast<std::size_t>(n));  // the step's, by layer
+  auto record = [&](std::map<std::string, Use>& uses, const std::string& key, int layer, bool backward) {
+    Use u;
+    u.placement = provider->placement(layer);
+    std::size_t k = 0;
+    for (const auto& l : m->expert_loras(layer))
+      for (const at::Tensor* t : {&l->A(), &l->B()}) {
+        EXPECT_FALSE(held.holds(*t)) << key << ": reads its host master";
+        EXPECT_TRUE(t->equal(masters[layer].at(k++))) << key << ": not this step's master";
+        u.values.push_back(t->data_ptr());
+        kept.push_back(*t);
+        if (backward) {
+          EXPECT_TRUE(t->grad().defined() && t->grad().equal(at::zeros_like(*t))) << key << ": a gradient from nothing";
+          u.grads.push_back(t->grad().data_ptr());
+          kept.push_back(t->grad());
+          t->grad().add_(1.0);  // the backward, in place
+        }
+      }
+    uses[key] = u;
+  };
+  for (int step = 0; step < 3; ++step) {
+    std::map<std::string, Use> uses;
+    for (int l = 0; l < n; ++l) {  // unstaged, the leaves are the masters
+      masters[l].clear();
+      for (const auto& e : m->expert_loras(l))
+        for (const at::Tensor* t : {&e->A(), &e->B()}) masters[l].push_back(t->clone());
+    }
+    for (int l = 0; l < n; ++l) {
+      provider->stage(l);
+      record(uses, "F" + std::to_string(l), l, false);
+    }
+    for (int l = n - 1; l >= 0; --l) {
+      if (l != n - 1) provider->stage(l);
+      provider->before_backward(l);
+      record(uses, "B" + std::to_string(l), l, true);
+    }
+    held.flush();
+    at::NoGradGuard ng;
+    for (const auto& [name, master] : held.params()) {
+      ASSERT_TRUE(master.grad().defined()) << name;
+      EXPECT_TRUE(master.grad().equal(at::ones_like(master))) << name << ": step " << step;
+      master.mutable_grad() = at::Tensor();  // the update drops them
+      master.add_(0.5);                      // ... and moves the masters
+    }
+    steps.push_back(std::move(uses));
+  }
+  std::set<const void*> slots;  // the first leaf's address of every use
+  for (int step = 1; step < 3; ++step)
+    for (const auto& [key, u] : steps[0]) {
+      const Use& v = steps[step].at(key);
+      EXPECT_EQ(v.placement, u.placement) << key << " at step " << step;
+      EXPECT_EQ(v.values, u.values) << key << " at step " << step << ": its working copies moved";
+      EXPECT_EQ(v.grads, u.grads) << key << " at step " << step << ": its gradients moved";
+    }
+  for (const auto& [key, u] : steps[0]) slots.insert(u.values.front());
+  EXPECT_EQ(slots.size(), std::size_t(kExpertLoraWorkingCopies));
+  // Within a block, equal tokens exactly where the addresses are equal (a graph keyed by the token
+  // replays on its addresses).
+  for (int l = 0; l < n; ++l) {
+    const Use& f = steps[0].at("F" + std::to_string(l));
+    const Use& b = steps[0].at("B" + std::to_string(l));
+    EXPECT_EQ(f.placement == b.placement, f.values == b.values) << l;
+  }
+  // Neighbours take different slots, so the forward/backward turn copies nothing.
+  EXPECT_NE(steps[0].at("F0").values.front(), steps[0].at("F1").values.front());
 }
 
 }  // namespace
