@@ -13,6 +13,16 @@
 #include "runtime/ddp/comm.h"
 #include "runtime/optimizer.h"
 
+#ifdef EO_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <array>
+
+#include "common/cuda_check.h"
+#endif
+
 namespace eo {
 
 ExpertLoraBytes expert_lora_bytes(double params, double block_params) {
@@ -28,6 +38,37 @@ struct ExpertLoraOffload::Param {
   at::Tensor master, grad_home;
   std::int64_t offset = 0;  // elements into Slot::values and Slot::grads
 };
+
+#ifdef EO_WITH_CUDA
+// Per slot: `ready` after the copies into or out of it, on the copy stream; `released` after the
+// last kernel that read its block, on the compute stream. Events that were never recorded are
+// waited for at once, as CUDA defines.
+struct ExpertLoraOffload::Copies {
+  explicit Copies(const at::Device& d) : device(d.index()), stream(c10::cuda::getStreamFromPool(false, d.index())) {
+    for (int k = 0; k < kExpertLoraWorkingCopies; ++k) {
+      EO_CUDA_CHECK(cudaEventCreateWithFlags(&ready[k], cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
+      EO_CUDA_CHECK(cudaEventCreateWithFlags(&released[k], cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
+    }
+    EO_CUDA_CHECK(cudaEventCreateWithFlags(&drained, cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
+  }
+  ~Copies() {
+    cudaStreamSynchronize(stream.stream());  // no throw from a destructor
+    for (int k = 0; k < kExpertLoraWorkingCopies; ++k) {
+      cudaEventDestroy(ready[k]);
+      cudaEventDestroy(released[k]);
+    }
+    cudaEventDestroy(drained);
+  }
+  cudaStream_t compute() const { return c10::cuda::getCurrentCUDAStream(device).stream(); }
+
+  c10::DeviceIndex device;
+  c10::cuda::CUDAStream stream;
+  std::array<cudaEvent_t, kExpertLoraWorkingCopies> ready{}, released{};
+  cudaEvent_t drained = nullptr;
+};
+#else
+struct ExpertLoraOffload::Copies {};
+#endif
 
 struct ExpertLoraOffload::Block {
   std::vector<Param> params;
@@ -52,7 +93,10 @@ class LoraStagingProvider : public model::WeightProvider {
   const QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override {
     return inner_->expert_weight(layer, expert, m);
   }
-  void set_schedule(const std::vector<int>& order) override { inner_->set_schedule(order); }
+  void set_schedule(const std::vector<int>& order) override {
+    inner_->set_schedule(order);
+    lora_.set_schedule(order);
+  }
   // The experts' token and the LoRA slot, together: equal only where both addresses are.
   std::int64_t placement(int layer) override {
     return (inner_->placement(layer) + 1) * (kExpertLoraWorkingCopies + 1) + lora_.slot_of(layer) + 1;
@@ -116,7 +160,10 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
   // The slots, once: their addresses are what a CUDA graph of a use captures.
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
   for (int k = 0; k < kExpertLoraWorkingCopies; ++k)
-    slots_.push_back({at::empty({block_params_max_}, f32), at::empty({block_params_max_}, f32), -1});
+    slots_.push_back({at::empty({block_params_max_}, f32), at::empty({block_params_max_}, f32), -1, false});
+#ifdef EO_WITH_CUDA
+  if (device_.is_cuda()) copies_ = std::make_unique<Copies>(device_);
+#endif
   for (auto& b : blocks_) {
     if (!b) continue;
     NamedTensors mine;  // the block's masters under their names, in the model's order
@@ -130,6 +177,7 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
 
 ExpertLoraOffload::~ExpertLoraOffload() {
   if (worker_.joinable()) worker_.join();
+  copies_.reset();  // its stream drained before the slots and gradient homes go
 }
 
 bool ExpertLoraOffload::holds(const at::Tensor& param) const {
@@ -166,45 +214,112 @@ at::Tensor slot_view(const at::Tensor& flat, std::int64_t offset, at::IntArrayRe
 }
 }  // namespace
 
-void ExpertLoraOffload::stage(int layer) {
-  if (layer < 0 || layer >= static_cast<int>(blocks_.size()) || !blocks_[layer]) return;
+void ExpertLoraOffload::wait_for_update(const Block& b) {
+  if (!worker_.joinable()) return;
+  // Its masters only once the running update is done with them.
+  std::unique_lock<std::mutex> lock(mutex_);
+  updated_.wait(lock, [&] { return blocks_updated_ > b.index || update_over_; });
+  if (update_error_) {
+    lock.unlock();
+    wait_update();
+  }
+}
+
+void ExpertLoraOffload::slot_copies(int slot, const std::function<void()>& copies) {
+#ifdef EO_WITH_CUDA
+  if (copies_) {
+    Copies& c = *copies_;
+    // Not before every kernel that read the slot's block has run; the compute stream waits for
+    // `ready` where it next reads the slot.
+    EO_CUDA_CHECK(cudaStreamWaitEvent(c.stream.stream(), c.released[slot], 0), "expert LoRA offload: cudaStreamWaitEvent");
+    {
+      c10::cuda::CUDAStreamGuard on_copy_stream(c.stream);
+      copies();
+    }
+    EO_CUDA_CHECK(cudaEventRecord(c.ready[slot], c.stream.stream()), "expert LoRA offload: cudaEventRecord");
+    slots_[slot].pending = true;
+    return;
+  }
+#endif
+  copies();
+}
+
+void ExpertLoraOffload::wait_ready(int slot) {
+  if (!slots_[slot].pending) return;
+  slots_[slot].pending = false;
+#ifdef EO_WITH_CUDA
+  if (copies_)
+    EO_CUDA_CHECK(cudaStreamWaitEvent(copies_->compute(), copies_->ready[slot], 0), "expert LoRA offload: cudaStreamWaitEvent");
+#endif
+}
+
+void ExpertLoraOffload::release(int slot) {
+#ifdef EO_WITH_CUDA
+  // Everything queued so far may read the slot: the point after which its copies may run.
+  if (copies_)
+    EO_CUDA_CHECK(cudaEventRecord(copies_->released[slot], copies_->compute()), "expert LoRA offload: cudaEventRecord");
+#else
+  (void)slot;
+#endif
+}
+
+int ExpertLoraOffload::take_slot(int keep) {
+  // The free slot with the lowest index, else the least recent block's: a function of the
+  // stagings since the slots were last all free, so each step puts each block where the step
+  // before put it.
+  for (int k = 0; k < kExpertLoraWorkingCopies; ++k)
+    if (slots_[k].layer < 0) return k;
+  for (int layer : staged_)
+    if (layer != keep) return blocks_[layer]->slot;
+  EO_CHECK(false, "expert LoRA offload: no slot to take beside layer ", keep);
+  return -1;
+}
+
+void ExpertLoraOffload::copy_in(int layer, int slot) {
   Block& b = *blocks_[layer];
-  if (worker_.joinable()) {  // its masters only once the running update is done with them
-    std::unique_lock<std::mutex> lock(mutex_);
-    updated_.wait(lock, [&] { return blocks_updated_ > b.index || update_over_; });
-    if (update_error_) {
-      lock.unlock();
-      wait_update();
-    }
-  }
-  staged_.erase(std::remove(staged_.begin(), staged_.end(), layer), staged_.end());
-  if (b.slot < 0) {
-    // The free slot with the lowest index, else the least recent block's: a function of the
-    // stagings since the last flush(), so each step puts each block where it put it the step before.
-    int slot = -1;
-    for (int k = 0; k < kExpertLoraWorkingCopies && slot < 0; ++k)
-      if (slots_[k].layer < 0) slot = k;
-    if (slot < 0) {
-      Block& old = *blocks_[staged_.front()];
-      slot = old.slot;
-      evict(old);
-      staged_.erase(staged_.begin());
-    }
-    at::NoGradGuard ng;
-    Slot& s = slots_[slot];
-    for (Param& p : b.params) {
-      // Pinned masters copy without waiting for the device; the host touches them again only
-      // after the step's synchronisation (TrainStep), by when these copies are done. The copy is
-      // queued after every kernel that read the slot's last block, on the same stream.
-      at::Tensor work = slot_view(s.values, p.offset, p.master.sizes());
-      work.copy_(p.master, /*non_blocking=*/true);
-      *p.leaf = work.detach().requires_grad_(true);
-    }
-    s.layer = layer;
-    b.slot = slot;
-    b.grad_live = false;
-  }
+  Slot& s = slots_[slot];
+  wait_for_update(b);
+  Block* old = s.layer >= 0 ? blocks_[s.layer].get() : nullptr;
+  if (old) staged_.erase(std::remove(staged_.begin(), staged_.end(), s.layer), staged_.end());
+  at::NoGradGuard ng;
+  slot_copies(slot, [&] {
+    if (old) evict(*old);  // its gradient home before the slot's gradients are reused
+    // Pinned masters copy without the host waiting; the host touches them again only after the
+    // step's synchronisation (TrainStep), which follows flush(), by when these copies are done.
+    for (Param& p : b.params) slot_view(s.values, p.offset, p.master.sizes()).copy_(p.master, /*non_blocking=*/true);
+  });
+  for (Param& p : b.params) *p.leaf = slot_view(s.values, p.offset, p.master.sizes()).detach().requires_grad_(true);
+  s.layer = layer;
+  b.slot = slot;
+  b.grad_live = false;
   staged_.push_back(layer);
+}
+
+void ExpertLoraOffload::set_schedule(const std::vector<int>& staging_order) {
+  flush();
+  schedule_ = staging_order;
+  cursor_ = 0;
+}
+
+void ExpertLoraOffload::stage(int layer) {
+  // The schedule's next entry, when this call is the one it expects: the block to copy ahead.
+  int next = -1;
+  if (!schedule_.empty() && schedule_[cursor_] == layer) {
+    cursor_ = (cursor_ + 1) % schedule_.size();
+    next = schedule_[cursor_];
+  }
+  if (current_ >= 0 && blocks_[current_]->slot >= 0) release(blocks_[current_]->slot);
+  current_ = -1;
+  const auto held = [&](int l) { return l >= 0 && l < static_cast<int>(blocks_.size()) && blocks_[l]; };
+  if (held(layer)) {
+    Block& b = *blocks_[layer];
+    if (b.slot < 0) copy_in(layer, take_slot(-1));
+    staged_.erase(std::remove(staged_.begin(), staged_.end(), layer), staged_.end());
+    staged_.push_back(layer);  // the most recent
+    wait_ready(b.slot);
+    current_ = layer;
+  }
+  if (held(next) && next != layer && blocks_[next]->slot < 0) copy_in(next, take_slot(current_));
 }
 
 void ExpertLoraOffload::before_backward(int layer) {
@@ -245,8 +360,21 @@ void ExpertLoraOffload::evict(Block& b) {
 }
 
 void ExpertLoraOffload::flush() {
-  for (int layer : staged_) evict(*blocks_[layer]);
+  if (current_ >= 0 && blocks_[current_]->slot >= 0) release(blocks_[current_]->slot);
+  current_ = -1;
+  for (int layer : std::vector<int>(staged_)) {
+    Block& b = *blocks_[layer];
+    slot_copies(b.slot, [&] { evict(b); });
+  }
   staged_.clear();
+#ifdef EO_WITH_CUDA
+  if (copies_) {
+    // Whoever reads the device next (the step's one synchronisation) finds the gradients home.
+    EO_CUDA_CHECK(cudaEventRecord(copies_->drained, copies_->stream.stream()), "expert LoRA offload: cudaEventRecord");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(copies_->compute(), copies_->drained, 0), "expert LoRA offload: cudaStreamWaitEvent");
+  }
+#endif
+  for (Slot& s : slots_) s.pending = false;
 }
 
 at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const at::Tensor& device_norms,

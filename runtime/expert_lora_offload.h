@@ -10,7 +10,15 @@
 //   before_backward(i)  block i's gradients in its slot: the sum it took home earlier this step
 //              (micro-batch-major), else zeros; the leaves' .grad are views of the slot from then on,
 //              so the backward adds in place, in the order resident training adds.
-//   flush()    after the backward: every gradient home, every slot free.
+//   set_schedule(order)  the stage() order of one step (the MoE layers, as the expert engine gets
+//              it; it repeats every step): stage(i) then also copies the masters of the block staged
+//              next into the other slot, so they cross while block i computes. Each slot's copies
+//              (masters up, the leaving block's gradients home) run on a copy stream of their own,
+//              after an event recorded when the slot's last block stopped being used; the compute
+//              stream waits for a slot's copies only where it reads the slot. A new schedule starts
+//              from free slots.
+//   flush()    after the backward: every gradient home, every slot free; the compute stream then
+//              waits for the copy stream, so the step's one read of the device finds them home.
 //   step(...)  AdamW on the host (at::_fused_adamw_, the resident Optimizer's own code), with the
 //              step's skip flag and clip divisor read from the device once (TrainStep). It runs on a
 //              worker thread block by block in layer order, while the host queues the next step:
@@ -34,6 +42,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -83,6 +92,7 @@ class ExpertLoraOffload {
 
   // A WeightProvider that stages `inner`'s experts and this store's LoRA together.
   std::shared_ptr<model::WeightProvider> wrap(std::shared_ptr<model::WeightProvider> inner);
+  void set_schedule(const std::vector<int>& staging_order);
   void stage(int layer);
   void before_backward(int layer);  // after stage(layer), before a backward of the block
   void flush();
@@ -111,7 +121,15 @@ class ExpertLoraOffload {
   struct Slot {
     at::Tensor values, grads;  // flat, a block's leaves back to back (Param::offset)
     int layer = -1;            // the block in it, -1: free
+    bool pending = false;      // copies queued that the compute stream has not waited for
   };
+  struct Copies;  // the copy stream and the slots' events (CUDA devices)
+  void wait_for_update(const Block& b);
+  int take_slot(int keep);  // a free slot, else the least recent block's other than `keep`'s
+  void copy_in(int layer, int slot);
+  void slot_copies(int slot, const std::function<void()>& copies);
+  void wait_ready(int slot);
+  void release(int slot);
   void evict(Block& b);
 
   at::Device device_;
@@ -119,6 +137,10 @@ class ExpertLoraOffload {
   std::vector<std::unique_ptr<Block>> blocks_;  // by layer; null where nothing is held
   std::vector<int> staged_;                     // layers with working copies, least recent first
   std::vector<Slot> slots_;                     // kExpertLoraWorkingCopies, allocated once
+  std::unique_ptr<Copies> copies_;              // after slots_: it waits for its stream first
+  std::vector<int> schedule_;                   // set_schedule's order
+  std::size_t cursor_ = 0;                      // the schedule's entry the next stage() should be
+  int current_ = -1;                            // the staged block in use (stage()'s last)
   std::vector<Param*> flat_;                    // every leaf, by block
   std::vector<Param*> by_order_;                // params_' leaves
   NamedTensors params_;

@@ -18,6 +18,7 @@
 #include "runtime/expert_lora_offload.h"
 #include "runtime/plan.h"
 #include "runtime/runspec.h"
+#include "runtime/schedule.h"
 #include "test_paths.h"
 
 namespace {
@@ -188,11 +189,15 @@ class StubExperts : public model::WeightProvider {
 
 // What a CUDA graph of a use captured must hold at its next replay: every stint of a block reads
 // its working copies and adds into their gradients at the addresses of the step before, and the
-// placement token (the graph's key) is equal exactly where those addresses are. Three layer-major
-// steps, every leaf of every stint kept alive (so fresh allocations could never land on an old
-// address), the masters changed between steps as an update would: each stint reads the current
-// masters, each step's gradient starts from zero and comes home whole.
-TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
+// placement token (the graph's key) is equal exactly where those addresses are. Three steps of
+// the step runner's schedule (runtime/schedule.h, g = 2), staged as StepRunner stages them, every
+// leaf of every stint kept alive (so fresh allocations could never land on an old address), the
+// masters changed between steps as an update would: each stint reads the current masters, each
+// backward finds the gradient of the block's earlier backward uses of the step (micro-batch-
+// major: taken home and brought back), and the step's gradient comes home whole. `scheduled`: the
+// staging order handed over first, so each stage() also copies the next block ahead (then it is
+// in a slot before its own stage(); without a schedule, only where it never left).
+void expect_stable_working_copies(StepOrder order, bool scheduled) {
   const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
   model::LoadOptions lo;
   lo.load_in_4bit = true;
@@ -200,8 +205,11 @@ TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
   m->add_lora(lora_spec(cfg));
   ExpertLoraOffload held(*m, at::kCPU, false, cfg);
   const auto provider = held.wrap(std::make_shared<StubExperts>());
-  const int n = m->num_layers();
+  const int n = m->num_layers(), g = 2;
   ASSERT_GE(n, 3);
+  const StepSchedule schedule = make_step_schedule(n, g, order);
+  const std::vector<int> staging = schedule.staging_order(std::vector<bool>(static_cast<std::size_t>(n), true));
+  if (scheduled) provider->set_schedule(staging);
 
   struct Use {
     std::int64_t placement = 0;
@@ -210,6 +218,7 @@ TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
   std::vector<std::map<std::string, Use>> steps;
   std::vector<at::Tensor> kept;
   std::vector<std::vector<at::Tensor>> masters(static_cast<std::size_t>(n));  // the step's, by layer
+  std::vector<int> backwards(static_cast<std::size_t>(n));                  // the step's so far, by layer
   auto record = [&](std::map<std::string, Use>& uses, const std::string& key, int layer, bool backward) {
     Use u;
     u.placement = provider->placement(layer);
@@ -221,12 +230,14 @@ TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
         u.values.push_back(t->data_ptr());
         kept.push_back(*t);
         if (backward) {
-          EXPECT_TRUE(t->grad().defined() && t->grad().equal(at::zeros_like(*t))) << key << ": a gradient from nothing";
+          ASSERT_TRUE(t->grad().defined()) << key;
+          EXPECT_TRUE(t->grad().equal(at::full_like(*t, backwards[layer]))) << key << ": not the step's gradient so far";
           u.grads.push_back(t->grad().data_ptr());
           kept.push_back(t->grad());
           t->grad().add_(1.0);  // the backward, in place
         }
       }
+    if (backward) ++backwards[layer];
     uses[key] = u;
   };
   for (int step = 0; step < 3; ++step) {
@@ -235,21 +246,33 @@ TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
       masters[l].clear();
       for (const auto& e : m->expert_loras(l))
         for (const at::Tensor* t : {&e->A(), &e->B()}) masters[l].push_back(t->clone());
+      backwards[l] = 0;
     }
-    for (int l = 0; l < n; ++l) {
-      provider->stage(l);
-      record(uses, "F" + std::to_string(l), l, false);
-    }
-    for (int l = n - 1; l >= 0; --l) {
-      if (l != n - 1) provider->stage(l);
-      provider->before_backward(l);
-      record(uses, "B" + std::to_string(l), l, true);
+    int last = -1;
+    std::size_t position = 0;  // in `staging`
+    for (const BlockUse& u : schedule.uses) {
+      if (u.kind == BlockUse::Kind::Loss) continue;
+      const std::string key = std::string(u.kind == BlockUse::Kind::Forward ? "F" : "B") + std::to_string(u.block) +
+                              ":" + std::to_string(u.micro);
+      if (u.block != last) {  // as StepRunner::run stages
+        last = u.block;
+        provider->stage(u.block);
+        ++position;
+        // Unscheduled, the slots hold this block and the one staged before it.
+        const int before = position >= 2 ? staging[position - 2] : -1;
+        if (position < staging.size()) {
+          const int next = staging[position];
+          EXPECT_EQ(held.slot_of(next) >= 0, scheduled || next == before) << key << ": block " << next << " copied ahead";
+        }
+      }
+      if (u.kind == BlockUse::Kind::Backward) provider->before_backward(u.block);
+      record(uses, key, u.block, u.kind == BlockUse::Kind::Backward);
     }
     held.flush();
     at::NoGradGuard ng;
     for (const auto& [name, master] : held.params()) {
       ASSERT_TRUE(master.grad().defined()) << name;
-      EXPECT_TRUE(master.grad().equal(at::ones_like(master))) << name << ": step " << step;
+      EXPECT_TRUE(master.grad().equal(at::full_like(master, g))) << name << ": step " << step;
       master.mutable_grad() = at::Tensor();  // the update drops them
       master.add_(0.5);                      // ... and moves the masters
     }
@@ -265,15 +288,24 @@ TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
     }
   for (const auto& [key, u] : steps[0]) slots.insert(u.values.front());
   EXPECT_EQ(slots.size(), std::size_t(kExpertLoraWorkingCopies));
-  // Within a block, equal tokens exactly where the addresses are equal (a graph keyed by the token
-  // replays on its addresses).
-  for (int l = 0; l < n; ++l) {
-    const Use& f = steps[0].at("F" + std::to_string(l));
-    const Use& b = steps[0].at("B" + std::to_string(l));
-    EXPECT_EQ(f.placement == b.placement, f.values == b.values) << l;
-  }
+  // Equal tokens exactly where the addresses are equal (a graph keyed by the token replays on its
+  // addresses), for every pair of uses of a block.
+  for (const auto& [k1, u1] : steps[0])
+    for (const auto& [k2, u2] : steps[0])
+      if (k1.substr(1, k1.find(':')) == k2.substr(1, k2.find(':')))
+        EXPECT_EQ(u1.placement == u2.placement, u1.values == u2.values) << k1 << " " << k2;
   // Neighbours take different slots, so the forward/backward turn copies nothing.
-  EXPECT_NE(steps[0].at("F0").values.front(), steps[0].at("F1").values.front());
+  EXPECT_NE(steps[0].at("F0:0").values.front(), steps[0].at("F1:0").values.front());
+}
+
+TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
+  expect_stable_working_copies(StepOrder::LayerMajor, false);
+  expect_stable_working_copies(StepOrder::MicroBatchMajor, false);
+}
+
+TEST(ExpertLoraOffload, CopiedAheadAlongTheScheduleAtTheSameAddresses) {
+  expect_stable_working_copies(StepOrder::LayerMajor, true);
+  expect_stable_working_copies(StepOrder::MicroBatchMajor, true);
 }
 
 }  // namespace
