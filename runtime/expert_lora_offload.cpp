@@ -46,8 +46,8 @@ struct ExpertLoraOffload::Param {
 struct ExpertLoraOffload::Copies {
   explicit Copies(const at::Device& d) : device(d.index()), stream(c10::cuda::getStreamFromPool(false, d.index())) {
     for (int k = 0; k < kExpertLoraWorkingCopies; ++k) {
-      EO_CUDA_CHECK(cudaEventCreateWithFlags(&ready[k], cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
-      EO_CUDA_CHECK(cudaEventCreateWithFlags(&released[k], cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
+      for (cudaEvent_t* e : {&ready[k], &released[k]})
+        EO_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
     }
     EO_CUDA_CHECK(cudaEventCreateWithFlags(&drained, cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
   }
@@ -231,7 +231,8 @@ void ExpertLoraOffload::slot_copies(int slot, const std::function<void()>& copie
     Copies& c = *copies_;
     // Not before every kernel that read the slot's block has run; the compute stream waits for
     // `ready` where it next reads the slot.
-    EO_CUDA_CHECK(cudaStreamWaitEvent(c.stream.stream(), c.released[slot], 0), "expert LoRA offload: cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(c.stream.stream(), c.released[slot], 0),
+                  "expert LoRA offload: cudaStreamWaitEvent");
     {
       c10::cuda::CUDAStreamGuard on_copy_stream(c.stream);
       copies();
@@ -249,7 +250,8 @@ void ExpertLoraOffload::wait_ready(int slot) {
   slots_[slot].pending = false;
 #ifdef EO_WITH_CUDA
   if (copies_)
-    EO_CUDA_CHECK(cudaStreamWaitEvent(copies_->compute(), copies_->ready[slot], 0), "expert LoRA offload: cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(copies_->compute(), copies_->ready[slot], 0),
+                  "expert LoRA offload: cudaStreamWaitEvent");
 #endif
 }
 
@@ -371,7 +373,8 @@ void ExpertLoraOffload::flush() {
   if (copies_) {
     // Whoever reads the device next (the step's one synchronisation) finds the gradients home.
     EO_CUDA_CHECK(cudaEventRecord(copies_->drained, copies_->stream.stream()), "expert LoRA offload: cudaEventRecord");
-    EO_CUDA_CHECK(cudaStreamWaitEvent(copies_->compute(), copies_->drained, 0), "expert LoRA offload: cudaStreamWaitEvent");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(copies_->compute(), copies_->drained, 0),
+                  "expert LoRA offload: cudaStreamWaitEvent");
   }
 #endif
   for (Slot& s : slots_) s.pending = false;

@@ -5,8 +5,9 @@
 //   stage(i)   block i's masters are copied into one of kExpertLoraWorkingCopies fixed device
 //              slots (allocated once, reused stint after stint, like the expert slots), whose views
 //              become the leaves the block's ExpertLora reads. A block already in a slot copies
-//              nothing (the forward/backward turn); otherwise it takes the free slot with the lowest
-//              index, else the least recent block's, which leaves first and takes its gradient home.
+//              nothing (the forward/backward turn, a block copied ahead); otherwise it takes the free
+//              slot with the lowest index, else the least recent block's, which leaves first and
+//              takes its gradient home.
 //   before_backward(i)  block i's gradients in its slot: the sum it took home earlier this step
 //              (micro-batch-major), else zeros; the leaves' .grad are views of the slot from then on,
 //              so the backward adds in place, in the order resident training adds.
@@ -22,8 +23,9 @@
 //   step(...)  AdamW on the host (at::_fused_adamw_, the resident Optimizer's own code), with the
 //              step's skip flag and clip divisor read from the device once (TrainStep). It runs on a
 //              worker thread block by block in layer order, while the host queues the next step:
-//              stage(i) waits for block i's update only, so the update hides behind the next
-//              forward. wait_update() waits for all of it (checkpoints, the final adapter).
+//              stage(i) waits only for the updates of block i and of the block it copies ahead, so
+//              the update hides behind the next forward. wait_update() waits for all of it
+//              (checkpoints, the final adapter).
 // Why a host AdamW and not a deferred update on the device: the moments never cross the link (a
 // deferred update carries master, gradient and moments both ways, 16 bytes a parameter each way;
 // here 4 up per stint and 4 home), and the update is exactly the resident one (same kernel, same

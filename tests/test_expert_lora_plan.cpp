@@ -98,7 +98,8 @@ TEST(ExpertLoraPlan, OffOrNotApplicable) {
   ASSERT_TRUE(graphed.expert_lora_offload);
   EXPECT_EQ(graphed.graphs_blocked, "");
   const MemoryPlan plan = plan_memory(graphed);
-  EXPECT_TRUE(std::any_of(plan.device.begin(), plan.device.end(), [](const MemoryPart& m) { return m.name == "graphs"; }));
+  EXPECT_TRUE(std::any_of(plan.device.begin(), plan.device.end(),
+                          [](const MemoryPart& m) { return m.name == "graphs"; }));
 }
 
 // The real shapes (configs/models/qwen3-30b-a3b), counted by hand: 48 MoE layers of 128 experts,
@@ -231,7 +232,8 @@ void expect_stable_working_copies(StepOrder order, bool scheduled) {
         kept.push_back(*t);
         if (backward) {
           ASSERT_TRUE(t->grad().defined()) << key;
-          EXPECT_TRUE(t->grad().equal(at::full_like(*t, backwards[layer]))) << key << ": not the step's gradient so far";
+          EXPECT_TRUE(t->grad().equal(at::full_like(*t, backwards[layer])))
+              << key << ": not the step's gradient so far";
           u.grads.push_back(t->grad().data_ptr());
           kept.push_back(t->grad());
           t->grad().add_(1.0);  // the backward, in place
@@ -262,7 +264,8 @@ void expect_stable_working_copies(StepOrder order, bool scheduled) {
         const int before = position >= 2 ? staging[position - 2] : -1;
         if (position < staging.size()) {
           const int next = staging[position];
-          EXPECT_EQ(held.slot_of(next) >= 0, scheduled || next == before) << key << ": block " << next << " copied ahead";
+          EXPECT_EQ(held.slot_of(next) >= 0, scheduled || next == before)
+              << key << ": block " << next << " copied ahead";
         }
       }
       if (u.kind == BlockUse::Kind::Backward) provider->before_backward(u.block);
