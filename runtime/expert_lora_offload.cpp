@@ -45,6 +45,7 @@ struct ExpertLoraOffload::Param {
 // waited for at once, as CUDA defines.
 struct ExpertLoraOffload::Copies {
   explicit Copies(const at::Device& d) : device(d.index()), stream(c10::cuda::getStreamFromPool(false, d.index())) {
+    const c10::cuda::CUDAGuard on_device(device);  // events belong to the device current at creation
     for (int k = 0; k < kExpertLoraWorkingCopies; ++k) {
       for (cudaEvent_t* e : {&ready[k], &released[k]})
         EO_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
@@ -138,6 +139,8 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
         p.owner = l;
         p.leaf = leaf;
         p.master = host_like(*leaf, pin_);
+        // Its gradient's home now, not at its first eviction: no host allocation inside a step.
+        p.grad_home = at::empty(p.master.sizes(), p.master.options().pinned_memory(pin_));
         p.offset = n;
         n += leaf->numel();
         b->params.push_back(std::move(p));
@@ -350,7 +353,6 @@ void ExpertLoraOffload::evict(Block& b) {
              "expert LoRA offload: a gradient was accumulated without before_backward() (it would be lost)");
     // The gradient so far replaces the host's: it was brought back with the block and added to since.
     if (b.grad_live) {
-      if (!p.grad_home.defined()) p.grad_home = at::empty(p.master.sizes(), p.master.options().pinned_memory(pin_));
       p.grad_home.copy_(p.leaf->grad(), /*non_blocking=*/true);
       p.master.mutable_grad() = p.grad_home;
     }
@@ -390,7 +392,6 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
     for (std::size_t k = 0; k < params_.size(); ++k) {
       Param& p = *by_order_[k];
       if (!p.master.grad().defined()) {
-        if (!p.grad_home.defined()) p.grad_home = at::empty(p.master.sizes(), p.master.options().pinned_memory(pin_));
         p.grad_home.zero_();
         p.master.mutable_grad() = p.grad_home;
       }
