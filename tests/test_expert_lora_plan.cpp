@@ -15,10 +15,12 @@
 #include "models/moe_model.h"
 #include "models/weights.h"
 #include "runtime/config.h"
+#include "runtime/data/batcher.h"
 #include "runtime/expert_lora_offload.h"
 #include "runtime/plan.h"
 #include "runtime/runspec.h"
 #include "runtime/schedule.h"
+#include "runtime/step.h"
 #include "test_paths.h"
 
 namespace {
@@ -309,6 +311,80 @@ TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
 TEST(ExpertLoraOffload, CopiedAheadAlongTheScheduleAtTheSameAddresses) {
   expect_stable_working_copies(StepOrder::LayerMajor, true);
   expect_stable_working_copies(StepOrder::MicroBatchMajor, true);
+}
+
+// The experts of an end-to-end run (the model's own, resident), and at each stage() of a block
+// whether its LoRA was in a slot already: the wrapper stages the experts first, then the LoRA.
+class StagingRecorder : public model::WeightProvider {
+ public:
+  StagingRecorder(model::ResidentWeights::Bank bank, const ExpertLoraOffload& lora)
+      : experts_(std::move(bank)), lora_(lora) {}
+  const QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override {
+    return experts_.expert_weight(layer, expert, m);
+  }
+  std::vector<std::pair<int, bool>> stagings;  // (layer, its LoRA already in a slot)
+
+ protected:
+  void stage_block(int layer) override { stagings.emplace_back(layer, lora_.slot_of(layer) >= 0); }
+
+ private:
+  model::ResidentWeights experts_;
+  const ExpertLoraOffload& lora_;
+};
+
+// Through the step runner, which hands over its schedule as the trainer's does: every stage() of
+// a step but its first finds the block's LoRA in a slot already (copied ahead while the block
+// before computed), layer- and micro-batch-major, and flush() then brings every gradient home.
+TEST(ExpertLoraOffload, TheStepRunnersScheduleCopiesEveryBlockAhead) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
+  model::LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = model::MoeModel::load(cfg.base_model, lo);
+  m->add_lora(lora_spec(cfg));
+  {  // B is zero at init, which would leave every A without a gradient
+    at::manual_seed(5);
+    at::NoGradGuard ng;
+    for (auto& [name, p] : m->lora_parameters())
+      if (name.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
+  }
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg);
+  auto* resident = dynamic_cast<model::ResidentWeights*>(&m->weight_provider());
+  ASSERT_NE(resident, nullptr);
+  const auto recorder = std::make_shared<StagingRecorder>(std::move(resident->bank()), held);
+  m->set_weight_provider(held.wrap(recorder));
+  at::manual_seed(3);
+  std::vector<data::MicroBatch> micro(2);
+  double tokens = 0;
+  for (auto& mb : micro) {
+    mb.input_ids = at::randint(3, m->config().vocab, {2, 16}, at::kLong);
+    mb.labels = mb.input_ids.clone();
+    mb.position_ids = at::arange(16, at::kLong).expand({2, 16}).contiguous();
+    mb.segment_ids = at::zeros({2, 16}, at::kInt);
+    tokens += double(mb.num_target_tokens = 2 * 15);
+  }
+  for (const StepOrder order : {StepOrder::LayerMajor, StepOrder::MicroBatchMajor}) {
+    StepOptions o;
+    o.order = order;
+    StepRunner runner(*m, o, static_cast<int>(micro.size()), nullptr);
+    for (int step = 0; step < 2; ++step) {
+      const std::string what = std::string(order == StepOrder::LayerMajor ? "layer" : "micro-batch") +
+                               "-major step " + std::to_string(step);
+      recorder->stagings.clear();
+      runner.run(micro, tokens);
+      held.flush();
+      ASSERT_GE(recorder->stagings.size(), std::size_t(2 * m->num_layers() - 1)) << what;
+      EXPECT_FALSE(recorder->stagings.front().second) << what << ": the slots start free";
+      for (std::size_t k = 1; k < recorder->stagings.size(); ++k)
+        EXPECT_TRUE(recorder->stagings[k].second)
+            << what << ", stage " << k << " (layer " << recorder->stagings[k].first << "): not copied ahead";
+      at::NoGradGuard ng;
+      for (const auto& [name, master] : held.params()) {
+        ASSERT_TRUE(master.grad().defined()) << what << ": " << name;
+        EXPECT_GT(master.grad().abs().sum().item<double>(), 0) << what << ": " << name;
+        master.mutable_grad() = at::Tensor();  // as the update drops them
+      }
+    }
+  }
 }
 
 }  // namespace
