@@ -17,7 +17,8 @@
 //              (masters up, the leaving block's gradients home) run on a copy stream of their own,
 //              after an event recorded when the slot's last block stopped being used; the compute
 //              stream waits for a slot's copies only where it reads the slot. A new schedule starts
-//              from free slots.
+//              from free slots. The stream is this store's, not the expert engine's: offload/ knows
+//              nothing of LoRA, and a block's two copies share the host link either way.
 //   flush()    after the backward: every gradient home, every slot free; the compute stream then
 //              waits for the copy stream, so the step's one read of the device finds them home.
 //   step(...)  AdamW on the host (at::_fused_adamw_, the resident Optimizer's own code), with the
