@@ -32,6 +32,11 @@ class WeightProvider {
     }
     stage_block(layer);
   }
+  // Called after stage(layer) and before each backward of the block (the step runner's backward
+  // uses): a provider that holds trainable state per block (runtime/expert_lora_offload.h) readies
+  // its gradients here. stage() cannot tell it: the top block's last forward and first backward
+  // share one stage() in a layer-major step.
+  virtual void before_backward(int /*layer*/) {}
   // The packed weight, valid until the next stage() call that may reuse its slot.
   virtual const QuantizedWeight& expert_weight(int layer, int expert, ExpertMatrix m) = 0;
   // The order of stage() calls in one optimizer step, repeating every step (an offloader prefetches

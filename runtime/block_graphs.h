@@ -12,10 +12,11 @@
 //   inside the graph and handed back as fresh tensors (the next replay overwrites the buffers).
 //
 // The key must name everything that makes two uses different graphs: the block, forward or
-// backward, where its experts are staged (WeightProvider::placement), which optional inputs are
-// present. Input shapes and dtypes are added here. Side effects of fn on tensors outside its
-// inputs (LoRA gradients accumulated in place) replay at the same addresses: the gradients must
-// stay allocated between steps (Optimizer::zero_grad zeroes them in place).
+// backward, where its experts (and an offloaded expert LoRA) are staged (WeightProvider::placement),
+// which optional inputs are present. Input shapes and dtypes are added here. Side effects of fn on
+// tensors outside its inputs (LoRA gradients accumulated in place) replay at the same addresses:
+// the gradients must stay allocated between steps (Optimizer::zero_grad zeroes them in place; an
+// offloaded expert LoRA's live in its fixed slots).
 //
 // Static input and output buffers are shared by all graphs (one per argument position, shape and
 // dtype), and all graphs allocate from one memory pool: uses run one after another on one stream,

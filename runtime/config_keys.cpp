@@ -425,8 +425,9 @@ const std::vector<KeySpec>& schema() {
     k.push_back(boolean("expert_lora_offload", &TrainConfig::expert_lora_offload,
                         "With expert_offload and LoRA on the experts (lora_target_parameters, or expert linears in "
                         "lora_target_modules): their fp32 masters, gradients and AdamW moments live in host RAM beside "
-                        "the homes and cross to the device with their block; AdamW runs on the host. CUDA graphs are "
-                        "off while it is on. false keeps that state on the device."));
+                        "the homes and cross to the device with their block (two fixed device slots, so CUDA graphs "
+                        "replay as with the state on the device); AdamW runs on the host. false keeps that state on "
+                        "the device."));
     k.push_back(choice("expert_offload_homes", &TrainConfig::expert_offload_homes, {"per_rank", "per_numa_node", "disk"},
                        "Where the offloaded experts live between uses: per_rank = every rank its own copy in host RAM "
                        "(host RAM = ranks per node x expert bytes); per_numa_node = one copy per NUMA node, filled by one "

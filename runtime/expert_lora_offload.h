@@ -2,27 +2,42 @@
 // offloaded MoE block the fp32 masters, their gradients and AdamW's moments live in host memory
 // (masters and gradients pinned), and the device holds only working copies of the blocks in use.
 //
-//   stage(i)   block i's masters (and the gradient it has gathered so far this step) are copied
-//              onto the device as fresh leaves, which the block's ExpertLora then reads; at most
-//              kExpertLoraWorkingCopies blocks are there at once (the one in use and the one
-//              before, so the forward/backward turn copies nothing). A block pushed out takes its
-//              gradient home; it comes back with the block, so micro-batches add in the order
-//              resident training adds them.
-//   flush()    after the backward: every gradient home, no working copy left.
+//   stage(i)   block i's masters are copied into one of kExpertLoraWorkingCopies fixed device
+//              slots (allocated once, reused stint after stint, like the expert slots), whose views
+//              become the leaves the block's ExpertLora reads. A block already in a slot copies
+//              nothing (the forward/backward turn, a block copied ahead); otherwise it takes the free
+//              slot with the lowest index, else the least recent block's, which leaves first and
+//              takes its gradient home.
+//   before_backward(i)  block i's gradients in its slot: the sum it took home earlier this step
+//              (micro-batch-major), else zeros; the leaves' .grad are views of the slot from then on,
+//              so the backward adds in place, in the order resident training adds.
+//   set_schedule(order)  the stage() order of one step (the MoE layers, as the expert engine gets
+//              it; it repeats every step): stage(i) then also copies the masters of the block staged
+//              next into the other slot, so they cross while block i computes. Each slot's copies
+//              (masters up, the leaving block's gradients home) run on a copy stream of their own,
+//              after an event recorded when the slot's last block stopped being used; the compute
+//              stream waits for a slot's copies only where it reads the slot. A new schedule starts
+//              from free slots. The stream is this store's, not the expert engine's: offload/ knows
+//              nothing of LoRA, and a block's two copies share the host link either way.
+//   flush()    after the backward: every gradient home, every slot free; the compute stream then
+//              waits for the copy stream, so the step's one read of the device finds them home.
 //   step(...)  AdamW on the host (at::_fused_adamw_, the resident Optimizer's own code), with the
 //              step's skip flag and clip divisor read from the device once (TrainStep). It runs on a
 //              worker thread block by block in layer order, while the host queues the next step:
-//              stage(i) waits for block i's update only, so the update hides behind the next
-//              forward. wait_update() waits for all of it (checkpoints, the final adapter).
+//              stage(i) waits only for the updates of block i and of the block it copies ahead, so
+//              the update hides behind the next forward. wait_update() waits for all of it
+//              (checkpoints, the final adapter).
 // Why a host AdamW and not a deferred update on the device: the moments never cross the link (a
 // deferred update carries master, gradient and moments both ways, 16 bytes a parameter each way;
 // here 4 up per stint and 4 home), and the update is exactly the resident one (same kernel, same
 // gradient norm, same decision), so a checkpoint is the same files either way (docs/design.md §2.4).
 //
 // The staging is driven through the model's WeightProvider (ExpertLoraOffload::wrap): whatever
-// stages a block's experts (the step runner, evaluation, scoring) stages its LoRA too.
-// Uses must be checkpointed (a kept autograd graph would hold a working copy past its stint), and
-// CUDA graphs are off (each stint's leaves are new tensors).
+// stages a block's experts (the step runner, evaluation, scoring) stages its LoRA too, and the
+// provider's placement() names the LoRA slot beside the experts' (a CUDA graph replays only on
+// the addresses it captured: the slot's, the same every step since every step starts from free
+// slots). Uses must be checkpointed (a kept autograd graph would hold a working copy past its
+// stint).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,6 +45,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -74,13 +90,17 @@ class ExpertLoraOffload {
   bool holds(const at::Tensor& param) const;  // a host master of this store
   const NamedTensors& params() const { return params_; }  // the host masters, in the model's order
   std::int64_t host_bytes() const;    // masters, gradients, moments (as expert_lora_bytes counts them)
-  std::int64_t device_bytes() const;  // the working copies at most, with their gradients
+  std::int64_t device_bytes() const;  // the slots: working copies with their gradients
   std::int64_t block_params_max() const { return block_params_max_; }
 
   // A WeightProvider that stages `inner`'s experts and this store's LoRA together.
   std::shared_ptr<model::WeightProvider> wrap(std::shared_ptr<model::WeightProvider> inner);
+  void set_schedule(const std::vector<int>& staging_order);
   void stage(int layer);
+  void before_backward(int layer);  // after stage(layer), before a backward of the block
   void flush();
+  // The slot holding layer's working copies, -1 while it reads its host masters.
+  int slot_of(int layer) const;
 
   // The step's host part, after flush() and the device's all-reduce, with `device_norms` the
   // per-parameter gradient norms of `device_params` (fp32, those with a gradient, in order; read
@@ -101,12 +121,29 @@ class ExpertLoraOffload {
  private:
   struct Param;
   struct Block;
+  struct Slot {
+    at::Tensor values, grads;  // flat, a block's leaves back to back (Param::offset)
+    int layer = -1;            // the block in it, -1: free
+    bool pending = false;      // copies queued that the compute stream has not waited for
+  };
+  struct Copies;  // the copy stream and the slots' events (CUDA devices)
+  void wait_for_update(const Block& b);
+  int take_slot(int keep);  // a free slot, else the least recent block's other than `keep`'s
+  void copy_in(int layer, int slot);
+  void slot_copies(int slot, const std::function<void()>& copies);
+  void wait_ready(int slot);
+  void release(int slot);
   void evict(Block& b);
 
   at::Device device_;
   bool pin_;
   std::vector<std::unique_ptr<Block>> blocks_;  // by layer; null where nothing is held
   std::vector<int> staged_;                     // layers with working copies, least recent first
+  std::vector<Slot> slots_;                     // kExpertLoraWorkingCopies, allocated once
+  std::unique_ptr<Copies> copies_;              // after slots_: it waits for its stream first
+  std::vector<int> schedule_;                   // set_schedule's order
+  std::size_t cursor_ = 0;                      // the schedule's entry the next stage() should be
+  int current_ = -1;                            // the staged block in use (stage()'s last)
   std::vector<Param*> flat_;                    // every leaf, by block
   std::vector<Param*> by_order_;                // params_' leaves
   NamedTensors params_;

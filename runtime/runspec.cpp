@@ -15,8 +15,6 @@ std::string why_uses_cannot_replay(const RunSpec& s) {
   if (!s.checkpointing) return "they replay checkpointed block uses; gradient_checkpointing is off";
   if (s.random_blocks) return "lora_dropout > 0: each use's dropout seed is set on the host";
   if (s.merge_aware) return "nvfp4_merge_aware forms its snapped weights anew in every forward";
-  if (s.expert_lora_offload)
-    return "the experts' LoRA is offloaded (expert_lora_offload): each staging gives its block new working copies";
   return "";
 }
 

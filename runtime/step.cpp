@@ -174,6 +174,7 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
       if (model_.block(u.block).is_moe()) model_.weight_provider().stage(u.block);
       if (u.kind == Kind::Backward && u.block > 0) store_->prefetch(u.block - 1);
     }
+    if (u.kind == Kind::Backward && model_.block(u.block).is_moe()) model_.weight_provider().before_backward(u.block);
     const int i = u.block, m = u.micro;
     at::Tensor* router = options_.aux_loss && i >= 0 && model_.block(i).is_moe() ? &logits[i][m] : nullptr;
     switch (u.kind) {

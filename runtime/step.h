@@ -6,7 +6,8 @@
 //                   with a graph on a detached leaf input and keep the graph
 //   Loss(m)         loss_m = CE(head(h[m])) / global tokens (+ aux): backward to dL/dh[m] (and to
 //                   every block's router logits when the aux loss is on)
-//   Backward(i, m)  recompute block i from x[i][m] with a graph (or take the kept one), then
+//   Backward(i, m)  tell the weight provider (before_backward: its per-block gradients ready), then
+//                   recompute block i from x[i][m] with a graph (or take the kept one), then
 //                   backward(y, dh[m]) — plus the router logits' gradient from the aux loss — gives
 //                   the LoRA gradients of block i (accumulated in micro-batch order) and dh[m] for
 //                   block i-1. After block i's last backward use: reducer.block_done(i).

@@ -18,7 +18,8 @@
 //  - CUDA graphs (runtime/block_graphs.h): block and loss uses replayed as graphs give bitwise the eager
 //    step's gradients, step after step (a packed micro-batch with a mask beside an unpacked one,
 //    LoRA on every linear, experts included), and trained adapters and losses equal to eager
-//    training, resident and offloaded, with and without the router aux loss;
+//    training, resident and offloaded, with and without the router aux loss, and with the experts'
+//    LoRA state on the host (expert_lora_offload, layer- and micro-batch-major; graphs captured);
 //  - kept expert banks (expert_bank_reuse all / down) train bitwise like none, and dequantise 6/9
 //    and 8/9 as often;
 //  - with the portable expert GEMM forced (the path of the cards without torch's device-scheduled
@@ -367,16 +368,25 @@ TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
   auto run = [&](const std::string& name, std::vector<std::string> extra) {
     return train_run(root, model, tokens, name, "0.0", extra);
   };
+  const std::string fused = "lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]";
   for (const auto& [label, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"resident", {}},
            {"g1", {"gradient_accumulation_steps=1"}},
            {"prefetch", {"expert_offload=true"}},
            {"prefetch2", {"expert_offload=true", "expert_offload_prefetch_depth=2"}},
-           {"aux", {"output_router_logits=true"}}}) {
+           {"aux", {"output_router_logits=true"}},
+           // The experts' LoRA on the host (expert_lora_offload): its working copies in fixed slots.
+           {"lora-offload", {"expert_offload=true", fused}},
+           {"lora-offload-mbm", {"expert_offload=true", fused, "step_order=micro_batch_major"}}}) {
     std::vector<std::string> eager = extra, graphs = extra;
     eager.push_back("cuda_graphs=false");
     graphs.push_back("cuda_graphs=true");  // auto leaves them off when offloading
-    const fs::path a = run(label + "-eager", eager), b = run(label + "-graphs", graphs);
+    const fs::path a = run(label + "-eager", eager);
+    ::testing::internal::CaptureStderr();
+    const fs::path b = run(label + "-graphs", graphs);
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(log.find("CUDA graphs: on"), std::string::npos) << label << "\n" << log.substr(0, 3000);
+    EXPECT_EQ(log.find("CUDA graphs off for the rest of the run"), std::string::npos) << label;
     const auto ref = read_adapter(a), got = read_adapter(b);
     ASSERT_FALSE(ref.empty()) << label;
     int differing = 0;
@@ -504,7 +514,9 @@ TEST(CudaTrain, PortableExpertGemmStepsNeverSyncWithTheHost) {
            {"resident-attention", {}},
            {"resident-every-linear", {every}},
            {"offloaded-attention", {"expert_offload=true"}},
-           {"offloaded-every-linear", {"expert_offload=true", every}}}) {
+           // The experts' LoRA state stays on the device here: on the host (expert_lora_offload) its
+           // AdamW reads the device once a step by design.
+           {"offloaded-every-linear", {"expert_offload=true", "expert_lora_offload=false", every}}}) {
     std::vector<std::string> args = extra;
     args.insert(args.end(), {"expert_gemm=portable", "cuda_graphs=true", "max_steps=4", "logging_steps=1"});
     TrainHooks hooks;
@@ -547,7 +559,8 @@ TEST(CudaTrain, Fp16PortableStepsNeverSyncWithTheHost) {
   const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 6);
   const std::string every = "lora_target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]";
   for (const auto& [label, extra] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-           {"fp16-resident-every-linear", {every}}, {"fp16-offloaded-every-linear", {"expert_offload=true", every}}}) {
+           {"fp16-resident-every-linear", {every}},
+           {"fp16-offloaded-every-linear", {"expert_offload=true", "expert_lora_offload=false", every}}}) {
     std::vector<std::string> args = extra;
     args.insert(args.end(), {"bf16=false", "fp16=true", "max_steps=4", "logging_steps=1"});
     TrainHooks hooks;

@@ -5,13 +5,22 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
 
 #include "models/hf_config.h"
 #include "models/moe_model.h"
+#include "models/weights.h"
 #include "runtime/config.h"
+#include "runtime/data/batcher.h"
 #include "runtime/expert_lora_offload.h"
 #include "runtime/plan.h"
 #include "runtime/runspec.h"
+#include "runtime/schedule.h"
+#include "runtime/step.h"
 #include "test_paths.h"
 
 namespace {
@@ -85,9 +94,14 @@ TEST(ExpertLoraPlan, OffOrNotApplicable) {
   EXPECT_FALSE(on({fused, "expert_lora_offload=false"}));
   EXPECT_FALSE(on({fused, "expert_offload=false"}));
   EXPECT_FALSE(on({}));  // attention only: nothing on the experts
-  // While it is on, the step's uses cannot replay as CUDA graphs, and the spec says why.
-  EXPECT_NE(resolve_run_spec(tiny({fused}), mc, Compute::Bf16, true, 1).graphs_blocked.find("expert_lora_offload"),
-            std::string::npos);
+  // It leaves the step's uses free to replay as CUDA graphs (its working copies keep their
+  // addresses), and the plan then counts the graphs' buffers.
+  const RunSpec graphed = resolve_run_spec(tiny({fused}), mc, Compute::Bf16, true, 1);
+  ASSERT_TRUE(graphed.expert_lora_offload);
+  EXPECT_EQ(graphed.graphs_blocked, "");
+  const MemoryPlan plan = plan_memory(graphed);
+  EXPECT_TRUE(std::any_of(plan.device.begin(), plan.device.end(),
+                          [](const MemoryPart& m) { return m.name == "graphs"; }));
 }
 
 // The real shapes (configs/models/qwen3-30b-a3b), counted by hand: 48 MoE layers of 128 experts,
@@ -115,7 +129,7 @@ namespace {
 
 // The staging rule the plan counts: at most kExpertLoraWorkingCopies blocks' working copies at once,
 // the least recent leaving first and taking its gradient home; a block staged again brings that
-// gradient back; flush() leaves every block on its host master.
+// gradient back before its backward; flush() leaves every block on its host master.
 TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
   model::LoadOptions lo;
@@ -134,8 +148,14 @@ TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   held.stage(1);
   EXPECT_TRUE(on_device(0) && on_device(1));
   EXPECT_TRUE(leaf(0).equal(master(0)) && leaf(0).requires_grad());
-  leaf(1).mutable_grad() = at::full_like(leaf(1), 3.0);
+  EXPECT_FALSE(leaf(1).grad().defined());  // the forward has no gradient to carry
+  held.before_backward(1);
+  ASSERT_TRUE(leaf(1).grad().defined());
+  EXPECT_TRUE(leaf(1).grad().equal(at::zeros_like(master(1))));
+  at::Tensor g = leaf(1).grad();
+  g.add_(3.0);  // as a backward accumulates: in place
   held.stage(1);  // already there: nothing moves
+  EXPECT_TRUE(leaf(1).grad().is_same(g));
   held.stage(2);  // block 0, the least recent, leaves without a gradient
   EXPECT_FALSE(on_device(0));
   EXPECT_FALSE(master(0).grad().defined());
@@ -143,7 +163,9 @@ TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   EXPECT_FALSE(on_device(1));
   ASSERT_TRUE(master(1).grad().defined());
   EXPECT_TRUE(master(1).grad().equal(at::full_like(master(1), 3.0)));
-  held.stage(1);  // ... and brings it back
+  held.stage(1);  // ... and brings it back for its next backward
+  EXPECT_FALSE(leaf(1).grad().defined());
+  held.before_backward(1);
   ASSERT_TRUE(leaf(1).grad().defined());
   EXPECT_TRUE(leaf(1).grad().equal(at::full_like(master(1), 3.0)));
   int staged = 0;
@@ -151,6 +173,218 @@ TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   EXPECT_EQ(staged, kExpertLoraWorkingCopies);
   held.flush();
   for (int l = 0; l < m->num_layers(); ++l) EXPECT_FALSE(on_device(l)) << l;
+  EXPECT_TRUE(master(1).grad().equal(at::full_like(master(1), 3.0)));
+  // A gradient that a backward left without before_backward() would be lost at eviction: refused.
+  held.stage(2);
+  m->expert_loras(2).front()->A().mutable_grad() = at::ones_like(master(2));
+  EXPECT_THROW(held.flush(), std::exception);
+}
+
+// The experts' provider under the LoRA's wrapper: one placement for every staged block.
+class StubExperts : public model::WeightProvider {
+ public:
+  const QuantizedWeight& expert_weight(int, int, model::ExpertMatrix) override { throw std::runtime_error("unused"); }
+  std::int64_t placement(int) override { return 1; }
+
+ protected:
+  void stage_block(int) override {}
+};
+
+// What a CUDA graph of a use captured must hold at its next replay: every stint of a block reads
+// its working copies and adds into their gradients at the addresses of the step before, and the
+// placement token (the graph's key) is equal exactly where those addresses are. Three steps of
+// the step runner's schedule (runtime/schedule.h, g = 2), staged as StepRunner stages them, every
+// leaf of every stint kept alive (so fresh allocations could never land on an old address), the
+// masters changed between steps as an update would: each stint reads the current masters, each
+// backward finds the gradient of the block's earlier backward uses of the step (micro-batch-
+// major: taken home and brought back), and the step's gradient comes home whole. `scheduled`: the
+// staging order handed over first, so each stage() also copies the next block ahead (then it is
+// in a slot before its own stage(); without a schedule, only where it never left).
+void expect_stable_working_copies(StepOrder order, bool scheduled) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
+  model::LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = model::MoeModel::load(cfg.base_model, lo);
+  m->add_lora(lora_spec(cfg));
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg);
+  const auto provider = held.wrap(std::make_shared<StubExperts>());
+  const int n = m->num_layers(), g = 2;
+  ASSERT_GE(n, 3);
+  const StepSchedule schedule = make_step_schedule(n, g, order);
+  const std::vector<int> staging = schedule.staging_order(std::vector<bool>(static_cast<std::size_t>(n), true));
+  if (scheduled) provider->set_schedule(staging);
+
+  struct Use {
+    std::int64_t placement = 0;
+    std::vector<const void*> values, grads;
+  };
+  std::vector<std::map<std::string, Use>> steps;
+  std::vector<at::Tensor> kept;
+  std::vector<std::vector<at::Tensor>> masters(static_cast<std::size_t>(n));  // the step's, by layer
+  std::vector<int> backwards(static_cast<std::size_t>(n));                  // the step's so far, by layer
+  auto record = [&](std::map<std::string, Use>& uses, const std::string& key, int layer, bool backward) {
+    Use u;
+    u.placement = provider->placement(layer);
+    std::size_t k = 0;
+    for (const auto& l : m->expert_loras(layer))
+      for (const at::Tensor* t : {&l->A(), &l->B()}) {
+        EXPECT_FALSE(held.holds(*t)) << key << ": reads its host master";
+        EXPECT_TRUE(t->equal(masters[layer].at(k++))) << key << ": not this step's master";
+        u.values.push_back(t->data_ptr());
+        kept.push_back(*t);
+        if (backward) {
+          ASSERT_TRUE(t->grad().defined()) << key;
+          EXPECT_TRUE(t->grad().equal(at::full_like(*t, backwards[layer])))
+              << key << ": not the step's gradient so far";
+          u.grads.push_back(t->grad().data_ptr());
+          kept.push_back(t->grad());
+          t->grad().add_(1.0);  // the backward, in place
+        }
+      }
+    if (backward) ++backwards[layer];
+    uses[key] = u;
+  };
+  for (int step = 0; step < 3; ++step) {
+    std::map<std::string, Use> uses;
+    for (int l = 0; l < n; ++l) {  // unstaged, the leaves are the masters
+      masters[l].clear();
+      for (const auto& e : m->expert_loras(l))
+        for (const at::Tensor* t : {&e->A(), &e->B()}) masters[l].push_back(t->clone());
+      backwards[l] = 0;
+    }
+    int last = -1;
+    std::size_t position = 0;  // in `staging`
+    for (const BlockUse& u : schedule.uses) {
+      if (u.kind == BlockUse::Kind::Loss) continue;
+      const std::string key = std::string(u.kind == BlockUse::Kind::Forward ? "F" : "B") + std::to_string(u.block) +
+                              ":" + std::to_string(u.micro);
+      if (u.block != last) {  // as StepRunner::run stages
+        last = u.block;
+        provider->stage(u.block);
+        ++position;
+        // Unscheduled, the slots hold this block and the one staged before it.
+        const int before = position >= 2 ? staging[position - 2] : -1;
+        if (position < staging.size()) {
+          const int next = staging[position];
+          EXPECT_EQ(held.slot_of(next) >= 0, scheduled || next == before)
+              << key << ": block " << next << " copied ahead";
+        }
+      }
+      if (u.kind == BlockUse::Kind::Backward) provider->before_backward(u.block);
+      record(uses, key, u.block, u.kind == BlockUse::Kind::Backward);
+    }
+    held.flush();
+    at::NoGradGuard ng;
+    for (const auto& [name, master] : held.params()) {
+      ASSERT_TRUE(master.grad().defined()) << name;
+      EXPECT_TRUE(master.grad().equal(at::full_like(master, g))) << name << ": step " << step;
+      master.mutable_grad() = at::Tensor();  // the update drops them
+      master.add_(0.5);                      // ... and moves the masters
+    }
+    steps.push_back(std::move(uses));
+  }
+  std::set<const void*> slots;  // the first leaf's address of every use
+  for (int step = 1; step < 3; ++step)
+    for (const auto& [key, u] : steps[0]) {
+      const Use& v = steps[step].at(key);
+      EXPECT_EQ(v.placement, u.placement) << key << " at step " << step;
+      EXPECT_EQ(v.values, u.values) << key << " at step " << step << ": its working copies moved";
+      EXPECT_EQ(v.grads, u.grads) << key << " at step " << step << ": its gradients moved";
+    }
+  for (const auto& [key, u] : steps[0]) slots.insert(u.values.front());
+  EXPECT_EQ(slots.size(), std::size_t(kExpertLoraWorkingCopies));
+  // Equal tokens exactly where the addresses are equal (a graph keyed by the token replays on its
+  // addresses), for every pair of uses of a block.
+  for (const auto& [k1, u1] : steps[0])
+    for (const auto& [k2, u2] : steps[0])
+      if (k1.substr(1, k1.find(':')) == k2.substr(1, k2.find(':')))
+        EXPECT_EQ(u1.placement == u2.placement, u1.values == u2.values) << k1 << " " << k2;
+  // Neighbours take different slots, so the forward/backward turn copies nothing.
+  EXPECT_NE(steps[0].at("F0:0").values.front(), steps[0].at("F1:0").values.front());
+}
+
+TEST(ExpertLoraOffload, WorkingCopiesKeepTheirAddressesStepAfterStep) {
+  expect_stable_working_copies(StepOrder::LayerMajor, false);
+  expect_stable_working_copies(StepOrder::MicroBatchMajor, false);
+}
+
+TEST(ExpertLoraOffload, CopiedAheadAlongTheScheduleAtTheSameAddresses) {
+  expect_stable_working_copies(StepOrder::LayerMajor, true);
+  expect_stable_working_copies(StepOrder::MicroBatchMajor, true);
+}
+
+// The experts of an end-to-end run (the model's own, resident), and at each stage() of a block
+// whether its LoRA was in a slot already: the wrapper stages the experts first, then the LoRA.
+class StagingRecorder : public model::WeightProvider {
+ public:
+  StagingRecorder(model::ResidentWeights::Bank bank, const ExpertLoraOffload& lora)
+      : experts_(std::move(bank)), lora_(lora) {}
+  const QuantizedWeight& expert_weight(int layer, int expert, model::ExpertMatrix m) override {
+    return experts_.expert_weight(layer, expert, m);
+  }
+  std::vector<std::pair<int, bool>> stagings;  // (layer, its LoRA already in a slot)
+
+ protected:
+  void stage_block(int layer) override { stagings.emplace_back(layer, lora_.slot_of(layer) >= 0); }
+
+ private:
+  model::ResidentWeights experts_;
+  const ExpertLoraOffload& lora_;
+};
+
+// Through the step runner, which hands over its schedule as the trainer's does: every stage() of
+// a step but its first finds the block's LoRA in a slot already (copied ahead while the block
+// before computed), layer- and micro-batch-major, and flush() then brings every gradient home.
+TEST(ExpertLoraOffload, TheStepRunnersScheduleCopiesEveryBlockAhead) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
+  model::LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = model::MoeModel::load(cfg.base_model, lo);
+  m->add_lora(lora_spec(cfg));
+  {  // B is zero at init, which would leave every A without a gradient
+    at::manual_seed(5);
+    at::NoGradGuard ng;
+    for (auto& [name, p] : m->lora_parameters())
+      if (name.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
+  }
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg);
+  auto* resident = dynamic_cast<model::ResidentWeights*>(&m->weight_provider());
+  ASSERT_NE(resident, nullptr);
+  const auto recorder = std::make_shared<StagingRecorder>(std::move(resident->bank()), held);
+  m->set_weight_provider(held.wrap(recorder));
+  at::manual_seed(3);
+  std::vector<data::MicroBatch> micro(2);
+  double tokens = 0;
+  for (auto& mb : micro) {
+    mb.input_ids = at::randint(3, m->config().vocab, {2, 16}, at::kLong);
+    mb.labels = mb.input_ids.clone();
+    mb.position_ids = at::arange(16, at::kLong).expand({2, 16}).contiguous();
+    mb.segment_ids = at::zeros({2, 16}, at::kInt);
+    tokens += double(mb.num_target_tokens = 2 * 15);
+  }
+  for (const StepOrder order : {StepOrder::LayerMajor, StepOrder::MicroBatchMajor}) {
+    StepOptions o;
+    o.order = order;
+    StepRunner runner(*m, o, static_cast<int>(micro.size()), nullptr);
+    for (int step = 0; step < 2; ++step) {
+      const std::string what = std::string(order == StepOrder::LayerMajor ? "layer" : "micro-batch") +
+                               "-major step " + std::to_string(step);
+      recorder->stagings.clear();
+      runner.run(micro, tokens);
+      held.flush();
+      ASSERT_GE(recorder->stagings.size(), std::size_t(2 * m->num_layers() - 1)) << what;
+      EXPECT_FALSE(recorder->stagings.front().second) << what << ": the slots start free";
+      for (std::size_t k = 1; k < recorder->stagings.size(); ++k)
+        EXPECT_TRUE(recorder->stagings[k].second)
+            << what << ", stage " << k << " (layer " << recorder->stagings[k].first << "): not copied ahead";
+      at::NoGradGuard ng;
+      for (const auto& [name, master] : held.params()) {
+        ASSERT_TRUE(master.grad().defined()) << what << ": " << name;
+        EXPECT_GT(master.grad().abs().sum().item<double>(), 0) << what << ": " << name;
+        master.mutable_grad() = at::Tensor();  // as the update drops them
+      }
+    }
+  }
 }
 
 }  // namespace
