@@ -148,9 +148,13 @@ bool portable_kernel_takes(at::ScalarType dtype, const at::Device& device) {
 }
 
 bool grouped_expert_gemm_runs(at::ScalarType dtype, const at::Device& device) {
+  return grouped_expert_gemm_runs(expert_gemm_kernel, dtype, device);
+}
+
+bool grouped_expert_gemm_runs(ExpertGemm kernel, at::ScalarType dtype, const at::Device& device) {
   if (!device.is_cuda()) return false;
   if (dtype == at::kBFloat16) return true;
-  return dtype == at::kHalf && expert_gemm_kernel == ExpertGemm::kPortable && portable_kernel_takes(dtype, device);
+  return dtype == at::kHalf && kernel == ExpertGemm::kPortable && portable_kernel_takes(dtype, device);
 }
 
 bool portable_grouped_mm_applies(const at::Tensor& a, const at::Tensor& b) {

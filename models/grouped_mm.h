@@ -34,8 +34,8 @@ bool small_k_kernel_enabled();
 // which has a device-scheduled kernel only for bf16 on compute capability 9.x / 10.x and elsewhere
 // reads the offsets on the host and loops over experts (no CUDA graph can hold that). kPortable:
 // CUTLASS's grouped kernel (expert_gemm_cuda.h), sizes read on the device: bf16 on sm_80 to
-// sm_120, fp16 on sm_75 to sm_120. Process-wide, set once at start (default kTorch); CPU tensors
-// always take libtorch's op.
+// sm_120, fp16 on sm_75 to sm_120. Process-wide, set once at start from the run's decision (default
+// kTorch): the dispatch inside grouped_mm reads it. CPU tensors always take libtorch's op.
 enum class ExpertGemm { kTorch, kPortable };
 void set_expert_gemm(ExpertGemm kernel);
 ExpertGemm expert_gemm();
@@ -52,7 +52,9 @@ bool portable_kernel_takes(at::ScalarType dtype, const at::Device& device);
 // (grouped_mm, grouped_mm_contract): bf16 on a GPU (libtorch's op or the portable kernel); fp16
 // where the portable kernel is selected and takes fp16 there. Otherwise the block loops over its
 // experts, reading the routing counts on the host (no CUDA graph holds that).
+// With `kernel` given: the same rule for a kernel not (yet) set process-wide.
 bool grouped_expert_gemm_runs(at::ScalarType dtype, const at::Device& device);
+bool grouped_expert_gemm_runs(ExpertGemm kernel, at::ScalarType dtype, const at::Device& device);
 // Whether the portable kernel takes a · b: CUDA, a dtype portable_kernel_takes, K and N multiples
 // of 8 (16-byte rows), b [E, K, N] contiguous or the transposed view of a contiguous [E, N, K].
 bool portable_grouped_mm_applies(const at::Tensor& a, const at::Tensor& b);

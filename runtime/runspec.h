@@ -4,7 +4,8 @@
 // The memory plan, setup, the step's options and the trainer read this; none of them re-derives a
 // rule, and the spec holds no pointer back to the config: what they read from it is a field here. What the plan decides later (bank reuse or 64 MiB slices when only they fit) is a changed
 // copy of the spec (PlanFit in runtime/setup.h), never a changed config; whether CUDA graphs run is
-// decided last, once the loaded model's facts are known (decide_cuda_graphs), into the spec too.
+// decided last, once the loaded model's facts are known (decide_cuda_graphs), into the spec too,
+// as the experts' GEMM kernel is once the device is known (decide_expert_gemm, runtime/setup.h).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "models/grouped_mm.h"
 #include "models/hf_config.h"
 #include "models/linear4bit.h"
 #include "models/lora.h"
@@ -73,7 +75,13 @@ struct RunSpec {
   bool merge_aware = false;          // nvfp4_merge_aware: LoRA trains through NVFP4-snapped weights
   bool aux_loss = false;             // the router's load-balancing loss (output_router_logits)
   double aux_coef = 0;               // its weight: router_aux_loss_coef, else config.json's
-  ExpertGemmSetting expert_gemm = ExpertGemmSetting::Auto;
+  ExpertGemmSetting expert_gemm = ExpertGemmSetting::Auto;  // asked
+  // ... decided for the device (decide_expert_gemm in runtime/setup.h): the kernel, whether MoE
+  // blocks run their expert GEMMs grouped (routing counts read on the device; else expert by
+  // expert, counts read on the host), and what and why, for the log.
+  model::ExpertGemm expert_gemm_kernel = model::ExpertGemm::kTorch;
+  bool expert_gemm_grouped = false;
+  std::string expert_gemm_why;
 
   // CUDA graphs (runtime/block_graphs.h): asked, what rules them out whatever the memory (the plan
   // budgets their buffers wherever they may run), and the decision (decide_cuda_graphs).

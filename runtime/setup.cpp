@@ -278,15 +278,17 @@ void check_gpu_served(const at::Device& device, const ComputeChoice& compute) {
 #endif
 }
 
-std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device) {
+void decide_expert_gemm(RunSpec& spec, const at::Device& device) {
   const Compute compute = spec.compute;
   const bool asked_portable = spec.expert_gemm == ExpertGemmSetting::Portable;
+  spec.expert_gemm_kernel = model::ExpertGemm::kTorch;
+  spec.expert_gemm_grouped = false;
   if (!device.is_cuda()) {
     if (asked_portable)
       throw UsageError("expert_gemm: portable runs on a CUDA GPU (bf16 on sm_80 or newer, fp16 on sm_75 or newer); this "
                        "run is on the CPU (use auto)");
-    model::set_expert_gemm(model::ExpertGemm::kTorch);
-    return "libtorch's (a CPU run)";
+    spec.expert_gemm_why = "libtorch's (a CPU run)";
+    return;
   }
   const GpuCard card = gpu_card(device);
   const std::string sm = "sm_" + std::to_string(card.major) + std::to_string(card.minor);
@@ -295,8 +297,8 @@ std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device) {
     if (asked_portable)
       throw UsageError("expert_gemm: portable computes in bf16 or fp16; this run computes in fp32: use expert_gemm: auto, "
                        "or bf16 / fp16 compute");
-    model::set_expert_gemm(model::ExpertGemm::kTorch);
-    return per_expert + "fp32 compute: the grouped kernels take bf16 and fp16)";
+    spec.expert_gemm_why = per_expert + "fp32 compute: the grouped kernels take bf16 and fp16)";
+    return;
   }
   const at::ScalarType dtype = compute == Compute::Bf16 ? at::kBFloat16 : at::kHalf;
   const std::string name = compute_name(compute);
@@ -312,14 +314,18 @@ std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device) {
     if (asked_portable) throw UsageError("expert_gemm: portable: " + lacks + "; use expert_gemm: auto");
     kernel = model::ExpertGemm::kTorch, why += "; " + lacks;
   }
-  model::set_expert_gemm(kernel);
-  if (!model::grouped_expert_gemm_runs(dtype, device)) return per_expert + why + ")";
-  if (kernel == model::ExpertGemm::kPortable)
-    return "portable CUTLASS grouped GEMM in " + name + ", sizes read on the device (" + why + ")";
-  if (model::auto_expert_gemm(card.major, dtype) == model::ExpertGemm::kTorch)
-    return "PyTorch's at::_grouped_mm, device-scheduled on " + sm + " (" + why + ")";
-  return "PyTorch's at::_grouped_mm, which on " + sm + " reads the routing counts on the host and loops over experts (" +
-         why + "; auto picks the portable kernel)";
+  spec.expert_gemm_kernel = kernel;
+  spec.expert_gemm_grouped = model::grouped_expert_gemm_runs(kernel, dtype, device);
+  if (!spec.expert_gemm_grouped)
+    spec.expert_gemm_why = per_expert + why + ")";
+  else if (kernel == model::ExpertGemm::kPortable)
+    spec.expert_gemm_why = "portable CUTLASS grouped GEMM in " + name + ", sizes read on the device (" + why + ")";
+  else if (model::auto_expert_gemm(card.major, dtype) == model::ExpertGemm::kTorch)
+    spec.expert_gemm_why = "PyTorch's at::_grouped_mm, device-scheduled on " + sm + " (" + why + ")";
+  else
+    spec.expert_gemm_why = "PyTorch's at::_grouped_mm, which on " + sm +
+                           " reads the routing counts on the host and loops over experts (" + why +
+                           "; auto picks the portable kernel)";
 }
 
 Run::Run() = default;
@@ -400,6 +406,8 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   lo.device = device;
   lo.experts_on_host = cfg.expert_offload;
   if (cfg.synthetic_weights) lo.random_seed = static_cast<std::uint64_t>(cfg.seed);
+  // The expert GEMMs' dispatch deep in models/ (grouped_mm) reads the kernel process-wide.
+  model::set_expert_gemm(spec.expert_gemm_kernel);
   log::info("loading " + cfg.base_model + (cfg.load_in_4bit ? " (quantising decoder linears to NF4)" : "") + " on " +
             describe_device(device) + ", " + compute_name(spec.compute) + " compute");
   run.model = model::MoeModel::load(cfg.base_model, spec.model, lo);
@@ -433,7 +441,7 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   // multiple of 8: its [rows, r] operands must be 16-byte aligned), the GPU runs each MoE block
   // expert by expert, reading the counts on the host. Said once, with the fix.
   if (!device.is_cuda()) return "";
-  if (!model::grouped_expert_gemm_runs(lo.dtype, device))
+  if (!spec.expert_gemm_grouped)
     return std::string("the expert GEMMs run expert by expert in ") + compute_name(spec.compute) +
            ", reading the routing counts on the host";
   if (model.expert_lora_grouped_ok()) return "";
@@ -532,8 +540,8 @@ Run setup_run(const TrainConfig& cfg, const model::ModelConfig& model_config, dd
   const ComputeChoice compute = resolve_compute(cfg, run.device.is_cuda(), device_has_bf16(run.device));
   check_gpu_served(run.device, compute);
   if (wi.rank == 0) log::info(std::string("compute: ") + compute_name(compute.dtype) + " (" + compute.why + ")");
-  const RunSpec asked = resolve_run_spec(cfg, model_config, compute.dtype, run.device.is_cuda(), wi.local_size);
-  run.expert_gemm_why = resolve_expert_gemm(asked, run.device);
+  RunSpec asked = resolve_run_spec(cfg, model_config, compute.dtype, run.device.is_cuda(), wi.local_size);
+  decide_expert_gemm(asked, run.device);
   size_thread_pool(wi.local_size);
   at::manual_seed(static_cast<std::uint64_t>(cfg.seed));
   PlanFit fit = check_memory_plan(cfg, asked, run.device);

@@ -48,10 +48,10 @@ struct PlanFit {
 // A GPU eo-ddp cannot run on (bf16 or fp32 compute on a card without bf16 tensor cores; no
 // machine code for it in this build) is a UsageError naming the card and the fix.
 void check_gpu_served(const at::Device& device, const ComputeChoice& compute);
-// expert_gemm: auto | torch | portable resolved for this device and compute dtype and set
-// process-wide (models/grouped_mm.h); what it chose and why, for the log. portable where it has no
+// expert_gemm: auto | torch | portable decided for this device and compute dtype into
+// spec.expert_gemm_kernel, expert_gemm_grouped and expert_gemm_why, once. portable where it has no
 // kernel for the dtype here (fp32; fp16 below sm_75, bf16 below sm_80 code) is a UsageError.
-std::string resolve_expert_gemm(const RunSpec& spec, const at::Device& device);
+void decide_expert_gemm(RunSpec& spec, const at::Device& device);
 
 struct Run {
   RunSpec spec;                  // the settings resolved, as the memory plan decided them
@@ -74,7 +74,6 @@ struct Run {
   nlohmann::json resumed_extra = nlohmann::json::object();  // counters saved in the checkpoint
   std::unique_ptr<ddp::Communicator> comm;
   std::unique_ptr<ddp::GradReducer> reducer;  // null in a world of one
-  std::string expert_gemm_why;   // the experts' grouped GEMM kernel and why, for the log
 
   Run();
   ~Run();

@@ -49,7 +49,7 @@ void log_step_choices(const TrainConfig& cfg, const Run& run) {
   log::info("CUDA graphs: " + spec.graphs_why +
             (spec.graphs ? ": each block's forward, recompute + backward and the loss replay as graphs from their second use"
                          : std::string()));
-  log::info("expert GEMMs: " + run.expert_gemm_why);
+  log::info("expert GEMMs: " + spec.expert_gemm_why);
   if (spec.load_in_4bit && spec.bank_reuse != model::BankReuse::None)
     log::info(std::string("expert banks: each block's recompute keeps ") +
               (spec.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +

@@ -1087,6 +1087,33 @@ TEST(Config, CudaGraphsAutoIsOnWhereThePlanHasRoomForThePool) {
   EXPECT_FALSE(on(merge, room, cuda).first);
 }
 
+// expert_gemm is decided into the spec once the device is known, never into the process-wide
+// kernel (load_model sets that from the spec): on the CPU, libtorch's per-expert path; portable,
+// which needs a GPU, is a usage error naming the key.
+TEST(Config, ExpertGemmIsDecidedIntoTheSpec) {
+  TrainConfig cfg = load(kValid);
+  RunSpec spec = resolve_run_spec(cfg, eo::model::ModelConfig{}, eo::Compute::Fp32, false, 1);
+  spec.expert_gemm_kernel = eo::model::ExpertGemm::kPortable;
+  spec.expert_gemm_grouped = true;
+  const eo::model::ExpertGemm before = eo::model::expert_gemm();
+  eo::model::set_expert_gemm(eo::model::ExpertGemm::kPortable);
+  eo::decide_expert_gemm(spec, at::kCPU);
+  EXPECT_EQ(spec.expert_gemm_kernel, eo::model::ExpertGemm::kTorch);
+  EXPECT_FALSE(spec.expert_gemm_grouped);
+  EXPECT_EQ(spec.expert_gemm_why, "libtorch's (a CPU run)");
+  EXPECT_EQ(eo::model::expert_gemm(), eo::model::ExpertGemm::kPortable) << "the decision lands in the spec only";
+  eo::model::set_expert_gemm(before);
+
+  cfg.expert_gemm = "portable";
+  RunSpec portable = resolve_run_spec(cfg, eo::model::ModelConfig{}, eo::Compute::Fp32, false, 1);
+  try {
+    eo::decide_expert_gemm(portable, at::kCPU);
+    ADD_FAILURE() << "expert_gemm: portable on the CPU was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("expert_gemm: portable runs on a CUDA GPU"), std::string::npos) << e.what();
+  }
+}
+
 // Ranks compare their resolved configs key by key: equal configs agree; one --set on one rank is
 // named with both values; base_model's path is not compared (its contents are, by identity).
 TEST(RankAgreement, NamesEveryKeyThatDiffersWithEachRanksValue) {
