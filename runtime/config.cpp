@@ -292,8 +292,6 @@ TrainConfig load_config_text(const std::string& yaml_text_in, const std::string&
     spec->read(node, cfg, issues);
   }
   resolve_config_paths(cfg, options.config_dir, present, overrides);
-  if (cfg.lora_target_linear)
-    cfg.lora_target_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
   check_rules(cfg, present, issues);
   check_merge_aware(cfg, present, noted, issues);
   // As axolotl: evaluation settings without evaluation data (val_set_size 0) mean no evaluation.
