@@ -127,15 +127,21 @@ TEST(ExpertLoraPlan, Qwen3ThirtyBHostLora) {
 
 namespace {
 
+// The tiny model as training loads it (NF4 base) with cfg's LoRA added.
+std::unique_ptr<model::MoeModel> nf4_model_with_lora(const TrainConfig& cfg) {
+  model::LoadOptions lo;
+  lo.load_in_4bit = true;
+  auto m = model::MoeModel::load(cfg.base_model, lo);
+  m->add_lora(lora_spec(cfg));
+  return m;
+}
+
 // The staging rule the plan counts: at most kExpertLoraWorkingCopies blocks' working copies at once,
 // the least recent leaving first and taking its gradient home; a block staged again brings that
 // gradient back before its backward; flush() leaves every block on its host master.
 TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
-  model::LoadOptions lo;
-  lo.load_in_4bit = true;
-  auto m = model::MoeModel::load(cfg.base_model, lo);
-  m->add_lora(lora_spec(cfg));
+  auto m = nf4_model_with_lora(cfg);
   ExpertLoraOffload held(*m, at::kCPU, false, cfg);
   ASSERT_GE(m->num_layers(), 3);
   auto leaf = [&](int layer) { return m->expert_loras(layer).front()->A(); };
@@ -202,10 +208,7 @@ class StubExperts : public model::WeightProvider {
 // in a slot before its own stage(); without a schedule, only where it never left).
 void expect_stable_working_copies(StepOrder order, bool scheduled) {
   const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
-  model::LoadOptions lo;
-  lo.load_in_4bit = true;
-  auto m = model::MoeModel::load(cfg.base_model, lo);
-  m->add_lora(lora_spec(cfg));
+  auto m = nf4_model_with_lora(cfg);
   ExpertLoraOffload held(*m, at::kCPU, false, cfg);
   const auto provider = held.wrap(std::make_shared<StubExperts>());
   const int n = m->num_layers(), g = 2;
@@ -337,10 +340,7 @@ class StagingRecorder : public model::WeightProvider {
 // before computed), layer- and micro-batch-major, and flush() then brings every gradient home.
 TEST(ExpertLoraOffload, TheStepRunnersScheduleCopiesEveryBlockAhead) {
   const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
-  model::LoadOptions lo;
-  lo.load_in_4bit = true;
-  auto m = model::MoeModel::load(cfg.base_model, lo);
-  m->add_lora(lora_spec(cfg));
+  auto m = nf4_model_with_lora(cfg);
   {  // B is zero at init, which would leave every A without a gradient
     at::manual_seed(5);
     at::NoGradGuard ng;
