@@ -15,7 +15,8 @@
 //          dequantised whole / in 64 MiB slices, ":eager" / ":graphs" without / with CUDA graphs (cuda_graphs:
 //          false / true), ":redequant" / ":keepdown" the backward dequantising every bank again /
 //          all but the down projection's (expert_bank_reuse: none / down), ":smallk" the expert
-//          LoRA's rank-wide GEMMs on eo's small-K kernel (off by default, models/grouped_mm.h);
+//          LoRA's rank-wide GEMMs on eo's small-K kernel (off by default, models/grouped_mm.h),
+//          ":packed" rows of four documents each (sample_packing: every layer's attention masked);
 //          they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
@@ -148,13 +149,18 @@ double pinned_h2d_gbps() {
 #endif
 }
 
-// Random token ids (uint32) for `tokens` sequences; one long document, so rows are unmasked causal.
-std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_t tokens, std::uint64_t seed) {
-  const std::string path = dir + "/tokens.u32";
+// Random token ids (uint32) for `tokens` sequences: one long document, so rows are unmasked causal;
+// or (doc_len > 0) documents of doc_len tokens, each ended by kPackedEos (never drawn otherwise), for
+// `sample_packing` rows of several documents.
+constexpr std::uint32_t kPackedEos = 0;
+std::string write_tokens(const std::string& dir, std::int64_t vocab, std::int64_t tokens, std::uint64_t seed,
+                         std::int64_t doc_len = 0) {
+  const std::string path = dir + (doc_len > 0 ? "/packed-tokens.u32" : "/tokens.u32");
   std::vector<std::uint32_t> ids(static_cast<std::size_t>(tokens));
   std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<std::uint32_t> pick(0, static_cast<std::uint32_t>(vocab - 1));
-  for (auto& t : ids) t = pick(rng);
+  std::uniform_int_distribution<std::uint32_t> pick(1, static_cast<std::uint32_t>(vocab - 1));
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    ids[i] = doc_len > 0 && (std::int64_t(i) + 1) % doc_len == 0 ? kPackedEos : pick(rng);
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(ids.data()), ids.size() * 4);
   return path;
 }
@@ -235,6 +241,8 @@ int main(int argc, char** argv) {
   for (const Point& pt : points) {
     const std::int64_t need = std::int64_t(pt.seq) * pt.mb * accum * (steps + warmup + 2) + pt.seq;
     const std::string tokens = write_tokens(work, mc.vocab, need, 1234);
+    // :packed rows hold documents of a quarter of the sequence: every layer's attention is masked.
+    const std::string packed_tokens = write_tokens(work, mc.vocab, need, 1234, std::max(1, pt.seq / 4));
     for (const std::string& spec : modes) {
       const auto parts = split(spec, ':');
       const std::string mode = parts.empty() ? spec : parts[0];
@@ -253,6 +261,7 @@ int main(int argc, char** argv) {
       const bool smallk = std::find(parts.begin(), parts.end(), "smallk") != parts.end();
       const bool portable = card || std::find(parts.begin(), parts.end(), "portable") != parts.end();
       const bool torch_gemm = std::find(parts.begin(), parts.end(), "torch") != parts.end();
+      const bool packed = std::find(parts.begin(), parts.end(), "packed") != parts.end();
       Row row;
       row.model = name;
       row.mode = spec;
@@ -271,7 +280,9 @@ int main(int argc, char** argv) {
            << (card ? std::string("device_memory_limit: ") + card_memory(*card) + "\nexpert_offload_copy_pace_gbps: " +
                           std::to_string(card->link_gbps) + "\n"
                     : std::string())
-           << "datasets: [{path: " << tokens << ", type: tokens, dtype: uint32}]\n"
+           << (packed ? "sample_packing: true\n" : "")
+           << "datasets: [{path: " << (packed ? packed_tokens : tokens) << ", type: tokens, dtype: uint32"
+           << (packed ? ", eos_token_id: " + std::to_string(kPackedEos) : std::string()) << "}]\n"
            << "sequence_len: " << pt.seq << "\nmicro_batch_size: " << pt.mb << "\nmax_steps: " << steps + warmup << "\n"
            << "learning_rate: 1e-4\nlr_scheduler: constant\nlogging_steps: 1\ngradient_checkpointing: true\n"
            << "gradient_checkpointing_kwargs: {use_reentrant: false}\nbf16: auto\nsave_steps: 0\nsave_total_limit: 1\n"
