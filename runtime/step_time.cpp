@@ -66,10 +66,10 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
     const double v = c.mla ? double(c.mla->v_dim) : double(c.head_dim_at(l));
     // QK^T and PV: forward, recompute, and a backward of twice the forward. Only the fused kernel
     // skips the keys a query cannot see.
-    const double per_key = T * double(c.heads) * (qk + v) * 2 * 4;
-    w.attention_flops += per_key * mean_context(seq, window);
+    const double per_key = T * double(c.heads) * (qk + v) * 2 * 4, visible = per_key * mean_context(seq, window);
+    w.attention_flops += visible;
     switch (model::attention_path(c, l, spec.sequence_len, spec.packed)) {
-      case model::AttentionPath::Fused: w.fused_attention_flops += per_key * mean_context(seq, window); break;
+      case model::AttentionPath::Fused: w.fused_attention_flops += visible; break;
       case model::AttentionPath::Masked: w.masked_attention_flops += per_key * seq; break;
       case model::AttentionPath::Math: w.math_attention_flops += per_key * seq; break;
     }
