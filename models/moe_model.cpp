@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "models/attention_path.h"
 #include "models/fused.h"
 #include "models/kv_cache.h"
 #include "models/linear4bit.h"
@@ -94,9 +95,19 @@ at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx, const Rope& 
 // Softmax attention of q [B, h, T, Dq] over k [B, hk, T, Dq], v [B, hk, T, Dv] → [B, T, h·Dv].
 // GQA: query head i reads kv head i / (h / hk). Plain causal attention passes the grouping to the
 // fused kernel (flash attention on a GPU); with a packing mask the kv heads are repeated, which
-// the memory-efficient kernel accepts together with a mask.
-at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale) {
+// the memory-efficient kernel accepts together with a mask. `varlen` (the layer's path is Varlen,
+// models/attention_path.h): packed rows' documents each causal on their own through flash's
+// variable-length form, over the B·T tokens as one sequence of documents (GQA native, no mask).
+at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale,
+                  bool varlen = false) {
   const auto B = q.size(0), T = q.size(2), h = q.size(1), hk = k.size(1);
+  if (varlen && ctx.document_starts.defined()) {
+    auto tokens = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({B * T, t.size(1), t.size(3)}); };
+    // max_q = max_k = T: an upper bound (the grid's extent), the same every step for CUDA graphs.
+    const at::Tensor o = std::get<0>(at::_flash_attention_forward(tokens(q), tokens(k), tokens(v), ctx.document_starts,
+                                                                  ctx.document_starts, T, T, 0.0, true, false, scale));
+    return o.view({B, T, h * v.size(-1)});
+  }
   const bool gqa = hk != h;
   if (gqa && ctx.attn_mask.defined()) {
     k = k.repeat_interleave(h / hk, 1);
@@ -122,7 +133,14 @@ at::Tensor attend_with_sinks(const at::Tensor& q, at::Tensor k, at::Tensor v, co
     const at::Tensor i = at::arange(Tk - T, Tk, opt.dtype(at::kLong)).view({T, 1}), j = at::arange(Tk, opt.dtype(at::kLong)).view({1, Tk});
     mask = mask & (j > i - window).view({1, 1, T, Tk});
   }
-  if (!sinks.defined()) return attend(q, k, v, BlockContext{ctx.cos, ctx.sin, mask, at::Tensor(), at::Tensor(), ctx.training, nullptr}, scale);
+  if (!sinks.defined()) {
+    BlockContext masked;
+    masked.cos = ctx.cos;
+    masked.sin = ctx.sin;
+    masked.attn_mask = mask;
+    masked.training = ctx.training;
+    return attend(q, k, v, masked, scale);
+  }
   if (hk != h) {  // each query head has its own sink key
     k = k.repeat_interleave(h / hk, 1);
     v = v.repeat_interleave(h / hk, 1);
@@ -150,6 +168,7 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   if (c.is_linear_attention_layer(w_.index)) return linear_attention(x, ctx);
   const auto B = x.size(0), T = x.size(1);
   const std::int64_t D = c.head_dim_at(w_.index), KV = c.kv_heads_at(w_.index);
+  const bool varlen = ctx.document_starts.defined() && attention_path(c, w_.index, T, true) == AttentionPath::Varlen;
   at::Tensor q = w_.q.forward(x, ctx.training), k = w_.k.forward(x, ctx.training);
   at::Tensor gate;  // attn_output_gate: each head's [query | gate] (Qwen3NextAttention)
   if (c.attn_output_gate) {
@@ -188,7 +207,7 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
     at::Tensor vt = v.transpose(1, 2);
     cache_keys_values(ctx, w_.index, k, vt);
     if (!c.is_chunked_layer(w_.index) || !ctx.chunk_mask.defined())
-      return w_.o.forward(attend(q, k, vt, ctx, c.attn_scale), ctx.training);
+      return w_.o.forward(attend(q, k, vt, ctx, c.attn_scale, varlen), ctx.training);
     BlockContext chunked = ctx;
     chunked.attn_mask = ctx.chunk_mask;
     return w_.o.forward(attend(q, k, vt, chunked, c.attn_scale), ctx.training);
@@ -216,7 +235,7 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   const std::int64_t window = c.is_sliding_layer(w_.index) ? c.sliding_window : 0;
   if (c.attention_sinks || window > 0)
     return w_.o.forward(attend_with_sinks(q, k, vt, ctx, c.attn_scale, w_.sinks, window), ctx.training);
-  const at::Tensor o = attend(q, k, vt, ctx, c.attn_scale);
+  const at::Tensor o = attend(q, k, vt, ctx, c.attn_scale, varlen);
   return w_.o.forward(gate.defined() ? o * at::sigmoid(gate) : o, ctx.training);
 }
 
@@ -239,7 +258,8 @@ at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContex
   at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
   at::Tensor v = kv.narrow(-1, a.nope_dim, a.v_dim);
   cache_keys_values(ctx, w_.index, k, v);
-  return w_.o.forward(attend(q_full, k, v, ctx, c.attn_scale), tr);
+  const bool varlen = ctx.document_starts.defined() && attention_path(c, w_.index, T, true) == AttentionPath::Varlen;
+  return w_.o.forward(attend(q_full, k, v, ctx, c.attn_scale, varlen), tr);
 }
 
 namespace {
@@ -699,7 +719,17 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
     ctx.q_scale = s.view({B, 1, T, 1}).to(opts_.dtype);
   }
 
-  if (batch.attention_mask.defined() || batch.segment_ids.defined()) {
+  // Packed rows through flash's variable-length form where it runs (models/attention_path.h); the
+  // packing mask only where some layer still needs it (sinks, windows, chunks, latent attention).
+  bool varlen_everywhere = false;
+  if (batch.document_starts.defined() && !batch.attention_mask.defined() && flash_varlen_runs(dev, opts_.dtype)) {
+    ctx.document_starts = batch.document_starts.to(dev);
+    varlen_everywhere = true;
+    for (int l = 0; l < cfg_.layers; ++l)
+      varlen_everywhere = varlen_everywhere && (cfg_.is_linear_attention_layer(l) ||
+                                                attention_path(cfg_, l, T, true) == AttentionPath::Varlen);
+  }
+  if (batch.attention_mask.defined() || (batch.segment_ids.defined() && !varlen_everywhere)) {
     const auto opt = at::TensorOptions().dtype(at::kBool).device(dev);
     at::Tensor mask = at::ones({T, T}, opt).tril().expand({B, 1, T, T});
     if (batch.attention_mask.defined())

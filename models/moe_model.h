@@ -93,6 +93,9 @@ struct BlockContext {
   // table, then the full layers' along the last dim (one tensor, so a graph takes it as one input).
   at::Tensor cos, sin;
   at::Tensor attn_mask;  // bool [B, 1, T, T], true = attend; undefined = plain causal
+  // Packed rows where flash's variable-length form runs (models/attention_path.h): int32 document
+  // starts over the B·T tokens, which the layers whose path is Varlen read instead of attn_mask.
+  at::Tensor document_starts;
   at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4; Llama 4's NoPE layers, fp32); undefined = none
   at::Tensor chunk_mask;  // Llama 4's chunked layers: attn_mask within chunks; undefined = attn_mask
   bool training = false;
@@ -209,6 +212,9 @@ struct Batch {
   at::Tensor attention_mask;  // [B, T] 1 = token, 0 = padding; optional
   at::Tensor positions;       // int64 [B, T]; optional (default 0..T-1)
   at::Tensor segment_ids;     // int64 [B, T] document ids of packed sequences; optional
+  // model::packed_document_starts of the host segment ids, on the device; optional. Used where
+  // flash's variable-length form runs; the packing mask is built only for layers that need it.
+  at::Tensor document_starts;
 };
 
 struct ForwardOptions {

@@ -20,7 +20,7 @@ namespace {
 
 const std::vector<CardFigures> kCards = {
     // name    VRAM GiB  bf16 TFLOP/s  memory GB/s  link GB/s  what
-    {"t4", 15, 65, 320, 12, "Tesla T4 16 GB (fp16: no bf16), PCIe 3.0 x16"},
+    {"t4", 15, 65, 320, 12, "Tesla T4 16 GB (fp16: no bf16), PCIe 3.0 x16", /*flash_attention=*/false},
     {"a2000", 12, 31.9, 288, 24, "RTX A2000 12 GB, PCIe 4.0 x16"},
     {"3090", 24, 71, 936, 24, "GeForce RTX 3090, PCIe 4.0 x16"},
     {"4090", 24, 165.2, 1008, 24, "GeForce RTX 4090, PCIe 4.0 x16"},

@@ -16,6 +16,7 @@ struct CardFigures {
   double mem_gbps = 0;     // device memory bandwidth, GB/s
   double link_gbps = 0;    // pinned host-to-device copies over its usual link, GB/s
   std::string what;        // the card's part and link, for the table
+  bool flash_attention = true;  // PyTorch's flash kernels run on it (sm_80 and newer)
 };
 
 // Every listed card, in the table's order.

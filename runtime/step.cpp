@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "common/error.h"
+#include "models/attention_path.h"
 #include "models/moe_model.h"
 #include "offload/activations.h"
 #include "runtime/block_graphs.h"
@@ -133,7 +134,11 @@ StepLosses StepRunner::run(const std::vector<data::MicroBatch>& micro, double gl
     b.input_ids = to_device(mb.input_ids, device);
     b.positions = to_device(mb.position_ids, device);
     // Rows holding one document need no mask: plain causal attention takes the fused kernel.
-    if (!single_document_rows(mb.segment_ids)) b.segment_ids = to_device(mb.segment_ids.to(at::kLong), device);
+    if (!single_document_rows(mb.segment_ids)) {
+      b.segment_ids = to_device(mb.segment_ids.to(at::kLong), device);
+      const at::Tensor starts = model::packed_document_starts(mb.segment_ids);  // undefined: the mask decides
+      if (starts.defined()) b.document_starts = to_device(starts, device);
+    }
     ctx[m] = model_.context(b, /*training=*/true);
     labels[m] = to_device(mb.labels, device);
     at::NoGradGuard no_grad;

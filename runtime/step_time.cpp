@@ -70,6 +70,10 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
     w.attention_flops += visible;
     switch (model::attention_path(c, l, spec.sequence_len, spec.packed)) {
       case model::AttentionPath::Fused: w.fused_attention_flops += visible; break;
+      case model::AttentionPath::Varlen:
+        w.varlen_attention_flops += visible;
+        w.varlen_masked_flops += per_key * seq;
+        break;
       case model::AttentionPath::Masked: w.masked_attention_flops += per_key * seq; break;
       case model::AttentionPath::Math: w.math_attention_flops += per_key * seq; break;
     }
@@ -103,11 +107,13 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
 StepTime predict_step_time(const StepWork& w, const CardFigures& card, const StepEfficiency& eff) {
   StepTime t;
   const double flops = card.bf16_tflops * 1e12, bytes = card.mem_gbps * 1e9;
+  const double fused = w.fused_attention_flops + (card.flash_attention ? w.varlen_attention_flops : 0);
+  const double masked = w.masked_attention_flops + (card.flash_attention ? 0 : w.varlen_masked_flops);
   t.phases = {{"expert grouped GEMMs", w.expert_gemm_flops / (flops * eff.expert_gemm)},
               {"other GEMMs (projections, LoRA, routers)", w.other_gemm_flops / (flops * eff.other_gemm)},
               {"LM head", w.head_flops / (flops * eff.other_gemm)},
-              {"attention", w.fused_attention_flops / (flops * eff.attention)},
-              {"attention, masked kernel", w.masked_attention_flops / (flops * eff.masked_attention)},
+              {"attention", fused / (flops * eff.attention)},
+              {"attention, masked kernel", masked / (flops * eff.masked_attention)},
               {"attention, math path", w.math_attention_flops / (flops * eff.math_attention)},
               {"4-bit dequantisation", w.dequant_bytes / (bytes * eff.memory)},
               {"elementwise, norms, routing", w.elementwise_bytes / (bytes * eff.memory)},

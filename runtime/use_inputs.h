@@ -17,27 +17,28 @@ namespace eo {
 // tensors and, for the backward, the gradients arriving from above.
 struct BlockUseInputs {
   at::Tensor x;                                          // the block's input
-  at::Tensor cos, sin, attn_mask, chunk_mask, q_scale, segment_ids, token_mask;  // model::BlockContext's tensors
+  at::Tensor cos, sin, attn_mask, document_starts, chunk_mask, q_scale, segment_ids, token_mask;  // BlockContext's
   at::Tensor dy;       // backward: dL/d(the block's output)
   at::Tensor drouter;  // backward with the aux loss: dL/d(its router logits); else undefined
 
   BlockUseInputs(const at::Tensor& input, const model::BlockContext& c, const at::Tensor& dy_ = {}, const at::Tensor& dr = {})
-      : x(input), cos(c.cos), sin(c.sin), attn_mask(c.attn_mask), chunk_mask(c.chunk_mask), q_scale(c.q_scale),
-        segment_ids(c.segment_ids), token_mask(c.token_mask), dy(dy_),
+      : x(input), cos(c.cos), sin(c.sin), attn_mask(c.attn_mask), document_starts(c.document_starts),
+        chunk_mask(c.chunk_mask), q_scale(c.q_scale), segment_ids(c.segment_ids), token_mask(c.token_mask), dy(dy_),
         drouter(dr) {}
 
   std::vector<at::Tensor> pack() const {
-    return {x, cos, sin, attn_mask, chunk_mask, q_scale, segment_ids, token_mask, dy, drouter};
+    return {x, cos, sin, attn_mask, document_starts, chunk_mask, q_scale, segment_ids, token_mask, dy, drouter};
   }
   static BlockUseInputs unpack(const std::vector<at::Tensor>& in) {
-    BlockUseInputs u(in[0], {}, in[8], in[9]);
+    BlockUseInputs u(in[0], {}, in[9], in[10]);
     u.cos = in[1];
     u.sin = in[2];
     u.attn_mask = in[3];
-    u.chunk_mask = in[4];
-    u.q_scale = in[5];
-    u.segment_ids = in[6];
-    u.token_mask = in[7];
+    u.document_starts = in[4];
+    u.chunk_mask = in[5];
+    u.q_scale = in[6];
+    u.segment_ids = in[7];
+    u.token_mask = in[8];
     return u;
   }
   // `c` (the micro-batch's context: training, router capture) reading these tensors.
@@ -45,6 +46,7 @@ struct BlockUseInputs {
     c.cos = cos;
     c.sin = sin;
     c.attn_mask = attn_mask;
+    c.document_starts = document_starts;
     c.chunk_mask = chunk_mask;
     c.q_scale = q_scale;
     c.segment_ids = segment_ids;

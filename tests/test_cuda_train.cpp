@@ -20,6 +20,8 @@
 //    LoRA on every linear, experts included), and trained adapters and losses equal to eager
 //    training, resident and offloaded, with and without the router aux loss, and with the experts'
 //    LoRA state on the host (expert_lora_offload, layer- and micro-batch-major; graphs captured);
+//  - packed rows through flash's variable-length form: logits and LoRA gradients no further from
+//    fp32 than the packing mask's, and no document sees another;
 //  - kept expert banks (expert_bank_reuse all / down) train bitwise like none, and dequantise 6/9
 //    and 8/9 as often;
 //  - with the portable expert GEMM forced (the path of the cards without torch's device-scheduled
@@ -47,6 +49,7 @@
 
 #include "tests/bf16_yardstick.h"
 #include "common/files.h"
+#include "models/attention_path.h"
 #include "models/linear4bit.h"
 #include "models/moe_model.h"
 #include "models/safetensors.h"
@@ -357,6 +360,92 @@ TEST(CudaTrain, GraphedBlockUsesGiveTheEagerGradients) {
     }
     EXPECT_EQ(differing, 0) << "step " << s << ": " << differing << " of " << eager[s].size() << " LoRA gradients differ";
   }
+}
+
+// Packed rows through flash's variable-length form (models/attention_path.h) against the packing
+// mask: every expert chosen (top 4 of 4), so bf16 rounding cannot flip a routing choice and the
+// gradients compare; logits and LoRA gradients in bf16 no further from the GPU's fp32 masked
+// forward than the bf16 masked one is. And a document's logits do not move when the other
+// document of its row changes.
+TEST(CudaTrain, PackedRowsThroughFlashVarlenMatchTheMask) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  if (!model::flash_varlen_runs(dev, at::kBFloat16)) GTEST_SKIP() << "SKIPPED: flash attention needs sm_80 or newer";
+  const fs::path dir = fs::temp_directory_path() / "eo-cuda-varlen-model";
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_experts": 4, "num_experts_per_tok": 4, "norm_topk_prob": true, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": false,
+    "initializer_range": 0.02, "max_position_embeddings": 4096})";
+  const std::int64_t B = 2, T = 64;
+  at::manual_seed(6);
+  const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);
+  at::Tensor seg = at::zeros({B, T}, at::kLong), pos = at::empty({B, T}, at::kLong);
+  // Row 0: documents [0, 40), [40, 64); row 1: [0, 10), [10, 50), [50, 64).
+  const std::vector<std::vector<std::int64_t>> docs = {{0, 40, 64}, {0, 10, 50, 64}};
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::size_t d = 0; d + 1 < docs[b].size(); ++d) {
+      const std::int64_t begin = docs[b][d], len = docs[b][d + 1] - begin;
+      seg[b].narrow(0, begin, len).fill_(std::int64_t(d + 1));
+      pos[b].narrow(0, begin, len).copy_(at::arange(len, at::kLong));
+    }
+  struct Out {
+    at::Tensor logits;
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+  };
+  auto run = [&](at::ScalarType dtype, bool varlen, const at::Tensor& input) {
+    model::LoadOptions lo;
+    lo.dtype = dtype;
+    lo.load_in_4bit = true;
+    lo.device = dev;
+    lo.random_seed = 11;
+    auto m = model::MoeModel::load(dir.string(), lo);
+    model::LoraSpec spec;
+    spec.r = 8;
+    spec.alpha = 16;
+    spec.targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    spec.seed = 3;
+    m->add_lora(spec);
+    {
+      at::manual_seed(4);
+      at::NoGradGuard ng;
+      for (auto& [n, p] : m->lora_parameters())
+        if (n.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
+    }
+    model::Batch b;
+    b.input_ids = input;
+    b.labels = input.to(dev);
+    b.positions = pos.to(dev);
+    b.segment_ids = seg.to(dev);
+    if (varlen) b.document_starts = model::packed_document_starts(seg).to(dev);
+    model::ForwardOptions fo;
+    fo.training = true;
+    const model::ForwardOutput out = m->forward(b, fo);
+    out.loss_sum.backward();
+    Out o;
+    o.logits = out.logits.detach().to(at::kCPU, at::kFloat);
+    for (auto& [n, p] : m->lora_parameters()) {
+      o.names.push_back(n);
+      o.grads.push_back(p.grad().to(at::kCPU, at::kFloat));
+    }
+    return o;
+  };
+  const Out ref = run(at::kFloat, false, ids), masked = run(at::kBFloat16, false, ids), varlen = run(at::kBFloat16, true, ids);
+  ASSERT_FALSE(ref.names.empty());
+  eo::testing::expect_bf16_no_worse({"logits"}, {varlen.logits}, {masked.logits}, {ref.logits});
+  eo::testing::expect_bf16_no_worse(ref.names, varlen.grads, masked.grads, ref.grads);
+  // Row 0's first document rewritten: its own logits move, the second document's do not.
+  at::Tensor changed = ids.clone();
+  changed[0].narrow(0, 0, 40).copy_(at::randint(3, 512, {40}, at::kLong));
+  const Out other = run(at::kBFloat16, true, changed);
+  const double own = (other.logits[0].narrow(0, 0, 40) - varlen.logits[0].narrow(0, 0, 40)).abs().max().item<double>();
+  const double next = (other.logits[0].narrow(0, 40, 24) - varlen.logits[0].narrow(0, 40, 24)).abs().max().item<double>();
+  std::printf("document rewritten: its logits moved by up to %.3g, the next document's by %.3g\n", own, next);
+  EXPECT_GT(own, 0.0);
+  EXPECT_LE(next, 0.02 * own);
 }
 
 TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {

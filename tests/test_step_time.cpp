@@ -1,6 +1,7 @@
 // The step time predicted (runtime/step_time.h, runtime/cards.h): the step's FLOPs against a count
 // by hand, the card table and the figures of an unlisted card, the efficiencies made again from the
 // recorded H100 breakdown, and the recorded steps of docs/benchmarks.md within 15%.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -279,19 +280,27 @@ TEST(StepTime, MaskedMathAndLinkEfficienciesMeetTheirRows) {
 }
 
 // Which SDPA kernel each layer runs, as the prediction counts it: plain causal attention the fused
-// kernel; packed rows, gpt-oss's sinks, sliding windows and Llama 4's chunks (beyond one chunk) the
-// masked kernel; Gemma 4's 512-wide full-attention heads the math path.
+// kernel; packed rows flash's variable-length form where it runs, else the mask; gpt-oss's sinks,
+// sliding windows and Llama 4's chunks (beyond one chunk) the masked kernel; Gemma 4's 512-wide
+// full-attention heads the math path.
 TEST(StepTime, EachLayerRunsTheSdpaKernelItsMaskAndHeadsAllow) {
-  auto paths = [](const std::string& model, std::int64_t seq, bool packed) {
+  auto paths = [](const std::string& model, std::int64_t seq, bool packed, bool varlen = true) {
     const Planned p = qwen3({"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/" + model});
     std::multiset<model::AttentionPath> out;
     for (int l = 0; l < int(p.spec.model.layers); ++l)
-      if (!p.spec.model.is_linear_attention_layer(l)) out.insert(model::attention_path(p.spec.model, l, seq, packed));
+      if (!p.spec.model.is_linear_attention_layer(l))
+        out.insert(model::attention_path(p.spec.model, l, seq, packed, varlen));
     return out;
   };
   using model::AttentionPath;
   EXPECT_EQ(paths("qwen3-30b-a3b", 2048, false).count(AttentionPath::Fused), 48u);
-  EXPECT_EQ(paths("qwen3-30b-a3b", 2048, true).count(AttentionPath::Masked), 48u);
+  EXPECT_EQ(paths("qwen3-30b-a3b", 2048, true).count(AttentionPath::Varlen), 48u);
+  EXPECT_EQ(paths("qwen3-30b-a3b", 2048, true, /*varlen=*/false).count(AttentionPath::Masked), 48u);
+  // Latent attention's keys (192 wide) and values (128) differ: flash does not take them.
+  EXPECT_EQ(paths("deepseek-v2-lite", 2048, true).count(AttentionPath::Masked), 27u);
+  // Qwen3-Next's gated full-attention layers (one in four) take the variable-length form.
+  EXPECT_EQ(paths("qwen3-next-80b-a3b", 2048, true).count(AttentionPath::Varlen), 12u);
+  EXPECT_EQ(paths("gpt-oss-20b", 2048, true).count(AttentionPath::Masked), 24u);
   EXPECT_EQ(paths("gpt-oss-20b", 2048, false).count(AttentionPath::Masked), 24u);
   const auto gemma = paths("gemma-4-26b-a4b", 2048, false);
   EXPECT_EQ(gemma.count(AttentionPath::Math), 5u);  // every sixth layer of 30 is full attention
@@ -299,12 +308,39 @@ TEST(StepTime, EachLayerRunsTheSdpaKernelItsMaskAndHeadsAllow) {
   // Llama 4 Scout: three of every four layers chunked by 8192 positions.
   EXPECT_EQ(paths("llama-4-scout-17b-16e", 8192, false).count(AttentionPath::Fused), 48u);
   EXPECT_EQ(paths("llama-4-scout-17b-16e", 16384, false).count(AttentionPath::Masked), 36u);
-  // A packed step costs more than the same tokens unpacked: the masked kernel computes every key.
+  // A packed step: on a card with flash attention, the variable-length form skips what the documents
+  // cannot see (counted as whole rows, so no more than unpacked); on the T4, which has no flash
+  // kernels, the masked kernel computes every key.
   const Planned unpacked = qwen3({"micro_batch_size=4"}), packed = qwen3({"micro_batch_size=4", "sample_packing=true"});
   EXPECT_EQ(unpacked.work.attention_flops, packed.work.attention_flops);  // the useful work is the same
-  EXPECT_GT(packed.work.masked_attention_flops, 1.9 * unpacked.work.fused_attention_flops);
-  EXPECT_GT(predict_step_time(packed.work, find_card("h100")).step_s,
-            predict_step_time(unpacked.work, find_card("h100")).step_s + 0.2);
+  EXPECT_EQ(packed.work.varlen_attention_flops, unpacked.work.fused_attention_flops);
+  EXPECT_GT(packed.work.varlen_masked_flops, 1.9 * unpacked.work.fused_attention_flops);
+  EXPECT_DOUBLE_EQ(predict_step_time(packed.work, find_card("h100")).step_s,
+                   predict_step_time(unpacked.work, find_card("h100")).step_s);
+  EXPECT_GT(predict_step_time(packed.work, find_card("t4")).step_s,
+            predict_step_time(unpacked.work, find_card("t4")).step_s + 0.2);
+}
+
+// Packed rows' documents as flash's variable-length form reads them: each run of one id a document
+// (padding too), rows never joined, the list padded with empty documents to a power of two; an id
+// that comes back later in its row is not a run, so the mask must decide.
+TEST(StepTime, PackedRowsGiveFlashTheirDocumentsRunByRun) {
+  const at::Tensor seg = at::tensor({1, 1, 1, 2, 2, 0, 0, 0, /*row 2*/ 5, 5, 5, 5, 5, 5, 7, 7}, at::kInt).view({2, 8});
+  const at::Tensor starts = model::packed_document_starts(seg);
+  ASSERT_TRUE(starts.defined());
+  EXPECT_EQ(starts.scalar_type(), at::kInt);
+  const std::vector<std::int32_t> want = {0, 3, 5, 8, 14, 16, 16, 16};
+  EXPECT_TRUE(at::equal(starts, at::tensor(want, at::kInt))) << starts;
+  // Nine documents: sixteen entries (the end, then seven empty documents).
+  const at::Tensor many = model::packed_document_starts(at::arange(9, at::kInt).repeat_interleave(2).view({1, 18}));
+  ASSERT_EQ(many.size(0), 16);
+  EXPECT_EQ(many[8].item<int>(), 16);
+  EXPECT_EQ(many[9].item<int>(), 18);
+  EXPECT_EQ(many[15].item<int>(), 18);
+  // Document 1 in two pieces.
+  EXPECT_FALSE(model::packed_document_starts(at::tensor({1, 1, 2, 1}, at::kLong).view({1, 4})).defined());
+  // The same id in two rows is two documents.
+  EXPECT_EQ(model::packed_document_starts(at::ones({2, 4}, at::kInt))[1].item<int>(), 4);
 }
 
 }  // namespace
