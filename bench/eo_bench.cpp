@@ -4,7 +4,7 @@
 //
 //   eo-bench --model configs/models/qwen3-30b-a3b --points 2048x1,2048x4 [--accum G] [--steps 6]
 //            [--warmup 2] [--modes resident,sync,prefetch,budget] [--budget-fraction 0.5]
-//            [--targets attn|all] [--json FILE]
+//            [--targets attn|all|experts] [--json FILE]
 //   modes: resident | sync (one slot) | prefetch (default depth) | prefetchN (N blocks ahead) |
 //          budget (prefetch + budget-fraction of the experts resident); a suffix ":park" adds
 //          activation_offloading, ":mm" the micro-batch-major step order, ":shared" the homes in
@@ -16,13 +16,14 @@
 //          false / true), ":redequant" / ":keepdown" the backward dequantising every bank again /
 //          all but the down projection's (expert_bank_reuse: none / down), ":smallk" the expert
 //          LoRA's rank-wide GEMMs on eo's small-K kernel (off by default, models/grouped_mm.h),
-//          ":packed" rows of four documents each (sample_packing: every layer's attention masked);
+//          ":packed" rows of four documents each (sample_packing: flash varlen where it runs);
 //          they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
 //                  tmpfs: pass a directory on the drive to measure :disk
 //   --targets all: LoRA on every linear, experts included (axolotl's lora_target_linear recipe);
-//   attn (default): the attention linears, as the architecture names them
+//   attn (default): the attention linears, as the architecture names them; experts: those and the
+//   fused experts (lora_target_parameters: gate_up_proj, down_proj)
 //   --h2d-gbps R: take R GB/s as the pinned host-to-device rate of the floors instead of measuring it
 //   --card NAME: run as a card of runtime/cards.cpp's table (a2000, 3090, 4090, 5090, ...; simulated
 //                on this GPU, and every row says so): its memory as device_memory_limit, its pinned
@@ -205,9 +206,15 @@ int main(int argc, char** argv) {
   const model::ModelConfig mc = model::load_config(model_dir);
   // The architecture's names (DeepSeek's latent attention has no k_proj / v_proj).
   std::string targets;
-  for (const auto& t : arg(argc, argv, "--targets", "attn") == "all" ? mc.linear_modules() : mc.attention_linears())
+  const std::string target_set = arg(argc, argv, "--targets", "attn");
+  for (const auto& t : target_set == "all" ? mc.linear_modules() : mc.attention_linears())
     targets += (targets.empty() ? "[" : ", ") + t;
   targets += "]";
+  // --targets experts: the attention linears and the fused experts as peft's ParamWrapper adapts them.
+  const std::string expert_params = target_set == "experts" ? "lora_target_parameters: [" + mc.moe_prefix() +
+                                                                  ".experts.gate_up_proj, " + mc.moe_prefix() +
+                                                                  ".experts.down_proj]\n"
+                                                            : "";
   const std::string name = fs::path(model_dir).filename().string();
   fs::create_directories(work);
 
@@ -241,7 +248,7 @@ int main(int argc, char** argv) {
   for (const Point& pt : points) {
     const std::int64_t need = std::int64_t(pt.seq) * pt.mb * accum * (steps + warmup + 2) + pt.seq;
     const std::string tokens = write_tokens(work, mc.vocab, need, 1234);
-    // :packed rows hold documents of a quarter of the sequence: every layer's attention is masked.
+    // :packed rows hold documents of a quarter of the sequence: flash's variable-length form, else the mask.
     const std::string packed_tokens = write_tokens(work, mc.vocab, need, 1234, std::max(1, pt.seq / 4));
     for (const std::string& spec : modes) {
       const auto parts = split(spec, ':');
@@ -268,7 +275,7 @@ int main(int argc, char** argv) {
       row.point = pt;
       std::ostringstream yaml;
       yaml << "base_model: " << model_dir << "\nsynthetic_weights: true\nload_in_4bit: true\nadapter: qlora\n"
-           << "lora_r: 16\nlora_alpha: 32\nlora_dropout: 0.0\nlora_target_modules: " << targets << "\n"
+           << "lora_r: 16\nlora_alpha: 32\nlora_dropout: 0.0\nlora_target_modules: " << targets << "\n" << expert_params
            << "gradient_accumulation_steps: " << accum << "\n"
            << (park ? "activation_offloading: true\n" : "") << (micro_major ? "step_order: micro_batch_major\n" : "")
            << (shared ? "expert_offload_homes: per_numa_node\n" : "")

@@ -46,7 +46,7 @@ struct RunSpec {
   int accum = 1;                     // gradient_accumulation_steps: micro-batches per optimizer step
   model::LoraSpec lora;              // the adapter (lora_spec)
   bool lora_all_linear = false;      // lora_target_linear: every linear, whatever lora.targets names
-  bool packed = false;               // sample_packing: rows of several documents, every attention masked
+  bool packed = false;               // sample_packing: rows of several documents (models/attention_path.h)
 
   // expert offload
   bool offload = false;
