@@ -5,14 +5,17 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <gtest/gtest.h>
 #include <torch/autograd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "models/delta_rule.h"
+#include "tests/ref_support.h"
 
 namespace eo::testing::delta_rule {
 
@@ -126,6 +129,18 @@ inline Outcome chunked(const Inputs& in, at::ScalarType dtype, std::int64_t chun
         return std::make_pair(r.out, r.final_state);
       },
       device);
+}
+
+// Each output and gradient within its tolerance of `want` (max |got − want| / max |want|).
+inline void expect_close(const Outcome& got, const Outcome& want, double out_tol, double grad_tol, const std::string& what) {
+  EXPECT_LE(eo::testing::rel_err(got.out, want.out), out_tol) << what << ": o";
+  EXPECT_LE(eo::testing::rel_err(got.state, want.state), out_tol) << what << ": final state";
+  EXPECT_LE(eo::testing::rel_err(got.dq, want.dq), grad_tol) << what << ": dq";
+  EXPECT_LE(eo::testing::rel_err(got.dk, want.dk), grad_tol) << what << ": dk";
+  EXPECT_LE(eo::testing::rel_err(got.dv, want.dv), grad_tol) << what << ": dv";
+  EXPECT_LE(eo::testing::rel_err(got.dg, want.dg), grad_tol) << what << ": dg";
+  EXPECT_LE(eo::testing::rel_err(got.dbeta, want.dbeta), grad_tol) << what << ": dbeta";
+  if (want.dh0.defined()) EXPECT_LE(eo::testing::rel_err(got.dh0, want.dh0), grad_tol) << what << ": d initial_state";
 }
 
 }  // namespace eo::testing::delta_rule

@@ -78,16 +78,21 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// A Qwen3-MoE config.json in `dir`: `shape` (its sizes, as JSON members) and the rest fixed.
+fs::path write_qwen3_config(const fs::path& dir, const std::string& shape) {
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], )" << shape
+                                     << R"(, "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": false, "initializer_range": 0.02,
+    "max_position_embeddings": 4096})";
+  return dir;
+}
+
 // A Qwen3-MoE shape with 8 MoE blocks of 64 experts (1024 x 512): 8 x 50 MB of NF4 experts.
 fs::path make_model_dir(const fs::path& dir) {
-  fs::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-    "vocab_size": 2048, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
-    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 2048, "moe_intermediate_size": 512,
-    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": true, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": false,
-    "initializer_range": 0.02, "max_position_embeddings": 4096})";
-  return dir;
+  return write_qwen3_config(dir, R"("vocab_size": 2048, "hidden_size": 1024, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 2048,
+    "moe_intermediate_size": 512, "num_experts": 64, "num_experts_per_tok": 8)");
 }
 
 fs::path make_tokens(const fs::path& dir, std::int64_t n) {
@@ -371,14 +376,10 @@ TEST(CudaTrain, PackedRowsThroughFlashVarlenMatchTheMask) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
   if (!model::flash_varlen_runs(dev, at::kBFloat16)) GTEST_SKIP() << "SKIPPED: flash attention needs sm_80 or newer";
-  const fs::path dir = fs::temp_directory_path() / "eo-cuda-varlen-model";
-  fs::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-    "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512, "moe_intermediate_size": 128,
-    "num_experts": 4, "num_experts_per_tok": 4, "norm_topk_prob": true, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": false,
-    "initializer_range": 0.02, "max_position_embeddings": 4096})";
+  const fs::path dir = write_qwen3_config(fs::temp_directory_path() / "eo-cuda-varlen-model",
+                                          R"("vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
+    "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 4)");
   const std::int64_t B = 2, T = 64;
   at::manual_seed(6);
   const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);

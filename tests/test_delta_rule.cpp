@@ -30,16 +30,6 @@ constexpr double kFp32Tol = 5e-5;   // fp32 inputs and arithmetic
 // (2^-9 relative rounding each), the arithmetic and the state are fp32.
 constexpr double kBf16Tol = 1e-2;
 
-void expect_close(const Outcome& got, const Outcome& want, double out_tol, double grad_tol, const std::string& what) {
-  EXPECT_LE(rel_err(got.out, want.out), out_tol) << what << ": o";
-  EXPECT_LE(rel_err(got.state, want.state), out_tol) << what << ": final state";
-  EXPECT_LE(rel_err(got.dq, want.dq), grad_tol) << what << ": dq";
-  EXPECT_LE(rel_err(got.dk, want.dk), grad_tol) << what << ": dk";
-  EXPECT_LE(rel_err(got.dv, want.dv), grad_tol) << what << ": dv";
-  EXPECT_LE(rel_err(got.dg, want.dg), grad_tol) << what << ": dg";
-  EXPECT_LE(rel_err(got.dbeta, want.dbeta), grad_tol) << what << ": dbeta";
-  if (want.dh0.defined()) EXPECT_LE(rel_err(got.dh0, want.dh0), grad_tol) << what << ": d initial_state";
-}
 
 struct Case {
   std::int64_t chunk, T;
