@@ -172,6 +172,7 @@ struct Recorded {
   double s_per_step, floor_s;  // floor: staged bytes at the pinned rate measured in that run
   const char* where;
   double vram_gib = 0;  // device_memory_limit of the run, the plan fitted to it; 0: none
+  bool packed = false;  // sample_packing: eo-bench's :packed rows of four documents
 };
 const Recorded kRecorded[] = {
     {"h100", "qwen3-30b-a3b", 2, 1, false, 0.372, 0, "H100, f9ce426"},
@@ -194,6 +195,10 @@ const Recorded kRecorded[] = {
     {"h100", "olmoe-1b-7b", 4, 1, false, 0.198, 0, "H100, 6fef652"},
     {"h100", "olmoe-1b-7b", 4, 1, true, 0.208, 0, "H100, 6fef652"},
     {"h100", "gpt-oss-20b", 1, 1, true, 0.424, 0, "H100, 6fef652"},
+    // scripts/device-steptime at 8ca6deb (2026-12-06): packed rows through flash's variable-length form.
+    {"h200", "qwen3-30b-a3b", 2, 1, false, 0.329, 0, "H200, 8ca6deb"},
+    {"h200", "qwen3-30b-a3b", 4, 1, false, 0.573, 0, "H200, 8ca6deb"},
+    {"h200", "qwen3-30b-a3b", 4, 1, false, 0.557, 0, "H200, 8ca6deb, packed", 0, true},
     {"h100", "gpt-oss-20b", 4, 1, false, 0.903, 0, "H100, 6fef652"},  // the masked kernel's fit
     {"h200", "gemma-4-26b-a4b", 1, 1, false, 0.361, 0, "H200, 45523aa"},  // the math path's fit
     {"h200", "gemma-4-26b-a4b", 1, 1, true, 0.534, 0, "H200, 45523aa"},
@@ -205,7 +210,8 @@ constexpr double kPinnedGbps = 55.5;  // the H200 runs' measured pinned rate
 StepTime predicted(const Recorded& r, const StepEfficiency& eff, StepWork* work_out = nullptr) {
   const Planned p = planned("configs/bench/qwen3-30b-a3b-offload.yaml",
                             {"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/" + r.model, std::string("expert_offload=") + (r.offload ? "true" : "false"),
-                             "micro_batch_size=" + std::to_string(r.mb), "gradient_accumulation_steps=" + std::to_string(r.accum)});
+                             "micro_batch_size=" + std::to_string(r.mb), "gradient_accumulation_steps=" + std::to_string(r.accum),
+                             std::string("sample_packing=") + (r.packed ? "true" : "false")});
   StepWork work = p.work;
   if (r.vram_gib > 0) {  // as training fits it (plan --card does the same)
     const FittedPlan f = fit_plan(p.spec, r.vram_gib * 1024 * 1024 * 1024);
