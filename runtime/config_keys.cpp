@@ -311,7 +311,9 @@ const std::vector<KeySpec>& schema() {
                         "axolotl, a longer chat_template / alpaca / input_output row is dropped (counted in the log) and a "
                         "completion text is cut into pieces."));
     k.push_back(boolean("sample_packing", &TrainConfig::sample_packing,
-                        "Pack several documents into one sequence; attention never crosses a document boundary."));
+                        "Pack several documents into one sequence; attention never crosses a document boundary (on a "
+                        "GPU of sm_80 or newer through flash attention's variable-length form, at the unpacked step's "
+                        "speed; else with a document mask)."));
     k.push_back(integer("micro_batch_size", &TrainConfig::micro_batch_size, 1, 1 << 16, "Sequences per rank per micro-step."));
     k.push_back(integer("gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps, 1, 1 << 16,
                         "Micro-steps per optimizer step."));
