@@ -44,6 +44,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -119,18 +120,21 @@ std::vector<double> read_losses(const fs::path& dir) {
   return out;
 }
 
-// The tiny fixture with LoRA r 8 on every linear, experts included, and non-zero B so every LoRA
-// factor gets a gradient.
-std::unique_ptr<model::MoeModel> tiny_model_with_lora(const at::Device& dev, at::ScalarType dtype) {
+// The model in `dir` with LoRA r 8 on `targets` and non-zero B, so every LoRA factor gets a
+// gradient; `random_seed`: seeded random weights from config.json alone (LoadOptions::random_seed).
+std::unique_ptr<model::MoeModel> model_with_lora(const std::string& dir, const at::Device& dev, at::ScalarType dtype,
+                                                 const std::vector<std::string>& targets,
+                                                 std::optional<std::uint64_t> random_seed = std::nullopt) {
   model::LoadOptions lo;
   lo.dtype = dtype;
   lo.load_in_4bit = true;
   lo.device = dev;
-  auto m = model::MoeModel::load(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", lo);
+  lo.random_seed = random_seed;
+  auto m = model::MoeModel::load(dir, lo);
   model::LoraSpec spec;
   spec.r = 8;
   spec.alpha = 16;
-  spec.targets = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  spec.targets = targets;
   spec.seed = 3;
   m->add_lora(spec);
   at::manual_seed(4);
@@ -138,6 +142,12 @@ std::unique_ptr<model::MoeModel> tiny_model_with_lora(const at::Device& dev, at:
   for (auto& [n, p] : m->lora_parameters())
     if (n.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
   return m;
+}
+
+// The tiny fixture with LoRA on every linear, experts included.
+std::unique_ptr<model::MoeModel> tiny_model_with_lora(const at::Device& dev, at::ScalarType dtype) {
+  return model_with_lora(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", dev, dtype,
+                         {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"});
 }
 
 // Two micro-batches of 2 x 64 random tokens; with packed_second, the second one holds two documents
@@ -398,24 +408,7 @@ TEST(CudaTrain, PackedRowsThroughFlashVarlenMatchTheMask) {
     std::vector<at::Tensor> grads;
   };
   auto run = [&](at::ScalarType dtype, bool varlen, const at::Tensor& input) {
-    model::LoadOptions lo;
-    lo.dtype = dtype;
-    lo.load_in_4bit = true;
-    lo.device = dev;
-    lo.random_seed = 11;
-    auto m = model::MoeModel::load(dir.string(), lo);
-    model::LoraSpec spec;
-    spec.r = 8;
-    spec.alpha = 16;
-    spec.targets = {"q_proj", "k_proj", "v_proj", "o_proj"};
-    spec.seed = 3;
-    m->add_lora(spec);
-    {
-      at::manual_seed(4);
-      at::NoGradGuard ng;
-      for (auto& [n, p] : m->lora_parameters())
-        if (n.find("lora_B") != std::string::npos) p.copy_(at::randn(p.sizes()) * 0.05);
-    }
+    auto m = model_with_lora(dir.string(), dev, dtype, {"q_proj", "k_proj", "v_proj", "o_proj"}, /*random_seed=*/11);
     model::Batch b;
     b.input_ids = input;
     b.labels = input.to(dev);
