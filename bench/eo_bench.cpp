@@ -411,7 +411,8 @@ int main(int argc, char** argv) {
   }
 
   // The table: offload rows against the same point's resident row and against their floor.
-  std::printf("\naccumulation %d, LoRA on %s\n", accum, targets.c_str());
+  std::printf("\naccumulation %d, LoRA on %s%s\n", accum, targets.c_str(),
+              expert_params.empty() ? "" : (" and the fused experts (" + mc.moe_prefix() + ".experts)").c_str());
   std::printf("\ns/step: the timed window's steady rate (device clock); step min / median / max: the per-step device times\n");
   std::printf("\n| model | seq x mb | mode | s/step | step min / median / max | tokens/s | peak VRAM | plan VRAM | plan vs peak | reserved | pinned host | staged/step | H2D GB/s | stall s | floor s | vs resident | vs floor |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
