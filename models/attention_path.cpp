@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <set>
+#include <string>
 #include <vector>
 
 #ifdef EO_WITH_CUDA
@@ -35,6 +37,25 @@ const char* attention_path_name(AttentionPath p) {
     case AttentionPath::Math: return "math";
   }
   return "?";
+}
+
+std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, bool varlen) {
+  std::map<AttentionPath, int> layers;
+  for (int l = 0; l < int(c.layers); ++l)
+    if (!c.is_linear_attention_layer(l)) ++layers[attention_path(c, l, seq, /*packed=*/true, varlen)];
+  std::string out;
+  for (const auto& [path, n] : layers) {
+    const char* how = path == AttentionPath::Varlen ? "flash attention's variable-length form (each document causal on its own)"
+                      : path == AttentionPath::Masked
+                          ? (varlen ? "the packing mask on the memory-efficient kernel (sinks, sliding windows, chunks or "
+                                      "latent attention's widths)"
+                                    : "the packing mask on the memory-efficient kernel (flash's variable-length form needs "
+                                      "a GPU of sm_80 or newer and bf16 or fp16)")
+                      : path == AttentionPath::Math ? "the packing mask on SDPA's math path (heads wider than 256)"
+                                                    : attention_path_name(path);
+    out += (out.empty() ? "" : "; ") + std::to_string(n) + " attention layer" + (n == 1 ? "" : "s") + " through " + how;
+  }
+  return out;
 }
 
 bool flash_varlen_runs(const c10::Device& device, c10::ScalarType dtype) {

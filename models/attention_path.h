@@ -9,6 +9,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <string>
 
 #include "models/hf_config.h"
 
@@ -28,6 +29,10 @@ enum class AttentionPath {
 AttentionPath attention_path(const ModelConfig& c, int layer, std::int64_t seq, bool packed, bool varlen = true);
 
 const char* attention_path_name(AttentionPath p);
+
+// How packed rows attend in `c` at sequence `seq` where `varlen` says whether flash's variable-length
+// form runs, for the run's log: the attention layers by path, with the reason where it is the mask.
+std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, bool varlen);
 
 // Whether flash attention's variable-length form runs on `device` in `dtype`: a CUDA GPU of sm_80 or
 // newer (PyTorch's flash kernels) and bf16 or fp16.

@@ -3,6 +3,7 @@
 #include <csignal>
 
 #include "common/log.h"
+#include "models/attention_path.h"
 #include "models/moe_model.h"
 #include "runtime/checkpointer.h"
 #include "runtime/ddp/comm.h"
@@ -50,6 +51,10 @@ void log_step_choices(const TrainConfig& cfg, const Run& run) {
             (spec.graphs ? ": each block's forward, recompute + backward and the loss replay as graphs from their second use"
                          : std::string()));
   log::info("expert GEMMs: " + spec.expert_gemm_why);
+  if (spec.packed)
+    log::info("packed rows: " + model::packed_attention_summary(
+                                    spec.model, spec.sequence_len,
+                                    model::flash_varlen_runs(run.device, run.model->options().dtype)));
   if (spec.load_in_4bit && spec.bank_reuse != model::BankReuse::None)
     log::info(std::string("expert banks: each block's recompute keeps ") +
               (spec.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +

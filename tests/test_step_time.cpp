@@ -307,6 +307,15 @@ TEST(StepTime, EachLayerRunsTheSdpaKernelItsMaskAndHeadsAllow) {
   // Qwen3-Next's gated full-attention layers (one in four) take the variable-length form.
   EXPECT_EQ(paths("qwen3-next-80b-a3b", 2048, true).count(AttentionPath::Varlen), 12u);
   EXPECT_EQ(paths("gpt-oss-20b", 2048, true).count(AttentionPath::Masked), 24u);
+  // The run's log line.
+  const Planned qwen = qwen3({}), oss = qwen3({"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/gpt-oss-20b"});
+  EXPECT_EQ(model::packed_attention_summary(qwen.spec.model, 2048, true),
+            "48 attention layers through flash attention's variable-length form (each document causal on its own)");
+  EXPECT_NE(model::packed_attention_summary(qwen.spec.model, 2048, false).find("48 attention layers through the packing "
+                                                                              "mask on the memory-efficient kernel (flash's"),
+            std::string::npos);
+  EXPECT_NE(model::packed_attention_summary(oss.spec.model, 2048, true).find("24 attention layers through the packing mask"),
+            std::string::npos);
   EXPECT_EQ(paths("gpt-oss-20b", 2048, false).count(AttentionPath::Masked), 24u);
   const auto gemma = paths("gemma-4-26b-a4b", 2048, false);
   EXPECT_EQ(gemma.count(AttentionPath::Math), 5u);  // every sixth layer of 30 is full attention
