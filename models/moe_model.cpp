@@ -92,6 +92,12 @@ at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx, const Rope& 
   return R == D ? r : at::cat({r, x.narrow(-1, R, D - R)}, -1);
 }
 
+// Whether layer `layer` attends through flash's variable-length form for this context: packed rows'
+// documents were given (MoeModel::context, where it runs) and the layer's path is Varlen.
+bool takes_varlen(const ModelConfig& c, int layer, const BlockContext& ctx, std::int64_t T) {
+  return ctx.document_starts.defined() && attention_path(c, layer, T, /*packed=*/true) == AttentionPath::Varlen;
+}
+
 // Softmax attention of q [B, h, T, Dq] over k [B, hk, T, Dq], v [B, hk, T, Dv] → [B, T, h·Dv].
 // GQA: query head i reads kv head i / (h / hk). Plain causal attention passes the grouping to the
 // fused kernel (flash attention on a GPU); with a packing mask the kv heads are repeated, which
@@ -101,7 +107,7 @@ at::Tensor apply_rope(const at::Tensor& x, const BlockContext& ctx, const Rope& 
 at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale,
                   bool varlen = false) {
   const auto B = q.size(0), T = q.size(2), h = q.size(1), hk = k.size(1);
-  if (varlen && ctx.document_starts.defined()) {
+  if (varlen) {
     auto tokens = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({B * T, t.size(1), t.size(3)}); };
     // max_q = max_k = T: an upper bound (the grid's extent), the same every step for CUDA graphs.
     const at::Tensor o = std::get<0>(at::_flash_attention_forward(tokens(q), tokens(k), tokens(v), ctx.document_starts,
@@ -168,7 +174,7 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   if (c.is_linear_attention_layer(w_.index)) return linear_attention(x, ctx);
   const auto B = x.size(0), T = x.size(1);
   const std::int64_t D = c.head_dim_at(w_.index), KV = c.kv_heads_at(w_.index);
-  const bool varlen = ctx.document_starts.defined() && attention_path(c, w_.index, T, true) == AttentionPath::Varlen;
+  const bool varlen = takes_varlen(c, w_.index, ctx, T);
   at::Tensor q = w_.q.forward(x, ctx.training), k = w_.k.forward(x, ctx.training);
   at::Tensor gate;  // attn_output_gate: each head's [query | gate] (Qwen3NextAttention)
   if (c.attn_output_gate) {
@@ -258,8 +264,7 @@ at::Tensor DecoderBlock::latent_attention(const at::Tensor& x, const BlockContex
   at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope_dim), k_rot.expand({B, H, T, a.rope_dim})}, -1);
   at::Tensor v = kv.narrow(-1, a.nope_dim, a.v_dim);
   cache_keys_values(ctx, w_.index, k, v);
-  const bool varlen = ctx.document_starts.defined() && attention_path(c, w_.index, T, true) == AttentionPath::Varlen;
-  return w_.o.forward(attend(q_full, k, v, ctx, c.attn_scale, varlen), tr);
+  return w_.o.forward(attend(q_full, k, v, ctx, c.attn_scale, takes_varlen(c, w_.index, ctx, T)), tr);
 }
 
 namespace {
