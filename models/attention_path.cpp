@@ -13,20 +13,26 @@
 
 namespace eo::model {
 
-AttentionPath attention_path(const ModelConfig& c, int layer, std::int64_t seq, bool packed, bool varlen) {
+AttentionPath attention_path(const ModelConfig& c, int layer, std::int64_t seq, bool packed, bool flash) {
   // Flash attention takes heads up to 256 wide and no mask; the memory-efficient kernel takes a
   // mask; wider heads (Gemma 4's 512-wide full layers) fall to the math path.
   if (c.head_dim_at(layer) > 256) return AttentionPath::Math;
-  // A mask rides along with sinks and sliding windows (attend_with_sinks) and chunked layers longer
-  // than a chunk (BlockContext::chunk_mask).
+  // A mask rides along with sinks (attend_with_sinks) and chunked layers longer than a chunk
+  // (BlockContext::chunk_mask).
   const bool chunked = c.is_chunked_layer(layer) && seq > c.llama4->chunk;
-  if (c.attention_sinks || c.is_sliding_layer(layer) || chunked) return AttentionPath::Masked;
+  if (c.attention_sinks || chunked) return AttentionPath::Masked;
+  // Sliding windows without sinks (Gemma 4): flash's local window where flash runs, else the mask.
+  if (c.is_sliding_layer(layer) && !flash) return AttentionPath::Masked;
   if (!packed) return AttentionPath::Fused;
   // Packed rows: flash's variable-length form where it runs and the heads suit it (one width for
   // keys and values, which latent attention does not have); else the packing mask.
   const std::int64_t qk = c.mla ? c.mla->qk_dim() : c.head_dim_at(layer), v = c.mla ? c.mla->v_dim : qk;
   const bool flash_heads = qk == v && qk % 8 == 0 && qk <= 256;
-  return varlen && flash_heads ? AttentionPath::Varlen : AttentionPath::Masked;
+  return flash && flash_heads ? AttentionPath::Varlen : AttentionPath::Masked;
+}
+
+bool needs_flash_forms(const ModelConfig& c, int layer, AttentionPath path) {
+  return path == AttentionPath::Varlen || (path == AttentionPath::Fused && c.is_sliding_layer(layer));
 }
 
 const char* attention_path_name(AttentionPath p) {
@@ -39,18 +45,18 @@ const char* attention_path_name(AttentionPath p) {
   return "?";
 }
 
-std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, bool varlen) {
+std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, bool flash) {
   std::map<AttentionPath, int> layers;
   for (int l = 0; l < int(c.layers); ++l)
-    if (!c.is_linear_attention_layer(l)) ++layers[attention_path(c, l, seq, /*packed=*/true, varlen)];
+    if (!c.is_linear_attention_layer(l)) ++layers[attention_path(c, l, seq, /*packed=*/true, flash)];
   std::string out;
   for (const auto& [path, n] : layers) {
     const char* how = path == AttentionPath::Varlen ? "flash attention's variable-length form (each document causal on its own)"
                       : path == AttentionPath::Masked
-                          ? (varlen ? "the packing mask on the memory-efficient kernel (sinks, sliding windows, chunks or "
-                                      "latent attention's widths)"
-                                    : "the packing mask on the memory-efficient kernel (flash's variable-length form needs "
-                                      "a GPU of sm_80 or newer and bf16 or fp16)")
+                          ? (flash ? "the packing mask on the memory-efficient kernel (sinks, chunks or latent "
+                                     "attention's widths)"
+                                   : "the packing mask on the memory-efficient kernel (flash's variable-length form needs "
+                                     "a GPU of sm_80 or newer and bf16 or fp16)")
                       : path == AttentionPath::Math ? "the packing mask on SDPA's math path (heads wider than 256)"
                                                     : attention_path_name(path);
     out += (out.empty() ? "" : "; ") + std::to_string(n) + " attention layer" + (n == 1 ? "" : "s") + " through " + how;
@@ -58,7 +64,7 @@ std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, boo
   return out;
 }
 
-bool flash_varlen_runs(const c10::Device& device, c10::ScalarType dtype) {
+bool flash_attention_runs(const c10::Device& device, c10::ScalarType dtype) {
   if (!device.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) return false;
 #ifdef EO_WITH_CUDA
   int major = 0;

@@ -2,6 +2,8 @@
 // attend_with_sinks) and PyTorch's dispatcher picks among flash, memory-efficient and math (ATen's
 // sdp_utils): the one rule that the model's attention and the step-time prediction both follow.
 // And the documents of packed rows, as flash attention's variable-length form reads them.
+// Flash's own forms (the variable-length form of packed rows, the local window of sliding layers)
+// run only where PyTorch's flash kernels do (flash_attention_runs); elsewhere those layers take a mask.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,27 +18,32 @@
 namespace eo::model {
 
 enum class AttentionPath {
-  Fused,   // flash attention: plain causal, heads up to 256 wide; tiles above the diagonal skipped
+  Fused,   // flash attention: causal, heads up to 256 wide; tiles above the diagonal skipped, and on
+           // sliding layers (Gemma 4) tiles left of the window too (flash's local window)
   Varlen,  // packed rows through flash attention's variable-length form: each document causal on its
-           // own, tiles above each document's diagonal and across documents skipped
+           // own (within the window on sliding layers), tiles above each document's diagonal and
+           // across documents skipped
   Masked,  // the memory-efficient kernel with a boolean mask: every query-key tile computed
   Math,    // scores materialised ([B, heads, T, T]) and soft-maxed by separate kernels
 };
 
 // Layer `layer` of `c` at sequence `seq`. `packed`: rows hold several documents (sample_packing).
-// `varlen`: flash's variable-length form runs where the rows are (flash_varlen_runs); without it
-// packed rows take the packing mask on every layer.
-AttentionPath attention_path(const ModelConfig& c, int layer, std::int64_t seq, bool packed, bool varlen = true);
+// `flash`: flash's own forms run where the rows are (flash_attention_runs); without them packed rows
+// take the packing mask on every layer, and sliding layers their window as a mask.
+AttentionPath attention_path(const ModelConfig& c, int layer, std::int64_t seq, bool packed, bool flash = true);
+// Whether the layer's path is one of flash's own forms, which need flash_attention_runs: Varlen, or
+// Fused on a sliding layer (its local window).
+bool needs_flash_forms(const ModelConfig& c, int layer, AttentionPath path);
 
 const char* attention_path_name(AttentionPath p);
 
-// How packed rows attend in `c` at sequence `seq` where `varlen` says whether flash's variable-length
-// form runs, for the run's log: the attention layers by path, with the reason where it is the mask.
-std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, bool varlen);
+// How packed rows attend in `c` at sequence `seq` where `flash` says whether flash's own forms run,
+// for the run's log: the attention layers by path, with the reason where it is the mask.
+std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, bool flash);
 
-// Whether flash attention's variable-length form runs on `device` in `dtype`: a CUDA GPU of sm_80 or
-// newer (PyTorch's flash kernels) and bf16 or fp16.
-bool flash_varlen_runs(const c10::Device& device, c10::ScalarType dtype);
+// Whether PyTorch's flash kernels, and with them flash's variable-length form and local window, run
+// on `device` in `dtype`: a CUDA GPU of sm_80 or newer and bf16 or fp16.
+bool flash_attention_runs(const c10::Device& device, c10::ScalarType dtype);
 
 // The documents of packed rows as flash's variable-length form takes them: int32 cumulative starts
 // [n + 1] over the B·T tokens of `segment_ids` (host, [B, T], any integer type; each run of equal ids

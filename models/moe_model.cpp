@@ -98,21 +98,39 @@ bool takes_varlen(const ModelConfig& c, int layer, const BlockContext& ctx, std:
   return ctx.document_starts.defined() && attention_path(c, layer, T, /*packed=*/true) == AttentionPath::Varlen;
 }
 
+// The window a sliding layer hands to flash (its local window), or 0: the layer slides, has no
+// sinks, the context lets flash take windows and nothing is cached (keys beyond the queries).
+std::int64_t flash_window(const ModelConfig& c, int layer, const BlockContext& ctx) {
+  const bool takes = c.is_sliding_layer(layer) && !c.attention_sinks && ctx.flash_windows && ctx.cache == nullptr &&
+                     c.head_dim_at(layer) <= 256;
+  return takes ? c.sliding_window : 0;
+}
+
 // Softmax attention of q [B, h, T, Dq] over k [B, hk, T, Dq], v [B, hk, T, Dv] → [B, T, h·Dv].
 // GQA: query head i reads kv head i / (h / hk). Plain causal attention passes the grouping to the
 // fused kernel (flash attention on a GPU); with a packing mask the kv heads are repeated, which
 // the memory-efficient kernel accepts together with a mask. `varlen` (the layer's path is Varlen,
 // models/attention_path.h): packed rows' documents each causal on their own through flash's
 // variable-length form, over the B·T tokens as one sequence of documents (GQA native, no mask).
+// `window` > 0 (flash_window): flash's local window, a query at i seeing keys i - window < j <= i
+// (transformers' sliding_window_overlay), in either form.
 at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockContext& ctx, double scale,
-                  bool varlen = false) {
+                  bool varlen = false, std::int64_t window = 0) {
   const auto B = q.size(0), T = q.size(2), h = q.size(1), hk = k.size(1);
+  const std::optional<std::int64_t> left = window > 0 ? std::optional<std::int64_t>(window - 1) : std::nullopt;
+  const std::optional<std::int64_t> right = window > 0 ? std::optional<std::int64_t>(0) : std::nullopt;
   if (varlen) {
     auto tokens = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({B * T, t.size(1), t.size(3)}); };
     // max_q = max_k = T: an upper bound (the grid's extent), the same every step for CUDA graphs.
     const at::Tensor o = std::get<0>(at::_flash_attention_forward(tokens(q), tokens(k), tokens(v), ctx.document_starts,
-                                                                  ctx.document_starts, T, T, 0.0, true, false, scale));
+                                                                  ctx.document_starts, T, T, 0.0, true, false, scale, left, right));
     return o.view({B, T, h * v.size(-1)});
+  }
+  if (window > 0) {  // flash's dense form: [B, T, heads, D], GQA native
+    const at::Tensor o = std::get<0>(at::_flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                                  std::nullopt, std::nullopt, T, T, 0.0, true, false, scale,
+                                                                  left, right));
+    return o.reshape({B, T, h * v.size(-1)});
   }
   const bool gqa = hk != h;
   if (gqa && ctx.attn_mask.defined()) {
@@ -238,10 +256,10 @@ at::Tensor DecoderBlock::attention(const at::Tensor& x, const BlockContext& ctx)
   }
   at::Tensor vt = v.transpose(1, 2);
   cache_keys_values(ctx, w_.index, k, vt);
-  const std::int64_t window = c.is_sliding_layer(w_.index) ? c.sliding_window : 0;
-  if (c.attention_sinks || window > 0)
+  const std::int64_t window = c.is_sliding_layer(w_.index) ? c.sliding_window : 0, flash = flash_window(c, w_.index, ctx);
+  if (c.attention_sinks || (window > 0 && flash == 0))
     return w_.o.forward(attend_with_sinks(q, k, vt, ctx, c.attn_scale, w_.sinks, window), ctx.training);
-  const at::Tensor o = attend(q, k, vt, ctx, c.attn_scale, varlen);
+  const at::Tensor o = attend(q, k, vt, ctx, c.attn_scale, varlen, flash);
   return w_.o.forward(gate.defined() ? o * at::sigmoid(gate) : o, ctx.training);
 }
 
@@ -725,9 +743,10 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
   }
 
   // Packed rows through flash's variable-length form where it runs (models/attention_path.h); the
-  // packing mask only where some layer still needs it (sinks, windows, chunks, latent attention).
+  // packing mask only where some layer still needs it (sinks, chunks, latent attention).
+  const bool flash = flash_attention_runs(dev, opts_.dtype);
   bool varlen_everywhere = false;
-  if (batch.document_starts.defined() && !batch.attention_mask.defined() && flash_varlen_runs(dev, opts_.dtype)) {
+  if (batch.document_starts.defined() && !batch.attention_mask.defined() && flash) {
     ctx.document_starts = batch.document_starts.to(dev);
     varlen_everywhere = true;
     for (int l = 0; l < cfg_.layers; ++l)
@@ -746,6 +765,9 @@ BlockContext MoeModel::context(const Batch& batch, bool training) const {
     // A padded query row would attend to nothing (NaN); let it see itself. Its output is unused.
     ctx.attn_mask = mask | at::eye(T, opt).view({1, 1, T, T});
   }
+  // Sliding layers take flash's local window where flash runs and no mask applies to them: no
+  // padding, and packed rows only as documents through the variable-length form.
+  ctx.flash_windows = flash && !batch.attention_mask.defined() && (!batch.segment_ids.defined() || ctx.document_starts.defined());
   if (cfg_.linear_attn) {  // the delta-rule layers' documents and padding (BlockContext)
     if (batch.segment_ids.defined()) ctx.segment_ids = batch.segment_ids.to(dev, at::kLong);
     if (batch.attention_mask.defined()) ctx.token_mask = batch.attention_mask.to(dev, opts_.dtype).view({B, T, 1});

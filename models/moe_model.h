@@ -96,6 +96,9 @@ struct BlockContext {
   // Packed rows where flash's variable-length form runs (models/attention_path.h): int32 document
   // starts over the B·T tokens, which the layers whose path is Varlen read instead of attn_mask.
   at::Tensor document_starts;
+  // Sliding layers (no sinks) attend through flash's local window (models/attention_path.h): flash
+  // runs here, and no padding mask or packing mask applies to them. False: the window as a mask.
+  bool flash_windows = false;
   at::Tensor q_scale;    // [B, 1, T, 1] per-position query factor (Mistral 4; Llama 4's NoPE layers, fp32); undefined = none
   at::Tensor chunk_mask;  // Llama 4's chunked layers: attn_mask within chunks; undefined = attn_mask
   bool training = false;

@@ -68,12 +68,15 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
     // skips the keys a query cannot see.
     const double per_key = T * double(c.heads) * (qk + v) * 2 * 4, visible = per_key * mean_context(seq, window);
     w.attention_flops += visible;
-    switch (model::attention_path(c, l, spec.sequence_len, spec.packed)) {
-      case model::AttentionPath::Fused: w.fused_attention_flops += visible; break;
-      case model::AttentionPath::Varlen:
-        w.varlen_attention_flops += visible;
-        w.varlen_masked_flops += per_key * seq;
-        break;
+    const model::AttentionPath path = model::attention_path(c, l, spec.sequence_len, spec.packed);
+    if (model::needs_flash_forms(c, l, path)) {  // flash's variable-length form or local window
+      w.flash_forms_flops += visible;
+      w.flash_forms_masked_flops += per_key * seq;
+      continue;
+    }
+    switch (path) {
+      case model::AttentionPath::Fused:
+      case model::AttentionPath::Varlen: w.fused_attention_flops += visible; break;
       case model::AttentionPath::Masked: w.masked_attention_flops += per_key * seq; break;
       case model::AttentionPath::Math: w.math_attention_flops += per_key * seq; break;
     }
@@ -107,8 +110,8 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
 StepTime predict_step_time(const StepWork& w, const CardFigures& card, const StepEfficiency& eff) {
   StepTime t;
   const double flops = card.bf16_tflops * 1e12, bytes = card.mem_gbps * 1e9;
-  const double fused = w.fused_attention_flops + (card.flash_attention ? w.varlen_attention_flops : 0);
-  const double masked = w.masked_attention_flops + (card.flash_attention ? 0 : w.varlen_masked_flops);
+  const double fused = w.fused_attention_flops + (card.flash_attention ? w.flash_forms_flops : 0);
+  const double masked = w.masked_attention_flops + (card.flash_attention ? 0 : w.flash_forms_masked_flops);
   t.phases = {{"expert grouped GEMMs", w.expert_gemm_flops / (flops * eff.expert_gemm)},
               {"other GEMMs (projections, LoRA, routers)", w.other_gemm_flops / (flops * eff.other_gemm)},
               {"LM head", w.head_flops / (flops * eff.other_gemm)},

@@ -23,11 +23,12 @@ struct StepWork {
   double other_gemm_flops = 0;    // attention projections, dense MLPs, shared experts, routers, LoRA
   double attention_flops = 0;     // QK^T and PV over each layer's context (causal, windows, chunks)
   // ... as computed, by the SDPA kernel each layer runs (models/attention_path.h): the fused kernel
-  // skips what a query cannot see; the masked kernel and the math path compute every key. Packed
-  // rows' Varlen layers: their visible keys on a card with flash attention (counted as whole rows,
-  // an upper bound: the documents are shorter), every key through the mask on one without.
+  // skips what a query cannot see; the masked kernel and the math path compute every key. Layers
+  // on flash's own forms (packed rows' Varlen layers, sliding layers' local window): their visible
+  // keys on a card with flash attention (packed rows counted as whole rows, an upper bound: the
+  // documents are shorter), every key through the mask on one without.
   double fused_attention_flops = 0;
-  double varlen_attention_flops = 0, varlen_masked_flops = 0;
+  double flash_forms_flops = 0, flash_forms_masked_flops = 0;
   double masked_attention_flops = 0;
   double math_attention_flops = 0;
   double head_flops = 0;          // the LM head: forward and input gradient

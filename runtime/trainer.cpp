@@ -54,7 +54,7 @@ void log_step_choices(const TrainConfig& cfg, const Run& run) {
   if (spec.packed)
     log::info("packed rows: " + model::packed_attention_summary(
                                     spec.model, spec.sequence_len,
-                                    model::flash_varlen_runs(run.device, run.model->options().dtype)));
+                                    model::flash_attention_runs(run.device, run.model->options().dtype)));
   if (spec.load_in_4bit && spec.bank_reuse != model::BankReuse::None)
     log::info(std::string("expert banks: each block's recompute keeps ") +
               (spec.bank_reuse == model::BankReuse::All ? "gate's, up's and down's" : "the down projection's") +

@@ -385,7 +385,7 @@ TEST(CudaTrain, GraphedBlockUsesGiveTheEagerGradients) {
 TEST(CudaTrain, PackedRowsThroughFlashVarlenMatchTheMask) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
-  if (!model::flash_varlen_runs(dev, at::kBFloat16)) GTEST_SKIP() << "SKIPPED: flash attention needs sm_80 or newer";
+  if (!model::flash_attention_runs(dev, at::kBFloat16)) GTEST_SKIP() << "SKIPPED: flash attention needs sm_80 or newer";
   const fs::path dir = write_qwen3_config(fs::temp_directory_path() / "eo-cuda-varlen-model",
                                           R"("vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
@@ -440,6 +440,68 @@ TEST(CudaTrain, PackedRowsThroughFlashVarlenMatchTheMask) {
   std::printf("document rewritten: its logits moved by up to %.3g, the next document's by %.3g\n", own, next);
   EXPECT_GT(own, 0.0);
   EXPECT_LE(next, 0.02 * own);
+}
+
+// Gemma 4's sliding layers through flash's local window, unpacked (the dense form) and packed (the
+// variable-length form, a window per document), against the window as a mask: bf16 through flash
+// no further from the fp32 masked forward than bf16 through the mask (an all-ones padding mask
+// sends the layers to it). Every expert chosen, so bf16 cannot flip a routing choice; a window of
+// 16 over 64 tokens, so a window off by one key moves every later query.
+TEST(CudaTrain, SlidingLayersThroughFlashWindowMatchTheMask) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  if (!model::flash_attention_runs(dev, at::kBFloat16)) GTEST_SKIP() << "SKIPPED: flash attention needs sm_80 or newer";
+  const fs::path dir = fs::temp_directory_path() / "eo-cuda-window-model";
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 256,
+    "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "global_head_dim": 128, "num_global_key_value_heads": 1, "attention_k_eq_v": true, "hidden_size_per_layer_input": 0,
+    "enable_moe_block": true, "num_experts": 4, "top_k_experts": 4, "moe_intermediate_size": 128, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]})";
+  const std::int64_t B = 2, T = 64;
+  at::manual_seed(8);
+  const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);
+  // Packed: row 0 documents [0, 40), [40, 64); row 1 [0, 10), [10, 64).
+  at::Tensor seg = at::ones({B, T}, at::kLong), pos = at::arange(T, at::kLong).repeat({B, 1});
+  seg[0].narrow(0, 40, 24).fill_(2);
+  pos[0].narrow(0, 40, 24).copy_(at::arange(24, at::kLong));
+  seg[1].narrow(0, 10, 54).fill_(2);
+  pos[1].narrow(0, 10, 54).copy_(at::arange(54, at::kLong));
+  struct Out {
+    at::Tensor logits;
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+  };
+  auto run = [&](at::ScalarType dtype, bool packed, bool through_mask) {
+    auto m = model_with_lora(dir.string(), dev, dtype, {"q_proj", "k_proj", "v_proj", "o_proj"}, /*random_seed=*/12);
+    model::Batch b;
+    b.input_ids = ids;
+    b.labels = ids.to(dev);
+    if (packed) {
+      b.positions = pos.to(dev);
+      b.segment_ids = seg.to(dev);
+      b.document_starts = model::packed_document_starts(seg).to(dev);
+    }
+    if (through_mask) b.attention_mask = at::ones({B, T}, at::kLong).to(dev);
+    model::ForwardOptions fo;
+    fo.training = true;
+    const model::ForwardOutput out = m->forward(b, fo);
+    out.loss_sum.backward();
+    Out o;
+    o.logits = out.logits.detach().to(at::kCPU, at::kFloat);
+    for (auto& [n, p] : m->lora_parameters()) {
+      o.names.push_back(n);
+      o.grads.push_back(p.grad().to(at::kCPU, at::kFloat));
+    }
+    return o;
+  };
+  for (const bool packed : {false, true}) {
+    SCOPED_TRACE(packed ? "packed rows" : "whole rows");
+    const Out ref = run(at::kFloat, packed, true), masked = run(at::kBFloat16, packed, true), flash = run(at::kBFloat16, packed, false);
+    ASSERT_FALSE(ref.names.empty());
+    eo::testing::expect_bf16_no_worse({"logits"}, {flash.logits}, {masked.logits}, {ref.logits});
+    eo::testing::expect_bf16_no_worse(ref.names, flash.grads, masked.grads, ref.grads);
+  }
 }
 
 TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
