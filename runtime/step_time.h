@@ -49,9 +49,9 @@ struct StepEfficiency {
   double other_gemm = 0.5272;
   double attention = 0.4676;
   // gpt-oss-20b's masked layers on the H100 (2048 x 4 resident, 6fef652) and Gemma 4's 512-wide
-  // math-path layers on the H200 (2048 x 1 resident, 45523aa), with the other phases as above.
+  // math-path layers on the H100 (2048 x 1 resident, 56b42ed), with the other phases as above.
   double masked_attention = 0.0600;
-  double math_attention = 0.0456;
+  double math_attention = 0.0175;
   double memory = 0.5209;       // of mem_gbps, for dequant and elementwise bytes
   double layer_pass_s = 1.057e-3;
   // Of link_gbps, for a transfer-bound step: its copies wait on slots and events, so it runs above

@@ -501,6 +501,8 @@ TEST(CudaTrain, SlidingLayersThroughFlashWindowMatchTheMask) {
     ASSERT_FALSE(ref.names.empty());
     eo::testing::expect_bf16_no_worse({"logits"}, {flash.logits}, {masked.logits}, {ref.logits});
     eo::testing::expect_bf16_no_worse(ref.names, flash.grads, masked.grads, ref.grads);
+    // Another kernel ran: the same kernel would have given the same bits.
+    EXPECT_FALSE(at::equal(flash.logits, masked.logits)) << "the sliding layers took the mask both times";
   }
 }
 
