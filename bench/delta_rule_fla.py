@@ -62,7 +62,8 @@ def load_fla():
     try:
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        return chunk_gated_delta_rule, getattr(fla, "__version__", "unknown")
+        from fla_triton import lift_triton_check
+        return chunk_gated_delta_rule, lift_triton_check(getattr(fla, "__version__", "unknown"))
     except Exception as e:  # not installed, no Triton, no GPU backend
         return None, f"unavailable: {type(e).__name__}: {e}".strip()[:200]
 

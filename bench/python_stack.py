@@ -127,7 +127,8 @@ def fla_status():
     try:
         import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
-        return getattr(fla, "__version__", "unknown")
+        from fla_triton import lift_triton_check
+        return lift_triton_check(getattr(fla, "__version__", "unknown"))
     except Exception as e:  # not installed, no Triton, no GPU backend
         return f"unavailable: {type(e).__name__}: {e}".strip()[:200]
 
