@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "common/error.h"
@@ -217,11 +218,19 @@ at::Tensor slot_view(const at::Tensor& flat, std::int64_t offset, at::IntArrayRe
 }
 }  // namespace
 
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
 void ExpertLoraOffload::wait_for_update(const Block& b) {
   if (!worker_.joinable()) return;
   // Its masters only once the running update is done with them.
+  const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   updated_.wait(lock, [&] { return blocks_updated_ > b.index || update_over_; });
+  times_.wait_s += seconds_since(t0);
   if (update_error_) {
     lock.unlock();
     wait_update();
@@ -386,6 +395,7 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
                                               ddp::Communicator* comm) {
   at::NoGradGuard ng;
   wait_update();
+  const auto t0 = std::chrono::steady_clock::now();
   EO_CHECK(staged_.empty(), "expert LoRA offload: reduce_and_norm before flush()");
   if (comm && comm->size() > 1) {
     // As the GradReducer: every rank sends every gradient, zeros where it has none.
@@ -415,7 +425,20 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
   }
   EO_CHECK(d == dev.numel() && h == host_norms.size(), "expert LoRA offload: ", d, " of ", dev.numel(),
            " device norms and ", h, " of ", host_norms.size(), " host norms placed");
-  return combine_grad_norms(norms);
+  at::Tensor norm = combine_grad_norms(norms);
+  std::lock_guard<std::mutex> lock(mutex_);
+  times_.norm_s += seconds_since(t0);
+  return norm;
+}
+
+void ExpertLoraOffload::add_read_time(double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  times_.read_s += seconds;
+}
+
+ExpertLoraOffload::HostTimes ExpertLoraOffload::take_host_times() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::exchange(times_, HostTimes{});
 }
 
 std::shared_future<double> ExpertLoraOffload::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
@@ -426,6 +449,7 @@ std::shared_future<double> ExpertLoraOffload::step(double lr, const at::Tensor& 
   update_over_ = false;
   // Block by block in layer order, the next step's forward order: stage(i) waits for block i only.
   worker_ = std::thread([this, lr, skip, grad_divisor, done] {
+    const auto t0 = std::chrono::steady_clock::now();
     double bad = 0;
     try {
       at::NoGradGuard ng;
@@ -445,6 +469,7 @@ std::shared_future<double> ExpertLoraOffload::step(double lr, const at::Tensor& 
     }
     std::lock_guard<std::mutex> lock(mutex_);
     update_over_ = true;
+    times_.update_s += seconds_since(t0);
     updated_.notify_all();
   });
   return flag;

@@ -115,6 +115,15 @@ class ExpertLoraOffload {
   std::shared_future<double> step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
   // Waits for the update step() started (rethrowing its error); a no-op when none runs.
   void wait_update();
+  // The host side's share of the steps since the last take (metrics.jsonl, so the time a step loses
+  // to the host can be told apart): the queueing thread blocked reading a step's values (the GPU
+  // finishing it; TrainStep adds it) and waiting for blocks' updates, the host-held gradients' norms,
+  // and the host AdamW's runs on its worker.
+  struct HostTimes {
+    double read_s = 0, wait_s = 0, norm_s = 0, update_s = 0;
+  };
+  void add_read_time(double seconds);
+  HostTimes take_host_times();
   NamedTensors optimizer_state();
   void load_optimizer_state(const std::map<std::string, at::Tensor>& state);
 
@@ -155,6 +164,7 @@ class ExpertLoraOffload {
   std::condition_variable updated_;
   std::size_t blocks_updated_ = 0;  // optimizers_[0, this) are done with the running update
   bool update_over_ = true;         // the worker finished (or failed)
+  HostTimes times_;                 // under mutex_ (the worker adds its update's)
   std::exception_ptr update_error_;
 };
 

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "common/log.h"
@@ -129,7 +130,9 @@ TrainStep::HostUpdate TrainStep::update_host_lora(const at::Tensor& sums, double
   // host-held gradients were queued home before these (flush), so they are home too.
   const at::Tensor dev_norms = grad_norms(params_);
   const at::Tensor scale = scaler_.enabled() ? scaler_.scale().reshape({1}).to(at::kDouble) : at::ones({1}, sums.options());
+  const auto t0 = std::chrono::steady_clock::now();
   const at::Tensor read = at::cat({sums.reshape({-1}), scale.to(sums.device()), dev_norms.to(sums.device(), at::kDouble)}).to(at::kCPU);
+  run_.expert_lora->add_read_time(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   const at::Tensor norms = read.narrow(0, 4, read.numel() - 4).to(at::kFloat);
   HostUpdate h;
   const at::Tensor host_norm = run_.expert_lora->reduce_and_norm(run_.lora, norms, run_.comm.get());
