@@ -15,8 +15,8 @@ namespace eo::model {
 
 AttentionPath attention_path(const ModelConfig& c, int layer, std::int64_t seq, bool packed, bool flash) {
   // Flash attention takes heads up to 256 wide and no mask; the memory-efficient kernel takes a
-  // mask; wider heads (Gemma 4's 512-wide full layers) fall to the math path.
-  if (c.head_dim_at(layer) > 256) return AttentionPath::Math;
+  // mask, and wider heads (Gemma 4's 512-wide full layers) with their kv heads repeated.
+  if (c.head_dim_at(layer) > 256) return AttentionPath::Masked;
   // A mask rides along with sinks (attend_with_sinks) and chunked layers longer than a chunk
   // (BlockContext::chunk_mask).
   const bool chunked = c.is_chunked_layer(layer) && seq > c.llama4->chunk;
@@ -40,7 +40,6 @@ const char* attention_path_name(AttentionPath p) {
     case AttentionPath::Fused: return "fused";
     case AttentionPath::Varlen: return "varlen";
     case AttentionPath::Masked: return "masked";
-    case AttentionPath::Math: return "math";
   }
   return "?";
 }
@@ -53,12 +52,11 @@ std::string packed_attention_summary(const ModelConfig& c, std::int64_t seq, boo
   for (const auto& [path, n] : layers) {
     const char* how = path == AttentionPath::Varlen ? "flash attention's variable-length form (each document causal on its own)"
                       : path == AttentionPath::Masked
-                          ? (flash ? "the packing mask on the memory-efficient kernel (sinks, chunks or latent "
-                                     "attention's widths)"
+                          ? (flash ? "the packing mask on the memory-efficient kernel (sinks, chunks, latent "
+                                     "attention's widths or heads wider than 256)"
                                    : "the packing mask on the memory-efficient kernel (flash's variable-length form needs "
                                      "a GPU of sm_80 or newer and bf16 or fp16)")
-                      : path == AttentionPath::Math ? "the packing mask on SDPA's math path (heads wider than 256)"
-                                                    : attention_path_name(path);
+                          : attention_path_name(path);
     out += (out.empty() ? "" : "; ") + std::to_string(n) + " attention layer" + (n == 1 ? "" : "s") + " through " + how;
   }
   return out;

@@ -1,5 +1,5 @@
 // Which attention kernel a layer runs on a CUDA GPU, as models/moe_model.cpp calls it (attend,
-// attend_with_sinks) and PyTorch's dispatcher picks among flash, memory-efficient and math (ATen's
+// attend_with_sinks) and PyTorch's dispatcher picks between flash and memory-efficient (ATen's
 // sdp_utils): the one rule that the model's attention and the step-time prediction both follow.
 // And the documents of packed rows, as flash attention's variable-length form reads them.
 // Flash's own forms (the variable-length form of packed rows, the local window of sliding layers)
@@ -23,8 +23,8 @@ enum class AttentionPath {
   Varlen,  // packed rows through flash attention's variable-length form: each document causal on its
            // own (within the window on sliding layers), tiles above each document's diagonal and
            // across documents skipped
-  Masked,  // the memory-efficient kernel with a boolean mask: every query-key tile computed
-  Math,    // scores materialised ([B, heads, T, T]) and soft-maxed by separate kernels
+  Masked,  // the memory-efficient kernel: with a boolean mask, or (heads over 256, Gemma 4's full
+           // layers) kv heads repeated; every query-key tile counted as computed
 };
 
 // Layer `layer` of `c` at sequence `seq`. `packed`: rows hold several documents (sample_packing).

@@ -90,9 +90,10 @@ ExpertLoraReach expert_lora_reach(const ModelConfig& c, const BlockRun& run) {
           adapts_module(l, run.lora_all_linear, e[2])};
 }
 
-// Attention's tensors saved until its own backward, and what SDPA's math path adds to its backward.
+// Attention's tensors saved until its own backward, and what the wide heads' repeated kv heads add
+// to it and to its backward.
 struct AttentionSaved {
-  double saved = 0, math_saved = 0, math_backward = 0;
+  double saved = 0, repeated_kv = 0;
 };
 AttentionSaved attention_saved(const ModelConfig& c, const BlockRun& run, AttentionWidths w) {
   const double N = run.micro_batch_size * run.sequence_len, H = double(c.hidden), d = run.dtype_bytes;
@@ -107,18 +108,15 @@ AttentionSaved attention_saved(const ModelConfig& c, const BlockRun& run, Attent
   if (c.qk_norm != QkNorm::None) a.saved += N * (w.q + w.kv) * d + N * 4 * (heads + double(c.kv_heads));
   a.saved += N * (w.q + 2 * w.kv) * d + N * w.q * d + N * heads * 4;
   a.saved += N * r_bytes * double(int(lq) + int(lk) + int(lv) + int(lo));
-  // SDPA's math path on a GPU: flash attention takes head dims up to 256 and the memory-efficient
-  // kernel no grouped-query heads, so wider heads (Gemma 4's full layers: 512, 2 kv heads) run
-  // the math backend, which computes in fp32 and saves q, k and v (k, v repeated to every head)
-  // and the attention probabilities [mb, heads, T, T] for its backward; that backward adds the
-  // probabilities' gradient and the softmax's, the same size.
+  // Heads wider than flash's 256 on a GPU (Gemma 4's full layers: 512, 2 kv heads) run the
+  // memory-efficient kernel with their kv heads repeated to every query head (models/moe_model.cpp:
+  // attend): it saves the repeated k and v, and its backward writes their gradients at that size.
   for (int i = 0; run.on_gpu && i < c.layers; ++i) {
     if (c.head_dim_at(i) <= 256) continue;
-    const double probs = run.micro_batch_size * heads * run.sequence_len * run.sequence_len * 4;
-    a.math_saved = std::max(a.math_saved, 3 * N * heads * double(c.head_dim_at(i)) * 4 + probs);
-    a.math_backward = std::max(a.math_backward, 2 * probs);
+    const double D = double(c.head_dim_at(i));
+    a.repeated_kv = std::max(a.repeated_kv, 2 * N * (heads - double(c.kv_heads_at(i))) * D * d);
   }
-  a.saved += a.math_saved;
+  a.saved += a.repeated_kv;
   return a;
 }
 
@@ -272,7 +270,7 @@ BlockPeak block_peak(const ModelConfig& c, const BlockRun& run, int moe_layers) 
   BlockPeak out;
   out.pairs = N * double(c.top_k);
   const AttentionSaved attn = attention_saved(c, run, w);
-  out.attn_math_saved = attn.math_saved;
+  out.attn_repeated_kv = attn.repeated_kv;
   // Gated delta-rule layers: their saved tensors where more than attention's, their chunked backward.
   const LinearAttentionBytes linear_attn =
       linear_attention_bytes(c, run.micro_batch_size, run.sequence_len, d, run.lora->r * d);
@@ -286,7 +284,7 @@ BlockPeak block_peak(const ModelConfig& c, const BlockRun& run, int moe_layers) 
     ph.add("dense MLP backward", saved + 3 * N * W * d + N * H * d + W * H * d);
   }
   // Attention backward: SDPA's gradients (dq accumulated in fp32) beside what it saved.
-  ph.add("attention backward", saved + N * (w.q + 2 * w.kv) * d + N * w.q * 4 + attn.math_backward);
+  ph.add("attention backward", saved + N * (w.q + 2 * w.kv) * d + N * w.q * 4 + attn.repeated_kv);
   if (linear_attn.backward > 0) ph.add("delta-rule backward", saved + linear_attn.backward);
   // Gradients in flight on the residual stream: the block's output gradient and its input's.
   out.bytes = ph.bytes + 2 * N * H * d;

@@ -52,7 +52,7 @@ struct BlockPeak {
   double pairs = 0;            // token-expert pairs of a micro-batch
   double bank = 0;             // one dequantised expert bank (or its largest slice), 0 without
   bool banks_kept = false;     // gate's and up's banks kept from the recompute for the backward
-  double attn_math_saved = 0;  // SDPA's math path for heads over 256 (fp32), 0 where none runs it
+  double attn_repeated_kv = 0;  // heads over 256: their kv heads repeated for the memory-efficient kernel
 };
 BlockPeak block_peak(const ModelConfig& c, const BlockRun& run, int moe_layers);
 

@@ -133,13 +133,17 @@ at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const BlockCo
     return o.reshape({B, T, h * v.size(-1)});
   }
   const bool gqa = hk != h;
-  if (gqa && ctx.attn_mask.defined()) {
+  // Heads wider than flash's 256 (Gemma 4's full layers) on a GPU: the memory-efficient kernel takes
+  // them but not grouped kv heads; with enable_gqa PyTorch would give them the math path (fp32 GEMMs
+  // off the tensor cores, the [T, T] scores written out), so the kv heads are repeated as for a mask.
+  const bool wide = q.is_cuda() && q.size(-1) > 256;
+  if (gqa && (ctx.attn_mask.defined() || wide)) {
     k = k.repeat_interleave(h / hk, 1);
     v = v.repeat_interleave(h / hk, 1);
   }
   const std::optional<at::Tensor> mask = ctx.attn_mask.defined() ? std::optional<at::Tensor>(ctx.attn_mask) : std::nullopt;
-  const at::Tensor o =
-      at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, gqa && !mask.has_value());
+  const at::Tensor o = at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale,
+                                                        gqa && !mask.has_value() && !wide);
   return o.transpose(1, 2).reshape({B, T, h * v.size(-1)});
 }
 

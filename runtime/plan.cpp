@@ -161,8 +161,8 @@ void write_parts(const RunSpec& spec, const PlanTerms& t, MemoryPlan& p) {
     what += ", dequantised bank " + human_bytes(b.bank) +
             (x.group_size > 0 ? " (a group of " + count(x.group_size) + " experts)" : std::string());
   if (b.banks_kept) what += ", 2 more kept from the recompute for its backward";
-  if (b.attn_math_saved > 0)
-    what += ", SDPA's math path for heads over 256 keeps " + human_bytes(b.attn_math_saved) + " in fp32";
+  if (b.attn_repeated_kv > 0)
+    what += ", heads over 256 keep their kv heads repeated for the memory-efficient kernel, " + human_bytes(b.attn_repeated_kv);
   p.device.push_back({"block", b.bytes, what + ")"});
   p.device.push_back({"head", t.head, "chunked cross entropy, " + count(t.head_chunk) + " rows per chunk"});
   // CUDA graphs (runtime/block_graphs.h) replay on static buffers that are copies beside the eager

@@ -78,7 +78,6 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
       case model::AttentionPath::Fused:
       case model::AttentionPath::Varlen: w.fused_attention_flops += visible; break;
       case model::AttentionPath::Masked: w.masked_attention_flops += per_key * seq; break;
-      case model::AttentionPath::Math: w.math_attention_flops += per_key * seq; break;
     }
   }
   w.other_gemm_flops = other;
@@ -117,7 +116,6 @@ StepTime predict_step_time(const StepWork& w, const CardFigures& card, const Ste
               {"LM head", w.head_flops / (flops * eff.other_gemm)},
               {"attention", fused / (flops * eff.attention)},
               {"attention, masked kernel", masked / (flops * eff.masked_attention)},
-              {"attention, math path", w.math_attention_flops / (flops * eff.math_attention)},
               {"4-bit dequantisation", w.dequant_bytes / (bytes * eff.memory)},
               {"elementwise, norms, routing", w.elementwise_bytes / (bytes * eff.memory)},
               {"fixed cost per layer pass", w.layer_passes * eff.layer_pass_s}};

@@ -23,14 +23,13 @@ struct StepWork {
   double other_gemm_flops = 0;    // attention projections, dense MLPs, shared experts, routers, LoRA
   double attention_flops = 0;     // QK^T and PV over each layer's context (causal, windows, chunks)
   // ... as computed, by the SDPA kernel each layer runs (models/attention_path.h): the fused kernel
-  // skips what a query cannot see; the masked kernel and the math path compute every key. Layers
+  // skips what a query cannot see; the memory-efficient kernel is counted as computing every key. Layers
   // on flash's own forms (packed rows' Varlen layers, sliding layers' local window): their visible
   // keys on a card with flash attention (packed rows counted as whole rows, an upper bound: the
   // documents are shorter), every key through the mask on one without.
   double fused_attention_flops = 0;
   double flash_forms_flops = 0, flash_forms_masked_flops = 0;
   double masked_attention_flops = 0;
-  double math_attention_flops = 0;
   double head_flops = 0;          // the LM head: forward and input gradient
   double dequant_bytes = 0;       // 4-bit expert banks read and bf16 banks written
   double elementwise_bytes = 0;   // adds, casts, norms, routing gathers / scatters, SwiGLU
@@ -48,10 +47,9 @@ struct StepEfficiency {
   double expert_gemm = 0.6761;  // of bf16_tflops
   double other_gemm = 0.5272;
   double attention = 0.4676;
-  // gpt-oss-20b's masked layers on the H100 (2048 x 4 resident, 6fef652) and Gemma 4's 512-wide
-  // math-path layers on the H100 (2048 x 1 resident, 56b42ed), with the other phases as above.
+  // The memory-efficient kernel, every key counted: gpt-oss-20b's masked layers on the H100 (2048 x 4
+  // resident, 6fef652), with the other phases as above.
   double masked_attention = 0.0600;
-  double math_attention = 0.0175;
   double memory = 0.5209;       // of mem_gbps, for dequant and elementwise bytes
   double layer_pass_s = 1.057e-3;
   // Of link_gbps, for a transfer-bound step: its copies wait on slots and events, so it runs above

@@ -89,6 +89,20 @@ fs::path write_qwen3_config(const fs::path& dir, const std::string& shape) {
   return dir;
 }
 
+// A tiny Gemma 4 text config.json in `dir`: two sliding layers (window 16, heads of 64) and a full
+// layer of `full_head_dim`-wide heads over 1 kv head, every expert chosen (top 4 of 4), so bf16
+// cannot flip a routing choice.
+fs::path write_gemma4_config(const fs::path& dir, int full_head_dim) {
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 256,
+    "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "global_head_dim": )" << full_head_dim << R"(, "num_global_key_value_heads": 1, "attention_k_eq_v": true,
+    "hidden_size_per_layer_input": 0, "enable_moe_block": true, "num_experts": 4, "top_k_experts": 4,
+    "moe_intermediate_size": 128, "sliding_window": 16,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]})";
+  return dir;
+}
+
 // A Qwen3-MoE shape with 8 MoE blocks of 64 experts (1024 x 512): 8 x 50 MB of NF4 experts.
 fs::path make_model_dir(const fs::path& dir) {
   return write_qwen3_config(dir, R"("vocab_size": 2048, "hidden_size": 1024, "num_hidden_layers": 8,
@@ -451,13 +465,7 @@ TEST(CudaTrain, SlidingLayersThroughFlashWindowMatchTheMask) {
   REQUIRE_CUDA();
   const at::Device dev(at::kCUDA, 0);
   if (!model::flash_attention_runs(dev, at::kBFloat16)) GTEST_SKIP() << "SKIPPED: flash attention needs sm_80 or newer";
-  const fs::path dir = fs::temp_directory_path() / "eo-cuda-window-model";
-  fs::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 256,
-    "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-    "global_head_dim": 128, "num_global_key_value_heads": 1, "attention_k_eq_v": true, "hidden_size_per_layer_input": 0,
-    "enable_moe_block": true, "num_experts": 4, "top_k_experts": 4, "moe_intermediate_size": 128, "sliding_window": 16,
-    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]})";
+  const fs::path dir = write_gemma4_config(fs::temp_directory_path() / "eo-cuda-window-model", 128);
   const std::int64_t B = 2, T = 64;
   at::manual_seed(8);
   const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);
@@ -503,6 +511,56 @@ TEST(CudaTrain, SlidingLayersThroughFlashWindowMatchTheMask) {
     eo::testing::expect_bf16_no_worse(ref.names, flash.grads, masked.grads, ref.grads);
     // Another kernel ran: the same kernel would have given the same bits.
     EXPECT_FALSE(at::equal(flash.logits, masked.logits)) << "the sliding layers took the mask both times";
+  }
+}
+
+// Gemma 4's 512-wide full-attention heads over grouped kv heads: on the GPU through the memory-efficient
+// kernel with the kv heads repeated (not SDPA's math path), whole rows and packed; bf16 logits and LoRA
+// gradients no further from the CPU's fp32 forward than the CPU's bf16 (the math path, grouped heads).
+TEST(CudaTrain, WideHeadsThroughTheMemoryEfficientKernelMatchFp32) {
+  REQUIRE_CUDA();
+  const at::Device dev(at::kCUDA, 0);
+  const fs::path dir = write_gemma4_config(fs::temp_directory_path() / "eo-cuda-wide-heads-model", 512);
+  const std::int64_t B = 2, T = 64;
+  at::manual_seed(9);
+  const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);
+  at::Tensor seg = at::ones({B, T}, at::kLong), pos = at::arange(T, at::kLong).repeat({B, 1});
+  seg[1].narrow(0, 24, 40).fill_(2);
+  pos[1].narrow(0, 24, 40).copy_(at::arange(40, at::kLong));
+  struct Out {
+    at::Tensor logits;
+    std::vector<std::string> names;
+    std::vector<at::Tensor> grads;
+  };
+  auto run = [&](const at::Device& where, at::ScalarType dtype, bool packed) {
+    auto m = model_with_lora(dir.string(), where, dtype, {"q_proj", "k_proj", "v_proj", "o_proj"}, /*random_seed=*/13);
+    model::Batch b;
+    b.input_ids = ids;
+    b.labels = ids.to(where);
+    if (packed) {
+      b.positions = pos.to(where);
+      b.segment_ids = seg.to(where);
+      if (where.is_cuda()) b.document_starts = model::packed_document_starts(seg).to(where);
+    }
+    model::ForwardOptions fo;
+    fo.training = true;
+    const model::ForwardOutput out = m->forward(b, fo);
+    out.loss_sum.backward();
+    Out o;
+    o.logits = out.logits.detach().to(at::kCPU, at::kFloat);
+    for (auto& [n, p] : m->lora_parameters()) {
+      o.names.push_back(n);
+      o.grads.push_back(p.grad().to(at::kCPU, at::kFloat));
+    }
+    return o;
+  };
+  const at::Device cpu(at::kCPU);
+  for (const bool packed : {false, true}) {
+    SCOPED_TRACE(packed ? "packed rows" : "whole rows");
+    const Out ref = run(cpu, at::kFloat, packed), trusted = run(cpu, at::kBFloat16, packed), gpu = run(dev, at::kBFloat16, packed);
+    ASSERT_FALSE(ref.names.empty());
+    eo::testing::expect_bf16_no_worse({"logits"}, {gpu.logits}, {trusted.logits}, {ref.logits});
+    eo::testing::expect_bf16_no_worse(ref.names, gpu.grads, trusted.grads, ref.grads);
   }
 }
 

@@ -375,10 +375,9 @@ TEST(MemoryPlan, GraphsStaticBuffersWhereverGraphsMayRun) {
 }
 
 // Heads wider than flash attention's 256 with grouped kv heads (Gemma 4's full layers: 512, 2 kv
-// heads) run SDPA's math backend on a GPU, which saves q, k and v repeated to every head and the
-// attention probabilities in fp32: the block holds them beside its recompute. On the H200 the plan
-// without them was 0.46 GiB under Gemma-4-26B-A4B's measured peak (docs/benchmarks.md).
-TEST(MemoryPlan, WideHeadsCountSdpaMathPathsFp32Tensors) {
+// heads of 16) run the memory-efficient kernel on a GPU with their kv heads repeated to every query
+// head: the block holds the repeated k and v beside its recompute (and their gradients in its backward).
+TEST(MemoryPlan, WideHeadsCountTheirRepeatedKvHeads) {
   auto block = [](const std::string& model, bool on_gpu) {
     TrainConfig cfg = olmoe_qlora_config();
     cfg.base_model = std::string(EO_SOURCE_DIR) + "/configs/models/" + model;
@@ -387,12 +386,18 @@ TEST(MemoryPlan, WideHeadsCountSdpaMathPathsFp32Tensors) {
       if (part.name == "block") return part;
     return MemoryPart{};
   };
-  const double math = 3.0 * 2048 * 16 * 512 * 4 + 16.0 * 2048 * 2048 * 4;  // q, k, v [T, 16, 512] and [16, T, T], fp32
-  EXPECT_NE(block("gemma-4-26b-a4b", true).what.find("SDPA's math path for heads over 256 keeps " + human_bytes(math)),
-            std::string::npos)
-      << block("gemma-4-26b-a4b", true).what;
-  EXPECT_EQ(block("gemma-4-26b-a4b", false).what.find("math path"), std::string::npos) << "the CPU runs no fused kernel";
-  EXPECT_EQ(block("qwen3-30b-a3b", true).what.find("math path"), std::string::npos) << "head_dim 128: flash attention";
+  const ModelConfig gemma = load_config(std::string(EO_SOURCE_DIR) + "/configs/models/gemma-4-26b-a4b");
+  int wide = -1;
+  for (int l = 0; l < gemma.layers && wide < 0; ++l)
+    if (gemma.head_dim_at(l) > 256) wide = l;
+  ASSERT_GE(wide, 0);
+  ASSERT_EQ(gemma.head_dim_at(wide), 512);
+  // k and v [T, 16 - kv, 512] beyond their own heads, bf16 (olmoe_qlora_config: seq 2048, mb 1).
+  const double repeated = 2.0 * 2048 * (16 - double(gemma.kv_heads_at(wide))) * 512 * 2;
+  const std::string what = "heads over 256 keep their kv heads repeated for the memory-efficient kernel, " + human_bytes(repeated);
+  EXPECT_NE(block("gemma-4-26b-a4b", true).what.find(what), std::string::npos) << block("gemma-4-26b-a4b", true).what;
+  EXPECT_EQ(block("gemma-4-26b-a4b", false).what.find("heads over 256"), std::string::npos) << "the CPU runs no fused kernel";
+  EXPECT_EQ(block("qwen3-30b-a3b", true).what.find("heads over 256"), std::string::npos) << "head_dim 128: flash attention";
 }
 
 // On the GPU, LoRA on both gate and up makes SwiGLU keep their two deltas for its backward:
