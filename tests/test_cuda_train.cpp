@@ -158,6 +158,56 @@ std::unique_ptr<model::MoeModel> model_with_lora(const std::string& dir, const a
   return m;
 }
 
+// One training forward and backward: the logits (fp32, on the CPU) and every LoRA parameter's
+// gradient, by name.
+struct LogitsAndGrads {
+  at::Tensor logits;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> grads;
+};
+LogitsAndGrads logits_and_grads(model::MoeModel& m, const model::Batch& b) {
+  model::ForwardOptions fo;
+  fo.training = true;
+  const model::ForwardOutput out = m.forward(b, fo);
+  out.loss_sum.backward();
+  LogitsAndGrads o;
+  o.logits = out.logits.detach().to(at::kCPU, at::kFloat);
+  for (auto& [n, p] : m.lora_parameters()) {
+    o.names.push_back(n);
+    o.grads.push_back(p.grad().to(at::kCPU, at::kFloat));
+  }
+  return o;
+}
+
+// Rows packed with documents: bounds[b] lists row b's document boundaries, 0 first and T last.
+// {segment ids (1, 2, ... per row), positions restarting at each document}, [B, T] int64.
+std::pair<at::Tensor, at::Tensor> packed_rows(std::int64_t T, const std::vector<std::vector<std::int64_t>>& bounds) {
+  const auto B = static_cast<std::int64_t>(bounds.size());
+  at::Tensor seg = at::zeros({B, T}, at::kLong), pos = at::empty({B, T}, at::kLong);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::size_t d = 0; d + 1 < bounds[b].size(); ++d) {
+      const std::int64_t begin = bounds[b][d], len = bounds[b][d + 1] - begin;
+      seg[b].narrow(0, begin, len).fill_(std::int64_t(d + 1));
+      pos[b].narrow(0, begin, len).copy_(at::arange(len, at::kLong));
+    }
+  return {seg, pos};
+}
+
+// `ids` as a language-modelling batch on `where`; with `seg` and `pos` (packed_rows), packed rows, and
+// with `varlen` their documents for flash's variable-length form.
+model::Batch lm_batch(const at::Tensor& ids, const at::Device& where, const at::Tensor& seg = {}, const at::Tensor& pos = {},
+                      bool varlen = false) {
+  model::Batch b;
+  b.input_ids = ids;
+  b.labels = ids.to(where);
+  if (seg.defined()) {
+    b.positions = pos.to(where);
+    b.segment_ids = seg.to(where);
+    if (varlen) b.document_starts = model::packed_document_starts(seg).to(where);
+  }
+  return b;
+}
+
 // The tiny fixture with LoRA on every linear, experts included.
 std::unique_ptr<model::MoeModel> tiny_model_with_lora(const at::Device& dev, at::ScalarType dtype) {
   return model_with_lora(std::string(EO_SOURCE_DIR) + "/fixtures/tiny-qwen3-moe", dev, dtype,
@@ -407,48 +457,21 @@ TEST(CudaTrain, PackedRowsThroughFlashVarlenMatchTheMask) {
   const std::int64_t B = 2, T = 64;
   at::manual_seed(6);
   const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);
-  at::Tensor seg = at::zeros({B, T}, at::kLong), pos = at::empty({B, T}, at::kLong);
   // Row 0: documents [0, 40), [40, 64); row 1: [0, 10), [10, 50), [50, 64).
-  const std::vector<std::vector<std::int64_t>> docs = {{0, 40, 64}, {0, 10, 50, 64}};
-  for (std::int64_t b = 0; b < B; ++b)
-    for (std::size_t d = 0; d + 1 < docs[b].size(); ++d) {
-      const std::int64_t begin = docs[b][d], len = docs[b][d + 1] - begin;
-      seg[b].narrow(0, begin, len).fill_(std::int64_t(d + 1));
-      pos[b].narrow(0, begin, len).copy_(at::arange(len, at::kLong));
-    }
-  struct Out {
-    at::Tensor logits;
-    std::vector<std::string> names;
-    std::vector<at::Tensor> grads;
-  };
+  const auto [seg, pos] = packed_rows(T, {{0, 40, 64}, {0, 10, 50, 64}});
   auto run = [&](at::ScalarType dtype, bool varlen, const at::Tensor& input) {
     auto m = model_with_lora(dir.string(), dev, dtype, {"q_proj", "k_proj", "v_proj", "o_proj"}, /*random_seed=*/11);
-    model::Batch b;
-    b.input_ids = input;
-    b.labels = input.to(dev);
-    b.positions = pos.to(dev);
-    b.segment_ids = seg.to(dev);
-    if (varlen) b.document_starts = model::packed_document_starts(seg).to(dev);
-    model::ForwardOptions fo;
-    fo.training = true;
-    const model::ForwardOutput out = m->forward(b, fo);
-    out.loss_sum.backward();
-    Out o;
-    o.logits = out.logits.detach().to(at::kCPU, at::kFloat);
-    for (auto& [n, p] : m->lora_parameters()) {
-      o.names.push_back(n);
-      o.grads.push_back(p.grad().to(at::kCPU, at::kFloat));
-    }
-    return o;
+    return logits_and_grads(*m, lm_batch(input, dev, seg, pos, varlen));
   };
-  const Out ref = run(at::kFloat, false, ids), masked = run(at::kBFloat16, false, ids), varlen = run(at::kBFloat16, true, ids);
+  const LogitsAndGrads ref = run(at::kFloat, false, ids), masked = run(at::kBFloat16, false, ids),
+                       varlen = run(at::kBFloat16, true, ids);
   ASSERT_FALSE(ref.names.empty());
   eo::testing::expect_bf16_no_worse({"logits"}, {varlen.logits}, {masked.logits}, {ref.logits});
   eo::testing::expect_bf16_no_worse(ref.names, varlen.grads, masked.grads, ref.grads);
   // Row 0's first document rewritten: its own logits move, the second document's do not.
   at::Tensor changed = ids.clone();
   changed[0].narrow(0, 0, 40).copy_(at::randint(3, 512, {40}, at::kLong));
-  const Out other = run(at::kBFloat16, true, changed);
+  const LogitsAndGrads other = run(at::kBFloat16, true, changed);
   const double own = (other.logits[0].narrow(0, 0, 40) - varlen.logits[0].narrow(0, 0, 40)).abs().max().item<double>();
   const double next = (other.logits[0].narrow(0, 40, 24) - varlen.logits[0].narrow(0, 40, 24)).abs().max().item<double>();
   std::printf("document rewritten: its logits moved by up to %.3g, the next document's by %.3g\n", own, next);
@@ -470,42 +493,17 @@ TEST(CudaTrain, SlidingLayersThroughFlashWindowMatchTheMask) {
   at::manual_seed(8);
   const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);
   // Packed: row 0 documents [0, 40), [40, 64); row 1 [0, 10), [10, 64).
-  at::Tensor seg = at::ones({B, T}, at::kLong), pos = at::arange(T, at::kLong).repeat({B, 1});
-  seg[0].narrow(0, 40, 24).fill_(2);
-  pos[0].narrow(0, 40, 24).copy_(at::arange(24, at::kLong));
-  seg[1].narrow(0, 10, 54).fill_(2);
-  pos[1].narrow(0, 10, 54).copy_(at::arange(54, at::kLong));
-  struct Out {
-    at::Tensor logits;
-    std::vector<std::string> names;
-    std::vector<at::Tensor> grads;
-  };
+  const auto [seg, pos] = packed_rows(T, {{0, 40, 64}, {0, 10, 64}});
   auto run = [&](at::ScalarType dtype, bool packed, bool through_mask) {
     auto m = model_with_lora(dir.string(), dev, dtype, {"q_proj", "k_proj", "v_proj", "o_proj"}, /*random_seed=*/12);
-    model::Batch b;
-    b.input_ids = ids;
-    b.labels = ids.to(dev);
-    if (packed) {
-      b.positions = pos.to(dev);
-      b.segment_ids = seg.to(dev);
-      b.document_starts = model::packed_document_starts(seg).to(dev);
-    }
+    model::Batch b = packed ? lm_batch(ids, dev, seg, pos, /*varlen=*/true) : lm_batch(ids, dev);
     if (through_mask) b.attention_mask = at::ones({B, T}, at::kLong).to(dev);
-    model::ForwardOptions fo;
-    fo.training = true;
-    const model::ForwardOutput out = m->forward(b, fo);
-    out.loss_sum.backward();
-    Out o;
-    o.logits = out.logits.detach().to(at::kCPU, at::kFloat);
-    for (auto& [n, p] : m->lora_parameters()) {
-      o.names.push_back(n);
-      o.grads.push_back(p.grad().to(at::kCPU, at::kFloat));
-    }
-    return o;
+    return logits_and_grads(*m, b);
   };
   for (const bool packed : {false, true}) {
     SCOPED_TRACE(packed ? "packed rows" : "whole rows");
-    const Out ref = run(at::kFloat, packed, true), masked = run(at::kBFloat16, packed, true), flash = run(at::kBFloat16, packed, false);
+    const LogitsAndGrads ref = run(at::kFloat, packed, true), masked = run(at::kBFloat16, packed, true),
+                         flash = run(at::kBFloat16, packed, false);
     ASSERT_FALSE(ref.names.empty());
     eo::testing::expect_bf16_no_worse({"logits"}, {flash.logits}, {masked.logits}, {ref.logits});
     eo::testing::expect_bf16_no_worse(ref.names, flash.grads, masked.grads, ref.grads);
@@ -524,40 +522,16 @@ TEST(CudaTrain, WideHeadsThroughTheMemoryEfficientKernelMatchFp32) {
   const std::int64_t B = 2, T = 64;
   at::manual_seed(9);
   const at::Tensor ids = at::randint(3, 512, {B, T}, at::kLong);
-  at::Tensor seg = at::ones({B, T}, at::kLong), pos = at::arange(T, at::kLong).repeat({B, 1});
-  seg[1].narrow(0, 24, 40).fill_(2);
-  pos[1].narrow(0, 24, 40).copy_(at::arange(40, at::kLong));
-  struct Out {
-    at::Tensor logits;
-    std::vector<std::string> names;
-    std::vector<at::Tensor> grads;
-  };
+  const auto [seg, pos] = packed_rows(T, {{0, 64}, {0, 24, 64}});
   auto run = [&](const at::Device& where, at::ScalarType dtype, bool packed) {
     auto m = model_with_lora(dir.string(), where, dtype, {"q_proj", "k_proj", "v_proj", "o_proj"}, /*random_seed=*/13);
-    model::Batch b;
-    b.input_ids = ids;
-    b.labels = ids.to(where);
-    if (packed) {
-      b.positions = pos.to(where);
-      b.segment_ids = seg.to(where);
-      if (where.is_cuda()) b.document_starts = model::packed_document_starts(seg).to(where);
-    }
-    model::ForwardOptions fo;
-    fo.training = true;
-    const model::ForwardOutput out = m->forward(b, fo);
-    out.loss_sum.backward();
-    Out o;
-    o.logits = out.logits.detach().to(at::kCPU, at::kFloat);
-    for (auto& [n, p] : m->lora_parameters()) {
-      o.names.push_back(n);
-      o.grads.push_back(p.grad().to(at::kCPU, at::kFloat));
-    }
-    return o;
+    return logits_and_grads(*m, packed ? lm_batch(ids, where, seg, pos, /*varlen=*/where.is_cuda()) : lm_batch(ids, where));
   };
   const at::Device cpu(at::kCPU);
   for (const bool packed : {false, true}) {
     SCOPED_TRACE(packed ? "packed rows" : "whole rows");
-    const Out ref = run(cpu, at::kFloat, packed), trusted = run(cpu, at::kBFloat16, packed), gpu = run(dev, at::kBFloat16, packed);
+    const LogitsAndGrads ref = run(cpu, at::kFloat, packed), trusted = run(cpu, at::kBFloat16, packed),
+                         gpu = run(dev, at::kBFloat16, packed);
     ASSERT_FALSE(ref.names.empty());
     eo::testing::expect_bf16_no_worse({"logits"}, {gpu.logits}, {trusted.logits}, {ref.logits});
     eo::testing::expect_bf16_no_worse(ref.names, gpu.grads, trusted.grads, ref.grads);
