@@ -140,15 +140,29 @@ says fifo-weights "is a FIFO"
 check "none of them blocked (under 60 s in all)" test $(( $(date +%s) - start )) -lt 60
 
 # ---- 9: exit codes and messages
-"$py" - "$bin" "$tmp/a.yaml" <<'PY' && echo "ok: SIGTERM 60 ms after the start exits 3" || { echo "FAILED: early SIGTERM"; fail=1; }
-import signal, subprocess, sys, time
+# The stop handler is in from the executable's .preinit_array, before libtorch's initialisers (about
+# 150 ms): within 120 ms of the start as the kernel shows it caught (SigCgt; 500 ms under AddressSanitizer,
+# whose own start-up comes first: about 80 ms on a 2-core machine), and a SIGTERM then is a stop request, exit 3.
+"$py" - "$bin" "$tmp/a.yaml" <<'PY' && echo "ok: SIGTERM once the handler is in exits 3" || { echo "FAILED: early SIGTERM"; fail=1; }
+import os, signal, subprocess, sys, time
+t0 = time.monotonic()
 p = subprocess.Popen([sys.argv[1], "train", "--config", sys.argv[2], "--check"], stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL)
-time.sleep(0.06)
+def caught():
+    try:
+        for line in open(f"/proc/{p.pid}/status"):
+            if line.startswith("SigCgt:"):
+                return int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1
+    except OSError:
+        pass
+    return 0
+while not caught() and p.poll() is None and time.monotonic() - t0 < 5:
+    time.sleep(0.001)
+after = time.monotonic() - t0
 p.send_signal(signal.SIGTERM)
 rc = p.wait()
-print("early SIGTERM: exit", rc)
-sys.exit(0 if rc == 3 else 1)
+print(f"early SIGTERM: handler in after {after * 1000:.0f} ms, exit {rc}")
+sys.exit(0 if rc == 3 and after < (0.5 if "ASAN_OPTIONS" in os.environ else 0.12) else 1)
 PY
 chat=$src/fixtures/tiny-chat/chat.jsonl
 chat_config() {  # OUT PREPARED [extra]
