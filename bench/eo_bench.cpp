@@ -71,6 +71,7 @@
 #include "runtime/cards.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
+#include "runtime/expert_lora_offload.h"
 #include "runtime/ddp/world.h"
 #include "runtime/plan.h"
 #include "runtime/step_time.h"
@@ -95,9 +96,6 @@ using bench::split;
 struct Point {
   int seq = 2048, mb = 1;
 };
-
-// The experts' LoRA host-side times in metrics.jsonl (runtime/expert_lora_offload.h: HostTimes).
-constexpr const char* kLoraHostKeys[] = {"lora_host_read_s", "lora_host_wait_s", "lora_host_norm_s", "lora_host_update_s"};
 
 struct Row {
   std::string model, mode;
@@ -358,7 +356,7 @@ int main(int argc, char** argv) {
           disk_read.push_back(j.value("disk_read_bytes", 0.0));
           disk_rate.push_back(j.value("disk_gbps", 0.0));
           disk_wait.push_back(j.value("disk_wait_s", 0.0));
-          for (const char* k : kLoraHostKeys)
+          for (const char* k : ExpertLoraOffload::HostTimes::kMetricNames)
             if (j.contains(k)) lora_host[k].push_back(j.value(k, 0.0));
         }
         for (auto& [k, v] : lora_host) row.lora_host[k] = median(v);
@@ -464,9 +462,10 @@ int main(int argc, char** argv) {
                 "worker's run\n\n| model | seq x mb | mode | read | waits | norms | AdamW |\n|---|---|---|---|---|---|---|\n");
     for (const Row& r : rows) {
       if (r.lora_host.empty()) continue;
+      const auto& names = ExpertLoraOffload::HostTimes::kMetricNames;
       auto at = [&](const char* k) { return r.lora_host.count(k) ? r.lora_host.at(k) : 0.0; };
       std::printf("| %s | %dx%d | %s | %.3f | %.3f | %.3f | %.3f |\n", r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(),
-                  at(kLoraHostKeys[0]), at(kLoraHostKeys[1]), at(kLoraHostKeys[2]), at(kLoraHostKeys[3]));
+                  at(names[0]), at(names[1]), at(names[2]), at(names[3]));
     }
   }
   if (card) {

@@ -42,6 +42,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -121,6 +122,10 @@ class ExpertLoraOffload {
   // and the host AdamW's runs on its worker.
   struct HostTimes {
     double read_s = 0, wait_s = 0, norm_s = 0, update_s = 0;
+    // Their metrics.jsonl names, in the order of values() (docs/runs.md).
+    static constexpr const char* kMetricNames[4] = {"lora_host_read_s", "lora_host_wait_s", "lora_host_norm_s",
+                                                    "lora_host_update_s"};
+    std::array<double, 4> values() const { return {read_s, wait_s, norm_s, update_s}; }
   };
   void add_read_time(double seconds);
   HostTimes take_host_times();

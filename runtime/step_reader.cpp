@@ -50,11 +50,8 @@ void StepReader::read(QueuedStep q, bool eval_now) {
   if (run_.spec.aux_loss) r.extra["aux_loss"] = v.aux_sum / double(run_.spec.accum * world_size_);
   if (run_.offloader) r.extra.update(run_.offloader->take_step_stats().to_metrics());
   if (run_.expert_lora) {  // the host side of the experts' LoRA since the previous row (expert_lora_offload.h)
-    const ExpertLoraOffload::HostTimes t = run_.expert_lora->take_host_times();
-    r.extra["lora_host_read_s"] = t.read_s;
-    r.extra["lora_host_wait_s"] = t.wait_s;
-    r.extra["lora_host_norm_s"] = t.norm_s;
-    r.extra["lora_host_update_s"] = t.update_s;
+    const auto values = run_.expert_lora->take_host_times().values();
+    for (std::size_t k = 0; k < values.size(); ++k) r.extra[ExpertLoraOffload::HostTimes::kMetricNames[k]] = values[k];
   }
   guard_.add_metrics(r.extra, v);
   eta_.add(r.step_time_s);
