@@ -353,9 +353,19 @@ TEST_F(FaultTest, SkippedNonFiniteStepsNeverPruneTheCheckpointBeforeThem) {
 
 namespace {
 
+// A /proc file's text, empty when its process has gone: reading a vanished process's file fails
+// with ESRCH, which libstdc++'s streams turn into an exception mid-read.
+std::string proc_text(const fs::path& p) {
+  try {
+    return read_text(p);
+  } catch (const std::exception&) {  // std::ios_base::failure, of either library ABI
+    return {};
+  }
+}
+
 // /proc/<pid>/status's SigCgt has `sig`: the process has a handler for it.
 bool catches(pid_t pid, int sig) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::istringstream in(proc_text("/proc/" + std::to_string(pid) + "/status"));
   for (std::string line; std::getline(in, line);)
     if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1;
   return false;
@@ -366,8 +376,7 @@ pid_t child_running(pid_t parent, const std::string& part) {
   for (const auto& e : fs::directory_iterator("/proc")) {
     const std::string name = e.path().filename().string();
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream st(e.path() / "stat");
-    std::string stat((std::istreambuf_iterator<char>(st)), {});
+    const std::string stat = proc_text(e.path() / "stat");
     const auto close = stat.rfind(')');
     if (close == std::string::npos) continue;
     std::istringstream rest(stat.substr(close + 2));
@@ -375,7 +384,7 @@ pid_t child_running(pid_t parent, const std::string& part) {
     pid_t ppid = 0;
     rest >> state >> ppid;
     if (ppid != parent) continue;
-    const std::string cmd = read_text(e.path() / "cmdline");
+    const std::string cmd = proc_text(e.path() / "cmdline");
     if (cmd.find(part) != std::string::npos) return std::stoi(name);
   }
   return -1;
@@ -383,8 +392,7 @@ pid_t child_running(pid_t parent, const std::string& part) {
 
 // No such process any more (or only its zombie, which a container's init may never reap).
 bool gone(pid_t pid) {
-  std::ifstream st("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(st)), {});
+  const std::string stat = proc_text("/proc/" + std::to_string(pid) + "/stat");
   const auto close = stat.rfind(')');
   return stat.empty() || close == std::string::npos || stat.substr(close + 2, 1) == "Z";
 }
