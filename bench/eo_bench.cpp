@@ -458,14 +458,13 @@ int main(int argc, char** argv) {
   for (const Row& r : rows) any_lora_host = any_lora_host || !r.lora_host.empty();
   if (any_lora_host) {
     std::printf("\nexpert LoRA state on the host, its host side per step (median s): read = blocked reading the step's values "
-                "(the GPU finishing it), waits = for blocks' AdamW before staging them, norms = the host gradients', AdamW = its "
-                "worker's run\n\n| model | seq x mb | mode | read | waits | norms | AdamW |\n|---|---|---|---|---|---|---|\n");
+                "(the GPU finishing it), norms = the host gradients'\n\n| model | seq x mb | mode | read | norms |\n|---|---|---|---|---|\n");
     for (const Row& r : rows) {
       if (r.lora_host.empty()) continue;
       const auto& names = ExpertLoraOffload::HostTimes::kMetricNames;
       auto at = [&](const char* k) { return r.lora_host.count(k) ? r.lora_host.at(k) : 0.0; };
-      std::printf("| %s | %dx%d | %s | %.3f | %.3f | %.3f | %.3f |\n", r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(),
-                  at(names[0]), at(names[1]), at(names[2]), at(names[3]));
+      std::printf("| %s | %dx%d | %s | %.3f | %.3f |\n", r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(),
+                  at(names[0]), at(names[1]));
     }
   }
   if (card) {

@@ -34,7 +34,7 @@ void Checkpointer::save(const std::string& why) {
   s.step = run_.step;
   s.data_cursor = run_.batcher->state();
   s.world_size = world_size_;
-  if (run_.expert_lora) run_.expert_lora->wait_update();  // its masters, updated on a worker
+  if (run_.expert_lora) run_.expert_lora->apply_update();  // its masters, updated as blocks are staged
   s.lora = run_.model->lora_parameters();
   s.optimizer = run_.optimizer->state();
   if (run_.expert_lora)  // the same names as a resident run's: one file either way

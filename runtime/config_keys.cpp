@@ -428,8 +428,8 @@ const std::vector<KeySpec>& schema() {
                         "With expert_offload and LoRA on the experts (lora_target_parameters, or expert linears in "
                         "lora_target_modules): their fp32 masters, gradients and AdamW moments live in host RAM beside "
                         "the homes and cross to the device with their block (two fixed device slots, so CUDA graphs "
-                        "replay as with the state on the device); AdamW runs on the host. false keeps that state on "
-                        "the device."));
+                        "replay as with the state on the device); each block's AdamW update runs on the device when the "
+                        "block is next staged. false keeps that state on the device."));
     k.push_back(choice("expert_offload_homes", &TrainConfig::expert_offload_homes, {"per_rank", "per_numa_node", "disk"},
                        "Where the offloaded experts live between uses: per_rank = every rank its own copy in host RAM "
                        "(host RAM = ranks per node x expert bytes); per_numa_node = one copy per NUMA node, filled by one "

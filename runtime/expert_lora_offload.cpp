@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <utility>
 
 #include "common/error.h"
@@ -27,28 +28,36 @@
 namespace eo {
 
 ExpertLoraBytes expert_lora_bytes(double params, double block_params) {
-  // Host: master, gradient, exp_avg, exp_avg_sq (fp32). Device: each working copy and its gradient.
-  return {params * 16, double(kExpertLoraWorkingCopies) * block_params * 8};
+  // fp32 master, gradient, exp_avg, exp_avg_sq: on the host for every parameter, on the device for
+  // each working copy (its 4-byte step counters per leaf left out).
+  return {params * 16, double(kExpertLoraWorkingCopies) * block_params * 16};
 }
 
 // One leaf of an ExpertLora: where the block reads it (`leaf`, the ExpertLora's own A or B), its
-// host master, the pinned buffer its gradient comes home to, and where it sits in a slot.
+// host master, the buffer its gradient comes home to, its AdamW moments, and where it sits in a
+// slot.
 struct ExpertLoraOffload::Param {
   std::shared_ptr<model::ExpertLora> owner;  // keeps `leaf` alive
   at::Tensor* leaf = nullptr;
-  at::Tensor master, grad_home;
-  std::int64_t offset = 0;  // elements into Slot::values and Slot::grads
+  at::Tensor master, grad_home, exp_avg, exp_avg_sq;
+  std::int64_t offset = 0;  // elements into the slot's flat buffers
+  int layer = -1;           // its block
+  std::int64_t index = 0;   // its step counter in Block::steps and Slot::steps
+  bool decay = true;        // AdamWSettings::decays(its name)
+  bool stepped = false;     // has AdamW state (an update has taken it, skipped or not), as Optimizer's
+  bool updating = false;    // has a gradient in the recorded update
 };
 
 #ifdef EO_WITH_CUDA
 // Per slot: `ready` after the copies into or out of it, on the copy stream; `released` after the
-// last kernel that read its block, on the compute stream. Events that were never recorded are
-// waited for at once, as CUDA defines.
+// last kernel that read its block, on the compute stream; `updated` after its block's update, on
+// the compute stream (the masters and moments go home after it). Events that were never recorded
+// are waited for at once, as CUDA defines.
 struct ExpertLoraOffload::Copies {
   explicit Copies(const at::Device& d) : device(d.index()), stream(c10::cuda::getStreamFromPool(false, d.index())) {
     const c10::cuda::CUDAGuard on_device(device);  // events belong to the device current at creation
     for (int k = 0; k < kExpertLoraWorkingCopies; ++k) {
-      for (cudaEvent_t* e : {&ready[k], &released[k]})
+      for (cudaEvent_t* e : {&ready[k], &released[k], &updated[k]})
         EO_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
     }
     EO_CUDA_CHECK(cudaEventCreateWithFlags(&drained, cudaEventDisableTiming), "expert LoRA offload: cudaEventCreate");
@@ -58,6 +67,7 @@ struct ExpertLoraOffload::Copies {
     for (int k = 0; k < kExpertLoraWorkingCopies; ++k) {
       cudaEventDestroy(ready[k]);
       cudaEventDestroy(released[k]);
+      cudaEventDestroy(updated[k]);
     }
     cudaEventDestroy(drained);
   }
@@ -65,7 +75,7 @@ struct ExpertLoraOffload::Copies {
 
   c10::DeviceIndex device;
   c10::cuda::CUDAStream stream;
-  std::array<cudaEvent_t, kExpertLoraWorkingCopies> ready{}, released{};
+  std::array<cudaEvent_t, kExpertLoraWorkingCopies> ready{}, released{}, updated{};
   cudaEvent_t drained = nullptr;
 };
 #else
@@ -74,9 +84,10 @@ struct ExpertLoraOffload::Copies {};
 
 struct ExpertLoraOffload::Block {
   std::vector<Param> params;
-  int slot = -1;           // slots_ index while staged
-  bool grad_live = false;  // its slot's gradients are this stint's (from before_backward on)
-  std::size_t index = 0;   // its optimizer in optimizers_
+  at::Tensor steps;         // the leaves' AdamW step counters (fp32 [leaves], host)
+  int slot = -1;            // slots_ index while staged
+  bool grad_live = false;   // its slot's gradients are this stint's (from before_backward on)
+  bool outstanding = false; // its share of the recorded update is not applied yet
 };
 
 namespace {
@@ -123,10 +134,11 @@ class LoraStagingProvider : public model::WeightProvider {
 }  // namespace
 
 ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& device, bool pin, const TrainConfig& cfg)
-    : device_(device), pin_(pin && device.is_cuda()) {
+    : device_(device), pin_(pin && device.is_cuda()), adamw_(cfg) {
   at::NoGradGuard ng;
   const NamedTensors all = model.lora_parameters();
   blocks_.resize(static_cast<std::size_t>(model.num_layers()));
+  std::int64_t leaves_max = 0;
   for (int layer = 0; layer < model.num_layers(); ++layer) {
     auto b = std::make_unique<Block>();
     // Back to back in a slot: where the grouped GEMMs read the leaves, r is a multiple of 8
@@ -140,15 +152,23 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
         p.owner = l;
         p.leaf = leaf;
         p.master = host_like(*leaf, pin_);
-        // Its gradient's home now, not at its first eviction: no host allocation inside a step.
-        p.grad_home = at::empty(p.master.sizes(), p.master.options().pinned_memory(pin_));
+        // Its gradient's home and its moments now, not at first use: no host allocation inside a step.
+        const auto on_host = p.master.options().pinned_memory(pin_);
+        p.grad_home = at::empty(p.master.sizes(), on_host);
+        p.exp_avg = at::zeros(p.master.sizes(), on_host);
+        p.exp_avg_sq = at::zeros(p.master.sizes(), on_host);
         p.offset = n;
+        p.layer = layer;
+        p.index = static_cast<std::int64_t>(b->params.size());
         n += leaf->numel();
         b->params.push_back(std::move(p));
       }
     }
     if (b->params.empty()) continue;
+    b->steps = at::zeros({static_cast<std::int64_t>(b->params.size())},
+                         at::TensorOptions().dtype(at::kFloat).pinned_memory(pin_));
     block_params_max_ = std::max(block_params_max_, n);
+    leaves_max = std::max(leaves_max, static_cast<std::int64_t>(b->params.size()));
     blocks_[static_cast<std::size_t>(layer)] = std::move(b);
   }
   for (auto& b : blocks_)
@@ -157,31 +177,29 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
   // The masters under the model's names and in its order; the blocks read them from now on.
   for (const auto& [name, t] : all)
     for (Param* p : flat_)
-      if (p->leaf->is_same(t)) params_.emplace_back(name, p->master), by_order_.push_back(p);
+      if (p->leaf->is_same(t)) {
+        params_.emplace_back(name, p->master);
+        by_order_.push_back(p);
+        p->decay = AdamWSettings::decays(name);
+      }
   EO_CHECK(flat_.size() == params_.size(), "expert LoRA offload: ", params_.size(), " named host masters for ",
            flat_.size(), " leaves");
   for (Param* p : flat_) *p->leaf = p->master;
   // The slots, once: their addresses are what a CUDA graph of a use captures.
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
-  for (int k = 0; k < kExpertLoraWorkingCopies; ++k)
-    slots_.push_back({at::empty({block_params_max_}, f32), at::empty({block_params_max_}, f32), -1, false});
+  for (int k = 0; k < kExpertLoraWorkingCopies; ++k) {
+    Slot s;
+    for (at::Tensor* t : {&s.values, &s.grads, &s.exp_avg, &s.exp_avg_sq}) *t = at::empty({block_params_max_}, f32);
+    s.steps = at::empty({leaves_max}, f32);
+    slots_.push_back(std::move(s));
+  }
 #ifdef EO_WITH_CUDA
   if (device_.is_cuda()) copies_ = std::make_unique<Copies>(device_);
 #endif
-  for (auto& b : blocks_) {
-    if (!b) continue;
-    NamedTensors mine;  // the block's masters under their names, in the model's order
-    for (std::size_t k = 0; k < params_.size(); ++k)
-      for (const Param& p : b->params)
-        if (&p == by_order_[k]) mine.push_back(params_[k]);
-    b->index = optimizers_.size();
-    optimizers_.push_back(std::make_unique<Optimizer>(mine, cfg));
-  }
 }
 
 ExpertLoraOffload::~ExpertLoraOffload() {
-  if (worker_.joinable()) worker_.join();
-  copies_.reset();  // its stream drained before the slots and gradient homes go
+  copies_.reset();  // its stream drained before the slots and the host buffers go
 }
 
 bool ExpertLoraOffload::holds(const at::Tensor& param) const {
@@ -195,8 +213,8 @@ std::int64_t ExpertLoraOffload::host_bytes() const {
 }
 
 std::int64_t ExpertLoraOffload::device_bytes() const {
-  std::int64_t n = 0;
-  for (const Slot& s : slots_) n += s.values.nbytes() + s.grads.nbytes();
+  std::int64_t n = 0;  // the step counters (4 bytes a leaf) left out, as expert_lora_bytes does
+  for (const Slot& s : slots_) n += s.values.nbytes() + s.grads.nbytes() + s.exp_avg.nbytes() + s.exp_avg_sq.nbytes();
   return n;
 }
 
@@ -216,26 +234,11 @@ at::Tensor slot_view(const at::Tensor& flat, std::int64_t offset, at::IntArrayRe
   for (auto d : sizes) n *= d;
   return flat.narrow(0, offset, n).view(sizes);
 }
-}  // namespace
 
-namespace {
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 }  // namespace
-
-void ExpertLoraOffload::wait_for_update(const Block& b) {
-  if (!worker_.joinable()) return;
-  // Its masters only once the running update is done with them.
-  const auto t0 = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(mutex_);
-  updated_.wait(lock, [&] { return blocks_updated_ > b.index || update_over_; });
-  times_.wait_s += seconds_since(t0);
-  if (update_error_) {
-    lock.unlock();
-    wait_update();
-  }
-}
 
 void ExpertLoraOffload::slot_copies(int slot, const std::function<void()>& copies) {
 #ifdef EO_WITH_CUDA
@@ -292,21 +295,87 @@ int ExpertLoraOffload::take_slot(int keep) {
 void ExpertLoraOffload::copy_in(int layer, int slot) {
   Block& b = *blocks_[layer];
   Slot& s = slots_[slot];
-  wait_for_update(b);
   Block* old = s.layer >= 0 ? blocks_[s.layer].get() : nullptr;
   if (old) staged_.erase(std::remove(staged_.begin(), staged_.end(), s.layer), staged_.end());
   at::NoGradGuard ng;
   slot_copies(slot, [&] {
     if (old) evict(*old);  // its gradient home before the slot's gradients are reused
-    // Pinned masters copy without the host waiting; the host touches them again only after the
-    // step's synchronisation (TrainStep), which follows flush(), by when these copies are done.
-    for (Param& p : b.params) slot_view(s.values, p.offset, p.master.sizes()).copy_(p.master, /*non_blocking=*/true);
+    // Pinned host buffers copy without the host waiting; the host touches them again only after
+    // the step's synchronisation (TrainStep), which follows flush(), by when these copies are done.
+    for (Param& p : b.params) {
+      slot_view(s.values, p.offset, p.master.sizes()).copy_(p.master, /*non_blocking=*/true);
+      if (!b.outstanding) continue;
+      // The update's inputs cross with the masters: the moments, the counters, the gradient.
+      slot_view(s.exp_avg, p.offset, p.master.sizes()).copy_(p.exp_avg, /*non_blocking=*/true);
+      slot_view(s.exp_avg_sq, p.offset, p.master.sizes()).copy_(p.exp_avg_sq, /*non_blocking=*/true);
+      if (p.updating) slot_view(s.grads, p.offset, p.master.sizes()).copy_(p.grad_home, /*non_blocking=*/true);
+    }
+    if (b.outstanding) s.steps.narrow(0, 0, b.steps.numel()).copy_(b.steps, /*non_blocking=*/true);
   });
   for (Param& p : b.params) *p.leaf = slot_view(s.values, p.offset, p.master.sizes()).detach().requires_grad_(true);
   s.layer = layer;
   b.slot = slot;
   b.grad_live = false;
   staged_.push_back(layer);
+}
+
+void ExpertLoraOffload::update_block(Block& b) {
+  const Update& u = *update_;
+  const Slot& s = slots_[b.slot];
+  at::NoGradGuard ng;
+  AdamWTensors t;
+  std::vector<at::Tensor> state;  // every master and moment of the block, for the non-finite check
+  for (Param& p : b.params) {
+    const auto sizes = p.master.sizes();
+    const at::Tensor value = slot_view(s.values, p.offset, sizes);
+    state.push_back(value);
+    if (!p.stepped) continue;
+    const at::Tensor m = slot_view(s.exp_avg, p.offset, sizes), v = slot_view(s.exp_avg_sq, p.offset, sizes);
+    state.push_back(m);
+    state.push_back(v);
+    if (!p.updating) continue;
+    t.params.push_back(value);
+    t.grads.push_back(slot_view(s.grads, p.offset, sizes));
+    t.exp_avg.push_back(m);
+    t.exp_avg_sq.push_back(v);
+    t.steps.push_back(s.steps[p.index]);
+    t.decay.push_back(p.decay);
+  }
+  adamw_update(t, adamw_, u.lr, u.skip, u.grad_divisor);
+  // As Optimizer::state_nonfinite: a max-norm is NaN or Inf exactly when an element is.
+  at::Tensor& amax = state_amax_.at(u.id);
+  amax.add_(at::stack(at::_foreach_norm(state, INFINITY)).to(at::kDouble).sum());
+  const int slot = b.slot;
+  const auto home = [&] {
+    for (Param& p : b.params) {
+      p.updating = false;
+      if (!p.stepped) continue;
+      const auto sizes = p.master.sizes();
+      p.master.copy_(slot_view(s.values, p.offset, sizes), /*non_blocking=*/true);
+      p.exp_avg.copy_(slot_view(s.exp_avg, p.offset, sizes), /*non_blocking=*/true);
+      p.exp_avg_sq.copy_(slot_view(s.exp_avg_sq, p.offset, sizes), /*non_blocking=*/true);
+    }
+    b.steps.copy_(s.steps.narrow(0, 0, b.steps.numel()), /*non_blocking=*/true);
+  };
+#ifdef EO_WITH_CUDA
+  if (copies_) {
+    // Home on the copy stream once the update has run; the compute stream goes on at once (the
+    // copies only read the slot). Later copies into the slot queue behind them on that stream,
+    // and the host reads these buffers only after the step's synchronisation or apply_update().
+    Copies& c = *copies_;
+    EO_CUDA_CHECK(cudaEventRecord(c.updated[slot], c.compute()), "expert LoRA offload: cudaEventRecord");
+    EO_CUDA_CHECK(cudaStreamWaitEvent(c.stream.stream(), c.updated[slot], 0), "expert LoRA offload: cudaStreamWaitEvent");
+    c10::cuda::CUDAStreamGuard on_copy_stream(c.stream);
+    home();
+  } else {
+    home();
+  }
+#else
+  (void)slot;
+  home();
+#endif
+  b.outstanding = false;
+  if (--blocks_outstanding_ == 0) update_.reset();
 }
 
 void ExpertLoraOffload::set_schedule(const std::vector<int>& staging_order) {
@@ -331,6 +400,7 @@ void ExpertLoraOffload::stage(int layer) {
     staged_.erase(std::remove(staged_.begin(), staged_.end(), layer), staged_.end());
     staged_.push_back(layer);  // the most recent
     wait_ready(b.slot);
+    if (b.outstanding) update_block(b);  // before any use reads the working copies
     current_ = layer;
   }
   if (held(next) && next != layer && blocks_[next]->slot < 0) copy_in(next, take_slot(current_));
@@ -340,6 +410,7 @@ void ExpertLoraOffload::before_backward(int layer) {
   if (layer < 0 || layer >= static_cast<int>(blocks_.size()) || !blocks_[layer]) return;
   Block& b = *blocks_[layer];
   EO_CHECK(b.slot >= 0, "expert LoRA offload: a backward of layer ", layer, " before its stage()");
+  EO_CHECK(!b.outstanding, "expert LoRA offload: a backward of layer ", layer, " before its update");
   if (b.grad_live) return;
   at::NoGradGuard ng;
   const Slot& s = slots_[b.slot];
@@ -394,7 +465,6 @@ void ExpertLoraOffload::flush() {
 at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const at::Tensor& device_norms,
                                               ddp::Communicator* comm) {
   at::NoGradGuard ng;
-  wait_update();
   const auto t0 = std::chrono::steady_clock::now();
   EO_CHECK(staged_.empty(), "expert LoRA offload: reduce_and_norm before flush()");
   if (comm && comm->size() > 1) {
@@ -426,71 +496,104 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
   EO_CHECK(d == dev.numel() && h == host_norms.size(), "expert LoRA offload: ", d, " of ", dev.numel(),
            " device norms and ", h, " of ", host_norms.size(), " host norms placed");
   at::Tensor norm = combine_grad_norms(norms);
-  std::lock_guard<std::mutex> lock(mutex_);
   times_.norm_s += seconds_since(t0);
   return norm;
 }
 
-void ExpertLoraOffload::add_read_time(double seconds) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  times_.read_s += seconds;
-}
+void ExpertLoraOffload::add_read_time(double seconds) { times_.read_s += seconds; }
 
-ExpertLoraOffload::HostTimes ExpertLoraOffload::take_host_times() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return std::exchange(times_, HostTimes{});
-}
+ExpertLoraOffload::HostTimes ExpertLoraOffload::take_host_times() { return std::exchange(times_, HostTimes{}); }
 
-std::shared_future<double> ExpertLoraOffload::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
-  wait_update();
-  auto done = std::make_shared<std::promise<double>>();
-  std::shared_future<double> flag = done->get_future().share();
-  blocks_updated_ = 0;
-  update_over_ = false;
-  // Block by block in layer order, the next step's forward order: stage(i) waits for block i only.
-  worker_ = std::thread([this, lr, skip, grad_divisor, done] {
-    const auto t0 = std::chrono::steady_clock::now();
-    double bad = 0;
-    try {
-      at::NoGradGuard ng;
-      for (std::size_t k = 0; k < optimizers_.size(); ++k) {
-        optimizers_[k]->step(lr, skip, grad_divisor);
-        optimizers_[k]->zero_grad(/*set_to_none=*/true);
-        bad = std::max(bad, optimizers_[k]->state_nonfinite().item<double>());
-        std::lock_guard<std::mutex> lock(mutex_);
-        blocks_updated_ = k + 1;
-        updated_.notify_all();
-      }
-      done->set_value(bad);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      update_error_ = std::current_exception();
-      done->set_exception(update_error_);
+ExpertLoraOffload::StateCheck ExpertLoraOffload::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
+  apply_update();  // a block no stage() reached since the last step (none in a training step)
+  Update u;
+  u.id = ++updates_;
+  u.lr = lr;
+  u.skip = skip.to(device_);
+  u.grad_divisor = grad_divisor.to(device_);
+  state_amax_[u.id] = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  blocks_outstanding_ = 0;
+  for (auto& b : blocks_) {
+    if (!b) continue;
+    b->outstanding = true;  // its non-finite check too: every master counts, with a gradient or not
+    ++blocks_outstanding_;
+    for (Param& p : b->params) {
+      // As Optimizer::step: a leaf without a gradient takes no step; the first that has one
+      // creates the state (zeros here), skipped or not. The gradient is the update's now: the
+      // next backward starts from zero.
+      p.updating = p.master.grad().defined();
+      p.stepped = p.stepped || p.updating;
+      p.master.mutable_grad() = at::Tensor();
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    update_over_ = true;
-    times_.update_s += seconds_since(t0);
-    updated_.notify_all();
-  });
-  return flag;
+  }
+  const std::int64_t id = u.id;
+  if (blocks_outstanding_ > 0) update_ = std::move(u);
+  return [this, id] { return state_nonfinite(id); };
 }
 
-void ExpertLoraOffload::wait_update() {
-  if (worker_.joinable()) worker_.join();
-  if (std::exception_ptr e = std::exchange(update_error_, nullptr)) std::rethrow_exception(e);
+double ExpertLoraOffload::state_nonfinite(std::int64_t update) {
+  if (update_ && update_->id == update) apply_update();
+  const auto it = state_amax_.find(update);
+  if (it == state_amax_.end()) return 0;
+  const double amax = it->second.item<double>();
+  state_amax_.erase(it);
+  return std::isfinite(amax) ? 0 : 1;
+}
+
+void ExpertLoraOffload::apply_update() {
+  if (!update_) return;
+  EO_CHECK(staged_.empty(), "expert LoRA offload: apply_update() inside a step");
+  // Block by block through the slots, outside any schedule (the next step's copies ahead stay
+  // where they were); then every slot free and everything home before the host reads it.
+  for (int layer = 0; layer < static_cast<int>(blocks_.size()); ++layer) {
+    Block* b = blocks_[static_cast<std::size_t>(layer)].get();
+    if (!b || !b->outstanding) continue;
+    if (b->slot < 0) copy_in(layer, take_slot(-1));
+    wait_ready(b->slot);
+    update_block(*b);
+    release(b->slot);
+  }
+  flush();
+#ifdef EO_WITH_CUDA
+  if (copies_) EO_CUDA_CHECK(cudaStreamSynchronize(copies_->stream.stream()), "expert LoRA offload: cudaStreamSynchronize");
+#endif
 }
 
 NamedTensors ExpertLoraOffload::optimizer_state() {
-  wait_update();
+  apply_update();
+  // Optimizer::state's names and forms: the moments, and the counter as fp64 [1].
   NamedTensors out;
-  for (const auto& o : optimizers_)
-    for (auto& entry : o->state()) out.push_back(std::move(entry));
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    const Param& p = *by_order_[k];
+    if (!p.stepped) continue;
+    const Block& b = *blocks_[static_cast<std::size_t>(p.layer)];
+    const std::string& name = params_[k].first;
+    out.emplace_back(name + ".exp_avg", p.exp_avg);
+    out.emplace_back(name + ".exp_avg_sq", p.exp_avg_sq);
+    out.emplace_back(name + ".step", b.steps.narrow(0, p.index, 1).to(at::kDouble));
+  }
   return out;
 }
 
-void ExpertLoraOffload::load_optimizer_state(const std::map<std::string, at::Tensor>& state) {
-  wait_update();
-  for (const auto& o : optimizers_) o->load_state(state);
+void ExpertLoraOffload::load_optimizer_state(const std::map<std::string, at::Tensor>& saved) {
+  apply_update();
+  at::NoGradGuard ng;
+  const std::map<std::string, at::Tensor> state = stacked_optimizer_state(saved);
+  for (std::size_t k = 0; k < params_.size(); ++k) {
+    Param& p = *by_order_[k];
+    const std::string& name = params_[k].first;
+    const auto a = state.find(name + ".exp_avg");
+    if (a == state.end()) continue;
+    const auto v = state.find(name + ".exp_avg_sq");
+    const auto s = state.find(name + ".step");
+    EO_CHECK(v != state.end() && s != state.end(), "optimizer state for ", name, " is incomplete");
+    EO_CHECK(a->second.sizes() == p.master.sizes(), "optimizer state for ", name, " has shape ", a->second.sizes(),
+             ", the parameter ", p.master.sizes());
+    p.exp_avg.copy_(a->second.to(at::kFloat));
+    p.exp_avg_sq.copy_(v->second.to(at::kFloat));
+    blocks_[static_cast<std::size_t>(p.layer)]->steps[p.index].fill_(s->second.item<double>());
+    p.stepped = true;
+  }
 }
 
 }  // namespace eo

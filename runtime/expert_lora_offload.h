@@ -1,6 +1,6 @@
 // The experts' LoRA state beside the streamed experts (expert_offload with expert LoRA): for every
 // offloaded MoE block the fp32 masters, their gradients and AdamW's moments live in host memory
-// (masters and gradients pinned), and the device holds only working copies of the blocks in use.
+// (pinned), and the device holds only working copies of the blocks in use.
 //
 //   stage(i)   block i's masters are copied into one of kExpertLoraWorkingCopies fixed device
 //              slots (allocated once, reused stint after stint, like the expert slots), whose views
@@ -21,16 +21,21 @@
 //              nothing of LoRA, and a block's two copies share the host link either way.
 //   flush()    after the backward: every gradient home, every slot free; the compute stream then
 //              waits for the copy stream, so the step's one read of the device finds them home.
-//   step(...)  AdamW on the host (at::_fused_adamw_, the resident Optimizer's own code), with the
-//              step's skip flag and clip divisor read from the device once (TrainStep). It runs on a
-//              worker thread block by block in layer order, while the host queues the next step:
-//              stage(i) waits only for the updates of block i and of the block it copies ahead, so
-//              the update hides behind the next forward. wait_update() waits for all of it
-//              (checkpoints, the final adapter).
-// Why a host AdamW and not a deferred update on the device: the moments never cross the link (a
-// deferred update carries master, gradient and moments both ways, 16 bytes a parameter each way;
-// here 4 up per stint and 4 home), and the update is exactly the resident one (same kernel, same
-// gradient norm, same decision), so a checkpoint is the same files either way (docs/design.md §2.4).
+//   step(...)  records the step's AdamW update (learning rate, skip flag, clip divisor, decided on
+//              the host from that read, TrainStep); each block's share runs on the device when the
+//              block is next staged: its gradient and AdamW moments cross with its masters, the
+//              resident Optimizer's kernels (adamw_update) update the slot in place before any use
+//              reads it, and masters and moments go home on the copy stream while the block
+//              computes. apply_update() brings in every share still outstanding (checkpoints, the
+//              final adapter, an evaluation's or a save's read of the step).
+// Why on the device and not on the host: a host AdamW reads and writes 28 bytes a parameter of host
+// memory (Qwen3-30B-A3B at r 16: 629 M parameters, 17.6 GB a step) and must finish block i before
+// the next forward reaches it. On the H100 machine (6fef652) the step with it took 2.01x (r 16) and
+// 2.27x (r 32) the attention-only step, against 1.27x with the whole state on the device. On the
+// device a block's update is a few kernels over its slot, and the bytes it adds cross the host link
+// beside the experts' (36 a parameter a step in all, 12 with the host update), where a
+// gradient-accumulated step has room for them (design.md §2.4). The update is the resident one
+// (same kernels, same gradient norm, same decision), so a checkpoint is the same files either way.
 //
 // The staging is driven through the model's WeightProvider (ExpertLoraOffload::wrap): whatever
 // stages a block's experts (the step runner, evaluation, scoring) stages its LoRA too, and the
@@ -43,18 +48,16 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <functional>
-#include <future>
 #include <map>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
+
+#include "runtime/optimizer.h"
 
 namespace eo {
 
@@ -67,15 +70,13 @@ namespace ddp {
 class Communicator;
 }
 struct TrainConfig;
-class Optimizer;
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 // Blocks whose working copies the device holds at once (the plan counts the same number).
 inline constexpr int kExpertLoraWorkingCopies = 2;
 
 // Bytes for `params` expert-LoRA parameters of which `block_params` belong to the largest block:
-// on the host fp32 master, gradient and two moments; on the device the working copies and their
-// gradients. One rule for the plan and the code.
+// on the host fp32 master, gradient and two moments; on the device the same four for each working
+// copy (the moments and gradient cross for the block's update). One rule for the plan and the code.
 struct ExpertLoraBytes {
   double host = 0, device = 0;
 };
@@ -110,22 +111,23 @@ class ExpertLoraOffload {
   // order (`order`: all parameters, the host ones this store's), fp64 [] on the host, computed as
   // grad_norm_on_device would over them all.
   at::Tensor reduce_and_norm(const NamedTensors& order, const at::Tensor& device_norms, ddp::Communicator* comm);
-  // Starts AdamW over the host masters (skip and grad_divisor: fp32 [] on the host), each block's
-  // gradients dropped after its update. The future gives 1 when a master or moment then holds
-  // NaN/Inf, else 0 (the step's reading waits for it).
-  std::shared_future<double> step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
-  // Waits for the update step() started (rethrowing its error); a no-op when none runs.
-  void wait_update();
-  // The host side's share of the steps since the last take (metrics.jsonl, so the time a step loses
-  // to the host can be told apart): the queueing thread blocked reading a step's values (the GPU
-  // finishing it; TrainStep adds it) and waiting for blocks' updates, the host-held gradients' norms,
-  // and the host AdamW's runs on its worker.
+  // Records the step's AdamW update of every block (skip and grad_divisor: fp32 [] on any device),
+  // each block's share applied when it is next staged. The gradients are taken (the next backward
+  // starts from zero). The check returned gives 1 when a master or moment then holds NaN/Inf, else
+  // 0; it brings the update in first where a share is still outstanding, and reads the device.
+  using StateCheck = std::function<double()>;
+  StateCheck step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
+  // Applies every block's share of the recorded update still outstanding, and waits until the
+  // masters and moments are home; between steps. A no-op when none is outstanding.
+  void apply_update();
+  // The host side's share of the steps since the last take (metrics.jsonl): the queueing thread
+  // blocked reading a step's values (the GPU finishing it; TrainStep adds it) and the host-held
+  // gradients' norms.
   struct HostTimes {
-    double read_s = 0, wait_s = 0, norm_s = 0, update_s = 0;
+    double read_s = 0, norm_s = 0;
     // Their metrics.jsonl names, in the order of values() (docs/runs.md).
-    static constexpr const char* kMetricNames[4] = {"lora_host_read_s", "lora_host_wait_s", "lora_host_norm_s",
-                                                    "lora_host_update_s"};
-    std::array<double, 4> values() const { return {read_s, wait_s, norm_s, update_s}; }
+    static constexpr const char* kMetricNames[2] = {"lora_host_read_s", "lora_host_norm_s"};
+    std::array<double, 2> values() const { return {read_s, norm_s}; }
   };
   void add_read_time(double seconds);
   HostTimes take_host_times();
@@ -136,21 +138,31 @@ class ExpertLoraOffload {
   struct Param;
   struct Block;
   struct Slot {
-    at::Tensor values, grads;  // flat, a block's leaves back to back (Param::offset)
-    int layer = -1;            // the block in it, -1: free
-    bool pending = false;      // copies queued that the compute stream has not waited for
+    // Flat, a block's leaves back to back (Param::offset): working copies, their gradients, both
+    // moments; and one fp32 step counter per leaf (Param::index).
+    at::Tensor values, grads, exp_avg, exp_avg_sq, steps;
+    int layer = -1;          // the block in it, -1: free
+    bool pending = false;    // copies queued that the compute stream has not waited for
   };
   struct Copies;  // the copy stream and the slots' events (CUDA devices)
-  void wait_for_update(const Block& b);
+  // The recorded update (step()) while some block's share is outstanding.
+  struct Update {
+    std::int64_t id = 0;
+    double lr = 0;
+    at::Tensor skip, grad_divisor;  // on the device
+  };
   int take_slot(int keep);  // a free slot, else the least recent block's other than `keep`'s
   void copy_in(int layer, int slot);
   void slot_copies(int slot, const std::function<void()>& copies);
   void wait_ready(int slot);
   void release(int slot);
   void evict(Block& b);
+  void update_block(Block& b);  // its share of the update, in its slot (after wait_ready)
+  double state_nonfinite(std::int64_t update);
 
   at::Device device_;
   bool pin_;
+  AdamWSettings adamw_;
   std::vector<std::unique_ptr<Block>> blocks_;  // by layer; null where nothing is held
   std::vector<int> staged_;                     // layers with working copies, least recent first
   std::vector<Slot> slots_;                     // kExpertLoraWorkingCopies, allocated once
@@ -162,15 +174,13 @@ class ExpertLoraOffload {
   std::vector<Param*> by_order_;                // params_' leaves
   NamedTensors params_;
   std::int64_t block_params_max_ = 0;
-  // One optimizer per block holding LoRA, in layer order (Block::index): the worker's unit.
-  std::vector<std::unique_ptr<Optimizer>> optimizers_;
-  std::thread worker_;
-  std::mutex mutex_;
-  std::condition_variable updated_;
-  std::size_t blocks_updated_ = 0;  // optimizers_[0, this) are done with the running update
-  bool update_over_ = true;         // the worker finished (or failed)
-  HostTimes times_;                 // under mutex_ (the worker adds its update's)
-  std::exception_ptr update_error_;
+  std::optional<Update> update_;
+  std::size_t blocks_outstanding_ = 0;          // blocks whose share of update_ is not applied
+  std::int64_t updates_ = 0;                    // step() calls so far
+  // Per update not yet checked: the sum of the max-norms of every updated master and moment (fp64
+  // [] on the device; NaN/Inf exactly when one of them holds such a value).
+  std::map<std::int64_t, at::Tensor> state_amax_;
+  HostTimes times_;
 };
 
 }  // namespace eo

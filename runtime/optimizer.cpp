@@ -83,60 +83,40 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm) {
 }
 
 namespace {
-bool no_decay(const std::string& name) {
-  return name.find("bias") != std::string::npos || name.find("norm") != std::string::npos;
-}
 const char* kSuffixes[] = {".exp_avg", ".exp_avg_sq", ".step"};
 }  // namespace
 
-Optimizer::Optimizer(const NamedTensors& params, const TrainConfig& cfg)
-    : params_(params),
-      beta1_(cfg.adam_beta1),
-      beta2_(cfg.adam_beta2),
-      eps_(cfg.adam_epsilon),
-      weight_decay_(cfg.weight_decay),
-      exp_avg_(params.size()),
-      exp_avg_sq_(params.size()),
-      step_(params.size()) {
-  for (const auto& [name, p] : params) {
-    EO_CHECK(p.scalar_type() == at::kFloat, "trainable parameter ", name, " must be fp32 (master weights)");
-    EO_CHECK(p.device() == params.front().second.device(), "trainable parameter ", name, " is on ", p.device(),
-             ", the others on ", params.front().second.device());
-    decay_.push_back(!no_decay(name));
-  }
+AdamWSettings::AdamWSettings(const TrainConfig& cfg)
+    : beta1(cfg.adam_beta1), beta2(cfg.adam_beta2), eps(cfg.adam_epsilon), weight_decay(cfg.weight_decay) {}
+
+bool AdamWSettings::decays(const std::string& name) {
+  return name.find("bias") == std::string::npos && name.find("norm") == std::string::npos;
 }
 
-Optimizer::~Optimizer() = default;
-
-void Optimizer::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
+void adamw_update(const AdamWTensors& t, const AdamWSettings& s, double lr, const at::Tensor& skip,
+                  const at::Tensor& grad_divisor) {
   at::NoGradGuard ng;
   std::optional<at::Tensor> found_inf, grad_scale;
   if (grad_divisor.defined()) {
     EO_CHECK(grad_divisor.dim() == 0 && grad_divisor.scalar_type() == at::kFloat,
-             "Optimizer::step: grad_divisor must be an fp32 scalar tensor");
+             "AdamW: grad_divisor must be an fp32 scalar tensor");
     grad_scale = grad_divisor;
   }
   at::Tensor advance;  // what each step count gains: 1, or 1 - skip
   if (skip.defined()) {
-    EO_CHECK(skip.dim() == 0 && skip.scalar_type() == at::kFloat, "Optimizer::step: skip must be an fp32 scalar tensor");
+    EO_CHECK(skip.dim() == 0 && skip.scalar_type() == at::kFloat, "AdamW: skip must be an fp32 scalar tensor");
     found_inf = skip;
     advance = 1 - skip;
   }
   for (const bool decay : {true, false}) {
     std::vector<at::Tensor> ps, gs, ms, vs, ss;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& p = params_[i].second;
-      if (decay_[i] != decay || !p.grad().defined()) continue;
-      if (!step_[i].defined()) {
-        exp_avg_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
-        exp_avg_sq_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
-        step_[i] = at::zeros({}, p.options());
-      }
-      ps.push_back(p);
-      gs.push_back(p.grad());
-      ms.push_back(exp_avg_[i]);
-      vs.push_back(exp_avg_sq_[i]);
-      ss.push_back(step_[i]);
+    for (std::size_t i = 0; i < t.params.size(); ++i) {
+      if (t.decay[i] != decay) continue;
+      ps.push_back(t.params[i]);
+      gs.push_back(t.grads[i]);
+      ms.push_back(t.exp_avg[i]);
+      vs.push_back(t.exp_avg_sq[i]);
+      ss.push_back(t.steps[i]);
     }
     if (ps.empty()) continue;
     // As torch.optim.AdamW(fused=True): the counters advance first, the kernel reads them (a
@@ -145,9 +125,42 @@ void Optimizer::step(double lr, const at::Tensor& skip, const at::Tensor& grad_d
       at::_foreach_add_(ss, advance);
     else
       at::_foreach_add_(ss, 1.0);
-    at::_fused_adamw_(ps, gs, ms, vs, /*max_exp_avg_sqs=*/{}, ss, lr, beta1_, beta2_, decay ? weight_decay_ : 0.0, eps_,
-                      /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
+    at::_fused_adamw_(ps, gs, ms, vs, /*max_exp_avg_sqs=*/{}, ss, lr, s.beta1, s.beta2, decay ? s.weight_decay : 0.0,
+                      s.eps, /*amsgrad=*/false, /*maximize=*/false, grad_scale, found_inf);
   }
+}
+
+Optimizer::Optimizer(const NamedTensors& params, const TrainConfig& cfg)
+    : params_(params), settings_(cfg), exp_avg_(params.size()), exp_avg_sq_(params.size()), step_(params.size()) {
+  for (const auto& [name, p] : params) {
+    EO_CHECK(p.scalar_type() == at::kFloat, "trainable parameter ", name, " must be fp32 (master weights)");
+    EO_CHECK(p.device() == params.front().second.device(), "trainable parameter ", name, " is on ", p.device(),
+             ", the others on ", params.front().second.device());
+    decay_.push_back(AdamWSettings::decays(name));
+  }
+}
+
+Optimizer::~Optimizer() = default;
+
+void Optimizer::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
+  at::NoGradGuard ng;
+  AdamWTensors t;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].second;
+    if (!p.grad().defined()) continue;  // no gradient: no step, no decay (as torch)
+    if (!step_[i].defined()) {
+      exp_avg_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
+      exp_avg_sq_[i] = at::zeros_like(p, at::MemoryFormat::Preserve);
+      step_[i] = at::zeros({}, p.options());
+    }
+    t.params.push_back(p);
+    t.grads.push_back(p.grad());
+    t.exp_avg.push_back(exp_avg_[i]);
+    t.exp_avg_sq.push_back(exp_avg_sq_[i]);
+    t.steps.push_back(step_[i]);
+    t.decay.push_back(decay_[i]);
+  }
+  adamw_update(t, settings_, lr, skip, grad_divisor);
 }
 
 void Optimizer::zero_grad(bool set_to_none) {
@@ -192,12 +205,10 @@ at::Tensor Optimizer::state_nonfinite() const {
   return at::logical_not(at::isfinite(amax)).to(at::kDouble);
 }
 
-namespace {
-
 // Checkpoints written before expert LoRA was stacked name its state per expert
 // ("<...>.experts.{e}.<matrix>.lora_A.weight.exp_avg"): stack those like the adapter
 // (models/lora.h). Their steps are equal unless an expert once got no token; take the largest.
-std::map<std::string, at::Tensor> stack_per_expert_state(const std::map<std::string, at::Tensor>& state) {
+std::map<std::string, at::Tensor> stacked_optimizer_state(const std::map<std::string, at::Tensor>& state) {
   std::map<std::string, at::Tensor> out;
   for (const char* suffix : kSuffixes) {
     const std::string sfx = suffix;
@@ -211,10 +222,8 @@ std::map<std::string, at::Tensor> stack_per_expert_state(const std::map<std::str
   return out;
 }
 
-}  // namespace
-
 void Optimizer::load_state(const std::map<std::string, at::Tensor>& saved) {
-  const std::map<std::string, at::Tensor> state = stack_per_expert_state(saved);
+  const std::map<std::string, at::Tensor> state = stacked_optimizer_state(saved);
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
     auto a = state.find(name + ".exp_avg");

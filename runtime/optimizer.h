@@ -44,6 +44,30 @@ at::Tensor grad_norms(const std::vector<at::Tensor>& params);
 at::Tensor combine_grad_norms(const std::vector<at::Tensor>& norms);
 at::Tensor clip_divisor(const at::Tensor& norm, double max_norm);
 
+// AdamW's settings (TrainConfig's adam_beta1, adam_beta2, adam_epsilon, weight_decay), and which
+// parameters decay: all but biases and norm weights (names containing "bias" or "norm"), as HF's
+// Trainer.
+struct AdamWSettings {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  explicit AdamWSettings(const TrainConfig& cfg);
+  static bool decays(const std::string& name);
+};
+
+// One AdamW update of parameters whose state the caller holds, k-th with k-th: the parameters,
+// their gradients, both moments, their fp32 [] step counters, and whether each decays. What
+// Optimizer::step runs (the same kernel calls in the same order), for state kept elsewhere
+// (runtime/expert_lora_offload.h). skip and grad_divisor as Optimizer::step takes them.
+struct AdamWTensors {
+  std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
+  std::vector<bool> decay;
+};
+void adamw_update(const AdamWTensors& t, const AdamWSettings& s, double lr, const at::Tensor& skip,
+                  const at::Tensor& grad_divisor);
+
+// A checkpoint's optimizer state under today's names: a state saved before expert LoRA was stacked
+// (per-expert names) stacked as the adapter is (models/lora.h).
+std::map<std::string, at::Tensor> stacked_optimizer_state(const std::map<std::string, at::Tensor>& state);
+
 // AdamW over named fp32 parameters with torch.optim.AdamW's math (decoupled decay
 // p -= lr·wd·p, bias-corrected moments), run by ATen's fused multi-tensor kernel
 // (at::_fused_adamw_, CPU and CUDA): one launch per decay group per step, not one chain of ops
@@ -77,7 +101,7 @@ class Optimizer {
  private:
   NamedTensors params_;
   std::vector<bool> decay_;
-  double beta1_, beta2_, eps_, weight_decay_;
+  AdamWSettings settings_;
   // Per parameter, undefined until its first step. step_ is the fused kernel's fp32 counter on
   // the parameter's device (exact up to 2^24 steps).
   std::vector<at::Tensor> exp_avg_, exp_avg_sq_, step_;

@@ -107,7 +107,7 @@ struct PlanTerms {
 // stays in host memory (model::LoadOptions::embeddings_on_host). LoRA: fp32 parameter, gradient
 // and two AdamW moments; with expert_lora_offload the experts' state in host RAM
 // (runtime/expert_lora_offload.h) and, on the device, the working copies of a few blocks with their
-// gradients. Checkpoints: the block inputs (embedding output .. last block) and RoPE tables of every
+// gradients and moments. Checkpoints: the block inputs (embedding output .. last block) and RoPE tables of every
 // micro-batch of the step (the layer-major step keeps all g until backward; micro-batch-major, one),
 // the hidden state or incoming gradient of each, and the outgoing gradient of the block under
 // backward; with activation_offloading the inputs wait in pinned host RAM and about two blocks'
@@ -143,7 +143,7 @@ void write_parts(const RunSpec& spec, const PlanTerms& t, MemoryPlan& p) {
     const double copies = std::min<double>(kExpertLoraWorkingCopies, double(spec.moe_layers.size()));
     p.device.push_back({"lora", t.params.lora * 16 + t.expert_lora.device * copies / kExpertLoraWorkingCopies,
                         count(t.params.lora) + " parameters x 16 bytes + the experts' LoRA of " + count(copies) +
-                            " block(s) x 8 bytes (the rest in host RAM)"});
+                            " block(s) x 16 bytes (working copies, gradients, moments; the rest in host RAM)"});
   } else {
     const double params = t.params.lora + t.params.expert_lora;
     p.device.push_back({"lora", params * 16, count(params) + " parameters x 16 bytes"});

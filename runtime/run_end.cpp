@@ -45,7 +45,7 @@ TrainResult result_so_far(const RunTally& tally) {
 TrainResult end_run(const TrainConfig& cfg, Run& run, Checkpointer& checkpoints, const RunTally& tally, const StepClock& clock,
                     ddp::World& world) {
   const auto& wi = world.info();
-  if (run.expert_lora) run.expert_lora->wait_update();  // the last update of its masters
+  if (run.expert_lora) run.expert_lora->apply_update();  // the last update of its masters
   checkpoints.save("end of training");
   if (wi.world_size > 1) check_ranks_hold_one_adapter(run, wi.world_size);
   if (wi.rank == 0) {

@@ -385,8 +385,8 @@ void start_expert_lora_offload(const TrainConfig& cfg, Run& run) {
   log::info("expert LoRA offloaded: " + std::to_string(run.expert_lora->params().size()) +
             " tensors' fp32 masters, gradients and AdamW moments in host RAM (" +
             human_bytes(double(run.expert_lora->host_bytes())) + "), working copies of " +
-            std::to_string(kExpertLoraWorkingCopies) + " blocks in fixed device slots (" +
-            human_bytes(double(run.expert_lora->device_bytes())) + "); AdamW for them on the host");
+            std::to_string(kExpertLoraWorkingCopies) + " blocks with their state in fixed device slots (" +
+            human_bytes(double(run.expert_lora->device_bytes())) + "); each block's AdamW update on the device as it is staged");
 }
 
 // The model on the device (its experts in this rank's homes with expert_offload), its LoRA, and

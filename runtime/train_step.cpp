@@ -25,7 +25,7 @@ namespace eo {
 
 StepValues QueuedStep::read() {
   const double* v = values.get().data_ptr<double>();
-  const double bad_state = host_bad_state.valid() ? std::max(v[4], host_bad_state.get()) : v[4];
+  const double bad_state = host_state_check ? std::max(v[4], host_state_check()) : v[4];
   return {v[0], v[1], v[2], v[3], bad_state, v[5]};
 }
 
@@ -97,7 +97,7 @@ QueuedStep TrainStep::queue() {
   run_.optimizer->zero_grad(/*set_to_none=*/!runner_.graphs_enabled());
   if (hooks_.after_update) hooks_.after_update(step + 1, params_);
   const at::Tensor bad_state = run_.optimizer->state_nonfinite().to(sums.device());
-  q.host_bad_state = host.bad_state;  // the host's update runs on while the next step is queued
+  q.host_state_check = host.state_check;  // the update is applied as the next step stages its blocks
   if (run_.offloader) run_.offloader->end_step();
   ++step;
   q.step = step;
@@ -138,7 +138,7 @@ TrainStep::HostUpdate TrainStep::update_host_lora(const at::Tensor& sums, double
   const at::Tensor host_norm = run_.expert_lora->reduce_and_norm(run_.lora, norms, run_.comm.get());
   const at::Tensor host_scale = read[3].to(at::kFloat);
   const UpdateDecision d = decide_update(host_norm, read[2], scaler_.enabled() ? host_scale : at::Tensor());
-  h.bad_state = run_.expert_lora->step(lr, d.skip, d.grad_divisor);
+  h.state_check = run_.expert_lora->step(lr, d.skip, d.grad_divisor);
   h.scaled_norm = host_norm.to(sums.device());
   return h;
 }

@@ -18,7 +18,7 @@
 
 #include <chrono>
 #include <cstdint>
-#include <future>
+#include <functional>
 #include <vector>
 
 #include "runtime/device.h"
@@ -43,9 +43,9 @@ struct QueuedStep {
   DeviceMark begin, end;     // where the step's device work begins and ends
   DeviceMark since;          // what its time counts from (StepClock)
   HostCopy values;           // StepValues, in their order
-  // The host-held expert LoRA's state check (runtime/expert_lora_offload.h), its update still
-  // running when the step is queued; invalid without.
-  std::shared_future<double> host_bad_state;
+  // The host-held expert LoRA's state check (runtime/expert_lora_offload.h): 1 when its update
+  // left NaN/Inf (the update is applied block by block as the next step stages them); empty without.
+  std::function<double()> host_state_check;
   StepValues read();         // waits for this step's values only
 };
 
@@ -72,10 +72,10 @@ class TrainStep {
   UpdateDecision decide_update(const at::Tensor& scaled_norm, const at::Tensor& nonfinite_flags,
                                const at::Tensor& scale) const;
   // The host-held expert LoRA's update (runtime/expert_lora_offload.h): the global norm over every
-  // parameter and the host state's non-finite flag, both on the device.
+  // parameter (on the device) and the check of the state it leaves.
   struct HostUpdate {
     at::Tensor scaled_norm;
-    std::shared_future<double> bad_state;
+    std::function<double()> state_check;
   };
   HostUpdate update_host_lora(const at::Tensor& sums, double lr);
 

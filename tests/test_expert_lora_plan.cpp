@@ -17,6 +17,7 @@
 #include "runtime/config.h"
 #include "runtime/data/batcher.h"
 #include "runtime/expert_lora_offload.h"
+#include "runtime/optimizer.h"
 #include "runtime/plan.h"
 #include "runtime/runspec.h"
 #include "runtime/schedule.h"
@@ -69,7 +70,7 @@ void expect_plan_matches_code(const TrainConfig& cfg) {
   // Resident: every parameter x 16 bytes; offloaded: the rest x 16 + the working copies.
   EXPECT_EQ(part(device_plan, "lora").bytes, all_params * 16);
   EXPECT_EQ(part(plan, "lora").bytes, (all_params - host_params) * 16 + double(held.device_bytes()));
-  EXPECT_EQ(double(held.device_bytes()), kExpertLoraWorkingCopies * double(held.block_params_max()) * 8);
+  EXPECT_EQ(double(held.device_bytes()), kExpertLoraWorkingCopies * double(held.block_params_max()) * 16);
   EXPECT_EQ(double(held.block_params_max()) * double(spec.moe_layers.size()), host_params);
   EXPECT_LT(plan.device_peak, device_plan.device_peak);
   EXPECT_NE(describe_plan(plan, 0).find("host LoRA"), std::string::npos) << describe_plan(plan, 0);
@@ -184,6 +185,78 @@ TEST(ExpertLoraOffload, WorkingCopiesAndGradientsTravelWithTheBlock) {
   held.stage(2);
   m->expert_loras(2).front()->A().mutable_grad() = at::ones_like(master(2));
   EXPECT_THROW(held.flush(), std::exception);
+}
+
+// The update a step records runs block by block as each block is next staged, and is the resident
+// Optimizer's, bit for bit: before a block's stage() its host master is the old one, its working
+// copy afterwards the updated one; the state check brings in the rest, after which masters and
+// optimizer state (under Optimizer::state's names) equal an Optimizer's over the same gradients. An
+// update that leaves NaN in the state is reported by its check.
+TEST(ExpertLoraOffload, EachBlocksUpdateRunsWhenItIsNextStagedAsTheResidentOptimizers) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+                                "weight_decay=0.1", "max_grad_norm=0.5"});
+  auto m = nf4_model_with_lora(cfg);
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg);
+  const int n = m->num_layers();
+  ASSERT_GE(n, 2);
+  NamedTensors copies;  // the resident optimizer's parameters: the masters as they start
+  for (const auto& [name, t] : held.params()) copies.emplace_back(name, t.clone());
+  Optimizer resident(copies, cfg);
+  const auto leaves = [&](int layer) {
+    std::vector<at::Tensor> out;
+    for (const auto& l : m->expert_loras(layer))
+      for (const at::Tensor* t : {&l->A(), &l->B()}) out.push_back(*t);
+    return out;
+  };
+  const auto backward = [&](bool with_nan) {  // one step's gradients, the same on both sides
+    for (int l = 0; l < n; ++l) {  // each block's gradient home, as a backward leaves it
+      held.stage(l);
+      held.before_backward(l);
+    }
+    held.flush();
+    at::manual_seed(7);
+    std::size_t k = 0;
+    for (const auto& [name, master] : held.params()) {
+      at::Tensor g = at::randn(master.sizes());
+      if (with_nan && k == 0) g.fill_(NAN);
+      master.grad().copy_(g);
+      copies[k++].second.mutable_grad() = g.clone();
+    }
+  };
+  const at::Tensor skip = at::zeros({}), divisor = at::full({}, 1.5f);
+  backward(false);
+  std::vector<at::Tensor> before;
+  std::vector<std::size_t> first;  // layer 0's leaves, in leaves(0)'s order, by their index in params()
+  for (const at::Tensor& leaf : leaves(0))
+    for (std::size_t k = 0; k < held.params().size(); ++k)
+      if (leaf.is_same(held.params()[k].second)) first.push_back(k);
+  for (const auto& [name, master] : held.params()) before.push_back(master.clone());
+  ASSERT_EQ(first.size(), leaves(0).size());
+  const auto check = held.step(1e-2, skip, divisor);
+  resident.step(1e-2, skip, divisor);
+  for (std::size_t k = 0; k < before.size(); ++k) EXPECT_TRUE(held.params()[k].second.equal(before[k])) << k << ": not deferred";
+  held.stage(0);
+  const std::vector<at::Tensor> staged = leaves(0);
+  for (std::size_t j = 0; j < first.size(); ++j) {
+    const std::size_t k = first[j];
+    EXPECT_TRUE(staged[j].equal(copies[k].second)) << held.params()[k].first << ": not the updated value";
+    EXPECT_FALSE(before[k].equal(copies[k].second));
+  }
+  for (const at::Tensor& leaf : leaves(n - 1)) EXPECT_TRUE(held.holds(leaf)) << "a later block moved before its stage()";
+  held.flush();
+  EXPECT_EQ(check(), 0);
+  for (std::size_t k = 0; k < copies.size(); ++k)
+    EXPECT_TRUE(held.params()[k].second.equal(copies[k].second)) << held.params()[k].first;
+  std::map<std::string, at::Tensor> ours;
+  for (auto& [name, t] : held.optimizer_state()) ours[name] = t;
+  const NamedTensors theirs = resident.state();
+  ASSERT_EQ(ours.size(), theirs.size());
+  for (const auto& [name, t] : theirs) {
+    ASSERT_TRUE(ours.count(name)) << name;
+    EXPECT_TRUE(ours[name].equal(t)) << name;
+  }
+  backward(true);
+  EXPECT_EQ(held.step(1e-2, skip, divisor)(), 1) << "a NaN gradient's update went unreported";
 }
 
 // The experts' provider under the LoRA's wrapper: one placement for every staged block.
