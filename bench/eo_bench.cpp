@@ -71,7 +71,6 @@
 #include "runtime/cards.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
-#include "runtime/expert_lora_offload.h"
 #include "runtime/ddp/world.h"
 #include "runtime/plan.h"
 #include "runtime/step_time.h"
@@ -102,9 +101,6 @@ struct Row {
   Point point;
   double s_per_step = 0, step_min = 0, step_median = 0, step_max = 0, tokens_per_s = 0, peak_vram = 0, plan_vram = 0, pinned = 0, reserved_vram = 0;
   double staged_per_step = 0, h2d_gbps = 0, stall_s = 0, floor_s = 0;
-  // With the experts' LoRA state on the host: its metrics.jsonl times (docs/runs.md), medians of the
-  // timed steps; empty otherwise.
-  std::map<std::string, double> lora_host;
   std::string plan_fit, ran;  // with --card: whether the memory plan said it fits, and what the run did
   double disk_read_per_step = 0, disk_gbps = 0, disk_raw_gbps = 0, disk_wait_s = 0;  // :disk
   std::string error;
@@ -339,7 +335,6 @@ int main(int argc, char** argv) {
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");
         std::vector<double> times, staged, h2d, stall, disk_read, disk_rate, disk_wait;
-        std::map<std::string, std::vector<double>> lora_host;
         double window_begin = -1, window_end = -1;  // device clock at the last warm-up / timed step's end
         std::string line;
         while (std::getline(in, line)) {
@@ -356,10 +351,7 @@ int main(int argc, char** argv) {
           disk_read.push_back(j.value("disk_read_bytes", 0.0));
           disk_rate.push_back(j.value("disk_gbps", 0.0));
           disk_wait.push_back(j.value("disk_wait_s", 0.0));
-          for (const char* k : ExpertLoraOffload::HostTimes::kMetricNames)
-            if (j.contains(k)) lora_host[k].push_back(j.value(k, 0.0));
         }
-        for (auto& [k, v] : lora_host) row.lora_host[k] = median(v);
         if (window_begin < 0 || window_end <= window_begin || int(times.size()) != steps)
           throw std::runtime_error("metrics.jsonl lacks the timed window's steps " + std::to_string(warmup) + ".." +
                                    std::to_string(warmup + steps));
@@ -451,21 +443,6 @@ int main(int argc, char** argv) {
                    {"disk_read_per_step", r.disk_read_per_step}, {"disk_gbps", r.disk_gbps},
                    {"disk_raw_gbps", r.disk_raw_gbps}, {"disk_wait_s", r.disk_wait_s},
                    {"card", card ? card->name : ""}, {"simulated_on", simulated_on}, {"plan_fit", r.plan_fit}, {"ran", r.ran}});
-    for (const auto& [k, v] : r.lora_host) all.back()[k] = v;
-  }
-  // Where the experts' LoRA state is on the host: what its host side took, per timed step (median).
-  bool any_lora_host = false;
-  for (const Row& r : rows) any_lora_host = any_lora_host || !r.lora_host.empty();
-  if (any_lora_host) {
-    std::printf("\nexpert LoRA state on the host, its host side per step (median s): read = blocked reading the step's values "
-                "(the GPU finishing it), norms = the host gradients'\n\n| model | seq x mb | mode | read | norms |\n|---|---|---|---|---|\n");
-    for (const Row& r : rows) {
-      if (r.lora_host.empty()) continue;
-      const auto& names = ExpertLoraOffload::HostTimes::kMetricNames;
-      auto at = [&](const char* k) { return r.lora_host.count(k) ? r.lora_host.at(k) : 0.0; };
-      std::printf("| %s | %dx%d | %s | %.3f | %.3f |\n", r.model.c_str(), r.point.seq, r.point.mb, r.mode.c_str(),
-                  at(names[0]), at(names[1]));
-    }
   }
   if (card) {
     std::printf("\n--card %s (%s memory, %g GB/s pinned host-to-device, portable expert GEMM), %s\n", card->name.c_str(),

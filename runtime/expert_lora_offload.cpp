@@ -43,6 +43,7 @@ struct ExpertLoraOffload::Param {
   std::int64_t offset = 0;  // elements into the slot's flat buffers
   int layer = -1;           // its block
   std::int64_t index = 0;   // its step counter in Block::steps and Slot::steps
+  std::int64_t order = 0;   // its place in params_ (the model's order)
   bool decay = true;        // AdamWSettings::decays(its name)
   bool stepped = false;     // has AdamW state (an update has taken it, skipped or not), as Optimizer's
   bool updating = false;    // has a gradient in the recorded update
@@ -85,6 +86,7 @@ struct ExpertLoraOffload::Copies {};
 struct ExpertLoraOffload::Block {
   std::vector<Param> params;
   at::Tensor steps;         // the leaves' AdamW step counters (fp32 [leaves], host)
+  at::Tensor norm_index;    // its leaves' places in params_ (int64 [leaves], on the device)
   int slot = -1;            // slots_ index while staged
   bool grad_live = false;   // its slot's gradients are this stint's (from before_backward on)
   bool outstanding = false; // its share of the recorded update is not applied yet
@@ -133,8 +135,9 @@ class LoraStagingProvider : public model::WeightProvider {
 
 }  // namespace
 
-ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& device, bool pin, const TrainConfig& cfg)
-    : device_(device), pin_(pin && device.is_cuda()), adamw_(cfg) {
+ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& device, bool pin, const TrainConfig& cfg,
+                                     int ranks)
+    : device_(device), pin_(pin && device.is_cuda()), norms_on_device_(ranks == 1), adamw_(cfg) {
   at::NoGradGuard ng;
   const NamedTensors all = model.lora_parameters();
   blocks_.resize(static_cast<std::size_t>(model.num_layers()));
@@ -178,12 +181,20 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
   for (const auto& [name, t] : all)
     for (Param* p : flat_)
       if (p->leaf->is_same(t)) {
+        p->order = static_cast<std::int64_t>(params_.size());
         params_.emplace_back(name, p->master);
         by_order_.push_back(p);
         p->decay = AdamWSettings::decays(name);
       }
   EO_CHECK(flat_.size() == params_.size(), "expert LoRA offload: ", params_.size(), " named host masters for ",
            flat_.size(), " leaves");
+  for (auto& b : blocks_) {
+    if (!b) continue;
+    std::vector<std::int64_t> places;
+    for (const Param& p : b->params) places.push_back(p.order);
+    b->norm_index = at::tensor(places, at::kLong).to(device_);
+  }
+  grad_norms_ = at::zeros({static_cast<std::int64_t>(params_.size())}, at::TensorOptions().dtype(at::kFloat).device(device_));
   for (Param* p : flat_) *p->leaf = p->master;
   // The slots, once: their addresses are what a CUDA graph of a use captures.
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
@@ -343,8 +354,8 @@ void ExpertLoraOffload::update_block(Block& b) {
   }
   adamw_update(t, adamw_, u.lr, u.skip, u.grad_divisor);
   // As Optimizer::state_nonfinite: a max-norm is NaN or Inf exactly when an element is.
-  at::Tensor& amax = state_amax_.at(u.id);
-  amax.add_(at::stack(at::_foreach_norm(state, INFINITY)).to(at::kDouble).sum());
+  StateCheckValue& check = state_amax_.at(u.id);
+  check.amax.add_(at::stack(at::_foreach_norm(state, INFINITY)).to(at::kDouble).sum());
   const int slot = b.slot;
   const auto home = [&] {
     for (Param& p : b.params) {
@@ -375,7 +386,10 @@ void ExpertLoraOffload::update_block(Block& b) {
   home();
 #endif
   b.outstanding = false;
-  if (--blocks_outstanding_ == 0) update_.reset();
+  if (--blocks_outstanding_ == 0) {
+    check.read = HostCopy(check.amax);  // its reader waits for this point only
+    update_.reset();
+  }
 }
 
 void ExpertLoraOffload::set_schedule(const std::vector<int>& staging_order) {
@@ -428,6 +442,12 @@ void ExpertLoraOffload::before_backward(int layer) {
 void ExpertLoraOffload::evict(Block& b) {
   if (b.slot < 0) return;
   at::NoGradGuard ng;
+  if (b.grad_live && norms_on_device_) {
+    // Its leaves' norms as their gradients leave: the last time in a step is the whole gradient.
+    std::vector<at::Tensor> grads;
+    for (Param& p : b.params) grads.push_back(p.leaf->grad());
+    grad_norms_.index_copy_(0, b.norm_index, at::stack(at::_foreach_norm(grads, 2)));
+  }
   for (Param& p : b.params) {
     EO_CHECK(b.grad_live || !p.leaf->grad().defined(),
              "expert LoRA offload: a gradient was accumulated without before_backward() (it would be lost)");
@@ -481,23 +501,47 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
   // Per-parameter norms in the model's order, each where its gradient is, then combined as
   // grad_norm_on_device combines them.
   std::vector<at::Tensor> host_grads;
-  for (const auto& [name, p] : params_)
-    if (p.grad().defined()) host_grads.push_back(p.grad());
-  const std::vector<at::Tensor> host_norms = host_grads.empty() ? std::vector<at::Tensor>{} : at::_foreach_norm(host_grads, 2);
-  const at::Tensor dev = device_norms.to(at::kCPU, at::kFloat);
-  std::vector<at::Tensor> norms;
-  std::size_t h = 0;
-  std::int64_t d = 0;
-  for (const auto& [name, p] : order) {
-    if (!p.grad().defined()) continue;
-    if (holds(p)) norms.push_back(host_norms.at(h++));
-    else norms.push_back(dev[d++]);
+  std::vector<std::size_t> with_grad;
+  for (std::size_t k = 0; k < params_.size(); ++k)
+    if (params_[k].second.grad().defined()) host_grads.push_back(params_[k].second.grad()), with_grad.push_back(k);
+  std::vector<at::Tensor> host_norms(params_.size());
+  if (!host_grads.empty()) {
+    const std::vector<at::Tensor> n = at::_foreach_norm(host_grads, 2);
+    for (std::size_t i = 0; i < n.size(); ++i) host_norms[with_grad[i]] = n[i];
   }
-  EO_CHECK(d == dev.numel() && h == host_norms.size(), "expert LoRA offload: ", d, " of ", dev.numel(),
-           " device norms and ", h, " of ", host_norms.size(), " host norms placed");
+  const std::vector<at::Tensor> norms = norms_in_order(order, device_norms.to(at::kCPU, at::kFloat),
+                                                       [&](std::size_t k) { return host_norms[k]; });
   at::Tensor norm = combine_grad_norms(norms);
   times_.norm_s += seconds_since(t0);
   return norm;
+}
+
+int ExpertLoraOffload::index_of(const at::Tensor& param) const {
+  for (std::size_t k = 0; k < params_.size(); ++k)
+    if (params_[k].second.is_same(param)) return static_cast<int>(k);
+  return -1;
+}
+
+std::vector<at::Tensor> ExpertLoraOffload::norms_in_order(const NamedTensors& order, const at::Tensor& device_norms,
+                                                          const std::function<at::Tensor(std::size_t)>& held) const {
+  std::vector<at::Tensor> norms;
+  std::int64_t d = 0;
+  std::size_t h = 0, with_grad = 0;
+  for (const auto& [name, p] : params_) with_grad += p.grad().defined();
+  for (const auto& [name, p] : order) {
+    if (!p.grad().defined()) continue;
+    const int k = index_of(p);
+    if (k >= 0) norms.push_back(held(static_cast<std::size_t>(k))), ++h;
+    else norms.push_back(device_norms[d++]);
+  }
+  EO_CHECK(d == device_norms.numel() && h == with_grad, "expert LoRA offload: ", d, " of ", device_norms.numel(),
+           " device norms and ", h, " of ", with_grad, " host ones placed");
+  return norms;
+}
+
+at::Tensor ExpertLoraOffload::grad_norm(const NamedTensors& order, const std::vector<at::Tensor>& device_params) const {
+  EO_CHECK(norms_on_device_ && staged_.empty(), "expert LoRA offload: grad_norm() with several ranks or before flush()");
+  return combine_grad_norms(norms_in_order(order, grad_norms(device_params), [&](std::size_t k) { return grad_norms_[k]; }));
 }
 
 void ExpertLoraOffload::add_read_time(double seconds) { times_.read_s += seconds; }
@@ -511,7 +555,8 @@ ExpertLoraOffload::StateCheck ExpertLoraOffload::step(double lr, const at::Tenso
   u.lr = lr;
   u.skip = skip.to(device_);
   u.grad_divisor = grad_divisor.to(device_);
-  state_amax_[u.id] = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  StateCheckValue& check = state_amax_[u.id];
+  check.amax = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
   blocks_outstanding_ = 0;
   for (auto& b : blocks_) {
     if (!b) continue;
@@ -528,6 +573,7 @@ ExpertLoraOffload::StateCheck ExpertLoraOffload::step(double lr, const at::Tenso
   }
   const std::int64_t id = u.id;
   if (blocks_outstanding_ > 0) update_ = std::move(u);
+  else check.read = HostCopy(check.amax);
   return [this, id] { return state_nonfinite(id); };
 }
 
@@ -535,7 +581,7 @@ double ExpertLoraOffload::state_nonfinite(std::int64_t update) {
   if (update_ && update_->id == update) apply_update();
   const auto it = state_amax_.find(update);
   if (it == state_amax_.end()) return 0;
-  const double amax = it->second.item<double>();
+  const double amax = it->second.read.get().item<double>();
   state_amax_.erase(it);
   return std::isfinite(amax) ? 0 : 1;
 }

@@ -20,9 +20,15 @@
 //              from free slots. The stream is this store's, not the expert engine's: offload/ knows
 //              nothing of LoRA, and a block's two copies share the host link either way.
 //   flush()    after the backward: every gradient home, every slot free; the compute stream then
-//              waits for the copy stream, so the step's one read of the device finds them home.
-//   step(...)  records the step's AdamW update (learning rate, skip flag, clip divisor, decided on
-//              the host from that read, TrainStep); each block's share runs on the device when the
+//              waits for the copy stream, so whatever reads them next finds them home.
+//   grad_norm(...)  on one rank, the step's global gradient norm on the device: each block's
+//              per-leaf norms are taken on the device as its gradient leaves for home (the last
+//              time in a step is its whole gradient), and combined with the device parameters'
+//              in the model's order, so the step is decided on the device and the host reads it a
+//              step late, as without the experts' LoRA on the host. Across ranks the gradients
+//              are all-reduced on the host first (reduce_and_norm), and the step reads them there.
+//   step(...)  records the step's AdamW update (learning rate, skip flag, clip divisor: TrainStep's
+//              decision); each block's share runs on the device when the
 //              block is next staged: its gradient and AdamW moments cross with its masters, the
 //              resident Optimizer's kernels (adamw_update) update the slot in place before any use
 //              reads it, and masters and moments go home on the copy stream while the block
@@ -57,6 +63,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/device.h"
 #include "runtime/optimizer.h"
 
 namespace eo {
@@ -86,7 +93,8 @@ class ExpertLoraOffload {
  public:
   // Takes every MoE block's expert LoRA of `model` (already added) to host memory (pinned when
   // `pin` and `device` is a GPU); the blocks' ExpertLora read the host masters until staged.
-  ExpertLoraOffload(model::MoeModel& model, const at::Device& device, bool pin, const TrainConfig& cfg);
+  // `ranks`: the world's size (one rank: the gradient norm on the device, grad_norm()).
+  ExpertLoraOffload(model::MoeModel& model, const at::Device& device, bool pin, const TrainConfig& cfg, int ranks = 1);
   ~ExpertLoraOffload();
 
   bool holds(const at::Tensor& param) const;  // a host master of this store
@@ -104,7 +112,14 @@ class ExpertLoraOffload {
   // The slot holding layer's working copies, -1 while it reads its host masters.
   int slot_of(int layer) const;
 
-  // The step's host part, after flush() and the device's all-reduce, with `device_norms` the
+  // Whether the step's norm is taken on the device (grad_norm: one rank), else on the host
+  // (reduce_and_norm, after the host gradients' all-reduce).
+  bool norms_on_device() const { return norms_on_device_; }
+  // One rank, after flush(): the global norm over every parameter in the model's order (`order`:
+  // all parameters, the host ones this store's; `device_params` the others), fp64 [] on the
+  // device, as grad_norm_on_device gives it over them all. No read of the device.
+  at::Tensor grad_norm(const NamedTensors& order, const std::vector<at::Tensor>& device_params) const;
+  // Several ranks: the step's host part, after flush() and the device's all-reduce, with `device_norms` the
   // per-parameter gradient norms of `device_params` (fp32, those with a gradient, in order; read
   // on the host). Across ranks the host gradients are all-reduced here (zeros where a rank has
   // none, as the GradReducer sends). Returns the global norm over every parameter in the model's
@@ -114,15 +129,16 @@ class ExpertLoraOffload {
   // Records the step's AdamW update of every block (skip and grad_divisor: fp32 [] on any device),
   // each block's share applied when it is next staged. The gradients are taken (the next backward
   // starts from zero). The check returned gives 1 when a master or moment then holds NaN/Inf, else
-  // 0; it brings the update in first where a share is still outstanding, and reads the device.
+  // 0; it brings the update in first where a share is still outstanding, and waits for the device
+  // only until the update's last block is done.
   using StateCheck = std::function<double()>;
   StateCheck step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
   // Applies every block's share of the recorded update still outstanding, and waits until the
   // masters and moments are home; between steps. A no-op when none is outstanding.
   void apply_update();
-  // The host side's share of the steps since the last take (metrics.jsonl): the queueing thread
-  // blocked reading a step's values (the GPU finishing it; TrainStep adds it) and the host-held
-  // gradients' norms.
+  // The host side's share of the steps since the last take (metrics.jsonl), several ranks: the
+  // queueing thread blocked reading a step's values (the GPU finishing it; TrainStep adds it) and
+  // the host-held gradients' all-reduce and norms.
   struct HostTimes {
     double read_s = 0, norm_s = 0;
     // Their metrics.jsonl names, in the order of values() (docs/runs.md).
@@ -159,9 +175,15 @@ class ExpertLoraOffload {
   void evict(Block& b);
   void update_block(Block& b);  // its share of the update, in its slot (after wait_ready)
   double state_nonfinite(std::int64_t update);
+  int index_of(const at::Tensor& param) const;  // in params_, -1 if not a host master
+  // Per parameter in `order` with a gradient, its norm: the device's from `device_norms` (those
+  // with a gradient, in order), the host ones' from `held` (by params_ index).
+  std::vector<at::Tensor> norms_in_order(const NamedTensors& order, const at::Tensor& device_norms,
+                                         const std::function<at::Tensor(std::size_t)>& held) const;
 
   at::Device device_;
   bool pin_;
+  bool norms_on_device_;
   AdamWSettings adamw_;
   std::vector<std::unique_ptr<Block>> blocks_;  // by layer; null where nothing is held
   std::vector<int> staged_;                     // layers with working copies, least recent first
@@ -177,9 +199,17 @@ class ExpertLoraOffload {
   std::optional<Update> update_;
   std::size_t blocks_outstanding_ = 0;          // blocks whose share of update_ is not applied
   std::int64_t updates_ = 0;                    // step() calls so far
+  // One rank: the per-leaf gradient norms (fp32 [params_], on the device), each written as its
+  // block's gradient leaves the slot.
+  at::Tensor grad_norms_;
   // Per update not yet checked: the sum of the max-norms of every updated master and moment (fp64
-  // [] on the device; NaN/Inf exactly when one of them holds such a value).
-  std::map<std::int64_t, at::Tensor> state_amax_;
+  // [] on the device; NaN/Inf exactly when one of them holds such a value), and its copy to the
+  // host, queued once the update's last block is done.
+  struct StateCheckValue {
+    at::Tensor amax;
+    HostCopy read;
+  };
+  std::map<std::int64_t, StateCheckValue> state_amax_;
   HostTimes times_;
 };
 

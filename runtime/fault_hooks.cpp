@@ -45,7 +45,7 @@ TrainHooks with_fault_plan(TrainHooks hooks) {
     // A NaN in the LoRA, as a bad update would leave.
     std::function<void(std::int64_t, const std::vector<at::Tensor>&)> corrupt = [at](std::int64_t step,
                                                                                    const std::vector<at::Tensor>& params) {
-      if (step != at) return;
+      if (step != at || params.empty()) return;  // empty: every LoRA parameter is held on the host
       at::NoGradGuard ng;
       params.front().view(-1).narrow(0, 0, 1).fill_(std::numeric_limits<float>::quiet_NaN());
     };

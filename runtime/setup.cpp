@@ -369,14 +369,14 @@ void size_auto_budget(offload::ExpertOffloader& off, const at::Device& device, s
 namespace {
 
 // expert_lora_offload: the experts' LoRA state to the host, staged with its block; said in the log.
-void start_expert_lora_offload(const TrainConfig& cfg, Run& run) {
+void start_expert_lora_offload(const TrainConfig& cfg, Run& run, int ranks) {
   const RunSpec& spec = run.spec;
   if (!spec.offload || !experts_carry_lora(spec)) return;
   if (!spec.expert_lora_offload) {
     log::info("expert LoRA: its masters, gradients and AdamW moments stay on the device (expert_lora_offload: false)");
     return;
   }
-  run.expert_lora = std::make_unique<ExpertLoraOffload>(*run.model, run.device, cfg.expert_offload_pin_memory, cfg);
+  run.expert_lora = std::make_unique<ExpertLoraOffload>(*run.model, run.device, cfg.expert_offload_pin_memory, cfg, ranks);
   if (run.expert_lora->params().empty()) {  // peft_layers_to_transform left every MoE block out
     run.expert_lora.reset();
     return;
@@ -417,7 +417,7 @@ std::string load_model(const TrainConfig& cfg, Run& run, ddp::World& world) {
   model.set_bank_reuse(spec.bank_reuse);
   if (spec.offload) run.offloader = start_offload(model, cfg, spec, device, world);
   model.add_lora(spec.lora);
-  start_expert_lora_offload(cfg, run);
+  start_expert_lora_offload(cfg, run, world.info().world_size);
   run.lora = model.lora_parameters();
   EO_CHECK(!run.lora.empty(), "no LoRA target found in ", cfg.base_model, " for lora_target_modules [",
            join(spec.lora.targets, ", "), "]");

@@ -82,10 +82,14 @@ QueuedStep TrainStep::queue() {
   const at::Tensor aux = sl.aux_sum.defined() ? sl.aux_sum.to(ce.device(), at::kDouble) : at::zeros_like(ce);
   const at::Tensor sums = at::stack({ce, aux, at::logical_not(at::isfinite(ce) & at::isfinite(aux)).to(at::kDouble)});
   run_.comm->allreduce(sums, ddp::ReduceOp::kSum, "the step's losses");
-  // With the experts' LoRA on the host, its update is decided there from the same values, read
-  // once (the step's one synchronisation), before the device's update is queued.
-  const HostUpdate host = run_.expert_lora ? update_host_lora(sums, lr) : HostUpdate{};
-  const at::Tensor scaled_norm = host.scaled_norm.defined() ? host.scaled_norm : grad_norm_on_device(params_);
+  // With the experts' LoRA on the host the step's norm covers its gradients too: on one rank their
+  // norms were taken on the device as they went home; across ranks the host all-reduces them and
+  // the update is decided there from the same values, read once (the step's one synchronisation).
+  ExpertLoraOffload* const held = run_.expert_lora.get();
+  const HostUpdate host = held && !held->norms_on_device() ? update_host_lora(sums, lr) : HostUpdate{};
+  const at::Tensor scaled_norm = host.scaled_norm.defined() ? host.scaled_norm
+                                 : held                     ? held->grad_norm(run_.lora, params_)
+                                                            : grad_norm_on_device(params_);
   const UpdateDecision d = decide_update(scaled_norm, sums[2], scaler_.enabled() ? scaler_.scale() : at::Tensor());
   const at::Tensor grad_norm = d.norm.to(sums.device(), at::kDouble);
   const at::Tensor& skip = d.skip;
@@ -97,7 +101,8 @@ QueuedStep TrainStep::queue() {
   run_.optimizer->zero_grad(/*set_to_none=*/!runner_.graphs_enabled());
   if (hooks_.after_update) hooks_.after_update(step + 1, params_);
   const at::Tensor bad_state = run_.optimizer->state_nonfinite().to(sums.device());
-  q.host_state_check = host.state_check;  // the update is applied as the next step stages its blocks
+  // The host-held update, applied as the next step stages its blocks.
+  q.host_state_check = host.state_check ? host.state_check : held ? held->step(lr, d.skip, d.grad_divisor) : nullptr;
   if (run_.offloader) run_.offloader->end_step();
   ++step;
   q.step = step;

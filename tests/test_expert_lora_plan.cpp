@@ -259,6 +259,34 @@ TEST(ExpertLoraOffload, EachBlocksUpdateRunsWhenItIsNextStagedAsTheResidentOptim
   EXPECT_EQ(held.step(1e-2, skip, divisor)(), 1) << "a NaN gradient's update went unreported";
 }
 
+// On one rank the step's norm is the device's: each leaf's norm taken as its gradient leaves the
+// slot, the last time in the step being its whole gradient (a block taken home and brought back
+// adds to it), combined in the model's order as grad_norm_on_device combines the same gradients.
+TEST(ExpertLoraOffload, OneRanksNormIsTakenAsTheGradientsLeave) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
+  auto m = nf4_model_with_lora(cfg);
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg, /*ranks=*/1);
+  ASSERT_TRUE(held.norms_on_device());
+  const int n = m->num_layers();
+  at::manual_seed(3);
+  const auto backward = [&](int l) {
+    held.stage(l);
+    held.before_backward(l);
+    for (const auto& e : m->expert_loras(l))
+      for (const at::Tensor* t : {&e->A(), &e->B()}) t->grad().add_(at::randn(t->sizes()));
+  };
+  for (int l = n - 1; l >= 0; --l) backward(l);
+  backward(n - 1);  // block n-1 left with part of its gradient and brings it back
+  held.flush();
+  std::vector<at::Tensor> masters;
+  for (const auto& [name, t] : held.params()) masters.push_back(t);
+  const at::Tensor ours = held.grad_norm(held.params(), {});
+  EXPECT_TRUE(ours.equal(grad_norm_on_device(masters))) << ours.item<double>() << " vs "
+                                                        << grad_norm_on_device(masters).item<double>();
+  ExpertLoraOffload across(*nf4_model_with_lora(cfg), at::kCPU, false, cfg, /*ranks=*/2);
+  EXPECT_FALSE(across.norms_on_device());
+}
+
 // The experts' provider under the LoRA's wrapper: one placement for every staged block.
 class StubExperts : public model::WeightProvider {
  public:
