@@ -311,8 +311,9 @@ void ExpertLoraOffload::copy_in(int layer, int slot) {
   at::NoGradGuard ng;
   slot_copies(slot, [&] {
     if (old) evict(*old);  // its gradient home before the slot's gradients are reused
-    // Pinned host buffers copy without the host waiting; the host touches them again only after
-    // the step's synchronisation (TrainStep), which follows flush(), by when these copies are done.
+    // Pinned host buffers copy without the host waiting. The host touches them again only after
+    // apply_update() or a read of a later step (flush() makes the compute stream wait for these
+    // copies), by when they are done; the copies among themselves keep the copy stream's order.
     for (Param& p : b.params) {
       slot_view(s.values, p.offset, p.master.sizes()).copy_(p.master, /*non_blocking=*/true);
       if (!b.outstanding) continue;

@@ -27,7 +27,8 @@
 //  - with the portable expert GEMM forced (the path of the cards without torch's device-scheduled
 //    grouped GEMM), whole training steps queue with no host synchronisation (CUDA's sync debug mode
 //    set to error around each step's device work), resident and offloaded, attention-only and
-//    every-linear LoRA, with CUDA graphs captured; and 20 steps give the torch path's losses within
+//    every-linear LoRA (the experts' LoRA state on the device and on the host), with CUDA graphs
+//    captured; and 20 steps give the torch path's losses within
 //    bf16 tolerance;
 //  - logged step times are the device's: with a late host (device-bound and host-bound), each
 //    step's step_time_s equals the period at which the stream itself reached the same point of
@@ -576,6 +577,35 @@ TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
   remove_tree(root.string());
 }
 
+// The experts' LoRA state on the host trains bitwise as with it on the device: the same AdamW kernel
+// per element (each block's update run in its slot when it is next staged), the same per-tensor
+// norms (each block's taken as its gradient leaves the slot) combined in the same order. Layer- and
+// micro-batch-major, with CUDA graphs, clipping active (max_grad_norm below every step's norm).
+TEST(CudaTrain, ExpertLoraStateOnTheHostTrainsAsOnTheDevice) {
+  REQUIRE_CUDA();
+  const fs::path root = fs::temp_directory_path() / "eo_cuda_lora_state";
+  remove_tree(root.string());
+  const fs::path model = make_model_dir(root / "model");
+  const fs::path tokens = make_tokens(root, 512 * 2 * 2 * 6);
+  const std::vector<std::string> common = {
+      "expert_offload=true", "cuda_graphs=true", "max_grad_norm=0.01",
+      "lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"};
+  for (const std::string order : {"layer_major", "micro_batch_major"}) {
+    std::vector<std::string> device = common, host = common;
+    device.insert(device.end(), {"expert_lora_offload=false", "step_order=" + order});
+    host.insert(host.end(), {"expert_lora_offload=true", "step_order=" + order});
+    const fs::path a = train_run(root, model, tokens, order + "-device", "0.0", device);
+    const fs::path b = train_run(root, model, tokens, order + "-host", "0.0", host);
+    const auto ref = read_adapter(a), got = read_adapter(b);
+    ASSERT_FALSE(ref.empty()) << order;
+    int differing = 0;
+    for (const auto& [k, v] : ref) differing += at::equal(v, got.at(k)) ? 0 : 1;
+    EXPECT_EQ(differing, 0) << order << ": " << differing << " of " << ref.size() << " LoRA tensors differ";
+    EXPECT_EQ(read_losses(a), read_losses(b)) << order;
+  }
+  remove_tree(root.string());
+}
+
 // The stream is held 0.5 s inside every step (hold_device_stream, through the test seam); the
 // host sleeps after queueing each step, before reading the one before: 0.2 s (the device is the
 // bound) and 0.9 s (the host is). The reference is independent of the trainer's timer: the
@@ -693,9 +723,12 @@ TEST(CudaTrain, PortableExpertGemmStepsNeverSyncWithTheHost) {
            {"resident-attention", {}},
            {"resident-every-linear", {every}},
            {"offloaded-attention", {"expert_offload=true"}},
-           // The experts' LoRA state stays on the device here: on the host (expert_lora_offload) its
-           // AdamW reads the device once a step by design.
-           {"offloaded-every-linear", {"expert_offload=true", "expert_lora_offload=false", every}}}) {
+           {"offloaded-every-linear", {"expert_offload=true", "expert_lora_offload=false", every}},
+           // The experts' LoRA state on the host (expert_lora_offload): on one rank its norm and
+           // update stay on the device too, per-expert and in peft's fused form.
+           {"offloaded-every-linear-host-state", {"expert_offload=true", every}},
+           {"offloaded-fused-host-state",
+            {"expert_offload=true", "lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"}}}) {
     std::vector<std::string> args = extra;
     args.insert(args.end(), {"expert_gemm=portable", "cuda_graphs=true", "max_steps=4", "logging_steps=1"});
     TrainHooks hooks;
