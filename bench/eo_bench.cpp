@@ -345,7 +345,8 @@ int main(int argc, char** argv) {
           if (s <= warmup) continue;
           if (s == warmup + steps) window_end = j.value("device_clock_s", -1.0);
           times.push_back(j.value("step_time_s", 0.0));
-          staged.push_back(j.value("staged_bytes", 0.0));
+          // The experts' bytes, and the experts' LoRA's where its state is on the host: one link.
+          staged.push_back(j.value("staged_bytes", 0.0) + j.value("lora_h2d_bytes", 0.0));
           h2d.push_back(j.value("h2d_gbps", 0.0));
           stall.push_back(j.value("stall_s", 0.0));
           disk_read.push_back(j.value("disk_read_bytes", 0.0));

@@ -316,13 +316,20 @@ void ExpertLoraOffload::copy_in(int layer, int slot) {
     // copies), by when they are done; the copies among themselves keep the copy stream's order.
     for (Param& p : b.params) {
       slot_view(s.values, p.offset, p.master.sizes()).copy_(p.master, /*non_blocking=*/true);
+      stats_.h2d_bytes += p.master.nbytes();
       if (!b.outstanding) continue;
       // The update's inputs cross with the masters: the moments, the counters, the gradient.
       slot_view(s.exp_avg, p.offset, p.master.sizes()).copy_(p.exp_avg, /*non_blocking=*/true);
       slot_view(s.exp_avg_sq, p.offset, p.master.sizes()).copy_(p.exp_avg_sq, /*non_blocking=*/true);
-      if (p.updating) slot_view(s.grads, p.offset, p.master.sizes()).copy_(p.grad_home, /*non_blocking=*/true);
+      stats_.h2d_bytes += 2 * p.master.nbytes();
+      if (!p.updating) continue;
+      slot_view(s.grads, p.offset, p.master.sizes()).copy_(p.grad_home, /*non_blocking=*/true);
+      stats_.h2d_bytes += p.master.nbytes();
     }
-    if (b.outstanding) s.steps.narrow(0, 0, b.steps.numel()).copy_(b.steps, /*non_blocking=*/true);
+    if (b.outstanding) {
+      s.steps.narrow(0, 0, b.steps.numel()).copy_(b.steps, /*non_blocking=*/true);
+      stats_.h2d_bytes += b.steps.nbytes();
+    }
   });
   for (Param& p : b.params) *p.leaf = slot_view(s.values, p.offset, p.master.sizes()).detach().requires_grad_(true);
   s.layer = layer;
@@ -366,8 +373,10 @@ void ExpertLoraOffload::update_block(Block& b) {
       p.master.copy_(slot_view(s.values, p.offset, sizes), /*non_blocking=*/true);
       p.exp_avg.copy_(slot_view(s.exp_avg, p.offset, sizes), /*non_blocking=*/true);
       p.exp_avg_sq.copy_(slot_view(s.exp_avg_sq, p.offset, sizes), /*non_blocking=*/true);
+      stats_.d2h_bytes += 3 * p.master.nbytes();
     }
     b.steps.copy_(s.steps.narrow(0, 0, b.steps.numel()), /*non_blocking=*/true);
+    stats_.d2h_bytes += b.steps.nbytes();
   };
 #ifdef EO_WITH_CUDA
   if (copies_) {
@@ -433,8 +442,12 @@ void ExpertLoraOffload::before_backward(int layer) {
     // The gradient it took home earlier in the step comes back, else it starts at zero: either
     // way the backward adds into the slot in place (a CUDA graph's accumulation replays there).
     at::Tensor g = slot_view(s.grads, p.offset, p.master.sizes());
-    if (p.master.grad().defined()) g.copy_(p.master.grad(), /*non_blocking=*/true);
-    else g.zero_();
+    if (p.master.grad().defined()) {
+      g.copy_(p.master.grad(), /*non_blocking=*/true);
+      stats_.h2d_bytes += g.nbytes();
+    } else {
+      g.zero_();
+    }
     p.leaf->mutable_grad() = g;
   }
   b.grad_live = true;
@@ -456,6 +469,7 @@ void ExpertLoraOffload::evict(Block& b) {
     if (b.grad_live) {
       p.grad_home.copy_(p.leaf->grad(), /*non_blocking=*/true);
       p.master.mutable_grad() = p.grad_home;
+      stats_.d2h_bytes += p.grad_home.nbytes();
     }
     *p.leaf = p.master;
   }
@@ -513,7 +527,7 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
   const std::vector<at::Tensor> norms = norms_in_order(order, device_norms.to(at::kCPU, at::kFloat),
                                                        [&](std::size_t k) { return host_norms[k]; });
   at::Tensor norm = combine_grad_norms(norms);
-  times_.norm_s += seconds_since(t0);
+  stats_.norm_s += seconds_since(t0);
   return norm;
 }
 
@@ -545,9 +559,15 @@ at::Tensor ExpertLoraOffload::grad_norm(const NamedTensors& order, const std::ve
   return combine_grad_norms(norms_in_order(order, grad_norms(device_params), [&](std::size_t k) { return grad_norms_[k]; }));
 }
 
-void ExpertLoraOffload::add_read_time(double seconds) { times_.read_s += seconds; }
+void ExpertLoraOffload::add_read_time(double seconds) { stats_.read_s += seconds; }
 
-ExpertLoraOffload::HostTimes ExpertLoraOffload::take_host_times() { return std::exchange(times_, HostTimes{}); }
+ExpertLoraOffload::StepStats ExpertLoraOffload::take_step_stats() { return std::exchange(stats_, StepStats{}); }
+
+nlohmann::json ExpertLoraOffload::StepStats::to_metrics(bool host_side) const {
+  nlohmann::json j = {{"lora_h2d_bytes", h2d_bytes}, {"lora_d2h_bytes", d2h_bytes}};
+  if (host_side) j.update({{"lora_host_read_s", read_s}, {"lora_host_norm_s", norm_s}});
+  return j;
+}
 
 ExpertLoraOffload::StateCheck ExpertLoraOffload::step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor) {
   apply_update();  // a block no stage() reached since the last step (none in a training step)

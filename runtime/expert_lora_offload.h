@@ -53,7 +53,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -62,6 +61,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "runtime/device.h"
 #include "runtime/optimizer.h"
@@ -136,17 +137,18 @@ class ExpertLoraOffload {
   // Applies every block's share of the recorded update still outstanding, and waits until the
   // masters and moments are home; between steps. A no-op when none is outstanding.
   void apply_update();
-  // The host side's share of the steps since the last take (metrics.jsonl), several ranks: the
-  // queueing thread blocked reading a step's values (the GPU finishing it; TrainStep adds it) and
-  // the host-held gradients' all-reduce and norms.
-  struct HostTimes {
+  // What the store did since the last take (metrics.jsonl, docs/runs.md): the bytes it copied each
+  // way (masters, gradients, moments, step counters: they share the host link with the experts'),
+  // and, across ranks, the host side's time: the queueing thread blocked reading a step's values
+  // (the GPU finishing it; TrainStep adds it) and the host-held gradients' all-reduce and norms.
+  struct StepStats {
+    std::int64_t h2d_bytes = 0, d2h_bytes = 0;
     double read_s = 0, norm_s = 0;
-    // Their metrics.jsonl names, in the order of values() (docs/runs.md).
-    static constexpr const char* kMetricNames[2] = {"lora_host_read_s", "lora_host_norm_s"};
-    std::array<double, 2> values() const { return {read_s, norm_s}; }
+    // lora_h2d_bytes, lora_d2h_bytes; with `host_side` lora_host_read_s, lora_host_norm_s too.
+    nlohmann::json to_metrics(bool host_side) const;
   };
   void add_read_time(double seconds);
-  HostTimes take_host_times();
+  StepStats take_step_stats();
   NamedTensors optimizer_state();
   void load_optimizer_state(const std::map<std::string, at::Tensor>& state);
 
@@ -210,7 +212,7 @@ class ExpertLoraOffload {
     HostCopy read;
   };
   std::map<std::int64_t, StateCheckValue> state_amax_;
-  HostTimes times_;
+  StepStats stats_;
 };
 
 }  // namespace eo

@@ -49,10 +49,8 @@ void StepReader::read(QueuedStep q, bool eval_now) {
   r.elapsed_s = clock_.elapsed_s();
   if (run_.spec.aux_loss) r.extra["aux_loss"] = v.aux_sum / double(run_.spec.accum * world_size_);
   if (run_.offloader) r.extra.update(run_.offloader->take_step_stats().to_metrics());
-  if (run_.expert_lora && !run_.expert_lora->norms_on_device()) {  // its host side since the previous row (expert_lora_offload.h)
-    const auto values = run_.expert_lora->take_host_times().values();
-    for (std::size_t k = 0; k < values.size(); ++k) r.extra[ExpertLoraOffload::HostTimes::kMetricNames[k]] = values[k];
-  }
+  if (run_.expert_lora)  // its copies and (across ranks) host side since the previous row (expert_lora_offload.h)
+    r.extra.update(run_.expert_lora->take_step_stats().to_metrics(!run_.expert_lora->norms_on_device()));
   guard_.add_metrics(r.extra, v);
   eta_.add(r.step_time_s);
   if (eval_now) {

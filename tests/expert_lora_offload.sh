@@ -55,12 +55,16 @@ run resume_device1 1 "${device[@]}" --set resume_from_checkpoint="$tmp/host1/che
 check "offloaded checkpoint resumed on the device == uninterrupted" same_resumed "$tmp/device1" "$tmp/resume_device1"
 check "the log says where the state lives" grep -q "expert LoRA offloaded: .* in host RAM" "$tmp/host1.log"
 # Across ranks every step's row says what the host side took (seconds, none negative); on one rank the
-# norm is the device's and there is no host side, as in the device run.
+# norm is the device's and there is no host side, as in the device run. Both say the bytes copied.
 host_times() { "$py" - "$1" "$2" "$3" <<'PY'
 import json, sys
 keys = ("lora_host_read_s", "lora_host_norm_s")
 host, one, device = ([r for r in map(json.loads, open(f"{d}/metrics.jsonl")) if "loss" in r] for d in sys.argv[1:])
 assert len(host) == 10 and all(all(k in r and r[k] >= 0 for k in keys) for r in host), host[0]
+# Every step of both copies the state both ways; the device run copies none.
+links = ("lora_h2d_bytes", "lora_d2h_bytes")
+assert all(all(r.get(k, 0) > 0 for k in links) for r in host + one), one[0]
+assert not any(k in r for r in device for k in links), device[0]
 assert sum(r["lora_host_norm_s"] for r in host) > 0 and sum(r["lora_host_read_s"] for r in host) > 0, host
 assert len(one) == 10 and not any(k in r for r in one + device for k in keys), one[0]
 PY

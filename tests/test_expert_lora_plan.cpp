@@ -224,7 +224,16 @@ TEST(ExpertLoraOffload, EachBlocksUpdateRunsWhenItIsNextStagedAsTheResidentOptim
     }
   };
   const at::Tensor skip = at::zeros({}), divisor = at::full({}, 1.5f);
+  double bytes = 0, bytes0 = 0;  // every leaf's fp32 bytes, block 0's
+  for (const auto& [name, t] : held.params()) bytes += double(t.nbytes());
+  for (const at::Tensor& leaf : leaves(0)) bytes0 += double(leaf.nbytes());
+  const double counters0 = 4.0 * double(leaves(0).size());
+  EXPECT_EQ(held.take_step_stats().h2d_bytes, 0);
   backward(false);
+  // The first step: masters up, gradients home.
+  const auto first_step = held.take_step_stats();
+  EXPECT_EQ(double(first_step.h2d_bytes), bytes);
+  EXPECT_EQ(double(first_step.d2h_bytes), bytes);
   std::vector<at::Tensor> before;
   std::vector<std::size_t> first;  // layer 0's leaves, in leaves(0)'s order, by their index in params()
   for (const at::Tensor& leaf : leaves(0))
@@ -236,6 +245,10 @@ TEST(ExpertLoraOffload, EachBlocksUpdateRunsWhenItIsNextStagedAsTheResidentOptim
   resident.step(1e-2, skip, divisor);
   for (std::size_t k = 0; k < before.size(); ++k) EXPECT_TRUE(held.params()[k].second.equal(before[k])) << k << ": not deferred";
   held.stage(0);
+  // Block 0's update: master, both moments, gradient and counters up; master, moments, counters home.
+  const auto update0 = held.take_step_stats();
+  EXPECT_EQ(double(update0.h2d_bytes), 4 * bytes0 + counters0);
+  EXPECT_EQ(double(update0.d2h_bytes), 3 * bytes0 + counters0);
   const std::vector<at::Tensor> staged = leaves(0);
   for (std::size_t j = 0; j < first.size(); ++j) {
     const std::size_t k = first[j];
