@@ -33,6 +33,8 @@ ExpertLoraBytes expert_lora_bytes(double params, double block_params) {
   return {params * 16, double(kExpertLoraWorkingCopies) * block_params * 16};
 }
 
+ExpertLoraLinkBytes expert_lora_link_bytes(double params) { return {params * 20, params * 16}; }
+
 // One leaf of an ExpertLora: where the block reads it (`leaf`, the ExpertLora's own A or B), its
 // host master, the buffer its gradient comes home to, its AdamW moments, and where it sits in a
 // slot.
@@ -599,7 +601,12 @@ ExpertLoraOffload::StateCheck ExpertLoraOffload::step(double lr, const at::Tenso
 }
 
 double ExpertLoraOffload::state_nonfinite(std::int64_t update) {
-  if (update_ && update_->id == update) apply_update();
+  if (update_ && update_->id == update) {
+    // The next step failed midway, blocks still staged (the step before is reported after the
+    // failure): the update cannot be finished, and the run is ending on that failure.
+    if (!staged_.empty()) return 0;
+    apply_update();
+  }
   const auto it = state_amax_.find(update);
   if (it == state_amax_.end()) return 0;
   const double amax = it->second.read.get().item<double>();

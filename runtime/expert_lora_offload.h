@@ -89,6 +89,14 @@ struct ExpertLoraBytes {
   double host = 0, device = 0;
 };
 ExpertLoraBytes expert_lora_bytes(double params, double block_params);
+// Bytes the store copies each way in a layer-major step for `params` expert-LoRA parameters: up,
+// the masters for the forward's and the backward's stints and the update's moments and gradient
+// (20 a parameter); home, the updated masters and moments and the step's gradient (16). They share
+// the host link with the experts (the step time's transfer floor counts the first).
+struct ExpertLoraLinkBytes {
+  double h2d = 0, d2h = 0;
+};
+ExpertLoraLinkBytes expert_lora_link_bytes(double params);
 
 class ExpertLoraOffload {
  public:
@@ -131,7 +139,8 @@ class ExpertLoraOffload {
   // each block's share applied when it is next staged. The gradients are taken (the next backward
   // starts from zero). The check returned gives 1 when a master or moment then holds NaN/Inf, else
   // 0; it brings the update in first where a share is still outstanding, and waits for the device
-  // only until the update's last block is done.
+  // only until the update's last block is done. After a step failed midway (blocks still staged)
+  // an update it cannot finish gives 0.
   using StateCheck = std::function<double()>;
   StateCheck step(double lr, const at::Tensor& skip, const at::Tensor& grad_divisor);
   // Applies every block's share of the recorded update still outstanding, and waits until the

@@ -10,6 +10,7 @@
 #include "models/attention_path.h"
 #include "models/block_memory.h"
 #include "models/lora_targets.h"
+#include "runtime/expert_lora_offload.h"
 
 namespace eo {
 
@@ -101,6 +102,7 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
   w.layer_passes = double(c.layers) * spec.accum;
   if (spec.offload) {
     w.staged_bytes = double(plan.copies_per_step) * plan.block_bytes;
+    if (spec.expert_lora_offload) w.staged_bytes += expert_lora_link_bytes(plan.expert_lora_params).h2d;
     w.prefetch = spec.prefetch;
   }
   return w;

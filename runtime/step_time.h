@@ -35,7 +35,7 @@ struct StepWork {
   double elementwise_bytes = 0;   // adds, casts, norms, routing gathers / scatters, SwiGLU
   double layer_passes = 0;        // decoder layers x micro-batches: a fixed cost each (launches, host)
   int moe_layers = 0;
-  double staged_bytes = 0;        // expert bytes copied host -> device per step (offloaded), else 0
+  double staged_bytes = 0;        // bytes copied host -> device per step (offloaded experts, their host-held LoRA), else 0
   bool prefetch = false;          // copies overlap compute (per block: the slower of the two)
 };
 

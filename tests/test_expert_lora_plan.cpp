@@ -300,6 +300,30 @@ TEST(ExpertLoraOffload, OneRanksNormIsTakenAsTheGradientsLeave) {
   EXPECT_FALSE(across.norms_on_device());
 }
 
+// A step that fails midway (a fault, a device error) leaves blocks staged and the update of the
+// step before partly applied; the trainer still reports that step (OneStepBehind), whose check must
+// then answer without throwing. The next step's flush() and apply_update() finish it.
+TEST(ExpertLoraOffload, AStepFailingMidwayStillLetsTheStepBeforeBeReported) {
+  const TrainConfig cfg = tiny({"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"});
+  auto m = nf4_model_with_lora(cfg);
+  ExpertLoraOffload held(*m, at::kCPU, false, cfg);
+  ASSERT_GE(m->num_layers(), 2);
+  for (int l = 0; l < m->num_layers(); ++l) {
+    held.stage(l);
+    held.before_backward(l);
+    m->expert_loras(l).front()->A().grad().fill_(1.0);
+  }
+  held.flush();
+  const auto check = held.step(1e-2, at::zeros({}), at::ones({}));
+  held.stage(0);  // the next step's first block, then the failure
+  double flag = -1;
+  EXPECT_NO_THROW(flag = check());
+  EXPECT_EQ(flag, 0);
+  held.flush();
+  EXPECT_NO_THROW(held.apply_update());
+  EXPECT_FALSE(held.optimizer_state().empty());
+}
+
 // The experts' provider under the LoRA's wrapper: one placement for every staged block.
 class StubExperts : public model::WeightProvider {
  public:

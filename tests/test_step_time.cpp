@@ -72,6 +72,24 @@ TEST(StepTime, WorkMatchesACountByHand) {
   EXPECT_EQ(p.work.staged_bytes, 0);
 }
 
+// Offloaded, the floor's bytes are the staged experts', and with the experts' LoRA state on the host
+// its 20 bytes a parameter up each step too (expert_lora_link_bytes); with that state on the device,
+// the experts' alone.
+TEST(StepTime, TheFloorCountsTheExpertLorasCopies) {
+  const std::vector<std::string> sets = {"expert_offload=true", "lora_dropout=0",
+                                         "lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]"};
+  const Planned host = planned("configs/tiny-qwen3-moe.yaml", sets);
+  std::vector<std::string> on_device = sets;
+  on_device.push_back("expert_lora_offload=false");
+  const Planned device = planned("configs/tiny-qwen3-moe.yaml", on_device);
+  ASSERT_TRUE(host.spec.expert_lora_offload);
+  ASSERT_GT(host.plan.expert_lora_params, 0);
+  const double experts = double(host.plan.copies_per_step) * host.plan.block_bytes;
+  EXPECT_GT(experts, 0);
+  EXPECT_DOUBLE_EQ(device.work.staged_bytes, experts);
+  EXPECT_DOUBLE_EQ(host.work.staged_bytes, experts + 20 * host.plan.expert_lora_params);
+}
+
 TEST(StepTime, SlidingWindowsShortenTheContext) {
   // gpt-oss-20b: every other layer a 128-token window. At sequence 2048 a windowed layer sees
   // (128 * 129 / 2 + 1920 * 128) / 2048 keys on average, a full one 1024.5.
