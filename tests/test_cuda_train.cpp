@@ -135,6 +135,17 @@ std::vector<double> read_losses(const fs::path& dir) {
   return out;
 }
 
+// Two training runs' outputs are bitwise alike: every adapter tensor and every step's loss.
+void expect_trained_alike(const fs::path& ref_dir, const fs::path& dir, const std::string& label) {
+  const auto ref = read_adapter(ref_dir), got = read_adapter(dir);
+  ASSERT_FALSE(ref.empty()) << label;
+  int differing = 0;
+  for (const auto& [k, v] : ref) differing += got.count(k) && at::equal(v, got.at(k)) ? 0 : 1;
+  EXPECT_EQ(differing, 0) << label << ": " << differing << " of " << ref.size() << " LoRA tensors differ from "
+                          << ref_dir.filename().string();
+  EXPECT_EQ(read_losses(dir), read_losses(ref_dir)) << label;
+}
+
 // The model in `dir` with LoRA r 8 on `targets` and non-zero B, so every LoRA factor gets a
 // gradient; `random_seed`: seeded random weights from config.json alone (LoadOptions::random_seed).
 std::unique_ptr<model::MoeModel> model_with_lora(const std::string& dir, const at::Device& dev, at::ScalarType dtype,
@@ -266,15 +277,7 @@ TEST(CudaTrain, OffloadIsBitwiseResidentOnTheGpu) {
   };
   const fs::path resident = run("resident", {});
   const fs::path again = run("resident2", {});
-  const auto ref = read_adapter(resident);
-  ASSERT_FALSE(ref.empty());
-  auto same = [&](const fs::path& dir) {
-    const auto got = read_adapter(dir);
-    int differing = 0;
-    for (const auto& [k, v] : ref) differing += at::equal(v, got.at(k)) ? 0 : 1;
-    EXPECT_EQ(differing, 0) << dir << ": " << differing << " of " << ref.size() << " LoRA tensors differ from resident";
-    EXPECT_EQ(read_losses(dir), read_losses(resident)) << dir;
-  };
+  auto same = [&](const fs::path& dir) { expect_trained_alike(resident, dir, dir.string()); };
   // The control: two resident runs agree (otherwise the GPU kernels are not deterministic here and
   // the comparisons below would prove nothing).
   same(again);
@@ -567,12 +570,7 @@ TEST(CudaTrain, GraphedTrainingIsBitwiseEagerTraining) {
     const std::string log = ::testing::internal::GetCapturedStderr();
     EXPECT_NE(log.find("CUDA graphs: on"), std::string::npos) << label << "\n" << log.substr(0, 3000);
     EXPECT_EQ(log.find("CUDA graphs off for the rest of the run"), std::string::npos) << label;
-    const auto ref = read_adapter(a), got = read_adapter(b);
-    ASSERT_FALSE(ref.empty()) << label;
-    int differing = 0;
-    for (const auto& [k, v] : ref) differing += at::equal(v, got.at(k)) ? 0 : 1;
-    EXPECT_EQ(differing, 0) << label << ": " << differing << " of " << ref.size() << " LoRA tensors differ from eager";
-    EXPECT_EQ(read_losses(a), read_losses(b)) << label;
+    expect_trained_alike(a, b, label);
   }
   remove_tree(root.string());
 }
@@ -596,12 +594,7 @@ TEST(CudaTrain, ExpertLoraStateOnTheHostTrainsAsOnTheDevice) {
     host.insert(host.end(), {"expert_lora_offload=true", "step_order=" + order});
     const fs::path a = train_run(root, model, tokens, order + "-device", "0.0", device);
     const fs::path b = train_run(root, model, tokens, order + "-host", "0.0", host);
-    const auto ref = read_adapter(a), got = read_adapter(b);
-    ASSERT_FALSE(ref.empty()) << order;
-    int differing = 0;
-    for (const auto& [k, v] : ref) differing += at::equal(v, got.at(k)) ? 0 : 1;
-    EXPECT_EQ(differing, 0) << order << ": " << differing << " of " << ref.size() << " LoRA tensors differ";
-    EXPECT_EQ(read_losses(a), read_losses(b)) << order;
+    expect_trained_alike(a, b, order);
   }
   remove_tree(root.string());
 }
@@ -684,15 +677,7 @@ TEST(CudaTrain, KeptExpertBanksTrainBitwiseAndDequantiseLess) {
     const fs::path none = run(label + "-none", with("none"), &n_none);
     const fs::path down = run(label + "-down", with("down"), &n_down);
     const fs::path all = run(label + "-all", with("all"), &n_all);
-    const auto ref = read_adapter(none);
-    ASSERT_FALSE(ref.empty()) << label;
-    for (const fs::path& dir : {down, all}) {
-      const auto got = read_adapter(dir);
-      int differing = 0;
-      for (const auto& [k, v] : ref) differing += at::equal(v, got.at(k)) ? 0 : 1;
-      EXPECT_EQ(differing, 0) << dir << ": " << differing << " of " << ref.size() << " LoRA tensors differ from none";
-      EXPECT_EQ(read_losses(dir), read_losses(none)) << dir;
-    }
+    for (const fs::path& dir : {down, all}) expect_trained_alike(none, dir, dir.string());
     if (label != "graphs") {  // replayed graphs run no host code: nothing to count
       ASSERT_GT(n_none, 0) << label << ": no grouped bank was dequantised";
       EXPECT_EQ(n_down * 9, n_none * 8) << label << ": none " << n_none << ", down " << n_down;
