@@ -184,6 +184,7 @@ ExpertLoraOffload::ExpertLoraOffload(model::MoeModel& model, const at::Device& d
     for (Param* p : flat_)
       if (p->leaf->is_same(t)) {
         p->order = static_cast<std::int64_t>(params_.size());
+        places_[p->master.unsafeGetTensorImpl()] = static_cast<int>(params_.size());
         params_.emplace_back(name, p->master);
         by_order_.push_back(p);
         p->decay = AdamWSettings::decays(name);
@@ -215,9 +216,7 @@ ExpertLoraOffload::~ExpertLoraOffload() {
   copies_.reset();  // its stream drained before the slots and the host buffers go
 }
 
-bool ExpertLoraOffload::holds(const at::Tensor& param) const {
-  return std::any_of(params_.begin(), params_.end(), [&](const auto& p) { return p.second.is_same(param); });
-}
+bool ExpertLoraOffload::holds(const at::Tensor& param) const { return index_of(param) >= 0; }
 
 std::int64_t ExpertLoraOffload::host_bytes() const {
   double n = 0;
@@ -534,9 +533,8 @@ at::Tensor ExpertLoraOffload::reduce_and_norm(const NamedTensors& order, const a
 }
 
 int ExpertLoraOffload::index_of(const at::Tensor& param) const {
-  for (std::size_t k = 0; k < params_.size(); ++k)
-    if (params_[k].second.is_same(param)) return static_cast<int>(k);
-  return -1;
+  const auto it = places_.find(param.unsafeGetTensorImpl());
+  return it == places_.end() ? -1 : it->second;
 }
 
 std::vector<at::Tensor> ExpertLoraOffload::norms_in_order(const NamedTensors& order, const at::Tensor& device_norms,

@@ -59,6 +59,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -205,6 +206,9 @@ class ExpertLoraOffload {
   int current_ = -1;                            // the staged block in use (stage()'s last)
   std::vector<Param*> flat_;                    // every leaf, by block
   std::vector<Param*> by_order_;                // params_' leaves
+  // params_' places by tensor: the step's norm looks up every LoRA parameter (tens of thousands
+  // with per-expert LoRA on every linear), so not by a scan.
+  std::unordered_map<const c10::TensorImpl*, int> places_;
   NamedTensors params_;
   std::int64_t block_params_max_ = 0;
   std::optional<Update> update_;
