@@ -59,6 +59,7 @@ def main() -> int:
         return 1
     worst = 0.0
     bad = []
+    rels = []
     for k in sorted(ta):
         (da, a), (db, b) = ta[k], tb[k]
         if a.shape != b.shape:
@@ -68,6 +69,7 @@ def main() -> int:
         rel = float(np.linalg.norm((x - y).ravel()) / max(np.linalg.norm(y.ravel()), 1e-12))
         ok = (da == db and np.array_equal(a, b)) if args.exact else rel <= args.rtol
         worst = max(worst, rel)
+        rels.append((rel, k))
         if not ok:
             bad.append(k)
     la, lb = losses(args.a), losses(args.b)
@@ -76,6 +78,8 @@ def main() -> int:
     nonzero = sum(int(np.abs(ta[k][1]).sum() > 0) for k in ta if "lora_B" in k)
     print(f"{len(ta)} tensors, max relative difference {worst:.3g}, {len(bad)} outside tolerance; losses {la} vs {lb}; "
           f"{nonzero} lora_B tensors trained (non-zero)")
+    if bad:
+        print("furthest: " + ", ".join(f"{k} {r:.3g}" for r, k in sorted(rels, reverse=True)[:4]))
     if nonzero == 0:
         print("no lora_B moved: the comparison would be vacuous")
         return 1
