@@ -69,10 +69,11 @@ QuantizedWeight to_device(QuantizedWeight q, const at::Device& d) {
 // Seeded random base weights for synthetic models (benchmarks on real shapes, no download).
 class RandomWeights {
  public:
-  RandomWeights(std::uint64_t seed, const at::Device& device, double init_range)
-      : device_(device), init_range_(init_range) {
+  // `on_cpu`: drawn by the CPU's generator (then copied to `device`), the same numbers on any device.
+  RandomWeights(std::uint64_t seed, const at::Device& device, double init_range, bool on_cpu)
+      : device_(on_cpu ? at::Device(at::kCPU) : device), target_(device), init_range_(init_range) {
 #ifdef EO_WITH_CUDA
-    if (device.is_cuda()) {
+    if (device_.is_cuda()) {
       gen_ = at::make_generator<at::CUDAGeneratorImpl>(device.index());
       gen_.set_current_seed(seed);
       return;
@@ -86,9 +87,9 @@ class RandomWeights {
     const auto o = at::TensorOptions().dtype(dtype).device(device_);
     if (ends_with(name, "norm.weight") || name.find("layernorm") != std::string::npos || ends_with(name, "scale") ||
         ends_with(name, "layer_scalar"))
-      return at::ones(shape, o);
-    if (ends_with(name, "bias")) return at::zeros(shape, o);
-    return at::randn(shape, gen_, o.dtype(at::kFloat)).mul_(init_range_).to(dtype);
+      return at::ones(shape, o.device(target_));
+    if (ends_with(name, "bias")) return at::zeros(shape, o.device(target_));
+    return at::randn(shape, gen_, o.dtype(at::kFloat)).mul_(init_range_).to(target_, dtype);
   }
   // Uniform NF4 codes; absmax varies ±25% around the value that gives the weights a standard
   // deviation of init_range (the codes' RMS is about 0.52).
@@ -131,7 +132,8 @@ class RandomWeights {
   static bool ends_with(const std::string& s, const std::string& tail) {
     return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
   }
-  at::Device device_;
+  at::Device device_;  // where the numbers are drawn
+  at::Device target_;  // where dense() puts them (the 4-bit ones the loader moves)
   double init_range_;
   at::Generator gen_;
 };
@@ -711,7 +713,7 @@ std::unique_ptr<MoeModel> MoeModel::load(const std::string& model_dir, const Mod
     throw UsageError("model dtype must be fp32, bf16 or fp16");
   if (opts.random_seed) {
     if (opts.double_quant) log::warn("synthetic weights are drawn as plain NF4 (no double quantisation)");
-    RandomWeights random(*opts.random_seed, opts.device, config.initializer_range);
+    RandomWeights random(*opts.random_seed, opts.device, config.initializer_range, opts.random_on_cpu);
     return std::make_unique<MoeModel>(config, opts, ModelLoader{nullptr, &random, opts, config}.run());
   }
   const st::Checkpoint ck = st::Checkpoint::open(model_dir);

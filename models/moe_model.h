@@ -50,6 +50,9 @@ struct LoadOptions {
   // uniformly on the device with absmax scaled to the config's initializer_range, norms 1
   // (MXFP4 experts: uniform codes, scales for the same spread).
   std::optional<std::uint64_t> random_seed;
+  // Draw them with the CPU's generator whatever the device, then copy: a GPU model then equals the
+  // CPU model of the same seed (tests that hold a GPU path to the CPU's); slow for large models.
+  bool random_on_cpu = false;
   // On a GPU, keep the input embedding table (frozen, read a few rows per step) in host memory
   // and copy only the gathered rows: vocab x hidden of device memory saved. Not with tied
   // embeddings (the lm_head needs the table on the device).
