@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "common/error.h"
@@ -142,6 +143,17 @@ void set_device_memory_limit(const at::Device& d, std::int64_t bytes) {
 #endif
   (void)d;
   (void)bytes;
+}
+
+bool expand_allocator_segments(const at::Device& d) {
+#ifdef EO_WITH_CUDA
+  if (d.is_cuda() && !std::getenv("PYTORCH_CUDA_ALLOC_CONF") && !std::getenv("PYTORCH_ALLOC_CONF")) {
+    c10::CachingAllocator::setAllocatorSettings("expandable_segments:True");
+    return true;
+  }
+#endif
+  (void)d;
+  return false;
 }
 
 void synchronize(const at::Device& d) {

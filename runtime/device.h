@@ -47,6 +47,12 @@ std::int64_t total_device_memory(const at::Device& d);
 // then counts against the cap. No-op on the CPU.
 void set_device_memory_limit(const at::Device& d, std::int64_t bytes);
 
+// Lets the caching allocator grow its segments in place (PyTorch's expandable_segments) where a run
+// frees and takes back banks of gigabytes, which fixed segments fragment past the plan's margin. Not
+// where the user's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF already says how to allocate, nor on
+// the CPU. True when it was turned on.
+bool expand_allocator_segments(const at::Device& d);
+
 // A tensor's copy on the host, queued behind the work already queued on the device's current
 // stream (into pinned memory, non-blocking), so the host goes on queuing work meanwhile; get()
 // waits for that copy only. A CPU tensor is copied at once.

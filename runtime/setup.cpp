@@ -228,6 +228,9 @@ PlanFit check_memory_plan(const TrainConfig& cfg, const RunSpec& spec, const at:
     log::info("expert_group_size: auto -> " + std::to_string(fitted.spec.group_size) + ": whole blocks would not fit (" +
               human_bytes(fitted.grouped_from) + " + margin); each block streams in groups of " +
               std::to_string(fitted.spec.group_size) + " experts");
+  if (gpu && fitted.spec.group_size > 0 && expand_allocator_segments(device))
+    log::info("allocator: expandable segments (blocks streamed in groups free and take back a dequantised bank of each "
+              "group's experts per matrix; fixed segments fragment them past the plan's margin)");
   if (fitted.sliced_from > 0)
     log::info("expert_dequant_chunk: auto -> " + std::to_string(kAutoBankSliceBytes >> 20) + "MiB: the whole bank would not fit (" +
               human_bytes(fitted.sliced_from) + " + margin); slices of the experts are dequantised one at a time (slower)");
