@@ -5,6 +5,8 @@
 #include <exception>
 #include <string>
 
+#include <c10/util/Exception.h>
+
 #include "common/error.h"
 #include "common/log.h"
 #include "launch/commands.h"
@@ -115,6 +117,16 @@ int eo::launch::run_main(int argc, char** argv) {
     return fail(e.what(), kExitPreempted);
   } catch (const UsageError& e) {
     return fail(e.what(), kExitUsage);
+  } catch (const c10::OutOfMemoryError& e) {
+    // The start-up check let the run begin, so the plan said it fits: what is left to change is the cap
+    // the plan fits to, or the allocator's way of carving memory.
+    return fail(std::string(e.what_without_backtrace()) +
+                    "\nThe memory plan said this run fits; fragmentation or a buffer the plan does not count took the "
+                    "rest. Set device_memory_limit a GiB or two below the card so the plan chooses smaller pieces, "
+                    "or run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.",
+                kExitRuntime);
+  } catch (const c10::Error& e) {
+    return fail(e.what_without_backtrace(), kExitRuntime);  // the message, not libtorch's C++ backtrace
   } catch (const std::exception& e) {
     return fail(e.what(), kExitRuntime);
   }
