@@ -14,6 +14,13 @@ inline std::string arg(int argc, char** argv, const std::string& key, const std:
   return fallback;
 }
 
+// Whether a bare `--key` (a switch without a value) is on the command line.
+inline bool flag(int argc, char** argv, const std::string& key) {
+  for (int i = 1; i < argc; ++i)
+    if (argv[i] == key) return true;
+  return false;
+}
+
 inline std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
   std::stringstream ss(s);

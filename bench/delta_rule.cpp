@@ -4,7 +4,7 @@
 // and checks fla's numbers against the ones this writes with --dump.
 //
 //   eo-delta-rule [--model configs/models/qwen3-next-80b-a3b] [--seq 2048] [--batches 1,4] [--packed 4]
-//                 [--shape HK,HV,DK,DV] [--iters 20] [--dump DIR] [--json FILE]
+//                 [--shape HK,HV,DK,DV] [--iters 20] [--dump DIR] [--json FILE] [--breakdown]
 //
 // Inputs as a Qwen3-Next / Qwen3.5 layer hands them to the op (models/linear_attention.cpp): q, k
 // [B, T, Hk, dk] and v [B, T, Hv, dv] in the compute dtype (bf16 on a GPU, fp32 on the CPU), q and
@@ -13,6 +13,8 @@
 // carries across chunks and the --dump comparison sees the inter-chunk path too; the time does
 // not depend on the values.
 //   --packed N: one more row, B 1 holding N documents of T / N tokens (segment ids; fla: cu_seqlens).
+//   --breakdown: after the table, one forward + backward of the first row under PyTorch's profiler
+//               (bench/breakdown.h): its kernels by phase and the largest ones.
 //   --dump DIR: the first row's inputs, output-gradient, output and input gradients as raw float32
 //               files with an index (DIR/index.json), for bench/delta_rule_fla.py --check.
 // A row's time is one device-clock window (CUDA events) over --iters calls after 3 warm-up calls;
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "bench/args.h"
+#include "bench/breakdown.h"
 #include "common/error.h"
 #include "models/delta_rule.h"
 #include "models/hf_config.h"
@@ -89,6 +92,7 @@ int run(int argc, char** argv) {
   const int iters = std::stoi(arg(argc, argv, "--iters", "20"));
   const std::string dump = arg(argc, argv, "--dump", "");
   const std::string json_out = arg(argc, argv, "--json", "");
+  const bool breakdown = bench::flag(argc, argv, "--breakdown");
   std::int64_t Hk = 0, Hv = 0, dk = 0, dv = 0;
   const std::string shape = arg(argc, argv, "--shape", "");
   if (!shape.empty()) {
@@ -161,6 +165,20 @@ int run(int argc, char** argv) {
     }
   }
   if (!json_out.empty()) std::ofstream(json_out) << rows.dump(1) << "\n";
+  if (breakdown) {
+    const Shape& s = shapes.front();
+    Inputs in = make_inputs(s, Hk, Hv, dk, dv, dt, dev);
+    std::vector<at::Tensor> leaves = {in.q.requires_grad_(), in.k.requires_grad_(), in.v.requires_grad_(),
+                                      in.g.requires_grad_(), in.beta.requires_grad_()};
+    bench::StepProfiler profiler;
+    profiler.start();
+    const auto r = model::gated_delta_rule(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], at::Tensor(),
+                                           in.segment_ids, opt);
+    (void)torch::autograd::grad({r.out}, leaves, {in.dout});
+    const bench::StepBreakdown b = profiler.stop();
+    std::printf("\n%s", bench::describe(b, "one forward + backward, B " + std::to_string(s.B) + " x T " + std::to_string(s.T),
+                                        {}).c_str());
+  }
   return 0;
 }
 

@@ -193,8 +193,7 @@ int main(int argc, char** argv) {
   const auto modes = split(arg(argc, argv, "--modes", "resident,sync,prefetch,budget"), ',');
   const std::string json_out = arg(argc, argv, "--json", "");
   const int accum = std::stoi(arg(argc, argv, "--accum", "1"));
-  bool breakdown = false;
-  for (int i = 1; i < argc; ++i) breakdown = breakdown || std::string(argv[i]) == "--breakdown";
+  const bool breakdown = bench::flag(argc, argv, "--breakdown");
   const std::string work = arg(argc, argv, "--workdir", fs::exists("/dev/shm") ? "/dev/shm/eo-bench" : "/tmp/eo-bench");
   const std::string disk_dir = arg(argc, argv, "--disk-dir", work + "/disk-homes");
   std::vector<Point> points;
