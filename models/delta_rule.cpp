@@ -8,6 +8,14 @@
 
 #include "common/error.h"
 
+#ifdef EO_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "common/cuda_check.h"
+#include "models/delta_rule_cuda.h"
+#endif
+
 // Notation, per (row, value head) and chunk of C tokens, i and j positions in the chunk:
 //   b_i   Σ_{t ≤ i} g_t, the chunk-local cumulative log decay (g zeroed at document starts)
 //   Γ_i   exp(b_i) if no document starts at or before i in the chunk, else 0: the decay from the
@@ -131,26 +139,73 @@ Chunked prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   return c;
 }
 
-// The chain through the chunks: each chunk's entry state S₀ [B, Hv, N, dk, dv], its Ṽ, and the
-// state after the last chunk.
+#ifdef EO_WITH_CUDA
+cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+// The chain through the chunks, the one part that runs chunk after chunk, in the form both the
+// forward's state and the backward's state gradient take (delta_rule_cuda.h): per chunk n, in order
+// or `reverse`d, saved[n] = S; y[n] = x[n] + sign_p · P[n] S; S = decay[n] S + z[n] + sign_q · Q[n]ᵀ y[n].
+// x [B, Hv, N, C, dv]; P, Q [.., C, dk]; z [.., dk, dv] or undefined; decay [B, Hv, N, 1, 1]; state
+// [B, Hv, dk, dv]. One kernel for fp32 on a GPU, batched matmuls per chunk otherwise.
+struct Chain {
+  at::Tensor saved, y, final_state;
+};
+
+Chain chunk_chain(const at::Tensor& x, const at::Tensor& p, double sign_p, const at::Tensor& q, double sign_q,
+                  const at::Tensor& z, const at::Tensor& decay, const at::Tensor& state, bool reverse) {
+  const std::int64_t B = x.size(0), H = x.size(1), N = x.size(2), C = x.size(3), dv = x.size(4), dk = p.size(4);
+  Chain r;
+  r.saved = at::empty({B, H, N, dk, dv}, x.options());
+#ifdef EO_WITH_CUDA
+  const delta_rule::cuda::ChainShape shape{B * H, N, static_cast<int>(C), static_cast<int>(dk), static_cast<int>(dv)};
+  if (x.is_cuda() && x.scalar_type() == at::kFloat && delta_rule::cuda::chain_fits(shape)) {
+    const at::Tensor xc = x.contiguous(), pc = p.contiguous(), qc = q.contiguous(),
+                     zc = z.defined() ? z.contiguous() : at::Tensor(), dc = decay.reshape({B, H, N}).contiguous(),
+                     s0 = state.to(at::kFloat).contiguous();
+    r.y = at::empty_like(xc);
+    r.final_state = at::empty_like(s0);
+    const delta_rule::cuda::ChainArgs args{xc.data_ptr<float>(),
+                                           pc.data_ptr<float>(),
+                                           qc.data_ptr<float>(),
+                                           zc.defined() ? zc.data_ptr<float>() : nullptr,
+                                           dc.data_ptr<float>(),
+                                           s0.data_ptr<float>(),
+                                           r.y.data_ptr<float>(),
+                                           r.saved.data_ptr<float>(),
+                                           r.final_state.data_ptr<float>(),
+                                           static_cast<float>(sign_p),
+                                           static_cast<float>(sign_q),
+                                           reverse};
+    c10::cuda::CUDAGuard guard(x.device());
+    EO_CUDA_CHECK(delta_rule::cuda::chunk_chain(shape, args, stream_of(x)), "gated delta rule chunk chain kernel");
+    return r;
+  }
+#endif
+  r.y = at::empty_like(x);
+  at::Tensor s = state;
+  for (std::int64_t i = 0; i < N; ++i) {
+    const std::int64_t n = reverse ? N - 1 - i : i;
+    r.saved.select(2, n).copy_(s);
+    const at::Tensor yn = at::add(x.select(2, n), at::matmul(p.select(2, n), s), sign_p);
+    r.y.select(2, n).copy_(yn);
+    at::Tensor next = s * decay.select(2, n);
+    if (z.defined()) next = next + z.select(2, n);
+    s = at::add(next, at::matmul(q.select(2, n).transpose(-1, -2), yn), sign_q);
+  }
+  r.final_state = s;
+  return r;
+}
+
+// The forward chain: each chunk's entry state S₀ [B, Hv, N, dk, dv], its Ṽ = U − W S₀, and the state
+// after the last chunk.
 struct Scan {
   at::Tensor entry, v_new, final_state;
 };
 
 Scan scan(const Chunked& c, const at::Tensor& initial) {
-  const std::int64_t N = c.u.size(2);
-  Scan r;
-  r.entry = at::empty({c.u.size(0), c.u.size(1), N, c.k.size(-1), c.v.size(-1)}, c.u.options());
-  r.v_new = at::empty_like(c.u);
-  at::Tensor state = initial;
-  for (std::int64_t n = 0; n < N; ++n) {
-    r.entry.select(2, n).copy_(state);
-    const at::Tensor v_new = c.u.select(2, n) - at::matmul(c.w.select(2, n), state);
-    r.v_new.select(2, n).copy_(v_new);
-    state = at::matmul(c.k_end.select(2, n).transpose(-1, -2), v_new) + state * c.chunk_decay.select(2, n);
-  }
-  r.final_state = state;
-  return r;
+  Chain f = chunk_chain(c.u, c.w, -1, c.k_end, 1, at::Tensor(), c.chunk_decay, initial, /*reverse=*/false);
+  return {std::move(f.saved), std::move(f.y), std::move(f.final_state)};
 }
 
 at::Tensor initial_or_zeros(const std::optional<at::Tensor>& h0, const Chunked& c) {
@@ -185,26 +240,20 @@ struct GatedDeltaRuleFunction : public torch::autograd::Function<GatedDeltaRuleF
                      ctx->saved_data["scale"].toDouble()};
     const Chunked c = prepare(q, k, v, g, beta, starts, s);
     const Scan r = scan(c, initial_or_zeros(h0, c));
-    const std::int64_t C = s.chunk, N = c.u.size(2);
+    const std::int64_t C = s.chunk;
 
     const at::Tensor d_out = grads[0].defined() ? to_chunks(grads[0].to(c.u.scalar_type()), C) : at::zeros_like(c.u);
-    at::Tensor d_state =
+    const at::Tensor d_state =
         grads[1].defined() ? grads[1].to(c.u.scalar_type()) : at::zeros_like(r.final_state);
 
     // The chain backwards: dṼ = (q kᵀ ⊙ D)ᵀ dO + (e ⊙ k) dS₁ and dS₀ = (Γ ⊙ q)ᵀ dO + Γ_{C−1} dS₁ − Wᵀ dṼ.
-    // Their dO parts are batched; the loop adds the parts that wait on dS₁.
+    // Their dO parts are batched; the chain adds the parts that wait on dS₁.
     const at::Tensor attn = c.qk * c.decay;
-    at::Tensor d_v_new = at::matmul(attn.transpose(-1, -2), d_out);
     const at::Tensor d_entry_from_out = at::matmul(c.q_gamma.transpose(-1, -2), d_out);
-    at::Tensor d_exit = at::empty_like(r.entry);  // dS₁ of each chunk
-    for (std::int64_t n = N - 1; n >= 0; --n) {
-      d_exit.select(2, n).copy_(d_state);
-      at::Tensor dvn = d_v_new.select(2, n);
-      dvn.add_(at::matmul(c.k_end.select(2, n), d_state));
-      d_state = d_entry_from_out.select(2, n) + d_state * c.chunk_decay.select(2, n) -
-                at::matmul(c.w.select(2, n).transpose(-1, -2), dvn);
-    }
-    const at::Tensor d_h0 = d_state;
+    Chain back = chunk_chain(at::matmul(attn.transpose(-1, -2), d_out), c.k_end, 1, c.w, -1, d_entry_from_out,
+                             c.chunk_decay, d_state, /*reverse=*/true);
+    const at::Tensor d_v_new = back.y, d_exit = back.saved;  // dṼ, and dS₁ of each chunk
+    const at::Tensor d_h0 = back.final_state;
 
     // Everything else, for all chunks at once.
     const at::Tensor entry_t = r.entry.transpose(-1, -2);

@@ -9,11 +9,11 @@
 // In packed rows the state is zeroed where a new document starts, as fla does for cu_seqlens.
 // Saved for backward: the inputs only; the backward recomputes the chunks and their entry states.
 //
-// The op is plain ATen: it runs on CUDA as it is, batched matmuls per chunk and one short loop over
-// chunks for the state, with no host read of device data (graph-capturable). A fused kernel would
-// keep a chunk's C × C matrices and the state in shared memory and registers instead of global
-// tensors, solve the unit-triangular system in-kernel, and run the chunk loop inside one launch per
-// (batch, head) instead of a handful of launches per chunk; the arithmetic would stay this file's.
+// Everything but the chain of states through the chunks is batched ATen over all chunks at once; the
+// chain (forward, and the state gradient's in the backward) is one kernel per call for fp32 on a GPU
+// (delta_rule_cuda.h) and batched matmuls per chunk elsewhere. No host read of device data, so it is
+// graph-capturable. Not yet fused: the chunk-local C × C work and the unit-triangular solve run as
+// separate batched kernels over global tensors.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -21,23 +21,27 @@ namespace eo::testing::delta_rule {
 
 constexpr std::int64_t kB = 2, kHk = 2, kHv = 4, kDk = 16, kDv = 12;  // dk ≠ dv, two value heads per key head
 
+struct Dims {
+  std::int64_t B = kB, Hk = kHk, Hv = kHv, dk = kDk, dv = kDv;
+};
+
 struct Inputs {
   at::Tensor q, k, v, g, beta, h0, segment_ids;  // float64, h0 / segment_ids possibly undefined
 };
 
 // Random inputs shaped like a Qwen3-Next layer's: g = −exp(A_log) · softplus(a + dt_bias) ≤ 0,
 // beta = sigmoid(b).
-inline Inputs random_inputs(std::int64_t T, bool with_state, std::uint64_t seed) {
+inline Inputs random_inputs(std::int64_t T, bool with_state, std::uint64_t seed, const Dims& n = {}) {
   at::manual_seed(seed);
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   Inputs in;
-  in.q = at::randn({kB, T, kHk, kDk}, f64);
-  in.k = at::randn({kB, T, kHk, kDk}, f64);
-  in.v = at::randn({kB, T, kHv, kDv}, f64);
-  const at::Tensor a_log = at::rand({kHv}, f64) * 2 - 1, dt_bias = at::randn({kHv}, f64);
-  in.g = -a_log.exp() * at::softplus(at::randn({kB, T, kHv}, f64) + dt_bias);
-  in.beta = at::sigmoid(at::randn({kB, T, kHv}, f64));
-  if (with_state) in.h0 = at::randn({kB, kHv, kDk, kDv}, f64) * 0.5;
+  in.q = at::randn({n.B, T, n.Hk, n.dk}, f64);
+  in.k = at::randn({n.B, T, n.Hk, n.dk}, f64);
+  in.v = at::randn({n.B, T, n.Hv, n.dv}, f64);
+  const at::Tensor a_log = at::rand({n.Hv}, f64) * 2 - 1, dt_bias = at::randn({n.Hv}, f64);
+  in.g = -a_log.exp() * at::softplus(at::randn({n.B, T, n.Hv}, f64) + dt_bias);
+  in.beta = at::sigmoid(at::randn({n.B, T, n.Hv}, f64));
+  if (with_state) in.h0 = at::randn({n.B, n.Hv, n.dk, n.dv}, f64) * 0.5;
   return in;
 }
 

@@ -55,6 +55,20 @@ TEST(CudaDeltaRule, MatchesTheFloat64RecurrenceOnTheGpu) {
   }
 }
 
+// The chunk chain's kernel (models/delta_rule_cuda.h) tiles the value columns by 32 and the key rows
+// by the block's warps: Qwen3-Next's head sizes (dk = dv = 128, more than one tile each), one row
+// with a document start inside a chunk, and dv = 40 (a partial column tile), against float64.
+TEST(CudaDeltaRule, MatchesTheFloat64RecurrenceAtTheModelsHeadSizes) {
+  REQUIRE_GPU();
+  const at::Device dev(at::kCUDA, 0);
+  for (const Dims dims : {Dims{1, 1, 2, 128, 128}, Dims{1, 2, 2, 64, 40}}) {
+    Inputs in = random_inputs(200, /*with_state=*/true, 9000 + dims.dv, dims);
+    in.segment_ids = packed_segments({{90, 110}});
+    const std::string what = "dk " + std::to_string(dims.dk) + ", dv " + std::to_string(dims.dv);
+    expect_close(chunked(in, at::kFloat, 64, true, dev), reference(in, true), kFp32Tol, kFp32Tol, "fp32, " + what);
+  }
+}
+
 TEST(CudaDeltaRule, ForwardAndBackwardNeverSyncWithTheHost) {
   REQUIRE_GPU();
 #ifdef EO_WITH_CUDA
