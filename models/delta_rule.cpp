@@ -70,6 +70,28 @@ struct Settings {
   double scale;
 };
 
+#ifdef EO_WITH_CUDA
+cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+#endif
+
+// (I + a)⁻¹ for strictly lower a [.., C, C]: a kernel for fp32 on a GPU, a triangular solve elsewhere.
+at::Tensor unit_lower_inverse(const at::Tensor& a) {
+  const std::int64_t C = a.size(-1);
+#ifdef EO_WITH_CUDA
+  if (a.is_cuda() && a.scalar_type() == at::kFloat && C <= delta_rule::cuda::kMaxInverseC) {
+    const at::Tensor ac = a.contiguous();
+    at::Tensor inv = at::empty_like(ac);
+    c10::cuda::CUDAGuard guard(a.device());
+    EO_CUDA_CHECK(delta_rule::cuda::unit_lower_inverse(ac.data_ptr<float>(), inv.data_ptr<float>(), ac.numel() / (C * C),
+                                                       static_cast<int>(C), stream_of(a)),
+                  "gated delta rule UT transform kernel");
+    return inv;
+  }
+#endif
+  const at::Tensor eye = at::eye(C, a.options());
+  return at::linalg_solve_triangular(a + eye, eye.expand_as(a), /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+}
+
 // One call's inputs in chunks, in the compute dtype, and the intra-chunk quantities above.
 struct Chunked {
   std::int64_t T = 0, group = 1;  // tokens, value heads per key head
@@ -129,19 +151,13 @@ Chunked prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   c.kk = at::matmul(c.k, kt);
   c.qk = at::matmul(c.q, kt);
   const at::Tensor a = (c.beta.unsqueeze(-1) * c.kk * c.decay).tril(-1);
-  const at::Tensor eye = at::eye(C, a.options());
-  c.inv = at::linalg_solve_triangular(a + eye, eye.expand_as(a), /*upper=*/false, /*left=*/true,
-                                      /*unitriangular=*/true);
+  c.inv = unit_lower_inverse(a);
   c.u = at::matmul(c.inv, c.v * c.beta.unsqueeze(-1));
   c.w = at::matmul(c.inv, c.k * (c.beta * c.gamma).unsqueeze(-1));
   c.q_gamma = c.q * c.gamma.unsqueeze(-1);
   c.k_end = c.k * c.to_end.unsqueeze(-1);
   return c;
 }
-
-#ifdef EO_WITH_CUDA
-cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
-#endif
 
 // The chain through the chunks, the one part that runs chunk after chunk, in the form both the
 // forward's state and the backward's state gradient take (delta_rule_cuda.h): per chunk n, in order

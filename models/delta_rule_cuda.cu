@@ -111,6 +111,28 @@ __global__ void __launch_bounds__(kThreads) chunk_chain_kernel(ChainShape s, Cha
     for (int d = warp; d < dk; d += kWarps) a.final_state[(pair * dk + d) * dv + col] = st[d * kCols + lane];
 }
 
+// Column j of T = (I + A)⁻¹: T[i][j] = [i = j] − Σ_{k<i} A[i][k] T[k][j], with T[k][j] = 0 above the
+// diagonal, so every thread runs the same loop (A's reads are broadcasts, T's one word per lane).
+__global__ void unit_lower_inverse_kernel(const float* __restrict__ a, float* __restrict__ inv, int C) {
+  extern __shared__ float4 shared_f4[];
+  float* sa = reinterpret_cast<float*>(shared_f4);  // [C][C]
+  float* st = sa + C * C;                           // [C][C]
+  const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * C * C;
+  for (int e = threadIdx.x; e < C * C; e += blockDim.x) sa[e] = a[base + e];
+  __syncthreads();
+  const int j = threadIdx.x;
+  if (j < C) {
+    for (int i = 0; i < C; ++i) {
+      float acc = i == j ? 1.f : 0.f;
+      if (i > j)
+        for (int k = j; k < i; ++k) acc = fmaf(-sa[i * C + k], st[k * C + j], acc);
+      st[i * C + j] = acc;
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < C * C; e += blockDim.x) inv[base + e] = st[e];
+}
+
 }  // namespace
 
 bool chain_fits(const ChainShape& s) {
@@ -133,6 +155,20 @@ cudaError_t chunk_chain(const ChainShape& s, const ChainArgs& a, cudaStream_t st
   }
   const dim3 grid(static_cast<unsigned>(s.pairs), static_cast<unsigned>((s.dv + kCols - 1) / kCols));
   chunk_chain_kernel<<<grid, kThreads, bytes, stream>>>(s, a, rows_per_warp(s.dk));
+  return cudaGetLastError();
+}
+
+cudaError_t unit_lower_inverse(const float* a, float* inv, std::int64_t batch, int C, cudaStream_t stream) {
+  if (batch == 0) return cudaSuccess;
+  if (C < 1 || C > kMaxInverseC) return cudaErrorInvalidValue;
+  const std::size_t bytes = sizeof(float) * 2 * std::size_t(C) * C;
+  if (bytes > 48 * 1024) {
+    const cudaError_t rc = cudaFuncSetAttribute(unit_lower_inverse_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(bytes));
+    if (rc != cudaSuccess) return rc;
+  }
+  const int threads = (C + 31) / 32 * 32;
+  unit_lower_inverse_kernel<<<static_cast<unsigned>(batch), threads, bytes, stream>>>(a, inv, C);
   return cudaGetLastError();
 }
 

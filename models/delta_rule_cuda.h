@@ -40,4 +40,10 @@ struct ChainArgs {
 bool chain_fits(const ChainShape& s);
 cudaError_t chunk_chain(const ChainShape& s, const ChainArgs& a, cudaStream_t stream);
 
+// inv[b] = (I + a[b])⁻¹ for `batch` strictly lower-triangular C × C matrices (fp32, contiguous; what
+// a holds on and above its diagonal is not read): forward substitution, one thread per column of the
+// inverse, one block per matrix. The UT transform of each chunk; C ≤ kMaxInverseC.
+constexpr int kMaxInverseC = 64;
+cudaError_t unit_lower_inverse(const float* a, float* inv, std::int64_t batch, int C, cudaStream_t stream);
+
 }  // namespace eo::delta_rule::cuda
