@@ -17,6 +17,8 @@
 //               (bench/breakdown.h): its kernels by phase and the largest ones.
 //   --dump DIR: the first row's inputs, output-gradient, output and input gradients as raw float32
 //               files with an index (DIR/index.json), for bench/delta_rule_fla.py --check.
+// On a GPU each shape has two rows: eo (the chain and UT-transform kernels, the default) and eo-aten
+// (set_delta_rule_kernels_enabled(false): batched ATen ops, one chunk at a time along the chain).
 // A row's time is one device-clock window (CUDA events) over --iters calls after 3 warm-up calls;
 // forward + backward is the forward with autograd and torch::autograd::grad of all five inputs.
 // Peak: the allocator's peak over one forward + backward, above what was allocated before it.
@@ -121,35 +123,44 @@ int run(int argc, char** argv) {
   model::GatedDeltaRuleOptions opt;
   opt.l2norm_qk = true;
   nlohmann::json rows = nlohmann::json::array();
+  // On a GPU, eo's default (the chain and UT-transform kernels) and the batched ATen ops alone.
+  const std::vector<std::string> impls = dev.is_cuda() ? std::vector<std::string>{"eo", "eo-aten"} : std::vector<std::string>{"eo"};
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     const Shape& s = shapes[i];
     Inputs in = make_inputs(s, Hk, Hv, dk, dv, dt, dev);
-    const double fwd = time_calls(dev, iters, [&] {
-      at::NoGradGuard no_grad;
-      (void)model::gated_delta_rule(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.segment_ids, opt);
-    });
-    std::vector<at::Tensor> leaves = {in.q.detach().requires_grad_(), in.k.detach().requires_grad_(),
-                                      in.v.detach().requires_grad_(), in.g.detach().requires_grad_(),
-                                      in.beta.detach().requires_grad_()};
-    auto forward_backward = [&] {
-      const auto r = model::gated_delta_rule(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], at::Tensor(),
-                                             in.segment_ids, opt);
-      return std::make_pair(r.out, torch::autograd::grad({r.out}, leaves, {in.dout}));
-    };
-    const double fb = time_calls(dev, iters, [&] { (void)forward_backward(); });
-    synchronize(dev);
-    const std::int64_t before = allocated_memory_bytes(dev);
-    reset_peak_memory(dev);
-    auto [out, grads] = forward_backward();
-    synchronize(dev);
-    const double peak_mib = dev.is_cuda() ? double(peak_memory_bytes(dev) - before) / (1 << 20) : 0.0;
-    const std::string peak = dev.is_cuda() ? std::to_string(static_cast<long long>(peak_mib + 0.5)) : "-";
-    std::printf("| eo | %lldx%lld | %lld | %.3f | %.3f | %s |\n", (long long)s.B, (long long)s.T, (long long)s.docs,
-                fwd * 1e3, fb * 1e3, peak.c_str());
-    std::fflush(stdout);
-    rows.push_back({{"impl", "eo"}, {"B", s.B}, {"T", s.T}, {"docs", s.docs}, {"fwd_ms", fwd * 1e3}, {"fwd_bwd_ms", fb * 1e3},
-                    {"peak_mib", peak_mib}, {"k_heads", Hk}, {"v_heads", Hv}, {"k_dim", dk}, {"v_dim", dv},
-                    {"dtype", dt == at::kBFloat16 ? "bf16" : "fp32"}, {"device", describe_device(dev)}});
+    at::Tensor out;
+    std::vector<at::Tensor> grads;
+    for (const std::string& impl : impls) {
+      model::set_delta_rule_kernels_enabled(impl == "eo");
+      const double fwd = time_calls(dev, iters, [&] {
+        at::NoGradGuard no_grad;
+        (void)model::gated_delta_rule(in.q, in.k, in.v, in.g, in.beta, at::Tensor(), in.segment_ids, opt);
+      });
+      std::vector<at::Tensor> leaves = {in.q.detach().requires_grad_(), in.k.detach().requires_grad_(),
+                                        in.v.detach().requires_grad_(), in.g.detach().requires_grad_(),
+                                        in.beta.detach().requires_grad_()};
+      auto forward_backward = [&] {
+        const auto r = model::gated_delta_rule(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], at::Tensor(),
+                                               in.segment_ids, opt);
+        return std::make_pair(r.out, torch::autograd::grad({r.out}, leaves, {in.dout}));
+      };
+      const double fb = time_calls(dev, iters, [&] { (void)forward_backward(); });
+      synchronize(dev);
+      const std::int64_t before = allocated_memory_bytes(dev);
+      reset_peak_memory(dev);
+      auto [o, g] = forward_backward();
+      synchronize(dev);
+      if (impl == "eo") out = o, grads = g;
+      const double peak_mib = dev.is_cuda() ? double(peak_memory_bytes(dev) - before) / (1 << 20) : 0.0;
+      const std::string peak = dev.is_cuda() ? std::to_string(static_cast<long long>(peak_mib + 0.5)) : "-";
+      std::printf("| %s | %lldx%lld | %lld | %.3f | %.3f | %s |\n", impl.c_str(), (long long)s.B, (long long)s.T,
+                  (long long)s.docs, fwd * 1e3, fb * 1e3, peak.c_str());
+      std::fflush(stdout);
+      rows.push_back({{"impl", impl}, {"B", s.B}, {"T", s.T}, {"docs", s.docs}, {"fwd_ms", fwd * 1e3}, {"fwd_bwd_ms", fb * 1e3},
+                      {"peak_mib", peak_mib}, {"k_heads", Hk}, {"v_heads", Hv}, {"k_dim", dk}, {"v_dim", dv},
+                      {"dtype", dt == at::kBFloat16 ? "bf16" : "fp32"}, {"device", describe_device(dev)}});
+    }
+    model::set_delta_rule_kernels_enabled(true);
     if (i == 0 && !dump.empty()) {
       fs::create_directories(dump);
       const std::vector<std::pair<std::string, at::Tensor>> tensors = {

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
 #include <cmath>
 #include <optional>
 
@@ -36,6 +37,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr double kL2Eps = 1e-6;  // transformers' and fla's l2norm epsilon
+
+std::atomic<bool> kernels_enabled{true};
 
 at::ScalarType compute_dtype(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
@@ -78,7 +81,7 @@ cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDASt
 at::Tensor unit_lower_inverse(const at::Tensor& a) {
   const std::int64_t C = a.size(-1);
 #ifdef EO_WITH_CUDA
-  if (a.is_cuda() && a.scalar_type() == at::kFloat && C <= delta_rule::cuda::kMaxInverseC) {
+  if (a.is_cuda() && a.scalar_type() == at::kFloat && C <= delta_rule::cuda::kMaxInverseC && kernels_enabled) {
     const at::Tensor ac = a.contiguous();
     at::Tensor inv = at::empty_like(ac);
     c10::cuda::CUDAGuard guard(a.device());
@@ -175,7 +178,7 @@ Chain chunk_chain(const at::Tensor& x, const at::Tensor& p, double sign_p, const
   r.saved = at::empty({B, H, N, dk, dv}, x.options());
 #ifdef EO_WITH_CUDA
   const delta_rule::cuda::ChainShape shape{B * H, N, static_cast<int>(C), static_cast<int>(dk), static_cast<int>(dv)};
-  if (x.is_cuda() && x.scalar_type() == at::kFloat && delta_rule::cuda::chain_fits(shape)) {
+  if (x.is_cuda() && x.scalar_type() == at::kFloat && kernels_enabled && delta_rule::cuda::chain_fits(shape)) {
     const at::Tensor xc = x.contiguous(), pc = p.contiguous(), qc = q.contiguous(),
                      zc = z.defined() ? z.contiguous() : at::Tensor(), dc = decay.reshape({B, H, N}).contiguous(),
                      s0 = state.to(at::kFloat).contiguous();
@@ -329,6 +332,9 @@ struct GatedDeltaRuleFunction : public torch::autograd::Function<GatedDeltaRuleF
 };
 
 }  // namespace
+
+void set_delta_rule_kernels_enabled(bool on) { kernels_enabled = on; }
+bool delta_rule_kernels_enabled() { return kernels_enabled; }
 
 GatedDeltaRuleOutput gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,

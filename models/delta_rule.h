@@ -42,6 +42,11 @@ struct GatedDeltaRuleOutput {
 // first token. segment_ids int [B, T] or undefined: document ids of packed rows; where the id changes
 // from one token to the next the state is reset to zero (the row's first document starts from
 // initial_state). Differentiable in q, k, v, g, beta and initial_state.
+// Whether fp32 on a GPU runs the chain and the UT transform as this file's kernels (the default) or
+// as the batched ATen ops every other device runs: eo-delta-rule times both side by side.
+void set_delta_rule_kernels_enabled(bool on);
+bool delta_rule_kernels_enabled();
+
 GatedDeltaRuleOutput gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial_state,
                                       const at::Tensor& segment_ids, const GatedDeltaRuleOptions& options = {});
