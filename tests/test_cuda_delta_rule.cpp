@@ -3,7 +3,9 @@
 // whose length is not a multiple of the chunk, with packed documents and a carried state; with no
 // host synchronisation (CUDA's sync debug mode set to error); and captured in a CUDA graph
 // (runtime/block_graphs.h, as training captures a block) whose replays follow new inputs.
-// Tolerances as on the CPU (test_delta_rule.cpp): max |got − want| / max |want| per tensor.
+// Tolerances as on the CPU (test_delta_rule.cpp): max |got − want| / max |want| per tensor. The float64
+// comparisons run with the delta rule's CUDA kernels and with its ATen ops alone; the sync and graph
+// tests with the kernels.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -27,6 +29,16 @@ namespace {
 
 constexpr double kFp32Tol = 5e-5, kBf16Tol = 1e-2;
 
+// Runs with the delta rule's CUDA kernels on or off (models/delta_rule.h), and restores the setting.
+struct KernelsSetting {
+  explicit KernelsSetting(bool on) : before(eo::model::delta_rule_kernels_enabled()) {
+    eo::model::set_delta_rule_kernels_enabled(on);
+  }
+  ~KernelsSetting() { eo::model::set_delta_rule_kernels_enabled(before); }
+  bool before;
+};
+const char* kernels_name(bool on) { return on ? "kernels" : "ATen ops"; }
+
 #define REQUIRE_GPU()                                                                                        \
   do {                                                                                                       \
     if (!at::hasCUDA()) GTEST_SKIP() << "SKIPPED: no CUDA device (this test runs on the GPU machine: ctest -L cuda)"; \
@@ -45,13 +57,16 @@ Inputs packed_inputs(std::uint64_t seed, bool bf16_values) {
 TEST(CudaDeltaRule, MatchesTheFloat64RecurrenceOnTheGpu) {
   REQUIRE_GPU();
   const at::Device dev(at::kCUDA, 0);
-  for (std::int64_t chunk : {16, 64}) {
-    const Inputs in = packed_inputs(5000 + chunk, false);
-    expect_close(chunked(in, at::kFloat, chunk, true, dev), reference(in, true), kFp32Tol, kFp32Tol,
-                 "fp32, chunk " + std::to_string(chunk));
-    const Inputs rounded = packed_inputs(6000 + chunk, true);
-    expect_close(chunked(rounded, at::kBFloat16, chunk, true, dev), reference(rounded, true), kBf16Tol, kBf16Tol,
-                 "bf16, chunk " + std::to_string(chunk));
+  for (const bool kernels : {true, false}) {
+    const KernelsSetting setting(kernels);
+    for (std::int64_t chunk : {16, 64}) {
+      const std::string what = std::string(kernels_name(kernels)) + ", chunk " + std::to_string(chunk);
+      const Inputs in = packed_inputs(5000 + chunk, false);
+      expect_close(chunked(in, at::kFloat, chunk, true, dev), reference(in, true), kFp32Tol, kFp32Tol, "fp32, " + what);
+      const Inputs rounded = packed_inputs(6000 + chunk, true);
+      expect_close(chunked(rounded, at::kBFloat16, chunk, true, dev), reference(rounded, true), kBf16Tol, kBf16Tol,
+                   "bf16, " + what);
+    }
   }
 }
 
@@ -64,8 +79,13 @@ TEST(CudaDeltaRule, MatchesTheFloat64RecurrenceAtTheModelsHeadSizes) {
   for (const Dims dims : {Dims{1, 1, 2, 128, 128}, Dims{1, 2, 2, 64, 40}}) {
     Inputs in = random_inputs(200, /*with_state=*/true, 9000 + dims.dv, dims);
     in.segment_ids = packed_segments({{90, 110}});
-    const std::string what = "dk " + std::to_string(dims.dk) + ", dv " + std::to_string(dims.dv);
-    expect_close(chunked(in, at::kFloat, 64, true, dev), reference(in, true), kFp32Tol, kFp32Tol, "fp32, " + what);
+    const Outcome want = reference(in, true);
+    for (const bool kernels : {true, false}) {
+      const KernelsSetting setting(kernels);
+      const std::string what = std::string(kernels_name(kernels)) + ", dk " + std::to_string(dims.dk) + ", dv " +
+                               std::to_string(dims.dv);
+      expect_close(chunked(in, at::kFloat, 64, true, dev), want, kFp32Tol, kFp32Tol, "fp32, " + what);
+    }
   }
 }
 
@@ -73,6 +93,7 @@ TEST(CudaDeltaRule, ForwardAndBackwardNeverSyncWithTheHost) {
   REQUIRE_GPU();
 #ifdef EO_WITH_CUDA
   const at::Device dev(at::kCUDA, 0);
+  const KernelsSetting setting(true);
   const Inputs in = packed_inputs(7000, true);
   (void)chunked(in, at::kBFloat16, 64, true, dev);  // warm-up: lazy library state
   // The inputs on the device first: only the delta rule's own work runs in the checked window.
@@ -100,6 +121,7 @@ TEST(CudaDeltaRule, ForwardAndBackwardNeverSyncWithTheHost) {
 TEST(CudaDeltaRule, ReplaysInACapturedGraphWithNewInputs) {
   REQUIRE_GPU();
   const at::Device dev(at::kCUDA, 0);
+  const KernelsSetting setting(true);
   eo::BlockGraphs graphs(dev, /*enabled=*/true);
   // One use: the inputs' values in, the output, final state and every gradient out.
   const auto use = [&](const std::vector<at::Tensor>& x) {
