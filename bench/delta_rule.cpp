@@ -17,7 +17,7 @@
 //               (bench/breakdown.h): its kernels by phase and the largest ones.
 //   --dump DIR: the first row's inputs, output-gradient, output and input gradients as raw float32
 //               files with an index (DIR/index.json), for bench/delta_rule_fla.py --check.
-// On a GPU each shape has two rows: eo (the chain and UT-transform kernels, the default) and eo-aten
+// On a GPU each shape has two rows: eo (the chain and UT-transform kernels) and eo-aten
 // (set_delta_rule_kernels_enabled(false): batched ATen ops, one chunk at a time along the chain).
 // A row's time is one device-clock window (CUDA events) over --iters calls after 3 warm-up calls;
 // forward + backward is the forward with autograd and torch::autograd::grad of all five inputs.
@@ -123,7 +123,7 @@ int run(int argc, char** argv) {
   model::GatedDeltaRuleOptions opt;
   opt.l2norm_qk = true;
   nlohmann::json rows = nlohmann::json::array();
-  // On a GPU, eo's default (the chain and UT-transform kernels) and the batched ATen ops alone.
+  // On a GPU, eo with the chain and UT-transform kernels, and with the batched ATen ops alone.
   const std::vector<std::string> impls = dev.is_cuda() ? std::vector<std::string>{"eo", "eo-aten"} : std::vector<std::string>{"eo"};
   for (std::size_t i = 0; i < shapes.size(); ++i) {
     const Shape& s = shapes[i];
@@ -160,7 +160,7 @@ int run(int argc, char** argv) {
                       {"peak_mib", peak_mib}, {"k_heads", Hk}, {"v_heads", Hv}, {"k_dim", dk}, {"v_dim", dv},
                       {"dtype", dt == at::kBFloat16 ? "bf16" : "fp32"}, {"device", describe_device(dev)}});
     }
-    model::set_delta_rule_kernels_enabled(true);
+    model::set_delta_rule_kernels_enabled(false);
     if (i == 0 && !dump.empty()) {
       fs::create_directories(dump);
       const std::vector<std::pair<std::string, at::Tensor>> tensors = {
@@ -176,7 +176,8 @@ int run(int argc, char** argv) {
     }
   }
   if (!json_out.empty()) std::ofstream(json_out) << rows.dump(1) << "\n";
-  if (breakdown) {
+  if (breakdown) {  // eo's row: with the kernels
+    model::set_delta_rule_kernels_enabled(true);
     const Shape& s = shapes.front();
     Inputs in = make_inputs(s, Hk, Hv, dk, dv, dt, dev);
     std::vector<at::Tensor> leaves = {in.q.requires_grad_(), in.k.requires_grad_(), in.v.requires_grad_(),

@@ -10,8 +10,8 @@
 // Saved for backward: the inputs only; the backward recomputes the chunks and their entry states.
 //
 // Everything but the chain of states through the chunks is batched ATen over all chunks at once; the
-// chain (forward, and the state gradient's in the backward) is one kernel per call for fp32 on a GPU
-// (delta_rule_cuda.h) and batched matmuls per chunk elsewhere. No host read of device data, so it is
+// chain (forward, and the state gradient's in the backward) can be one kernel per call for fp32 on a
+// GPU (delta_rule_cuda.h, set_delta_rule_kernels_enabled) and is batched matmuls per chunk otherwise. No host read of device data, so it is
 // graph-capturable. Not yet fused: the chunk-local C × C work and the unit-triangular solve run as
 // separate batched kernels over global tensors.
 #pragma once
@@ -42,8 +42,9 @@ struct GatedDeltaRuleOutput {
 // first token. segment_ids int [B, T] or undefined: document ids of packed rows; where the id changes
 // from one token to the next the state is reset to zero (the row's first document starts from
 // initial_state). Differentiable in q, k, v, g, beta and initial_state.
-// Whether fp32 on a GPU runs the chain and the UT transform as this file's kernels (the default) or
-// as the batched ATen ops every other device runs: eo-delta-rule times both side by side.
+// Whether fp32 on a GPU runs the chain and the UT transform as delta_rule_cuda.h's kernels or as the
+// batched ATen ops every other device runs (the default until the kernels have run on a GPU):
+// eo-delta-rule times both side by side.
 void set_delta_rule_kernels_enabled(bool on);
 bool delta_rule_kernels_enabled();
 
