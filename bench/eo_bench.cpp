@@ -16,7 +16,8 @@
 //          false / true), ":redequant" / ":keepdown" the backward dequantising every bank again /
 //          all but the down projection's (expert_bank_reuse: none / down), ":smallk" the expert
 //          LoRA's rank-wide GEMMs on eo's small-K kernel (off by default, models/grouped_mm.h),
-//          ":packed" rows of four documents each (sample_packing: flash varlen where it runs);
+//          ":packed" rows of four documents each (sample_packing: flash varlen where it runs),
+//          ":drk" the gated delta rule's CUDA kernels (off by default, models/delta_rule.h);
 //          they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
@@ -66,6 +67,7 @@
 #include "common/files.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "models/delta_rule.h"
 #include "models/grouped_mm.h"
 #include "models/hf_config.h"
 #include "runtime/cards.h"
@@ -265,6 +267,8 @@ int main(int argc, char** argv) {
       const bool keepdown = std::find(parts.begin(), parts.end(), "keepdown") != parts.end();
       // :smallk: the expert LoRA's rank-wide GEMMs on eo's small-K kernel (models/grouped_mm.h).
       const bool smallk = std::find(parts.begin(), parts.end(), "smallk") != parts.end();
+      // :drk: the gated delta rule's chain and UT-transform kernels (models/delta_rule.h).
+      const bool delta_kernels = std::find(parts.begin(), parts.end(), "drk") != parts.end();
       const bool portable = card || std::find(parts.begin(), parts.end(), "portable") != parts.end();
       const bool torch_gemm = std::find(parts.begin(), parts.end(), "torch") != parts.end();
       const bool packed = std::find(parts.begin(), parts.end(), "packed") != parts.end();
@@ -328,8 +332,10 @@ int main(int argc, char** argv) {
         const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
         release_cached_memory(dev);  // the previous mode's cached blocks would count as reserved
         model::set_small_k_kernel_enabled(smallk);
+        model::set_delta_rule_kernels_enabled(delta_kernels);
         train(cfg, world, hooks);
         model::set_small_k_kernel_enabled(false);
+        model::set_delta_rule_kernels_enabled(false);
         row.reserved_vram = double(peak_reserved_bytes(dev));
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");

@@ -71,14 +71,15 @@ def model_tables(eo, py):
                          "eo's peak over Python's |")
             lines.append("|---|---|---|---|---|---|---|---|")
             for r in rows:
-                name = "eo-ddp resident" if r["mode"] == "resident" else f"eo-ddp offloaded ({r['mode']})"
+                resident = r["mode"].split(":")[0] == "resident"
+                name = f"eo-ddp {r['mode']}" if resident else f"eo-ddp offloaded ({r['mode']})"
                 if r.get("error"):
                     lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | | |")
                     continue
                 err = 100 * (r["plan_vram"] / r["peak_vram"] - 1) if r["peak_vram"] else float("nan")
                 plan = f"{gib(r['plan_vram'])} ({err:+.1f}% {mark(PLAN_LOW <= err <= PLAN_HIGH)})"
                 floor = "-"
-                if r["mode"] != "resident" and r.get("floor_s"):
+                if not resident and r.get("floor_s"):
                     v = r["s_per_step"] / r["floor_s"]
                     floor = f"{r['floor_s']:.3f} ({v:.2f}x {mark(v <= FLOOR)})"
                 speed = memory = "-"
