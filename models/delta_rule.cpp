@@ -179,6 +179,9 @@ Chain chunk_chain(const at::Tensor& x, const at::Tensor& p, double sign_p, const
   r.saved = at::empty({B, H, N, dk, dv}, x.options());
 #ifdef EO_WITH_CUDA
   const delta_rule::cuda::ChainShape shape{B * H, N, static_cast<int>(C), static_cast<int>(dk), static_cast<int>(dv)};
+  // The guard first: chain_fits asks the current device for its shared memory.
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (x.is_cuda()) guard.emplace(x.device());
   if (x.is_cuda() && x.scalar_type() == at::kFloat && kernels_enabled && delta_rule::cuda::chain_fits(shape)) {
     const at::Tensor xc = x.contiguous(), pc = p.contiguous(), qc = q.contiguous(),
                      zc = z.defined() ? z.contiguous() : at::Tensor(), dc = decay.reshape({B, H, N}).contiguous(),
@@ -197,7 +200,6 @@ Chain chunk_chain(const at::Tensor& x, const at::Tensor& p, double sign_p, const
                                            static_cast<float>(sign_p),
                                            static_cast<float>(sign_q),
                                            reverse};
-    c10::cuda::CUDAGuard guard(x.device());
     EO_CUDA_CHECK(delta_rule::cuda::chunk_chain(shape, args, stream_of(x)), "gated delta rule chunk chain kernel");
     return r;
   }
