@@ -76,18 +76,8 @@ LinearAttentionBytes linear_attention_bytes(const ModelConfig& c, double rows, d
   return b;
 }
 
-// Which expert matrices get LoRA: by module name, or as peft's fused parameters (gate and up
-// share gate_up_proj's).
-struct ExpertLoraReach {
-  bool gate = false, up = false, down = false;
-};
 ExpertLoraReach expert_lora_reach(const ModelConfig& c, const BlockRun& run) {
-  const LoraSpec& l = *run.lora;
-  if (!l.target_parameters.empty())
-    return {l.targets_parameter(kGateUpParam), l.targets_parameter(kGateUpParam), l.targets_parameter(kDownParam)};
-  const std::array<std::string, 3> e = c.expert_linears();
-  return {adapts_module(l, run.lora_all_linear, e[0]), adapts_module(l, run.lora_all_linear, e[1]),
-          adapts_module(l, run.lora_all_linear, e[2])};
+  return model::expert_lora_reach(c, *run.lora, run.lora_all_linear);
 }
 
 // Attention's tensors saved until its own backward, and what the wide heads' repeated kv heads add
@@ -321,6 +311,13 @@ BlockContextBytes block_context_bytes(const ModelConfig& c, double micro_batch_s
   const double masks = chunked && sequence_len > double(c.llama4->chunk) ? g * micro_batch_size * T * T : 0;
   const double scales = c.llama4->temperature_tuning ? g * N * 4 : 0;
   return {masks + scales, "llama4 context", "chunked-attention masks and NoPE query scales of the micro-batches"};
+}
+
+ExpertLoraReach expert_lora_reach(const ModelConfig& c, const LoraSpec& l, bool all_linear) {
+  if (!l.target_parameters.empty())
+    return {l.targets_parameter(kGateUpParam), l.targets_parameter(kGateUpParam), l.targets_parameter(kDownParam)};
+  const std::array<std::string, 3> e = c.expert_linears();
+  return {adapts_module(l, all_linear, e[0]), adapts_module(l, all_linear, e[1]), adapts_module(l, all_linear, e[2])};
 }
 
 }  // namespace eo::model

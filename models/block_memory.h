@@ -34,6 +34,13 @@ struct BlockRun {
   BankReuse bank_reuse = BankReuse::None;
 };
 
+// Which expert matrices get LoRA: by module name (every linear with `all_linear`), or as peft's fused
+// parameters (gate and up share gate_up_proj's).
+struct ExpertLoraReach {
+  bool gate = false, up = false, down = false;
+};
+ExpertLoraReach expert_lora_reach(const ModelConfig& c, const LoraSpec& lora, bool all_linear);
+
 // One decoder layer's frozen weights (bytes on the device; the routed experts apart: the offload
 // layout's) and LoRA parameters (the routed experts' apart, by module name or as peft's fused
 // parameters).

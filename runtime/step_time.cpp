@@ -95,6 +95,16 @@ StepWork step_work(const RunSpec& spec, const MemoryPlan& plan) {
     if (spec.checkpointing && spec.bank_reuse == model::BankReuse::Down) passes += 2.0 / 3;  // gate's and up's
     w.dequant_bytes = per_pass * passes * spec.accum;
   }
+  // The experts' LoRA (lora_target_parameters, or the experts' linears by name): per routed row and
+  // adapted matrix in -> out, A reads x and B writes the delta its consumer reads, in the forward and
+  // the recompute; the backward reads the output's gradient twice (dz, dB), reads x (dA) and
+  // accumulates into x's gradient. Rank-wide terms are small beside in and out and left out; the
+  // GEMMs are thin (r columns) and run far below the card's rate, so they are counted by their bytes.
+  if (w.moe_layers > 0) {
+    const model::ExpertLoraReach reach = model::expert_lora_reach(c, spec.lora, spec.lora_all_linear);
+    const double per_row = (reach.gate + reach.up) * (5 * H + 6 * I) + reach.down * (5 * I + 6 * H);
+    w.expert_lora_bytes = T * k * moe * dtype_bytes * per_row;
+  }
   w.elementwise_bytes =
       T * dtype_bytes *
       (double(c.layers) * kHiddenPasses * H + moe * (kPairPasses * k * H + kWidthPasses * k * I) +
@@ -119,6 +129,7 @@ StepTime predict_step_time(const StepWork& w, const CardFigures& card, const Ste
               {"attention", fused / (flops * eff.attention)},
               {"attention, masked kernel", masked / (flops * eff.masked_attention)},
               {"4-bit dequantisation", w.dequant_bytes / (bytes * eff.memory)},
+              {"experts' LoRA (thin grouped GEMMs, adds)", w.expert_lora_bytes / (bytes * eff.expert_lora)},
               {"elementwise, norms, routing", w.elementwise_bytes / (bytes * eff.memory)},
               {"fixed cost per layer pass", w.layer_passes * eff.layer_pass_s}};
   for (const auto& p : t.phases) t.compute_s += p.seconds;

@@ -32,6 +32,7 @@ struct StepWork {
   double masked_attention_flops = 0;
   double head_flops = 0;          // the LM head: forward and input gradient
   double dequant_bytes = 0;       // 4-bit expert banks read and bf16 banks written
+  double expert_lora_bytes = 0;   // the experts' LoRA: its thin grouped GEMMs and their adds, by the bytes they move
   double elementwise_bytes = 0;   // adds, casts, norms, routing gathers / scatters, SwiGLU
   double layer_passes = 0;        // decoder layers x micro-batches: a fixed cost each (launches, host)
   int moe_layers = 0;
@@ -51,6 +52,9 @@ struct StepEfficiency {
   // resident, 6fef652), with the other phases as above.
   double masked_attention = 0.0600;
   double memory = 0.5209;       // of mem_gbps, for dequant and elementwise bytes
+  // Of mem_gbps, for the experts' LoRA bytes: Qwen3-30B-A3B lora_target_parameters r 16 offloaded,
+  // 2048 x 1 x g 8 at a 12 GiB cap on the H100 (4a30182), the other phases as above.
+  double expert_lora = 0.3227;
   double layer_pass_s = 1.057e-3;
   // Of link_gbps, for a transfer-bound step: its copies wait on slots and events, so it runs above
   // its floor (Qwen3-30B-A3B 2048 x 1 offloaded on the H200: 1.096x).

@@ -191,6 +191,7 @@ struct Recorded {
   const char* where;
   double vram_gib = 0;  // device_memory_limit of the run, the plan fitted to it; 0: none
   bool packed = false;  // sample_packing: eo-bench's :packed rows of four documents
+  int expert_lora_r = 0;  // lora_target_parameters (gate_up_proj, down_proj) plus attention, of this rank; 0: none
 };
 const Recorded kRecorded[] = {
     {"h100", "qwen3-30b-a3b", 2, 1, false, 0.372, 0, "H100, f9ce426"},
@@ -217,18 +218,28 @@ const Recorded kRecorded[] = {
     {"h200", "qwen3-30b-a3b", 2, 1, false, 0.329, 0, "H200, 8ca6deb"},
     {"h200", "qwen3-30b-a3b", 4, 1, false, 0.573, 0, "H200, 8ca6deb"},
     {"h200", "qwen3-30b-a3b", 4, 1, false, 0.557, 0, "H200, 8ca6deb, packed", 0, true},
+    // scripts/device-expert-lora at 4a30182 (2026-12-07): attention only, and lora_target_parameters with the
+    // state on the host (expert_lora_offload), 12 GiB cap, mean of steps 3 to 6.
+    {"h100", "qwen3-30b-a3b", 1, 8, true, 2.030, 0, "H100, 4a30182", 12},
+    {"h100", "qwen3-30b-a3b", 1, 8, true, 2.685, 0, "H100, 4a30182, experts r 32", 12, false, 32},
+    {"h100", "qwen3-30b-a3b", 1, 8, true, 2.604, 0, "H100, 4a30182, experts r 16", 12, false, 16},  // the experts' LoRA fit
     {"h100", "gpt-oss-20b", 4, 1, false, 0.903, 0, "H100, 6fef652"},  // the masked kernel's fit
     // Gemma 4's rows (H200 45523aa, H100 56b42ed) measured its 512-wide full layers on SDPA's math path, which no
     // longer runs (models/attention_path.h): docs/benchmarks.md keeps them; this model does not describe that code.
 };
 const Recorded& kMaskedFit = kRecorded[std::size(kRecorded) - 1];
+const Recorded& kExpertLoraFit = kRecorded[std::size(kRecorded) - 2];
 constexpr double kPinnedGbps = 55.5;  // the H200 runs' measured pinned rate
 
 StepTime predicted(const Recorded& r, const StepEfficiency& eff, StepWork* work_out = nullptr) {
-  const Planned p = planned("configs/bench/qwen3-30b-a3b-offload.yaml",
-                            {"base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/" + r.model, std::string("expert_offload=") + (r.offload ? "true" : "false"),
-                             "micro_batch_size=" + std::to_string(r.mb), "gradient_accumulation_steps=" + std::to_string(r.accum),
-                             std::string("sample_packing=") + (r.packed ? "true" : "false")});
+  std::vector<std::string> sets = {
+      "base_model=" + std::string(EO_SOURCE_DIR) + "/configs/models/" + r.model, std::string("expert_offload=") + (r.offload ? "true" : "false"),
+      "micro_batch_size=" + std::to_string(r.mb), "gradient_accumulation_steps=" + std::to_string(r.accum),
+      std::string("sample_packing=") + (r.packed ? "true" : "false")};
+  if (r.expert_lora_r)
+    sets.insert(sets.end(), {"lora_target_parameters=[mlp.experts.gate_up_proj, mlp.experts.down_proj]",
+                             "lora_r=" + std::to_string(r.expert_lora_r), "lora_alpha=" + std::to_string(2 * r.expert_lora_r)});
+  const Planned p = planned("configs/bench/qwen3-30b-a3b-offload.yaml", sets);
   StepWork work = p.work;
   if (r.vram_gib > 0) {  // as training fits it (plan --card does the same)
     const FittedPlan f = fit_plan(p.spec, r.vram_gib * 1024 * 1024 * 1024);
@@ -278,7 +289,7 @@ namespace {
 
 // The masked kernel's and the link's efficiencies: each the one that meets its fit row with every other phase at
 // its default.
-TEST(StepTime, MaskedAndLinkEfficienciesMeetTheirRows) {
+TEST(StepTime, MaskedExpertLoraAndLinkEfficienciesMeetTheirRows) {
   StepEfficiency without;
   without.masked_attention = 1e30;  // the phase costs nothing
   StepWork w;
@@ -289,6 +300,16 @@ TEST(StepTime, MaskedAndLinkEfficienciesMeetTheirRows) {
   std::printf("calibrated: masked %.4f\n", made);
   const StepEfficiency given;
   EXPECT_NEAR(given.masked_attention, made, 0.005 * made);
+  // The experts' LoRA: its bytes over the seconds the r 16 row spends beyond the other phases.
+  StepEfficiency no_lora;
+  no_lora.expert_lora = 1e30;
+  const double others = predicted(kExpertLoraFit, no_lora, &w).step_s;
+  ASSERT_GT(w.expert_lora_bytes, 0);
+  ASSERT_GT(kExpertLoraFit.s_per_step, others);
+  const double lora_made =
+      w.expert_lora_bytes / (find_card(kExpertLoraFit.card).mem_gbps * 1e9 * (kExpertLoraFit.s_per_step - others));
+  std::printf("calibrated: experts' LoRA %.4f\n", lora_made);
+  EXPECT_NEAR(given.expert_lora, lora_made, 0.005 * lora_made);
   // The link's: the transfer-bound H200 Qwen3 row's floor over its step.
   const Recorded& link_fit = kRecorded[3];
   ASSERT_GT(link_fit.floor_s, 0);
