@@ -76,10 +76,6 @@ LinearAttentionBytes linear_attention_bytes(const ModelConfig& c, double rows, d
   return b;
 }
 
-ExpertLoraReach expert_lora_reach(const ModelConfig& c, const BlockRun& run) {
-  return model::expert_lora_reach(c, *run.lora, run.lora_all_linear);
-}
-
 // Attention's tensors saved until its own backward, and what the wide heads' repeated kv heads add
 // to it and to its backward.
 struct AttentionSaved {
@@ -155,7 +151,7 @@ void moe_phases(const ModelConfig& c, const BlockRun& run, double attn, double b
   const double H = double(c.hidden), E = double(c.experts), I = double(c.expert_width), d = run.dtype_bytes;
   const double r_bytes = run.lora->r * d;
   const bool gpu = run.on_gpu;
-  const ExpertLoraReach reach = expert_lora_reach(c, run);
+  const ExpertLoraReach reach = expert_lora_reach(c, *run.lora, run.lora_all_linear);
   // Saved: router probabilities (fp32), top-k indices and weights, the dispatch's three int64
   // permutations (Llama 4 scales the experts' input rows by their routing weights: the unscaled
   // rows are saved too), gate and up (swiglu), the routed outputs in expert order (the combine's,
