@@ -220,6 +220,19 @@ at::Tensor ExpertLora::delta_grouped(const at::Tensor& x_sorted, const at::Tenso
   return grouped_up(grouped_down(h, a, offsets), bs, offsets);
 }
 
+std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_halves(const at::Tensor& x_sorted, const at::Tensor& offsets,
+                                                                   bool training) const {
+  EO_CHECK(grouped_ok(), "grouped expert LoRA needs r divisible by 8, got r=", a_.size(1));
+  const at::Tensor x = x_sorted.contiguous();
+  const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;  // one mask, as peft's one module
+  const auto [a, bs] = factors(x.scalar_type(), scaling_);
+  const std::int64_t half = bs.size(1) / 2;
+  EO_CHECK(bs.size(1) == 2 * half, "delta_grouped_halves: B has ", bs.size(1), " rows, not two halves");
+  const at::Tensor down = grouped_down(h, a, offsets);  // [N, r]
+  return {grouped_up(down, bs.narrow(1, 0, half).contiguous(), offsets),
+          grouped_up(down, bs.narrow(1, half, half).contiguous(), offsets)};
+}
+
 bool ExpertLora::can_pair_with(const ExpertLora& other, bool training) const {
   const bool masks = training && (dropout_ > 0 || other.dropout_ > 0);
   // Per-expert adapters only (the fused ones have no partner), so A is [E, r, in] in both.

@@ -102,6 +102,12 @@ class ExpertLora {
   // adds it where the sum is read anyway (swiglu's deltas, combine_rows' addend), so
   // no [N, out] sum is written. Needs grouped_ok().
   at::Tensor delta_grouped(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const;
+  // A fused [gate; up] adapter's delta as its two halves (gate rows first, each [N, out / 2] and
+  // contiguous): one A GEMM, then B's gate rows and B's up rows as two GEMMs. The SwiGLU kernel
+  // reads contiguous deltas, and the halves' gradients reach the A GEMM as two [N, r] products
+  // instead of slices of one [N, out] tensor (which autograd would zero-fill, copy and add).
+  std::pair<at::Tensor, at::Tensor> delta_grouped_halves(const at::Tensor& x_sorted, const at::Tensor& offsets,
+                                                         bool training) const;
   // Two adapters over the same rows (a block's gate and up): both A's as one grouped GEMM, so x
   // is read once and backward runs one dX and one dA GEMM for the two; then each B. Only where
   // no dropout applies (peft draws each module its own mask): see can_pair_with.

@@ -448,11 +448,10 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
       if (gate_lora) gate_delta = gate_lora->delta_grouped(x_lora, offsets, training);
       if (up_lora) up_delta = up_lora->delta_grouped(x_lora, offsets, training);
     }
-    if (w_.gate_up_lora) {  // one delta [N, 2I] for the fused [gate; up], split
-      const at::Tensor d = w_.gate_up_lora->delta_grouped(x_lora, offsets, training);
-      const auto I = c.expert_width;
-      gate_delta = gate_delta.defined() ? gate_delta + d.narrow(1, 0, I) : d.narrow(1, 0, I);
-      up_delta = up_delta.defined() ? up_delta + d.narrow(1, I, I) : d.narrow(1, I, I);
+    if (w_.gate_up_lora) {  // the fused [gate; up]'s delta as its two halves
+      const auto [gd, ud] = w_.gate_up_lora->delta_grouped_halves(x_lora, offsets, training);
+      gate_delta = gate_delta.defined() ? gate_delta + gd : gd;
+      up_delta = up_delta.defined() ? up_delta + ud : ud;
     }
     // act_lora: act again for the down LoRA, whose gradient the SwiGLU backward sums in its kernel.
     auto activation = [&](const at::Tensor& g, const at::Tensor& u, const at::Tensor& gd, const at::Tensor& ud) {
