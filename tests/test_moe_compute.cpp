@@ -816,6 +816,100 @@ TEST(GroupedExperts, TheGpuPathOnTheCpuMatchesThePerExpertLoop) {
 }
 
 namespace {
+// One forward and backward of `m` on the grouped path (fp32 CPU tensors), the expert LoRA folded
+// into the base GEMMs or not: the loss and every LoRA gradient.
+std::pair<double, std::vector<at::Tensor>> grouped_step(MoeModel& m, const Batch& b, bool fold) {
+  set_grouped_gemm_on_cpu(true);
+  set_expert_lora_fold_enabled(fold);
+  for (auto& [n, p] : m.lora_parameters()) p.mutable_grad() = at::Tensor();
+  at::Tensor h = m.embed(b.input_ids);
+  const BlockContext ctx = m.context(b, true);
+  for (int i = 0; i < m.num_layers(); ++i) {
+    if (m.block(i).is_moe()) m.weight_provider().stage(i);
+    h = m.block(i).forward(h, ctx);
+  }
+  const at::Tensor loss = m.loss_sum(h, b.labels);
+  loss.backward();
+  set_expert_lora_fold_enabled(false);
+  set_grouped_gemm_on_cpu(false);
+  std::vector<at::Tensor> grads;
+  for (auto& [n, p] : m.lora_parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+  return {loss.item<double>(), grads};
+}
+}  // namespace
+
+// The expert LoRA folded into its base GEMMs ([x | z] against [W | scaled B], one GEMM per matrix,
+// dz from the dX GEMM) against the separate LoRA GEMMs of the same grouped path, fp32 on the CPU:
+// the loss and every LoRA gradient to fp32 rounding. The adapter mixes of the test above on the
+// tiny model (paired gate/up A, lone adapters, peft's fused parameters), then a wider model whose
+// banks are dequantised in 64-row and 64-column slices (expert_bank_bytes), and whose banks are
+// kept for the backward (expert_bank_reuse all).
+TEST(GroupedExperts, TheFoldedLoraMatchesTheSeparateLoraGemms) {
+  struct Case {
+    std::string name, model;
+    std::vector<std::string> targets;
+    bool fused;
+    std::int64_t bank_bytes;
+    BankReuse reuse;
+  };
+  const fs::path wide = fs::path(::testing::TempDir()) / ("eo-fold-" + std::to_string(::getpid()));
+  fs::create_directories(wide);
+  std::ofstream(wide / "config.json") << R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+    "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "tie_word_embeddings": false, "initializer_range": 0.02, "max_position_embeddings": 512})";
+  const std::int64_t slice = 4 * 64 * (128 + 8) * 4;  // 4 experts x 64 rows of 128 + r 8 fp32 columns
+  const std::vector<Case> cases = {
+      {"q, v, gate, up, down", kTiny, {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}, false, 0, BankReuse::None},
+      {"gate and down, no pair", kTiny, {"gate_proj", "down_proj"}, false, 0, BankReuse::None},
+      {"up alone", kTiny, {"up_proj"}, false, 0, BankReuse::None},
+      {"fused gate_up_proj and down_proj", kTiny, {"q_proj"}, true, 0, BankReuse::None},
+      {"fused, banks in slices", wide.string(), {"q_proj"}, true, slice, BankReuse::None},
+      {"paired, banks in slices", wide.string(), {"gate_proj", "up_proj", "down_proj"}, false, slice, BankReuse::None},
+      {"fused, banks kept", wide.string(), {"q_proj"}, true, 0, BankReuse::All}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    LoadOptions lo;
+    lo.load_in_4bit = true;
+    lo.expert_bank_bytes = c.bank_bytes;
+    if (c.model != kTiny) lo.random_seed = 5;
+    auto m = MoeModel::load(c.model, lo);
+    m->set_bank_reuse(c.reuse);
+    LoraSpec spec;
+    spec.r = 8;
+    spec.alpha = 12;  // scaling 1.5, not a power of two: it rides in B's cast on both paths
+    spec.targets = c.targets;
+    if (c.fused) spec.target_parameters = {kGateUpParam, kDownParam};
+    m->add_lora(spec);
+    {
+      at::NoGradGuard ng;  // non-zero B so every factor gets a gradient
+      at::manual_seed(3);
+      for (auto& [n, p] : m->lora_parameters()) p.normal_(0, 0.05);
+    }
+    Batch b;
+    at::manual_seed(4);
+    b.input_ids = at::randint(0, m->config().vocab, {2, 24}, at::kLong);
+    b.labels = b.input_ids.clone();
+    const auto [separate_loss, separate_grads] = grouped_step(*m, b, false);
+    const std::int64_t folds_before = grouped_lora_folds(), banks_before = grouped_bank_dequantisations();
+    const auto [folded_loss, folded_grads] = grouped_step(*m, b, true);
+    EXPECT_GT(grouped_lora_folds(), folds_before) << "the folded path did not run";
+    if (c.bank_bytes > 0) EXPECT_GT(grouped_bank_dequantisations() - banks_before, 3 * 2 * 2) << "the banks were not sliced";
+    EXPECT_NEAR(folded_loss, separate_loss, 1e-5 * std::abs(separate_loss));
+    const auto names = m->lora_parameters();
+    ASSERT_EQ(folded_grads.size(), separate_grads.size());
+    for (std::size_t i = 0; i < separate_grads.size(); ++i) {
+      ASSERT_TRUE(separate_grads[i].defined() && folded_grads[i].defined()) << names[i].first;
+      const double scale = separate_grads[i].norm().item<double>();
+      EXPECT_GT(scale, 0) << names[i].first;
+      EXPECT_LT((folded_grads[i] - separate_grads[i]).norm().item<double>(), 1e-4 * scale) << names[i].first;
+    }
+  }
+  fs::remove_all(wide);
+}
+
+namespace {
 // A dispatch of tokens x k (token, slot) pairs to 4 experts drawn at random, as the MoE block
 // builds it: the pairs in expert order, each pair's place in it, each sorted row's token.
 struct Dispatch {
