@@ -749,77 +749,35 @@ TEST(ExpertLora, AdapterIsPeftPerExpertBytesAndLoadsBack) {
   eo::remove_tree(dir);
 }
 
-// The GPU's grouped expert path (base and LoRA grouped GEMMs, the LoRA deltas summed inside
-// SwiGLU and added by the combine's gather), run on fp32 CPU tensors through libtorch's CPU
-// _grouped_mm, against the per-expert loop over the same stacked adapters: the loss and every
-// LoRA gradient to fp32 rounding. The adapter mixes cover the paired gate/up A, a lone delta
-// (its sum formed), and peft's fused gate_up_proj / down_proj wrappers.
-TEST(GroupedExperts, TheGpuPathOnTheCpuMatchesThePerExpertLoop) {
-  struct Case {
-    const char* name;
-    std::vector<std::string> targets;
-    bool fused;
-  };
-  const std::vector<Case> cases = {{"q, v, gate, up, down", {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}, false},
-                                   {"gate and down, no pair", {"gate_proj", "down_proj"}, false},
-                                   {"up alone", {"up_proj"}, false},
-                                   {"fused gate_up_proj and down_proj", {"q_proj"}, true}};
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    LoadOptions lo;
-    lo.load_in_4bit = true;
-    auto m = MoeModel::load(kTiny, lo);
-    LoraSpec spec;
-    spec.r = 8;
-    spec.alpha = 12;  // scaling 1.5: folded into B's cast on the grouped path, not a power of two
-    spec.targets = c.targets;
-    if (c.fused) spec.target_parameters = {kGateUpParam, kDownParam};
-    m->add_lora(spec);
-    {
-      at::NoGradGuard ng;  // non-zero B so every factor gets a gradient
-      at::manual_seed(3);
-      for (auto& [n, p] : m->lora_parameters()) p.normal_(0, 0.05);
-    }
-    Batch b;
-    at::manual_seed(4);
-    b.input_ids = at::randint(0, m->config().vocab, {2, 24}, at::kLong);
-    b.labels = b.input_ids.clone();
-    auto run = [&](bool grouped) {
-      set_grouped_gemm_on_cpu(grouped);
-      for (auto& [n, p] : m->lora_parameters()) p.mutable_grad() = at::Tensor();
-      at::Tensor h = m->embed(b.input_ids);
-      const BlockContext ctx = m->context(b, true);
-      for (int i = 0; i < m->num_layers(); ++i) {
-        if (m->block(i).is_moe()) m->weight_provider().stage(i);
-        h = m->block(i).forward(h, ctx);
-      }
-      const at::Tensor loss = m->loss_sum(h, b.labels);
-      loss.backward();
-      set_grouped_gemm_on_cpu(false);
-      std::vector<at::Tensor> grads;
-      for (auto& [n, p] : m->lora_parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
-      return std::make_pair(loss.item<double>(), grads);
-    };
-    const auto [loop_loss, loop_grads] = run(false);
-    const std::int64_t banks_before = grouped_bank_dequantisations();
-    const auto [grouped_loss, grouped_grads] = run(true);
-    EXPECT_GT(grouped_bank_dequantisations(), banks_before) << "the grouped path did not run";
-    EXPECT_NEAR(grouped_loss, loop_loss, 1e-5 * std::abs(loop_loss));
-    const auto names = m->lora_parameters();
-    for (std::size_t i = 0; i < loop_grads.size(); ++i) {
-      ASSERT_TRUE(loop_grads[i].defined() && grouped_grads[i].defined()) << names[i].first;
-      const double scale = loop_grads[i].norm().item<double>();
-      EXPECT_GT(scale, 0) << names[i].first;
-      EXPECT_LT((grouped_grads[i] - loop_grads[i]).norm().item<double>(), 1e-4 * scale) << names[i].first;
-    }
-  }
+namespace {
+// `dir` with load_in_4bit and LoRA r 8 (scaling 1.5, not a power of two: it rides in B's cast on the
+// grouped path) on `targets`, plus peft's fused expert parameters where `fused`; every factor drawn
+// non-zero so each gets a gradient.
+std::unique_ptr<MoeModel> with_expert_lora(const std::string& dir, LoadOptions lo, const std::vector<std::string>& targets,
+                                           bool fused) {
+  lo.load_in_4bit = true;
+  auto m = MoeModel::load(dir, lo);
+  LoraSpec spec;
+  spec.r = 8;
+  spec.alpha = 12;
+  spec.targets = targets;
+  if (fused) spec.target_parameters = {kGateUpParam, kDownParam};
+  m->add_lora(spec);
+  at::NoGradGuard ng;
+  at::manual_seed(3);
+  for (auto& [n, p] : m->lora_parameters()) p.normal_(0, 0.05);
+  return m;
 }
 
-namespace {
-// One forward and backward of `m` on the grouped path (fp32 CPU tensors), the expert LoRA folded
-// into the base GEMMs or not: the loss and every LoRA gradient.
-std::pair<double, std::vector<at::Tensor>> grouped_step(MoeModel& m, const Batch& b, bool fold) {
-  set_grouped_gemm_on_cpu(true);
+// One forward and backward of `m` (two rows of 24 tokens), on the grouped path (fp32 CPU tensors)
+// or the per-expert loop, the expert LoRA folded into the base GEMMs or not: the loss and every
+// LoRA gradient.
+std::pair<double, std::vector<at::Tensor>> lora_step(MoeModel& m, bool grouped, bool fold) {
+  Batch b;
+  at::manual_seed(4);
+  b.input_ids = at::randint(0, m.config().vocab, {2, 24}, at::kLong);
+  b.labels = b.input_ids.clone();
+  set_grouped_gemm_on_cpu(grouped);
   set_expert_lora_fold_enabled(fold);
   for (auto& [n, p] : m.lora_parameters()) p.mutable_grad() = at::Tensor();
   at::Tensor h = m.embed(b.input_ids);
@@ -836,22 +794,54 @@ std::pair<double, std::vector<at::Tensor>> grouped_step(MoeModel& m, const Batch
   for (auto& [n, p] : m.lora_parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
   return {loss.item<double>(), grads};
 }
+
+// Two lora_step results to fp32 rounding: the loss within 1e-5, each gradient within 1e-4 of its norm.
+void expect_same_step(const MoeModel& m, const std::pair<double, std::vector<at::Tensor>>& got,
+                      const std::pair<double, std::vector<at::Tensor>>& want) {
+  EXPECT_NEAR(got.first, want.first, 1e-5 * std::abs(want.first));
+  const auto names = m.lora_parameters();
+  ASSERT_EQ(got.second.size(), want.second.size());
+  for (std::size_t i = 0; i < want.second.size(); ++i) {
+    ASSERT_TRUE(want.second[i].defined() && got.second[i].defined()) << names[i].first;
+    const double scale = want.second[i].norm().item<double>();
+    EXPECT_GT(scale, 0) << names[i].first;
+    EXPECT_LT((got.second[i] - want.second[i]).norm().item<double>(), 1e-4 * scale) << names[i].first;
+  }
+}
+
+struct LoraMix {
+  std::string name;
+  std::vector<std::string> targets;
+  bool fused;
+};
+// Paired gate/up A, lone adapters (a delta's sum formed), and peft's fused gate_up_proj / down_proj.
+const std::vector<LoraMix> kLoraMixes = {{"q, v, gate, up, down", {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}, false},
+                                         {"gate and down, no pair", {"gate_proj", "down_proj"}, false},
+                                         {"up alone", {"up_proj"}, false},
+                                         {"fused gate_up_proj and down_proj", {"q_proj"}, true}};
 }  // namespace
+
+// The GPU's grouped expert path (base and LoRA grouped GEMMs, the LoRA deltas summed inside
+// SwiGLU and added by the combine's gather), run on fp32 CPU tensors through libtorch's CPU
+// _grouped_mm, against the per-expert loop over the same stacked adapters: the loss and every
+// LoRA gradient to fp32 rounding, for each adapter mix.
+TEST(GroupedExperts, TheGpuPathOnTheCpuMatchesThePerExpertLoop) {
+  for (const LoraMix& c : kLoraMixes) {
+    SCOPED_TRACE(c.name);
+    auto m = with_expert_lora(kTiny, LoadOptions{}, c.targets, c.fused);
+    const auto loop = lora_step(*m, false, false);
+    const std::int64_t banks_before = grouped_bank_dequantisations();
+    const auto grouped = lora_step(*m, true, false);
+    EXPECT_GT(grouped_bank_dequantisations(), banks_before) << "the grouped path did not run";
+    expect_same_step(*m, grouped, loop);
+  }
+}
 
 // The expert LoRA folded into its base GEMMs ([x | z] against [W | scaled B], one GEMM per matrix,
 // dz from the dX GEMM) against the separate LoRA GEMMs of the same grouped path, fp32 on the CPU:
-// the loss and every LoRA gradient to fp32 rounding. The adapter mixes of the test above on the
-// tiny model (paired gate/up A, lone adapters, peft's fused parameters), then a wider model whose
-// banks are dequantised in 64-row and 64-column slices (expert_bank_bytes), and whose banks are
-// kept for the backward (expert_bank_reuse all).
+// every adapter mix on the tiny model, then a wider model whose banks are dequantised in 64-row and
+// 64-column slices (expert_bank_bytes), and whose banks are kept for the backward (expert_bank_reuse all).
 TEST(GroupedExperts, TheFoldedLoraMatchesTheSeparateLoraGemms) {
-  struct Case {
-    std::string name, model;
-    std::vector<std::string> targets;
-    bool fused;
-    std::int64_t bank_bytes;
-    BankReuse reuse;
-  };
   const fs::path wide = fs::path(::testing::TempDir()) / ("eo-fold-" + std::to_string(::getpid()));
   fs::create_directories(wide);
   std::ofstream(wide / "config.json") << R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
@@ -859,52 +849,31 @@ TEST(GroupedExperts, TheFoldedLoraMatchesTheSeparateLoraGemms) {
     "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
     "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0, "tie_word_embeddings": false, "initializer_range": 0.02, "max_position_embeddings": 512})";
+  struct Case {
+    LoraMix mix;
+    std::string model;
+    std::int64_t bank_bytes;
+    BankReuse reuse;
+  };
+  std::vector<Case> cases;
+  for (const LoraMix& mix : kLoraMixes) cases.push_back({mix, kTiny, 0, BankReuse::None});
   const std::int64_t slice = 4 * 64 * (128 + 8) * 4;  // 4 experts x 64 rows of 128 + r 8 fp32 columns
-  const std::vector<Case> cases = {
-      {"q, v, gate, up, down", kTiny, {"q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}, false, 0, BankReuse::None},
-      {"gate and down, no pair", kTiny, {"gate_proj", "down_proj"}, false, 0, BankReuse::None},
-      {"up alone", kTiny, {"up_proj"}, false, 0, BankReuse::None},
-      {"fused gate_up_proj and down_proj", kTiny, {"q_proj"}, true, 0, BankReuse::None},
-      {"fused, banks in slices", wide.string(), {"q_proj"}, true, slice, BankReuse::None},
-      {"paired, banks in slices", wide.string(), {"gate_proj", "up_proj", "down_proj"}, false, slice, BankReuse::None},
-      {"fused, banks kept", wide.string(), {"q_proj"}, true, 0, BankReuse::All}};
+  cases.push_back({{"fused, banks in slices", {"q_proj"}, true}, wide.string(), slice, BankReuse::None});
+  cases.push_back({{"paired, banks in slices", {"gate_proj", "up_proj", "down_proj"}, false}, wide.string(), slice, BankReuse::None});
+  cases.push_back({{"fused, banks kept", {"q_proj"}, true}, wide.string(), 0, BankReuse::All});
   for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
+    SCOPED_TRACE(c.mix.name);
     LoadOptions lo;
-    lo.load_in_4bit = true;
     lo.expert_bank_bytes = c.bank_bytes;
     if (c.model != kTiny) lo.random_seed = 5;
-    auto m = MoeModel::load(c.model, lo);
+    auto m = with_expert_lora(c.model, lo, c.mix.targets, c.mix.fused);
     m->set_bank_reuse(c.reuse);
-    LoraSpec spec;
-    spec.r = 8;
-    spec.alpha = 12;  // scaling 1.5, not a power of two: it rides in B's cast on both paths
-    spec.targets = c.targets;
-    if (c.fused) spec.target_parameters = {kGateUpParam, kDownParam};
-    m->add_lora(spec);
-    {
-      at::NoGradGuard ng;  // non-zero B so every factor gets a gradient
-      at::manual_seed(3);
-      for (auto& [n, p] : m->lora_parameters()) p.normal_(0, 0.05);
-    }
-    Batch b;
-    at::manual_seed(4);
-    b.input_ids = at::randint(0, m->config().vocab, {2, 24}, at::kLong);
-    b.labels = b.input_ids.clone();
-    const auto [separate_loss, separate_grads] = grouped_step(*m, b, false);
+    const auto separate = lora_step(*m, true, false);
     const std::int64_t folds_before = grouped_lora_folds(), banks_before = grouped_bank_dequantisations();
-    const auto [folded_loss, folded_grads] = grouped_step(*m, b, true);
+    const auto folded = lora_step(*m, true, true);
     EXPECT_GT(grouped_lora_folds(), folds_before) << "the folded path did not run";
     if (c.bank_bytes > 0) EXPECT_GT(grouped_bank_dequantisations() - banks_before, 3 * 2 * 2) << "the banks were not sliced";
-    EXPECT_NEAR(folded_loss, separate_loss, 1e-5 * std::abs(separate_loss));
-    const auto names = m->lora_parameters();
-    ASSERT_EQ(folded_grads.size(), separate_grads.size());
-    for (std::size_t i = 0; i < separate_grads.size(); ++i) {
-      ASSERT_TRUE(separate_grads[i].defined() && folded_grads[i].defined()) << names[i].first;
-      const double scale = separate_grads[i].norm().item<double>();
-      EXPECT_GT(scale, 0) << names[i].first;
-      EXPECT_LT((folded_grads[i] - separate_grads[i]).norm().item<double>(), 1e-4 * scale) << names[i].first;
-    }
+    expect_same_step(*m, folded, separate);
   }
   fs::remove_all(wide);
 }
