@@ -26,7 +26,8 @@ bool is_copy(const std::string& n) { return has(n, "Memcpy") || has(n, "Memset")
 std::string phase_of(const std::string& n) {
   if (is_copy(n)) return has(n, "HtoD") ? "copy host->device" : has(n, "DtoH") ? "copy device->host" : "copy / memset on device";
   if (has(n, "nccl")) return "NCCL";
-  if (has(n, "dequantize_vec8") || has(n, "dequantize_bytes") || has(n, "quantize_blocks")) return "NF4 (de)quantisation";
+  if (has(n, "dequantize_vec8") || has(n, "dequantize_window_vec8") || has(n, "dequantize_bytes") || has(n, "quantize_blocks"))
+    return "NF4 (de)quantisation";
   if (has(n, "flash") || has(n, "fmha") || has(n, "attention") || has(n, "Attention")) return "attention (SDPA)";
   const bool gemm = has(n, "gemm") || has(n, "Gemm") || has(n, "GEMM") || has(n, "nvjet") || has(n, "xmma") ||
                     has(n, "cutlass") || has(n, "sm90_") || has(n, "cublas");
