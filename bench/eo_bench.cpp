@@ -17,7 +17,7 @@
 //          all but the down projection's (expert_bank_reuse: none / down), ":smallk" the expert
 //          LoRA's rank-wide GEMMs on eo's small-K kernel (off by default, models/grouped_mm.h),
 //          ":packed" rows of four documents each (sample_packing: flash varlen where it runs),
-//          ":drk" the gated delta rule's CUDA kernels (off by default, models/delta_rule.h), ":fold"
+//          ":dr-aten" the gated delta rule without its CUDA kernels (models/delta_rule.h), ":fold"
 //          the expert LoRA folded into its base GEMMs (off by default, models/linear4bit.h);
 //          they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
@@ -269,8 +269,8 @@ int main(int argc, char** argv) {
       const bool keepdown = std::find(parts.begin(), parts.end(), "keepdown") != parts.end();
       // :smallk: the expert LoRA's rank-wide GEMMs on eo's small-K kernel (models/grouped_mm.h).
       const bool smallk = std::find(parts.begin(), parts.end(), "smallk") != parts.end();
-      // :drk: the gated delta rule's chain and UT-transform kernels (models/delta_rule.h).
-      const bool delta_kernels = std::find(parts.begin(), parts.end(), "drk") != parts.end();
+      // :dr-aten: the gated delta rule as batched ATen ops, without its kernels (models/delta_rule.h).
+      const bool delta_aten = std::find(parts.begin(), parts.end(), "dr-aten") != parts.end();
       // :fold: the expert LoRA folded into its base GEMMs (models/linear4bit.h).
       const bool fold = std::find(parts.begin(), parts.end(), "fold") != parts.end();
       const bool portable = card || std::find(parts.begin(), parts.end(), "portable") != parts.end();
@@ -336,11 +336,11 @@ int main(int argc, char** argv) {
         const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
         release_cached_memory(dev);  // the previous mode's cached blocks would count as reserved
         model::set_small_k_kernel_enabled(smallk);
-        model::set_delta_rule_kernels_enabled(delta_kernels);
+        model::set_delta_rule_kernels_enabled(!delta_aten);
         model::set_expert_lora_fold_enabled(fold);
         train(cfg, world, hooks);
         model::set_small_k_kernel_enabled(false);
-        model::set_delta_rule_kernels_enabled(false);
+        model::set_delta_rule_kernels_enabled(true);
         model::set_expert_lora_fold_enabled(false);
         row.reserved_vram = double(peak_reserved_bytes(dev));
         if (!table.empty()) std::printf("%s\n", table.c_str());

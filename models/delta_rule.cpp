@@ -38,8 +38,8 @@ using torch::autograd::variable_list;
 
 constexpr double kL2Eps = 1e-6;  // transformers' and fla's l2norm epsilon
 
-// Off until the kernels have passed ctest -L cuda on a GPU (test_cuda_delta_rule runs both forms).
-std::atomic<bool> kernels_enabled{false};
+// On: test_cuda_delta_rule holds both forms to the float64 recurrence on a GPU (H100, 2026-12-07).
+std::atomic<bool> kernels_enabled{true};
 
 at::ScalarType compute_dtype(const at::Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 

@@ -43,8 +43,7 @@ struct GatedDeltaRuleOutput {
 // from one token to the next the state is reset to zero (the row's first document starts from
 // initial_state). Differentiable in q, k, v, g, beta and initial_state.
 // Whether fp32 on a GPU runs the chain and the UT transform as delta_rule_cuda.h's kernels or as the
-// batched ATen ops every other device runs (the default until the kernels have run on a GPU):
-// eo-delta-rule times both side by side.
+// batched ATen ops every other device runs (default: the kernels); eo-delta-rule times both side by side.
 void set_delta_rule_kernels_enabled(bool on);
 bool delta_rule_kernels_enabled();
 
