@@ -17,8 +17,7 @@
 //          all but the down projection's (expert_bank_reuse: none / down), ":smallk" the expert
 //          LoRA's rank-wide GEMMs on eo's small-K kernel (off by default, models/grouped_mm.h),
 //          ":packed" rows of four documents each (sample_packing: flash varlen where it runs),
-//          ":dr-aten" the gated delta rule without its CUDA kernels (models/delta_rule.h), ":fold"
-//          the expert LoRA folded into its base GEMMs (off by default, models/linear4bit.h);
+//          ":dr-aten" the gated delta rule without its CUDA kernels (models/delta_rule.h);
 //          they combine (":park:mm", "prefetch:disk")
 //   --accum G: gradient_accumulation_steps (tokens per step = seq x mb x G)
 //   --workdir DIR: tokens, outputs and (by default) the disk homes; default /dev/shm/eo-bench, a
@@ -71,7 +70,6 @@
 #include "models/delta_rule.h"
 #include "models/grouped_mm.h"
 #include "models/hf_config.h"
-#include "models/linear4bit.h"
 #include "runtime/cards.h"
 #include "runtime/config.h"
 #include "runtime/device.h"
@@ -271,8 +269,6 @@ int main(int argc, char** argv) {
       const bool smallk = std::find(parts.begin(), parts.end(), "smallk") != parts.end();
       // :dr-aten: the gated delta rule as batched ATen ops, without its kernels (models/delta_rule.h).
       const bool delta_aten = std::find(parts.begin(), parts.end(), "dr-aten") != parts.end();
-      // :fold: the expert LoRA folded into its base GEMMs (models/linear4bit.h).
-      const bool fold = std::find(parts.begin(), parts.end(), "fold") != parts.end();
       const bool portable = card || std::find(parts.begin(), parts.end(), "portable") != parts.end();
       const bool torch_gemm = std::find(parts.begin(), parts.end(), "torch") != parts.end();
       const bool packed = std::find(parts.begin(), parts.end(), "packed") != parts.end();
@@ -337,11 +333,9 @@ int main(int argc, char** argv) {
         release_cached_memory(dev);  // the previous mode's cached blocks would count as reserved
         model::set_small_k_kernel_enabled(smallk);
         model::set_delta_rule_kernels_enabled(!delta_aten);
-        model::set_expert_lora_fold_enabled(fold);
         train(cfg, world, hooks);
         model::set_small_k_kernel_enabled(false);
         model::set_delta_rule_kernels_enabled(true);
-        model::set_expert_lora_fold_enabled(false);
         row.reserved_vram = double(peak_reserved_bytes(dev));
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");

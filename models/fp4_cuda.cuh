@@ -32,14 +32,14 @@ struct SourceBatch {
 template <typename F, typename T>
 __global__ void dequantize_window_vec8(const SourceBatch<F> batch, typename F::Window w, T* out) {
   const typename F::Source& s = batch.src[blockIdx.y];
-  const std::int64_t per_row = w.cols / 8, groups = w.rows * per_row, ld = w.ld > 0 ? w.ld : w.cols;
+  const std::int64_t per_row = w.cols / 8, groups = w.rows * per_row;
   const std::uint32_t* codes = reinterpret_cast<const std::uint32_t*>(s.codes);
   const typename F::Matrix m = F::matrix(s);
-  T* dst_base = out + static_cast<std::int64_t>(blockIdx.y) * w.rows * ld;
+  T* dst_base = out + static_cast<std::int64_t>(blockIdx.y) * w.rows * w.cols;
   for (std::int64_t g = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; g < groups;
        g += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = g / per_row, col = (g - row * per_row) * 8;
-    const std::int64_t flat = (w.r0 + row) * w.row_len + w.c0 + col;  // first of the 8 values
+    const std::int64_t row = g / per_row;
+    const std::int64_t flat = (w.r0 + row) * w.row_len + w.c0 + (g - row * per_row) * 8;  // first of the 8 values
     const std::uint32_t word = __ldg(codes + flat / 8);
     const unsigned scale = __ldg(s.scales + flat / F::kGroup);
     T vals[8];
@@ -49,7 +49,7 @@ __global__ void dequantize_window_vec8(const SourceBatch<F> batch, typename F::W
       vals[2 * k] = F::template value<T>(m, byte & 15u, scale);  // low nibble: the even element
       vals[2 * k + 1] = F::template value<T>(m, byte >> 4, scale);
     }
-    uint4* dst = reinterpret_cast<uint4*>(dst_base + row * ld + col);
+    uint4* dst = reinterpret_cast<uint4*>(dst_base + g * 8);
     const uint4* v = reinterpret_cast<const uint4*>(vals);
 #pragma unroll
     for (int k = 0; k < static_cast<int>(8 * sizeof(T) / 16); ++k) dst[k] = v[k];
@@ -60,10 +60,8 @@ inline bool aligned(const void* p, std::uintptr_t to) { return (reinterpret_cast
 
 template <typename F, typename T>
 cudaError_t launch(const typename F::Source* sources, int count, const typename F::Window& w, void* out, cudaStream_t stream) {
-  if (w.row_len % F::kGroup || w.cols % 8 || w.c0 % 8 || w.r0 < 0 || w.c0 < 0 || w.c0 + w.cols > w.row_len || !aligned(out, 16) ||
-      (w.ld != 0 && (w.ld < w.cols || (w.ld * static_cast<std::int64_t>(sizeof(T))) % 16)))
+  if (w.row_len % F::kGroup || w.cols % 8 || w.c0 % 8 || w.r0 < 0 || w.c0 < 0 || w.c0 + w.cols > w.row_len || !aligned(out, 16))
     return cudaErrorInvalidValue;
-  const std::int64_t ld = w.ld > 0 ? w.ld : w.cols;
   for (int i = 0; i < count; ++i)
     if (!aligned(sources[i].codes, 4) || !F::usable(sources[i])) return cudaErrorInvalidValue;
   int sms = 132, dev = 0;
@@ -77,7 +75,7 @@ cudaError_t launch(const typename F::Source* sources, int count, const typename 
     const std::int64_t want = (w.rows * w.cols / 8 + threads - 1) / threads;
     const std::int64_t cap = std::max<std::int64_t>(1, (static_cast<std::int64_t>(sms) * 8 + k - 1) / k);
     const dim3 grid(static_cast<unsigned>(std::max<std::int64_t>(1, std::min(want, cap))), static_cast<unsigned>(k));
-    T* dst = static_cast<T*>(out) + static_cast<std::int64_t>(first) * w.rows * ld;
+    T* dst = static_cast<T*>(out) + static_cast<std::int64_t>(first) * w.rows * w.cols;
     dequantize_window_vec8<F, T><<<grid, threads, 0, stream>>>(batch, w, dst);
     const cudaError_t rc = cudaGetLastError();
     if (rc != cudaSuccess) return rc;

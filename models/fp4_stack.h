@@ -30,8 +30,7 @@ namespace eo::fp4 {
 
 #ifdef EO_WITH_CUDA
 template <typename F>
-at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, typename F::Window w,
-                           const at::Tensor& dest) {
+at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, const typename F::Window& w) {
   const at::Device dev = qs.front()->packed.device();
   c10::cuda::CUDAGuard guard(dev);
   std::vector<typename F::Source> sources;
@@ -42,9 +41,7 @@ at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::Sc
   }
   using nf4::cuda::OutType;
   const auto type = dtype == at::kFloat ? OutType::F32 : dtype == at::kBFloat16 ? OutType::BF16 : OutType::F16;
-  at::Tensor out = dest.defined() ? dest
-                                  : at::empty({static_cast<std::int64_t>(qs.size()), w.rows, w.cols}, at::TensorOptions().dtype(dtype).device(dev));
-  if (dest.defined()) w.ld = dest.stride(1);
+  at::Tensor out = at::empty({static_cast<std::int64_t>(qs.size()), w.rows, w.cols}, at::TensorOptions().dtype(dtype).device(dev));
   const cudaError_t rc = F::dequantize(sources.data(), static_cast<int>(qs.size()), w, out.data_ptr(), type,
                                        c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   EO_CUDA_CHECK(rc, F::kName, ": CUDA dequantize kernel launch (codes must be 4-byte aligned, window columns multiples of 8)");
@@ -54,7 +51,7 @@ at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::Sc
 
 template <typename F>
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& dest = at::Tensor()) {
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   EO_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, F::kName,
            "::dequantize: the output dtype must be float32, bfloat16 or float16, got ", dtype, ".");
   F::check_stack(qs);
@@ -63,7 +60,7 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
            "::dequantize_stack_window: window rows [", r0, ", ", r0 + rows, ") x cols [", c0, ", ", c0 + cols, ") outside [",
            out, ", ", in, "]");
 #ifdef EO_WITH_CUDA
-  if (qs.front()->packed.is_cuda()) return dequantize_cuda<F>(qs, dtype, typename F::Window{in, r0, rows, c0, cols}, dest);
+  if (qs.front()->packed.is_cuda()) return dequantize_cuda<F>(qs, dtype, typename F::Window{in, r0, rows, c0, cols});
 #endif
   // CPU: decode the rows of the window whole (a row's groups are contiguous), then cut the columns
   // and round to dtype (nearest even; nothing to round where dtype is the decoded one).
@@ -75,7 +72,7 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
               rows * in / F::kGroup, bank[i].data_ptr());
   }
   at::Tensor w = c0 == 0 && cols == in ? bank : bank.narrow(2, c0, cols).contiguous();
-  return dest.defined() ? dest.copy_(w.to(dtype)) : w.to(dtype);
+  return w.to(dtype);
 }
 
 }  // namespace eo::fp4

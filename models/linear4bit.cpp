@@ -46,7 +46,6 @@ struct Linear4bitFunction : public torch::autograd::Function<Linear4bitFunction>
 };
 
 std::atomic<std::int64_t> g_bank_dequantisations{0};
-std::atomic<std::int64_t> g_lora_folds{0};
 
 // The bank travels through saved_data like the handle above.
 struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFunction> {
@@ -63,16 +62,15 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
   }
   // [out, in] of the bank's matrices, and the slice length along `dim` (1 rows, 2 columns) that
   // max_bytes allows; the full length when the bank is dense or unlimited.
-  // `tail`: columns a folded LoRA adds to each row (grouped_expert_linear_lora), counted in a row slice.
-  static std::pair<std::vector<std::int64_t>, std::int64_t> slicing(const ExpertBank& bank, int dim, at::ScalarType dt,
-                                                                    std::int64_t tail = 0) {
+  static std::pair<std::vector<std::int64_t>, std::int64_t> slicing(const ExpertBank& bank, int dim, at::ScalarType dt) {
     if (bank.dense.defined()) return {{bank.dense.size(1), bank.dense.size(2)}, dim == 1 ? bank.dense.size(1) : bank.dense.size(2)};
     const auto& shape = bank.provider->expert_weight(bank.layer, bank.first, bank.matrix).shape;
-    const std::int64_t full = dim == 1 ? shape[0] : shape[1], other = dim == 1 ? shape[1] + tail : shape[0];
+    const std::int64_t full = dim == 1 ? shape[0] : shape[1], other = dim == 1 ? shape[1] : shape[0];
     return {{shape[0], shape[1]}, bank_slice(full, bank.experts, other, c10::elementSize(dt), bank.max_bytes)};
   }
 
-  static void save_bank(torch::autograd::AutogradContext* ctx, const ExpertBank& bank, const at::Tensor& offsets) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& offsets,
+                            const ExpertBank& bank) {
     ctx->saved_data["provider"] = static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(bank.provider));
     ctx->saved_data["layer"] = static_cast<std::int64_t>(bank.layer);
     ctx->saved_data["experts"] = static_cast<std::int64_t>(bank.experts);
@@ -81,30 +79,6 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
     ctx->saved_data["max_bytes"] = bank.max_bytes;
     ctx->saved_data["offsets"] = offsets;
     if (bank.dense.defined()) ctx->saved_data["dense"] = bank.dense;
-  }
-  static ExpertBank saved_bank(torch::autograd::AutogradContext* ctx) {
-    ExpertBank bank;
-    bank.provider = reinterpret_cast<WeightProvider*>(static_cast<std::intptr_t>(ctx->saved_data["provider"].toInt()));
-    bank.layer = static_cast<int>(ctx->saved_data["layer"].toInt());
-    bank.experts = static_cast<int>(ctx->saved_data["experts"].toInt());
-    bank.first = static_cast<int>(ctx->saved_data["first"].toInt());
-    bank.matrix = static_cast<ExpertMatrix>(ctx->saved_data["matrix"].toInt());
-    bank.max_bytes = ctx->saved_data["max_bytes"].toInt();
-    if (ctx->saved_data.count("dense")) bank.dense = ctx->saved_data["dense"].toTensor();
-    return bank;
-  }
-  // The bank kept by the forward for this backward (expert_bank_reuse), released as it is taken.
-  static at::Tensor take_kept(torch::autograd::AutogradContext* ctx) {
-    auto kept = ctx->saved_data.find("bank");
-    if (kept == ctx->saved_data.end()) return at::Tensor();
-    at::Tensor w = kept->second.toTensor();
-    ctx->saved_data.erase(kept);  // freed once dX is queued, not with the graph
-    return w;
-  }
-
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& offsets,
-                            const ExpertBank& bank) {
-    save_bank(ctx, bank, offsets);
     const auto [shape, rows] = slicing(bank, 1, x.scalar_type());
     if (rows >= shape[0]) {
       const at::Tensor w = weights(bank, x.scalar_type());
@@ -125,10 +99,21 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const ExpertBank bank = saved_bank(ctx);
+    ExpertBank bank;
+    bank.provider = reinterpret_cast<WeightProvider*>(static_cast<std::intptr_t>(ctx->saved_data["provider"].toInt()));
+    bank.layer = static_cast<int>(ctx->saved_data["layer"].toInt());
+    bank.experts = static_cast<int>(ctx->saved_data["experts"].toInt());
+    bank.first = static_cast<int>(ctx->saved_data["first"].toInt());
+    bank.matrix = static_cast<ExpertMatrix>(ctx->saved_data["matrix"].toInt());
+    bank.max_bytes = ctx->saved_data["max_bytes"].toInt();
+    if (ctx->saved_data.count("dense")) bank.dense = ctx->saved_data["dense"].toTensor();
     const at::Tensor offsets = ctx->saved_data["offsets"].toTensor();
     const at::Tensor dy = grads[0].contiguous();
-    if (const at::Tensor w = take_kept(ctx); w.defined()) return {grouped_mm_product(dy, w, offsets), at::Tensor(), at::Tensor()};
+    if (auto kept = ctx->saved_data.find("bank"); kept != ctx->saved_data.end()) {
+      const at::Tensor w = kept->second.toTensor();
+      ctx->saved_data.erase(kept);  // freed once dX is queued, not with the graph
+      return {grouped_mm_product(dy, w, offsets), at::Tensor(), at::Tensor()};
+    }
     // The bytes current now (the recompute staged them).
     const auto [shape, cols] = slicing(bank, 2, dy.scalar_type());
     if (cols >= shape[1]) return {grouped_mm_product(dy, weights(bank, dy.scalar_type()), offsets), at::Tensor(), at::Tensor()};
@@ -142,75 +127,6 @@ struct GroupedExpertFunction : public torch::autograd::Function<GroupedExpertFun
       dx.narrow(1, c0, n).copy_(grouped_mm_product(dy, w, offsets));
     }
     return {dx, at::Tensor(), at::Tensor()};
-  }
-};
-
-// x_ext · [W | tail]^T: the expert LoRA folded into its base GEMM (grouped_expert_linear_lora). The
-// bank is dequantised into the first `in` columns of each [in + t] row and the tail copied into
-// the rest, so the base GEMM also forms the delta and the backward's dX GEMM also gives dz.
-struct GroupedExpertLoraFunction : public torch::autograd::Function<GroupedExpertLoraFunction> {
-  using Base = GroupedExpertFunction;
-  // Rows [r0, r0 + n) of every expert's [W | tail]: [E, n, in + t] in `dtype`.
-  static at::Tensor bank_rows(const ExpertBank& bank, const at::Tensor& tail, at::ScalarType dtype, std::int64_t in,
-                              std::int64_t r0, std::int64_t n) {
-    const std::int64_t t = tail.size(2);
-    at::Tensor w = at::empty({tail.size(0), n, in + t}, tail.options().dtype(dtype));
-    if (bank.dense.defined()) {
-      w.narrow(2, 0, in).copy_(bank.dense.narrow(1, r0, n));
-    } else {
-      ++g_bank_dequantisations;
-      eo::dequantize_stack_window(Base::sources(bank), dtype, r0, n, 0, in, w.narrow(2, 0, in));
-    }
-    w.narrow(2, in, t).copy_(tail.narrow(1, r0, n));
-    return w;
-  }
-
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x_ext, const at::Tensor& z,
-                            const at::Tensor& tail, const at::Tensor& offsets, const ExpertBank& bank) {
-    Base::save_bank(ctx, bank, offsets);
-    ++g_lora_folds;
-    ctx->save_for_backward({z, tail});  // z alone (not x_ext): the backward needs only its columns
-    const auto dt = x_ext.scalar_type();
-    const auto [shape, rows] = Base::slicing(bank, 1, dt, tail.size(2));
-    const std::int64_t out = shape[0], in = shape[1];
-    if (rows >= out) {
-      const at::Tensor w = bank_rows(bank, tail, dt, in, 0, out);
-      if (bank.keep_for_backward) ctx->saved_data["bank"] = w;
-      return grouped_mm_product(x_ext, w.transpose(1, 2), offsets);
-    }
-    at::Tensor y = at::empty({x_ext.size(0), out}, x_ext.options());
-    for (std::int64_t o0 = 0; o0 < out; o0 += rows) {
-      const std::int64_t n = std::min(rows, out - o0);
-      y.narrow(1, o0, n).copy_(grouped_mm_product(x_ext, bank_rows(bank, tail, dt, in, o0, n).transpose(1, 2), offsets));
-    }
-    return y;
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const ExpertBank bank = Base::saved_bank(ctx);
-    const at::Tensor offsets = ctx->saved_data["offsets"].toTensor();
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &z = saved[0], &tail = saved[1];
-    const at::Tensor dy = grads[0].contiguous();
-    const at::Tensor d_tail = grouped_mm_contract(dy, z.contiguous(), offsets);  // [E, out, t]
-    const auto dt = dy.scalar_type();
-    at::Tensor dx_ext = Base::take_kept(ctx);
-    if (dx_ext.defined()) return {grouped_mm_product(dy, dx_ext, offsets), at::Tensor(), d_tail, at::Tensor(), at::Tensor()};
-    const auto [shape, cols] = Base::slicing(bank, 2, dt);
-    const std::int64_t out = shape[0], in = shape[1], t = tail.size(2);
-    if (cols >= in) return {grouped_mm_product(dy, bank_rows(bank, tail, dt, in, 0, out), offsets), at::Tensor(), d_tail, at::Tensor(),
-              at::Tensor()};
-    // dX's columns window by window as GroupedExpertFunction's, then dz = dy · tail.
-    const auto qs = Base::sources(bank);
-    dx_ext = at::empty({dy.size(0), in + t}, dy.options());
-    for (std::int64_t c0 = 0; c0 < in; c0 += cols) {
-      const std::int64_t n = std::min(cols, in - c0);
-      ++g_bank_dequantisations;
-      dx_ext.narrow(1, c0, n).copy_(grouped_mm_product(dy, eo::dequantize_stack_window(qs, dt, 0, out, c0, n), offsets));
-    }
-    dx_ext.narrow(1, in, t).copy_(grouped_mm_product(dy, tail.to(dt).contiguous(), offsets));
-    return {dx_ext, at::Tensor(), d_tail, at::Tensor(), at::Tensor()};  // x_ext, z, tail, offsets, bank
   }
 };
 
@@ -358,7 +274,6 @@ void set_grouped_gemm_enabled(bool enabled) { g_grouped_enabled = enabled; }
 void set_grouped_gemm_on_cpu(bool enabled) { g_grouped_on_cpu = enabled; }
 
 std::int64_t grouped_bank_dequantisations() { return g_bank_dequantisations.load(); }
-std::int64_t grouped_lora_folds() { return g_lora_folds.load(); }
 
 bool grouped_gemm_available(const at::Tensor& x) {
   if (!g_grouped_enabled) return false;
@@ -372,24 +287,6 @@ at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets,
   EO_CHECK(bank.dense.defined() || bank.provider != nullptr, "grouped_expert_linear: no weights");
   return GroupedExpertFunction::apply(x.contiguous(), offsets, bank);
 }
-
-at::Tensor grouped_expert_linear_lora(const at::Tensor& x_ext, const at::Tensor& z, const at::Tensor& tail,
-                                      const at::Tensor& offsets, const ExpertBank& bank) {
-  EO_CHECK(grouped_gemm_available(x_ext), "grouped_expert_linear_lora: the grouped expert GEMMs do not run on ", x_ext.scalar_type(),
-           " on ", x_ext.device());
-  EO_CHECK(bank.dense.defined() || bank.provider != nullptr, "grouped_expert_linear_lora: no weights");
-  EO_CHECK(x_ext.dim() == 2 && z.dim() == 2 && tail.dim() == 3 && z.size(0) == x_ext.size(0) && tail.size(2) == z.size(1) &&
-               tail.size(0) == bank.experts && x_ext.size(1) > z.size(1),
-           "grouped_expert_linear_lora: x_ext ", x_ext.sizes(), ", z ", z.sizes(), ", tail ", tail.sizes(), " for ", bank.experts,
-           " experts");
-  return GroupedExpertLoraFunction::apply(x_ext.contiguous(), z, tail.to(x_ext.scalar_type()), offsets, bank);
-}
-
-namespace {
-std::atomic<bool> g_lora_fold{false};
-}  // namespace
-void set_expert_lora_fold_enabled(bool on) { g_lora_fold = on; }
-bool expert_lora_fold_enabled() { return g_lora_fold; }
 
 at::Tensor linear4bit(const at::Tensor& x, const WeightHandle& handle) {
   return Linear4bitFunction::apply(x, handle);

@@ -60,25 +60,11 @@ enum class BankReuse { None, Down, All };
 // Banks (or bank slices) dequantised by grouped_expert_linear in this process (instrumentation
 // for tests).
 std::int64_t grouped_bank_dequantisations();
-// Forward GEMMs run with a LoRA folded in (grouped_expert_linear_lora), likewise.
-std::int64_t grouped_lora_folds();
 // The slice length (rows or columns of each expert matrix) that keeps an [E, len, other] slice of
 // `elem_bytes` values within max_bytes: a multiple of 64, at least 64, at most `full`.
 std::int64_t bank_slice(std::int64_t full, std::int64_t experts, std::int64_t other, std::int64_t elem_bytes,
                         std::int64_t max_bytes);
 at::Tensor grouped_expert_linear(const at::Tensor& x, const at::Tensor& offsets, const ExpertBank& bank);
-// The expert LoRA folded into its base GEMM: x · W^T + z · tail^T as one grouped GEMM over the
-// bank widened to [W | tail] (K = in + t), so no [N, out] delta is written and read, and the dX
-// GEMM gives dz with dx. x_ext = [x | z] [N, in + t]; z [N, t] its last columns (passed alone: the
-// backward keeps only it, for tail's gradient); tail [E, out, t] the adapter's scaled B in z's
-// columns (zeros in another adapter's). Gradients reach x_ext (one [N, in + t]) and tail.
-at::Tensor grouped_expert_linear_lora(const at::Tensor& x_ext, const at::Tensor& z, const at::Tensor& tail,
-                                      const at::Tensor& offsets, const ExpertBank& bank);
-// Whether MoE blocks fold their expert LoRA into the base GEMMs (grouped_expert_linear_lora) where
-// the experts are quantised and a block is not streamed in groups. Off by default: not yet
-// measured on a GPU against the separate LoRA GEMMs.
-void set_expert_lora_fold_enabled(bool on);
-bool expert_lora_fold_enabled();
 // Whether grouped_expert_linear can run here: a CUDA tensor the grouped expert GEMMs take
 // (grouped_expert_gemm_runs: bf16, or fp16 on the portable kernel), unless switched off (tests
 // compare it with the per-expert loop). set_grouped_gemm_on_cpu lets tests run the same grouped

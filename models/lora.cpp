@@ -233,28 +233,6 @@ std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_halves(const at::Ten
           grouped_up(down, bs.narrow(1, half, half).contiguous(), offsets)};
 }
 
-std::pair<at::Tensor, at::Tensor> ExpertLora::fold_factors(const at::Tensor& x_sorted, const at::Tensor& offsets,
-                                                           bool training) const {
-  EO_CHECK(grouped_ok(), "grouped expert LoRA needs r divisible by 8, got r=", a_.size(1));
-  const at::Tensor x = x_sorted.contiguous();
-  const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;
-  const auto [a, bs] = factors(x.scalar_type(), scaling_);
-  return {grouped_down(h, a, offsets), bs};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ExpertLora::fold_factors_pair(const ExpertLora& l1, const ExpertLora& l2,
-                                                                              const at::Tensor& x_sorted, const at::Tensor& offsets,
-                                                                              bool training) {
-  EO_CHECK(l1.can_pair_with(l2, training), "fold_factors_pair: these adapters cannot share one A GEMM (dropout, shapes or r)");
-  const auto dt = x_sorted.scalar_type();
-  const at::Tensor a = at::cat({compute_copy(l1.a_, dt), compute_copy(l2.a_, dt)}, 1);
-  const at::Tensor z = grouped_down(x_sorted.contiguous(), a, offsets);  // [N, r1 + r2]
-  const at::Tensor b1 = compute_copy(l1.b_, dt, l1.scaling_), b2 = compute_copy(l2.b_, dt, l2.scaling_);
-  const at::Tensor zeros1 = at::zeros({b1.size(0), b1.size(1), b2.size(2)}, b1.options());
-  const at::Tensor zeros2 = at::zeros({b2.size(0), b2.size(1), b1.size(2)}, b2.options());
-  return {z, at::cat({b1, zeros1}, 2), at::cat({zeros2, b2}, 2)};
-}
-
 bool ExpertLora::can_pair_with(const ExpertLora& other, bool training) const {
   const bool masks = training && (dropout_ > 0 || other.dropout_ > 0);
   // Per-expert adapters only (the fused ones have no partner), so A is [E, r, in] in both.

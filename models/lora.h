@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -116,15 +115,6 @@ class ExpertLora {
                                                               const at::Tensor& x_sorted, const at::Tensor& offsets,
                                                               bool training);
   bool can_pair_with(const ExpertLora& other, bool training) const;
-  // The adapter in the form its base GEMM folds in (grouped_expert_linear_lora): z = dropout(x) ·
-  // A^T on the sorted rows [N, r] (one grouped GEMM) and B scaled [E, out, r] (gate rows first),
-  // both in x's dtype.
-  std::pair<at::Tensor, at::Tensor> fold_factors(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const;
-  // Two adapters over the same rows (can_pair_with): z [N, r1 + r2] from one A GEMM, and each B
-  // scaled and widened with zeros to z's columns ([E, out, r1 + r2]: its own r columns, the other's zero).
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> fold_factors_pair(const ExpertLora& l1, const ExpertLora& l2,
-                                                                           const at::Tensor& x_sorted, const at::Tensor& offsets,
-                                                                           bool training);
   // Whether the grouped forms can run: the grouped GEMM needs 16-byte aligned rows, so r must be a
   // multiple of 8 in bf16 (in and out are the base GEMM's, already aligned).
   bool grouped_ok() const { return a_.size(1) % 8 == 0; }

@@ -407,9 +407,7 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
     // group: experts [first, first + n) on their rows, with offsets local to those rows. A kept
     // bank would keep every group's, so none is kept then.
     const int group = w_.quantized && provider_ ? provider_->expert_group_size() : 0;
-    // With z and tail (a folded LoRA): `in` is [x | z] and the GEMM runs over [W | tail].
-    auto linear_on = [&](ExpertMatrix m, const at::Tensor& in, int first, int n, const at::Tensor& offs, const at::Tensor& rows_expert,
-                         const at::Tensor& z = at::Tensor(), const at::Tensor& tail = at::Tensor()) {
+    auto linear_on = [&](ExpertMatrix m, const at::Tensor& in, int first, int n, const at::Tensor& offs, const at::Tensor& rows_expert) {
       ExpertBank b;
       b.layer = w_.index;
       b.first = first;
@@ -423,61 +421,17 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
       } else {
         b.dense = w_.experts[static_cast<int>(m)];
       }
-      at::Tensor y = z.defined() ? grouped_expert_linear_lora(in, z, tail, offs, b) : grouped_expert_linear(in, offs, b);
+      at::Tensor y = grouped_expert_linear(in, offs, b);
       if (const auto& bias = w_.expert_bias[static_cast<int>(m)]; bias.defined()) y = y + bias.index_select(0, rows_expert);
       return y;
     };
-    auto linear = [&](ExpertMatrix m, const at::Tensor& in, const at::Tensor& z = at::Tensor(), const at::Tensor& tail = at::Tensor()) {
-      return linear_on(m, in, 0, static_cast<int>(c.experts), offsets, row_expert, z, tail);
+    auto linear = [&](ExpertMatrix m, const at::Tensor& in) {
+      return linear_on(m, in, 0, static_cast<int>(c.experts), offsets, row_expert);
     };
     const auto& gate_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Gate)];
     const auto& up_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Up)];
     const auto& down_lora = w_.expert_lora[static_cast<int>(ExpertMatrix::Down)];
     const bool by_group = group > 0 && group < c.experts;
-    // act_lora: act again for the down LoRA, whose gradient the SwiGLU backward sums in its kernel.
-    auto activation = [&](const at::Tensor& g, const at::Tensor& u, const at::Tensor& gd, const at::Tensor& ud) {
-      if (c.swiglu_clamp) {  // gpt-oss: its clamps read the sums, so they are formed
-        const at::Tensor a = clamped_swiglu(gd.defined() ? g + gd : g, ud.defined() ? u + ud : u, *c.swiglu_clamp);
-        return std::make_pair(a, a);
-      }
-      if (c.act != Activation::Silu) {  // Gemma's GELU: ATen ops on the formed sums
-        const at::Tensor a = gated_activation(gd.defined() ? g + gd : g, ud.defined() ? u + ud : u, c.act);
-        return std::make_pair(a, a);
-      }
-      return swiglu_twice(g, u, gd, ud);
-    };
-    // The LoRA folded into the base GEMMs (expert_lora_fold_enabled): each adapted matrix's GEMM
-    // reads [x | z] against [W | scaled B], so no delta is written, read or added, and the dX GEMM
-    // gives z's gradient too. Per matrix: z and its tail (undefined where the matrix has no LoRA).
-    const bool any_lora = gate_lora || up_lora || down_lora || w_.gate_up_lora;
-    if (any_lora && expert_lora_fold_enabled() && w_.quantized && !by_group && !(w_.gate_up_lora && (gate_lora || up_lora))) {
-      at::Tensor zg, tg, zu, tu;
-      if (w_.gate_up_lora) {
-        at::Tensor bs;
-        std::tie(zg, bs) = w_.gate_up_lora->fold_factors(x_lora, offsets, training);
-        zu = zg;
-        tg = bs.narrow(1, 0, c.expert_width);
-        tu = bs.narrow(1, c.expert_width, c.expert_width);
-      } else if (gate_lora && up_lora && gate_lora->can_pair_with(*up_lora, training)) {
-        std::tie(zg, tg, tu) = ExpertLora::fold_factors_pair(*gate_lora, *up_lora, x_lora, offsets, training);
-        zu = zg;
-      } else {
-        if (gate_lora) std::tie(zg, tg) = gate_lora->fold_factors(x_lora, offsets, training);
-        if (up_lora) std::tie(zu, tu) = up_lora->fold_factors(x_lora, offsets, training);
-      }
-      const at::Tensor xg = zg.defined() ? at::cat({x_sorted, zg}, 1) : x_sorted;
-      const at::Tensor xu = !zu.defined() ? x_sorted : zu.is_same(zg) ? xg : at::cat({x_sorted, zu}, 1);
-      const auto [act, act_lora] = activation(linear(ExpertMatrix::Gate, xg, zg, tg), linear(ExpertMatrix::Up, xu, zu, tu),
-                                              at::Tensor(), at::Tensor());
-      ExpertsOutput out;
-      if (down_lora) {
-        const auto [zd, td] = down_lora->fold_factors(act_lora, offsets, training);
-        out.y = linear(ExpertMatrix::Down, at::cat({act, zd}, 1), zd, td);
-      } else {
-        out.y = linear(ExpertMatrix::Down, act);
-      }
-      return out;
-    }
     at::Tensor gate, up;
     if (!by_group) {
       gate = linear(ExpertMatrix::Gate, x_sorted);
@@ -499,6 +453,18 @@ DecoderBlock::ExpertsOutput DecoderBlock::experts_forward(const at::Tensor& x_so
       gate_delta = gate_delta.defined() ? gate_delta + gd : gd;
       up_delta = up_delta.defined() ? up_delta + ud : ud;
     }
+    // act_lora: act again for the down LoRA, whose gradient the SwiGLU backward sums in its kernel.
+    auto activation = [&](const at::Tensor& g, const at::Tensor& u, const at::Tensor& gd, const at::Tensor& ud) {
+      if (c.swiglu_clamp) {  // gpt-oss: its clamps read the sums, so they are formed
+        const at::Tensor a = clamped_swiglu(gd.defined() ? g + gd : g, ud.defined() ? u + ud : u, *c.swiglu_clamp);
+        return std::make_pair(a, a);
+      }
+      if (c.act != Activation::Silu) {  // Gemma's GELU: ATen ops on the formed sums
+        const at::Tensor a = gated_activation(gd.defined() ? g + gd : g, ud.defined() ? u + ud : u, c.act);
+        return std::make_pair(a, a);
+      }
+      return swiglu_twice(g, u, gd, ud);
+    };
     ExpertsOutput out;
     at::Tensor act_lora;
     if (!by_group) {

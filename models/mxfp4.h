@@ -42,6 +42,6 @@ QuantizedWeight weight(const at::Tensor& blocks, const at::Tensor& scales);
 // eo::dequantize* call these for MXFP4 weights.
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& out = at::Tensor());
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
 }  // namespace eo::mxfp4

@@ -26,10 +26,10 @@ struct Mxfp4Source {
 // densely as [rows, cols] per matrix (the whole matrix: r0 = c0 = 0, rows = n / row_len,
 // cols = row_len). row_len a multiple of 32; c0 and cols multiples of 8.
 struct Mxfp4Window {
-  std::int64_t row_len = 0, r0 = 0, rows = 0, c0 = 0, cols = 0, ld = 0;  // ld: output row stride (0: cols)
+  std::int64_t row_len = 0, r0 = 0, rows = 0, c0 = 0, cols = 0;
 };
 
-// Dequantises the window of `count` matrices into out[i * rows * ld ...] (16-byte aligned; ld 0: cols).
+// Dequantises the window of `count` matrices into out[i * rows * cols ...] (16-byte aligned).
 // `sources` is a HOST array: the pointers travel as kernel arguments, kMaxSourcesPerLaunch per
 // launch, so nothing is copied to the device and nothing waits for the host.
 constexpr int kMaxSourcesPerLaunch = 64;

@@ -193,8 +193,7 @@ cuda::Nf4Source source_of(const QuantizedWeight& q) {
 
 // Kernel path of dequantize_stack(_window): every tensor already contiguous on one CUDA device;
 // `window` null for the whole matrices.
-at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, const cuda::Nf4Window* window,
-                           const at::Tensor& dest = at::Tensor()) {
+at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, const cuda::Nf4Window* window) {
   const QuantizedWeight& first = *qs.front();
   const at::Device dev = first.packed.device();
   c10::cuda::CUDAGuard guard(dev);
@@ -219,10 +218,8 @@ at::Tensor dequantize_cuda(const std::vector<const QuantizedWeight*>& qs, at::Sc
   const auto stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   const auto opts = at::TensorOptions().dtype(dtype).device(dev);
   if (window) {
-    at::Tensor out = dest.defined() ? dest : at::empty({count, window->rows, window->cols}, opts);
-    cuda::Nf4Window w = *window;
-    if (dest.defined()) w.ld = dest.stride(1);
-    EO_CUDA_CHECK(cuda::dequantize_window(sources.data(), static_cast<int>(count), layout, w, out.data_ptr(), out_type(dtype),
+    at::Tensor out = at::empty({count, window->rows, window->cols}, opts);
+    EO_CUDA_CHECK(cuda::dequantize_window(sources.data(), static_cast<int>(count), layout, *window, out.data_ptr(), out_type(dtype),
                                           stream),
                   "nf4: CUDA dequantize window kernel launch");
     return out;
@@ -384,7 +381,7 @@ at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::S
 }
 
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& dest) {
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   EO_CHECK(!qs.empty(), "nf4::dequantize_stack_window: no weights");
   const QuantizedWeight& first = *qs.front();
   const std::int64_t out = first.shape[0], in = first.shape[1];
@@ -398,11 +395,10 @@ at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs
                    q->nested.has_value() == first.nested.has_value() && q->packed.device() == first.packed.device(),
                "nf4::dequantize_stack_window: the weights differ in shape, blocksize, statistics or device");
     const cuda::Nf4Window w{in, r0, rows, c0, cols};
-    return dequantize_cuda(qs, dtype, &w, dest);
+    return dequantize_cuda(qs, dtype, &w);
   }
 #endif
-  const at::Tensor w = nf4::dequantize_stack(qs, dtype).narrow(1, r0, rows).narrow(2, c0, cols);
-  return dest.defined() ? dest.copy_(w) : w.contiguous();
+  return nf4::dequantize_stack(qs, dtype).narrow(1, r0, rows).narrow(2, c0, cols).contiguous();
 }
 
 }  // namespace eo::nf4

@@ -34,7 +34,7 @@ QuantizedWeight quantize(const at::Tensor& weight, int blocksize = 64, bool doub
 at::Tensor dequantize(const QuantizedWeight& q, at::ScalarType dtype);
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& out = at::Tensor());
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
 // bitsandbytes' signed dynamic 8-bit map (create_dynamic_map(signed=True)), 256 sorted values.
 at::Tensor dynamic_map_signed();

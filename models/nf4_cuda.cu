@@ -94,14 +94,14 @@ __global__ void dequantize_window_vec8(const SourceBatch batch, Nf4Layout layout
   if (threadIdx.x < 16) code[threadIdx.x] = kCodeConst[threadIdx.x];
   __syncthreads();
   const Nf4Source& s = batch.src[blockIdx.y];
-  const std::int64_t per_row = w.cols / 8, groups = w.rows * per_row, ld = w.ld > 0 ? w.ld : w.cols;
+  const std::int64_t per_row = w.cols / 8, groups = w.rows * per_row;
   const std::uint32_t* src = reinterpret_cast<const std::uint32_t*>(s.packed);
-  T* dst_base = out + static_cast<std::int64_t>(blockIdx.y) * w.rows * ld;
+  T* dst_base = out + static_cast<std::int64_t>(blockIdx.y) * w.rows * w.cols;
   for (std::int64_t g = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; g < groups;
        g += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = g / per_row, col = (g - row * per_row) * 8;
-    const std::int64_t flat = (w.r0 + row) * w.row_len + w.c0 + col;
-    store8(__ldg(src + flat / 8), block_absmax<kNested>(s, layout, flat / layout.blocksize), code, dst_base + row * ld + col);
+    const std::int64_t row = g / per_row;
+    const std::int64_t flat = (w.r0 + row) * w.row_len + w.c0 + (g - row * per_row) * 8;
+    store8(__ldg(src + flat / 8), block_absmax<kNested>(s, layout, flat / layout.blocksize), code, dst_base + g * 8);
   }
 }
 
@@ -167,10 +167,8 @@ template <typename T>
 cudaError_t launch_window(const Nf4Source* sources, int count, const Nf4Layout& layout, const Nf4Window& w, void* out,
                           cudaStream_t stream) {
   if (w.cols % 8 || w.c0 % 8 || w.row_len % 8 || w.r0 < 0 || w.c0 < 0 || w.c0 + w.cols > w.row_len ||
-      (w.r0 + w.rows) * w.row_len > layout.n || !aligned16(out) || (w.cols * static_cast<std::int64_t>(sizeof(T))) % 16 ||
-      (w.ld != 0 && (w.ld < w.cols || (w.ld * static_cast<std::int64_t>(sizeof(T))) % 16)))
+      (w.r0 + w.rows) * w.row_len > layout.n || !aligned16(out) || (w.cols * static_cast<std::int64_t>(sizeof(T))) % 16)
     return cudaErrorInvalidValue;
-  const std::int64_t ld = w.ld > 0 ? w.ld : w.cols;
   for (int i = 0; i < count; ++i)
     if (reinterpret_cast<std::uintptr_t>(sources[i].packed) & 3) return cudaErrorInvalidValue;
   int sms = 132, dev = 0;
@@ -183,7 +181,7 @@ cudaError_t launch_window(const Nf4Source* sources, int count, const Nf4Layout& 
     const std::int64_t want = (w.rows * w.cols / 8 + threads - 1) / threads;
     const std::int64_t cap = std::max<std::int64_t>(1, (static_cast<std::int64_t>(sms) * 8 + k - 1) / k);
     const dim3 grid(static_cast<unsigned>(std::max<std::int64_t>(1, std::min(want, cap))), static_cast<unsigned>(k));
-    T* dst = static_cast<T*>(out) + static_cast<std::int64_t>(first) * w.rows * ld;
+    T* dst = static_cast<T*>(out) + static_cast<std::int64_t>(first) * w.rows * w.cols;
     if (layout.nested)
       dequantize_window_vec8<T, true><<<grid, threads, 0, stream>>>(batch, layout, w, dst);
     else

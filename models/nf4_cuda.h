@@ -34,10 +34,9 @@ struct Nf4Layout {
 // A window of each matrix: rows [r0, r0 + rows) x columns [c0, c0 + cols) of a row-major
 // [n / row_len, row_len] matrix, written densely as [rows, cols]. The MoE's grouped GEMMs
 // dequantise their bank in such slices so the temporary bank stays small (linear4bit.h).
-// c0, cols and row_len must be multiples of 8. `ld`: the output's row stride in elements (0: cols),
-// so a window can land in the first columns of a wider bank (the expert LoRA folded into its GEMM).
+// c0, cols and row_len must be multiples of 8.
 struct Nf4Window {
-  std::int64_t row_len = 0, r0 = 0, rows = 0, c0 = 0, cols = 0, ld = 0;
+  std::int64_t row_len = 0, r0 = 0, rows = 0, c0 = 0, cols = 0;
 };
 
 // Dequantises `count` matrices of the same layout into out[i * n ...]. `sources` is a HOST array:
@@ -46,7 +45,7 @@ struct Nf4Window {
 constexpr int kMaxSourcesPerLaunch = 64;
 cudaError_t dequantize(const Nf4Source* sources, int count, const Nf4Layout& layout, void* out, OutType type,
                        cudaStream_t stream);
-// The same for one window of every matrix into out[i * rows * ld ...] (ld: window.ld, or cols).
+// The same for one window of every matrix into out[i * rows * cols ...].
 cudaError_t dequantize_window(const Nf4Source* sources, int count, const Nf4Layout& layout, const Nf4Window& window,
                               void* out, OutType type, cudaStream_t stream);
 

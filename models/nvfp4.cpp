@@ -128,8 +128,8 @@ at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::S
 }
 
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& out) {
-  return fp4::dequantize_stack_window<Nvfp4>(qs, dtype, r0, rows, c0, cols, out);
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols) {
+  return fp4::dequantize_stack_window<Nvfp4>(qs, dtype, r0, rows, c0, cols);
 }
 
 at::Tensor fake_quantize(const at::Tensor& x, const at::Tensor& global) {

@@ -38,7 +38,7 @@ QuantizedWeight weight(const at::Tensor& codes, const at::Tensor& scales, const 
 // eo::dequantize* call these for NVFP4 weights.
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& out = at::Tensor());
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
 // axolotl's merge-aware quantiser (nvfp4_merge_aware; axolotl 0.19.0 nvfp4_quant.py
 // fake_quant_nvfp4, which is torchao 0.18's nvfp4_quantize with a per-tensor scale, then

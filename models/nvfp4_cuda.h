@@ -26,10 +26,10 @@ struct Nvfp4Source {
 // Rows [r0, r0 + rows) x columns [c0, c0 + cols) of each [n / row_len, row_len] matrix, written
 // densely as [rows, cols] per matrix. row_len a multiple of 16; c0 and cols multiples of 8.
 struct Nvfp4Window {
-  std::int64_t row_len = 0, r0 = 0, rows = 0, c0 = 0, cols = 0, ld = 0;  // ld: output row stride (0: cols)
+  std::int64_t row_len = 0, r0 = 0, rows = 0, c0 = 0, cols = 0;
 };
 
-// Dequantises the window of `count` matrices into out[i * rows * ld ...] (16-byte aligned; ld 0: cols).
+// Dequantises the window of `count` matrices into out[i * rows * cols ...] (16-byte aligned).
 // `sources` is a HOST array: the pointers travel as kernel arguments, kMaxSourcesPerLaunch per
 // launch, so nothing is copied to the device and nothing waits for the host.
 constexpr int kMaxSourcesPerLaunch = 64;

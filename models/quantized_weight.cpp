@@ -17,7 +17,7 @@ namespace {
 struct Dequantizers {
   at::Tensor (*stack)(const std::vector<const QuantizedWeight*>&, at::ScalarType);
   at::Tensor (*window)(const std::vector<const QuantizedWeight*>&, at::ScalarType, std::int64_t, std::int64_t,
-                       std::int64_t, std::int64_t, const at::Tensor&);
+                       std::int64_t, std::int64_t);
 };
 const Dequantizers kDequantizers[] = {
     {nf4::dequantize_stack, nf4::dequantize_stack_window},
@@ -63,18 +63,9 @@ at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::S
 }
 
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& out) {
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols) {
   EO_CHECK(!qs.empty(), "dequantize_stack_window: no weights");
-  if (out.defined()) {
-    const auto count = static_cast<std::int64_t>(qs.size());
-    const bool placed = out.dim() == 3 && out.size(0) == count && out.size(1) == rows && out.size(2) == cols &&
-                        out.scalar_type() == dtype && out.device() == qs.front()->packed.device() && out.stride(2) == 1 &&
-                        out.stride(1) >= cols && out.stride(0) == rows * out.stride(1);
-    EO_CHECK(placed, "dequantize_stack_window: out ", out.sizes(), " strides ", out.strides(), " ", out.scalar_type(), " on ",
-             out.device(), " is not [", count, ", ", rows, ", ", cols, "] ", dtype, " rows apart by its row stride on ",
-             qs.front()->packed.device());
-  }
-  return dequantizers(qs.front()->format).window(qs, dtype, r0, rows, c0, cols, out);
+  return dequantizers(qs.front()->format).window(qs, dtype, r0, rows, c0, cols);
 }
 
 }  // namespace eo

@@ -65,11 +65,8 @@ at::Tensor dequantize(const QuantizedWeight& q);  // to q.dtype
 at::Tensor dequantize_stack(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype);
 // The same for rows [r0, r0 + rows) x columns [c0, c0 + cols) of every matrix: [count, rows, cols],
 // the same bits as the slice of dequantize_stack's result. On a GPU c0, cols and in must be
-// multiples of 8 (the window kernel); the CPU slices the whole stack. With `out` ([count, rows, cols]
-// in dtype on the weights' device, unit column stride, rows `ld` = out.stride(1) >= cols apart and
-// matrices rows * ld apart; on a GPU 16-byte aligned with ld * element size a multiple of 16) the
-// window is written there, as the first columns of a wider bank, and out is returned.
+// multiples of 8 (the window kernel); the CPU slices the whole stack.
 at::Tensor dequantize_stack_window(const std::vector<const QuantizedWeight*>& qs, at::ScalarType dtype, std::int64_t r0,
-                                   std::int64_t rows, std::int64_t c0, std::int64_t cols, const at::Tensor& out = at::Tensor());
+                                   std::int64_t rows, std::int64_t c0, std::int64_t cols);
 
 }  // namespace eo

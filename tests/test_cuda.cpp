@@ -31,7 +31,6 @@
 #include "runtime/optimizer.h"
 #include "runtime/trainer.h"
 #include "tests/test_paths.h"
-#include "tests/window_into.h"
 
 #ifdef EO_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -321,7 +320,6 @@ TEST(Cuda, Nf4KernelsAreBitIdenticalToTheCpuPath) {
         const std::int64_t r0 = c.out / 3, rows = c.out / 2, c0 = 8 * (c.in / 32), cols = 8 * (c.in / 16);
         const at::Tensor win = eo::dequantize_stack_window({two[0], two[1]}, dt, r0, rows, c0, cols).cpu();
         EXPECT_TRUE(at::equal(win[1], ref.narrow(0, r0, rows).narrow(1, c0, cols))) << "window " << dt;
-        EXPECT_TRUE(at::equal(eo::test::window_into_wider({two[0], two[1]}, dt, r0, rows, c0, cols), win)) << "into a wider bank " << dt;
       }
     }
   }
@@ -820,53 +818,31 @@ TEST(Cuda, GroupedFusedExpertLoraModelMatchesThePerExpertLoop) {
   expect_grouped_matches_loop(*m, dev, ref.get());
 }
 
-// The expert LoRA folded into its base GEMMs ([x | z] against [W | scaled B]: bf16 GEMMs with
-// K = in + r, the bank dequantised into its wider rows) against the per-expert loop, as above.
-TEST(Cuda, FoldedExpertLoraModelMatchesThePerExpertLoop) {
-  REQUIRE_CUDA();
-  const at::Device dev(at::kCUDA, 0);
-  for (bool fused : {false, true}) {
-    SCOPED_TRACE(fused ? "lora_target_parameters" : "gate, up and down by name");
-    auto m = tiny_bf16_with_expert_lora(dev, fused);
-    auto ref = tiny_bf16_with_expert_lora(dev, fused, at::kFloat);
-    const std::int64_t folds = model::grouped_lora_folds();
-    model::set_expert_lora_fold_enabled(true);
-    expect_grouped_matches_loop(*m, dev, ref.get());
-    model::set_expert_lora_fold_enabled(false);
-    EXPECT_GT(model::grouped_lora_folds(), folds) << "the folded path did not run";
-  }
-}
-
 // One MoE block with expert LoRA, forward and backward, never waits for the device on the host
-// (CUDA's sync debug mode turns any synchronising call into an error); separate and folded.
+// (CUDA's sync debug mode turns any synchronising call into an error).
 TEST(Cuda, ExpertLoraBlockRunsWithoutHostSync) {
   REQUIRE_CUDA();
 #ifdef EO_WITH_CUDA
   const at::Device dev(at::kCUDA, 0);
-  for (bool fold : {false, true}) {
-    SCOPED_TRACE(fold ? "folded" : "separate");
-    model::set_expert_lora_fold_enabled(fold);
-    auto m = tiny_bf16_with_expert_lora(dev);
-    model::Batch b;
-    b.input_ids = at::randint(0, m->config().vocab, {2, 64}, at::kLong).to(dev);
-    const model::BlockContext ctx = m->context(b, true);
-    const at::Tensor x = m->embed(b.input_ids).detach().requires_grad_(true);
-    synchronize(dev);
-    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
-    std::string error;
-    try {
-      const at::Tensor y = m->block(0).forward(x, ctx);
-      y.backward(at::ones_like(y));
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
-    }
-    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
-    EXPECT_EQ(error, "") << "a host synchronisation inside the block";
-    synchronize(dev);
-    for (const auto& [n, p] : m->lora_parameters())
-      if (n.find("layers.0.") != std::string::npos) EXPECT_TRUE(p.grad().defined()) << n;
-    model::set_expert_lora_fold_enabled(false);
+  auto m = tiny_bf16_with_expert_lora(dev);
+  model::Batch b;
+  b.input_ids = at::randint(0, m->config().vocab, {2, 64}, at::kLong).to(dev);
+  const model::BlockContext ctx = m->context(b, true);
+  const at::Tensor x = m->embed(b.input_ids).detach().requires_grad_(true);
+  synchronize(dev);
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+  std::string error;
+  try {
+    const at::Tensor y = m->block(0).forward(x, ctx);
+    y.backward(at::ones_like(y));
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
   }
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+  EXPECT_EQ(error, "") << "a host synchronisation inside the block";
+  synchronize(dev);
+  for (const auto& [n, p] : m->lora_parameters())
+    if (n.find("layers.0.") != std::string::npos) EXPECT_TRUE(p.grad().defined()) << n;
 #endif
 }
 
@@ -991,7 +967,6 @@ TEST(Cuda, Mxfp4KernelIsBitIdenticalToTheCpuPath) {
       const at::Tensor win = eo::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
       EXPECT_TRUE(same_bits(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
       EXPECT_TRUE(same_bits(win[1], eo::dequantize_stack_window({&cpu}, dt, r0, nr, c0, nc)[0])) << "window vs CPU window";
-      EXPECT_TRUE(same_bits(eo::test::window_into_wider({&gpu, &gpu}, dt, r0, nr, c0, nc), win)) << "into a wider bank";
     }
   }
 }
@@ -1034,7 +1009,6 @@ TEST(Cuda, Nvfp4KernelIsBitIdenticalToTheCpuPath) {
       const std::int64_t r0 = rows / 3, nr = std::max<std::int64_t>(1, rows / 2), c0 = 8 * (cols / 32), nc = 8 * std::max<std::int64_t>(1, cols / 16);
       const at::Tensor win = eo::dequantize_stack_window({&gpu, &gpu}, dt, r0, nr, c0, nc).cpu();
       EXPECT_TRUE(same(win[1], ref.narrow(0, r0, nr).narrow(1, c0, nc).contiguous())) << "window";
-      EXPECT_TRUE(same(eo::test::window_into_wider({&gpu, &gpu}, dt, r0, nr, c0, nc), win)) << "into a wider bank";
     }
   }
 }

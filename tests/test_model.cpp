@@ -41,7 +41,6 @@
 #include "runtime/plan.h"
 #include "runtime/step.h"
 #include "tests/test_paths.h"
-#include "tests/window_into.h"
 
 namespace fs = std::filesystem;
 using namespace eo;
@@ -1145,8 +1144,6 @@ TEST(Mxfp4, DequantisationIsBitExactAgainstTransformers) {
     const std::int64_t r0 = rows / 3, nr = rows / 2, c0 = 8, nc = cols - 16;
     EXPECT_TRUE(same_bits(eo::dequantize_stack_window(ptrs, at::kBFloat16, r0, nr, c0, nc),
                           want.narrow(1, r0, nr).narrow(2, c0, nc).contiguous()));
-    EXPECT_TRUE(same_bits(eo::test::window_into_wider(ptrs, at::kBFloat16, r0, nr, c0, nc),
-                          want.narrow(1, r0, nr).narrow(2, c0, nc).contiguous()));
   }
   // The extremes are covered: every scale byte with every code, so ±inf (2^128 and beyond),
   // bf16 subnormals (scale bytes 0 and 1) and -0.
@@ -1358,8 +1355,6 @@ TEST(Nvfp4, DecodeIsTheFloat64DefinitionBitForBit) {
   for (const auto& q : qs) ptrs.push_back(&q);
   EXPECT_TRUE(same_bits_or_nan(eo::dequantize_stack(ptrs, at::kBFloat16), bf16));
   EXPECT_TRUE(same_bits_or_nan(eo::dequantize_stack_window(ptrs, at::kFloat, 37, 100, 24, 72),
-                               f32.narrow(1, 37, 100).narrow(2, 24, 72).contiguous()));
-  EXPECT_TRUE(same_bits_or_nan(eo::test::window_into_wider(ptrs, at::kFloat, 37, 100, 24, 72),
                                f32.narrow(1, 37, 100).narrow(2, 24, 72).contiguous()));
   // The reference covers what it claims: NaN scale bytes, inf (overflow), fp32 subnormals, -0.
   EXPECT_TRUE(f32.isnan().any().item<bool>());

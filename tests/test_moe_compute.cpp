@@ -770,15 +770,13 @@ std::unique_ptr<MoeModel> with_expert_lora(const std::string& dir, LoadOptions l
 }
 
 // One forward and backward of `m` (two rows of 24 tokens), on the grouped path (fp32 CPU tensors)
-// or the per-expert loop, the expert LoRA folded into the base GEMMs or not: the loss and every
-// LoRA gradient.
-std::pair<double, std::vector<at::Tensor>> lora_step(MoeModel& m, bool grouped, bool fold) {
+// or the per-expert loop: the loss and every LoRA gradient.
+std::pair<double, std::vector<at::Tensor>> lora_step(MoeModel& m, bool grouped) {
   Batch b;
   at::manual_seed(4);
   b.input_ids = at::randint(0, m.config().vocab, {2, 24}, at::kLong);
   b.labels = b.input_ids.clone();
   set_grouped_gemm_on_cpu(grouped);
-  set_expert_lora_fold_enabled(fold);
   for (auto& [n, p] : m.lora_parameters()) p.mutable_grad() = at::Tensor();
   at::Tensor h = m.embed(b.input_ids);
   const BlockContext ctx = m.context(b, true);
@@ -788,7 +786,6 @@ std::pair<double, std::vector<at::Tensor>> lora_step(MoeModel& m, bool grouped, 
   }
   const at::Tensor loss = m.loss_sum(h, b.labels);
   loss.backward();
-  set_expert_lora_fold_enabled(false);
   set_grouped_gemm_on_cpu(false);
   std::vector<at::Tensor> grads;
   for (auto& [n, p] : m.lora_parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
@@ -829,53 +826,12 @@ TEST(GroupedExperts, TheGpuPathOnTheCpuMatchesThePerExpertLoop) {
   for (const LoraMix& c : kLoraMixes) {
     SCOPED_TRACE(c.name);
     auto m = with_expert_lora(kTiny, LoadOptions{}, c.targets, c.fused);
-    const auto loop = lora_step(*m, false, false);
+    const auto loop = lora_step(*m, false);
     const std::int64_t banks_before = grouped_bank_dequantisations();
-    const auto grouped = lora_step(*m, true, false);
+    const auto grouped = lora_step(*m, true);
     EXPECT_GT(grouped_bank_dequantisations(), banks_before) << "the grouped path did not run";
     expect_same_step(*m, grouped, loop);
   }
-}
-
-// The expert LoRA folded into its base GEMMs ([x | z] against [W | scaled B], one GEMM per matrix,
-// dz from the dX GEMM) against the separate LoRA GEMMs of the same grouped path, fp32 on the CPU:
-// every adapter mix on the tiny model, then a wider model whose banks are dequantised in 64-row and
-// 64-column slices (expert_bank_bytes), and whose banks are kept for the backward (expert_bank_reuse all).
-TEST(GroupedExperts, TheFoldedLoraMatchesTheSeparateLoraGemms) {
-  const fs::path wide = fs::path(::testing::TempDir()) / ("eo-fold-" + std::to_string(::getpid()));
-  fs::create_directories(wide);
-  std::ofstream(wide / "config.json") << R"({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
-    "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
-    "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "tie_word_embeddings": false, "initializer_range": 0.02, "max_position_embeddings": 512})";
-  struct Case {
-    LoraMix mix;
-    std::string model;
-    std::int64_t bank_bytes;
-    BankReuse reuse;
-  };
-  std::vector<Case> cases;
-  for (const LoraMix& mix : kLoraMixes) cases.push_back({mix, kTiny, 0, BankReuse::None});
-  const std::int64_t slice = 4 * 64 * (128 + 8) * 4;  // 4 experts x 64 rows of 128 + r 8 fp32 columns
-  cases.push_back({{"fused, banks in slices", {"q_proj"}, true}, wide.string(), slice, BankReuse::None});
-  cases.push_back({{"paired, banks in slices", {"gate_proj", "up_proj", "down_proj"}, false}, wide.string(), slice, BankReuse::None});
-  cases.push_back({{"fused, banks kept", {"q_proj"}, true}, wide.string(), 0, BankReuse::All});
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.mix.name);
-    LoadOptions lo;
-    lo.expert_bank_bytes = c.bank_bytes;
-    if (c.model != kTiny) lo.random_seed = 5;
-    auto m = with_expert_lora(c.model, lo, c.mix.targets, c.mix.fused);
-    m->set_bank_reuse(c.reuse);
-    const auto separate = lora_step(*m, true, false);
-    const std::int64_t folds_before = grouped_lora_folds(), banks_before = grouped_bank_dequantisations();
-    const auto folded = lora_step(*m, true, true);
-    EXPECT_GT(grouped_lora_folds(), folds_before) << "the folded path did not run";
-    if (c.bank_bytes > 0) EXPECT_GT(grouped_bank_dequantisations() - banks_before, 3 * 2 * 2) << "the banks were not sliced";
-    expect_same_step(*m, folded, separate);
-  }
-  fs::remove_all(wide);
 }
 
 namespace {

@@ -14,7 +14,6 @@
 #include "models/nf4_bnb.h"
 #include "models/safetensors.h"
 #include "tests/test_paths.h"
-#include "tests/window_into.h"
 
 namespace {
 
@@ -303,20 +302,6 @@ TEST(Nf4Format, Validation) {
     ck = checkpoint_of(q, "blk.w");
     ck.tensors.erase(state);
     expect_error(ck, "missing");
-  }
-}
-
-// A window of a stack into the first columns of a wider bank (the folded expert LoRA's bank): the
-// same bits as the window alone, the columns past it untouched.
-TEST(Nf4, StackWindowIntoAWiderBankEqualsTheWindow) {
-  at::manual_seed(23);
-  std::vector<QuantizedWeight> qs;
-  for (int e = 0; e < 3; ++e) qs.push_back(eo::nf4::quantize(at::randn({96, 64}) * (0.05 * (e + 1)), 64));
-  const std::vector<const QuantizedWeight*> ptrs = {&qs[0], &qs[1], &qs[2]};
-  for (auto dt : {at::kFloat, at::kBFloat16}) {
-    const at::Tensor win = eo::dequantize_stack_window(ptrs, dt, 16, 64, 8, 48);
-    EXPECT_TRUE(same_bits(eo::test::window_into_wider(ptrs, dt, 16, 64, 8, 48), win)) << dt;
-    EXPECT_TRUE(same_bits(eo::test::window_into_wider(ptrs, dt, 0, 96, 0, 64), eo::dequantize_stack(ptrs, dt))) << dt;
   }
 }
 
