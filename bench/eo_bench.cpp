@@ -332,10 +332,11 @@ int main(int argc, char** argv) {
         const at::Device dev = at::hasCUDA() ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
         release_cached_memory(dev);  // the previous mode's cached blocks would count as reserved
         model::set_small_k_kernel_enabled(smallk);
-        model::set_delta_rule_kernels_enabled(!delta_aten);
+        const bool delta_kernels = model::delta_rule_kernels_enabled();  // the library's default, restored below
+        if (delta_aten) model::set_delta_rule_kernels_enabled(false);
         train(cfg, world, hooks);
         model::set_small_k_kernel_enabled(false);
-        model::set_delta_rule_kernels_enabled(true);
+        model::set_delta_rule_kernels_enabled(delta_kernels);
         row.reserved_vram = double(peak_reserved_bytes(dev));
         if (!table.empty()) std::printf("%s\n", table.c_str());
         std::ifstream in(cfg.output_dir + "/metrics.jsonl");

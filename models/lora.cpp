@@ -210,25 +210,27 @@ struct SplitColumnsFunction : public torch::autograd::Function<SplitColumnsFunct
 };
 }  // namespace
 
-at::Tensor ExpertLora::delta_grouped(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const {
+std::pair<at::Tensor, at::Tensor> ExpertLora::grouped_down_rows(const at::Tensor& x_sorted, const at::Tensor& offsets,
+                                                                bool training) const {
   EO_CHECK(grouped_ok(), "grouped expert LoRA needs r divisible by 8, got r=", a_.size(1));
   const at::Tensor x = x_sorted.contiguous();
   // Dropout on the whole sorted input: each row still gets its own mask, as peft's per-module
   // dropout gives it (gate and up draw independent masks, as their two peft modules do).
   const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;
   const auto [a, bs] = factors(x.scalar_type(), scaling_);
-  return grouped_up(grouped_down(h, a, offsets), bs, offsets);
+  return {grouped_down(h, a, offsets), bs};
+}
+
+at::Tensor ExpertLora::delta_grouped(const at::Tensor& x_sorted, const at::Tensor& offsets, bool training) const {
+  const auto [down, bs] = grouped_down_rows(x_sorted, offsets, training);
+  return grouped_up(down, bs, offsets);
 }
 
 std::pair<at::Tensor, at::Tensor> ExpertLora::delta_grouped_halves(const at::Tensor& x_sorted, const at::Tensor& offsets,
                                                                    bool training) const {
-  EO_CHECK(grouped_ok(), "grouped expert LoRA needs r divisible by 8, got r=", a_.size(1));
-  const at::Tensor x = x_sorted.contiguous();
-  const at::Tensor h = (training && dropout_ > 0) ? at::dropout(x, dropout_, true) : x;  // one mask, as peft's one module
-  const auto [a, bs] = factors(x.scalar_type(), scaling_);
+  const auto [down, bs] = grouped_down_rows(x_sorted, offsets, training);  // one mask, as peft's one module
   const std::int64_t half = bs.size(1) / 2;
   EO_CHECK(bs.size(1) == 2 * half, "delta_grouped_halves: B has ", bs.size(1), " rows, not two halves");
-  const at::Tensor down = grouped_down(h, a, offsets);  // [N, r]
   return {grouped_up(down, bs.narrow(1, 0, half).contiguous(), offsets),
           grouped_up(down, bs.narrow(1, half, half).contiguous(), offsets)};
 }

@@ -131,6 +131,10 @@ class ExpertLora {
   double dropout() const { return dropout_; }
 
  private:
+  // The grouped path's first half: dropout(x) · A^T on the sorted rows [N, r], and B scaled [E, out, r]
+  // (gate rows first) in x's dtype.
+  std::pair<at::Tensor, at::Tensor> grouped_down_rows(const at::Tensor& x_sorted, const at::Tensor& offsets,
+                                                      bool training) const;
   // The forward's A [E, r, in] and B·b_scale [E, out, r] (gate rows first) in `dtype`: the
   // masters' compute copies, rearranged from the layout's leaves (contiguous then, as the
   // grouped GEMM reads plain leaves).
